@@ -1,0 +1,17 @@
+# Thin wrappers: the scripts are the source of truth (they also run where make is absent).
+.PHONY: lab test bench fixtures clean
+
+lab:
+	bash scripts/lab.sh
+
+test:
+	bash scripts/test.sh
+
+bench:
+	bash scripts/setup.sh && .venv/bin/python bench/bench_discovery.py
+
+fixtures:
+	python3 fixtures/tools/synth_host.py --all fixtures/hosts
+
+clean:
+	rm -rf .venv out .pytest_cache

@@ -1,0 +1,193 @@
+"""The `slice.topology_discover` report: what a host has and which slots it could offer.
+
+Field names are the control plane's vocabulary (seed 002 Phase 2, seed 004
+"final topology discovery result"); keep them.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field
+
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.types import ByIdPath, KernelName, MacAddress, PciAddress, PciId
+
+
+class StorageIdentityKind(str, Enum):
+    """Which stable /dev/disk/by-id link names a disk (DESIGN.md §1)."""
+
+    nvme_eui_by_id = "nvme_eui_by_id"
+    nvme_wwn_by_id = "nvme_wwn_by_id"
+    nvme_serial_by_id = "nvme_serial_by_id"
+    kernel_name_only = "kernel_name_only"
+
+
+class FabricClaimMode(str, Enum):
+    per_slot_vf = "per_slot_vf"
+
+
+class Locality(str, Enum):
+    """How close two PCI functions are, best first."""
+
+    same_switch = "same_switch"
+    same_numa = "same_numa"
+    remote = "remote"
+    unknown = "unknown"
+
+
+class Finding(WireModel):
+    """A blocker or a warning: a stable code, what it means, and where it was seen."""
+
+    code: str
+    detail: str
+    path: str | None = None
+
+
+class GpuDevice(WireModel):
+    pci_address: PciAddress
+    vendor_id: PciId
+    device_id: PciId | None
+    subsystem_vendor_id: PciId | None = None
+    subsystem_device_id: PciId | None = None
+    class_code: str
+    name: str | None = None
+    numa_node: int | None = None
+    local_cpulist: str | None = None
+    iommu_group: int | None = None
+    iommu_group_members: list[PciAddress] = Field(default_factory=list)
+    driver: str | None = None
+    pci_path: list[PciAddress] = Field(default_factory=list, description="upstream bridges, root port first")
+    # pynvml enrichment, live hosts only.
+    model: str | None = None
+    memory_total_bytes: int | None = None
+    uuid: str | None = None
+
+
+class MountedChild(WireModel):
+    """A partition (or a holder on top of one) of a disk that is mounted somewhere."""
+
+    partition: KernelName
+    mountpoint: str
+    fstype: str | None = None
+    via_holder: KernelName | None = None
+
+
+class Partition(WireModel):
+    name: KernelName
+    number: int | None = None
+    size_bytes: int | None = None
+    fstype: str | None = None
+    part_type: str | None = None
+    holders: list[KernelName] = Field(default_factory=list)
+    mountpoints: list[str] = Field(default_factory=list)
+
+
+class NvmeDevice(WireModel):
+    by_id: ByIdPath | None = None
+    by_id_links: list[ByIdPath] = Field(default_factory=list)
+    storage_identity_kind: StorageIdentityKind
+    kernel_name: KernelName
+    dev: str | None = Field(default=None, description="major:minor, advisory like the kernel name")
+    wwid: str | None = None
+    pci_address: PciAddress | None = None
+    controller_pci_addresses: list[PciAddress] = Field(default_factory=list)
+    pci_path: list[PciAddress] = Field(default_factory=list)
+    numa_node: int | None = None
+    size_bytes: int | None = None
+    serial: str | None = None
+    model: str | None = None
+    mounted: bool
+    mountpoints: list[str] = Field(default_factory=list)
+    mounted_children: list[MountedChild] = Field(default_factory=list)
+    holders: list[KernelName] = Field(default_factory=list)
+    partitions: list[Partition] = Field(default_factory=list)
+    signatures: list[str] = Field(default_factory=list, description="partition table / filesystem types udev saw")
+    swap: bool = False
+    os_disk: bool
+    slice_eligible: bool
+    ineligible_reasons: list[Finding] = Field(default_factory=list)
+
+
+class FabricDevice(WireModel):
+    pci_address: PciAddress
+    vendor_id: PciId
+    device_id: PciId | None
+    class_code: str
+    kind: str = Field(description="infiniband | ethernet | network")
+    is_vf: bool
+    physfn: PciAddress | None = None
+    virtfns: list[PciAddress] = Field(default_factory=list)
+    sriov_totalvfs: int | None = None
+    sriov_numvfs: int | None = None
+    numa_node: int | None = None
+    driver: str | None = None
+    iommu_group: int | None = None
+    ib_device: str | None = None
+    netdev: str | None = None
+    netdevs: list[str] = Field(default_factory=list)
+    port_state: str | None = None
+    link_layer: str | None = None
+    pci_path: list[PciAddress] = Field(default_factory=list)
+
+
+class CandidateSlot(WireModel):
+    slot_index: int
+    gpu_pci_address: PciAddress
+    nvme_device: ByIdPath | None
+    storage_identity_kind: StorageIdentityKind | None
+    nvme_kernel_name: KernelName | None = Field(default=None, description="advisory only")
+    fabric_vf_pci_address: PciAddress | None
+    fabric_pf_pci_address: PciAddress | None = None
+    fabric_claim_mode: FabricClaimMode = FabricClaimMode.per_slot_vf
+    mac: MacAddress
+    private_ip: str | None
+    ovs_bridge: str
+    numa_node: int | None
+    nvme_locality: Locality | None = None
+    fabric_locality: Locality | None = None
+    blockers: list[Finding] = Field(default_factory=list)
+    warnings: list[Finding] = Field(default_factory=list)
+
+
+class HostIdentity(WireModel):
+    hostname: str | None = None
+    machine_id: str | None = None
+    dmi_product_uuid: str | None = None
+    dmi_serial: str | None = None
+    dmi_vendor: str | None = None
+    dmi_product: str | None = None
+    identity_source: str = Field(description="which field seeded MAC suggestions")
+
+
+class DiscoverySummary(WireModel):
+    """The seed's summary line: gpu_devices=8 fabric_devices=.. nvme_devices=9 ..."""
+
+    gpu_devices: int
+    fabric_devices: int
+    nvme_devices: int
+    mounted_nvme_devices: int
+    candidate_slots: int
+    ready_candidate_slots: int
+
+    def as_line(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.model_dump().items())
+
+
+class GpuEnrichment(WireModel):
+    source: str = "pynvml"
+    status: str = Field(description="used | unavailable | not_live_host")
+    detail: str | None = None
+
+
+class TopologyReport(WireModel):
+    schema_version: str = SCHEMA_VERSION
+    host: HostIdentity
+    summary: DiscoverySummary
+    gpus: list[GpuDevice]
+    nvme_devices: list[NvmeDevice]
+    fabric_devices: list[FabricDevice]
+    candidate_slots: list[CandidateSlot]
+    blockers: list[Finding]
+    warnings: list[Finding]
+    gpu_enrichment: GpuEnrichment

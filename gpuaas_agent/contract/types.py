@@ -1,0 +1,22 @@
+"""Constrained value types shared by every contract model."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import StringConstraints
+
+# Full PCI address with domain, lower case: 0000:1b:00.0
+PciAddress = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
+
+# Unicast MAC in lower-case colon form.
+MacAddress = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")]
+
+# A stable disk name: the only form a slot may use to name its NVMe (DESIGN.md §4.2).
+ByIdPath = Annotated[str, StringConstraints(pattern=r"^/dev/disk/by-id/[A-Za-z0-9._:+@-]+$")]
+
+# Kernel block device name such as nvme4n1 (advisory only: it moves on reboot).
+KernelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]+$")]
+
+# PCI ids as the kernel prints them: 0x10de
+PciId = Annotated[str, StringConstraints(pattern=r"^0x[0-9a-f]{4}$")]

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs what the agent and its tests need on a fresh Debian 12 / Ubuntu 24.04 (run as root),
+# then builds .venv with the agent in editable mode. Safe to run again: it skips what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv python3-pip)
+command -v make >/dev/null 2>&1 || need_apt+=(make)
+if [ "${#need_apt[@]}" -gt 0 ]; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "setup: missing ${need_apt[*]}; run as root so apt-get can install them" >&2
+        exit 2
+    fi
+    echo "setup: apt-get install ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+python3 - <<'PY'
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(f"setup: python3 {sys.version.split()[0]} is too old; gpuaas-agent needs 3.11+")
+PY
+
+stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+    echo "setup: creating .venv and installing gpuaas-agent[test]"
+    rm -rf .venv
+    python3 -m venv .venv
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e '.[test]'
+    touch "$stamp"
+fi
