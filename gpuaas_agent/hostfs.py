@@ -58,6 +58,9 @@ class HostRoot:
 
     def real(self, host_path: str) -> Path:
         """The on-disk path of ``host_path`` without following any link."""
+        if "\0" in host_path:
+            # A path built from a junk sysfs value; the OS would raise ValueError, readers expect OSError.
+            raise OSError(errno.EINVAL, "path contains a NUL byte", host_path.replace("\0", "\\0"))
         rel = posixpath.normpath("/" + host_path).lstrip("/")
         return self.root / rel if rel else self.root
 
@@ -68,6 +71,8 @@ class HostRoot:
         recording points at a ``/dev/nvme0n1`` that was never copied). Raises
         :class:`SymlinkLoopError` on a loop.
         """
+        if "\0" in host_path:
+            raise OSError(errno.EINVAL, "path contains a NUL byte", host_path.replace("\0", "\\0"))
         norm = posixpath.normpath("/" + host_path)
         cached = self._resolved.get(norm)
         if cached is not None:
@@ -133,18 +138,18 @@ class HostRoot:
         """Whether the entry exists (links followed inside the root)."""
         try:
             return os.path.lexists(self.real(self.resolve(host_path)))
-        except SymlinkLoopError:
+        except OSError:  # a loop, or a path no host could have
             return False
 
     def is_dir(self, host_path: str) -> bool:
         try:
             return self.real(self.resolve(host_path)).is_dir()
-        except SymlinkLoopError:
+        except OSError:  # a loop, or a path no host could have
             return False
 
     def is_link(self, host_path: str) -> bool:
         parent, name = posixpath.split(posixpath.normpath("/" + host_path))
         try:
             return os.path.islink(self.real(posixpath.join(self.resolve(parent), name)))
-        except SymlinkLoopError:
+        except OSError:  # a loop, or a path no host could have
             return False

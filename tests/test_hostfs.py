@@ -78,3 +78,10 @@ def test_missing_root_is_refused_with_code(tmp_path):
 def test_live_root_is_recognised(tmp_path):
     assert HostRoot.open("/").is_live
     assert not HostRoot.open(tmp_path).is_live
+
+
+def test_nul_byte_in_a_path_is_an_oserror_not_a_crash(tmp_path):
+    host = HostRoot.open(tmp_path)
+    with pytest.raises(OSError):
+        host.read_text("/run/udev/data/b259:\0junk")
+    assert not host.exists("/sys/\0")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from gpuaas_agent.contract.topology import FabricDevice
-from gpuaas_agent.discovery.pci import PCI_DEVICES, PciIndex
+from gpuaas_agent.discovery.pci import PCI_DEVICES, PciIndex, linked_address
 from gpuaas_agent.discovery.sysread import SysReader
 
 MELLANOX_VENDOR = 0x15B3
@@ -56,9 +56,9 @@ def read_fabric_devices(index: PciIndex) -> list[FabricDevice]:
         entry = f"{PCI_DEVICES}/{address}"
         names = reader.listdir(entry)
         virtfns = sorted(
-            ((int(m.group(1)), reader.link_name(f"{entry}/{n}")) for n in names if (m := VIRTFN_RE.match(n))),
+            (int(m.group(1)), linked_address(reader, f"{entry}/{n}")) for n in names if (m := VIRTFN_RE.match(n))
         )
-        physfn = reader.link_name(f"{entry}/physfn") if "physfn" in names else None
+        physfn = linked_address(reader, f"{entry}/physfn") if "physfn" in names else None
         netdevs = reader.listdir(f"{entry}/net") if "net" in names else []
         ib_devices = reader.listdir(f"{entry}/infiniband") if "infiniband" in names else []
         ib_device = ib_devices[0] if ib_devices else None

@@ -36,6 +36,7 @@ NVME_NAMESPACE_RE = re.compile(r"^nvme\d+n\d+$")
 NVME_PATH_NODE_RE = re.compile(r"^nvme\d+c\d+n\d+$")
 NVME_CONTROLLER_RE = re.compile(r"^nvme\d+$")
 BY_ID_NAME_RE = re.compile(r"^[A-Za-z0-9._:+@-]+$")  # the name part of contract.types.ByIdPath
+DEV_RE = re.compile(r"^\d+:\d+$")
 SECTOR_BYTES = 512  # sysfs "size" is always in 512-byte sectors
 OS_MOUNTPOINTS = ("/", "/boot", "/boot/efi", "/efi")
 UDEV_SIGNATURES = {"ID_PART_TABLE_TYPE": "partition_table", "ID_FS_TYPE": "filesystem"}
@@ -78,11 +79,19 @@ class BlockTable:
         self.nodes[name] = BlockNode(
             name=name,
             sysfs=sysfs,
-            dev=self.reader.attr(f"{sysfs}/dev"),
+            dev=self._dev(f"{sysfs}/dev"),
             is_partition=self.reader.host.exists(f"{sysfs}/partition"),
             hidden=self.reader.attr(f"{sysfs}/hidden") == "1",
             holders=self.reader.listdir(f"{sysfs}/holders"),
         )
+
+    def _dev(self, path: str) -> str | None:
+        """``major:minor``; anything else is junk that must not become a path or a match key."""
+        value = self.reader.attr(path)
+        if value is not None and not DEV_RE.match(value):
+            self.reader.findings.warn("sysfs_unexpected_value", f"expected major:minor, found {value[:40]!r}", path)
+            return None
+        return value
 
     def partitions_of(self, disk: BlockNode) -> list[BlockNode]:
         return [

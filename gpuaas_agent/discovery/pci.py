@@ -143,6 +143,17 @@ def read_pci_index(reader: SysReader) -> PciIndex:
     return PciIndex(reader=reader, functions=functions)
 
 
+def linked_address(reader: SysReader, path: str) -> str | None:
+    """The PCI address a relation link (``physfn``, ``virtfn3``) names; a broken one is warned."""
+    name = reader.link_name(path)
+    if name is None:
+        return None
+    if not BDF_RE.match(name):
+        reader.findings.warn("pci_link_unexpected", f"link leads to {name!r}, not a PCI function", path)
+        return None
+    return name
+
+
 def iommu_group_members(reader: SysReader, group: int | None) -> list[str]:
     """Addresses of every function in an IOMMU group, sorted."""
     if group is None:
