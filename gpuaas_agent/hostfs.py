@@ -35,7 +35,8 @@ class HostRoot:
     """Maps host paths under ``root``; ``root == "/"`` is the live host."""
 
     root: Path
-    _resolved: dict[str, str] = field(default_factory=dict, repr=False)
+    # (resolved directory, name) -> resolved path: each link is read once per HostRoot.
+    _steps: dict[tuple[str, str], str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, root: str | os.PathLike[str]) -> "HostRoot":
@@ -56,58 +57,66 @@ class HostRoot:
 
     # -- path mapping -------------------------------------------------------------
 
-    def real(self, host_path: str) -> Path:
-        """The on-disk path of ``host_path`` without following any link."""
+    @staticmethod
+    def _check(host_path: str) -> None:
         if "\0" in host_path:
             # A path built from a junk sysfs value; the OS would raise ValueError, readers expect OSError.
             raise OSError(errno.EINVAL, "path contains a NUL byte", host_path.replace("\0", "\\0"))
-        rel = posixpath.normpath("/" + host_path).lstrip("/")
-        return self.root / rel if rel else self.root
+
+    def _real_str(self, resolved: str) -> str:
+        """On-disk path of an already normalised host path (string concat: this is the hot path)."""
+        return resolved if self.is_live else f"{self.root}{resolved}"
+
+    def real(self, host_path: str) -> Path:
+        """The on-disk path of ``host_path`` without following any link."""
+        self._check(host_path)
+        return Path(self._real_str(posixpath.normpath("/" + host_path)))
 
     def resolve(self, host_path: str) -> str:
         """Follow every link in ``host_path`` inside the root; returns a host path.
 
         The final component need not exist (a ``/dev/disk/by-id`` link in a
-        recording points at a ``/dev/nvme0n1`` that was never copied). Raises
-        :class:`SymlinkLoopError` on a loop.
+        recording points at a ``/dev/nvme0n1`` that was never copied). ``..``
+        applies to the already-resolved directory, as in the kernel, and stops
+        at the root. Raises :class:`SymlinkLoopError` on a loop.
         """
-        if "\0" in host_path:
-            raise OSError(errno.EINVAL, "path contains a NUL byte", host_path.replace("\0", "\\0"))
-        norm = posixpath.normpath("/" + host_path)
-        cached = self._resolved.get(norm)
+        self._check(host_path)
+        return self._walk("/", host_path, [0])
+
+    def _walk(self, directory: str, path: str, hops: list[int]) -> str:
+        current = "/" if path.startswith("/") else directory
+        for name in path.split("/"):
+            if name in ("", "."):
+                continue
+            if name == "..":
+                current = posixpath.dirname(current)
+                continue
+            current = self._step(current, name, hops)
+        return current
+
+    def _step(self, directory: str, name: str, hops: list[int]) -> str:
+        key = (directory, name)
+        cached = self._steps.get(key)
         if cached is not None:
             return cached
-        parts = [p for p in norm.split("/") if p]
-        done: list[str] = []
-        hops = 0
-        while parts:
-            name = parts.pop(0)
-            if name == "..":
-                if done:
-                    done.pop()
-                continue
-            candidate = "/" + "/".join([*done, name])
-            try:
-                target = os.readlink(self.real(candidate))
-            except OSError:
-                # Not a link, or not there: keep it as a plain component.
-                done.append(name)
-                continue
-            hops += 1
-            if hops > MAX_SYMLINK_HOPS:
-                raise SymlinkLoopError(norm)
-            if target.startswith("/"):
-                done = []
-            parts = [p for p in target.split("/") if p and p != "."] + parts
-        resolved = "/" + "/".join(done)
-        self._resolved[norm] = resolved
-        return resolved
+        candidate = f"{directory}/{name}" if directory != "/" else f"/{name}"
+        try:
+            target = os.readlink(self._real_str(candidate))
+        except OSError:
+            result = candidate  # not a link, or not there: a plain component
+        else:
+            hops[0] += 1
+            if hops[0] > MAX_SYMLINK_HOPS:
+                raise SymlinkLoopError(candidate)
+            result = self._walk(directory, target, hops)
+        self._steps[key] = result
+        return result
 
     # -- reading ------------------------------------------------------------------
 
     def read_text(self, host_path: str) -> str:
         """Read a small text file through links; raises OSError when it cannot."""
-        with open(self.real(self.resolve(host_path)), encoding="utf-8", errors="replace") as fh:
+        with open(self._real_str(self.resolve(host_path)), encoding="utf-8", errors="replace") as fh:
             return fh.read()
 
     def read_attr(self, host_path: str) -> str:
@@ -116,12 +125,12 @@ class HostRoot:
 
     def listdir(self, host_path: str) -> list[str]:
         """Sorted entry names of a directory (through links); raises OSError."""
-        return sorted(os.listdir(self.real(self.resolve(host_path))))
+        return sorted(os.listdir(self._real_str(self.resolve(host_path))))
 
     def readlink(self, host_path: str) -> str:
         """The raw target of one link (its parent directories are resolved first)."""
         parent, name = posixpath.split(posixpath.normpath("/" + host_path))
-        return os.readlink(self.real(posixpath.join(self.resolve(parent), name)))
+        return os.readlink(self._real_str(posixpath.join(self.resolve(parent), name)))
 
     def link_name(self, host_path: str) -> str | None:
         """Basename of what a link points at, or None when it is not a link.
@@ -137,19 +146,19 @@ class HostRoot:
     def exists(self, host_path: str) -> bool:
         """Whether the entry exists (links followed inside the root)."""
         try:
-            return os.path.lexists(self.real(self.resolve(host_path)))
+            return os.path.lexists(self._real_str(self.resolve(host_path)))
         except OSError:  # a loop, or a path no host could have
             return False
 
     def is_dir(self, host_path: str) -> bool:
         try:
-            return self.real(self.resolve(host_path)).is_dir()
+            return os.path.isdir(self._real_str(self.resolve(host_path)))
         except OSError:  # a loop, or a path no host could have
             return False
 
     def is_link(self, host_path: str) -> bool:
         parent, name = posixpath.split(posixpath.normpath("/" + host_path))
         try:
-            return os.path.islink(self.real(posixpath.join(self.resolve(parent), name)))
+            return os.path.islink(self._real_str(posixpath.join(self.resolve(parent), name)))
         except OSError:  # a loop, or a path no host could have
             return False
