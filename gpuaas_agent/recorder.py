@@ -274,6 +274,13 @@ class _Recording:
             parts = [p for p in target.split("/") if p and p != "."] + parts
         return "/" + "/".join(done)
 
+    def begin_dir(self, resolved: str) -> bool:
+        """Record a directory reached for the first time; False when seen already or not a directory."""
+        if not self.first_visit(resolved) or not self.source.real(resolved).is_dir():
+            return False
+        self.make_dir(resolved)
+        return True
+
     def first_visit(self, resolved: str) -> bool:
         """True once per resolved directory: hosts reach one device by several routes."""
         if resolved in self._visited:
@@ -412,9 +419,8 @@ def _bdf_ancestors(resolved: str) -> list[str]:
 
 def _pci_device(rec: _Recording, directory: str) -> None:
     """One PCI function: attributes, relation links, netdevs, IB ports, NVMe controllers, bridges above."""
-    if not rec.first_visit(directory) or not rec.source.real(directory).is_dir():
+    if not rec.begin_dir(directory):
         return
-    rec.make_dir(directory)
     for ancestor in _bdf_ancestors(directory):
         _pci_device(rec, ancestor)
     rec.copy_attrs(directory, PCI_ATTRS)
@@ -441,15 +447,13 @@ def _children(rec: _Recording, directory: str, names: list[str], sub: str, visit
 
 
 def _netdev(rec: _Recording, directory: str) -> None:
-    if rec.first_visit(directory) and rec.source.real(directory).is_dir():
-        rec.make_dir(directory)
+    if rec.begin_dir(directory):
         rec.copy_attrs(directory, NET_ATTRS)
 
 
 def _ib_device(rec: _Recording, directory: str) -> None:
-    if not rec.first_visit(directory) or not rec.source.real(directory).is_dir():
+    if not rec.begin_dir(directory):
         return
-    rec.make_dir(directory)
     rec.copy_attr(f"{directory}/node_guid")
     ports, names = rec.listdir(f"{directory}/ports")
     for port in names:
@@ -458,9 +462,8 @@ def _ib_device(rec: _Recording, directory: str) -> None:
 
 def _nvme_controller(rec: _Recording, directory: str) -> None:
     """A controller and the namespace (or per-path ``nvmeXcYnZ``) block nodes under it."""
-    if not rec.first_visit(directory) or not rec.source.real(directory).is_dir():
+    if not rec.begin_dir(directory):
         return
-    rec.make_dir(directory)
     rec.copy_attrs(directory, NVME_CTRL_ATTRS)
     rec.copy_link(f"{directory}/device")
     for name in rec.source.listdir(directory):
@@ -472,9 +475,8 @@ def _nvme_controller(rec: _Recording, directory: str) -> None:
 
 def _nvme_subsystem(rec: _Recording, directory: str) -> None:
     """Native multipath: the subsystem holds the namespace heads and links to each controller."""
-    if not rec.first_visit(directory) or not rec.source.real(directory).is_dir():
+    if not rec.begin_dir(directory):
         return
-    rec.make_dir(directory)
     rec.copy_attrs(directory, NVME_SUBSYS_ATTRS)
     for name in rec.source.listdir(directory):
         if NVME_CTRL_RE.match(name) or NVME_NS_RE.match(name):
@@ -489,9 +491,8 @@ def _nvme_subsystem(rec: _Recording, directory: str) -> None:
 
 def _block_node(rec: _Recording, directory: str) -> None:
     """A disk or partition: attributes, ``device``/holder/slave links, its partitions and udev record."""
-    if not rec.first_visit(directory) or not rec.source.real(directory).is_dir():
+    if not rec.begin_dir(directory):
         return
-    rec.make_dir(directory)
     rec.copy_attrs(directory, BLOCK_ATTRS)
     rec.copy_link(f"{directory}/device")
     for sub in ("holders", "slaves"):

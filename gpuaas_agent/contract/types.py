@@ -6,8 +6,8 @@ from typing import Annotated
 
 from pydantic import StringConstraints
 
-# Full PCI address with domain, lower case: 0000:1b:00.0
-PciAddress = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
+# Full PCI address with domain, lower case: 0000:1b:00.0 (Intel VMD domains have 5 digits: 10000:e1:00.0)
+PciAddress = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")]
 
 # Unicast MAC in lower-case colon form.
 MacAddress = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")]

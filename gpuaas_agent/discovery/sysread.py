@@ -35,25 +35,23 @@ class SysReader:
     findings: Findings = field(default_factory=Findings)
 
     def attr(self, path: str, *, required: bool = False) -> str | None:
-        """Text of a small file; ``None`` when absent. Absence of a required one is warned."""
-        try:
-            return self.host.read_attr(path)
-        except FileNotFoundError:
-            if required:
-                self.findings.warn("sysfs_missing", "expected file is missing", path)
-        except OSError as exc:
-            self.findings.warn("sysfs_unreadable", f"cannot read: {exc.strerror or exc}", path)
-        return None
+        """A sysfs attribute without surrounding whitespace; ``None`` when absent."""
+        text = self._read(path, required=required, missing="sysfs_missing", unreadable="sysfs_unreadable")
+        return None if text is None else text.strip()
 
     def text(self, path: str, *, required: bool = False) -> str | None:
         """Whole file contents (for /proc tables); ``None`` when it cannot be read."""
+        return self._read(path, required=required, missing="host_file_missing", unreadable="host_file_unreadable")
+
+    def _read(self, path: str, *, required: bool, missing: str, unreadable: str) -> str | None:
+        """Absence of a required file and any read failure become warnings naming the path."""
         try:
             return self.host.read_text(path)
         except FileNotFoundError:
             if required:
-                self.findings.warn("host_file_missing", "expected file is missing", path)
+                self.findings.warn(missing, "expected file is missing", path)
         except OSError as exc:
-            self.findings.warn("host_file_unreadable", f"cannot read: {exc.strerror or exc}", path)
+            self.findings.warn(unreadable, f"cannot read: {exc.strerror or exc}", path)
         return None
 
     def int_attr(self, path: str, *, required: bool = False, base: int = 10) -> int | None:
