@@ -41,3 +41,15 @@ class FixtureError(AgentError):
     """Recording a fixture failed (output exists, unreadable source, ...)."""
 
     default_code = "fixture_error"
+
+
+class HostError(AgentError):
+    """A host command or file operation failed (the evidence names the command and its stderr)."""
+
+    default_code = "host_error"
+
+
+class GuardError(AgentError):
+    """A safety guard refused an action; nothing was changed."""
+
+    default_code = "guard_refused"

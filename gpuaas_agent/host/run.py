@@ -1,0 +1,120 @@
+"""The one way the agent runs a host command: argv list, deadline, captured output, no shell.
+
+Every driver goes through :func:`run` so timeouts, cancellation and error
+evidence behave the same everywhere: a command that overruns is killed (its
+whole process group), a cancelled caller leaves no child behind, and a failure
+carries the argv, exit code and stderr an operator needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from gpuaas_agent.errors import HostError
+
+STDERR_EVIDENCE_BYTES = 4096  # enough to show the error, not a whole log
+
+
+@dataclass(frozen=True)
+class Completed:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+
+
+def _evidence(argv: Sequence[str], returncode: int | None, stderr: bytes) -> dict:
+    return {
+        "argv": list(argv),
+        "returncode": returncode,
+        "stderr": stderr[-STDERR_EVIDENCE_BYTES:].decode("utf-8", "replace"),
+    }
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the child's process group and reap it (children of the child die too)."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    await proc.wait()
+
+
+async def run(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    check: bool = True,
+    stdin: bytes | None = None,
+    env: dict[str, str] | None = None,
+    on_stderr_chunk: Callable[[bytes], Awaitable[None] | None] | None = None,
+) -> Completed:
+    """Run ``argv`` with a deadline of ``timeout`` seconds.
+
+    ``check``: a non-zero exit raises :class:`HostError` (code ``command_failed``).
+    ``on_stderr_chunk``: called with each chunk of stderr as it arrives (progress
+    parsers, e.g. ``qemu-img -p``); stderr is still captured for the evidence.
+    Raises ``HostError`` with code ``command_timeout`` or ``command_not_found``.
+    """
+    if isinstance(argv, str) or not argv:
+        raise TypeError("argv must be a non-empty sequence of strings, never a shell string")
+    argv = tuple(str(a) for a in argv)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # own process group: a timeout kills everything it started
+        )
+    except FileNotFoundError as exc:
+        raise HostError(f"{argv[0]} is not installed", code="command_not_found", evidence={"argv": list(argv)}) from exc
+
+    stderr_chunks: list[bytes] = []
+
+    async def pump_stderr() -> None:
+        assert proc.stderr is not None
+        while chunk := await proc.stderr.read(4096):
+            stderr_chunks.append(chunk)
+            if on_stderr_chunk is not None:
+                result = on_stderr_chunk(chunk)
+                if asyncio.iscoroutine(result):
+                    await result
+
+    async def communicate() -> bytes:
+        if stdin is not None:
+            assert proc.stdin is not None
+            proc.stdin.write(stdin)
+            await proc.stdin.drain()
+            proc.stdin.close()
+        assert proc.stdout is not None
+        out, _ = await asyncio.gather(proc.stdout.read(), pump_stderr())
+        await proc.wait()
+        return out
+
+    try:
+        stdout = await asyncio.wait_for(communicate(), timeout)
+    except TimeoutError:
+        await _kill_group(proc)
+        raise HostError(
+            f"{argv[0]} did not finish within {timeout:g}s and was killed",
+            code="command_timeout",
+            evidence=_evidence(argv, proc.returncode, b"".join(stderr_chunks)),
+        ) from None
+    except asyncio.CancelledError:
+        await _kill_group(proc)
+        raise
+    stderr = b"".join(stderr_chunks)
+    if check and proc.returncode != 0:
+        raise HostError(
+            f"{argv[0]} exited with {proc.returncode}",
+            code="command_failed",
+            evidence=_evidence(argv, proc.returncode, stderr),
+        )
+    return Completed(argv=argv, returncode=proc.returncode, stdout=stdout, stderr=stderr)

@@ -1,0 +1,68 @@
+"""The command runner: real processes, real timeouts, real cancellation."""
+
+import asyncio
+
+import pytest
+
+from gpuaas_agent.errors import HostError
+from gpuaas_agent.host.run import run
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (orphans may wait for a PID 1 that never reaps them)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_output_and_exit_code_are_captured():
+    done = asyncio.run(run(["sh", "-c", "echo out; echo err >&2"], timeout=10))
+    assert done.stdout == b"out\n" and done.stderr == b"err\n" and done.returncode == 0
+
+
+def test_failure_carries_argv_code_and_stderr():
+    with pytest.raises(HostError) as err:
+        asyncio.run(run(["sh", "-c", "echo boom >&2; exit 3"], timeout=10))
+    assert err.value.code == "command_failed"
+    assert err.value.evidence == {"argv": ["sh", "-c", "echo boom >&2; exit 3"], "returncode": 3, "stderr": "boom\n"}
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    with pytest.raises(HostError) as err:
+        asyncio.run(run(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], timeout=0.5))
+    assert err.value.code == "command_timeout"
+    assert not _running(int(pidfile.read_text()))
+
+
+def test_cancellation_leaves_no_child(tmp_path):
+    pidfile = tmp_path / "child.pid"
+
+    async def scenario():
+        task = asyncio.create_task(run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"], timeout=30))
+        deadline = asyncio.get_running_loop().time() + 10
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            assert asyncio.get_running_loop().time() < deadline, "child never started"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert not _running(int(pidfile.read_text()))
+
+
+def test_missing_tool_and_shell_strings_are_refused():
+    with pytest.raises(HostError) as err:
+        asyncio.run(run(["/nonexistent/tool"], timeout=5))
+    assert err.value.code == "command_not_found"
+    with pytest.raises(TypeError):
+        asyncio.run(run("echo hi", timeout=5))
+
+
+def test_stderr_progress_callback_sees_chunks():
+    seen: list[bytes] = []
+    asyncio.run(run(["sh", "-c", "printf '10%%\\r' >&2; printf '100%%\\r' >&2"], timeout=10, on_stderr_chunk=seen.append))
+    assert b"".join(seen) == b"10%\r100%\r"
