@@ -317,10 +317,8 @@ def _read_namespace(
         signatures=signatures,
         swap=bool(in_use_names & mounts.swap_names),
         os_disk=any(mp in OS_MOUNTPOINTS for mp in all_mountpoints),
-        read_only=reader.attr(f"{node.sysfs}/ro") == "1",
     )
-    reasons = ineligible_reasons(device)
-    del device["read_only"]
+    reasons = ineligible_reasons(device, read_only=reader.attr(f"{node.sysfs}/ro") == "1")
     return NvmeDevice(**device, slice_eligible=not reasons, ineligible_reasons=reasons)
 
 
@@ -328,7 +326,7 @@ def _bytes(sectors: int | None) -> int | None:
     return None if sectors is None else sectors * SECTOR_BYTES
 
 
-def ineligible_reasons(d: dict) -> list[Finding]:
+def ineligible_reasons(d: dict, *, read_only: bool) -> list[Finding]:
     """Why a disk may not be a slice disk; empty means it is raw, unused and stably named."""
     name = d["kernel_name"]
     reasons = []
@@ -355,7 +353,7 @@ def ineligible_reasons(d: dict) -> list[Finding]:
     if d["partitions"] or d["signatures"]:
         found = ", ".join(d["signatures"]) or ", ".join(p.name for p in d["partitions"])
         add("not_raw", f"{name} is not a raw disk: {found}")
-    if d["read_only"]:
+    if read_only:
         add("read_only", f"{name} is read-only")
     if not d["size_bytes"]:
         add("empty", f"{name} reports size 0")

@@ -200,3 +200,14 @@ def test_cli_answers_on_a_corrupted_host_without_traceback(host_copy):
     )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_read_only_disk_is_not_offered_as_clean(host_copy):
+    root = host_copy(AFTER)
+    name = _slot_disk_kernel_name(root, 5)
+    ro = HostRoot.open(root).resolve(f"/sys/class/block/{name}/ro")
+    (root / ro.lstrip("/")).write_text("1\n")
+    report = _discover(root)
+    (disk,) = [d for d in report.nvme_devices if d.kernel_name == name]
+    assert [r.code for r in disk.ineligible_reasons] == ["read_only"]
+    assert "nvme_read_only" in {b.code for b in report.candidate_slots[5].blockers}
