@@ -1,0 +1,40 @@
+"""Host-local records the agent keeps on disk: slot leases, pipeline step journal, task results."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field
+
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.types import ByIdPath, PciAddress
+
+
+class SlotLease(WireModel):
+    """One allocation holds one slot: the host-side half of the control plane's claim."""
+
+    allocation_id: str = Field(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    slot_index: int = Field(ge=0)
+    gpu_pci_address: PciAddress
+    nvme_device: ByIdPath
+    fabric_vf_pci_address: PciAddress
+    task_id: str = Field(min_length=1, max_length=200)
+    taken_at: float
+
+
+class StepStatus(str, Enum):
+    """A pipeline step is journaled before it runs and after it ends (STYLE.md rule 6)."""
+
+    started = "started"
+    succeeded = "succeeded"
+    failed = "failed"
+    compensated = "compensated"
+
+
+class JournalEntry(WireModel):
+    task_id: str
+    seq: int
+    step: str
+    status: StepStatus
+    detail: dict = Field(default_factory=dict)
+    at: float

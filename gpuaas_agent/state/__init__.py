@@ -1,0 +1,1 @@
+"""Host-local state in one SQLite file (WAL): leases, the task journal, idempotency records."""

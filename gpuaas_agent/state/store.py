@@ -1,0 +1,220 @@
+"""The agent's SQLite store: a slot can be leased once, every pipeline step is journaled,
+and a finished task's result is kept so a redelivered task returns it instead of running again.
+
+One file under /var/lib/gpuaas-agent, WAL mode so the reconcile reader never
+blocks the pipeline writer; schema changes are numbered migrations tracked in
+``PRAGMA user_version``. Uniqueness is enforced by the database, not by Python
+checks that two tasks could race past.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from gpuaas_agent.contract.state import JournalEntry, SlotLease, StepStatus
+from gpuaas_agent.errors import AgentError
+
+# Each entry moves the schema from version i to i+1; never edit one that shipped.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE slot_lease (
+        allocation_id TEXT PRIMARY KEY,
+        slot_index INTEGER NOT NULL UNIQUE,
+        gpu_pci_address TEXT NOT NULL UNIQUE,
+        nvme_device TEXT NOT NULL UNIQUE,
+        fabric_vf_pci_address TEXT NOT NULL UNIQUE,
+        task_id TEXT NOT NULL,
+        taken_at REAL NOT NULL
+    );
+    CREATE TABLE task_journal (
+        task_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        step TEXT NOT NULL,
+        status TEXT NOT NULL,
+        detail TEXT NOT NULL,
+        at REAL NOT NULL,
+        PRIMARY KEY (task_id, seq)
+    );
+    CREATE TABLE task_result (
+        task_id TEXT PRIMARY KEY,
+        result TEXT NOT NULL,
+        stored_at REAL NOT NULL
+    );
+    """,
+)
+
+
+class StateError(AgentError):
+    default_code = "state_error"
+
+
+class LeaseConflict(StateError):
+    """The slot, one of its devices, or the allocation is leased already."""
+
+    default_code = "lease_conflict"
+
+
+class StateStore:
+    """Open with :meth:`open`; one connection per store, used from one thread at a time."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, clock: Callable[[], float]) -> None:
+        self._conn = conn
+        self.path = path
+        self._clock = clock
+
+    @classmethod
+    def open(cls, path: str | Path, *, clock: Callable[[], float] = time.time) -> "StateStore":
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        conn = sqlite3.connect(path, timeout=10, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")  # a lease or result must survive power loss
+        conn.execute("PRAGMA foreign_keys=ON")
+        store = cls(conn, path, clock)
+        store._migrate()
+        path.chmod(0o600)
+        return store
+
+    def close(self) -> None:
+        self._conn.close()
+
+    @property
+    def schema_version(self) -> int:
+        return self._conn.execute("PRAGMA user_version").fetchone()[0]
+
+    def _migrate(self) -> None:
+        current = self.schema_version
+        if current > len(MIGRATIONS):
+            raise StateError(
+                f"state file {self.path} has schema {current}, newer than this agent knows ({len(MIGRATIONS)})",
+                code="state_schema_newer",
+                evidence={"path": str(self.path), "schema": current},
+            )
+        for version in range(current, len(MIGRATIONS)):
+            with self._transaction():
+                for statement in filter(str.strip, MIGRATIONS[version].split(";")):
+                    self._conn.execute(statement)
+                self._conn.execute(f"PRAGMA user_version = {version + 1}")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """BEGIN IMMEDIATE ... COMMIT: take the write lock up front so racing writers queue, not fail late."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    # -- leases -------------------------------------------------------------------
+
+    def take_lease(self, lease: SlotLease) -> SlotLease:
+        """Lease a slot atomically; idempotent for the same allocation and slot.
+
+        Raises :class:`LeaseConflict` naming the holder when the slot, its disk,
+        GPU or VF, or the allocation is held already.
+        """
+        with self._transaction():
+            existing = self._lease_row("allocation_id = ?", lease.allocation_id)
+            if existing is not None:
+                if existing.model_dump(exclude={"task_id", "taken_at"}) == lease.model_dump(exclude={"task_id", "taken_at"}):
+                    return existing
+                raise LeaseConflict(
+                    f"allocation {lease.allocation_id} already holds slot {existing.slot_index}",
+                    evidence={"held": existing.model_dump(), "requested": lease.model_dump()},
+                )
+            for column in ("slot_index", "gpu_pci_address", "nvme_device", "fabric_vf_pci_address"):
+                holder = self._lease_row(f"{column} = ?", getattr(lease, column))
+                if holder is not None:
+                    raise LeaseConflict(
+                        f"{column}={getattr(lease, column)} is leased by allocation {holder.allocation_id}",
+                        evidence={"held": holder.model_dump(), "requested": lease.model_dump()},
+                    )
+            self._conn.execute(
+                "INSERT INTO slot_lease VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (lease.allocation_id, lease.slot_index, lease.gpu_pci_address, lease.nvme_device,
+                 lease.fabric_vf_pci_address, lease.task_id, lease.taken_at),
+            )
+        return lease
+
+    def release_lease(self, allocation_id: str) -> SlotLease | None:
+        """Drop an allocation's lease; returns what was released (None if there was none)."""
+        with self._transaction():
+            held = self._lease_row("allocation_id = ?", allocation_id)
+            self._conn.execute("DELETE FROM slot_lease WHERE allocation_id = ?", (allocation_id,))
+        return held
+
+    def lease_for(self, allocation_id: str) -> SlotLease | None:
+        return self._lease_row("allocation_id = ?", allocation_id)
+
+    def leases(self) -> list[SlotLease]:
+        rows = self._conn.execute("SELECT * FROM slot_lease ORDER BY slot_index").fetchall()
+        return [self._lease(r) for r in rows]
+
+    def _lease_row(self, where: str, value: object) -> SlotLease | None:
+        row = self._conn.execute(f"SELECT * FROM slot_lease WHERE {where}", (value,)).fetchone()
+        return None if row is None else self._lease(row)
+
+    @staticmethod
+    def _lease(row: tuple) -> SlotLease:
+        keys = ("allocation_id", "slot_index", "gpu_pci_address", "nvme_device", "fabric_vf_pci_address", "task_id", "taken_at")
+        return SlotLease(**dict(zip(keys, row)))
+
+    # -- journal ------------------------------------------------------------------
+
+    def journal(self, task_id: str, step: str, status: StepStatus, detail: dict | None = None) -> JournalEntry:
+        """Append one step event; sequence numbers are per task and gap-free."""
+        with self._transaction():
+            (seq,) = self._conn.execute(
+                "SELECT COALESCE(MAX(seq), 0) + 1 FROM task_journal WHERE task_id = ?", (task_id,)
+            ).fetchone()
+            entry = JournalEntry(task_id=task_id, seq=seq, step=step, status=status, detail=detail or {}, at=self._clock())
+            self._conn.execute(
+                "INSERT INTO task_journal VALUES (?, ?, ?, ?, ?, ?)",
+                (entry.task_id, entry.seq, entry.step, entry.status.value, json.dumps(entry.detail, sort_keys=True), entry.at),
+            )
+        return entry
+
+    def journal_of(self, task_id: str) -> list[JournalEntry]:
+        rows = self._conn.execute(
+            "SELECT task_id, seq, step, status, detail, at FROM task_journal WHERE task_id = ? ORDER BY seq", (task_id,)
+        ).fetchall()
+        return [
+            JournalEntry(task_id=r[0], seq=r[1], step=r[2], status=StepStatus(r[3]), detail=json.loads(r[4]), at=r[5])
+            for r in rows
+        ]
+
+    def unfinished_steps(self, task_id: str) -> list[str]:
+        """Steps whose last event is ``started``: what a restart must resume or compensate."""
+        last: dict[str, StepStatus] = {}
+        for entry in self.journal_of(task_id):
+            last[entry.step] = entry.status
+        return [step for step, status in last.items() if status == StepStatus.started]
+
+    # -- idempotency --------------------------------------------------------------
+
+    def store_result(self, task_id: str, result: dict) -> dict:
+        """Keep a task's final result; a second store of a different result is refused."""
+        payload = json.dumps(result, sort_keys=True)
+        with self._transaction():
+            row = self._conn.execute("SELECT result FROM task_result WHERE task_id = ?", (task_id,)).fetchone()
+            if row is not None:
+                if row[0] != payload:
+                    raise StateError(
+                        f"task {task_id} already has a different stored result",
+                        code="result_conflict",
+                        evidence={"stored": json.loads(row[0]), "new": result},
+                    )
+                return json.loads(row[0])
+            self._conn.execute("INSERT INTO task_result VALUES (?, ?, ?)", (task_id, payload, self._clock()))
+        return result
+
+    def result_of(self, task_id: str) -> dict | None:
+        row = self._conn.execute("SELECT result FROM task_result WHERE task_id = ?", (task_id,)).fetchone()
+        return None if row is None else json.loads(row[0])

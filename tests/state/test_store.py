@@ -1,0 +1,134 @@
+"""The SQLite state store on real files: leases are exclusive, the journal survives restarts."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import pytest
+
+from gpuaas_agent.contract.state import SlotLease, StepStatus
+from gpuaas_agent.state.store import MIGRATIONS, LeaseConflict, StateError, StateStore
+
+ALLOC_A = "23bd713b-6073-4ef7-8a51-2897e902365d"
+ALLOC_B = "158ea147-0115-407f-bbd5-1850c32b9517"
+
+
+def _lease(alloc=ALLOC_A, slot=0, **over):
+    fields = dict(
+        allocation_id=alloc, slot_index=slot, gpu_pci_address=f"0000:{0x18 + slot:02x}:00.0",
+        nvme_device=f"/dev/disk/by-id/nvme-eui.{slot:032x}", fabric_vf_pci_address=f"0000:{0x40 + slot:02x}:00.1",
+        task_id="task-1", taken_at=1.0,
+    )
+    fields.update(over)
+    return SlotLease(**fields)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = StateStore.open(tmp_path / "state" / "agent.db", clock=lambda: 42.0)
+    yield s
+    s.close()
+
+
+def test_file_is_private_wal_and_migrated(store):
+    assert oct(store.path.stat().st_mode & 0o777) == "0o600"
+    assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.schema_version == len(MIGRATIONS)
+
+
+def test_a_slot_cannot_be_leased_twice(store):
+    store.take_lease(_lease())
+    with pytest.raises(LeaseConflict) as err:
+        store.take_lease(_lease(alloc=ALLOC_B))
+    assert err.value.evidence["held"]["allocation_id"] == ALLOC_A
+    assert [l.allocation_id for l in store.leases()] == [ALLOC_A]
+
+
+def test_no_device_of_a_leased_slot_can_go_to_another_slot(store):
+    store.take_lease(_lease())
+    with pytest.raises(LeaseConflict, match="nvme_device"):
+        store.take_lease(_lease(alloc=ALLOC_B, slot=1, nvme_device=_lease().nvme_device))
+
+
+def test_same_lease_again_is_idempotent_other_slot_is_a_conflict(store):
+    first = store.take_lease(_lease())
+    assert store.take_lease(_lease(task_id="task-redelivered", taken_at=9.0)) == first
+    with pytest.raises(LeaseConflict, match="already holds slot 0"):
+        store.take_lease(_lease(slot=3))
+
+
+def test_release_frees_the_slot(store):
+    store.take_lease(_lease())
+    assert store.release_lease(ALLOC_A).slot_index == 0
+    assert store.release_lease(ALLOC_A) is None
+    store.take_lease(_lease(alloc=ALLOC_B))
+
+
+def test_racing_threads_get_exactly_one_lease(tmp_path):
+    path = tmp_path / "agent.db"
+    StateStore.open(path).close()
+    winners, losers = [], []
+    barrier = threading.Barrier(8)
+
+    def contend(i: int) -> None:
+        store = StateStore.open(path)
+        alloc = f"{i:08x}-0000-4000-8000-000000000000"
+        barrier.wait()
+        try:
+            store.take_lease(_lease(alloc=alloc))
+            winners.append(alloc)
+        except LeaseConflict:
+            losers.append(alloc)
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(winners) == 1 and len(losers) == 7
+
+
+def test_journal_survives_reopen_and_names_unfinished_steps(tmp_path):
+    path = tmp_path / "agent.db"
+    store = StateStore.open(path)
+    store.journal("t1", "validate", StepStatus.started)
+    store.journal("t1", "validate", StepStatus.succeeded, {"slot": 0})
+    store.journal("t1", "clone", StepStatus.started)
+    store.close()  # the agent dies mid-clone
+    store = StateStore.open(path)
+    assert [(e.seq, e.step, e.status) for e in store.journal_of("t1")] == [
+        (1, "validate", StepStatus.started), (2, "validate", StepStatus.succeeded), (3, "clone", StepStatus.started),
+    ]
+    assert store.journal_of("t1")[1].detail == {"slot": 0}
+    assert store.unfinished_steps("t1") == ["clone"]
+    store.close()
+
+
+def test_stored_result_is_returned_and_never_replaced(store):
+    assert store.result_of("t1") is None
+    store.store_result("t1", {"status": "succeeded", "output": {"vm": "x"}})
+    assert store.store_result("t1", {"output": {"vm": "x"}, "status": "succeeded"}) == {"status": "succeeded", "output": {"vm": "x"}}
+    with pytest.raises(StateError) as err:
+        store.store_result("t1", {"status": "failed"})
+    assert err.value.code == "result_conflict"
+
+
+def test_state_from_a_newer_agent_is_refused(tmp_path):
+    path = tmp_path / "agent.db"
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    conn.close()
+    with pytest.raises(StateError) as err:
+        StateStore.open(path)
+    assert err.value.code == "state_schema_newer"
+
+
+def test_lease_fields_are_validated_before_anything_is_written(store):
+    with pytest.raises(ValueError):
+        _lease(alloc="not-a-uuid")
+    with pytest.raises(ValueError):
+        _lease(nvme_device="/dev/nvme0n1")  # a kernel name is never a slot disk
+    assert store.leases() == []
