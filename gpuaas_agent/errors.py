@@ -1,5 +1,7 @@
 """The agent's error hierarchy: every refusal is a value with a stable code.
 
+A dependency-free leaf: every room, contract/ included, may import it.
+
 An operator running hundreds of hosts acts on ``code`` and ``evidence``; the
 ``message`` is the one sentence a person reads. Catch narrowly, never turn one
 of these into a warning.

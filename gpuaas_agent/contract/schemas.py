@@ -1,0 +1,52 @@
+"""JSON Schemas of every wire model, generated from the pydantic models into ``docs/schemas/``.
+
+The models are the single source; ``tests/contract/test_schemas.py`` fails when
+the committed schemas drift. Regenerate: ``python -m gpuaas_agent.contract.schemas docs/schemas``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest
+from gpuaas_agent.contract.slots import ApprovedSlot
+from gpuaas_agent.contract.tasks import PAYLOADS, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
+from gpuaas_agent.contract.topology import TopologyReport
+
+WIRE_MODELS: tuple[type[WireModel], ...] = (
+    EnrollRequest,
+    EnrollReply,
+    TaskEnvelope,
+    *PAYLOADS.values(),
+    TaskResult,
+    ProgressEvent,
+    Heartbeat,
+    ApprovedSlot,
+    TopologyReport,
+)
+
+
+def render() -> dict[str, str]:
+    """File name -> schema text, deterministic (sorted keys, trailing newline)."""
+    return {
+        f"{model.__name__}.json": json.dumps(model.model_json_schema(mode="serialization"), indent=2, sort_keys=True) + "\n"
+        for model in WIRE_MODELS
+    }
+
+
+def write(directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render().items():
+        path = directory / name
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    for path in write(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/schemas")):
+        print(path)

@@ -1,0 +1,183 @@
+"""Task messages on ``gpuaas.node.<node>.task.<type>`` and their results (DESIGN.md §3).
+
+The envelope is validated first; its ``type`` stays a string so that an
+unknown type becomes a ``failed`` result with ``unsupported_task`` instead of a
+message the consumer cannot even parse. The payload is validated against the
+model of its type before any handler runs.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Literal
+
+from pydantic import Field, ValidationError
+
+from gpuaas_agent.errors import ContractError
+
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
+
+NODE_ID_PATTERN = r"^[A-Za-z0-9-]{1,64}$"
+UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class TaskType(str, Enum):
+    topology_discover = "slice.topology_discover"
+    preflight = "slice.preflight"
+    plan = "slice.plan"
+    vm_provision = "slice.vm_provision"
+    vm_release = "slice.vm_release"
+    reconcile = "slice.reconcile"
+
+
+class TaskEnvelope(WireModel):
+    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    task_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
+    type: str = Field(min_length=1, max_length=100)
+    node_id: str = Field(pattern=NODE_ID_PATTERN)
+    attempt: int = Field(ge=1)
+    deadline: datetime
+    payload: dict
+
+
+class TopologyDiscoverPayload(WireModel):
+    subnet: str = "10.100.0.0/24"
+    ovs_bridge: str = "ovsbr0"
+
+
+class PreflightPayload(WireModel):
+    network_mode: Literal["private-nat"] = "private-nat"
+
+
+class PlanPayload(WireModel):
+    """The node-scheduler boundary: approved slot ids plus the control plane's records of them."""
+
+    allocation_id: str = Field(pattern=UUID_PATTERN)
+    approved_slot_ids: list[str] = Field(min_length=1)
+    slots: list[ApprovedSlot] = Field(min_length=1)
+
+
+class ImageRef(WireModel):
+    url: str = Field(pattern=r"^(https|file)://")
+    sha256: str = Field(pattern=SHA256_PATTERN)
+
+
+class VmProvisionPayload(WireModel):
+    allocation_id: str = Field(pattern=UUID_PATTERN)
+    slot: ApprovedSlot
+    image: ImageRef
+    runtime_profile: str = "h200_1g_24c_64g"
+    hostname: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+    user: str = Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
+    ssh_authorized_keys: list[str] = Field(min_length=1)
+    guest_driver_profile: str | None = None
+
+
+class VmReleasePayload(WireModel):
+    allocation_id: str = Field(pattern=UUID_PATTERN)
+    slot: ApprovedSlot
+    graceful_timeout_s: int = Field(default=120, ge=1, le=3600)
+
+
+class ReconcilePayload(WireModel):
+    repair: bool = True
+
+
+PAYLOADS: dict[TaskType, type[WireModel]] = {
+    TaskType.topology_discover: TopologyDiscoverPayload,
+    TaskType.preflight: PreflightPayload,
+    TaskType.plan: PlanPayload,
+    TaskType.vm_provision: VmProvisionPayload,
+    TaskType.vm_release: VmReleasePayload,
+    TaskType.reconcile: ReconcilePayload,
+}
+
+
+class ResultStatus(str, Enum):
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class TaskErrorBody(WireModel):
+    """``code`` is stable (``not_approved``, ``expired``, ``unsupported_task``, a guard's code...)."""
+
+    code: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    message: str
+    retryable: bool
+    evidence: dict = Field(default_factory=dict)
+
+
+class TaskResult(WireModel):
+    """Published to ``gpuaas.node.<node>.result``; the task is acked only after this is stored."""
+
+    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    task_id: str
+    node_id: str = Field(pattern=NODE_ID_PATTERN)
+    type: str
+    attempt: int = Field(ge=1)
+    status: ResultStatus
+    output: dict = Field(default_factory=dict)
+    error: TaskErrorBody | None = None
+    slot_outcomes: list[SlotOutcome] = Field(default_factory=list)
+    finished_at: datetime
+
+
+class ProgressEvent(WireModel):
+    """``gpuaas.node.<node>.progress``: one pipeline step starting, advancing or ending."""
+
+    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    task_id: str
+    node_id: str = Field(pattern=NODE_ID_PATTERN)
+    step: str
+    status: Literal["started", "progress", "succeeded", "failed", "compensated"]
+    percent: float | None = Field(default=None, ge=0, le=100)
+    detail: dict = Field(default_factory=dict)
+    at: datetime
+
+
+class Heartbeat(WireModel):
+    """``gpuaas.node.<node>.heartbeat`` every N seconds."""
+
+    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    node_id: str = Field(pattern=NODE_ID_PATTERN)
+    agent_version: str
+    health_state: Literal["unknown", "healthy", "degraded", "failed"]
+    running_tasks: list[str] = Field(default_factory=list)
+    leased_slots: list[int] = Field(default_factory=list)
+    at: datetime
+
+
+def parse_task(raw: bytes) -> TaskEnvelope:
+    """Validate a message from the wire; junk is a ``ContractError`` (``invalid_message``), never a crash."""
+    try:
+        return TaskEnvelope.model_validate_json(raw)
+    except ValidationError as exc:
+        raise ContractError(
+            "task message does not match the contract",
+            code="invalid_message",
+            evidence={"errors": exc.errors(include_url=False, include_input=False)},
+        ) from None
+
+
+def task_payload(envelope: TaskEnvelope) -> tuple[TaskType, WireModel]:
+    """The typed payload of a task; ``unsupported_task`` or ``invalid_payload`` otherwise."""
+    try:
+        task_type = TaskType(envelope.type)
+    except ValueError:
+        raise ContractError(
+            f"task type {envelope.type!r} is not supported by this agent",
+            code="unsupported_task",
+            evidence={"type": envelope.type, "supported": [t.value for t in TaskType]},
+        ) from None
+    try:
+        return task_type, PAYLOADS[task_type].model_validate(envelope.payload)
+    except ValidationError as exc:
+        raise ContractError(
+            f"payload of {task_type.value} does not match the contract",
+            code="invalid_payload",
+            evidence={"errors": exc.errors(include_url=False, include_input=False)},
+        ) from None
