@@ -4,10 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Install the packages of scripts/apt-packages.txt that are not installed yet.
+mapfile -t wanted < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' scripts/apt-packages.txt | grep -v '^$')
 need_apt=()
-command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
-python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv python3-pip)
-command -v make >/dev/null 2>&1 || need_apt+=(make)
+for pkg in "${wanted[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+done
 if [ "${#need_apt[@]}" -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
         echo "setup: missing ${need_apt[*]}; run as root so apt-get can install them" >&2
