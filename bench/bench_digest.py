@@ -1,0 +1,103 @@
+"""Image digest speed: the cache's hashing loop vs `sha256sum` and `openssl dgst -sha256`, one run.
+
+All three hash the same file (1 GiB of random bytes by default) from a warm page
+cache, so the numbers compare hashing, not the disk. Also timed: a whole
+``ImageCache.fetch`` from ``file://`` (hash + copy into the cache + fsync +
+``qemu-img info``), which is what a cache miss costs; a hit costs no hashing.
+Goal (DESIGN.md §7): cache hashing >= 0.9x sha256sum. Prints medians and
+throughput ratios (>1 means the cache is faster); never asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from gpuaas_agent.host.images import CHUNK_BYTES, ImageCache, sha256_file  # noqa: E402
+from gpuaas_agent.host.run import run  # noqa: E402
+
+
+def _median_s(fn, runs: int) -> tuple[float, object]:
+    samples, result = [], None
+    for _ in range(runs):
+        start = time.perf_counter()
+        result = fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples), result
+
+
+def _tool_digest(argv: list[str]) -> str:
+    done = asyncio.run(run(argv, timeout=600))
+    out = done.stdout.decode().strip()
+    # sha256sum: "<hex>  FILE"; openssl dgst -r: "<hex> *FILE"
+    return out.split()[0]
+
+
+def _make_file(path: Path, size: int) -> None:
+    with open(path, "wb") as fh:
+        remaining = size
+        while remaining:
+            n = min(remaining, 16 * CHUNK_BYTES)
+            fh.write(os.urandom(n))
+            remaining -= n
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--file", type=Path, help="hash this file instead of a generated one")
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--no-fetch", action="store_true", help="skip the whole-fetch timing")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-digest-"))
+    try:
+        path = args.file or workdir / "image.raw"
+        if args.file is None:
+            _make_file(path, args.size_mib * (1 << 20))
+        size = path.stat().st_size
+        sha256_file(path)  # warm the page cache and imports
+
+        cache_s, cache_hex = _median_s(lambda: sha256_file(path), args.runs)
+        coreutils_s, coreutils_hex = _median_s(lambda: _tool_digest(["sha256sum", str(path)]), args.runs)
+        openssl_s, openssl_hex = _median_s(lambda: _tool_digest(["openssl", "dgst", "-sha256", "-r", str(path)]),
+                                           args.runs)
+        if not cache_hex == coreutils_hex == openssl_hex:
+            print(f"DIGESTS DIFFER cache={cache_hex} sha256sum={coreutils_hex} openssl={openssl_hex}")
+            return 1
+
+        mib = size / (1 << 20)
+        print(f"file_mib={mib:.0f} runs={args.runs} chunk_bytes={CHUNK_BYTES} sha256={cache_hex}")
+        for name, seconds in (("cache_sha256", cache_s), ("sha256sum", coreutils_s), ("openssl_dgst", openssl_s)):
+            print(f"{name}_s={seconds:.3f} {name}_mib_s={mib / seconds:.0f}")
+        print(f"ratio cache/sha256sum={coreutils_s / cache_s:.2f} (goal >= 0.90)")
+        print(f"ratio cache/openssl_dgst={openssl_s / cache_s:.2f}")
+
+        if not args.no_fetch:
+            def fetch_once():
+                cache_root = workdir / f"cache-{time.monotonic_ns()}"
+                try:
+                    return asyncio.run(ImageCache(cache_root).fetch(path.as_uri(), cache_hex))
+                finally:
+                    shutil.rmtree(cache_root, ignore_errors=True)
+
+            fetch_s, _ = _median_s(fetch_once, args.runs)
+            print(f"fetch_miss_file_s={fetch_s:.3f} fetch_miss_mib_s={mib / fetch_s:.0f} "
+                  f"(hash+copy+fsync+qemu-img info) ratio fetch/sha256sum={coreutils_s / fetch_s:.2f}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

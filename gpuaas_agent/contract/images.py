@@ -1,0 +1,46 @@
+"""Records of the image cache: what a fetched, verified image is, and the marker that proves it.
+
+The marker is the reason a cache hit never re-hashes: an image is hashed once,
+while its bytes arrive, and the marker written afterwards says so (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
+
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+
+# A SHA-256 digest as lower-case hex, the cache key and the control plane's image id.
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ImageFormat(str, Enum):
+    """Formats `qemu-img convert` may read into a slot disk; anything else is refused."""
+
+    raw = "raw"
+    qcow2 = "qcow2"
+
+
+class CachedImage(WireModel):
+    """A verified image in the cache, ready to clone."""
+
+    path: str
+    sha256: Sha256Hex
+    size_bytes: Annotated[int, Field(ge=0)]
+    source_url: str
+    format: ImageFormat
+
+
+class CacheEntryMarker(WireModel):
+    """``<root>/sha256/<hex>.verified.json``: written atomically after the digest matched."""
+
+    schema_version: str = SCHEMA_VERSION
+    sha256: Sha256Hex
+    size_bytes: Annotated[int, Field(ge=0)]
+    source_url: str
+    format: ImageFormat
+    verified_at: datetime
