@@ -53,12 +53,14 @@ async def run(
     stdin: bytes | None = None,
     env: dict[str, str] | None = None,
     on_stderr_chunk: Callable[[bytes], Awaitable[None] | None] | None = None,
+    on_stdout_chunk: Callable[[bytes], Awaitable[None] | None] | None = None,
 ) -> Completed:
     """Run ``argv`` with a deadline of ``timeout`` seconds.
 
     ``check``: a non-zero exit raises :class:`HostError` (code ``command_failed``).
-    ``on_stderr_chunk``: called with each chunk of stderr as it arrives (progress
-    parsers, e.g. ``qemu-img -p``); stderr is still captured for the evidence.
+    ``on_stderr_chunk`` / ``on_stdout_chunk``: called with each chunk as it
+    arrives (progress parsers: ``qemu-img -p`` writes to stdout); the output is
+    still captured. A callback that raises stops the command like a timeout does.
     Raises ``HostError`` with code ``command_timeout`` or ``command_not_found``.
     """
     if isinstance(argv, str) or not argv:
@@ -76,30 +78,32 @@ async def run(
     except FileNotFoundError as exc:
         raise HostError(f"{argv[0]} is not installed", code="command_not_found", evidence={"argv": list(argv)}) from exc
 
+    stdout_chunks: list[bytes] = []
     stderr_chunks: list[bytes] = []
 
-    async def pump_stderr() -> None:
-        assert proc.stderr is not None
-        while chunk := await proc.stderr.read(4096):
-            stderr_chunks.append(chunk)
-            if on_stderr_chunk is not None:
-                result = on_stderr_chunk(chunk)
+    async def pump(stream: asyncio.StreamReader | None, into: list[bytes], callback) -> None:
+        assert stream is not None
+        while chunk := await stream.read(4096):
+            into.append(chunk)
+            if callback is not None:
+                result = callback(chunk)
                 if asyncio.iscoroutine(result):
                     await result
 
-    async def communicate() -> bytes:
+    async def communicate() -> None:
         if stdin is not None:
             assert proc.stdin is not None
             proc.stdin.write(stdin)
             await proc.stdin.drain()
             proc.stdin.close()
-        assert proc.stdout is not None
-        out, _ = await asyncio.gather(proc.stdout.read(), pump_stderr())
+        await asyncio.gather(
+            pump(proc.stdout, stdout_chunks, on_stdout_chunk),
+            pump(proc.stderr, stderr_chunks, on_stderr_chunk),
+        )
         await proc.wait()
-        return out
 
     try:
-        stdout = await asyncio.wait_for(communicate(), timeout)
+        await asyncio.wait_for(communicate(), timeout)
     except TimeoutError:
         await _kill_group(proc)
         raise HostError(
@@ -107,10 +111,10 @@ async def run(
             code="command_timeout",
             evidence=_evidence(argv, proc.returncode, b"".join(stderr_chunks)),
         ) from None
-    except asyncio.CancelledError:
+    except BaseException:  # cancelled, or a callback raised: no child may outlive the caller
         await _kill_group(proc)
         raise
-    stderr = b"".join(stderr_chunks)
+    stdout, stderr = b"".join(stdout_chunks), b"".join(stderr_chunks)
     if check and proc.returncode != 0:
         raise HostError(
             f"{argv[0]} exited with {proc.returncode}",

@@ -66,3 +66,20 @@ def test_stderr_progress_callback_sees_chunks():
     seen: list[bytes] = []
     asyncio.run(run(["sh", "-c", "printf '10%%\\r' >&2; printf '100%%\\r' >&2"], timeout=10, on_stderr_chunk=seen.append))
     assert b"".join(seen) == b"10%\r100%\r"
+
+
+def test_stdout_callback_sees_chunks_and_output_is_still_captured():
+    seen: list[bytes] = []
+    done = asyncio.run(run(["sh", "-c", "printf '(50.00/100%%)\\r'"], timeout=10, on_stdout_chunk=seen.append))
+    assert b"".join(seen) == b"(50.00/100%)\r" == done.stdout
+
+
+def test_a_raising_callback_kills_the_child(tmp_path):
+    pidfile = tmp_path / "child.pid"
+
+    def explode(_chunk: bytes) -> None:
+        raise RuntimeError("consumer broke")
+
+    with pytest.raises(RuntimeError, match="consumer broke"):
+        asyncio.run(run(["sh", "-c", f"echo $$ > {pidfile}; echo tick; exec sleep 60"], timeout=30, on_stdout_chunk=explode))
+    assert not _running(int(pidfile.read_text()))

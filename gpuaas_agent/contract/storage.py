@@ -1,0 +1,90 @@
+"""Records of the slot disk: the lease that lets the agent write it, and the evidence of each write.
+
+These cross the wire (task results, cleanup_blocked evidence) and the task
+journal, so they are strict models: a proof that does not parse is no proof.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated
+
+from pydantic import Field
+
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.images import ImageFormat
+from gpuaas_agent.contract.tasks import UUID_PATTERN
+from gpuaas_agent.contract.types import ByIdPath, KernelName
+
+NonNegative = Annotated[int, Field(ge=0)]
+
+
+class DiskLease(WireModel):
+    """The slot a task holds: the only disk it may write is ``nvme_device``."""
+
+    allocation_id: Annotated[str, Field(pattern=UUID_PATTERN)]
+    slot_index: NonNegative
+    nvme_device: ByIdPath
+
+
+class DiskEvidence(WireModel):
+    """What the disk guard saw when it let a write through (kernel names are advisory)."""
+
+    by_id: ByIdPath
+    kernel_name: KernelName
+    dev: Annotated[str, Field(pattern=r"^\d+:\d+$")]
+    size_bytes: NonNegative
+    partitions: list[KernelName]
+    checks_passed: list[str]
+
+
+class WipeMethod(str, Enum):
+    """How the disk's blocks were cleared."""
+
+    discard = "discard"  # blkdiscard: the device drops the blocks (reads back zero when it says so)
+    zeroout = "zeroout"  # blkdiscard --zeroout: the device writes zeroes (WRITE ZEROES / offload)
+    zero_fill = "zero_fill"  # the agent wrote zero buffers itself
+
+
+class WipeSample(WireModel):
+    """One region read back after the wipe."""
+
+    offset: NonNegative
+    length: Annotated[int, Field(gt=0)]
+    all_zero: bool
+
+
+class WipeProof(WireModel):
+    """Evidence that a released disk holds nothing: the only ticket back to ``available`` (DESIGN.md §4.6)."""
+
+    by_id: ByIdPath
+    kernel_name: KernelName
+    dev: Annotated[str, Field(pattern=r"^\d+:\d+$")]
+    method: WipeMethod
+    bytes: NonNegative
+    seed: int
+    samples: list[WipeSample]
+    signatures_found: list[str]
+    partitions_left: list[KernelName]
+    duration_s: Annotated[float, Field(ge=0)]
+    verified: bool
+
+
+class CloneProgress(WireModel):
+    """One progress event of a clone; ``percent`` never goes down."""
+
+    by_id: ByIdPath
+    percent: Annotated[float, Field(ge=0, le=100)]
+
+
+class CloneResult(WireModel):
+    """A finished clone: which image went onto which disk, how, and how fast."""
+
+    by_id: ByIdPath
+    kernel_name: KernelName
+    source: str
+    source_format: ImageFormat
+    virtual_size_bytes: NonNegative
+    target_is_zero: bool
+    argv: list[str]
+    duration_s: Annotated[float, Field(ge=0)]

@@ -1,0 +1,229 @@
+"""The one check every disk write (clone, wipe) passes first (DESIGN.md §4.1, §4.2).
+
+Seed 004: ``wipefs --all --force /dev/nvme0n1`` erased a disk whose child
+partition was mounted at ``/share2``, because only the parent was checked
+(``findmnt --source <disk>``). Here mounts are matched by major:minor over the
+disk, every partition and every holder stacked on them, using the same
+:class:`BlockTable`/:class:`MountTable` discovery uses. ``qemu-img convert -n``
+does not even get EBUSY on such a disk — this guard is the only protection.
+
+The by-id link is resolved afresh on every call: kernel names move on reboot
+and a link can be re-pointed by udev at any time.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import re
+import stat
+from collections.abc import Collection
+from typing import Any
+
+from gpuaas_agent.contract.state import SlotLease
+from gpuaas_agent.contract.storage import DiskEvidence, DiskLease
+from gpuaas_agent.discovery.nvme import OS_MOUNTPOINTS, SECTOR_BYTES, BlockTable, MountTable
+from gpuaas_agent.discovery.sysread import SysReader
+from gpuaas_agent.errors import GuardError
+from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
+
+BY_ID_PATH_RE = re.compile(r"^/dev/disk/by-id/[A-Za-z0-9._:+@-]+$")
+
+
+class DiskGuardError(GuardError):
+    """A disk write was refused; ``code`` says why, ``evidence`` shows what was seen. Nothing was written."""
+
+    default_code = "disk_guard_refused"
+
+
+def _refuse(code: str, message: str, **evidence: Any) -> DiskGuardError:
+    return DiskGuardError(message, code=code, evidence=evidence)
+
+
+def check_disk_writable(
+    host: HostRoot,
+    by_id: str,
+    *,
+    lease: DiskLease | SlotLease,
+    domain_disks: Collection[str] = (),
+) -> DiskEvidence:
+    """Prove ``by_id`` may be overwritten now, or raise :class:`DiskGuardError`.
+
+    ``lease``: the slot this task holds (the state store's :class:`SlotLease`
+    or a bare :class:`DiskLease`); only its ``nvme_device`` may be written.
+
+    ``domain_disks``: disks (by-id or ``/dev`` paths, or kernel names) used by
+    running libvirt domains *other than the slot's own*; the caller knows which
+    domain is the slot's. Blocking (sysfs walk, ``open``): call it through
+    ``asyncio.to_thread`` and immediately before the write.
+    """
+    passed: list[str] = []
+    if not isinstance(by_id, str) or not BY_ID_PATH_RE.match(by_id) or posixpath.normpath(by_id) != by_id:
+        raise _refuse(
+            "not_by_id", f"{by_id!r} is not a /dev/disk/by-id/ path; kernel names move on reboot", by_id=by_id
+        )
+    passed.append("by_id")
+    if by_id != lease.nvme_device:
+        raise _refuse(
+            "not_in_lease",
+            f"{by_id} is not the disk of slot {lease.slot_index} ({lease.nvme_device})",
+            by_id=by_id,
+            lease={
+                "allocation_id": lease.allocation_id,
+                "slot_index": lease.slot_index,
+                "nvme_device": lease.nvme_device,
+            },
+        )
+    passed.append("in_lease")
+
+    # A fresh HostRoot: HostRoot caches every link it resolved, and this link must be read now.
+    fresh = HostRoot(root=host.root)
+    reader = SysReader(fresh)
+    blocks = BlockTable(reader)
+    name = _resolve_by_id(fresh, blocks, by_id)
+    node = blocks.nodes[name]
+    base = {"by_id": by_id, "kernel_name": name, "dev": node.dev}
+    if node.is_partition:
+        raise _refuse("not_whole_disk", f"{by_id} resolves to partition {name}, not a whole disk", **base)
+    if node.dev is None:
+        raise _refuse("missing", f"{name} has no readable major:minor in sysfs", **base)
+    passed.append("whole_disk")
+
+    mounts = MountTable(reader, blocks)
+    partitions = blocks.partitions_of(node)
+    part_names = [p.name for p in partitions]
+    base["partitions"] = part_names
+    _require_complete_reads(reader, base)
+    own = [m.mountpoint for m in mounts.mounts_of(name)]
+    children: list[dict[str, Any]] = []
+    holders: list[str] = []
+    for member in [name, *part_names]:
+        member_holders = blocks.holder_closure(member)
+        holders += [h for h in member_holders if h not in holders]
+        if member != name:
+            children += [{"node": member, "mountpoint": m.mountpoint} for m in mounts.mounts_of(member)]
+        for holder in member_holders:
+            children += [
+                {"node": member, "via_holder": holder, "mountpoint": m.mountpoint} for m in mounts.mounts_of(holder)
+            ]
+
+    os_mounts = sorted({mp for mp in own + [c["mountpoint"] for c in children] if mp in OS_MOUNTPOINTS})
+    if os_mounts:
+        raise _refuse("os_disk", f"{name} holds the host OS ({', '.join(os_mounts)})", **base, os_mountpoints=os_mounts)
+    passed.append("not_os_disk")
+    if own:
+        raise _refuse("mounted", f"{name} is mounted at {', '.join(own)}", **base, mountpoints=own)
+    passed.append("not_mounted")
+    if children:
+        detail = "; ".join(
+            f"{c['node']}{' via ' + c['via_holder'] if 'via_holder' in c else ''} at {c['mountpoint']}"
+            for c in children
+        )
+        raise _refuse("mounted_child", f"{name} has mounted children: {detail}", **base, mounted_children=children)
+    passed.append("no_mounted_children")
+    if holders:
+        raise _refuse("holders", f"{name} is held by {', '.join(holders)} (dm/md/LVM)", **base, holders=holders)
+    passed.append("no_holders")
+    swapping = sorted(mounts.swap_names & {name, *part_names, *holders})
+    if swapping:
+        raise _refuse("swap", f"{', '.join(swapping)} on {name} is an active swap area", **base, swap=swapping)
+    passed.append("not_swap")
+
+    ours = {name, *part_names, *holders}
+    for entry in domain_disks:
+        used = _domain_disk_name(fresh, entry)
+        if entry == by_id or used in ours:
+            raise _refuse(
+                "in_use_by_domain",
+                f"{name} is used by another running domain (as {entry})",
+                **base,
+                domain_disk=entry,
+            )
+    passed.append("not_in_use_by_domain")
+
+    _check_dev_node(fresh, name, node.dev, base)
+    passed.append("dev_node_matches")
+    check_exclusive(fresh, name, base)
+    passed.append("exclusive_open")
+    sectors = reader.int_attr(f"{node.sysfs}/size", required=True) or 0
+    return DiskEvidence(
+        by_id=by_id,
+        kernel_name=name,
+        dev=node.dev,
+        size_bytes=sectors * SECTOR_BYTES,
+        partitions=part_names,
+        checks_passed=passed,
+    )
+
+
+# Reads the guard cannot do without: a mount table it could not read proves nothing (§4.7).
+ESSENTIAL_PATHS = ("/proc/self/mountinfo", "/proc/swaps", "/sys/class/block", "/sys/block")
+
+
+def _require_complete_reads(reader: SysReader, base: dict[str, Any]) -> None:
+    blind = [
+        f.model_dump(mode="json")
+        for f in reader.findings.items
+        if f.path in ESSENTIAL_PATHS or f.code == "mountinfo_line_unparsed"
+    ]
+    if blind:
+        raise _refuse("unproven", "the mount/swap/block tables could not be read completely", **base, findings=blind)
+
+
+def _resolve_by_id(host: HostRoot, blocks: BlockTable, by_id: str) -> str:
+    """Kernel name the link points at now; ``missing`` for absent, dangling or looping links."""
+    if not host.is_link(by_id):
+        raise _refuse("missing", f"{by_id} does not exist (or is not a link)", by_id=by_id)
+    try:
+        resolved = host.resolve(by_id)
+    except SymlinkLoopError:
+        raise _refuse("missing", f"{by_id} is a symlink loop", by_id=by_id, reason="symlink_loop") from None
+    name = posixpath.basename(resolved)
+    if posixpath.dirname(resolved) != "/dev" or name not in blocks.nodes:
+        raise _refuse(
+            "missing", f"{by_id} points at {resolved}, which is not a block device here", by_id=by_id, resolved=resolved
+        )
+    return name
+
+
+def _check_dev_node(host: HostRoot, name: str, dev: str, base: dict[str, Any]) -> None:
+    """``/dev/<name>`` must be the block device sysfs describes (a stale node could be another disk)."""
+    path = host.real(f"/dev/{name}")
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise _refuse("missing", f"/dev/{name} cannot be examined: {exc.strerror}", **base) from None
+    if not stat.S_ISBLK(st.st_mode):
+        if host.is_live:
+            raise _refuse("missing", f"/dev/{name} is not a block device", **base)
+        return  # a recorded host root has plain files where device nodes were
+    seen = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    if seen != dev:
+        raise _refuse("missing", f"/dev/{name} is {seen} but sysfs says {dev}", **base, dev_node=seen)
+
+
+def _domain_disk_name(host: HostRoot, entry: str) -> str:
+    if not entry.startswith("/"):
+        return entry
+    try:
+        return posixpath.basename(host.resolve(entry))
+    except OSError:
+        return entry
+
+
+def check_exclusive(host: HostRoot, name: str, evidence: dict[str, Any] | None = None) -> None:
+    """Last check before writing: an exclusive open fails with EBUSY on a disk anything holds.
+
+    Mounted partitions, dm/md members and swap all claim the whole disk, so
+    this also catches a mount that appeared after the sysfs/mountinfo walk.
+    """
+    path = host.real(f"/dev/{name}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC)
+    except OSError as exc:
+        code = "busy" if exc.errno == errno.EBUSY else "missing"
+        raise _refuse(
+            code, f"exclusive open of /dev/{name} failed: {exc.strerror}", **(evidence or {"kernel_name": name})
+        ) from None
+    os.close(fd)
