@@ -18,14 +18,13 @@ from ipaddress import IPv4Address, IPv4Interface
 from typing import Annotated, Literal
 from uuid import UUID
 
-from pydantic import AfterValidator, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from gpuaas_agent.contract.base import WireModel
-from gpuaas_agent.contract.types import MacAddress
+from gpuaas_agent.contract.types import MacAddress, Sha256Hex
 
 SEED_VOLUME_LABEL = "cidata"  # the NoCloud datasource looks for this label (or CIDATA)
 
-Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 # ---------------------------------------------------------------------------
 # SSH public keys

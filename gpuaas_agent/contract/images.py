@@ -10,12 +10,12 @@ from datetime import datetime
 from enum import Enum
 from typing import Annotated
 
-from pydantic import Field, StringConstraints
+from pydantic import Field
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.types import Sha256Hex
 
 # A SHA-256 digest as lower-case hex, the cache key and the control plane's image id.
-Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
 class ImageFormat(str, Enum):

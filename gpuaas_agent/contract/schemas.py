@@ -12,9 +12,12 @@ from pathlib import Path
 
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest
+from gpuaas_agent.contract.images import CachedImage
 from gpuaas_agent.contract.slots import ApprovedSlot
+from gpuaas_agent.contract.storage import CloneResult, WipeProof
 from gpuaas_agent.contract.tasks import PAYLOADS, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
 from gpuaas_agent.contract.topology import TopologyReport
+from gpuaas_agent.contract.vfio import VfioBindResult
 
 WIRE_MODELS: tuple[type[WireModel], ...] = (
     EnrollRequest,
@@ -26,6 +29,11 @@ WIRE_MODELS: tuple[type[WireModel], ...] = (
     Heartbeat,
     ApprovedSlot,
     TopologyReport,
+    # Records reported inside task outputs (cleanup proof, clone, binding, image).
+    WipeProof,
+    CloneResult,
+    VfioBindResult,
+    CachedImage,
 )
 
 

@@ -20,3 +20,6 @@ KernelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]+$")]
 
 # PCI ids as the kernel prints them: 0x10de
 PciId = Annotated[str, StringConstraints(pattern=r"^0x[0-9a-f]{4}$")]
+
+# A sha256 digest in lower-case hex: image identities and file proofs.
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
