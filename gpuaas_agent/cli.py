@@ -15,6 +15,7 @@ from gpuaas_agent import __version__
 from gpuaas_agent.errors import AgentError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_CONFIG = Path("/etc/gpuaas-agent/agent.toml")
 
 
 def _subnet(value: str) -> ipaddress.IPv4Network:
@@ -35,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     discover.add_argument("--subnet", type=_subnet, default=ipaddress.IPv4Network("10.100.0.0/24"),
                           help="slice private subnet for IP suggestions (default 10.100.0.0/24)")
     discover.add_argument("--ovs-bridge", default="ovsbr0", help="OVS bridge slots attach to (default ovsbr0)")
+
+    run = sub.add_parser("run", help="the daemon: claim tasks over NATS JetStream and run them")
+    run.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=f"agent config (default {DEFAULT_CONFIG})")
+
+    enroll = sub.add_parser("enroll", help="enroll this host with its bootstrap token (idempotent)")
+    enroll.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=f"agent config (default {DEFAULT_CONFIG})")
+    enroll.add_argument("--token-file", type=Path, default=None, help="bootstrap token file (default from the config)")
 
     record = sub.add_parser("record-fixture", help="snapshot what discovery reads into a fixture directory")
     record.add_argument("out", type=Path, help="new, empty output directory")
@@ -80,7 +88,24 @@ def _cmd_record_fixture(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"discover": _cmd_discover, "record-fixture": _cmd_record_fixture}
+def _cmd_run(args: argparse.Namespace) -> int:
+    from gpuaas_agent.daemon import run_main
+
+    return run_main(args.config)
+
+
+def _cmd_enroll(args: argparse.Namespace) -> int:
+    from gpuaas_agent.daemon import enroll_main
+
+    return enroll_main(args.config, args.token_file)
+
+
+COMMANDS = {
+    "discover": _cmd_discover,
+    "record-fixture": _cmd_record_fixture,
+    "run": _cmd_run,
+    "enroll": _cmd_enroll,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,174 @@
+"""Enrollment on ``gpuaas.enroll``: bootstrap token + host identity in, node id + NATS credentials stored 0600.
+
+The record is written atomically (temp file created 0600, fsync, rename, fsync
+of the directory) so a crash leaves either no record or a whole one; the token
+file is removed only after the record is on disk. Enrolling when a record
+exists sends nothing: the token was spent already and a second request would
+be refused as ``token_reused``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import nats
+import nats.errors
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
+from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
+from gpuaas_agent.errors import AgentError
+
+log = logging.getLogger(__name__)
+
+ENROLL_SUBJECT = "gpuaas.enroll"
+RECORD_NAME = "enrollment.json"
+RECORD_VERSION = "gpuaas.agent.enrollment/v1"
+
+
+class EnrollError(AgentError):
+    """Enrollment refused or impossible; ``code`` is the control plane's (``token_reused``...) or ours."""
+
+    default_code = "enroll_failed"
+
+
+class EnrollIdentity(BaseModel):
+    """What the agent says about itself (the host-side half of ``EnrollRequest``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    machine_id: str
+    hostname: str
+    dmi_serial: str | None = None
+    maas_system_id: str | None = None
+    agent_version: str
+
+
+class EnrollmentRecord(WireModel):
+    """``<state_dir>/enrollment.json``: who this node is and how it logs in (mode 0600)."""
+
+    record_version: str = RECORD_VERSION
+    node_id: str = Field(pattern=NODE_ID_PATTERN)
+    credentials: NatsCredentials
+    enrolled_at: datetime
+
+
+def record_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / RECORD_NAME
+
+
+def load_enrollment(state_dir: str | Path) -> EnrollmentRecord | None:
+    """The stored record, None when not enrolled; a damaged record is an error, never ignored."""
+    path = record_path(state_dir)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return EnrollmentRecord.model_validate_json(raw)
+    except ValidationError as exc:
+        raise EnrollError(
+            f"enrollment record {path} is damaged; move it away and enroll again with a new token",
+            code="enrollment_record_invalid",
+            evidence={"path": str(path), "errors": exc.errors(include_url=False, include_input=False)},
+        ) from None
+
+
+def write_private_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` as 0600 via temp + fsync + rename (+ fsync of the directory)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # a leftover of a crash of an earlier process with our pid
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o600)  # O_CREAT's mode is filtered by the umask; this is not
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_token(token_file: Path) -> str:
+    try:
+        token = token_file.read_text().strip()
+    except FileNotFoundError:
+        raise EnrollError(
+            f"not enrolled and no bootstrap token at {token_file}",
+            code="token_missing",
+            evidence={"token_file": str(token_file)},
+        ) from None
+    if not token:
+        raise EnrollError(f"bootstrap token file {token_file} is empty", code="token_missing",
+                          evidence={"token_file": str(token_file)})
+    return token
+
+
+async def enroll(
+    nats_url: str,
+    token_file: str | Path,
+    state_dir: str | Path,
+    identity: EnrollIdentity,
+    *,
+    timeout: float = 10.0,
+) -> EnrollmentRecord:
+    """Enroll this host once; returns the stored record (the existing one when already enrolled)."""
+    existing = load_enrollment(state_dir)
+    if existing is not None:
+        log.info(json.dumps({"event": "enroll_skipped", "reason": "already_enrolled", "node_id": existing.node_id}))
+        return existing
+
+    token_file = Path(token_file)
+    try:
+        request = EnrollRequest(bootstrap_token=_read_token(token_file), **identity.model_dump())
+    except ValidationError as exc:
+        raise EnrollError("host identity or token does not match the contract", code="invalid_identity",
+                          evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
+
+    try:
+        nc = await nats.connect(nats_url, connect_timeout=timeout, allow_reconnect=False, name="gpuaas-agent-enroll")
+    except (OSError, nats.errors.Error, TimeoutError) as exc:
+        raise EnrollError(f"cannot reach NATS at {nats_url}: {exc!r}", code="enroll_unreachable",
+                          evidence={"nats_url": nats_url}) from None
+    try:
+        msg = await nc.request(ENROLL_SUBJECT, request.model_dump_json().encode(), timeout=timeout)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
+        raise EnrollError(f"no enrollment answer on {ENROLL_SUBJECT} within {timeout:g}s ({type(exc).__name__})",
+                          code="enroll_unreachable", evidence={"nats_url": nats_url}) from None
+    finally:
+        await nc.close()
+
+    try:
+        reply = EnrollReply.model_validate_json(msg.data)
+    except ValidationError as exc:
+        raise EnrollError("enrollment reply does not match the contract", code="invalid_message",
+                          evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
+    if not reply.accepted or reply.node_id is None or reply.credentials is None:
+        code = reply.error or "enroll_refused"
+        raise EnrollError(reply.message or f"enrollment refused: {code}", code=code,
+                          evidence={"nats_url": nats_url, "hostname": identity.hostname})
+
+    record = EnrollmentRecord(node_id=reply.node_id, credentials=reply.credentials,
+                              enrolled_at=datetime.now(timezone.utc))
+    # repr=False hides the password from logs only; the record on disk must carry it (hence 0600).
+    write_private_atomic(record_path(state_dir), record.model_dump_json(indent=2).encode())
+    try:
+        token_file.unlink(missing_ok=True)
+    except OSError as exc:
+        # Enrolled all the same: the token is single-use and the control plane refuses it from now on.
+        log.warning(json.dumps({"event": "token_remove_failed", "token_file": str(token_file), "error": exc.strerror}))
+    log.info(json.dumps({"event": "enrolled", "node_id": record.node_id}))
+    return record

@@ -1,0 +1,371 @@
+"""JetStream task worker: pull this node's tasks, run their handlers, store + publish results, then ack.
+
+Order per message is the contract's (docs/contract.md "Tasks"):
+
+1. ``parse_task`` — junk (or another node's task) is terminated and logged; the loop goes on.
+2. A stored result for ``task_id`` → publish it again (same ``Nats-Msg-Id``, so the
+   result stream keeps it once) and ack; nothing runs.
+3. ``deadline`` passed → ``failed``/``expired``.
+4./5. ``task_payload`` errors → ``failed`` with its code (``unsupported_task``, ``invalid_payload``).
+6. The handler runs under its type's semaphore; ``in_progress`` keepalives every
+   ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile.
+7. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
+   await the PubAck → only then ack the task (``ack_sync``: the server confirms it).
+
+A crash anywhere before the ack means redelivery; the stored result makes that
+redelivery a republish, never a second run. A crash before the result is stored
+means the handler runs again: the journal's ``unfinished_steps`` are handed to it
+(``ctx.resumed_steps``) so a pipeline can resume or compensate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.state import StepStatus
+from gpuaas_agent.contract.tasks import (
+    ProgressEvent,
+    ResultStatus,
+    TaskEnvelope,
+    TaskErrorBody,
+    TaskResult,
+    TaskType,
+    parse_task,
+    task_payload,
+)
+from gpuaas_agent.errors import AgentError, ContractError
+from gpuaas_agent.state.store import StateStore
+
+log = logging.getLogger(__name__)
+
+TASK_STREAM = "GPUAAS_TASKS"
+RESULT_STREAM = "GPUAAS_RESULTS"
+TASK_STEP = "task"  # the worker's own journal step around a handler run
+
+DEFAULT_CONCURRENCY: dict[TaskType, int] = {
+    TaskType.topology_discover: 2,
+    TaskType.preflight: 1,
+    TaskType.plan: 1,
+    TaskType.vm_provision: 8,  # one per slot: 8 concurrent provisions take as long as the slowest
+    TaskType.vm_release: 8,
+    TaskType.reconcile: 1,
+}
+
+
+def _event(event: str, **fields: Any) -> None:
+    log.info(json.dumps({"event": event, **fields}, default=str, sort_keys=True))
+
+
+def _warn(event: str, **fields: Any) -> None:
+    log.warning(json.dumps({"event": event, **fields}, default=str, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    task_stream: str = TASK_STREAM
+    result_stream: str = RESULT_STREAM
+    concurrency: Mapping[TaskType, int] = field(default_factory=lambda: dict(DEFAULT_CONCURRENCY))
+    keepalive_interval_s: float = 10.0
+    ack_wait_s: float = 60.0  # must be well above keepalive_interval_s
+    max_deliver: int = -1  # a task is never dropped for having been redelivered; its deadline ends it
+    fetch_timeout_s: float = 1.0  # also how quickly stop() stops pulling
+    request_timeout_s: float = 5.0  # one JetStream API call / PubAck / ack confirmation
+    publish_deadline_s: float = 60.0  # retrying a result publish across a reconnect, then give up (redelivery retries)
+
+    def durable_name(self, node_id: str) -> str:
+        return f"gpuaas-agent-{node_id}"
+
+
+@dataclass
+class TaskContext:
+    """What a handler gets besides its payload."""
+
+    envelope: TaskEnvelope
+    node_id: str
+    store: StateStore
+    resumed_steps: list[str]
+    _nc: Client
+
+    async def progress(self, step: str, status: str, *, percent: float | None = None, detail: dict | None = None) -> None:
+        """Publish a step event on ``gpuaas.node.<node>.progress`` (core NATS, fire and forget)."""
+        event = ProgressEvent(task_id=self.envelope.task_id, node_id=self.node_id, step=step, status=status,
+                              percent=percent, detail=detail or {}, at=datetime.now(timezone.utc))
+        try:
+            await self._nc.publish(f"gpuaas.node.{self.node_id}.progress", event.model_dump_json().encode())
+        except nats.errors.Error as exc:  # progress is advisory: losing one must not fail the task
+            _warn("progress_publish_failed", task_id=self.envelope.task_id, error=repr(exc))
+
+
+Handler = Callable[[WireModel, TaskContext], Awaitable[dict]]
+
+
+def _not_implemented(task_type: TaskType) -> AgentError:
+    return AgentError(f"{task_type.value} is not implemented by this agent yet", code="not_implemented",
+                      evidence={"type": task_type.value})
+
+
+class TaskWorker:
+    """Build once in the daemon; :meth:`run` until :meth:`stop`; then :meth:`drain`."""
+
+    def __init__(self, nc: Client, store: StateStore, node_id: str, handlers: Mapping[TaskType, Handler],
+                 settings: WorkerSettings | None = None) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=(settings or WorkerSettings()).request_timeout_s)
+        self.store = store
+        self.node_id = node_id
+        self.handlers = dict(handlers)
+        self.settings = settings or WorkerSettings()
+        self._semaphores = {t: asyncio.Semaphore(self.settings.concurrency.get(t, 1)) for t in TaskType}
+        self._max_inflight = max(1, sum(self.settings.concurrency.get(t, 1) for t in TaskType))
+        self._stopping = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._inflight: dict[str, asyncio.Future] = {}
+        self._sub = None
+        self.ready = asyncio.Event()
+
+    @property
+    def subject_filter(self) -> str:
+        return f"gpuaas.node.{self.node_id}.task.>"
+
+    @property
+    def running_task_ids(self) -> list[str]:
+        return sorted(self._inflight)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def _bind(self):
+        config = ConsumerConfig(
+            durable_name=self.settings.durable_name(self.node_id),
+            filter_subject=self.subject_filter,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=self.settings.ack_wait_s,
+            max_deliver=self.settings.max_deliver,
+            max_ack_pending=self._max_inflight * 4,
+        )
+        # Idempotent for an identical config; an edited one (ack_wait) is updated in place.
+        await self.js.add_consumer(self.settings.task_stream, config, timeout=self.settings.request_timeout_s)
+        return await self.js.pull_subscribe_bind(self.settings.durable_name(self.node_id),
+                                                 stream=self.settings.task_stream)
+
+    async def run(self) -> None:
+        """Pull and dispatch until :meth:`stop`. Connection trouble is logged and retried, never fatal."""
+        backoff = 0.2
+        while not self._stopping.is_set():
+            if self._sub is None:
+                try:
+                    self._sub = await self._bind()
+                    self.ready.set()
+                    _event("worker_ready", node_id=self.node_id, consumer=self.settings.durable_name(self.node_id))
+                    backoff = 0.2
+                except (nats.errors.Error, TimeoutError) as exc:
+                    _warn("consumer_bind_failed", error=repr(exc), retry_in_s=backoff)
+                    await self._pause(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+            free = self._max_inflight - len(self._tasks)
+            if free <= 0:
+                await asyncio.wait(self._tasks, timeout=self.settings.fetch_timeout_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                msgs = await self._sub.fetch(batch=min(free, 8), timeout=self.settings.fetch_timeout_s)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except nats.errors.Error as exc:
+                _warn("fetch_failed", error=repr(exc), retry_in_s=backoff)
+                await self._pause(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.2
+            for msg in msgs:
+                task = asyncio.create_task(self._process(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    def stop(self) -> None:
+        """Stop pulling new tasks (running ones go on; see :meth:`drain`)."""
+        self._stopping.set()
+
+    async def drain(self, grace_s: float) -> list[str]:
+        """Let running tasks finish for up to ``grace_s``; cancel the rest (unacked: redelivered later).
+
+        Returns the task ids that were cancelled.
+        """
+        self.stop()
+        cancelled: list[str] = []
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
+            cancelled = self.running_task_ids
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=self.settings.request_timeout_s)
+                _warn("tasks_cancelled_at_shutdown", task_ids=cancelled)
+        if self._sub is not None:
+            # Unsubscribe before the connection drains, or drain() hangs on the pull inbox.
+            with contextlib.suppress(nats.errors.Error):
+                await asyncio.wait_for(self._sub.unsubscribe(), self.settings.request_timeout_s)
+            self._sub = None
+        return cancelled
+
+    # -- one message --------------------------------------------------------------
+
+    async def _process(self, msg: Msg) -> None:
+        try:
+            envelope = parse_task(msg.data)
+            if envelope.node_id != self.node_id:
+                raise ContractError(f"task for node {envelope.node_id} delivered to {self.node_id}",
+                                    code="invalid_message", evidence={"node_id": envelope.node_id})
+        except ContractError as exc:
+            _warn("task_rejected", code=exc.code, subject=msg.subject, evidence=exc.evidence)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.term()
+            return
+
+        task_id = envelope.task_id
+        running = self._inflight.get(task_id)
+        if running is not None:
+            # Redelivered while still running here: wait for that run, then answer from the store.
+            _event("task_redelivered_while_running", task_id=task_id)
+            await self._keepalive_while(msg, asyncio.shield(running))
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._inflight[task_id] = done
+        try:
+            await self._process_envelope(msg, envelope)
+        except Exception:  # e.g. the store refused (result_conflict): leave it unacked, JetStream redelivers
+            log.exception(json.dumps({"event": "task_processing_error", "task_id": task_id}))
+        finally:
+            self._inflight.pop(task_id, None)
+            done.set_result(None)
+
+    async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:
+        stored = self.store.result_of(envelope.task_id)
+        if stored is not None:
+            _event("task_result_replayed", task_id=envelope.task_id)
+            await self._publish_and_ack(msg, TaskResult.model_validate(stored))
+            return
+
+        deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=timezone.utc)
+        if datetime.now(timezone.utc) >= deadline:
+            error = TaskErrorBody(code="expired", message=f"deadline {deadline.isoformat()} passed before the task ran",
+                                  retryable=False, evidence={"deadline": deadline.isoformat()})
+            await self._finish(msg, envelope, ResultStatus.failed, error=error)
+            return
+
+        try:
+            task_type, payload = task_payload(envelope)
+        except ContractError as exc:
+            await self._finish(msg, envelope, ResultStatus.failed, error=_error_body(exc, retryable=False))
+            return
+
+        handler = self.handlers.get(task_type)
+        if handler is None:
+            await self._finish(msg, envelope, ResultStatus.failed,
+                               error=_error_body(_not_implemented(task_type), retryable=False))
+            return
+
+        resumed = self.store.unfinished_steps(envelope.task_id)
+        if resumed:
+            _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
+        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store, resumed_steps=resumed, _nc=self.nc)
+        run = asyncio.ensure_future(self._run_handler(task_type, handler, payload, ctx))
+        try:
+            status, output, error = await self._keepalive_while(msg, run)
+        except asyncio.CancelledError:
+            run.cancel()
+            raise
+        await self._finish(msg, envelope, status, output=output, error=error)
+
+    async def _run_handler(self, task_type: TaskType, handler: Handler, payload: WireModel,
+                           ctx: TaskContext) -> tuple[ResultStatus, dict, TaskErrorBody | None]:
+        task_id = ctx.envelope.task_id
+        async with self._semaphores[task_type]:
+            self.store.journal(task_id, TASK_STEP, StepStatus.started,
+                               {"type": task_type.value, "attempt": ctx.envelope.attempt})
+            _event("task_started", task_id=task_id, type=task_type.value, attempt=ctx.envelope.attempt)
+            try:
+                output = await handler(payload, ctx)
+            except AgentError as exc:
+                self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": exc.code})
+                _warn("task_failed", task_id=task_id, code=exc.code, message=exc.message)
+                return ResultStatus.failed, {}, _error_body(exc, retryable=bool(getattr(exc, "retryable", False)))
+            except Exception as exc:  # a bug, not a refusal: report it with a code, keep the agent alive
+                log.exception(json.dumps({"event": "task_crashed", "task_id": task_id}))
+                self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "internal_error"})
+                return ResultStatus.failed, {}, TaskErrorBody(
+                    code="internal_error", message=f"{type(exc).__name__}: {exc}", retryable=True,
+                    evidence={"exception": type(exc).__name__})
+            self.store.journal(task_id, TASK_STEP, StepStatus.succeeded)
+            _event("task_succeeded", task_id=task_id, type=task_type.value)
+            return ResultStatus.succeeded, dict(output), None
+
+    async def _keepalive_while(self, msg: Msg, work: Awaitable):
+        """Await ``work``, sending ``in_progress`` every keepalive interval so JetStream does not redeliver."""
+        work = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=self.settings.keepalive_interval_s)
+            if done:
+                return work.result()
+            try:
+                await msg.in_progress()
+            except nats.errors.Error as exc:  # disconnected: the reconnect re-sends nothing, the next tick will
+                _warn("keepalive_failed", subject=msg.subject, error=repr(exc))
+
+    async def _finish(self, msg: Msg, envelope: TaskEnvelope, status: ResultStatus, *,
+                      output: dict | None = None, error: TaskErrorBody | None = None) -> None:
+        result = TaskResult(task_id=envelope.task_id, node_id=self.node_id, type=envelope.type,
+                            attempt=envelope.attempt, status=status, output=output or {}, error=error,
+                            finished_at=datetime.now(timezone.utc))
+        stored = self.store.store_result(envelope.task_id, result.model_dump(mode="json"))
+        await self._publish_and_ack(msg, TaskResult.model_validate(stored))
+
+    async def _publish_and_ack(self, msg: Msg, result: TaskResult) -> None:
+        """PubAck first, then ack; a failure leaves the task unacked so redelivery replays the stored result."""
+        subject = f"gpuaas.node.{self.node_id}.result"
+        msg_id = f"{result.task_id}-{result.attempt}"
+        data = result.model_dump_json().encode()
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.settings.publish_deadline_s
+        backoff = 0.2
+        while True:
+            try:
+                ack = await self.js.publish(subject, data, timeout=self.settings.request_timeout_s,
+                                            stream=self.settings.result_stream, headers={"Nats-Msg-Id": msg_id})
+                break
+            except (nats.errors.Error, TimeoutError) as exc:
+                if loop.time() + backoff >= give_up_at:
+                    _warn("result_publish_gave_up", task_id=result.task_id, error=repr(exc))
+                    return
+                _warn("result_publish_retry", task_id=result.task_id, error=repr(exc), retry_in_s=backoff)
+                await asyncio.sleep(backoff)  # backoff between retries, not synchronisation
+                backoff = min(backoff * 2, 5.0)
+        _event("result_published", task_id=result.task_id, status=result.status.value, seq=ack.seq,
+               duplicate=bool(ack.duplicate))
+        try:
+            await msg.ack_sync(timeout=self.settings.request_timeout_s)
+        except (nats.errors.Error, TimeoutError) as exc:
+            # The result is stored and published: a redelivery will only replay it.
+            _warn("task_ack_failed", task_id=result.task_id, error=repr(exc))
+
+
+def _error_body(exc: AgentError, *, retryable: bool) -> TaskErrorBody:
+    return TaskErrorBody(code=exc.code, message=exc.message, retryable=retryable, evidence=exc.evidence)

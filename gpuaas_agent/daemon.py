@@ -1,0 +1,372 @@
+"""The agent's asyncio main: builds the object graph once, runs the task worker and heartbeats until SIGTERM.
+
+``python -m gpuaas_agent.daemon run --config F`` / ``enroll --config F [--token-file T]``
+(``gpuaas-agent run|enroll`` call :func:`run_main` / :func:`enroll_main`).
+
+systemd (``Type=notify``): ``READY=1`` once the task consumer is bound,
+``STATUS=`` on state changes, ``WATCHDOG=1`` at half of ``WATCHDOG_USEC`` from a
+loop task (a wedged event loop stops petting it), ``STOPPING=1`` on SIGTERM.
+Shutdown: stop pulling, let running handlers finish for ``shutdown_grace_s``
+(the rest stay unacked and are redelivered), close NATS, close the store, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+
+from gpuaas_agent import __version__
+from gpuaas_agent.config import AgentConfig, load_config
+from gpuaas_agent.contract.tasks import Heartbeat, TaskType, TopologyDiscoverPayload
+from gpuaas_agent.control.enroll import EnrollIdentity, EnrollmentRecord, enroll, load_enrollment
+from gpuaas_agent.control.worker import Handler, TaskContext, TaskWorker, WorkerSettings
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.state.store import StateStore
+
+log = logging.getLogger("gpuaas_agent.daemon")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
+    log.log(level, json.dumps({"event": event, **fields}, default=str, sort_keys=True))
+
+
+# -- logging -----------------------------------------------------------------------
+
+
+class JsonLinesFormatter(logging.Formatter):
+    """One JSON object per line; a message that is already a JSON object is merged, not quoted."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        message = record.getMessage()
+        try:
+            fields = json.loads(message)
+        except ValueError:
+            fields = None
+        if isinstance(fields, dict):
+            line.update(fields)
+        else:
+            line["msg"] = message
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLinesFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.getLogger("nats").setLevel(logging.WARNING)
+
+
+# -- systemd notify ----------------------------------------------------------------
+
+
+class SdNotifier:
+    """sd_notify(3) without libsystemd: one datagram to ``$NOTIFY_SOCKET``; a no-op when it is unset."""
+
+    def __init__(self, address: str | None) -> None:
+        self.address = address
+        self._sock: socket.socket | None = None
+        if address:
+            # '@' is an abstract-namespace socket (systemd's own notation).
+            self._target = "\0" + address[1:] if address.startswith("@") else address
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock.setblocking(False)
+
+    @classmethod
+    def from_env(cls) -> "SdNotifier":
+        return cls(os.environ.get("NOTIFY_SOCKET"))
+
+    def notify(self, **fields: str | int) -> bool:
+        """``notify(READY=1, STATUS="...")``; returns False (and logs) when the datagram could not be sent."""
+        if self._sock is None:
+            return False
+        payload = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
+        try:
+            self._sock.sendto(payload, self._target)
+            return True
+        except OSError as exc:
+            _event("sd_notify_failed", logging.WARNING, error=repr(exc), fields=sorted(fields))
+            return False
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def watchdog_interval_s(environ: dict[str, str] | None = None) -> float | None:
+    """Half of ``WATCHDOG_USEC`` when the watchdog is meant for this process, else None."""
+    env = os.environ if environ is None else environ
+    usec = env.get("WATCHDOG_USEC")
+    pid = env.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    return int(usec) / 1_000_000 / 2
+
+
+# -- task handlers (move to gpuaas_agent/tasks/ when that room lands) ---------------
+
+
+def topology_discover_handler(host_root: Path) -> Handler:
+    """``slice.topology_discover``: discovery over the configured host root, the report as JSON."""
+
+    async def handle(payload: TopologyDiscoverPayload, ctx: TaskContext) -> dict:
+        from gpuaas_agent.discovery.report import discover
+        from gpuaas_agent.discovery.slots import PlanConfig
+        from gpuaas_agent.hostfs import HostRoot
+
+        await ctx.progress("discover", "started")
+        plan = PlanConfig(subnet=ipaddress.IPv4Network(payload.subnet, strict=True), ovs_bridge=payload.ovs_bridge)
+        # sysfs walks block: keep them off the event loop so keepalives and heartbeats go on.
+        report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan))
+        await ctx.progress("discover", "succeeded", percent=100, detail={"candidate_slots": report.summary.candidate_slots})
+        return report.model_dump(mode="json")
+
+    return handle
+
+
+def default_handlers(config: AgentConfig) -> dict[TaskType, Handler]:
+    """Every type not here gets ``failed``/``not_implemented`` from the worker."""
+    return {TaskType.topology_discover: topology_discover_handler(config.host_root)}
+
+
+def identity_from_host(host_root: Path) -> EnrollIdentity:
+    """Enrollment identity read from the host root (live ``/`` or a fixture)."""
+    from gpuaas_agent.discovery.identity import read_identity
+    from gpuaas_agent.discovery.sysread import SysReader
+    from gpuaas_agent.hostfs import HostRoot
+
+    host = read_identity(SysReader(HostRoot.open(host_root)))
+    if not host.machine_id or not host.hostname:
+        raise AgentError("enrollment needs /etc/machine-id and a hostname", code="host_identity_missing",
+                         evidence={"host_root": str(host_root)})
+    maas = None
+    maas_file = Path(host_root) / "etc/maas/system_id"  # not always present; the control plane copes without
+    with contextlib.suppress(OSError):
+        maas = maas_file.read_text().strip() or None
+    return EnrollIdentity(machine_id=host.machine_id, hostname=host.hostname, dmi_serial=host.dmi_serial,
+                          maas_system_id=maas, agent_version=__version__)
+
+
+# -- NATS --------------------------------------------------------------------------
+
+
+async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.Event) -> Client | None:
+    """Connect with the enrolled credentials; retry with backoff until connected or ``stop`` (then None).
+
+    After the first connect nats-py reconnects by itself (forever, ``reconnect_time_wait`` apart);
+    subscriptions and the pull consumer's inbox are restored by it.
+    """
+
+    async def disconnected() -> None:
+        _event("nats_disconnected", logging.WARNING)
+
+    async def reconnected() -> None:
+        _event("nats_reconnected")
+
+    async def error(exc: Exception) -> None:
+        _event("nats_error", logging.WARNING, error=repr(exc))
+
+    backoff = 0.5
+    while not stop.is_set():
+        try:
+            nc = await nats.connect(
+                servers=record.credentials.servers,
+                user=record.credentials.user,
+                password=record.credentials.password,
+                name=f"gpuaas-agent-{record.node_id}",
+                connect_timeout=config.connect_timeout_s,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=1,
+                ping_interval=10,
+                max_outstanding_pings=3,
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                error_cb=error,
+            )
+            _event("nats_connected", servers=record.credentials.servers)
+            return nc
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            _event("nats_connect_failed", logging.WARNING, error=repr(exc), retry_in_s=backoff)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff)
+            backoff = min(backoff * 2, 30.0)
+    return None
+
+
+async def heartbeat_loop(nc: Client, node_id: str, worker: TaskWorker, store: StateStore,
+                         interval_s: float, timeout_s: float) -> None:
+    subject = f"gpuaas.node.{node_id}.heartbeat"
+    while True:
+        beat = Heartbeat(
+            node_id=node_id,
+            agent_version=__version__,
+            # unknown until the consumer is bound; degraded while NATS is reconnecting
+            health_state=("healthy" if nc.is_connected else "degraded") if worker.ready.is_set() else "unknown",
+            running_tasks=worker.running_task_ids,
+            leased_slots=[lease.slot_index for lease in store.leases()],
+            at=datetime.now(timezone.utc),
+        )
+        try:
+            await nc.publish(subject, beat.model_dump_json().encode())
+            await nc.flush(timeout=timeout_s)
+        except (nats.errors.Error, TimeoutError) as exc:
+            _event("heartbeat_failed", logging.WARNING, error=repr(exc))
+        await asyncio.sleep(interval_s)  # the period of the heartbeat itself
+
+
+async def watchdog_loop(notifier: SdNotifier, interval_s: float) -> None:
+    while True:
+        notifier.notify(WATCHDOG=1)
+        await asyncio.sleep(interval_s)  # the watchdog period
+
+
+async def reconcile_loop(reconcile: Callable[[], Awaitable[dict]], interval_s: float, timeout_s: float) -> None:
+    """Run the host reconcile every ``interval_s``; one run at most ``timeout_s``; a failure is logged, not fatal."""
+    while True:
+        await asyncio.sleep(interval_s)  # the reconcile period
+        try:
+            findings = await asyncio.wait_for(reconcile(), timeout_s)
+            _event("reconcile_done", findings=findings)
+        except AgentError as exc:
+            _event("reconcile_failed", logging.WARNING, code=exc.code, message=exc.message)
+        except TimeoutError:
+            _event("reconcile_failed", logging.WARNING, code="reconcile_timeout", timeout_s=timeout_s)
+
+
+# -- main --------------------------------------------------------------------------
+
+
+async def run_agent(
+    config: AgentConfig,
+    stop: asyncio.Event,
+    *,
+    handlers: dict[TaskType, Handler] | None = None,
+    notifier: SdNotifier | None = None,
+    reconcile: Callable[[], Awaitable[dict]] | None = None,
+) -> int:
+    """Run until ``stop`` is set; returns the exit code.
+
+    ``reconcile``: the periodic host reconcile (every ``reconcile_interval_s``); None until the
+    ``slice.reconcile`` room lands, and then the timer is off (logged once at start).
+    """
+    notifier = notifier or SdNotifier.from_env()
+    record = load_enrollment(config.state_dir)
+    if record is None:
+        raise AgentError(f"not enrolled: no enrollment record in {config.state_dir}; run `gpuaas-agent enroll` first",
+                         code="not_enrolled", evidence={"state_dir": str(config.state_dir)})
+    store = StateStore.open(config.state_db)
+    background: list[asyncio.Task] = []
+    nc: Client | None = None
+    try:
+        notifier.notify(STATUS="connecting to NATS")
+        nc = await connect(config, record, stop)
+        if nc is None:
+            return EXIT_OK  # stopped before the first connect
+        settings = WorkerSettings(concurrency=config.concurrency, keepalive_interval_s=config.keepalive_interval_s,
+                                  ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s)
+        worker = TaskWorker(nc, store, record.node_id,
+                            default_handlers(config) if handlers is None else handlers, settings)
+        worker_task = asyncio.create_task(worker.run(), name="worker")
+        background.append(asyncio.create_task(
+            heartbeat_loop(nc, record.node_id, worker, store, config.heartbeat_interval_s, config.request_timeout_s),
+            name="heartbeat"))
+        if reconcile is not None:
+            background.append(asyncio.create_task(
+                reconcile_loop(reconcile, config.reconcile_interval_s, config.reconcile_interval_s), name="reconcile"))
+        else:
+            _event("reconcile_timer_disabled", reason="no_reconcile_handler")
+        if (wd := watchdog_interval_s()) is not None:
+            background.append(asyncio.create_task(watchdog_loop(notifier, wd), name="watchdog"))
+
+        ready = asyncio.create_task(worker.ready.wait())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({ready, stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done():
+            notifier.notify(READY=1, STATUS=f"node {record.node_id}: pulling tasks")
+            _event("agent_ready", node_id=record.node_id, version=__version__)
+        await asyncio.wait({stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in (ready, stopping):
+            waiter.cancel()
+
+        if worker_task.done() and not stop.is_set():
+            exc = worker_task.exception()
+            _event("worker_died", logging.ERROR, error=repr(exc))
+            return EXIT_FAILED
+        notifier.notify(STOPPING=1, STATUS="stopping: finishing running tasks")
+        _event("agent_stopping", running_tasks=worker.running_task_ids, grace_s=config.shutdown_grace_s)
+        worker.stop()
+        await asyncio.wait({worker_task}, timeout=config.request_timeout_s * 2)
+        await worker.drain(config.shutdown_grace_s)
+        return EXIT_OK
+    finally:
+        for task in background:
+            task.cancel()
+        if background:
+            await asyncio.wait(background, timeout=config.request_timeout_s)
+        if nc is not None:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await asyncio.wait_for(nc.close(), config.request_timeout_s)
+        store.close()
+        _event("agent_stopped")
+
+
+async def _run_with_signals(config: AgentConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return await run_agent(config, stop)
+
+
+def run_main(config_path: str | Path) -> int:
+    """``gpuaas-agent run --config F``: the daemon; exit 0 on SIGTERM, 1 on failure."""
+    configure_logging()
+    try:
+        config = load_config(config_path)
+        return asyncio.run(_run_with_signals(config))
+    except AgentError as exc:
+        _event("agent_failed", logging.ERROR, code=exc.code, message=exc.message, evidence=exc.evidence)
+        return EXIT_FAILED
+
+
+def enroll_main(config_path: str | Path, token_file: str | Path | None = None) -> int:
+    """``gpuaas-agent enroll --config F [--token-file T]``: exit 0 enrolled (or already), 1 refused with its code."""
+    configure_logging()
+    try:
+        config = load_config(config_path)
+        identity = identity_from_host(config.host_root)
+        record = asyncio.run(enroll(config.nats_url, token_file or config.token_file, config.state_dir, identity,
+                                    timeout=config.request_timeout_s))
+    except AgentError as exc:
+        _event("enroll_failed", logging.ERROR, code=exc.code, message=exc.message)
+        print(f"gpuaas-agent: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"enrolled node_id={record.node_id}")
+    return EXIT_OK

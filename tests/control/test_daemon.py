@@ -1,0 +1,456 @@
+"""The daemon as a real process: sd_notify over a socket we bind, heartbeats, SIGTERM grace, kill -9 recovery.
+
+Run as ``python -m tests.control.test_daemon --config F --gate SOCK`` this module is
+also the agent under test with one extra handler: ``slice.preflight`` connects to
+the test's gate socket and waits there until the test releases it, so a test can
+hold a task mid-run without sleeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from gpuaas_agent.config import load_config
+from gpuaas_agent.contract.tasks import ResultStatus, TaskType
+from gpuaas_agent.control.enroll import EnrollIdentity, enroll
+from gpuaas_agent.daemon import (
+    JsonLinesFormatter,
+    SdNotifier,
+    configure_logging,
+    default_handlers,
+    run_agent,
+    watchdog_interval_s,
+)
+from gpuaas_agent.host.run import run
+from gpuaas_agent.state.store import StateStore
+from tests.conftest import HOSTS, REPO
+from tests.controlplane import ControlPlane
+
+FIXTURE = HOSTS / "h200-slice-after-transition"
+IDENTITY = EnrollIdentity(machine_id="1221a371a78ea21b24acbc2cf895b074", hostname="j22u05", agent_version="0.1.0")
+TEST_DEADLINE_S = 120
+
+
+# -- the gated agent (child process side) --------------------------------------------
+
+
+def _gated_handler(gate: str):
+    async def handle(payload, ctx) -> dict:
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(gate), 10)
+        try:
+            writer.write(ctx.envelope.task_id.encode() + b"\n")
+            await asyncio.wait_for(writer.drain(), 10)
+            await asyncio.wait_for(reader.readline(), 300)  # the test's release
+        finally:
+            writer.close()
+        return {"gated": True, "resumed_steps": ctx.resumed_steps}
+
+    return handle
+
+
+def _gated_agent_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--gate", required=True)
+    args = parser.parse_args(argv)
+    configure_logging()
+    config = load_config(args.config)
+    handlers = {**default_handlers(config), TaskType.preflight: _gated_handler(args.gate)}
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        return await run_agent(config, stop, handlers=handlers)
+
+    return asyncio.run(main())
+
+
+if __name__ == "__main__":
+    sys.exit(_gated_agent_main())
+
+
+# -- test side -----------------------------------------------------------------------
+
+
+class NotifyListener:
+    """A bound AF_UNIX datagram socket standing in for systemd's notify socket."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+        self.messages: list[dict[str, str]] = []
+
+    async def wait_for(self, key: str, value: str | None = None, timeout: float = 30.0) -> dict[str, str]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            for message in self.messages:
+                if key in message and (value is None or message[key] == value):
+                    return message
+            raw = await asyncio.wait_for(loop.sock_recv(self.sock, 65536), max(0.01, deadline - loop.time()))
+            self.messages.append(dict(line.split("=", 1) for line in raw.decode().splitlines()))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Gate:
+    """Unix socket the gated handler connects to; :meth:`release` lets every held task go."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.arrivals: list[str] = []
+        self._writers: list[asyncio.StreamWriter] = []
+        self._changed = asyncio.Condition()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._on_connect, str(self.path))
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task_id = (await asyncio.wait_for(reader.readline(), 10)).decode().strip()
+        async with self._changed:
+            self.arrivals.append(task_id)
+            self._writers.append(writer)
+            self._changed.notify_all()
+
+    async def wait_arrivals(self, count: int, timeout: float = 30.0) -> None:
+        async def waiter():
+            async with self._changed:
+                await self._changed.wait_for(lambda: len(self.arrivals) >= count)
+
+        await asyncio.wait_for(waiter(), timeout)
+
+    async def release(self) -> None:
+        for writer in self._writers:
+            if writer.is_closing():
+                continue
+            try:
+                writer.write(b"go\n")
+                await asyncio.wait_for(writer.drain(), 5)
+            except ConnectionError:  # the agent holding it was killed
+                writer.close()
+
+    async def close(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        self._server.close()
+        await asyncio.wait_for(self._server.wait_closed(), 5)
+
+
+class AgentProcess:
+    """One agent process under ``Popen``; stopped by PID."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.argv, self.env, self.log_path = argv, env, log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "AgentProcess":
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=log)
+        return self
+
+    async def wait(self, timeout: float = 30.0) -> int:
+        return await asyncio.to_thread(self.proc.wait, timeout)
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log_events(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def short_dir():
+    """AF_UNIX paths must fit in 108 bytes: pytest's tmp_path does not always."""
+    with tempfile.TemporaryDirectory(prefix="gpuaas-") as path:
+        yield Path(path)
+
+
+@pytest.fixture
+def agents():
+    started: list[AgentProcess] = []
+    yield started
+    for agent in started:
+        agent.stop()
+
+
+async def _enrolled_setup(nats_server, tmp_path, **overrides):
+    plane = await ControlPlane.connect(nats_server.url)
+    await plane.create_streams()
+    await plane.serve_enrollment()
+    token = tmp_path / "token"
+    token.write_text(plane.issue_token())
+    record = await enroll(nats_server.url, token, tmp_path / "state", IDENTITY, timeout=5)
+    config = {
+        "state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_server.url,
+        "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, "shutdown_grace_s": 30,
+        **overrides,
+    }
+    config_path = tmp_path / "agent.json"
+    config_path.write_text(json.dumps(config))
+    return plane, record.node_id, config_path
+
+
+def _env(notify: Path | None = None, watchdog_usec: int | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    if notify is not None:
+        env["NOTIFY_SOCKET"] = str(notify)
+    if watchdog_usec is not None:
+        env["WATCHDOG_USEC"] = str(watchdog_usec)
+    return env
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TEST_DEADLINE_S))
+
+
+# -- unit-sized ----------------------------------------------------------------------
+
+
+def test_sd_notifier_sends_one_datagram_per_call(short_dir):
+    listener = NotifyListener(short_dir / "notify")
+    notifier = SdNotifier(str(listener.path))
+    try:
+        assert notifier.notify(READY=1, STATUS="pulling tasks") is True
+        assert listener.sock.recv(4096) == b"READY=1\nSTATUS=pulling tasks"
+    finally:
+        notifier.close()
+        listener.close()
+
+
+def test_sd_notifier_reaches_abstract_socket():
+    name = f"gpuaas-test-{os.getpid()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    notifier = SdNotifier("@" + name)
+    try:
+        assert notifier.notify(WATCHDOG=1)
+        sock.settimeout(5)
+        assert sock.recv(4096) == b"WATCHDOG=1"
+    finally:
+        notifier.close()
+        sock.close()
+
+
+def test_sd_notifier_without_socket_is_a_no_op():
+    assert SdNotifier(None).notify(READY=1) is False
+
+
+def test_watchdog_interval_is_half_of_watchdog_usec():
+    assert watchdog_interval_s({"WATCHDOG_USEC": "30000000"}) == 15.0
+    assert watchdog_interval_s({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1"}) is None
+    assert watchdog_interval_s({}) is None
+
+
+def test_log_lines_are_json_objects():
+    import logging
+
+    record = logging.LogRecord("gpuaas_agent.x", logging.INFO, __file__, 1, '{"event": "clone_progress", "percent": 42}', None, None)
+    line = json.loads(JsonLinesFormatter().format(record))
+    assert line["event"] == "clone_progress" and line["percent"] == 42 and line["level"] == "info"
+    plain = logging.LogRecord("nats", logging.WARNING, __file__, 1, "prose %s", ("here",), None)
+    assert json.loads(JsonLinesFormatter().format(plain))["msg"] == "prose here"
+
+
+# -- the daemon process --------------------------------------------------------------
+
+
+def test_not_enrolled_daemon_exits_1_with_code(tmp_path):
+    config = tmp_path / "agent.json"
+    config.write_text(json.dumps({"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE)}))
+
+    async def body():
+        return await run([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
+                         timeout=60, check=False)
+
+    done = _run(body())
+    assert done.returncode == 1
+    events = [json.loads(line) for line in done.stderr.decode().splitlines()]
+    assert any(e.get("event") == "agent_failed" and e.get("code") == "not_enrolled" for e in events)
+
+
+def test_enroll_command_enrolls_from_host_identity(nats_server, tmp_path):
+    config = tmp_path / "agent.json"
+    token = tmp_path / "token"
+    config.write_text(json.dumps({"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE),
+                                  "nats_url": nats_server.url, "token_file": str(token)}))
+
+    async def body():
+        plane = await ControlPlane.connect(nats_server.url)
+        try:
+            await plane.serve_enrollment()
+            token.write_text(plane.issue_token())
+            argv = [sys.executable, "-m", "gpuaas_agent", "enroll", "--config", str(config)]
+            first = await run(argv, timeout=60, check=False)
+            token.write_text("some-reused-token-value-0000")
+            again = await run(argv, timeout=60, check=False)
+            return first, again, plane.enroll_requests
+        finally:
+            await plane.close()
+
+    first, again, requests = _run(body())
+    assert first.returncode == 0, first.stderr.decode()
+    assert first.stdout.decode().startswith("enrolled node_id=node-")
+    assert again.returncode == 0 and len(requests) == 1  # already enrolled: nothing sent
+    assert requests[0].machine_id == "1221a371a78ea21b24acbc2cf895b074" and requests[0].hostname == "j22u05"
+
+
+def test_daemon_notifies_heartbeats_runs_tasks_and_exits_0_on_sigterm(nats_server, tmp_path, short_dir, agents):
+    async def body():
+        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path)
+        listener = NotifyListener(short_dir / "notify")
+        try:
+            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
+                                 _env(listener.path, watchdog_usec=1_000_000), tmp_path / "agent.log")
+            agents.append(agent.start())
+            assert "node-" in (await listener.wait_for("READY", "1"))["STATUS"]
+            await listener.wait_for("WATCHDOG", "1")
+            beats = await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health_state == "healthy"])
+            assert beats[0].node_id == node_id and beats[0].agent_version == "0.1.0"
+
+            envelope = plane.envelope(node_id, TaskType.topology_discover.value)
+            await plane.enqueue(envelope)
+            result = await plane.wait_result(envelope.task_id, timeout=30)
+            assert result.status == ResultStatus.succeeded
+            assert result.output["summary"]["candidate_slots"] == 8
+
+            agent.signal(signal.SIGTERM)
+            assert await agent.wait() == 0
+            await listener.wait_for("STOPPING", "1")
+            events = [e.get("event") for e in agent.log_events()]  # every stderr line is a JSON object
+            assert "agent_ready" in events and events[-1] == "agent_stopped"
+        finally:
+            listener.close()
+            await plane.close()
+
+    _run(body())
+
+
+def test_sigterm_lets_a_running_task_finish(nats_server, tmp_path, short_dir, agents):
+    async def body():
+        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path)
+        listener = NotifyListener(short_dir / "notify")
+        gate = Gate(short_dir / "gate")
+        await gate.start()
+        try:
+            agent = AgentProcess([sys.executable, "-m", "tests.control.test_daemon", "--config", str(config),
+                                  "--gate", str(gate.path)], _env(listener.path), tmp_path / "agent.log")
+            agents.append(agent.start())
+            await listener.wait_for("READY", "1")
+            envelope = plane.envelope(node_id, TaskType.preflight.value)
+            await plane.enqueue(envelope)
+            await gate.wait_arrivals(1)
+            await plane.wait_for(lambda s: [h for h in s.heartbeats if h.running_tasks == [envelope.task_id]])
+
+            agent.signal(signal.SIGTERM)
+            await listener.wait_for("STOPPING", "1")
+            assert agent.proc.poll() is None  # still finishing the task
+            await gate.release()
+            result = await plane.wait_result(envelope.task_id, timeout=30)
+            assert result.status == ResultStatus.succeeded and result.output["gated"] is True
+            assert await agent.wait() == 0
+            assert await plane.pending_tasks() == 0  # acked before exit
+        finally:
+            await gate.close()
+            listener.close()
+            await plane.close()
+
+    _run(body())
+
+
+def test_kill_9_mid_task_is_journaled_and_completes_once_after_restart(nats_server, tmp_path, short_dir, agents):
+    async def body():
+        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path)
+        gate = Gate(short_dir / "gate")
+        await gate.start()
+        argv = [sys.executable, "-m", "tests.control.test_daemon", "--config", str(config), "--gate", str(gate.path)]
+        try:
+            first = AgentProcess(argv, _env(), tmp_path / "agent-1.log")
+            agents.append(first.start())
+            envelope = plane.envelope(node_id, TaskType.preflight.value)
+            await plane.enqueue(envelope)
+            await gate.wait_arrivals(1)
+
+            first.signal(signal.SIGKILL)
+            assert await first.wait() == -signal.SIGKILL
+            store = StateStore.open(tmp_path / "state" / "state.db")
+            try:
+                assert store.unfinished_steps(envelope.task_id) == ["task"]
+                assert store.result_of(envelope.task_id) is None
+            finally:
+                store.close()
+
+            second = AgentProcess(argv, _env(), tmp_path / "agent-2.log")
+            agents.append(second.start())
+            await gate.wait_arrivals(2)  # redelivered once ack_wait (2 s) ran out
+            await gate.release()
+            result = await plane.wait_result(envelope.task_id, timeout=30)
+            assert result.status == ResultStatus.succeeded
+            assert result.output["resumed_steps"] == ["task"]
+            second.signal(signal.SIGTERM)
+            assert await second.wait() == 0
+
+            assert gate.arrivals == [envelope.task_id, envelope.task_id]
+            assert [r.task_id for r in await plane.stored_results(node_id)] == [envelope.task_id]
+            assert [r.task_id for r in plane.seen.results] == [envelope.task_id]
+            assert await plane.pending_tasks() == 0
+            store = StateStore.open(tmp_path / "state" / "state.db")
+            try:
+                assert [e.status.value for e in store.journal_of(envelope.task_id)] == ["started", "started", "succeeded"]
+                assert store.unfinished_steps(envelope.task_id) == []
+            finally:
+                store.close()
+        finally:
+            await gate.close()
+            await plane.close()
+
+    _run(body())
+
+
+def test_run_agent_in_process_reconciles_on_its_timer_and_stops_cleanly(nats_server, tmp_path, short_dir):
+    calls: list[int] = []
+
+    async def body():
+        plane, node_id, config_path = await _enrolled_setup(nats_server, tmp_path, reconcile_interval_s=0.1)
+        listener = NotifyListener(short_dir / "notify")
+        stop = asyncio.Event()
+        reconciled = asyncio.Event()
+
+        async def reconcile() -> dict:
+            calls.append(1)
+            if len(calls) >= 2:
+                reconciled.set()
+            return {"drift": []}
+
+        try:
+            agent = asyncio.create_task(run_agent(load_config(config_path), stop, reconcile=reconcile,
+                                                  notifier=SdNotifier(str(listener.path))))
+            await listener.wait_for("READY", "1")
+            await asyncio.wait_for(reconciled.wait(), 10)
+            stop.set()
+            assert await asyncio.wait_for(agent, 30) == 0
+        finally:
+            listener.close()
+            await plane.close()
+
+    _run(body())
+    assert len(calls) >= 2

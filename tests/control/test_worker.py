@@ -1,0 +1,269 @@
+"""The task worker against a real nats-server: contract order, idempotency, keepalive, restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+from datetime import datetime, timezone
+
+from gpuaas_agent.config import AgentConfig
+from gpuaas_agent.contract.enrollment import NatsCredentials
+from gpuaas_agent.contract.tasks import ResultStatus, TaskType
+from gpuaas_agent.control.worker import TASK_STEP, TaskWorker, WorkerSettings
+from gpuaas_agent.control.enroll import EnrollmentRecord
+from gpuaas_agent.daemon import connect, default_handlers
+from gpuaas_agent.errors import GuardError
+from gpuaas_agent.state.store import StateStore
+from tests.conftest import HOSTS
+from tests.controlplane import TASK_STREAM, ControlPlane
+
+NODE = "node-test01"
+DISCOVER = TaskType.topology_discover.value
+TEST_DEADLINE_S = 90
+
+
+async def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll a cheap condition until it holds or the deadline passes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+class Harness:
+    """Control plane + one agent worker on its own connection, as in production."""
+
+    def __init__(self, server, tmp_path, handlers, **settings) -> None:
+        self.server, self.tmp_path, self.handlers = server, tmp_path, handlers
+        self.settings = WorkerSettings(**{"keepalive_interval_s": 0.5, "ack_wait_s": 5.0, "fetch_timeout_s": 0.25, **settings})
+
+    async def __aenter__(self):
+        self.plane = await ControlPlane.connect(self.server.url)
+        await self.plane.create_streams()
+        # The daemon's own connect (its reconnect options are what the restart test exercises).
+        record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(timezone.utc),
+                                  credentials=NatsCredentials(user=NODE, password="unused-by-test-server",
+                                                              servers=[self.server.url]))
+        self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state"), record, asyncio.Event())
+        self.store = StateStore.open(self.tmp_path / "state" / "state.db")
+        self.worker = TaskWorker(self.nc, self.store, NODE, self.handlers, self.settings)
+        self.run_task = asyncio.create_task(self.worker.run())
+        await asyncio.wait_for(self.worker.ready.wait(), 10)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.worker.drain(5)
+        await asyncio.wait_for(self.run_task, 10)
+        await asyncio.wait_for(self.nc.close(), 5)
+        await self.plane.close()
+        self.store.close()
+
+    async def run_task_to_result(self, envelope, **kw):
+        await self.plane.enqueue(envelope, **kw)
+        return await self.plane.wait_result(envelope.task_id)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TEST_DEADLINE_S))
+
+
+class Counting:
+    """A handler that counts its calls and can be held until released."""
+
+    def __init__(self, *, hold: bool = False, output: dict | None = None, raises: Exception | None = None) -> None:
+        self.calls = 0
+        self.active = 0
+        self.max_active = 0
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        if not hold:
+            self.release.set()
+        self.output = output or {"ok": True}
+        self.raises = raises
+
+    async def __call__(self, payload, ctx):
+        self.calls += 1
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self.started.set()
+        try:
+            await self.release.wait()
+            if self.raises is not None:
+                raise self.raises
+            return self.output
+        finally:
+            self.active -= 1
+
+
+def test_topology_discover_over_fixture_succeeds(nats_server, tmp_path):
+    config = AgentConfig(host_root=HOSTS / "h200-slice-after-transition", state_dir=tmp_path / "state")
+
+    async def body():
+        async with Harness(nats_server, tmp_path, default_handlers(config)) as h:
+            envelope = h.plane.envelope(NODE, DISCOVER)
+            result = await h.run_task_to_result(envelope)
+            assert result.status == ResultStatus.succeeded, result.error
+            assert result.output["summary"]["candidate_slots"] == 8
+            assert result.attempt == 1 and result.node_id == NODE
+            assert h.store.result_of(envelope.task_id)["status"] == "succeeded"
+            assert [e.status.value for e in h.store.journal_of(envelope.task_id)] == ["started", "succeeded"]
+            await h.plane.wait_for(lambda s: [p for p in s.progress if p.status == "succeeded"])
+            await wait_until_acked(h)
+            assert len(await h.plane.stored_results(NODE)) == 1
+
+    _run(body())
+
+
+async def wait_until_acked(h, timeout: float = 10.0) -> None:
+    """The work-queue stream drops a task once it is acked."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while await h.plane.pending_tasks():
+        if loop.time() > deadline:
+            raise TimeoutError("task not acked")
+        await asyncio.sleep(0.05)
+
+
+def test_redelivered_finished_task_replays_stored_result(nats_server, tmp_path):
+    handler = Counting(output={"answer": 42})
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}) as h:
+            envelope = h.plane.envelope(NODE, DISCOVER)
+            first = await h.run_task_to_result(envelope)
+            await h.plane.enqueue(envelope)  # the same task delivered again
+            second = await h.plane.wait_result(envelope.task_id, count=2)
+            assert second == first
+            assert handler.calls == 1
+            await wait_until_acked(h)
+            # Same Nats-Msg-Id: the result stream kept the result once.
+            assert [r.task_id for r in await h.plane.stored_results(NODE)] == [envelope.task_id]
+
+    _run(body())
+
+
+def test_expired_task_fails_without_running(nats_server, tmp_path):
+    handler = Counting()
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}) as h:
+            result = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER, deadline_s=-5))
+            assert result.status == ResultStatus.failed
+            assert result.error.code == "expired" and result.error.retryable is False
+            assert handler.calls == 0
+
+    _run(body())
+
+
+def test_unsupported_unimplemented_and_invalid_payload_fail_with_codes(nats_server, tmp_path):
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: Counting()}) as h:
+            unknown = await h.run_task_to_result(h.plane.envelope(NODE, "slice.make_coffee"))
+            assert (unknown.status, unknown.error.code) == (ResultStatus.failed, "unsupported_task")
+            todo = await h.run_task_to_result(h.plane.envelope(NODE, TaskType.preflight.value))
+            assert (todo.error.code, todo.error.retryable) == ("not_implemented", False)
+            bad = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER, {"subnet": 7, "colour": "red"}))
+            assert bad.error.code == "invalid_payload"
+
+    _run(body())
+
+
+def test_handler_errors_become_failed_results(nats_server, tmp_path):
+    refusal = Counting(raises=GuardError("disk is mounted", code="mounted_child", evidence={"disk": "x"}))
+    crash = Counting(raises=RuntimeError("boom"))
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: refusal, TaskType.preflight: crash}) as h:
+            refused = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER))
+            assert refused.error.code == "mounted_child" and refused.error.evidence == {"disk": "x"}
+            assert refused.error.retryable is False
+            crashed = await h.run_task_to_result(h.plane.envelope(NODE, TaskType.preflight.value))
+            assert crashed.error.code == "internal_error" and crashed.error.retryable is True
+            assert "boom" in crashed.error.message
+
+    _run(body())
+
+
+def test_malformed_message_is_terminated_and_next_task_completes(nats_server, tmp_path):
+    handler = Counting()
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}) as h:
+            await h.plane.enqueue_raw(f"gpuaas.node.{NODE}.task.{DISCOVER}", b"{not json")
+            await h.plane.enqueue_raw(f"gpuaas.node.{NODE}.task.{DISCOVER}",
+                                      h.plane.envelope("node-other", DISCOVER).model_dump_json().encode())
+            good = h.plane.envelope(NODE, DISCOVER)
+            result = await h.run_task_to_result(good)
+            assert result.status == ResultStatus.succeeded
+            assert handler.calls == 1
+            assert [r.task_id for r in h.plane.seen.results] == [good.task_id]
+
+    _run(body())
+
+
+def test_concurrency_is_bounded_per_task_type(nats_server, tmp_path):
+    handler = Counting(hold=True)
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler},
+                           concurrency={TaskType.topology_discover: 1}) as h:
+            tasks = [h.plane.envelope(NODE, DISCOVER) for _ in range(3)]
+            for envelope in tasks:
+                await h.plane.enqueue(envelope)
+            await asyncio.wait_for(handler.started.wait(), 10)
+            # All three are claimed (the worker has slots for other types), only one runs.
+            await wait_until(lambda: len(h.worker.running_task_ids) == 3, what="three tasks claimed")
+            assert handler.active == 1
+            handler.release.set()
+            for envelope in tasks:
+                await h.plane.wait_result(envelope.task_id)
+            assert handler.max_active == 1 and handler.calls == 3
+
+    _run(body())
+
+
+def test_keepalive_keeps_a_long_task_from_being_redelivered(nats_server, tmp_path):
+    handler = Counting(hold=True)
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler},
+                           ack_wait_s=1.0, keepalive_interval_s=0.2) as h:
+            envelope = h.plane.envelope(NODE, DISCOVER)
+            await h.plane.enqueue(envelope)
+            await asyncio.wait_for(handler.started.wait(), 10)
+            # The behaviour under test is time passing: three ack_wait periods without a redelivery.
+            await asyncio.sleep(3.0)
+            info = await h.plane.js.consumer_info(TASK_STREAM, h.settings.durable_name(NODE))
+            assert info.num_redelivered == 0
+            handler.release.set()
+            await h.plane.wait_result(envelope.task_id)
+            assert handler.calls == 1
+
+    _run(body())
+
+
+def test_server_restart_mid_task_completes_once(nats_server, tmp_path):
+    handler = Counting(hold=True, output={"survived": "restart"})
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}) as h:
+            envelope = h.plane.envelope(NODE, DISCOVER)
+            await h.plane.enqueue(envelope)
+            await asyncio.wait_for(handler.started.wait(), 10)
+
+            await asyncio.to_thread(nats_server.restart)
+            await wait_until(lambda: h.nc.is_connected and h.plane.nc.is_connected, what="clients reconnected")
+            await h.plane.nc.flush(timeout=5)  # the plane's result subscription is back on the server
+            handler.release.set()
+
+            result = await h.plane.wait_result(envelope.task_id, timeout=30)
+            assert result.status == ResultStatus.succeeded and result.output == {"survived": "restart"}
+            await wait_until_acked(h, timeout=20)
+            assert handler.calls == 1
+            assert [r.task_id for r in await h.plane.stored_results(NODE)] == [envelope.task_id]
+            assert h.store.unfinished_steps(envelope.task_id) == []
+            assert [e.step for e in h.store.journal_of(envelope.task_id)] == [TASK_STEP, TASK_STEP]
+
+    _run(body())
