@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import os
@@ -32,9 +31,9 @@ from nats.aio.client import Client
 
 from gpuaas_agent import __version__
 from gpuaas_agent.config import AgentConfig, load_config
-from gpuaas_agent.contract.tasks import Heartbeat, TaskType, TopologyDiscoverPayload
+from gpuaas_agent.contract.tasks import Heartbeat, TaskType
 from gpuaas_agent.control.enroll import EnrollIdentity, EnrollmentRecord, enroll, load_enrollment
-from gpuaas_agent.control.worker import Handler, TaskContext, TaskWorker, WorkerSettings
+from gpuaas_agent.control.worker import Handler, TaskWorker, WorkerSettings
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.state.store import StateStore
 
@@ -129,30 +128,18 @@ def watchdog_interval_s(environ: dict[str, str] | None = None) -> float | None:
     return int(usec) / 1_000_000 / 2
 
 
-# -- task handlers (move to gpuaas_agent/tasks/ when that room lands) ---------------
-
-
-def topology_discover_handler(host_root: Path) -> Handler:
-    """``slice.topology_discover``: discovery over the configured host root, the report as JSON."""
-
-    async def handle(payload: TopologyDiscoverPayload, ctx: TaskContext) -> dict:
-        from gpuaas_agent.discovery.report import discover
-        from gpuaas_agent.discovery.slots import PlanConfig
-        from gpuaas_agent.hostfs import HostRoot
-
-        await ctx.progress("discover", "started")
-        plan = PlanConfig(subnet=ipaddress.IPv4Network(payload.subnet, strict=True), ovs_bridge=payload.ovs_bridge)
-        # sysfs walks block: keep them off the event loop so keepalives and heartbeats go on.
-        report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan))
-        await ctx.progress("discover", "succeeded", percent=100, detail={"candidate_slots": report.summary.candidate_slots})
-        return report.model_dump(mode="json")
-
-    return handle
+# -- task handlers ------------------------------------------------------------------
 
 
 def default_handlers(config: AgentConfig) -> dict[TaskType, Handler]:
     """Every type not here gets ``failed``/``not_implemented`` from the worker."""
-    return {TaskType.topology_discover: topology_discover_handler(config.host_root)}
+    from gpuaas_agent.tasks.plan import plan_handler
+    from gpuaas_agent.tasks.topology import topology_discover_handler
+
+    return {
+        TaskType.topology_discover: topology_discover_handler(config.host_root),
+        TaskType.plan: plan_handler(config.host_root),
+    }
 
 
 def identity_from_host(host_root: Path) -> EnrollIdentity:

@@ -13,6 +13,7 @@ from pathlib import Path
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest
 from gpuaas_agent.contract.images import CachedImage
+from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.slots import ApprovedSlot
 from gpuaas_agent.contract.storage import CloneResult, WipeProof
 from gpuaas_agent.contract.tasks import PAYLOADS, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
@@ -29,7 +30,8 @@ WIRE_MODELS: tuple[type[WireModel], ...] = (
     Heartbeat,
     ApprovedSlot,
     TopologyReport,
-    # Records reported inside task outputs (cleanup proof, clone, binding, image).
+    # Records reported inside task outputs (plan, cleanup proof, clone, binding, image).
+    BundlePlan,
     WipeProof,
     CloneResult,
     VfioBindResult,

@@ -23,8 +23,8 @@ from gpuaas_agent.errors import AgentError
 MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE slot_lease (
-        allocation_id TEXT PRIMARY KEY,
-        slot_index INTEGER NOT NULL UNIQUE,
+        slot_index INTEGER PRIMARY KEY,
+        allocation_id TEXT NOT NULL,
         gpu_pci_address TEXT NOT NULL UNIQUE,
         nvme_device TEXT NOT NULL UNIQUE,
         fabric_vf_pci_address TEXT NOT NULL UNIQUE,
@@ -40,6 +40,7 @@ MIGRATIONS: tuple[str, ...] = (
         at REAL NOT NULL,
         PRIMARY KEY (task_id, seq)
     );
+    CREATE INDEX slot_lease_allocation ON slot_lease (allocation_id);
     CREATE TABLE task_result (
         task_id TEXT PRIMARY KEY,
         result TEXT NOT NULL,
@@ -49,12 +50,16 @@ MIGRATIONS: tuple[str, ...] = (
 )
 
 
+LEASE_FIELDS = ("allocation_id", "slot_index", "gpu_pci_address", "nvme_device", "fabric_vf_pci_address", "task_id", "taken_at")
+LEASE_COLUMNS = ", ".join(LEASE_FIELDS)
+
+
 class StateError(AgentError):
     default_code = "state_error"
 
 
 class LeaseConflict(StateError):
-    """The slot, one of its devices, or the allocation is leased already."""
+    """The slot or one of its devices is leased by another lease already."""
 
     default_code = "lease_conflict"
 
@@ -114,57 +119,67 @@ class StateStore:
 
     # -- leases -------------------------------------------------------------------
 
-    def take_lease(self, lease: SlotLease) -> SlotLease:
-        """Lease a slot atomically; idempotent for the same allocation and slot.
+    def take_leases(self, leases: list[SlotLease]) -> list[SlotLease]:
+        """Lease every slot of one allocation, all or nothing (a multi-GPU slice fits on one node).
 
-        Raises :class:`LeaseConflict` naming the holder when the slot, its disk,
-        GPU or VF, or the allocation is held already.
+        Taking a lease the allocation already holds is a no-op. Raises
+        :class:`LeaseConflict` naming the holder when a slot, its GPU, disk or VF
+        is held by another lease; then nothing is taken.
         """
+        allocations = {lease.allocation_id for lease in leases}
+        if len(allocations) != 1:
+            raise StateError("one call leases the slots of exactly one allocation", code="lease_request_invalid",
+                             evidence={"allocations": sorted(allocations)})
         with self._transaction():
-            existing = self._lease_row("allocation_id = ?", lease.allocation_id)
-            if existing is not None:
-                if existing.model_dump(exclude={"task_id", "taken_at"}) == lease.model_dump(exclude={"task_id", "taken_at"}):
-                    return existing
-                raise LeaseConflict(
-                    f"allocation {lease.allocation_id} already holds slot {existing.slot_index}",
-                    evidence={"held": existing.model_dump(), "requested": lease.model_dump()},
-                )
-            for column in ("slot_index", "gpu_pci_address", "nvme_device", "fabric_vf_pci_address"):
-                holder = self._lease_row(f"{column} = ?", getattr(lease, column))
-                if holder is not None:
-                    raise LeaseConflict(
-                        f"{column}={getattr(lease, column)} is leased by allocation {holder.allocation_id}",
-                        evidence={"held": holder.model_dump(), "requested": lease.model_dump()},
-                    )
-            self._conn.execute(
-                "INSERT INTO slot_lease VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (lease.allocation_id, lease.slot_index, lease.gpu_pci_address, lease.nvme_device,
-                 lease.fabric_vf_pci_address, lease.task_id, lease.taken_at),
+            return [self._take_one(lease) for lease in leases]
+
+    def take_lease(self, lease: SlotLease) -> SlotLease:
+        return self.take_leases([lease])[0]
+
+    def _take_one(self, lease: SlotLease) -> SlotLease:
+        bound = lease.model_dump(exclude={"task_id", "taken_at"})
+        for column in ("slot_index", "gpu_pci_address", "nvme_device", "fabric_vf_pci_address"):
+            holder = self._lease_row(f"{column} = ?", getattr(lease, column))
+            if holder is None:
+                continue
+            if holder.model_dump(exclude={"task_id", "taken_at"}) == bound:
+                return holder  # this very lease, taken before (a redelivered plan)
+            raise LeaseConflict(
+                f"{column}={getattr(lease, column)} is leased by allocation {holder.allocation_id} (slot {holder.slot_index})",
+                evidence={"held": holder.model_dump(), "requested": lease.model_dump()},
             )
+        self._conn.execute(
+            "INSERT INTO slot_lease (slot_index, allocation_id, gpu_pci_address, nvme_device, fabric_vf_pci_address,"
+            " task_id, taken_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (lease.slot_index, lease.allocation_id, lease.gpu_pci_address, lease.nvme_device,
+             lease.fabric_vf_pci_address, lease.task_id, lease.taken_at),
+        )
         return lease
 
-    def release_lease(self, allocation_id: str) -> SlotLease | None:
-        """Drop an allocation's lease; returns what was released (None if there was none)."""
+    def release_leases(self, allocation_id: str) -> list[SlotLease]:
+        """Drop every lease of an allocation; returns what was released (empty if none)."""
         with self._transaction():
-            held = self._lease_row("allocation_id = ?", allocation_id)
+            held = self.leases_of(allocation_id)
             self._conn.execute("DELETE FROM slot_lease WHERE allocation_id = ?", (allocation_id,))
         return held
 
-    def lease_for(self, allocation_id: str) -> SlotLease | None:
-        return self._lease_row("allocation_id = ?", allocation_id)
+    def leases_of(self, allocation_id: str) -> list[SlotLease]:
+        rows = self._conn.execute(
+            f"SELECT {LEASE_COLUMNS} FROM slot_lease WHERE allocation_id = ? ORDER BY slot_index", (allocation_id,)
+        ).fetchall()
+        return [self._lease(r) for r in rows]
 
     def leases(self) -> list[SlotLease]:
-        rows = self._conn.execute("SELECT * FROM slot_lease ORDER BY slot_index").fetchall()
+        rows = self._conn.execute(f"SELECT {LEASE_COLUMNS} FROM slot_lease ORDER BY slot_index").fetchall()
         return [self._lease(r) for r in rows]
 
     def _lease_row(self, where: str, value: object) -> SlotLease | None:
-        row = self._conn.execute(f"SELECT * FROM slot_lease WHERE {where}", (value,)).fetchone()
+        row = self._conn.execute(f"SELECT {LEASE_COLUMNS} FROM slot_lease WHERE {where}", (value,)).fetchone()
         return None if row is None else self._lease(row)
 
     @staticmethod
     def _lease(row: tuple) -> SlotLease:
-        keys = ("allocation_id", "slot_index", "gpu_pci_address", "nvme_device", "fabric_vf_pci_address", "task_id", "taken_at")
-        return SlotLease(**dict(zip(keys, row)))
+        return SlotLease(**dict(zip(LEASE_FIELDS, row)))
 
     # -- journal ------------------------------------------------------------------
 

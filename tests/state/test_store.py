@@ -51,17 +51,31 @@ def test_no_device_of_a_leased_slot_can_go_to_another_slot(store):
         store.take_lease(_lease(alloc=ALLOC_B, slot=1, nvme_device=_lease().nvme_device))
 
 
-def test_same_lease_again_is_idempotent_other_slot_is_a_conflict(store):
+def test_same_lease_again_is_idempotent(store):
     first = store.take_lease(_lease())
     assert store.take_lease(_lease(task_id="task-redelivered", taken_at=9.0)) == first
-    with pytest.raises(LeaseConflict, match="already holds slot 0"):
-        store.take_lease(_lease(slot=3))
+    assert len(store.leases()) == 1
 
 
-def test_release_frees_the_slot(store):
-    store.take_lease(_lease())
-    assert store.release_lease(ALLOC_A).slot_index == 0
-    assert store.release_lease(ALLOC_A) is None
+def test_a_multi_gpu_allocation_leases_all_its_slots_or_none(store):
+    store.take_lease(_lease(alloc=ALLOC_B, slot=2))
+    with pytest.raises(LeaseConflict, match="slot_index=2"):
+        store.take_leases([_lease(slot=0), _lease(slot=1), _lease(slot=2)])
+    assert store.leases_of(ALLOC_A) == []  # nothing taken: slots 0 and 1 stay free
+    taken = store.take_leases([_lease(slot=0), _lease(slot=1)])
+    assert [l.slot_index for l in store.leases_of(ALLOC_A)] == [0, 1] == [l.slot_index for l in taken]
+
+
+def test_one_call_leases_for_one_allocation_only(store):
+    with pytest.raises(StateError) as err:
+        store.take_leases([_lease(), _lease(alloc=ALLOC_B, slot=1)])
+    assert err.value.code == "lease_request_invalid" and store.leases() == []
+
+
+def test_release_frees_every_slot_of_the_allocation(store):
+    store.take_leases([_lease(slot=0), _lease(slot=1)])
+    assert [l.slot_index for l in store.release_leases(ALLOC_A)] == [0, 1]
+    assert store.release_leases(ALLOC_A) == []
     store.take_lease(_lease(alloc=ALLOC_B))
 
 

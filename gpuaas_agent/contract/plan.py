@@ -1,0 +1,29 @@
+"""``slice.plan`` output: the concrete bundle each approved slot resolves to on this host right now."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.types import ByIdPath, KernelName, MacAddress, PciAddress
+
+
+class PlannedSlot(WireModel):
+    slot_id: str
+    slot_index: int
+    gpu_pci_address: PciAddress
+    gpu_numa_node: int | None
+    gpu_local_cpulist: str | None
+    fabric_vf_pci_address: PciAddress
+    fabric_pf_pci_address: PciAddress | None
+    nvme_device: ByIdPath
+    nvme_kernel_name: KernelName = Field(description="advisory: resolved now, moves on reboot")
+    nvme_size_bytes: int | None
+    mac: MacAddress
+    private_ip: str
+    ovs_bridge: str
+
+
+class BundlePlan(WireModel):
+    allocation_id: str
+    slots: list[PlannedSlot]

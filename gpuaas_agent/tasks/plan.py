@@ -1,0 +1,126 @@
+"""``slice.plan``: the node-scheduler boundary (seed 002, "Current Non-Infra Work Queue").
+
+The control plane hands over approved slot ids and its records of them; the
+agent checks each record against what the host has *now* (complete bindings,
+a per-slot VF, a by-id disk that resolves to a raw, unmounted namespace),
+takes the host-local leases all or nothing, and answers with the concrete
+bundle. It changes nothing else on the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from gpuaas_agent.contract.plan import BundlePlan, PlannedSlot
+from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
+from gpuaas_agent.contract.state import SlotLease
+from gpuaas_agent.contract.tasks import PlanPayload
+from gpuaas_agent.contract.topology import TopologyReport
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.state.store import StateStore
+
+# A slot the control plane has not handed to this allocation cannot be planned.
+PLANNABLE = frozenset({SlotStatus.available, SlotStatus.reserved})
+
+
+class PlanError(AgentError):
+    default_code = "plan_refused"
+
+
+def _slot_records(payload: PlanPayload) -> list[ApprovedSlot]:
+    """The records of exactly the approved ids; an id without a record is ``not_approved``."""
+    by_id = {slot.slot_id: slot for slot in payload.slots}
+    missing = [i for i in payload.approved_slot_ids if i not in by_id]
+    if missing:
+        raise PlanError(f"slots {', '.join(missing)} have no approved record in this task", code="not_approved",
+                        evidence={"missing_slot_ids": missing, "records": sorted(by_id)})
+    return [by_id[i] for i in payload.approved_slot_ids]
+
+
+def _no_shared_devices(slots: list[ApprovedSlot]) -> None:
+    for field in ("slot_index", "gpu_pci_address", "nvme_device", "fabric_vf_pci_address", "mac", "private_ip"):
+        values = [getattr(s, field) for s in slots]
+        dupes = sorted({str(v) for v in values if values.count(v) > 1})
+        if dupes:
+            raise PlanError(f"{field} appears in more than one approved slot: {', '.join(dupes)}",
+                            code="duplicate_binding", evidence={"field": field, "values": dupes})
+
+
+def _drift(slot: ApprovedSlot, what: str, detail: str, **evidence) -> PlanError:
+    return PlanError(f"slot {slot.slot_id}: {detail}", code="slot_drift",
+                     evidence={"slot_id": slot.slot_id, "binding": what, **evidence})
+
+
+def plan_bundle(payload: PlanPayload, report: TopologyReport) -> BundlePlan:
+    """Pure: approved records + live discovery -> bundle plan, or a typed refusal naming the evidence."""
+    slots = _slot_records(payload)
+    _no_shared_devices(slots)
+    gpus = {g.pci_address: g for g in report.gpus}
+    vfs = {f.pci_address: f for f in report.fabric_devices if f.is_vf}
+    disks = {}
+    for disk in report.nvme_devices:
+        for name in filter(None, [disk.by_id, *disk.by_id_links]):
+            disks[name] = disk
+    planned = []
+    for slot in slots:
+        if slot.status not in PLANNABLE:
+            raise PlanError(f"slot {slot.slot_id} is {slot.status.value}, not available for a new allocation",
+                            code="slot_not_available", evidence={"slot_id": slot.slot_id, "status": slot.status.value})
+        gpu = gpus.get(slot.gpu_pci_address)
+        if gpu is None:
+            raise _drift(slot, "gpu_pci_address", f"no GPU at {slot.gpu_pci_address} on this host",
+                         host_gpus=sorted(gpus))
+        vf = vfs.get(slot.fabric_vf_pci_address)
+        if vf is None:
+            raise _drift(slot, "fabric_vf_pci_address",
+                         f"{slot.fabric_vf_pci_address} is not a fabric VF on this host (a PF is never shared)",
+                         host_vfs=sorted(vfs))
+        disk = disks.get(slot.nvme_device)
+        if disk is None:
+            raise _drift(slot, "nvme_device", f"{slot.nvme_device} does not resolve to an NVMe namespace here")
+        if not disk.slice_eligible:
+            raise PlanError(
+                f"slot {slot.slot_id}: {slot.nvme_device} is not a raw, unused disk",
+                code="nvme_unsafe",
+                evidence={"slot_id": slot.slot_id, "kernel_name": disk.kernel_name,
+                          "reasons": [r.model_dump() for r in disk.ineligible_reasons]},
+            )
+        planned.append(PlannedSlot(
+            slot_id=slot.slot_id, slot_index=slot.slot_index,
+            gpu_pci_address=gpu.pci_address, gpu_numa_node=gpu.numa_node, gpu_local_cpulist=gpu.local_cpulist,
+            fabric_vf_pci_address=vf.pci_address, fabric_pf_pci_address=vf.physfn,
+            nvme_device=slot.nvme_device, nvme_kernel_name=disk.kernel_name, nvme_size_bytes=disk.size_bytes,
+            mac=slot.mac, private_ip=slot.private_ip, ovs_bridge=slot.ovs_bridge,
+        ))
+    return BundlePlan(allocation_id=payload.allocation_id, slots=planned)
+
+
+def lease_bundle(store: StateStore, plan: BundlePlan, task_id: str, *, now: float | None = None) -> list[SlotLease]:
+    """Take every slot's lease in one transaction (raises ``lease_conflict``, taking none)."""
+    taken_at = time.time() if now is None else now
+    return store.take_leases([
+        SlotLease(allocation_id=plan.allocation_id, slot_index=s.slot_index, gpu_pci_address=s.gpu_pci_address,
+                  nvme_device=s.nvme_device, fabric_vf_pci_address=s.fabric_vf_pci_address,
+                  task_id=task_id, taken_at=taken_at)
+        for s in plan.slots
+    ])
+
+
+def plan_handler(host_root: Path):
+    """The worker's handler for ``slice.plan`` (discovery runs off the event loop)."""
+
+    async def handle(payload: PlanPayload, ctx) -> dict:
+        from gpuaas_agent.discovery.report import discover
+        from gpuaas_agent.hostfs import HostRoot
+
+        await ctx.progress("validate", "started")
+        report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root)))
+        plan = plan_bundle(payload, report)
+        await ctx.progress("validate", "succeeded")
+        lease_bundle(ctx.store, plan, ctx.envelope.task_id)
+        await ctx.progress("lease", "succeeded", detail={"slots": [s.slot_index for s in plan.slots]})
+        return plan.model_dump(mode="json")
+
+    return handle

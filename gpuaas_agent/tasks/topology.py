@@ -1,0 +1,27 @@
+"""``slice.topology_discover``: the discovery report of this host, for operator review of candidate slots."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from pathlib import Path
+
+from gpuaas_agent.contract.tasks import TopologyDiscoverPayload
+
+
+def topology_discover_handler(host_root: Path):
+    """Discovery over the configured host root, the report as JSON."""
+
+    async def handle(payload: TopologyDiscoverPayload, ctx) -> dict:
+        from gpuaas_agent.discovery.report import discover
+        from gpuaas_agent.discovery.slots import PlanConfig
+        from gpuaas_agent.hostfs import HostRoot
+
+        await ctx.progress("discover", "started")
+        plan = PlanConfig(subnet=ipaddress.IPv4Network(payload.subnet, strict=True), ovs_bridge=payload.ovs_bridge)
+        # sysfs walks block: keep them off the event loop so keepalives and heartbeats go on.
+        report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan))
+        await ctx.progress("discover", "succeeded", percent=100, detail={"candidate_slots": report.summary.candidate_slots})
+        return report.model_dump(mode="json")
+
+    return handle

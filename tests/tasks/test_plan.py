@@ -1,0 +1,112 @@
+"""slice.plan: approved records are checked against live discovery, then leased all or nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuaas_agent.contract.slots import ApprovedSlot
+from gpuaas_agent.contract.tasks import PlanPayload
+from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.state.store import LeaseConflict, StateStore
+from gpuaas_agent.tasks.plan import PlanError, lease_bundle, plan_bundle
+from tests.conftest import HOSTS
+
+ALLOC = "23bd713b-6073-4ef7-8a51-2897e902365d"
+OTHER = "158ea147-0115-407f-bbd5-1850c32b9517"
+
+
+def _report(name="h200-slice-after-transition"):
+    return discover(HostRoot.open(HOSTS / name))
+
+
+def _approved(report, index: int, **over) -> ApprovedSlot:
+    """An operator-approved record made from the candidate, as the control plane stores it."""
+    c = report.candidate_slots[index]
+    fields = dict(slot_id=f"s-{index}", slot_index=index, gpu_pci_address=c.gpu_pci_address,
+                  nvme_device=c.nvme_device, storage_identity_kind=c.storage_identity_kind,
+                  fabric_vf_pci_address=c.fabric_vf_pci_address, fabric_claim_mode=c.fabric_claim_mode,
+                  mac=c.mac, private_ip=c.private_ip, ovs_bridge=c.ovs_bridge, numa_node=c.numa_node,
+                  status="reserved")
+    fields.update(over)
+    return ApprovedSlot(**fields)
+
+
+def _payload(*slots, ids=None, alloc=ALLOC) -> PlanPayload:
+    return PlanPayload(allocation_id=alloc, approved_slot_ids=ids or [s.slot_id for s in slots], slots=list(slots))
+
+
+def test_two_slot_bundle_is_planned_from_live_state():
+    report = _report()
+    plan = plan_bundle(_payload(_approved(report, 0), _approved(report, 5)), report)
+    assert [s.slot_index for s in plan.slots] == [0, 5]
+    first = plan.slots[0]
+    assert first.gpu_local_cpulist == "0-55,112-167" and first.nvme_kernel_name == "nvme3n1"
+    assert first.fabric_pf_pci_address == "0000:19:00.0"
+
+
+def test_after_reboot_the_same_record_resolves_to_the_new_kernel_name():
+    approved = _approved(_report(), 0)
+    plan = plan_bundle(_payload(approved), _report("h200-slice-after-reboot"))
+    assert plan.slots[0].nvme_device == approved.nvme_device and plan.slots[0].nvme_kernel_name == "nvme5n1"
+
+
+def _refusal(payload, report) -> PlanError:
+    with pytest.raises(PlanError) as err:
+        plan_bundle(payload, report)
+    return err.value
+
+
+def test_an_approved_id_without_record_is_not_approved():
+    report = _report()
+    err = _refusal(_payload(_approved(report, 0), ids=["s-0", "s-9"]), report)
+    assert err.code == "not_approved" and err.evidence["missing_slot_ids"] == ["s-9"]
+
+
+def test_mounted_disk_is_refused_with_its_mount_evidence():
+    before = _report("h200-slice-before-transition")
+    err = _refusal(_payload(_approved(_report(), 0)), before)
+    assert err.code == "nvme_unsafe"
+    assert "mounted_child" in {r["code"] for r in err.evidence["reasons"]}
+
+
+def test_gpu_that_is_not_on_this_host_is_drift():
+    report = _report()
+    err = _refusal(_payload(_approved(report, 0, gpu_pci_address="0000:77:00.0")), report)
+    assert err.code == "slot_drift" and err.evidence["binding"] == "gpu_pci_address"
+
+
+def test_a_pf_named_as_the_slot_vf_is_refused():
+    report = _report()
+    err = _refusal(_payload(_approved(report, 0, fabric_vf_pci_address="0000:19:00.0")), report)
+    assert err.code == "slot_drift" and err.evidence["binding"] == "fabric_vf_pci_address"
+
+
+def test_no_vfs_host_cannot_plan_a_slot():
+    approved = _approved(_report(), 0)
+    err = _refusal(_payload(approved), _report("h200-slice-no-vfs"))
+    assert err.code == "slot_drift"
+
+
+def test_two_slots_sharing_a_disk_are_refused():
+    report = _report()
+    a, b = _approved(report, 0), _approved(report, 1)
+    err = _refusal(_payload(a, b.model_copy(update={"nvme_device": a.nvme_device})), report)
+    assert err.code == "duplicate_binding" and err.evidence["field"] == "nvme_device"
+
+
+def test_cleanup_blocked_slot_is_not_plannable():
+    report = _report()
+    err = _refusal(_payload(_approved(report, 0, status="cleanup_blocked")), report)
+    assert err.code == "slot_not_available"
+
+
+def test_leases_are_all_or_nothing(tmp_path):
+    report = _report()
+    store = StateStore.open(tmp_path / "agent.db")
+    lease_bundle(store, plan_bundle(_payload(_approved(report, 1), alloc=OTHER), report), "t-other")
+    plan = plan_bundle(_payload(_approved(report, 0), _approved(report, 1)), report)
+    with pytest.raises(LeaseConflict):
+        lease_bundle(store, plan, "t-mine")
+    assert store.leases_of(ALLOC) == []
+    store.close()
