@@ -35,6 +35,7 @@ from gpuaas_agent.contract.tasks import Heartbeat, TaskType
 from gpuaas_agent.control.enroll import EnrollIdentity, EnrollmentRecord, enroll, load_enrollment
 from gpuaas_agent.control.worker import Handler, TaskWorker, WorkerSettings
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.logs import configure_logging
 from gpuaas_agent.state.store import StateStore
 
 log = logging.getLogger("gpuaas_agent.daemon")
@@ -44,41 +45,6 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     log.log(level, json.dumps({"event": event, **fields}, default=str, sort_keys=True))
-
-
-# -- logging -----------------------------------------------------------------------
-
-
-class JsonLinesFormatter(logging.Formatter):
-    """One JSON object per line; a message that is already a JSON object is merged, not quoted."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-        }
-        message = record.getMessage()
-        try:
-            fields = json.loads(message)
-        except ValueError:
-            fields = None
-        if isinstance(fields, dict):
-            line.update(fields)
-        else:
-            line["msg"] = message
-        if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
-
-
-def configure_logging(level: int = logging.INFO) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLinesFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    logging.getLogger("nats").setLevel(logging.WARNING)
 
 
 # -- systemd notify ----------------------------------------------------------------

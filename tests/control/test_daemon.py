@@ -24,15 +24,9 @@ import pytest
 from gpuaas_agent.config import load_config
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.enroll import EnrollIdentity, enroll
-from gpuaas_agent.daemon import (
-    JsonLinesFormatter,
-    SdNotifier,
-    configure_logging,
-    default_handlers,
-    run_agent,
-    watchdog_interval_s,
-)
+from gpuaas_agent.daemon import SdNotifier, default_handlers, run_agent, watchdog_interval_s
 from gpuaas_agent.host.run import run
+from gpuaas_agent.logs import JsonLinesFormatter, configure_logging
 from gpuaas_agent.state.store import StateStore
 from tests.conftest import HOSTS, REPO
 from tests.controlplane import ControlPlane
