@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import nats
 import nats.errors
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
@@ -79,27 +79,6 @@ def load_enrollment(state_dir: str | Path) -> EnrollmentRecord | None:
         ) from None
 
 
-def write_private_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` as 0600 via temp + fsync + rename (+ fsync of the directory)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # a leftover of a crash of an earlier process with our pid
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o600)  # O_CREAT's mode is filtered by the umask; this is not
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _read_token(token_file: Path) -> str:
@@ -164,7 +143,9 @@ async def enroll(
     record = EnrollmentRecord(node_id=reply.node_id, credentials=reply.credentials,
                               enrolled_at=datetime.now(timezone.utc))
     # repr=False hides the password from logs only; the record on disk must carry it (hence 0600).
-    write_private_atomic(record_path(state_dir), record.model_dump_json(indent=2).encode())
+    path = record_path(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_atomic(path, record.model_dump_json(indent=2).encode(), mode=0o600)
     try:
         token_file.unlink(missing_ok=True)
     except OSError as exc:

@@ -11,12 +11,9 @@ so a retried provision can compare digests instead of guessing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import hashlib
 import io
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ import pycdlib.pycdlib
 import pycdlib.utils
 import yaml
 
+from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.cloudinit import (
     SEED_VOLUME_LABEL,
     GuestAddressing,
@@ -206,32 +204,6 @@ def build_seed_iso(files: dict[str, bytes]) -> bytes:
     return out.getvalue()
 
 
-# ---------------------------------------------------------------------------
-# Shell: atomic write
-# ---------------------------------------------------------------------------
-
-
-def _write_atomically(dest: Path, data: bytes) -> None:
-    """Temp file in the destination directory, fsync, rename over, fsync the directory."""
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            os.fchmod(fh.fileno(), 0o644)  # qemu reads it; it holds public keys only
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -240,7 +212,7 @@ def _build_and_write(spec: SeedSpec, dest: Path) -> SeedIso:
     files = render_seed_files(spec)
     image = build_seed_iso(files)
     try:
-        _write_atomically(dest, image)
+        write_atomic(dest, image, mode=0o644)  # qemu reads it; it holds public keys only
     except OSError as exc:
         raise HostError(
             f"cannot write seed ISO {dest}: {exc.strerror or exc}",

@@ -32,6 +32,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 from pydantic import ValidationError
 
+from gpuaas_agent.atomicfile import fsync_dir, write_atomic
 from gpuaas_agent.contract.images import CachedImage, CacheEntryMarker, ImageFormat
 from gpuaas_agent.errors import ContractError, HostError
 from gpuaas_agent.host.run import run
@@ -220,14 +221,14 @@ class ImageCache:
                 )
             image_format = await _probe_format(tmp, url)
             os.replace(tmp, self.image_path(expected))
-            _fsync_dir(self.entries)
+            fsync_dir(self.entries)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         marker = CacheEntryMarker(sha256=expected, size_bytes=size, source_url=url, format=image_format,
                                   verified_at=datetime.now(UTC))
         try:
-            _write_atomically(self.marker_path(expected), marker.model_dump_json().encode())
+            write_atomic(self.marker_path(expected), marker.model_dump_json().encode(), mode=0o600)
         except OSError as exc:
             # An image without its marker is never trusted: give the space back now.
             self.image_path(expected).unlink(missing_ok=True)
@@ -410,26 +411,5 @@ def _digest_arg(value: str) -> str:
     return digest
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Temp file in the same directory, fsync, rename, fsync the directory."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        _write_all(fd)(memoryview(data))
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
