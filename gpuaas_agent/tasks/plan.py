@@ -2,7 +2,8 @@
 
 The control plane hands over approved slot ids and its records of them; the
 agent checks each record against what the host has *now* (complete bindings,
-a per-slot VF, a by-id disk that resolves to a raw, unmounted namespace),
+a per-slot VF, a by-id disk that resolves to a raw, unmounted namespace; a
+binding this host does not have is ``not_approved``),
 takes the host-local leases all or nothing, and answers with the concrete
 bundle. It changes nothing else on the host.
 """
@@ -48,8 +49,9 @@ def _no_shared_devices(slots: list[ApprovedSlot]) -> None:
                             code="duplicate_binding", evidence={"field": field, "values": dupes})
 
 
-def _drift(slot: ApprovedSlot, what: str, detail: str, **evidence) -> PlanError:
-    return PlanError(f"slot {slot.slot_id}: {detail}", code="slot_drift",
+def _not_on_this_node(slot: ApprovedSlot, what: str, detail: str, **evidence) -> PlanError:
+    """A binding this host does not have cannot belong to an approved slot of this node."""
+    return PlanError(f"slot {slot.slot_id}: {detail}", code="not_approved",
                      evidence={"slot_id": slot.slot_id, "binding": what, **evidence})
 
 
@@ -70,16 +72,16 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport) -> BundlePlan:
                             code="slot_not_available", evidence={"slot_id": slot.slot_id, "status": slot.status.value})
         gpu = gpus.get(slot.gpu_pci_address)
         if gpu is None:
-            raise _drift(slot, "gpu_pci_address", f"no GPU at {slot.gpu_pci_address} on this host",
+            raise _not_on_this_node(slot, "gpu_pci_address", f"no GPU at {slot.gpu_pci_address} on this host",
                          host_gpus=sorted(gpus))
         vf = vfs.get(slot.fabric_vf_pci_address)
         if vf is None:
-            raise _drift(slot, "fabric_vf_pci_address",
+            raise _not_on_this_node(slot, "fabric_vf_pci_address",
                          f"{slot.fabric_vf_pci_address} is not a fabric VF on this host (a PF is never shared)",
                          host_vfs=sorted(vfs))
         disk = disks.get(slot.nvme_device)
         if disk is None:
-            raise _drift(slot, "nvme_device", f"{slot.nvme_device} does not resolve to an NVMe namespace here")
+            raise _not_on_this_node(slot, "nvme_device", f"{slot.nvme_device} does not resolve to an NVMe namespace here")
         if not disk.slice_eligible:
             raise PlanError(
                 f"slot {slot.slot_id}: {slot.nvme_device} is not a raw, unused disk",

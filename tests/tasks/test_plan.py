@@ -70,22 +70,22 @@ def test_mounted_disk_is_refused_with_its_mount_evidence():
     assert "mounted_child" in {r["code"] for r in err.evidence["reasons"]}
 
 
-def test_gpu_that_is_not_on_this_host_is_drift():
+def test_gpu_that_is_not_on_this_node_is_not_approved():
     report = _report()
     err = _refusal(_payload(_approved(report, 0, gpu_pci_address="0000:77:00.0")), report)
-    assert err.code == "slot_drift" and err.evidence["binding"] == "gpu_pci_address"
+    assert err.code == "not_approved" and err.evidence["binding"] == "gpu_pci_address"
 
 
 def test_a_pf_named_as_the_slot_vf_is_refused():
     report = _report()
     err = _refusal(_payload(_approved(report, 0, fabric_vf_pci_address="0000:19:00.0")), report)
-    assert err.code == "slot_drift" and err.evidence["binding"] == "fabric_vf_pci_address"
+    assert err.code == "not_approved" and err.evidence["binding"] == "fabric_vf_pci_address"
 
 
 def test_no_vfs_host_cannot_plan_a_slot():
     approved = _approved(_report(), 0)
     err = _refusal(_payload(approved), _report("h200-slice-no-vfs"))
-    assert err.code == "slot_drift"
+    assert err.code == "not_approved" and err.evidence["binding"] == "fabric_vf_pci_address"
 
 
 def test_two_slots_sharing_a_disk_are_refused():
