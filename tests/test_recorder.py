@@ -30,10 +30,7 @@ from gpuaas_agent.recorder import (
     record_fixture,
 )
 
-try:
-    from gpuaas_agent.discovery.report import discover
-except ImportError:  # discovery is written in parallel; the tree comparison stands alone
-    discover = None
+from gpuaas_agent.discovery.report import discover
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures" / "hosts"
@@ -213,8 +210,6 @@ def snapshot(root: Path, *, host_only: bool = True) -> dict[str, tuple]:
 
 
 def assert_discovery_identical(src: Path, out: Path) -> None:
-    if discover is None:
-        return
     assert discover(HostRoot.open(src)).model_dump_json() == discover(HostRoot.open(out)).model_dump_json()
 
 
@@ -277,8 +272,6 @@ def test_recording_a_built_host_gives_the_same_tree(tmp_path):
 
 def test_built_host_is_meaningful_to_discovery(tmp_path):
     """Guards the comparison above: the tree must exercise PCI, IOMMU, NVMe, partitions and holders."""
-    if discover is None:
-        pytest.skip("gpuaas_agent.discovery.report is not importable yet")
     out = tmp_path / "out"
     record_fixture(HostRoot.open(build_host(tmp_path / "src")), out)
     report = discover(HostRoot.open(out))
