@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import posixpath
+import re
 from pathlib import Path
 
 import pytest
 
-from gpuaas_agent.contract.fixture import FIXTURE_META_DIR, MANIFEST_NAME, FixtureManifest
+from gpuaas_agent.contract.fixture import (
+    FIXTURE_META_DIR,
+    MANIFEST_NAME,
+    FixtureManifest,
+)
+from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import FixtureError
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.recorder import (
@@ -29,8 +34,6 @@ from gpuaas_agent.recorder import (
     PCI_ATTRS,
     record_fixture,
 )
-
-from gpuaas_agent.discovery.report import discover
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures" / "hosts"

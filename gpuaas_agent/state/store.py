@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gpuaas_agent.contract.state import JournalEntry, SlotLease, StepStatus
+from gpuaas_agent.contract.storage import WipeProof
 from gpuaas_agent.errors import AgentError
 
 # Each entry moves the schema from version i to i+1; never edit one that shipped.
@@ -46,6 +47,16 @@ MIGRATIONS: tuple[str, ...] = (
         result TEXT NOT NULL,
         stored_at REAL NOT NULL
     );
+    """,
+    # 1 -> 2: the wipe proofs of each slot's disk, newest last (issue 3: proof stored with the slot).
+    """
+    CREATE TABLE slot_wipe_proof (
+        slot_index INTEGER NOT NULL,
+        recorded_at REAL NOT NULL,
+        verified INTEGER NOT NULL,
+        proof TEXT NOT NULL
+    );
+    CREATE INDEX slot_wipe_proof_slot ON slot_wipe_proof (slot_index, recorded_at);
     """,
 )
 
@@ -233,3 +244,21 @@ class StateStore:
     def result_of(self, task_id: str) -> dict | None:
         row = self._conn.execute("SELECT result FROM task_result WHERE task_id = ?", (task_id,)).fetchone()
         return None if row is None else json.loads(row[0])
+
+    # -- wipe proofs --------------------------------------------------------------
+
+    def record_wipe_proof(self, slot_index: int, proof: WipeProof) -> None:
+        """Keep a wipe's proof with its slot, verified or not: a failed one is the evidence of cleanup_blocked."""
+        with self._transaction():
+            self._conn.execute(
+                "INSERT INTO slot_wipe_proof VALUES (?, ?, ?, ?)",
+                (slot_index, self._clock(), int(proof.verified), proof.model_dump_json()),
+            )
+
+    def latest_wipe_proof(self, slot_index: int) -> WipeProof | None:
+        """The newest proof of a slot's disk, or None when it was never wiped by this agent."""
+        row = self._conn.execute(
+            "SELECT proof FROM slot_wipe_proof WHERE slot_index = ? ORDER BY recorded_at DESC, rowid DESC LIMIT 1",
+            (slot_index,),
+        ).fetchone()
+        return None if row is None else WipeProof.model_validate_json(row[0])

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from gpuaas_agent.contract.state import SlotLease, StepStatus
+from gpuaas_agent.contract.storage import WipeProof, WipeSample
 from gpuaas_agent.state.store import MIGRATIONS, LeaseConflict, StateError, StateStore
 
 ALLOC_A = "23bd713b-6073-4ef7-8a51-2897e902365d"
@@ -146,3 +147,41 @@ def test_lease_fields_are_validated_before_anything_is_written(store):
     with pytest.raises(ValueError):
         _lease(nvme_device="/dev/nvme0n1")  # a kernel name is never a slot disk
     assert store.leases() == []
+
+
+def _proof(verified: bool) -> WipeProof:
+    return WipeProof(
+        by_id="/dev/disk/by-id/nvme-eui.000000000000000100a075244a103331", kernel_name="nvme3n1", dev="259:3",
+        method="discard", bytes=3840755982336, seed=7,
+        samples=[WipeSample(offset=0, length=1048576, all_zero=verified)],
+        signatures_found=[] if verified else ["gpt"], partitions_left=[], duration_s=1.5, verified=verified,
+    )
+
+
+def test_wipe_proofs_are_kept_with_the_slot_newest_first(tmp_path):
+    store = StateStore.open(tmp_path / "agent.db")
+    assert store.latest_wipe_proof(3) is None
+    store.record_wipe_proof(3, _proof(False))
+    store.record_wipe_proof(3, _proof(True))
+    store.close()
+    store = StateStore.open(tmp_path / "agent.db")
+    assert store.latest_wipe_proof(3) == _proof(True) and store.latest_wipe_proof(4) is None
+    store.close()
+
+
+def test_a_version_1_file_is_migrated_keeping_its_leases(tmp_path):
+    path = tmp_path / "agent.db"
+    conn = sqlite3.connect(path)
+    for statement in filter(str.strip, MIGRATIONS[0].split(";")):
+        conn.execute(statement)
+    conn.execute("INSERT INTO slot_lease (slot_index, allocation_id, gpu_pci_address, nvme_device,"
+                 " fabric_vf_pci_address, task_id, taken_at) VALUES (0, ?, '0000:18:00.0',"
+                 " '/dev/disk/by-id/nvme-eui.0', '0000:40:00.1', 't', 1.0)", (ALLOC_A,))
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    store = StateStore.open(path)
+    assert store.schema_version == len(MIGRATIONS) == 2
+    assert [l.allocation_id for l in store.leases()] == [ALLOC_A]
+    store.record_wipe_proof(0, _proof(True))
+    store.close()
