@@ -13,7 +13,8 @@ PciAddress = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{4,8}:[0-9a-f]{
 MacAddress = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")]
 
 # A stable disk name: the only form a slot may use to name its NVMe (DESIGN.md §4.2).
-ByIdPath = Annotated[str, StringConstraints(pattern=r"^/dev/disk/by-id/[A-Za-z0-9._:+@-]+$")]
+BY_ID_NAME = r"[A-Za-z0-9._:+@-]+"  # the link name udev writes; also used by discovery and the disk guard
+ByIdPath = Annotated[str, StringConstraints(pattern=rf"^/dev/disk/by-id/{BY_ID_NAME}$")]
 
 # Kernel block device name such as nvme4n1 (advisory only: it moves on reboot).
 KernelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]+$")]

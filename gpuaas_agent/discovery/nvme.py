@@ -25,8 +25,14 @@ from gpuaas_agent.contract.topology import (
     Partition,
     StorageIdentityKind,
 )
+from gpuaas_agent.contract.types import BY_ID_NAME
 from gpuaas_agent.discovery.pci import BDF_RE, PciIndex
-from gpuaas_agent.discovery.procfs import MountEntry, parse_mountinfo, parse_swaps, parse_udev_data
+from gpuaas_agent.discovery.procfs import (
+    MountEntry,
+    parse_mountinfo,
+    parse_swaps,
+    parse_udev_data,
+)
 from gpuaas_agent.discovery.sysread import SysReader
 
 CLASS_BLOCK = "/sys/class/block"
@@ -35,7 +41,7 @@ BY_ID = "/dev/disk/by-id"
 NVME_NAMESPACE_RE = re.compile(r"^nvme\d+n\d+$")
 NVME_PATH_NODE_RE = re.compile(r"^nvme\d+c\d+n\d+$")
 NVME_CONTROLLER_RE = re.compile(r"^nvme\d+$")
-BY_ID_NAME_RE = re.compile(r"^[A-Za-z0-9._:+@-]+$")  # the name part of contract.types.ByIdPath
+BY_ID_NAME_RE = re.compile(rf"^{BY_ID_NAME}$")
 DEV_RE = re.compile(r"^\d+:\d+$")
 SECTOR_BYTES = 512  # sysfs "size" is always in 512-byte sectors
 OS_MOUNTPOINTS = ("/", "/boot", "/boot/efi", "/efi")
@@ -150,6 +156,50 @@ class MountTable:
         return [seen[mp] for mp in sorted(seen)]
 
 
+@dataclass(frozen=True)
+class DiskUse:
+    """Everything mounted from or stacked on one whole disk.
+
+    The one walk both discovery and the disk guard use, so what discovery
+    reports and what the guard refuses can never disagree.
+    """
+
+    mountpoints: list[str]  # the disk itself
+    mounted_children: list[MountedChild]  # a partition, or a holder on one, mounted somewhere
+    holder_closure: list[str]  # every node stacked on the disk or a partition, nearest first
+    swap: list[str]  # the disk, partitions or holders that are active swap areas
+
+    @property
+    def os_mountpoints(self) -> list[str]:
+        every = set(self.mountpoints) | {c.mountpoint for c in self.mounted_children}
+        return sorted(mp for mp in every if mp in OS_MOUNTPOINTS)
+
+
+def disk_use(blocks: BlockTable, mounts: MountTable, disk: BlockNode) -> DiskUse:
+    """Mounts by major:minor over the disk, every partition and their holder closures (seed 004)."""
+    children: list[MountedChild] = []
+    closure = list(blocks.holder_closure(disk.name))
+    partitions = blocks.partitions_of(disk)
+    for part in partitions:
+        children += [MountedChild(partition=part.name, mountpoint=m.mountpoint, fstype=m.fstype)
+                     for m in mounts.mounts_of(part.name)]
+        for holder in blocks.holder_closure(part.name):
+            if holder not in closure:
+                closure.append(holder)
+            children += [MountedChild(partition=part.name, mountpoint=m.mountpoint, fstype=m.fstype, via_holder=holder)
+                         for m in mounts.mounts_of(holder)]
+    for holder in blocks.holder_closure(disk.name):  # a PV or md member on the whole disk
+        children += [MountedChild(partition=disk.name, mountpoint=m.mountpoint, fstype=m.fstype, via_holder=holder)
+                     for m in mounts.mounts_of(holder)]
+    in_use = {disk.name, *(p.name for p in partitions), *closure}
+    return DiskUse(
+        mountpoints=[m.mountpoint for m in mounts.mounts_of(disk.name)],
+        mounted_children=children,
+        holder_closure=closure,
+        swap=sorted(mounts.swap_names & in_use),
+    )
+
+
 def identity_kind(link: str) -> StorageIdentityKind | None:
     """Which stable name a by-id link is; ``None`` for links that are not NVMe namespace names."""
     if link.startswith("nvme-eui."):
@@ -257,13 +307,11 @@ def _read_namespace(
     udev = _udev(reader, node)
     sectors = reader.int_attr(f"{node.sysfs}/size", required=True)
 
+    use = disk_use(blocks, mounts, node)
     partitions: list[Partition] = []
-    mounted_children: list[MountedChild] = []
-    holders = list(node.holders)
-    in_use_names = {node.name}
+    holders = list(node.holders)  # reported: direct holders of the disk and its partitions
     for part in blocks.partitions_of(node):
         part_udev = _udev(reader, part)
-        part_mounts = mounts.mounts_of(part.name)
         partitions.append(
             Partition(
                 name=part.name,
@@ -272,26 +320,10 @@ def _read_namespace(
                 fstype=part_udev.get("ID_FS_TYPE") or None,
                 part_type=part_udev.get("ID_PART_ENTRY_TYPE") or None,
                 holders=part.holders,
-                mountpoints=[m.mountpoint for m in part_mounts],
+                mountpoints=[m.mountpoint for m in mounts.mounts_of(part.name)],
             )
         )
-        mounted_children += [MountedChild(partition=part.name, mountpoint=m.mountpoint, fstype=m.fstype) for m in part_mounts]
         holders += [h for h in part.holders if h not in holders]
-        in_use_names.add(part.name)
-        for holder in blocks.holder_closure(part.name):
-            in_use_names.add(holder)
-            mounted_children += [
-                MountedChild(partition=part.name, mountpoint=m.mountpoint, fstype=m.fstype, via_holder=holder)
-                for m in mounts.mounts_of(holder)
-            ]
-    for holder in blocks.holder_closure(node.name):  # a PV or md member on the whole disk
-        in_use_names.add(holder)
-        mounted_children += [
-            MountedChild(partition=node.name, mountpoint=m.mountpoint, fstype=m.fstype, via_holder=holder)
-            for m in mounts.mounts_of(holder)
-        ]
-    own_mounts = [m.mountpoint for m in mounts.mounts_of(node.name)]
-    all_mountpoints = own_mounts + [c.mountpoint for c in mounted_children]
     signatures = [f"{label}={udev[key]}" for key, label in UDEV_SIGNATURES.items() if udev.get(key)]
     signatures += [f"{p.name}:{p.fstype}" for p in partitions if p.fstype]
 
@@ -309,16 +341,16 @@ def _read_namespace(
         size_bytes=_bytes(sectors),
         serial=_identity_attr(reader, node, "serial"),
         model=_identity_attr(reader, node, "model"),
-        mounted=bool(all_mountpoints),
-        mountpoints=own_mounts,
-        mounted_children=mounted_children,
+        mounted=bool(use.mountpoints or use.mounted_children),
+        mountpoints=use.mountpoints,
+        mounted_children=use.mounted_children,
         holders=holders,
         partitions=partitions,
         signatures=signatures,
-        swap=bool(in_use_names & mounts.swap_names),
-        os_disk=any(mp in OS_MOUNTPOINTS for mp in all_mountpoints),
+        swap=bool(use.swap),
+        os_disk=bool(use.os_mountpoints),
     )
-    reasons = ineligible_reasons(device, read_only=reader.attr(f"{node.sysfs}/ro") == "1")
+    reasons = ineligible_reasons(device, read_only=reader.attr(f"{node.sysfs}/ro") == "1", os_mountpoints=use.os_mountpoints)
     return NvmeDevice(**device, slice_eligible=not reasons, ineligible_reasons=reasons)
 
 
@@ -326,7 +358,7 @@ def _bytes(sectors: int | None) -> int | None:
     return None if sectors is None else sectors * SECTOR_BYTES
 
 
-def ineligible_reasons(d: dict, *, read_only: bool) -> list[Finding]:
+def ineligible_reasons(d: dict, *, read_only: bool, os_mountpoints: list[str]) -> list[Finding]:
     """Why a disk may not be a slice disk; empty means it is raw, unused and stably named."""
     name = d["kernel_name"]
     reasons = []
@@ -334,9 +366,8 @@ def ineligible_reasons(d: dict, *, read_only: bool) -> list[Finding]:
     def add(code: str, detail: str) -> None:
         reasons.append(Finding(code=code, detail=detail, path=d["by_id"] or f"/dev/{name}"))
 
-    if d["os_disk"]:
-        held = sorted({c.mountpoint for c in d["mounted_children"]} | set(d["mountpoints"]))
-        add("os_disk", f"{name} holds the host OS ({', '.join(mp for mp in held if mp in OS_MOUNTPOINTS)})")
+    if os_mountpoints:
+        add("os_disk", f"{name} holds the host OS ({', '.join(os_mountpoints)})")
     if d["by_id"] is None:
         add("no_stable_by_id", f"{name} has no /dev/disk/by-id link; kernel names move on reboot")
     if d["mountpoints"]:

@@ -23,12 +23,13 @@ from typing import Any
 
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.storage import DiskEvidence, DiskLease
-from gpuaas_agent.discovery.nvme import OS_MOUNTPOINTS, SECTOR_BYTES, BlockTable, MountTable
+from gpuaas_agent.contract.types import BY_ID_NAME
+from gpuaas_agent.discovery.nvme import SECTOR_BYTES, BlockTable, MountTable, disk_use
 from gpuaas_agent.discovery.sysread import SysReader
 from gpuaas_agent.errors import GuardError
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
-BY_ID_PATH_RE = re.compile(r"^/dev/disk/by-id/[A-Za-z0-9._:+@-]+$")
+BY_ID_PATH_RE = re.compile(rf"^/dev/disk/by-id/{BY_ID_NAME}$")
 
 
 class DiskGuardError(GuardError):
@@ -91,43 +92,35 @@ def check_disk_writable(
     passed.append("whole_disk")
 
     mounts = MountTable(reader, blocks)
-    partitions = blocks.partitions_of(node)
-    part_names = [p.name for p in partitions]
+    part_names = [p.name for p in blocks.partitions_of(node)]
     base["partitions"] = part_names
     _require_complete_reads(reader, base)
-    own = [m.mountpoint for m in mounts.mounts_of(name)]
-    children: list[dict[str, Any]] = []
-    holders: list[str] = []
-    for member in [name, *part_names]:
-        member_holders = blocks.holder_closure(member)
-        holders += [h for h in member_holders if h not in holders]
-        if member != name:
-            children += [{"node": member, "mountpoint": m.mountpoint} for m in mounts.mounts_of(member)]
-        for holder in member_holders:
-            children += [
-                {"node": member, "via_holder": holder, "mountpoint": m.mountpoint} for m in mounts.mounts_of(holder)
-            ]
-
-    os_mounts = sorted({mp for mp in own + [c["mountpoint"] for c in children] if mp in OS_MOUNTPOINTS})
-    if os_mounts:
-        raise _refuse("os_disk", f"{name} holds the host OS ({', '.join(os_mounts)})", **base, os_mountpoints=os_mounts)
+    use = disk_use(blocks, mounts, node)
+    if use.os_mountpoints:
+        raise _refuse("os_disk", f"{name} holds the host OS ({', '.join(use.os_mountpoints)})", **base,
+                      os_mountpoints=use.os_mountpoints)
     passed.append("not_os_disk")
-    if own:
-        raise _refuse("mounted", f"{name} is mounted at {', '.join(own)}", **base, mountpoints=own)
+    if use.mountpoints:
+        raise _refuse("mounted", f"{name} is mounted at {', '.join(use.mountpoints)}", **base,
+                      mountpoints=use.mountpoints)
     passed.append("not_mounted")
-    if children:
+    if use.mounted_children:
+        children = [
+            {"node": c.partition, **({"via_holder": c.via_holder} if c.via_holder else {}), "mountpoint": c.mountpoint}
+            for c in use.mounted_children
+        ]
         detail = "; ".join(
-            f"{c['node']}{' via ' + c['via_holder'] if 'via_holder' in c else ''} at {c['mountpoint']}"
-            for c in children
+            f"{c.partition}{' via ' + c.via_holder if c.via_holder else ''} at {c.mountpoint}"
+            for c in use.mounted_children
         )
         raise _refuse("mounted_child", f"{name} has mounted children: {detail}", **base, mounted_children=children)
     passed.append("no_mounted_children")
+    holders = use.holder_closure
     if holders:
         raise _refuse("holders", f"{name} is held by {', '.join(holders)} (dm/md/LVM)", **base, holders=holders)
     passed.append("no_holders")
-    swapping = sorted(mounts.swap_names & {name, *part_names, *holders})
-    if swapping:
-        raise _refuse("swap", f"{', '.join(swapping)} on {name} is an active swap area", **base, swap=swapping)
+    if use.swap:
+        raise _refuse("swap", f"{', '.join(use.swap)} on {name} is an active swap area", **base, swap=use.swap)
     passed.append("not_swap")
 
     ours = {name, *part_names, *holders}
@@ -212,18 +205,20 @@ def _domain_disk_name(host: HostRoot, entry: str) -> str:
         return entry
 
 
-def check_exclusive(host: HostRoot, name: str, evidence: dict[str, Any] | None = None) -> None:
-    """Last check before writing: an exclusive open fails with EBUSY on a disk anything holds.
+def open_exclusive(path: str, evidence: dict[str, Any]) -> int:
+    """An O_EXCL open of a whole disk: EBUSY (``busy``) when anything holds it or a partition.
 
     Mounted partitions, dm/md members and swap all claim the whole disk, so
     this also catches a mount that appeared after the sysfs/mountinfo walk.
+    The clone keeps the descriptor for its whole write.
     """
-    path = host.real(f"/dev/{name}")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC)
     except OSError as exc:
         code = "busy" if exc.errno == errno.EBUSY else "missing"
-        raise _refuse(
-            code, f"exclusive open of /dev/{name} failed: {exc.strerror}", **(evidence or {"kernel_name": name})
-        ) from None
-    os.close(fd)
+        raise _refuse(code, f"exclusive open of {path} failed: {exc.strerror}", **evidence) from None
+
+
+def check_exclusive(host: HostRoot, name: str, evidence: dict[str, Any] | None = None) -> None:
+    """Last check before writing: the disk can be opened exclusively right now."""
+    os.close(open_exclusive(str(host.real(f"/dev/{name}")), evidence or {"kernel_name": name}))

@@ -23,9 +23,15 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from gpuaas_agent.contract.images import ImageFormat
-from gpuaas_agent.contract.storage import CloneProgress, CloneResult, DiskEvidence, DiskLease, WipeProof
+from gpuaas_agent.contract.storage import (
+    CloneProgress,
+    CloneResult,
+    DiskEvidence,
+    DiskLease,
+    WipeProof,
+)
 from gpuaas_agent.errors import HostError
-from gpuaas_agent.guards.disk import DiskGuardError, check_disk_writable
+from gpuaas_agent.guards.disk import check_disk_writable, open_exclusive
 from gpuaas_agent.host.run import Completed, run
 from gpuaas_agent.hostfs import HostRoot
 
@@ -205,7 +211,7 @@ async def clone_image(
 
     dirty = {"source": source, "disk": evidence.model_dump(mode="json"), "argv": argv, "disk_dirty": True}
     # Hold the disk exclusively: a mount or dm/md claim on it or a partition now gets EBUSY.
-    hold = _open_exclusive(dev, evidence)  # synchronous: a cancellation here must not leak the fd
+    hold = open_exclusive(dev, evidence.model_dump(mode="json"))  # synchronous: a cancellation must not leak it
     try:
         await runner(argv, timeout=timeout, on_stdout_chunk=on_chunk)  # qemu-img -p writes to stdout
     except asyncio.CancelledError:
@@ -233,17 +239,6 @@ async def clone_image(
         argv=argv,
         duration_s=time.monotonic() - started,
     )
-
-
-def _open_exclusive(dev: str, evidence: DiskEvidence) -> int:
-    try:
-        return os.open(dev, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC)
-    except OSError as exc:
-        raise DiskGuardError(
-            f"exclusive open of {dev} failed: {exc.strerror}",
-            code="busy" if exc.errno == errno.EBUSY else "missing",
-            evidence=evidence.model_dump(mode="json"),
-        ) from None
 
 
 def _still_there(host: HostRoot, by_id: str, evidence: DiskEvidence) -> bool:

@@ -181,13 +181,12 @@ def test_convert_argv_flags():
 
 def test_the_exclusive_hold_during_a_clone_blocks_mounting_a_partition(realdev):
     """What clone_image holds while qemu-img runs: a mount of any partition now gets EBUSY."""
-    from gpuaas_agent.guards.disk import check_disk_writable
-    from gpuaas_agent.host.clone import _open_exclusive
+    from gpuaas_agent.guards.disk import check_disk_writable, open_exclusive
 
     disk = realdev.disk(64, partitions_mib=[32])
     realdev.mkfs_ext4(disk.partitions[0])
     evidence = check_disk_writable(LIVE, disk.by_id, lease=disk.lease())
-    hold = _open_exclusive(disk.dev, evidence)
+    hold = open_exclusive(disk.dev, evidence.model_dump(mode="json"))
     try:
         with pytest.raises(HostError) as err:
             realdev.mount(disk.partitions[0])
