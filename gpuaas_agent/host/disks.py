@@ -16,7 +16,15 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Collection
 
-from gpuaas_agent.contract.storage import DiskEvidence, DiskLease, WipeMethod, WipeProof, WipeSample
+from gpuaas_agent.contract.storage import (
+    DiskEvidence,
+    DiskLease,
+    WipeMethod,
+    WipeProof,
+    WipeSample,
+)
+from gpuaas_agent.discovery.nvme import BlockTable
+from gpuaas_agent.discovery.sysread import SysReader
 from gpuaas_agent.errors import HostError
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.host.run import Completed, run
@@ -102,10 +110,7 @@ async def verify_wiped(
     dev = dev or _dev_path(host, evidence)
     seed = random.SystemRandom().randrange(1 << 31) if seed is None else seed
     signatures = await _signatures(dev, runner)
-    partitions_left = sorted(
-        n for n in os.listdir(host.real(f"/sys/class/block/{evidence.kernel_name}"))
-        if n.startswith(evidence.kernel_name) and os.path.exists(host.real(f"/sys/class/block/{n}/partition"))
-    )
+    partitions_left = _partitions_now(host, evidence)
     regions = sample_offsets(evidence.size_bytes, samples, seed)
     read = await asyncio.to_thread(_read_samples, dev, regions)
     return WipeProof(
@@ -218,6 +223,16 @@ def _ev(evidence: DiskEvidence, done: Completed) -> dict:
         "stderr": done.stderr.decode("utf-8", "replace")[-2000:],
         "disk": evidence.model_dump(mode="json"),
     }
+
+
+def _partitions_now(host: HostRoot, evidence: DiskEvidence) -> list[str]:
+    """Partitions the kernel shows on the disk right now (a fresh root: the wipe changed sysfs)."""
+    blocks = BlockTable(SysReader(HostRoot(root=host.root)))
+    disk = blocks.nodes.get(evidence.kernel_name)
+    if disk is None:
+        raise WipeError(f"{evidence.kernel_name} vanished during the wipe", code="missing",
+                        evidence=evidence.model_dump(mode="json"))
+    return sorted(p.name for p in blocks.partitions_of(disk))
 
 
 def _int_attr(host: HostRoot, path: str) -> int:
