@@ -50,6 +50,15 @@ class HostRoot:
             )
         return cls(root=path.resolve())
 
+    def fresh(self) -> "HostRoot":
+        """The same root with no cached links: for re-reading a host that changes under us.
+
+        Link resolutions are cached per instance (one discovery reads a host
+        that stands still); a guard or a verification right before a write must
+        see the links as they are now.
+        """
+        return HostRoot(root=self.root)
+
     @property
     def is_live(self) -> bool:
         """True when this is the running host rather than a recording."""

@@ -85,3 +85,14 @@ def test_nul_byte_in_a_path_is_an_oserror_not_a_crash(tmp_path):
     with pytest.raises(OSError):
         host.read_text("/run/udev/data/b259:\0junk")
     assert not host.exists("/sys/\0")
+
+
+def test_fresh_view_sees_a_relinked_path_the_cached_view_does_not(tmp_path):
+    _link(tmp_path, "dev/disk/by-id/nvme-eui.01", "../../nvme0n1")
+    host = HostRoot.open(tmp_path)
+    assert host.resolve("/dev/disk/by-id/nvme-eui.01") == "/dev/nvme0n1"
+    link = tmp_path / "dev/disk/by-id/nvme-eui.01"
+    link.unlink()
+    os.symlink("../../nvme7n1", link)  # udev re-pointed it (a reboot renamed the disk)
+    assert host.resolve("/dev/disk/by-id/nvme-eui.01") == "/dev/nvme0n1"  # one discovery, one snapshot
+    assert host.fresh().resolve("/dev/disk/by-id/nvme-eui.01") == "/dev/nvme7n1"

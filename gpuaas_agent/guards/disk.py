@@ -78,8 +78,7 @@ def check_disk_writable(
         )
     passed.append("in_lease")
 
-    # A fresh HostRoot: HostRoot caches every link it resolved, and this link must be read now.
-    fresh = HostRoot(root=host.root)
+    fresh = host.fresh()
     reader = SysReader(fresh)
     blocks = BlockTable(reader)
     name = _resolve_by_id(fresh, blocks, by_id)

@@ -243,7 +243,7 @@ async def clone_image(
 
 def _still_there(host: HostRoot, by_id: str, evidence: DiskEvidence) -> bool:
     """Whether the by-id link still leads to the same device number (the disk did not vanish)."""
-    fresh = HostRoot(root=host.root)
+    fresh = host.fresh()
     try:
         name = os.path.basename(fresh.resolve(by_id))
         return fresh.read_attr(f"/sys/class/block/{name}/dev") == evidence.dev

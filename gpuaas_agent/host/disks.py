@@ -227,7 +227,7 @@ def _ev(evidence: DiskEvidence, done: Completed) -> dict:
 
 def _partitions_now(host: HostRoot, evidence: DiskEvidence) -> list[str]:
     """Partitions the kernel shows on the disk right now (a fresh root: the wipe changed sysfs)."""
-    blocks = BlockTable(SysReader(HostRoot(root=host.root)))
+    blocks = BlockTable(SysReader(host.fresh()))
     disk = blocks.nodes.get(evidence.kernel_name)
     if disk is None:
         raise WipeError(f"{evidence.kernel_name} vanished during the wipe", code="missing",
