@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import logging
 import os
 import signal
@@ -23,7 +23,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import nats
 import nats.errors
@@ -32,10 +31,15 @@ from nats.aio.client import Client
 from gpuaas_agent import __version__
 from gpuaas_agent.config import AgentConfig, load_config
 from gpuaas_agent.contract.tasks import Heartbeat, TaskType
-from gpuaas_agent.control.enroll import EnrollIdentity, EnrollmentRecord, enroll, load_enrollment
+from gpuaas_agent.control.enroll import (
+    EnrollIdentity,
+    EnrollmentRecord,
+    enroll,
+    load_enrollment,
+)
 from gpuaas_agent.control.worker import Handler, TaskWorker, WorkerSettings
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.logs import configure_logging
+from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.state.store import StateStore
 
 log = logging.getLogger("gpuaas_agent.daemon")
@@ -43,8 +47,7 @@ log = logging.getLogger("gpuaas_agent.daemon")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def _event(event: str, level: int = logging.INFO, **fields: Any) -> None:
-    log.log(level, json.dumps({"event": event, **fields}, default=str, sort_keys=True))
+_event = functools.partial(log_event, log)
 
 
 # -- systemd notify ----------------------------------------------------------------

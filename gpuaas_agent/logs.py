@@ -26,6 +26,13 @@ _FIELD_BAD = re.compile(r"[^A-Z0-9_]")
 _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
 
 
+def log_event(
+    logger: logging.Logger, event: str, level: int = logging.INFO, *, exc_info: bool = False, **fields: Any
+) -> None:
+    """One structured event: a JSON object message that the handlers turn into fields or a line."""
+    logger.log(level, json.dumps({"event": event, **fields}, default=str, sort_keys=True), exc_info=exc_info)
+
+
 def _fields_of(record: logging.LogRecord) -> tuple[dict[str, Any] | None, str]:
     """The event object of a record (or None) and its plain message."""
     message = record.getMessage()

@@ -71,3 +71,17 @@ def test_journal_that_goes_away_loses_nothing(journal, capfd):
     server.close()  # journald restarted or died
     log.info(json.dumps({"event": "still_here"}))
     assert json.loads(capfd.readouterr().err.strip().splitlines()[-1])["event"] == "still_here"
+
+
+def test_event_with_exc_info_keeps_the_traceback(tmp_path, capfd):
+    from gpuaas_agent.logs import log_event
+
+    configure_logging(journal_socket=str(tmp_path / "absent.socket"))
+    try:
+        raise RuntimeError("store refused")
+    except RuntimeError:
+        log_event(log, "task_processing_error", logging.ERROR, exc_info=True, task_id="t-1")
+    line = json.loads(capfd.readouterr().err.strip().splitlines()[-1])
+    assert (line["event"], line["task_id"], line["level"]) == ("task_processing_error", "t-1", "error")
+    assert "RuntimeError: store refused" in line["exception"] and "exc_info" not in line
+    logging.getLogger().handlers[:] = []

@@ -9,7 +9,6 @@ be refused as ``token_reused``.
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +22,7 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.logs import log_event
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ async def enroll(
     """Enroll this host once; returns the stored record (the existing one when already enrolled)."""
     existing = load_enrollment(state_dir)
     if existing is not None:
-        log.info(json.dumps({"event": "enroll_skipped", "reason": "already_enrolled", "node_id": existing.node_id}))
+        log_event(log, "enroll_skipped", reason="already_enrolled", node_id=existing.node_id)
         return existing
 
     token_file = Path(token_file)
@@ -150,6 +150,6 @@ async def enroll(
         token_file.unlink(missing_ok=True)
     except OSError as exc:
         # Enrolled all the same: the token is single-use and the control plane refuses it from now on.
-        log.warning(json.dumps({"event": "token_remove_failed", "token_file": str(token_file), "error": exc.strerror}))
-    log.info(json.dumps({"event": "enrolled", "node_id": record.node_id}))
+        log_event(log, "token_remove_failed", logging.WARNING, token_file=str(token_file), error=exc.strerror)
+    log_event(log, "enrolled", node_id=record.node_id)
     return record

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -48,6 +48,7 @@ from gpuaas_agent.contract.tasks import (
     task_payload,
 )
 from gpuaas_agent.errors import AgentError, ContractError
+from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,8 @@ DEFAULT_CONCURRENCY: dict[TaskType, int] = {
 }
 
 
-def _event(event: str, **fields: Any) -> None:
-    log.info(json.dumps({"event": event, **fields}, default=str, sort_keys=True))
-
-
-def _warn(event: str, **fields: Any) -> None:
-    log.warning(json.dumps({"event": event, **fields}, default=str, sort_keys=True))
+_event = functools.partial(log_event, log)
+_warn = functools.partial(log_event, log, level=logging.WARNING)
 
 
 @dataclass(frozen=True)
@@ -252,7 +249,7 @@ class TaskWorker:
         try:
             await self._process_envelope(msg, envelope)
         except Exception:  # e.g. the store refused (result_conflict): leave it unacked, JetStream redelivers
-            log.exception(json.dumps({"event": "task_processing_error", "task_id": task_id}))
+            log_event(log, "task_processing_error", logging.ERROR, task_id=task_id, exc_info=True)
         finally:
             self._inflight.pop(task_id, None)
             done.set_result(None)
