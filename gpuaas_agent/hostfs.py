@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,18 +82,21 @@ class HostRoot:
         self._check(host_path)
         return Path(self._real_str(posixpath.normpath("/" + host_path)))
 
-    def resolve(self, host_path: str) -> str:
+    def resolve(self, host_path: str, *, on_link: Callable[[str, str], None] | None = None) -> str:
         """Follow every link in ``host_path`` inside the root; returns a host path.
 
         The final component need not exist (a ``/dev/disk/by-id`` link in a
         recording points at a ``/dev/nvme0n1`` that was never copied). ``..``
         applies to the already-resolved directory, as in the kernel, and stops
         at the root. Raises :class:`SymlinkLoopError` on a loop.
+
+        ``on_link(link, target)`` is called for each link the first time this
+        instance follows it (the recorder copies exactly those links).
         """
         self._check(host_path)
-        return self._walk("/", host_path, [0])
+        return self._walk("/", host_path, [0], on_link)
 
-    def _walk(self, directory: str, path: str, hops: list[int]) -> str:
+    def _walk(self, directory: str, path: str, hops: list[int], on_link: Callable[[str, str], None] | None) -> str:
         current = "/" if path.startswith("/") else directory
         for name in path.split("/"):
             if name in ("", "."):
@@ -100,10 +104,10 @@ class HostRoot:
             if name == "..":
                 current = posixpath.dirname(current)
                 continue
-            current = self._step(current, name, hops)
+            current = self._step(current, name, hops, on_link)
         return current
 
-    def _step(self, directory: str, name: str, hops: list[int]) -> str:
+    def _step(self, directory: str, name: str, hops: list[int], on_link: Callable[[str, str], None] | None) -> str:
         key = (directory, name)
         cached = self._steps.get(key)
         if cached is not None:
@@ -114,10 +118,12 @@ class HostRoot:
         except OSError:
             result = candidate  # not a link, or not there: a plain component
         else:
+            if on_link is not None:
+                on_link(candidate, target)
             hops[0] += 1
             if hops[0] > MAX_SYMLINK_HOPS:
                 raise SymlinkLoopError(candidate)
-            result = self._walk(directory, target, hops)
+            result = self._walk(directory, target, hops, on_link)
         self._steps[key] = result
         return result
 

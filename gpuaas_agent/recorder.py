@@ -31,7 +31,7 @@ from gpuaas_agent.contract.fixture import (
     SkippedPath,
 )
 from gpuaas_agent.errors import FixtureError
-from gpuaas_agent.hostfs import MAX_SYMLINK_HOPS, HostRoot, SymlinkLoopError
+from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
 # sysfs files report a size of 4096 whatever they hold: read, never copy by size.
 ATTR_CAP = 64 * 1024
@@ -246,33 +246,15 @@ class _Recording:
     def enter(self, host_path: str) -> str | None:
         """Resolve ``host_path`` inside the source, recording every link met on the way.
 
-        Same walk as :meth:`HostRoot.resolve`, so OUT resolves the path to the
-        same place the source does. ``None`` (noted as skipped) on a link loop.
+        The walk is :meth:`HostRoot.resolve` itself, so OUT resolves the path to
+        the same place the source does; a fresh view each time, because a cached
+        step would not report its links again. ``None`` (noted as skipped) on a link loop.
         """
-        parts = [p for p in posixpath.normpath("/" + host_path).split("/") if p]
-        done: list[str] = []
-        hops = 0
-        while parts:
-            name = parts.pop(0)
-            if name == "..":
-                if done:
-                    done.pop()
-                continue
-            candidate = "/" + "/".join([*done, name])
-            try:
-                target = os.readlink(self.source.real(candidate))
-            except OSError:
-                done.append(name)
-                continue
-            self.write_link(candidate, target)
-            hops += 1
-            if hops > MAX_SYMLINK_HOPS:
-                self.skip(host_path, "symlink loop")
-                return None
-            if target.startswith("/"):
-                done = []
-            parts = [p for p in target.split("/") if p and p != "."] + parts
-        return "/" + "/".join(done)
+        try:
+            return self.source.fresh().resolve(host_path, on_link=self.write_link)
+        except SymlinkLoopError:
+            self.skip(host_path, "symlink loop")
+            return None
 
     def begin_dir(self, resolved: str) -> bool:
         """Record a directory reached for the first time; False when seen already or not a directory."""
