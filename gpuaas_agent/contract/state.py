@@ -7,6 +7,7 @@ from enum import Enum
 from pydantic import Field
 
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.types import ByIdPath, PciAddress
 
 
@@ -38,3 +39,19 @@ class JournalEntry(WireModel):
     status: StepStatus
     detail: dict = Field(default_factory=dict)
     at: float
+
+
+class SlotRecord(WireModel):
+    """The host's own record of a slot a task touched: survives restarts, outlives the lease.
+
+    ``cleanup_blocked`` here makes the agent refuse a new provision of the slot
+    until a release has wiped and verified its disk.
+    """
+
+    slot_index: int = Field(ge=0)
+    allocation_id: str
+    status: SlotStatus
+    health_state: HealthState
+    detail: dict = Field(default_factory=dict)
+    task_id: str
+    updated_at: float

@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.slots import SlotOutcome
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import (
     ProgressEvent,
@@ -96,6 +97,9 @@ class TaskContext:
     store: StateStore
     resumed_steps: list[str]
     _nc: Client
+    # What the task did to slots; reported with the result whether it succeeded or not
+    # (a provision that failed after writing the disk reports its slot cleanup_blocked).
+    slot_outcomes: list[SlotOutcome] = field(default_factory=list)
 
     async def progress(self, step: str, status: str, *, percent: float | None = None, detail: dict | None = None) -> None:
         """Publish a step event on ``gpuaas.node.<node>.progress`` (core NATS, fire and forget)."""
@@ -290,7 +294,7 @@ class TaskWorker:
         except asyncio.CancelledError:
             run.cancel()
             raise
-        await self._finish(msg, envelope, status, output=output, error=error)
+        await self._finish(msg, envelope, status, output=output, error=error, slot_outcomes=ctx.slot_outcomes)
 
     async def _run_handler(self, task_type: TaskType, handler: Handler, payload: WireModel,
                            ctx: TaskContext) -> tuple[ResultStatus, dict, TaskErrorBody | None]:
@@ -300,11 +304,22 @@ class TaskWorker:
                                {"type": task_type.value, "attempt": ctx.envelope.attempt})
             _event("task_started", task_id=task_id, type=task_type.value, attempt=ctx.envelope.attempt)
             try:
-                output = await handler(payload, ctx)
+                async with asyncio.timeout(_seconds_left(ctx.envelope)):
+                    output = await handler(payload, ctx)
+            except TimeoutError:
+                # The deadline passed and the handler let the cancellation through (nothing to undo).
+                self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "deadline_exceeded"})
+                _warn("task_cancelled", task_id=task_id, code="deadline_exceeded")
+                return ResultStatus.cancelled, {}, TaskErrorBody(
+                    code="deadline_exceeded", message="the task's deadline passed while it ran", retryable=False,
+                    evidence={"deadline": ctx.envelope.deadline.isoformat()})
             except AgentError as exc:
+                # A pipeline that was cancelled (deadline) has compensated and says so: the task is cancelled.
+                status = ResultStatus.cancelled if getattr(exc, "cancelled", False) else ResultStatus.failed
                 self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": exc.code})
-                _warn("task_failed", task_id=task_id, code=exc.code, message=exc.message)
-                return ResultStatus.failed, {}, _error_body(exc, retryable=bool(getattr(exc, "retryable", False)))
+                _warn("task_failed" if status is ResultStatus.failed else "task_cancelled", task_id=task_id,
+                      code=exc.code, message=exc.message)
+                return status, {}, _error_body(exc, retryable=bool(getattr(exc, "retryable", False)))
             except Exception as exc:  # a bug, not a refusal: report it with a code, keep the agent alive
                 log.exception(json.dumps({"event": "task_crashed", "task_id": task_id}))
                 self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "internal_error"})
@@ -328,10 +343,11 @@ class TaskWorker:
                 _warn("keepalive_failed", subject=msg.subject, error=repr(exc))
 
     async def _finish(self, msg: Msg, envelope: TaskEnvelope, status: ResultStatus, *,
-                      output: dict | None = None, error: TaskErrorBody | None = None) -> None:
+                      output: dict | None = None, error: TaskErrorBody | None = None,
+                      slot_outcomes: list[SlotOutcome] | None = None) -> None:
         result = TaskResult(task_id=envelope.task_id, node_id=self.node_id, type=envelope.type,
                             attempt=envelope.attempt, status=status, output=output or {}, error=error,
-                            finished_at=datetime.now(timezone.utc))
+                            slot_outcomes=slot_outcomes or [], finished_at=datetime.now(timezone.utc))
         stored = self.store.store_result(envelope.task_id, result.model_dump(mode="json"))
         await self._publish_and_ack(msg, TaskResult.model_validate(stored))
 
@@ -362,6 +378,12 @@ class TaskWorker:
         except (nats.errors.Error, TimeoutError) as exc:
             # The result is stored and published: a redelivery will only replay it.
             _warn("task_ack_failed", task_id=result.task_id, error=repr(exc))
+
+
+def _seconds_left(envelope: TaskEnvelope) -> float:
+    """Seconds until the task's deadline (a naive deadline is UTC); the handler is cancelled then."""
+    deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=timezone.utc)
+    return max(0.0, (deadline - datetime.now(timezone.utc)).total_seconds())
 
 
 def _error_body(exc: AgentError, *, retryable: bool) -> TaskErrorBody:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from gpuaas_agent.contract.state import JournalEntry, SlotLease, StepStatus
+from gpuaas_agent.contract.state import JournalEntry, SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.storage import WipeProof
 from gpuaas_agent.errors import AgentError
 
@@ -57,6 +57,19 @@ MIGRATIONS: tuple[str, ...] = (
         proof TEXT NOT NULL
     );
     CREATE INDEX slot_wipe_proof_slot ON slot_wipe_proof (slot_index, recorded_at);
+    """,
+    # 2 -> 3: the host's own view of each slot it touched (issue 7: a provision that failed after
+    # the disk was written leaves the slot cleanup_blocked until a release wipes and verifies it).
+    """
+    CREATE TABLE slot_state (
+        slot_index INTEGER PRIMARY KEY,
+        allocation_id TEXT NOT NULL,
+        status TEXT NOT NULL,
+        health_state TEXT NOT NULL,
+        detail TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        updated_at REAL NOT NULL
+    );
     """,
 )
 
@@ -262,3 +275,37 @@ class StateStore:
             (slot_index,),
         ).fetchone()
         return None if row is None else WipeProof.model_validate_json(row[0])
+
+    # -- slot states ---------------------------------------------------------------
+
+    def set_slot_state(self, record: SlotRecord) -> SlotRecord:
+        """Record what the last task did to a slot (replaces the previous record of that slot)."""
+        with self._transaction():
+            self._conn.execute(
+                "INSERT OR REPLACE INTO slot_state VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (record.slot_index, record.allocation_id, record.status.value, record.health_state.value,
+                 json.dumps(record.detail, sort_keys=True), record.task_id, record.updated_at),
+            )
+        return record
+
+    def slot_state(self, slot_index: int) -> SlotRecord | None:
+        row = self._conn.execute(
+            "SELECT slot_index, allocation_id, status, health_state, detail, task_id, updated_at"
+            " FROM slot_state WHERE slot_index = ?", (slot_index,)).fetchone()
+        return None if row is None else self._slot_record(row)
+
+    def slot_states(self) -> list[SlotRecord]:
+        rows = self._conn.execute(
+            "SELECT slot_index, allocation_id, status, health_state, detail, task_id, updated_at"
+            " FROM slot_state ORDER BY slot_index").fetchall()
+        return [self._slot_record(r) for r in rows]
+
+    def clear_slot_state(self, slot_index: int) -> None:
+        """Forget a slot's record: only after its disk was wiped and verified (release)."""
+        with self._transaction():
+            self._conn.execute("DELETE FROM slot_state WHERE slot_index = ?", (slot_index,))
+
+    @staticmethod
+    def _slot_record(row: tuple) -> SlotRecord:
+        return SlotRecord(slot_index=row[0], allocation_id=row[1], status=row[2], health_state=row[3],
+                          detail=json.loads(row[4]), task_id=row[5], updated_at=row[6])

@@ -181,7 +181,26 @@ def test_a_version_1_file_is_migrated_keeping_its_leases(tmp_path):
     conn.commit()
     conn.close()
     store = StateStore.open(path)
-    assert store.schema_version == len(MIGRATIONS) == 2
+    assert store.schema_version == len(MIGRATIONS) == 3
     assert [l.allocation_id for l in store.leases()] == [ALLOC_A]
     store.record_wipe_proof(0, _proof(True))
     store.close()
+
+
+def test_slot_records_survive_reopen_and_are_replaced_per_slot(tmp_path):
+    from gpuaas_agent.contract.slots import HealthState, SlotStatus
+    from gpuaas_agent.contract.state import SlotRecord
+
+    store = StateStore.open(tmp_path / "state.db")
+    blocked = SlotRecord(slot_index=3, allocation_id=ALLOC_A, status=SlotStatus.cleanup_blocked,
+                         health_state=HealthState.failed, detail={"failed_step": "clone"}, task_id="t1", updated_at=1.0)
+    store.set_slot_state(blocked)
+    store.close()
+    store = StateStore.open(tmp_path / "state.db")
+    assert store.slot_state(3) == blocked
+    assert store.slot_state(4) is None
+    active = blocked.model_copy(update={"status": SlotStatus.active, "health_state": HealthState.healthy, "task_id": "t2"})
+    store.set_slot_state(active)
+    assert store.slot_states() == [active]
+    store.clear_slot_state(3)
+    assert store.slot_states() == []
