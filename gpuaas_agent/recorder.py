@@ -80,6 +80,15 @@ PROC_TABLES = (
     "/proc/sys/net/ipv4/ip_forward", "/proc/sys/kernel/hostname",
 )
 ETC_FILES = ("/etc/machine-id", "/etc/hostname", "/etc/os-release")
+# What the slice parity checks read besides sysfs: dnsmasq and netplan config, the historical
+# network-baseline units, the reboot flag; firmware images only as presence markers.
+SLICE_CONFIG_FILES = (
+    "/etc/dnsmasq.conf", "/run/reboot-required",
+    *(f"{d}/{name}.service" for name in ("gpuaas-slice-host-net-baseline", "gpuaas-slice-network-baseline")
+      for d in ("/etc/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system")),
+)
+SLICE_CONFIG_DIRS = ("/etc/dnsmasq.d", "/etc/netplan")
+FIRMWARE_MARKERS = ("/usr/share/OVMF/OVMF_CODE_4M.fd", "/usr/share/OVMF/OVMF_VARS_4M.fd")
 COMMANDS = (
     ("ip-addr", ("ip", "-j", "addr")),
     ("ip-route", ("ip", "-j", "route")),
@@ -653,6 +662,23 @@ def record_proc_and_etc(rec: _Recording) -> None:
         rec.copy_flat(path, ATTR_CAP)
 
 
+def record_slice_config(rec: _Recording) -> None:
+    """Config files copied flat (absent ones are not noted: most hosts lack some); firmware as markers."""
+    for path in SLICE_CONFIG_FILES:
+        if os.path.lexists(rec.source.real(path)):
+            rec.copy_flat(path, ATTR_CAP)
+    for directory in SLICE_CONFIG_DIRS:
+        if not rec.source.is_dir(directory):
+            continue
+        for name in rec.source.listdir(directory):
+            path = f"{directory}/{name}"
+            if not rec.source.is_dir(path):
+                rec.copy_flat(path, ATTR_CAP)
+    for path in FIRMWARE_MARKERS:
+        if rec.source.exists(path):
+            rec.marker(path)
+
+
 SECTIONS = (
     record_pci,
     record_iommu_groups,
@@ -665,6 +691,7 @@ SECTIONS = (
     record_modules,
     record_dev,
     record_proc_and_etc,
+    record_slice_config,
 )
 
 

@@ -13,6 +13,7 @@ def topology_discover_handler(host_root: Path):
     """Discovery over the configured host root, the report as JSON."""
 
     async def handle(payload: TopologyDiscoverPayload, ctx) -> dict:
+        from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
         from gpuaas_agent.discovery.report import discover
         from gpuaas_agent.discovery.slots import PlanConfig
         from gpuaas_agent.hostfs import HostRoot
@@ -22,6 +23,11 @@ def topology_discover_handler(host_root: Path):
         # sysfs walks block: keep them off the event loop so keepalives and heartbeats go on.
         report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan))
         await ctx.progress("discover", "succeeded", percent=100, detail={"candidate_slots": report.summary.candidate_slots})
-        return report.model_dump(mode="json")
+        # Seed 004 (2026-04-24): topology also reports live slice_network evidence; the
+        # discovery report itself stays as it was, the evidence sits beside it.
+        target = NetTarget(subnet=plan.subnet, ovs_bridge=plan.ovs_bridge)
+        network = await asyncio.to_thread(lambda: read_network_evidence(HostRoot.open(host_root), target))
+        await ctx.progress("slice_network", "succeeded", detail={"blockers": [b.code for b in network.blockers]})
+        return {**report.model_dump(mode="json"), "slice_network": network.model_dump(mode="json")}
 
     return handle

@@ -1,0 +1,499 @@
+"""Slice network evidence: bridge, gateway address, NAT, ip_forward, dnsmasq, IPoIB (seed 004, 2026-04-24).
+
+The incident this exists for: ``ovsbr0`` had ``10.100.0.1/24`` and dnsmasq
+answered, but the ``POSTROUTING -s 10.100.0.0/24 -j MASQUERADE`` rule was gone,
+so guests' traffic left with private source addresses and the host still
+looked schedulable. In private-NAT mode a missing NAT rule and a disabled
+``ip_forward`` are therefore hard blockers, and anything that could not be
+read is a warning, never a pass.
+
+Two sources, one result:
+
+* a recorded fixture: the ``ip -j addr/route/link``, ``iptables-save -t nat``
+  and ``nft -j list ruleset`` outputs the recorder keeps under
+  ``.gpuaas-fixture/commands/`` plus ``/proc/sys/net/ipv4/ip_forward``;
+* the live host (optionally one named network namespace): netlink through
+  pyroute2 for links, addresses and routes; ``iptables -t nat -C`` for NAT
+  (iptables is iptables-nft: nft's JSON shows its rules as opaque ``xt``
+  entries, so the iptables front end is asked); ``ip_forward`` read inside the
+  namespace, because it is per network namespace.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import posixpath
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpuaas_agent.contract.fixture import FIXTURE_META_DIR, MANIFEST_NAME
+from gpuaas_agent.contract.parity import (
+    NatEvidence,
+    NetAddress,
+    NetRoute,
+    SliceNetworkEvidence,
+)
+from gpuaas_agent.contract.topology import Finding
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.hostfs import HostRoot
+
+COMMAND_TIMEOUT_S = 10
+IP_FORWARD = "/proc/sys/net/ipv4/ip_forward"
+DNSMASQ_CONF = "/etc/dnsmasq.conf"
+DNSMASQ_DIR = "/etc/dnsmasq.d"
+IPOIB_NETPLAN = "/etc/netplan/60-ipoib.yaml"
+TMFIFO = "tmfifo_net0"
+MAIN_TABLE = 254
+
+
+class NetEvidenceError(AgentError):
+    """The evidence cannot even be asked for (a namespace that does not exist, netns on a fixture)."""
+
+    default_code = "net_evidence_error"
+
+
+@dataclass(frozen=True)
+class NetTarget:
+    """What the slice network should be: subnet, bridge, and where to look (a netns for tests)."""
+
+    subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("10.100.0.0/24")
+    ovs_bridge: str = "ovsbr0"
+    netns: str | None = None
+
+    @property
+    def gateway(self) -> ipaddress.IPv4Interface:
+        """The bridge's address: the subnet's first host (10.100.0.1/24)."""
+        return ipaddress.IPv4Interface(f"{self.subnet.network_address + 1}/{self.subnet.prefixlen}")
+
+    @property
+    def masquerade_rule(self) -> str:
+        return f"-A POSTROUTING -s {self.subnet} -j MASQUERADE"
+
+
+@dataclass
+class NetSnapshot:
+    """Links, addresses and routes as read, before any judgement; ``None``: could not read."""
+
+    links: list[str] | None = None
+    addresses: list[NetAddress] | None = None
+    routes: list[NetRoute] | None = None
+    ip_forward: bool | None = None
+    nat: NatEvidence | None = None
+    unreadable: list[Finding] = field(default_factory=list)
+
+    def cannot(self, code: str, detail: str, path: str | None = None) -> None:
+        self.unreadable.append(Finding(code=code, detail=detail, path=path))
+
+
+# -- pure parsers over recorded command outputs ---------------------------------------------
+
+
+def parse_ip_addr(text: str) -> tuple[list[str], list[NetAddress]]:
+    """``ip -j addr`` -> (link names, addresses)."""
+    links, addresses = [], []
+    for link in json.loads(text or "[]"):
+        name = link.get("ifname")
+        if not name:
+            continue
+        links.append(name)
+        for info in link.get("addr_info", []):
+            family, local, prefix = info.get("family"), info.get("local"), info.get("prefixlen")
+            if family in ("inet", "inet6") and local and prefix is not None:
+                addresses.append(NetAddress(ifname=name, family=family, cidr=f"{local}/{prefix}"))
+    return links, addresses
+
+
+def parse_ip_link(text: str) -> list[str]:
+    """``ip -j link`` -> link names."""
+    return [link["ifname"] for link in json.loads(text or "[]") if link.get("ifname")]
+
+
+def parse_ip_route(text: str) -> list[NetRoute]:
+    """``ip -j route`` (IPv4 main table) -> routes; a bare host route ``10.1.2.3`` becomes ``/32``."""
+    routes = []
+    for route in json.loads(text or "[]"):
+        dst = route.get("dst")
+        if not dst:
+            continue
+        if dst != "default" and "/" not in dst:
+            dst = f"{dst}/32"
+        routes.append(NetRoute(dst=dst, dev=route.get("dev"), gateway=route.get("gateway")))
+    return routes
+
+
+def masquerade_in_iptables_save(text: str, subnet: ipaddress.IPv4Network) -> str | None:
+    """The ``-A POSTROUTING -s SUBNET ... -j MASQUERADE`` line of ``iptables-save -t nat``, if any.
+
+    Extra matches (``-o eno8303``) are accepted; a negated source (``! -s``) is not this rule.
+    """
+    table = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("*"):
+            table = line[1:]
+            continue
+        words = line.split()
+        if table not in (None, "nat") or words[:2] != ["-A", "POSTROUTING"]:
+            continue
+        if "-j" not in words or words[words.index("-j") + 1 :][:1] != ["MASQUERADE"]:
+            continue
+        for i, word in enumerate(words[:-1]):
+            if word in ("-s", "--source") and (i == 0 or words[i - 1] != "!") and _same_net(words[i + 1], subnet):
+                return line
+    return None
+
+
+def masquerade_in_nft(text: str, subnet: ipaddress.IPv4Network) -> str | None:
+    """A native nft postrouting rule matching ``ip saddr SUBNET`` with ``masquerade``; its description or None.
+
+    An iptables-nft rule shows up as an ``xt`` expression; newer nft prints it
+    without a name, so only a named ``MASQUERADE`` target counts here (the live
+    reader asks ``iptables -C`` instead).
+    """
+    items = json.loads(text or "{}").get("nftables", [])
+    hooks = {}
+    for item in items:
+        chain = item.get("chain")
+        if chain:
+            hooks[(chain.get("family"), chain.get("table"), chain.get("name"))] = (chain.get("hook"), chain.get("type"))
+    for item in items:
+        rule = item.get("rule")
+        if not rule:
+            continue
+        key = (rule.get("family"), rule.get("table"), rule.get("chain"))
+        hook, kind = hooks.get(key, (None, None))
+        if hook != "postrouting" and (rule.get("chain") or "").lower() != "postrouting":
+            continue
+        if kind not in (None, "nat"):
+            continue
+        exprs = rule.get("expr", [])
+        source = any(_nft_saddr_in(e, subnet) for e in exprs)
+        masq = any("masquerade" in e or ((e.get("xt") or {}).get("name") == "MASQUERADE") for e in exprs)
+        if source and masq:
+            return f"nft {key[0]} {key[1]} {key[2]} handle {rule.get('handle')}"
+    return None
+
+
+def _nft_saddr_in(expr: dict, subnet: ipaddress.IPv4Network) -> bool:
+    match = expr.get("match")
+    if not match or match.get("op") not in ("==", "in"):
+        return False
+    left = (match.get("left") or {}).get("payload") or {}
+    if left.get("protocol") != "ip" or left.get("field") != "saddr":
+        return False
+    right = match.get("right")
+    if isinstance(right, dict) and "prefix" in right:
+        return _same_net(f"{right['prefix'].get('addr')}/{right['prefix'].get('len')}", subnet)
+    return isinstance(right, str) and _same_net(right, subnet)
+
+
+def _same_net(text: str, subnet: ipaddress.IPv4Network) -> bool:
+    try:
+        return ipaddress.IPv4Network(text, strict=False) == subnet
+    except ValueError:
+        return False
+
+
+def dnsmasq_ranges_in(text: str, subnet: ipaddress.IPv4Network) -> bool:
+    """Whether a dnsmasq config serves ``subnet``: a ``dhcp-range`` whose first address lies in it."""
+    for line in text.splitlines():
+        key, sep, value = line.strip().partition("=")
+        if not sep or key.strip() != "dhcp-range":
+            continue
+        for part in value.split(","):
+            try:
+                start = ipaddress.IPv4Address(part.strip())
+            except ValueError:
+                continue  # tag:, set:, an interface name
+            if start in subnet:
+                return True
+            break
+    return False
+
+
+# -- the fixture reader -------------------------------------------------------------------
+
+
+def _recorded_command(host: HostRoot, name: str, snap: NetSnapshot) -> str | None:
+    """Stdout of a command the recorder ran, or None (noted) when it was not recorded or failed."""
+    meta = host.root / FIXTURE_META_DIR
+    failed = _failed_commands(meta)
+    if name in failed:
+        snap.cannot("command_failed", f"recorded {name} did not succeed: {failed[name]}",
+                    f"{FIXTURE_META_DIR}/commands/{name}.out")
+        return None
+    path = meta / "commands" / f"{name}.out"
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        snap.cannot("command_not_recorded", f"no recorded output: {exc.strerror or exc}",
+                    f"{FIXTURE_META_DIR}/commands/{name}.out")
+        return None
+
+
+def _failed_commands(meta: Path) -> dict[str, str]:
+    try:
+        manifest = json.loads((meta / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {c["name"]: c.get("error") or f"exit code {c.get('exit_code')}" for c in manifest.get("commands", [])
+            if c.get("exit_code") != 0}
+
+
+def read_recorded(host: HostRoot, target: NetTarget) -> NetSnapshot:
+    """Links, addresses, routes, NAT and ip_forward from a recording (pure reads under the root)."""
+    snap = NetSnapshot()
+    for name, parse in (("ip-addr", "addr"), ("ip-link", "link"), ("ip-route", "route")):
+        text = _recorded_command(host, name, snap)
+        if text is None:
+            continue
+        try:
+            if parse == "addr":
+                links, snap.addresses = parse_ip_addr(text)
+                snap.links = snap.links or links
+            elif parse == "link":
+                snap.links = parse_ip_link(text)
+            else:
+                snap.routes = parse_ip_route(text)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            snap.cannot("command_output_invalid", f"{name} output is not ip -j JSON: {exc}",
+                        f"{FIXTURE_META_DIR}/commands/{name}.out")
+    snap.ip_forward = _ip_forward_file(host, snap)
+    snap.nat = _nat_from_dumps(
+        _recorded_command(host, "iptables-save-nat", snap), _recorded_command(host, "nft-ruleset", snap), target, snap,
+        method_prefix="recorded ")
+    return snap
+
+
+def _ip_forward_file(host: HostRoot, snap: NetSnapshot) -> bool | None:
+    try:
+        value = host.read_attr(IP_FORWARD)
+    except OSError as exc:
+        snap.cannot("ip_forward_unreadable", f"cannot read: {exc.strerror or exc}", IP_FORWARD)
+        return None
+    return _forward_value(value, snap)
+
+
+def _forward_value(value: str, snap: NetSnapshot) -> bool | None:
+    if value in ("0", "1"):
+        return value == "1"
+    snap.cannot("ip_forward_unreadable", f"unexpected value {value[:20]!r}", IP_FORWARD)
+    return None
+
+
+def _nat_from_dumps(iptables_save: str | None, nft_json: str | None, target: NetTarget, snap: NetSnapshot,
+                    *, method_prefix: str = "") -> NatEvidence:
+    """NAT from rule dumps: found in either -> present; both read and neither has it -> absent; else unknown."""
+    rule = target.masquerade_rule
+    if iptables_save is not None:
+        line = masquerade_in_iptables_save(iptables_save, target.subnet)
+        if line:
+            return NatEvidence(present=True, method=f"{method_prefix}iptables-save", rule=rule, detail=line)
+    if nft_json is not None:
+        try:
+            found = masquerade_in_nft(nft_json, target.subnet)
+        except (ValueError, AttributeError, TypeError) as exc:
+            snap.cannot("command_output_invalid", f"nft ruleset is not JSON: {exc}")
+            nft_json, found = None, None
+        if found:
+            return NatEvidence(present=True, method=f"{method_prefix}nft", rule=rule, detail=found)
+    if iptables_save is None and nft_json is None:
+        return NatEvidence(present=None, method="none", rule=rule, detail="no NAT ruleset could be read")
+    seen = " and ".join(n for n, t in (("iptables-save -t nat", iptables_save), ("nft ruleset", nft_json)) if t is not None)
+    return NatEvidence(present=False, method=f"{method_prefix}{'iptables-save' if iptables_save is not None else 'nft'}",
+                       rule=rule, detail=f"no MASQUERADE rule for {target.subnet} in {seen}")
+
+
+# -- the live reader ------------------------------------------------------------------------
+
+
+def _ns_argv(target: NetTarget, argv: list[str]) -> list[str]:
+    return ["ip", "netns", "exec", target.netns, *argv] if target.netns else argv
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str] | str:
+    """A read-only command; returns the completed process, or a sentence why it did not run."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
+    except FileNotFoundError:
+        return f"{argv[0]} is not installed"
+    except subprocess.TimeoutExpired:
+        return f"{' '.join(argv[:6])} timed out after {COMMAND_TIMEOUT_S} s"
+    except OSError as exc:
+        return f"cannot run {argv[0]}: {exc.strerror or exc}"
+
+
+def _netlink(target: NetTarget):
+    """An IPRoute for the host, or a NetNS for an *existing* namespace (pyroute2 would create a missing one)."""
+    from pyroute2 import IPRoute, NetNS
+
+    if target.netns is None:
+        return IPRoute()
+    if not Path("/run/netns", target.netns).exists():
+        raise NetEvidenceError(f"network namespace {target.netns!r} does not exist", code="netns_missing",
+                               evidence={"netns": target.netns, "path": f"/run/netns/{target.netns}"})
+    return NetNS(target.netns, flags=0)
+
+
+def _read_netlink(target: NetTarget, snap: NetSnapshot) -> None:
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    try:
+        with _netlink(target) as nl:
+            names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in nl.get_links()}
+            snap.links = [names[i] for i in sorted(names)]
+            addresses = []
+            for msg in nl.get_addr():
+                family = {socket.AF_INET: "inet", socket.AF_INET6: "inet6"}.get(msg["family"])
+                local = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
+                if family and local:
+                    addresses.append(NetAddress(ifname=names.get(msg["index"], str(msg["index"])), family=family,
+                                                cidr=f"{local}/{msg['prefixlen']}"))
+            snap.addresses = addresses
+            routes = []
+            for msg in nl.get_routes(family=socket.AF_INET, table=MAIN_TABLE):
+                if msg["type"] != 1:  # unicast only: no local/broadcast entries
+                    continue
+                dst = msg.get_attr("RTA_DST")
+                oif = msg.get_attr("RTA_OIF")
+                routes.append(NetRoute(dst=f"{dst}/{msg['dst_len']}" if dst else "default",
+                                       dev=names.get(oif) if oif is not None else None,
+                                       gateway=msg.get_attr("RTA_GATEWAY")))
+            snap.routes = routes
+    except (NetlinkError, OSError) as exc:
+        snap.cannot("netlink_unreadable", f"netlink dump failed: {exc}", f"netns:{target.netns}" if target.netns else None)
+
+
+def _live_ip_forward(host: HostRoot, target: NetTarget, snap: NetSnapshot) -> bool | None:
+    if target.netns is None:
+        return _ip_forward_file(host, snap)
+    done = _run(_ns_argv(target, ["cat", IP_FORWARD]))
+    if isinstance(done, str) or done.returncode != 0:
+        why = done if isinstance(done, str) else done.stderr.strip()[:200]
+        snap.cannot("ip_forward_unreadable", f"cannot read in netns {target.netns}: {why}", IP_FORWARD)
+        return None
+    return _forward_value(done.stdout.strip(), snap)
+
+
+def _live_nat(target: NetTarget, snap: NetSnapshot) -> NatEvidence:
+    """``iptables -t nat -C`` first (exact rule); then the dumps (variants with ``-o``, native nft rules)."""
+    argv = _ns_argv(target, ["iptables", "-t", "nat", "-C", "POSTROUTING", "-s", str(target.subnet), "-j", "MASQUERADE"])
+    done = _run(argv)
+    if not isinstance(done, str) and done.returncode == 0:
+        return NatEvidence(present=True, method="iptables -C", rule=target.masquerade_rule,
+                           detail=f"iptables -t nat -C POSTROUTING -s {target.subnet} -j MASQUERADE exited 0")
+    if isinstance(done, str):
+        snap.cannot("nat_unreadable", done)
+    elif done.returncode != 1:  # 1 is "no such rule"; anything else is iptables failing to answer
+        snap.cannot("nat_unreadable", f"iptables -C exited {done.returncode}: {done.stderr.strip()[:200]}")
+    dumps = []
+    for name, cmd in (("iptables-save", ["iptables-save", "-t", "nat"]), ("nft", ["nft", "-j", "list", "ruleset"])):
+        out = _run(_ns_argv(target, cmd))
+        if isinstance(out, str) or out.returncode != 0:
+            snap.cannot("nat_unreadable", f"{name}: {out if isinstance(out, str) else out.stderr.strip()[:200]}")
+            dumps.append(None)
+        else:
+            dumps.append(out.stdout)
+    return _nat_from_dumps(dumps[0], dumps[1], target, snap)
+
+
+def read_live(host: HostRoot, target: NetTarget) -> NetSnapshot:
+    snap = NetSnapshot()
+    _read_netlink(target, snap)
+    snap.ip_forward = _live_ip_forward(host, target, snap)
+    snap.nat = _live_nat(target, snap)
+    return snap
+
+
+# -- files under /etc (either source) and the judgement ---------------------------------------
+
+
+def _dnsmasq_files(host: HostRoot) -> list[str]:
+    """dnsmasq.conf and the conf-dir files dnsmasq itself would read (it skips ``~``/``.dpkg-*``/dotfiles)."""
+    files = [DNSMASQ_CONF] if host.exists(DNSMASQ_CONF) else []
+    try:
+        names = host.listdir(DNSMASQ_DIR)
+    except OSError:
+        names = []
+    for name in names:
+        if name.startswith(".") or name.endswith("~") or ".dpkg-" in name:
+            continue
+        path = posixpath.join(DNSMASQ_DIR, name)
+        if not host.is_dir(path):
+            files.append(path)
+    return files
+
+
+def read_network_evidence(host: HostRoot, target: NetTarget | None = None) -> SliceNetworkEvidence:
+    """The slice network of ``host``: live (netlink, iptables, optionally in ``target.netns``) or recorded."""
+    target = target or NetTarget()
+    if not host.is_live and target.netns:
+        raise NetEvidenceError("a network namespace can only be read on the live host", code="netns_on_fixture",
+                               evidence={"root": str(host.root), "netns": target.netns})
+    snap = read_live(host, target) if host.is_live else read_recorded(host, target)
+    return evaluate(host, target, snap)
+
+
+def evaluate(host: HostRoot, target: NetTarget, snap: NetSnapshot) -> SliceNetworkEvidence:
+    """Snapshot + /etc files -> evidence with blockers (missing) and warnings (unproven)."""
+    dns_files = _dnsmasq_files(host)
+    dns_subnet = []
+    for path in dns_files:
+        try:
+            if dnsmasq_ranges_in(host.read_text(path), target.subnet):
+                dns_subnet.append(path)
+        except OSError as exc:
+            snap.cannot("dnsmasq_config_unreadable", f"cannot read: {exc.strerror or exc}", path)
+    nat = snap.nat or NatEvidence(present=None, method="none", rule=target.masquerade_rule, detail="not read")
+    evidence = SliceNetworkEvidence(
+        source="live" if host.is_live else "fixture",
+        netns=target.netns,
+        subnet=str(target.subnet),
+        gateway=str(target.gateway),
+        ovs_bridge=target.ovs_bridge,
+        links=snap.links or [],
+        addresses=snap.addresses or [],
+        routes=snap.routes or [],
+        ip_forward=snap.ip_forward,
+        nat=nat,
+        dnsmasq_files=dns_files,
+        dnsmasq_subnet_files=dns_subnet,
+        ipoib_netplan=IPOIB_NETPLAN if host.exists(IPOIB_NETPLAN) else None,
+        unreadable=snap.unreadable,
+    )
+    blockers, warnings = judge(evidence, links_read=snap.links is not None, addresses_read=snap.addresses is not None)
+    return evidence.model_copy(update={"blockers": blockers, "warnings": warnings})
+
+
+def judge(ev: SliceNetworkEvidence, *, links_read: bool = True, addresses_read: bool = True) -> tuple[list[Finding], list[Finding]]:
+    """Private-NAT mode: missing bridge/gateway/NAT/ip_forward/dnsmasq block; what was not read only warns."""
+    blockers: list[Finding] = []
+    warnings: list[Finding] = []
+    bridge = ev.ovs_bridge
+    if not links_read:
+        warnings.append(Finding(code="ovs_bridge_unproven", detail="links could not be read"))
+    elif bridge not in ev.links:
+        blockers.append(Finding(code="ovs_bridge_missing", detail=f"no link named {bridge}"))
+    elif not addresses_read:
+        warnings.append(Finding(code="gateway_address_unproven", detail="addresses could not be read"))
+    elif ev.gateway not in ev.addresses_of(bridge):
+        blockers.append(Finding(code="gateway_address_missing",
+                                detail=f"{bridge} does not own {ev.gateway}: has {', '.join(ev.addresses_of(bridge)) or 'no IPv4'}"))
+    if ev.nat.present is False:
+        blockers.append(Finding(code="nat_missing", detail=f"{ev.nat.rule} not in force: {ev.nat.detail}"))
+    elif ev.nat.present is None:
+        warnings.append(Finding(code="nat_unproven", detail=ev.nat.detail))
+    if ev.ip_forward is False:
+        blockers.append(Finding(code="ip_forward_disabled", detail="net.ipv4.ip_forward=0", path=IP_FORWARD))
+    elif ev.ip_forward is None:
+        warnings.append(Finding(code="ip_forward_unproven", detail="net.ipv4.ip_forward could not be read", path=IP_FORWARD))
+    if not ev.dnsmasq_subnet_files:
+        blockers.append(Finding(code="dnsmasq_subnet_missing",
+                                detail=f"no dhcp-range in {ev.subnet} in {', '.join(ev.dnsmasq_files) or 'any dnsmasq config'}",
+                                path=DNSMASQ_DIR))
+    if TMFIFO in ev.links and not any(ipaddress.IPv4Interface(c).network.prefixlen == 30 for c in ev.addresses_of(TMFIFO)):
+        warnings.append(Finding(code="tmfifo_without_ipv4", detail=f"{TMFIFO} exists without a /30 IPv4 address"))
+    return blockers, warnings

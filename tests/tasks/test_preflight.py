@@ -1,0 +1,210 @@
+"""Parity checks: the seed's line format, fixtures, a real namespace and a real ovsdb-server; the task handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+
+import pytest
+
+from gpuaas_agent.contract.parity import (
+    ParityCheck,
+    ParityReport,
+    ParityStatus,
+    parse_line,
+)
+from gpuaas_agent.contract.tasks import PreflightPayload, TopologyDiscoverPayload
+from gpuaas_agent.discovery.netevidence import NetTarget
+from gpuaas_agent.discovery.prereqs import SocketPaths, check_libvirt, check_openvswitch
+from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.tasks.preflight import build_parity_report, preflight_handler
+from gpuaas_agent.tasks.topology import topology_discover_handler
+from tests.conftest import HOSTS
+from tests.discovery.test_netevidence import (
+    MASQ,
+    ns_exec,
+    set_ip_forward,
+    slice_namespace,
+)
+
+AFTER = HOSTS / "h200-slice-after-transition"
+NAT_MISSING = HOSTS / "h200-slice-nat-missing"
+EXPECTED_CHECKS = [
+    "node_agent", "kvm", "iommu", "vfio", "sriov_vfs", "ovmf", "hugepages", "rdma_devices", "libvirt", "openvswitch",
+    "ovs_bridge", "dnsmasq", "nat", "ip_forward", "ipoib_netplan", "ipoib_address", "fabric_route", "tmfifo",
+    "historical_network_service", "reboot_required",
+]
+NETWORK_HARD = ("ovs_bridge", "nat", "ip_forward")
+
+
+def _by_name(report: ParityReport) -> dict[str, ParityCheck]:
+    return {c.check: c for c in report.checks}
+
+
+# -- the seed's line format ------------------------------------------------------------------
+
+
+def test_lines_are_the_seeds_own_examples():
+    ok = ParityCheck(status=ParityStatus.PASS, check="node_agent", detail="active/running", hard=True)
+    assert ok.as_line() == "GPUAAS_SLICE_PARITY status=PASS check=node_agent detail=active/running"
+    bad = ParityCheck(status=ParityStatus.FAIL, check="ipoib_netplan", detail="command exited with 1",
+                      remediation="render /etc/netplan/60-ipoib.yaml from site/profile bootstrap", hard=True)
+    assert bad.as_line() == (
+        "GPUAAS_SLICE_PARITY status=FAIL check=ipoib_netplan detail=command\\ exited\\ with\\ 1 "
+        "remediation=render\\ /etc/netplan/60-ipoib.yaml\\ from\\ site/profile\\ bootstrap")
+
+
+def test_escaping_round_trips_shell_specials_and_flattens_newlines():
+    detail = "a b\\c;$(rm -rf /)'\"\nnext"
+    line = ParityCheck(status=ParityStatus.WARN, check="x", detail=detail, hard=False).as_line()
+    assert "\n" not in line
+    assert parse_line(line)["detail"] == "a b\\c;$(rm -rf /)'\" next"
+    assert parse_line(ParityCheck(status=ParityStatus.PASS, check="x", detail="", hard=True).as_line())["detail"] == ""
+
+
+def test_a_soft_check_cannot_fail():
+    with pytest.raises(ValueError):
+        ParityCheck(status=ParityStatus.FAIL, check="tmfifo", detail="absent", hard=False)
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+def test_healthy_fixture_has_every_check_in_order_and_no_failures():
+    report = build_parity_report(HostRoot.open(AFTER), NetTarget(), SocketPaths())
+    assert [c.check for c in report.checks] == EXPECTED_CHECKS
+    checks = _by_name(report)
+    assert report.failures == 0 and report.lines[-1].endswith("failures=0")
+    for name in ("kvm", "iommu", "vfio", "sriov_vfs", "ovmf", *NETWORK_HARD, "dnsmasq", "ipoib_netplan", "fabric_route"):
+        assert checks[name].status is ParityStatus.PASS, checks[name]
+    # Sockets and processes cannot be proven from a recording: WARN, never PASS (DESIGN §4.7).
+    for name in ("node_agent", "libvirt", "openvswitch"):
+        assert checks[name].status is ParityStatus.WARN and checks[name].hard
+    service = checks["historical_network_service"]
+    assert service.status is ParityStatus.WARN and "gpuaas-slice-host-net-baseline" in service.detail
+
+
+def test_nat_missing_fixture_fails_on_nat_only():
+    report = build_parity_report(HostRoot.open(NAT_MISSING), NetTarget(), SocketPaths())
+    failed = [c for c in report.checks if c.status is ParityStatus.FAIL]
+    assert [c.check for c in failed] == ["nat"] and failed[0].hard
+    assert "iptables -t nat -A POSTROUTING -s 10.100.0.0/24 -j MASQUERADE" in failed[0].remediation
+    assert report.status is ParityStatus.FAIL and report.lines[-1].endswith("failures=1")
+
+
+def test_historical_service_names_are_both_only_warn(host_copy):
+    root = host_copy("h200-slice-after-transition")
+    os.rename(root / "etc/systemd/system/gpuaas-slice-host-net-baseline.service",
+              root / "etc/systemd/system/gpuaas-slice-network-baseline.service")
+    check = _by_name(build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths()))["historical_network_service"]
+    assert check.status is ParityStatus.WARN and "gpuaas-slice-network-baseline.service" in check.detail
+
+
+def test_missing_prerequisites_fail_hard(host_copy):
+    root = host_copy("h200-slice-no-vfs")
+    os.remove(root / "dev/kvm")
+    os.remove(root / "etc/netplan/60-ipoib.yaml")
+    (root / "run").mkdir(exist_ok=True)
+    (root / "run/reboot-required").write_text("*** System restart required ***\n")
+    report = build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths())
+    checks = _by_name(report)
+    assert {c.check for c in report.checks if c.status is ParityStatus.FAIL} == {"kvm", "sriov_vfs", "ipoib_netplan"}
+    assert checks["reboot_required"].status is ParityStatus.WARN
+
+
+# -- live: a real namespace and a real ovsdb-server --------------------------------------------
+
+
+@pytest.fixture
+def ovsdb(tmp_path):
+    """ovsdb-server in the foreground on a private socket; stopped by PID."""
+    db, sock = tmp_path / "conf.db", tmp_path / "db.sock"
+    subprocess.run(["ovsdb-tool", "create", str(db), "/usr/share/openvswitch/vswitch.ovsschema"], check=True, timeout=30)
+    proc = subprocess.Popen(["ovsdb-server", str(db), f"--remote=punix:{sock}", f"--unixctl={tmp_path / 'ctl'}",
+                             "--no-chdir", f"--log-file={tmp_path / 'ovsdb.log'}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            assert proc.poll() is None, "ovsdb-server exited"
+            assert time.monotonic() < deadline, "ovsdb-server socket never appeared"
+            time.sleep(0.05)  # polling the socket's appearance, with a deadline
+        yield str(sock)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_live_namespace_passes_network_checks_and_fails_hard_without_nat_or_forwarding(ovsdb, tmp_path):
+    sockets = SocketPaths(libvirt=(str(tmp_path / "no-libvirt-sock"),), ovsdb=ovsdb)
+    live = HostRoot.open("/")
+    with slice_namespace() as netns:
+        checks = _by_name(build_parity_report(live, NetTarget(netns=netns), sockets))
+        for name in NETWORK_HARD:
+            assert checks[name].status is ParityStatus.PASS, checks[name]
+        assert checks["nat"].detail.startswith("iptables -C")
+        assert checks["openvswitch"].status is ParityStatus.PASS and "Open_vSwitch" in checks["openvswitch"].detail
+        assert checks["libvirt"].status is ParityStatus.FAIL and "no-libvirt-sock" in checks["libvirt"].detail
+
+        ns_exec(netns, "iptables", "-t", "nat", "-D", *MASQ)
+        set_ip_forward(netns, 0)
+        report = build_parity_report(live, NetTarget(netns=netns), sockets)
+        checks = _by_name(report)
+        assert checks["nat"].status is ParityStatus.FAIL and checks["nat"].hard
+        assert "no MASQUERADE rule for 10.100.0.0/24" in checks["nat"].detail
+        assert checks["ip_forward"].status is ParityStatus.FAIL and checks["ip_forward"].detail == "net.ipv4.ip_forward=0"
+        assert checks["ovs_bridge"].status is ParityStatus.PASS
+        assert report.failures >= 2
+
+
+def test_stopped_ovsdb_fails_the_check(tmp_path):
+    check = check_openvswitch(HostRoot.open("/"), SocketPaths(ovsdb=str(tmp_path / "db.sock")))
+    assert check.status is ParityStatus.FAIL and "db.sock" in check.detail
+    assert check_libvirt(HostRoot.open(AFTER), SocketPaths()).status is ParityStatus.WARN
+
+
+# -- the task handlers ---------------------------------------------------------------------------
+
+
+class _Ctx:
+    """The part of the worker's TaskContext a handler uses: progress events."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    async def progress(self, step: str, status: str, **_: object) -> None:
+        self.events.append((step, status))
+
+
+def test_preflight_handler_returns_the_checks_lines_and_counts():
+    ctx = _Ctx()
+    output = asyncio.run(preflight_handler(NAT_MISSING, sockets=SocketPaths())(PreflightPayload(), ctx))
+    assert output["failures"] == 1 and output["status"] == "FAIL" and output["mode"] == "private-nat"
+    by_name = {c["check"]: c for c in output["checks"]}
+    assert by_name["node_agent"]["status"] == "PASS"  # answering the task is the proof
+    assert by_name["nat"]["status"] == "FAIL" and by_name["nat"]["hard"] is True
+    assert output["lines"][-1].startswith("GPUAAS_SLICE_PARITY_SUMMARY") and output["lines"][-1].endswith("failures=1")
+    assert ctx.events == [("preflight", "started"), ("preflight", "succeeded")]
+    assert ParityReport.model_validate(output).failures == 1  # the output is the wire model, nothing beside it
+
+
+def test_a_report_whose_counts_disagree_with_its_checks_is_refused():
+    body = build_parity_report(HostRoot.open(NAT_MISSING), NetTarget(), SocketPaths()).model_dump(mode="json")
+    with pytest.raises(ValueError):
+        ParityReport.model_validate({**body, "failures": 0})
+
+
+def test_topology_discover_adds_slice_network_beside_the_unchanged_report():
+    from gpuaas_agent.discovery.report import discover
+
+    output = asyncio.run(topology_discover_handler(NAT_MISSING)(TopologyDiscoverPayload(), _Ctx()))
+    network = output.pop("slice_network")
+    assert output == discover(HostRoot.open(NAT_MISSING)).model_dump(mode="json")
+    assert [b["code"] for b in network["blockers"]] == ["nat_missing"]
+    assert network["ovs_bridge"] == "ovsbr0" and network["nat"]["present"] is False
