@@ -1,0 +1,98 @@
+"""Drift reports on ``gpuaas.node.<node>.drift``: what changed on the host since the agent last looked.
+
+A report is sent when a kernel event (a disk, PCI function or link appearing,
+vanishing or changing driver), the reconcile timer or a task made the agent
+look again and found the host no longer matches what it saw before. Subjects
+are stable identities (PCI address, ``/dev/disk/by-id`` path, allocation id);
+kernel names only ever appear as advisory detail (DESIGN.md §4.2).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import Field
+
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
+
+
+class DriftKind(str, Enum):
+    """What drifted. Topology kinds come from comparing two discoveries; reconcile kinds from host vs. leases."""
+
+    # topology (discovery before vs. after)
+    gpu_vanished = "gpu_vanished"
+    gpu_appeared = "gpu_appeared"
+    gpu_driver_changed = "gpu_driver_changed"
+    nvme_vanished = "nvme_vanished"
+    nvme_appeared = "nvme_appeared"
+    nvme_renamed = "nvme_renamed"  # kernel name moved: advisory, the by-id identity is unchanged
+    nvme_in_use_changed = "nvme_in_use_changed"
+    fabric_vf_vanished = "fabric_vf_vanished"
+    fabric_vf_appeared = "fabric_vf_appeared"
+    fabric_vf_driver_changed = "fabric_vf_driver_changed"
+    fabric_pf_vanished = "fabric_pf_vanished"
+    fabric_pf_appeared = "fabric_pf_appeared"
+    fabric_pf_driver_changed = "fabric_pf_driver_changed"
+    link_vanished = "link_vanished"
+    link_appeared = "link_appeared"
+    # reconcile (host vs. the agent's leases and reservations)
+    domain_missing = "domain_missing"
+    domain_orphan = "domain_orphan"
+    port_orphan = "port_orphan"
+    reservation_orphan = "reservation_orphan"
+    reservation_missing = "reservation_missing"
+    lease_without_domain = "lease_without_domain"
+    driver_not_vfio = "driver_not_vfio"
+    disk_not_wiped = "disk_not_wiped"
+
+
+class DriftSeverity(str, Enum):
+    info = "info"  # advisory: nothing a slot depends on changed
+    warn = "warn"  # needs a look: a slot may be affected
+    error = "error"  # a slot's device is gone or unusable
+
+
+class DriftTrigger(str, Enum):
+    uevent = "uevent"
+    timer = "timer"
+    task = "task"
+
+
+class DriftFinding(WireModel):
+    kind: DriftKind
+    subject: str = Field(min_length=1, description="stable identity: PCI address, /dev/disk/by-id path, link name, allocation id")
+    expected: str | None = Field(default=None, description="what was there before / what the agent expects")
+    actual: str | None = Field(default=None, description="what is there now")
+    severity: DriftSeverity
+    repaired: bool = False
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class Uevent(WireModel):
+    """One kernel/udev event as the agent saw it (the fields that say which device and what happened)."""
+
+    action: Literal["add", "remove", "change", "bind", "unbind", "move"]
+    subsystem: str
+    name: str = Field(description="last component of devpath: loop0p1, 0000:18:00.0, eth0")
+    devpath: str
+    devname: str | None = None
+    devtype: str | None = None
+    driver: str | None = None
+    old_devpath: str | None = Field(default=None, description="move events only")
+    seqnum: int | None = None
+    synthetic: bool = Field(default=False, description="written to a sysfs uevent file, not caused by the device")
+
+
+class DriftReport(WireModel):
+    """Published on ``gpuaas.node.<node>.drift``."""
+
+    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    node_id: str | None = Field(default=None, pattern=NODE_ID_PATTERN)
+    trigger: DriftTrigger
+    findings: list[DriftFinding]
+    at: datetime
+    events: list[Uevent] = Field(default_factory=list, description="the uevents that triggered it (capped)")
+    events_dropped: int = Field(default=0, ge=0, description="events not listed: over the cap or refused by a full queue")
