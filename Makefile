@@ -1,5 +1,5 @@
 # Thin wrappers: the scripts are the source of truth (they also run where make is absent).
-.PHONY: lab test bench fixtures clean
+.PHONY: lab test bench fixtures clean deb
 
 lab:
 	bash scripts/lab.sh
@@ -12,6 +12,10 @@ bench:
 
 fixtures:
 	python3 fixtures/tools/synth_host.py --all fixtures/hosts
+
+# dist/gpuaas-agent_<version>_amd64.deb (GPUAAS_DEB_VERSION=... overrides the version).
+deb:
+	/usr/bin/python3 packaging/build_deb.py
 
 clean:
 	rm -rf .venv out .pytest_cache

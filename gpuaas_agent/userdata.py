@@ -1,0 +1,153 @@
+"""cloud-init user-data that brings a freshly deployed MAAS host to an enrolled, running agent (seed 000 step 4).
+
+Typed inputs (:class:`UserDataInputs`) become a ``#cloud-config`` document built
+as data and dumped with PyYAML; nothing is string-templated, so a token or URL
+with YAML-special characters cannot change the document's shape. Every command
+is an argv list (cloud-init runs those without a shell).
+
+The order on the host: write the bootstrap token (0600) and the agent config
+into a bootstrap directory, download the package and check its sha256, install
+it (``--force-confold`` keeps a config already there), install the config,
+then, only on hosts tagged ``gpuaas-profile-slice-vm``, enable and run the
+network baseline, then enroll and enable the agent. A bare-metal-intent host
+(seed 004: ``gpuaas-profile-baremetal``) gets the agent but no slice network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import yaml
+from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError
+
+from gpuaas_agent.config import ConfigError, parse_config
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.errors import ContractError
+
+SLICE_PROFILE_TAG = "gpuaas-profile-slice-vm"
+BOOTSTRAP_DIR = Path("/run/gpuaas-agent-bootstrap")
+STATE_DIR = Path("/var/lib/gpuaas-agent")
+TOKEN_PATH = STATE_DIR / "bootstrap-token"
+CONFIG_PATH = Path("/etc/gpuaas-agent/agent.toml")
+DEB_PATH = Path("/var/cache/gpuaas-agent/gpuaas-agent.deb")
+AGENT = "/usr/bin/gpuaas-agent"
+
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+MaasTag = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,255}$")]
+
+
+class UserDataInputs(WireModel):
+    """What the control plane knows about one host at deploy time."""
+
+    package_url: AnyHttpUrl
+    package_sha256: Sha256
+    bootstrap_token: SecretStr = Field(min_length=16)
+    nats_url: str = Field(pattern=r"^(nats|tls)://[^\s]+$")
+    maas_tags: list[MaasTag] = Field(default_factory=list)
+    # Extra flags for gpuaas-slice-network-baseline (e.g. ["--tmfifo"]), one argv item each.
+    baseline_args: list[Annotated[str, Field(pattern=r"^--?[A-Za-z0-9][A-Za-z0-9_./=:-]*$")]] = Field(default_factory=list)
+
+    @property
+    def slice_vm(self) -> bool:
+        return SLICE_PROFILE_TAG in self.maas_tags
+
+
+def load_inputs(path: Path) -> UserDataInputs:
+    """Inputs from a JSON file; :class:`ContractError` names each bad or unknown key."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ContractError(f"cannot read {path}: {exc.strerror}", code="userdata_inputs_unreadable",
+                            evidence={"path": str(path)}) from None
+    except json.JSONDecodeError as exc:
+        raise ContractError(f"{path}: not valid JSON: {exc}", code="userdata_inputs_invalid",
+                            evidence={"path": str(path)}) from None
+    try:
+        return UserDataInputs.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"unknown key {'.'.join(map(str, e['loc']))!r}" if e["type"] == "extra_forbidden"
+            else f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+            for e in exc.errors(include_url=False))
+        raise ContractError(f"{path}: {problems}", code="userdata_inputs_invalid",
+                            evidence={"path": str(path), "errors": exc.errors(include_url=False, include_input=False)}) from None
+
+
+def agent_toml(inputs: UserDataInputs) -> str:
+    """The site part of agent.toml; checked by the agent's own config parser before it is shipped."""
+    values = {"nats_url": inputs.nats_url, "token_file": str(TOKEN_PATH)}
+    try:
+        parse_config(values, source="rendered agent.toml")
+    except ConfigError as exc:
+        raise ContractError(str(exc), code="userdata_config_invalid", evidence=exc.evidence) from None
+    lines = ["# Written by cloud-init (gpuaas-agent cloud-init render); keys: see /usr/share/doc/gpuaas-agent."]
+    # json.dumps of a str is a valid TOML basic string (same escapes, ASCII only).
+    lines += [f"{key} = {json.dumps(value, ensure_ascii=True)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+class _Argv(list):
+    """A runcmd entry: dumped on one line (``[systemctl, enable, ...]``) so the document reads like the commands."""
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper with readable shapes: argv lists inline, multi-line file contents as ``|`` blocks."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+_Dumper.add_representer(_Argv, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+
+
+def _runcmd(inputs: UserDataInputs) -> list[list[str]]:
+    deb, sums = str(DEB_PATH), str(BOOTSTRAP_DIR / "package.sha256")
+    cmds: list[list[str]] = [
+        ["install", "-d", "-m", "0755", str(DEB_PATH.parent)],
+        ["curl", "--fail", "--silent", "--show-error", "--location", "--retry", "5",
+         "--output", deb, str(inputs.package_url)],
+        ["sha256sum", "--check", "--strict", sums],
+        ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "--yes",
+         "-o", "Dpkg::Options::=--force-confold", "-o", "Dpkg::Options::=--force-confdef", deb],
+        ["install", "-m", "0644", "-o", "root", "-g", "root", str(BOOTSTRAP_DIR / "agent.toml"), str(CONFIG_PATH)],
+        ["install", "-d", "-m", "0700", "-o", "root", "-g", "root", str(STATE_DIR)],
+        ["install", "-m", "0600", "-o", "root", "-g", "root", str(BOOTSTRAP_DIR / "bootstrap-token"), str(TOKEN_PATH)],
+        ["rm", "-f", str(BOOTSTRAP_DIR / "bootstrap-token")],
+    ]
+    if inputs.slice_vm:
+        if inputs.baseline_args:
+            cmds.append(["install", "-m", "0644", str(BOOTSTRAP_DIR / "network-baseline.env"),
+                         "/etc/default/gpuaas-slice-network-baseline"])
+        cmds.append(["systemctl", "enable", "--now", "gpuaas-slice-network-baseline.service"])
+    cmds += [
+        [AGENT, "enroll", "--config", str(CONFIG_PATH)],
+        ["systemctl", "enable", "--now", "gpuaas-agent.service"],
+    ]
+    return cmds
+
+
+def render_userdata(inputs: UserDataInputs) -> str:
+    """The ``#cloud-config`` document for ``inputs`` (a pure function: same inputs, same bytes)."""
+    files = [
+        {"path": str(BOOTSTRAP_DIR / "bootstrap-token"), "owner": "root:root", "permissions": "0600",
+         "content": inputs.bootstrap_token.get_secret_value() + "\n"},
+        {"path": str(BOOTSTRAP_DIR / "agent.toml"), "owner": "root:root", "permissions": "0600",
+         "content": agent_toml(inputs)},
+        {"path": str(BOOTSTRAP_DIR / "package.sha256"), "owner": "root:root", "permissions": "0600",
+         "content": f"{inputs.package_sha256}  {DEB_PATH}\n"},
+    ]
+    if inputs.slice_vm and inputs.baseline_args:
+        files.append({"path": str(BOOTSTRAP_DIR / "network-baseline.env"), "owner": "root:root",
+                      "permissions": "0644", "content": f"BASELINE_ARGS={' '.join(inputs.baseline_args)}\n"})
+    document = {
+        "package_update": True,
+        "packages": ["curl", "ca-certificates"],
+        "write_files": files,
+        "runcmd": [_Argv(cmd) for cmd in _runcmd(inputs)],
+    }
+    return "#cloud-config\n" + yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)

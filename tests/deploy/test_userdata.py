@@ -1,0 +1,117 @@
+"""`gpuaas-agent cloud-init render`: typed inputs to #cloud-config that cloud-init's own schema accepts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuaas_agent.config import parse_config
+from gpuaas_agent.errors import ContractError
+from gpuaas_agent.userdata import SLICE_PROFILE_TAG, UserDataInputs, load_inputs, render_userdata
+from tests.conftest import REPO
+
+EXAMPLE_INPUTS = REPO / "cloud-init" / "inputs.example.json"
+TEMPLATE = REPO / "cloud-init" / "user-data.example.yaml"
+BASELINE_ENABLE = ["systemctl", "enable", "--now", "gpuaas-slice-network-baseline.service"]
+
+
+def _inputs(**changes) -> UserDataInputs:
+    data = json.loads(EXAMPLE_INPUTS.read_text())
+    data.update(changes)
+    return UserDataInputs.model_validate(data)
+
+
+def _schema_check(path: Path) -> subprocess.CompletedProcess:
+    tool = shutil.which("cloud-init")
+    if tool is None:
+        pytest.fail("cloud-init is not installed (scripts/apt-packages.txt lists it)")
+    return subprocess.run([tool, "schema", "--config-file", str(path)], capture_output=True, text=True, timeout=120)
+
+
+def _render_cli(inputs: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuaas_agent", "cloud-init", "render", str(inputs), "--out", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_rendered_user_data_passes_cloud_init_schema(tmp_path):
+    out = tmp_path / "user-data"
+    done = _render_cli(EXAMPLE_INPUTS, out)
+    assert done.returncode == 0, done.stderr
+    assert oct(out.stat().st_mode & 0o777) == "0o600"  # it carries the bootstrap token
+    check = _schema_check(out)
+    assert check.returncode == 0 and "Valid" in check.stdout, check.stdout + check.stderr
+
+
+def test_cloud_init_schema_rejects_a_broken_document(tmp_path):
+    """The schema check above can fail: a wrong type for write_files is refused."""
+    broken = tmp_path / "user-data"
+    broken.write_text("#cloud-config\nwrite_files: 7\nruncmd: {a: 1}\n")
+    assert _schema_check(broken).returncode != 0
+
+
+def test_committed_template_is_the_render_of_the_example_inputs():
+    assert TEMPLATE.read_text() == render_userdata(load_inputs(EXAMPLE_INPUTS))
+
+
+def test_order_token_config_install_baseline_enroll_enable_on_slice_hosts():
+    doc = yaml.safe_load(render_userdata(_inputs(maas_tags=[SLICE_PROFILE_TAG, "h200"])))
+    token = next(f for f in doc["write_files"] if f["path"].endswith("bootstrap-token"))
+    assert token["permissions"] == "0600" and token["content"].strip() == json.loads(EXAMPLE_INPUTS.read_text())["bootstrap_token"]
+    cmds = doc["runcmd"]
+    assert all(isinstance(c, list) for c in cmds)  # argv lists: cloud-init runs them without a shell
+    names = [" ".join(c) for c in cmds]
+    install = next(i for i, c in enumerate(names) if "apt-get install" in c)
+    verify = next(i for i, c in enumerate(names) if c.startswith("sha256sum --check"))
+    token_in = next(i for i, c in enumerate(cmds) if c[-1] == "/var/lib/gpuaas-agent/bootstrap-token")
+    baseline = cmds.index(BASELINE_ENABLE)
+    enroll = next(i for i, c in enumerate(cmds) if c[1:2] == ["enroll"])
+    enable = cmds.index(["systemctl", "enable", "--now", "gpuaas-agent.service"])
+    assert verify < install < token_in < baseline < enroll < enable
+    # The config it installs is one the agent accepts.
+    config = next(f for f in doc["write_files"] if f["path"].endswith("agent.toml"))
+    assert parse_config(tomllib.loads(config["content"])).nats_url == json.loads(EXAMPLE_INPUTS.read_text())["nats_url"]
+
+
+def test_baremetal_profile_gets_no_network_baseline():
+    """Seed 004: j22u05, tagged gpuaas-profile-baremetal, correctly lacked slice services."""
+    doc = yaml.safe_load(render_userdata(_inputs(maas_tags=["gpuaas-profile-baremetal"], baseline_args=["--tmfifo"])))
+    assert BASELINE_ENABLE not in doc["runcmd"]
+    assert not any("network-baseline" in f["path"] for f in doc["write_files"])
+    assert ["systemctl", "enable", "--now", "gpuaas-agent.service"] in doc["runcmd"]
+
+
+def test_yaml_special_characters_in_the_token_stay_data():
+    token = "abc: def\n- x #{{ '\"} &anchor *alias"
+    doc = yaml.safe_load(render_userdata(_inputs(bootstrap_token=token)))
+    written = next(f for f in doc["write_files"] if f["path"].endswith("bootstrap-token"))
+    assert written["content"] == token + "\n"
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"nats_urll": "nats://x:4222"}, "unknown key 'nats_urll'"),
+    ({"package_sha256": "abc"}, "package_sha256"),
+    ({"nats_url": "http://x"}, "nats_url"),
+    ({"maas_tags": "gpuaas-profile-slice-vm"}, "maas_tags"),
+])
+def test_bad_inputs_are_refused_naming_the_key(tmp_path, change, named):
+    data = json.loads(EXAMPLE_INPUTS.read_text())
+    data.update(change)
+    path = tmp_path / "inputs.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ContractError) as err:
+        load_inputs(path)
+    assert named in str(err.value)
+    done = _render_cli(path, tmp_path / "user-data")
+    assert done.returncode == 1 and named in done.stderr and not (tmp_path / "user-data").exists()
+
+
+def test_missing_inputs_file_is_named(tmp_path):
+    done = _render_cli(tmp_path / "nope.json", tmp_path / "user-data")
+    assert done.returncode == 1 and "nope.json" in done.stderr
