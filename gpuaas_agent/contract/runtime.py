@@ -1,0 +1,97 @@
+"""Runtime profiles: the named VM shapes a slot can be provisioned with (seed 002 Phase 5, seed 004).
+
+A profile is chosen by name in the provision payload; the control plane and
+the agent must agree on what the name means, so the catalog lives in the
+contract. ``h200_1g_24c_64g`` is the tuned prototype shape of seed 004 (24 vCPU,
+64 GiB, 1 GiB hugepages, UEFI with Secure Boot off, no vTPM). ``lab_tcg_1c_512m``
+is the CI lab shape: ``type='qemu'`` (TCG, DESIGN.md §5: KVM on CI machines cannot
+boot a stock kernel), no PCI passthrough, no hugepages.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from types import MappingProxyType
+
+from pydantic import Field
+
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.errors import ContractError
+
+HUGEPAGE_1G_MIB = 1024
+
+
+class DomainType(str, Enum):
+    """libvirt ``<domain type=...>``: ``kvm`` in production, ``qemu`` (TCG) for the lab."""
+
+    kvm = "kvm"
+    qemu = "qemu"
+
+
+class NicModel(str, Enum):
+    virtio = "virtio"
+    e1000e = "e1000e"
+
+
+class IngressPolicing(WireModel):
+    """OVS ``ingress_policing_rate``/``_burst`` for the slot's vNIC (applied by the OVS driver, not libvirt)."""
+
+    rate_kbps: int = Field(gt=0)
+    burst_kb: int = Field(ge=0)
+
+
+class RuntimeProfile(WireModel):
+    """One VM shape. Cross-field checks against the host (NUMA size, hugepages) happen in the XML builder."""
+
+    name: str = Field(pattern=r"^[a-z0-9_]{1,64}$")
+    domain_type: DomainType
+    vcpus: int = Field(ge=1, le=512)
+    memory_mib: int = Field(ge=128)
+    hugepages_1g: bool = False
+    # False only for the lab profile: CI machines have no GPU or VF to pass through.
+    hostdevs: bool = True
+    nic_model: NicModel = NicModel.virtio
+    ingress_policing: IngressPolicing | None = None
+
+
+class UnknownProfileError(ContractError):
+    """A task named a runtime profile this agent does not know."""
+
+    default_code = "unknown_runtime_profile"
+
+
+PROFILES: MappingProxyType[str, RuntimeProfile] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            RuntimeProfile(
+                name="h200_1g_24c_64g",
+                domain_type=DomainType.kvm,
+                vcpus=24,
+                memory_mib=64 * 1024,
+                hugepages_1g=True,
+                hostdevs=True,
+            ),
+            RuntimeProfile(
+                name="lab_tcg_1c_512m",
+                domain_type=DomainType.qemu,
+                vcpus=1,
+                memory_mib=512,
+                hugepages_1g=False,
+                hostdevs=False,
+            ),
+        )
+    }
+)
+DEFAULT_PROFILE = "h200_1g_24c_64g"
+
+
+def get_profile(name: str) -> RuntimeProfile:
+    """The catalog profile called ``name``, or :class:`UnknownProfileError`."""
+    try:
+        return PROFILES[name]
+    except (KeyError, TypeError):
+        raise UnknownProfileError(
+            f"runtime profile {name!r} is not in this agent's catalog",
+            evidence={"profile": name, "known": sorted(PROFILES)},
+        ) from None

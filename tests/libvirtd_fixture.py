@@ -1,0 +1,228 @@
+"""A real libvirt daemon for tests: ``virtlogd`` and ``libvirtd`` started by hand, in the foreground.
+
+Import the fixture into a test module (``from tests.libvirtd_fixture import libvirtd``), or use
+:func:`running_libvirtd` directly to pass extra environment (``OVS_RUNDIR`` of a private
+ovsdb, see ``tests/ovsdb_fixture.py``: libvirtd's ``ovs-vsctl`` calls reach that db only
+through its environment).
+
+Why by hand: CI machines have no systemd as PID 1 and apt's ``policy-rc.d`` keeps the
+packaged services from starting; PID 1 reaps nothing, so both daemons run under
+``Popen`` without ``-d`` and are stopped by their PID. ``qemu:///system`` has one socket
+per machine (``/run/libvirt/libvirt-sock``): a libvirtd that this fixture did not start
+(another test session, an engineer's) is never fought over; the test fails and says so.
+Sessions that use this fixture queue on a host-wide lock instead.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libvirt
+import pytest
+
+URI = "qemu:///system"
+RUN_DIR = Path("/run/libvirt")
+LIBVIRT_SOCK = RUN_DIR / "libvirt-sock"
+VIRTLOGD_SOCK = RUN_DIR / "virtlogd-sock"
+HOST_LOCK = Path("/tmp/gpuaas-test-libvirtd.lock")
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+LOCK_TIMEOUT_S = 600.0
+DAEMONS = ("libvirtd", "virtlogd", "virtqemud", "virtlockd")
+
+
+class ForeignLibvirtdError(RuntimeError):
+    """A libvirt daemon this fixture did not start is running: refuse rather than share or kill it."""
+
+
+@dataclass
+class LibvirtDaemon:
+    """The running pair; ``env`` is what libvirtd (and the qemu/ovs-vsctl it spawns) sees."""
+
+    workdir: Path
+    env: dict[str, str]
+    uri: str = URI
+    startup_s: float = 0.0
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.procs["libvirtd"].pid
+
+    def connect(self) -> libvirt.virConnect:
+        """A new connection; the caller closes it."""
+        return libvirt.open(self.uri)
+
+    def log_tail(self, lines: int = 40) -> str:
+        out = []
+        for name in ("virtlogd", "libvirtd"):
+            path = self.workdir / f"{name}.log"
+            if path.exists():
+                text = path.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"--- {name}.log\n" + "\n".join(text))
+        return "\n".join(out)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+
+def running_daemon_pids(names: tuple[str, ...] = DAEMONS) -> dict[int, str]:
+    """PIDs of libvirt daemons on this machine (by ``/proc/<pid>/comm``), whoever started them."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue  # gone meanwhile
+        if comm in names:
+            found[int(entry.name)] = comm
+    return found
+
+
+def _socket_answers(path: Path) -> bool:
+    if not path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def _refuse_foreign() -> None:
+    foreign = running_daemon_pids()
+    if foreign or _socket_answers(LIBVIRT_SOCK):
+        raise ForeignLibvirtdError(
+            f"a libvirt daemon not started by this test is already running ({foreign or LIBVIRT_SOCK}); "
+            "another test session or a service owns qemu:///system on this machine. Stop it (by its PID) "
+            "and run again: this fixture will not share or kill it."
+        )
+
+
+def _wait_for(predicate: Callable[[], bool], what: str, daemon: LibvirtDaemon, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for name, proc in daemon.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited {proc.returncode} while waiting for {what}\n{daemon.log_tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout}s waiting for {what}\n{daemon.log_tail()}")
+        time.sleep(0.02)
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    """SIGTERM by PID, SIGKILL after the deadline, and reap."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+@contextmanager
+def _host_lock(timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Sessions using this fixture queue here, so two of them never race for the one system socket."""
+    with open(HOST_LOCK, "a+") as fh:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another test session held {HOST_LOCK} for over {timeout}s") from None
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _popen(daemon: LibvirtDaemon, name: str, argv: list[str]) -> None:
+    # Output to a file, never a pipe nobody reads (a full pipe stalls the daemon).
+    with open(daemon.workdir / f"{name}.out", "wb") as out:
+        daemon.procs[name] = subprocess.Popen(
+            argv, env=daemon.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=daemon.workdir
+        )
+
+
+def _libvirtd_answers() -> bool:
+    if not LIBVIRT_SOCK.exists():
+        return False
+    try:
+        conn = libvirt.open(URI)
+    except libvirt.libvirtError:
+        return False
+    try:
+        return conn.getLibVersion() > 0
+    finally:
+        conn.close()
+
+
+@contextmanager
+def running_libvirtd(workdir: Path | None = None, *, extra_env: Mapping[str, str] | None = None) -> Iterator[LibvirtDaemon]:
+    """Start virtlogd then libvirtd, yield once ``qemu:///system`` answers, stop both by PID afterwards.
+
+    ``extra_env``: e.g. ``{"OVS_RUNDIR": ...}`` so the ``ovs-vsctl`` libvirtd runs for a
+    ``<virtualport type='openvswitch'>`` reaches a private ovsdb.
+    """
+    if os.geteuid() != 0:
+        pytest.fail("the real libvirt lane needs root (qemu:///system, /run/libvirt); run it as root", pytrace=False)
+    for tool in ("libvirtd", "virtlogd", "qemu-system-x86_64"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} not found: apt install libvirt-daemon-system qemu-system-x86 ovmf", pytrace=False)
+    own_tmp = workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="libvirtd-", dir="/tmp")) if workdir is None else workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **(extra_env or {})}
+    # Daemon logs into the test's dir (level 3 = warnings and errors) so a failure shows why.
+    env.setdefault("LIBVIRT_LOG_OUTPUTS", f"3:file:{workdir}/libvirtd.log")
+    daemon = LibvirtDaemon(workdir=workdir, env=env)
+    with _host_lock():
+        try:
+            _refuse_foreign()
+        except ForeignLibvirtdError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        started = time.monotonic()
+        try:
+            virtlogd_env = {**env, "LIBVIRT_LOG_OUTPUTS": f"3:file:{workdir}/virtlogd.log"}
+            with open(workdir / "virtlogd.out", "wb") as out:
+                daemon.procs["virtlogd"] = subprocess.Popen(
+                    ["virtlogd"], env=virtlogd_env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    cwd=workdir,
+                )
+            _wait_for(lambda: _socket_answers(VIRTLOGD_SOCK), f"virtlogd's socket {VIRTLOGD_SOCK}", daemon, START_TIMEOUT_S)
+            _popen(daemon, "libvirtd", ["libvirtd"])
+            _wait_for(_libvirtd_answers, f"libvirtd answering on {URI}", daemon, START_TIMEOUT_S)
+            daemon.startup_s = time.monotonic() - started
+            yield daemon
+        finally:
+            _stop(daemon.procs.get("libvirtd"))
+            _stop(daemon.procs.get("virtlogd"))
+            if own_tmp:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def libvirtd(tmp_path: Path) -> Iterator[LibvirtDaemon]:
+    """virtlogd + libvirtd on ``qemu:///system``; fails without root or when a foreign libvirtd runs."""
+    with running_libvirtd(tmp_path / "libvirtd") as daemon:
+        yield daemon
