@@ -44,9 +44,44 @@ def _parser() -> argparse.ArgumentParser:
     enroll.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=f"agent config (default {DEFAULT_CONFIG})")
     enroll.add_argument("--token-file", type=Path, default=None, help="bootstrap token file (default from the config)")
 
+    for name, text in (("preflight", "check every slice-host prerequisite (seed 002 Phase 5)"),
+                       ("parity", "slice-host parity check: one GPUAAS_SLICE_PARITY line per condition")):
+        check = sub.add_parser(name, help=text)
+        check.add_argument("--root", default="/", help="host root: / (live) or a recorded fixture directory")
+        check.add_argument("--json", action="store_true", help="print the report as JSON")
+        check.add_argument("--subnet", type=_subnet, default=ipaddress.IPv4Network("10.100.0.0/24"),
+                           help="slice private subnet (default 10.100.0.0/24)")
+        check.add_argument("--ovs-bridge", default="ovsbr0", help="OVS bridge owning the gateway (default ovsbr0)")
+        check.add_argument("--netns", default=None, help="read the network of this namespace (live host only)")
+        check.add_argument("--ovsdb-socket", default=None, help="OVSDB socket (default $OVS_RUNDIR/db.sock or /run/openvswitch/db.sock)")
+        check.add_argument("--libvirt-socket", action="append", default=None, help="libvirt socket to probe (repeatable)")
+
     record = sub.add_parser("record-fixture", help="snapshot what discovery reads into a fixture directory")
     record.add_argument("out", type=Path, help="new, empty output directory")
     record.add_argument("--root", default="/", help="host root to record (default: the live host)")
+
+    cloud_init = sub.add_parser("cloud-init", help="cloud-init user-data that installs, enrolls and enables the agent")
+    cloud_init_sub = cloud_init.add_subparsers(dest="cloud_init_command", required=True)
+    render = cloud_init_sub.add_parser("render", help="render #cloud-config user-data from a JSON inputs file")
+    render.add_argument("inputs", type=Path, help="JSON: package_url, package_sha256, bootstrap_token, nats_url, maas_tags")
+    render.add_argument("--out", type=Path, default=None, help="write here (0600) instead of stdout")
+
+    baseline = sub.add_parser("network-baseline",
+                              help="converge ovsbr0 + gateway, dnsmasq subnet config, NAT, ip_forward (idempotent)")
+    baseline.add_argument("--config", type=Path, default=None,
+                          help=f"agent config whose [slice] gives bridge, subnet, gateway, ovsdb and dnsmasq hosts file "
+                               f"(default {DEFAULT_CONFIG} when it exists, else built-in defaults); flags override it")
+    baseline.add_argument("--bridge", default=None, help="OVS bridge of the slice subnet (default ovsbr0)")
+    baseline.add_argument("--gateway", default=None, help="bridge address and subnet (default 10.100.0.1/24)")
+    baseline.add_argument("--dnsmasq-conf", type=Path, default=Path("/etc/dnsmasq.d/gpuaas-slice-network.conf"),
+                          help="dnsmasq subnet config file to write")
+    baseline.add_argument("--dhcp-hostsfile", type=Path, default=None,
+                          help="the agent's reservations file (default [slice].dnsmasq_hosts_file)")
+    baseline.add_argument("--ovs-remote", default=None, help="ovsdb remote (default [slice].ovsdb_remote)")
+    baseline.add_argument("--datapath-type", default=None, help="datapath of a bridge it creates (netdev without the kernel module)")
+    baseline.add_argument("--no-nat", action="store_true", help="leave NAT alone (public NAT or overlay sites)")
+    baseline.add_argument("--tmfifo", action="store_true", help="also converge tmfifo_net0 (BF3 RShim) when present")
+    baseline.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -79,6 +114,28 @@ def _cmd_discover(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_parity(args: argparse.Namespace) -> int:
+    """Exit 0 when no hard check FAILs, 1 when one does, 2 when the question itself is wrong."""
+    from gpuaas_agent.discovery.netevidence import NetEvidenceError, NetTarget
+    from gpuaas_agent.discovery.prereqs import SocketPaths
+    from gpuaas_agent.hostfs import HostRoot
+    from gpuaas_agent.tasks.preflight import build_parity_report
+
+    sockets = SocketPaths.from_env()
+    if args.ovsdb_socket:
+        sockets = SocketPaths(libvirt=sockets.libvirt, ovsdb=args.ovsdb_socket)
+    if args.libvirt_socket:
+        sockets = SocketPaths(libvirt=tuple(args.libvirt_socket), ovsdb=sockets.ovsdb)
+    target = NetTarget(subnet=args.subnet, ovs_bridge=args.ovs_bridge, netns=args.netns)
+    try:
+        report = build_parity_report(HostRoot.open(args.root), target, sockets)
+    except NetEvidenceError as exc:
+        print(f"gpuaas-agent: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(report.model_dump_json(indent=2) if args.json else "\n".join(report.lines))
+    return EXIT_FAILED if report.failures else EXIT_OK
+
+
 def _cmd_record_fixture(args: argparse.Namespace) -> int:
     from gpuaas_agent.hostfs import HostRoot
     from gpuaas_agent.recorder import record_fixture
@@ -100,11 +157,74 @@ def _cmd_enroll(args: argparse.Namespace) -> int:
     return enroll_main(args.config, args.token_file)
 
 
+def _cmd_cloud_init(args: argparse.Namespace) -> int:
+    from gpuaas_agent.atomicfile import write_atomic
+    from gpuaas_agent.userdata import load_inputs, render_userdata
+
+    text = render_userdata(load_inputs(args.inputs))
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        write_atomic(args.out, text.encode(), mode=0o600)  # it carries the bootstrap token
+    return EXIT_OK
+
+
+def _cmd_network_baseline(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pydantic import ValidationError
+
+    from gpuaas_agent.config import AgentConfig, load_config
+    from gpuaas_agent.daemon import SdNotifier
+    from gpuaas_agent.netbaseline import BaselineSpec, converge
+
+    notifier = SdNotifier.from_env()
+    try:
+        try:
+            # One source of truth: the agent's [slice] settings, so the dnsmasq it configures serves the
+            # reservations the agent writes. A bad config fails here, with STATUS=, like a bad flag.
+            path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+            config = load_config(path) if path is not None else AgentConfig()
+        except AgentError as exc:
+            notifier.notify(STATUS=f"failed: {exc}")
+            raise
+        site = config.slice
+        chosen = {
+            "bridge": args.bridge or site.ovs_bridge,
+            "gateway": args.gateway or f"{site.gateway}/{site.subnet.prefixlen}",
+            "ovs_remote": args.ovs_remote or site.ovsdb_remote,
+            "dhcp_hostsfile": args.dhcp_hostsfile or site.dnsmasq_hosts_file,
+        }
+        try:
+            spec = BaselineSpec(dnsmasq_conf=args.dnsmasq_conf, datapath_type=args.datapath_type,
+                                nat=not args.no_nat, tmfifo=args.tmfifo, **chosen)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'flags'}: {e['msg']}" for e in exc.errors())
+            print(f"gpuaas-agent: error: network-baseline: {problems}", file=sys.stderr)
+            notifier.notify(STATUS=f"failed: bad flags: {problems}")
+            return EXIT_USAGE
+        try:
+            report = asyncio.run(converge(spec))
+        except AgentError as exc:
+            # A oneshot unit does not loop: the failure is shown once, in `systemctl status` too.
+            notifier.notify(STATUS=f"failed: {exc}")
+            raise
+        notifier.notify(STATUS=report.line())
+    finally:
+        notifier.close()
+    print(report.model_dump_json(indent=2) if args.json else report.line())
+    return EXIT_OK
+
+
 COMMANDS = {
     "discover": _cmd_discover,
+    "preflight": _cmd_parity,
+    "parity": _cmd_parity,
     "record-fixture": _cmd_record_fixture,
     "run": _cmd_run,
     "enroll": _cmd_enroll,
+    "cloud-init": _cmd_cloud_init,
+    "network-baseline": _cmd_network_baseline,
 }
 
 

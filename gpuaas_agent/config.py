@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
@@ -29,6 +30,43 @@ def _default_concurrency() -> dict[TaskType, int]:
     return dict(DEFAULT_CONCURRENCY)
 
 
+class SliceConfig(BaseModel):
+    """Where this host's slice plumbing lives: the OVS bridge and ovsdb, dnsmasq's files, libvirt, caches.
+
+    Defaults are the production layout of seed 002 Phase 6 (private NAT on ovsbr0,
+    10.100.0.0/24, gateway .1); the lab-in-a-box points them at its private daemons.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    subnet: IPv4Network = IPv4Network("10.100.0.0/24")
+    gateway: IPv4Address = IPv4Address("10.100.0.1")
+    ovs_bridge: str = Field(default="ovsbr0", pattern=r"^[A-Za-z0-9_.-]{1,15}$")
+    ovsdb_remote: str = Field(default="unix:/var/run/openvswitch/db.sock", pattern=r"^(unix|tcp|ssl):")
+    libvirt_uri: str = "qemu:///system"
+    # dnsmasq re-reads this on SIGHUP after dropping privileges: it must not sit in the 0700 state dir.
+    dnsmasq_hosts_file: Path = Path("/var/lib/gpuaas-dnsmasq/hosts")
+    dnsmasq_lease_file: Path = Path("/var/lib/misc/dnsmasq.leases")
+    dnsmasq_pid_file: Path = Path("/run/dnsmasq/dnsmasq.pid")
+    # Seed ISOs are opened by QEMU (libvirt-qemu user): next to libvirt's images, not in the state dir.
+    seed_dir: Path = Path("/var/lib/libvirt/images/gpuaas-seeds")
+    image_cache_dir: Path | None = None  # default: <state_dir>/images
+    terminal_relay_key_file: Path = Path("/var/lib/gpuaas/terminal/id_ed25519.pub")
+    nameservers: tuple[IPv4Address, ...] = (IPv4Address("10.100.0.1"),)
+    readiness_timeout_s: float = Field(default=900.0, gt=0)
+    clone_timeout_s: float = Field(default=3600.0, gt=0)
+    # Only the lab sets these: TCG domains (profile domain_type=qemu) and http images from 127.0.0.1.
+    allow_emulated_domains: bool = False
+    allow_loopback_http: bool = False
+
+    @model_validator(mode="after")
+    def _gateway_in_subnet(self) -> "SliceConfig":
+        if self.gateway not in self.subnet or self.gateway in (self.subnet.network_address,
+                                                                 self.subnet.broadcast_address):
+            raise ValueError(f"gateway {self.gateway} is not a host address of {self.subnet}")
+        return self
+
+
 class AgentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -41,11 +79,15 @@ class AgentConfig(BaseModel):
     concurrency: dict[TaskType, PositiveInt] = Field(default_factory=_default_concurrency)
     heartbeat_interval_s: float = Field(default=15.0, gt=0)
     reconcile_interval_s: float = Field(default=300.0, gt=0)
+    # Rediscover on device events (block/pci/net) and publish drift on gpuaas.node.<node>.drift.
+    uevent_watch: bool = True
+    uevent_debounce_s: float = Field(default=1.0, gt=0)
     keepalive_interval_s: float = Field(default=10.0, gt=0)
     ack_wait_s: float = Field(default=60.0, gt=0)
     shutdown_grace_s: float = Field(default=60.0, ge=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
     request_timeout_s: float = Field(default=5.0, gt=0)
+    slice: SliceConfig = Field(default_factory=SliceConfig)
 
     @model_validator(mode="after")
     def _keepalive_below_ack_wait(self) -> "AgentConfig":
@@ -56,6 +98,10 @@ class AgentConfig(BaseModel):
     @property
     def state_db(self) -> Path:
         return self.state_dir / "state.db"
+
+    @property
+    def image_cache_dir(self) -> Path:
+        return self.slice.image_cache_dir or self.state_dir / "images"
 
 
 def _describe(exc: ValidationError) -> str:

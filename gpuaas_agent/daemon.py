@@ -100,15 +100,54 @@ def watchdog_interval_s(environ: dict[str, str] | None = None) -> float | None:
 # -- task handlers ------------------------------------------------------------------
 
 
-def default_handlers(config: AgentConfig) -> dict[TaskType, Handler]:
-    """Every type not here gets ``failed``/``not_implemented`` from the worker."""
+def default_handlers(config: AgentConfig, slice_host=None) -> dict[TaskType, Handler]:
+    """Every type not here gets ``failed``/``not_implemented`` from the worker.
+
+    ``slice_host``: the drivers the slice pipelines share (one per daemon); without
+    it only the read-only tasks are served.
+    """
     from gpuaas_agent.tasks.plan import plan_handler
+    from gpuaas_agent.tasks.preflight import preflight_handler
     from gpuaas_agent.tasks.topology import topology_discover_handler
 
-    return {
+    handlers: dict[TaskType, Handler] = {
         TaskType.topology_discover: topology_discover_handler(config.host_root),
         TaskType.plan: plan_handler(config.host_root),
+        TaskType.preflight: preflight_handler(config.host_root, subnet=str(config.slice.subnet),
+                                              ovs_bridge=config.slice.ovs_bridge, sockets=_sockets(config)),
     }
+    if slice_host is not None:
+        from gpuaas_agent.tasks.provision import provision_handler
+        from gpuaas_agent.tasks.reconcile import reconcile_handler
+        from gpuaas_agent.tasks.release import release_handler
+
+        handlers[TaskType.vm_provision] = provision_handler(slice_host)
+        handlers[TaskType.vm_release] = release_handler(slice_host)
+        handlers[TaskType.reconcile] = reconcile_handler(slice_host)
+    return handlers
+
+
+def _sockets(config: AgentConfig):
+    """Preflight probes the daemons the slice pipelines use: the configured ovsdb, not the default one."""
+    from gpuaas_agent.discovery.prereqs import SocketPaths
+
+    remote = config.slice.ovsdb_remote
+    return SocketPaths(ovsdb=remote.removeprefix("unix:")) if remote.startswith("unix:") else SocketPaths()
+
+
+def timer_reconcile(slice_host, store: StateStore, nc: Client, node_id: str) -> Callable[[], Awaitable[dict]]:
+    """The periodic reconcile: repairs what is safe, publishes its findings on the drift subject."""
+    from gpuaas_agent.contract.drift import DriftTrigger
+    from gpuaas_agent.tasks.reconcile import reconcile
+
+    async def run() -> dict:
+        report = await reconcile(slice_host, store, repair=True, trigger=DriftTrigger.timer, node_id=node_id)
+        if report.findings:
+            with contextlib.suppress(nats.errors.Error):
+                await nc.publish(f"gpuaas.node.{node_id}.drift", report.model_dump_json().encode())
+        return {"findings": len(report.findings), "repaired": sum(f.repaired for f in report.findings)}
+
+    return run
 
 
 def identity_from_host(host_root: Path) -> EnrollIdentity:
@@ -197,6 +236,20 @@ async def heartbeat_loop(nc: Client, node_id: str, worker: TaskWorker, store: St
         await asyncio.sleep(interval_s)  # the period of the heartbeat itself
 
 
+def uevent_watch_task(config: AgentConfig, nc: Client, node_id: str) -> asyncio.Task:
+    """The drift watcher wired to discovery of ``host_root`` and the host's device events."""
+    from gpuaas_agent.control.uevent_watch import DriftWatcher
+    from gpuaas_agent.discovery.drift import topology_drift
+    from gpuaas_agent.discovery.report import discover
+    from gpuaas_agent.host.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
+    from gpuaas_agent.hostfs import HostRoot
+
+    watcher = DriftWatcher(nc, node_id, lambda: discover(HostRoot.open(config.host_root)), topology_drift,
+                           publish_timeout_s=config.request_timeout_s)
+    return asyncio.create_task(watcher.watch(UeventMonitor(), debounce_s=config.uevent_debounce_s,
+                                             max_burst_s=DEFAULT_MAX_BURST_S), name="uevent_watch")
+
+
 async def watchdog_loop(notifier: SdNotifier, interval_s: float) -> None:
     while True:
         notifier.notify(WATCHDOG=1)
@@ -247,12 +300,22 @@ async def run_agent(
             return EXIT_OK  # stopped before the first connect
         settings = WorkerSettings(concurrency=config.concurrency, keepalive_interval_s=config.keepalive_interval_s,
                                   ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s)
-        worker = TaskWorker(nc, store, record.node_id,
-                            default_handlers(config) if handlers is None else handlers, settings)
+        if handlers is None:
+            from gpuaas_agent.tasks.slicehost import SliceHost
+
+            slice_host = SliceHost.from_config(config)
+            handlers = default_handlers(config, slice_host)
+            if reconcile is None:
+                reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
+        worker = TaskWorker(nc, store, record.node_id, handlers, settings)
         worker_task = asyncio.create_task(worker.run(), name="worker")
         background.append(asyncio.create_task(
             heartbeat_loop(nc, record.node_id, worker, store, config.heartbeat_interval_s, config.request_timeout_s),
             name="heartbeat"))
+        if config.uevent_watch:
+            background.append(uevent_watch_task(config, nc, record.node_id))
+        else:
+            _event("uevent_watch_disabled", reason="config")
         if reconcile is not None:
             background.append(asyncio.create_task(
                 reconcile_loop(reconcile, config.reconcile_interval_s, config.reconcile_interval_s), name="reconcile"))
@@ -323,6 +386,10 @@ def enroll_main(config_path: str | Path, token_file: str | Path | None = None) -
     except AgentError as exc:
         _event("enroll_failed", logging.ERROR, code=exc.code, message=exc.message)
         print(f"gpuaas-agent: error: {exc}", file=sys.stderr)
+        # Under systemd (ExecStartPre, NotifyAccess=exec) `systemctl status` shows why it does not start.
+        notifier = SdNotifier.from_env()
+        notifier.notify(STATUS=f"enroll failed: {exc.code}: {exc.message}")
+        notifier.close()
         return EXIT_FAILED
     print(f"enrolled node_id={record.node_id}")
     return EXIT_OK

@@ -11,8 +11,13 @@ import sys
 from pathlib import Path
 
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.dhcp import GuestReadiness, HostsFileJunk, LeaseStatus, Reservation
+from gpuaas_agent.contract.domain import DefineOutcome, DomainInfo, ShutdownOutcome, UndefineOutcome, VmStartEvidence
+from gpuaas_agent.contract.drift import DriftReport
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest
 from gpuaas_agent.contract.images import CachedImage
+from gpuaas_agent.contract.ovs import BridgeEvidence, OvsPort
+from gpuaas_agent.contract.parity import ParityReport, SliceNetworkEvidence
 from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.slots import ApprovedSlot
 from gpuaas_agent.contract.storage import CloneResult, WipeProof
@@ -28,6 +33,7 @@ WIRE_MODELS: tuple[type[WireModel], ...] = (
     TaskResult,
     ProgressEvent,
     Heartbeat,
+    DriftReport,
     ApprovedSlot,
     TopologyReport,
     # Records reported inside task outputs (plan, cleanup proof, clone, binding, image).
@@ -36,6 +42,23 @@ WIRE_MODELS: tuple[type[WireModel], ...] = (
     CloneResult,
     VfioBindResult,
     CachedImage,
+    # The slot vNIC as ovsdb holds it, and its bridge (slice.vm_provision / slice.reconcile outputs).
+    OvsPort,
+    BridgeEvidence,
+    # slice.preflight output and the slice_network evidence beside the topology report.
+    ParityReport,
+    SliceNetworkEvidence,
+    # The slot's libvirt domain: define/start/stop/undefine outcomes and start preconditions.
+    DomainInfo,
+    DefineOutcome,
+    VmStartEvidence,
+    ShutdownOutcome,
+    UndefineOutcome,
+    # The slot's DHCP reservation, junk found in the hosts file, and guest readiness (lease + SSH).
+    Reservation,
+    HostsFileJunk,
+    LeaseStatus,
+    GuestReadiness,
 )
 
 

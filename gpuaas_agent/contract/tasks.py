@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError
 from gpuaas_agent.errors import ContractError
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.cloudinit import GuestDriverProfile
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
 
 NODE_ID_PATTERN = r"^[A-Za-z0-9-]{1,64}$"
@@ -73,7 +74,9 @@ class VmProvisionPayload(WireModel):
     hostname: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
     user: str = Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
     ssh_authorized_keys: list[str] = Field(min_length=1)
-    guest_driver_profile: str | None = None
+    guest_driver_profile: GuestDriverProfile | None = None  # unknown names are refused at the edge
+    # How long the control plane gives the guest to take its lease and answer SSH; None: the agent's config.
+    readiness_timeout_s: int | None = Field(default=None, ge=5, le=7200)
 
 
 class VmReleasePayload(WireModel):

@@ -90,6 +90,10 @@ def _read_token(token_file: Path) -> str:
             code="token_missing",
             evidence={"token_file": str(token_file)},
         ) from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, binary junk
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise EnrollError(f"bootstrap token {token_file} cannot be read: {reason}", code="token_unreadable",
+                          evidence={"token_file": str(token_file), "error": reason}) from None
     if not token:
         raise EnrollError(f"bootstrap token file {token_file} is empty", code="token_missing",
                           evidence={"token_file": str(token_file)})

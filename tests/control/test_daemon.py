@@ -448,3 +448,19 @@ def test_run_agent_in_process_reconciles_on_its_timer_and_stops_cleanly(nats_ser
 
     _run(body())
     assert len(calls) >= 2
+
+
+def test_enroll_without_a_token_says_why_through_status(short_dir, tmp_path):
+    """ExecStartPre=gpuaas-agent enroll: a missing token must reach `systemctl status`, not only the journal."""
+    config = tmp_path / "agent.json"
+    config.write_text(json.dumps({"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE),
+                                  "nats_url": "nats://127.0.0.1:1", "token_file": str(tmp_path / "absent")}))
+    listener = NotifyListener(short_dir / "notify")
+    try:
+        done = subprocess.run([sys.executable, "-m", "gpuaas_agent", "enroll", "--config", str(config)],
+                              env=_env(listener.path), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and "token_missing" in done.stderr
+        message = _run(listener.wait_for("STATUS"))
+        assert message["STATUS"].startswith("enroll failed: token_missing:")
+    finally:
+        listener.close()

@@ -107,3 +107,17 @@ def test_missing_token_file_is_a_typed_error(tmp_path):
     with pytest.raises(EnrollError) as err:
         _run(enroll("nats://127.0.0.1:1", tmp_path / "absent", tmp_path / "state", IDENTITY, timeout=1))
     assert err.value.code == "token_missing"
+
+
+@pytest.mark.parametrize("kind", ["directory", "binary"])
+def test_unreadable_token_is_a_typed_error_not_a_traceback(tmp_path, kind):
+    token = tmp_path / "token"
+    if kind == "directory":
+        token.mkdir()
+    else:
+        token.write_bytes(b"\xff\xfe\x00junk")
+    with pytest.raises(EnrollError) as err:
+        _run(enroll("nats://127.0.0.1:1", token, tmp_path / "state", IDENTITY, timeout=1))
+    assert err.value.code == "token_unreadable"
+    assert err.value.evidence["token_file"] == str(token)
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())

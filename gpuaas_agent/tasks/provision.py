@@ -1,0 +1,361 @@
+"""``slice.vm_provision``: the journaled pipeline that turns an approved slot into a running, reachable VM.
+
+validate + lease → bind vfio → fetch/verify image → guard + clone → seed ISO →
+OVS port → dnsmasq reservation → define → start → readiness (lease + SSH).
+
+Outcomes (issue 7, DESIGN.md §3/§4):
+
+* success: slot ``active``/``healthy`` with the readiness evidence;
+* failure before the clone started: every step undone, the lease released,
+  the slot reported ``reserved`` with ``lease_released`` (the agent never
+  declares a slot ``available`` itself; the disk was not touched);
+* failure or cancellation once the clone started: network and domain undone,
+  the lease *kept*, the slot ``cleanup_blocked``/``failed`` with the evidence,
+  until a release wipes and verifies the disk. No path reports a disk clean
+  that was not verified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from ipaddress import IPv4Interface
+from typing import Any
+
+from gpuaas_agent import __version__
+from gpuaas_agent.contract.cloudinit import GuestAddressing, GuestNetwork, GuestUser, SeedSpec
+from gpuaas_agent.contract.domain import DomainSpec
+from gpuaas_agent.contract.naming import domain_name, vnic_name
+from gpuaas_agent.contract.plan import PlannedSlot
+from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
+from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
+from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.storage import DiskLease
+from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
+from gpuaas_agent.discovery.numa import node_cpulist
+from gpuaas_agent.discovery.ovmf import find_ovmf
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.guards.disk import check_disk_writable
+from gpuaas_agent.guards.vmstart import check_vm_start
+from gpuaas_agent.host.clone import clone_image
+from gpuaas_agent.host.cloudinit import write_seed_iso
+from gpuaas_agent.host.dnsmasq import make_reservation
+from gpuaas_agent.host.readiness import wait_for_guest
+from gpuaas_agent.host.vfio import bind_to_vfio
+from gpuaas_agent.logs import log_event
+from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
+from gpuaas_agent.tasks.plan import plan_bundle
+from gpuaas_agent.tasks.slicehost import SliceHost
+
+log = logging.getLogger(__name__)
+
+# What a second provision of a slot meets in the host's own slot record.
+BUSY = frozenset({SlotStatus.provisioning, SlotStatus.active, SlotStatus.releasing})
+
+
+class ProvisionRefused(AgentError):
+    """Refused before anything was changed on the host."""
+
+    default_code = "provision_refused"
+
+
+@dataclass
+class _Run:
+    """State shared by the steps of one provision run (and read by their compensations)."""
+
+    payload: VmProvisionPayload
+    profile: RuntimeProfile
+    task_id: str
+    planned: PlannedSlot | None = None
+    lease: SlotLease | None = None
+    lease_was_held: bool = False
+    disk_touched: bool = False
+    spec: DomainSpec | None = None
+    image_path: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def slot(self):
+        return self.payload.slot
+
+    @property
+    def name(self) -> str:
+        return domain_name(self.payload.allocation_id)
+
+    @property
+    def vnic(self) -> str:
+        return vnic_name(self.payload.allocation_id, self.slot.slot_index)
+
+
+def _outcome(run: _Run, status: SlotStatus, health: HealthState, detail: dict) -> SlotOutcome:
+    return SlotOutcome(slot_index=run.slot.slot_index, status=status, health_state=health, health_detail=detail)
+
+
+def _record(run: _Run, status: SlotStatus, health: HealthState, detail: dict) -> SlotRecord:
+    return SlotRecord(slot_index=run.slot.slot_index, allocation_id=run.payload.allocation_id, status=status,
+                      health_state=health, detail=detail, task_id=run.task_id, updated_at=time.time())
+
+
+def _check_admissible(sh: SliceHost, run: _Run, store) -> None:
+    """Refusals that need no host access: profile, slot state, a second provision of the allocation."""
+    slot = run.slot
+    if run.profile.domain_type is DomainType.qemu and not sh.slice.allow_emulated_domains:
+        raise ProvisionRefused(
+            f"runtime profile {run.profile.name} runs under emulation (TCG); this host only runs KVM slices",
+            code="emulated_domain_not_allowed", evidence={"profile": run.profile.name})
+    record = store.slot_state(slot.slot_index)
+    if slot.status is SlotStatus.cleanup_blocked or (record and record.status is SlotStatus.cleanup_blocked):
+        raise ProvisionRefused(
+            f"slot {slot.slot_index} is cleanup_blocked: its disk must be wiped and verified by a release first",
+            code="slot_cleanup_blocked",
+            evidence={"slot_index": slot.slot_index, "control_plane_status": slot.status.value,
+                      "host_record": record.model_dump(mode="json") if record else None})
+    if record and record.status in BUSY:
+        same = record.allocation_id == run.payload.allocation_id
+        raise ProvisionRefused(
+            f"slot {slot.slot_index} is {record.status.value} for "
+            f"{'this allocation (task ' + record.task_id + ')' if same else 'allocation ' + record.allocation_id}",
+            code="already_provisioned" if same else "slot_busy",
+            evidence={"slot_index": slot.slot_index, "host_record": record.model_dump(mode="json")})
+
+
+def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
+    store = ctx.store
+    payload = run.payload
+    slot = payload.slot
+
+    async def validate() -> dict:
+        from gpuaas_agent.discovery.report import discover
+
+        report = await asyncio.to_thread(lambda: discover(sh.host()))
+        # The approved record is checked against live discovery exactly as slice.plan does.
+        plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[slot.slot_id],
+                                       slots=[slot.model_copy(update={"status": SlotStatus.reserved})]), report)
+        run.planned = plan.slots[0]
+        lease = SlotLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
+                          gpu_pci_address=slot.gpu_pci_address, nvme_device=slot.nvme_device,
+                          fabric_vf_pci_address=slot.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
+        run.lease_was_held = any(held.slot_index == slot.slot_index for held in store.leases_of(payload.allocation_id))
+        run.lease = store.take_lease(lease)  # lease_conflict: another allocation holds a device of this slot
+        store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}))
+        return {"kernel_name": run.planned.nvme_kernel_name, "numa_node": run.planned.gpu_numa_node,
+                "lease": "held_before" if run.lease_was_held else "taken"}
+
+    async def unlease() -> dict:
+        if run.disk_touched:
+            return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
+        store.release_leases(payload.allocation_id)
+        store.clear_slot_state(slot.slot_index)
+        return {"lease": "released"}
+
+    async def bind() -> dict:
+        if not run.profile.hostdevs:
+            return {"skipped": f"profile {run.profile.name} passes no PCI devices through"}
+        approved = [slot.gpu_pci_address, slot.fabric_vf_pci_address]
+        results = [await bind_to_vfio(sh.host(), address, approved) for address in approved]
+        return {"bound": [r.model_dump(mode="json") for r in results]}
+
+    async def image() -> dict:
+        cached = await sh.images.fetch(payload.image.url, payload.image.sha256)
+        run.image_path = cached.path
+        return {"sha256": cached.sha256, "size_bytes": cached.size_bytes, "format": cached.format.value}
+
+    async def clone() -> dict:
+        run.disk_touched = True  # from here on, nothing but a verified wipe makes this disk clean
+        others = await sh.libvirt.running_domain_disks(exclude=run.name)
+
+        async def on_progress(p) -> None:
+            await ctx.progress("clone", "progress", percent=p.percent)
+
+        result = await clone_image(
+            sh.host(), run.image_path, slot.nvme_device,
+            lease=DiskLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
+                            nvme_device=slot.nvme_device),
+            domain_disks=others, wipe_proof=store.latest_wipe_proof(slot.slot_index), on_progress=on_progress,
+            timeout=sh.slice.clone_timeout_s)
+        return result.model_dump(mode="json")
+
+    async def seed() -> dict:
+        spec = SeedSpec(
+            instance_id=payload.allocation_id, hostname=payload.hostname,
+            user=GuestUser(name=payload.user, ssh_authorized_keys=tuple(payload.ssh_authorized_keys)),
+            terminal_relay_key=(await asyncio.to_thread(sh.slice.terminal_relay_key_file.read_text)).strip(),
+            network=GuestNetwork(mac=slot.mac, address=IPv4Interface(f"{slot.private_ip}/{sh.slice.subnet.prefixlen}"),
+                                 gateway=sh.slice.gateway, nameservers=sh.slice.nameservers,
+                                 addressing=GuestAddressing.dhcp4),
+            guest_driver_profile=payload.guest_driver_profile)
+        iso = await write_seed_iso(spec, sh.seed_path(payload.allocation_id, slot.slot_index))
+        return {"path": iso.path, "sha256": iso.sha256}
+
+    async def unseed() -> dict:
+        path = sh.seed_path(payload.allocation_id, slot.slot_index)
+        existed = path.exists()
+        path.unlink(missing_ok=True)
+        return {"removed": existed}
+
+    async def plug() -> dict:
+        policing = run.profile.ingress_policing
+        async with sh.ovs() as ovs:
+            await asyncio.to_thread(ovs.ensure_bridge, slot.ovs_bridge)  # never created here: missing is a blocker
+            port = await asyncio.to_thread(
+                ovs.add_vm_port, slot.ovs_bridge, run.vnic, mac=slot.mac, vm_uuid=payload.allocation_id,
+                allocation_id=payload.allocation_id, slot_index=slot.slot_index,
+                ingress_policing_rate_kbps=policing.rate_kbps if policing else None,
+                ingress_policing_burst_kb=policing.burst_kb if policing else None,
+                iface_id=payload.allocation_id)
+        return port.model_dump(mode="json")
+
+    async def unplug() -> dict:
+        async with sh.ovs() as ovs:
+            removed = await asyncio.to_thread(ovs.remove_vm_port, slot.ovs_bridge, run.vnic,
+                                              allocation_id=payload.allocation_id)
+        return {"port": run.vnic, "removed": removed}
+
+    async def reserve() -> dict:
+        reservations = sh.reservations()
+        res = make_reservation(payload.allocation_id, slot.slot_index, slot.mac, slot.private_ip, payload.hostname)
+        changed = await asyncio.to_thread(reservations.add, res)
+        pid = await asyncio.to_thread(reservations.reload)
+        return {"reservation": res.model_dump(mode="json"), "changed": changed, "dnsmasq_pid": pid}
+
+    async def unreserve() -> dict:
+        reservations = sh.reservations()
+        removed = await asyncio.to_thread(reservations.remove, payload.allocation_id, slot.slot_index)
+        pid = await asyncio.to_thread(reservations.reload) if removed else None
+        return {"removed": [r.model_dump(mode="json") for r in removed], "dnsmasq_pid": pid}
+
+    async def define() -> dict:
+        firmware = await asyncio.to_thread(find_ovmf, sh.system())
+        numa = run.planned.gpu_numa_node if run.profile.hostdevs else None
+        cpulist = await asyncio.to_thread(node_cpulist, sh.host(), numa) if numa is not None else None
+        run.spec = DomainSpec(
+            allocation_id=payload.allocation_id, slot_index=slot.slot_index, task_id=run.task_id,
+            profile=run.profile,
+            gpu_pci_address=slot.gpu_pci_address if run.profile.hostdevs else None,
+            fabric_vf_pci_address=slot.fabric_vf_pci_address if run.profile.hostdevs else None,
+            nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
+            seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
+            numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__)
+        outcome = await sh.libvirt.define(run.spec)
+        return {"domain": outcome.domain.name, "uuid": outcome.domain.uuid, "action": outcome.action}
+
+    async def undefine() -> dict:
+        found = await sh.libvirt.lookup(run.name)
+        if found is None:
+            return {"domain": run.name, "found": False}
+        if found.metadata is None or found.metadata.allocation_id != payload.allocation_id:
+            return {"domain": run.name, "found": True, "left": "not ours"}
+        stopped = await sh.libvirt.shutdown(run.name, deadline_s=0)  # compensation: no grace, destroy now
+        gone = await sh.libvirt.undefine(run.name)
+        return {"domain": run.name, "destroyed": stopped.destroyed, "nvram_removed": gone.nvram_removed}
+
+    async def start() -> dict:
+        disk = await asyncio.to_thread(
+            check_disk_writable, sh.host(), slot.nvme_device,
+            lease=DiskLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
+                            nvme_device=slot.nvme_device),
+            domain_disks=await sh.libvirt.running_domain_disks(exclude=run.name))
+        async with sh.ovs() as ovs:
+            evidence = await asyncio.to_thread(
+                check_vm_start, sh.host() if run.profile.hostdevs else sh.system(), run.spec,
+                bridge_exists=await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge), disk=disk)
+            info = await sh.libvirt.start(run.name, preconditions=evidence)
+            # libvirt re-creates the port at start with only its own external_ids: put ours back.
+            port = await asyncio.to_thread(
+                ovs.add_vm_port, slot.ovs_bridge, run.vnic, mac=slot.mac, vm_uuid=info.uuid,
+                allocation_id=payload.allocation_id, slot_index=slot.slot_index, iface_id=payload.allocation_id,
+                ingress_policing_rate_kbps=run.profile.ingress_policing.rate_kbps if run.profile.ingress_policing else None,
+                ingress_policing_burst_kb=run.profile.ingress_policing.burst_kb if run.profile.ingress_policing else None)
+        return {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
+                "ofport": port.ofport}
+
+    async def stop() -> dict:
+        found = await sh.libvirt.lookup(run.name)
+        if found is None or found.metadata is None or found.metadata.allocation_id != payload.allocation_id:
+            return {"domain": run.name, "found": found is not None}
+        stopped = await sh.libvirt.shutdown(run.name, deadline_s=0)
+        return stopped.model_dump(mode="json")
+
+    async def ready() -> dict:
+        loop = asyncio.get_running_loop()
+
+        async def progress(event: str, fields: dict) -> None:
+            await ctx.progress("readiness", "progress", detail={"event": event, **fields})
+
+        readiness = await wait_for_guest(sh.slice.dnsmasq_lease_file, slot.mac, slot.private_ip,
+                                         deadline=loop.time() + (payload.readiness_timeout_s
+                                                                 or sh.slice.readiness_timeout_s),
+                                         progress=progress)
+        run.facts["readiness"] = readiness.model_dump(mode="json")
+        return run.facts["readiness"]
+
+    return [
+        Step("validate", validate, unlease),
+        Step("bind_vfio", bind),  # a GPU left on vfio-pci is the slice host's steady state: nothing to undo
+        Step("image", image),  # the cache is shared and content-addressed: nothing to undo
+        Step("clone", clone, touches_disk=True),  # cannot be undone: a wipe by release is the only way back
+        Step("seed", seed, unseed),
+        Step("ovs_port", plug, unplug),
+        Step("reservation", reserve, unreserve),
+        Step("define", define, undefine),
+        Step("start", start, stop),
+        Step("readiness", ready),
+    ]
+
+
+async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
+    run = _Run(payload=payload, profile=get_profile(payload.runtime_profile), task_id=ctx.envelope.task_id)
+    async with sh.slot_lock(payload.slot.slot_index):
+        try:
+            _check_admissible(sh, run, ctx.store)
+        except ProvisionRefused as refused:
+            if refused.code == "slot_cleanup_blocked":  # say it again: the slot stays blocked, nothing changed
+                ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed,
+                                                  {"code": refused.code, **refused.evidence}))
+            raise
+        try:
+            outputs = await run_pipeline(ctx, _steps(sh, run, ctx))
+        except PipelineFailed as failure:
+            _report_failure(run, ctx, failure)
+            raise
+    lease = outputs["readiness"]["lease"]
+    detail = {"readiness": outputs["readiness"], "domain": run.name}
+    ctx.store.set_slot_state(_record(run, SlotStatus.active, HealthState.healthy, detail))
+    ctx.slot_outcomes.append(_outcome(run, SlotStatus.active, HealthState.healthy, detail))
+    log_event(log, "slice_provisioned", task_id=run.task_id, allocation_id=payload.allocation_id,
+              slot_index=payload.slot.slot_index, domain=run.name, ip=lease["actual_ip"])
+    return {
+        "vm": run.name,
+        "mac": payload.slot.mac,
+        "expected_ip": lease["expected_ip"],
+        "actual_ip": lease["actual_ip"],
+        "lease_state": lease["lease_state"],
+        "ssh_ready": outputs["readiness"]["ssh_banner"].startswith("SSH-2.0-"),
+        "ssh_banner": outputs["readiness"]["ssh_banner"],
+        "steps": {name: out.get("duration_s") for name, out in outputs.items()},
+        "clone": outputs["clone"],
+        "image": outputs["image"],
+    }
+
+
+def _report_failure(run: _Run, ctx, failure: PipelineFailed) -> None:
+    detail = {"failed_step": failure.failed_step, "code": failure.code, "message": failure.message,
+              "evidence": failure.evidence, "cancelled": failure.cancelled}
+    if failure.disk_touched:
+        ctx.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
+        ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
+        log_event(log, "slot_cleanup_blocked", logging.WARNING, task_id=run.task_id,
+                  slot_index=run.slot.slot_index, failed_step=failure.failed_step, code=failure.code)
+    else:
+        # The validate step's compensation released the lease and cleared the record; the disk is as it was.
+        ctx.slot_outcomes.append(_outcome(run, SlotStatus.reserved, HealthState.unknown,
+                                          {**detail, "lease_released": True, "disk_touched": False}))
+
+
+def provision_handler(sh: SliceHost):
+    async def handle(payload: VmProvisionPayload, ctx) -> dict:
+        return await provision(sh, payload, ctx)
+
+    return handle

@@ -1,0 +1,72 @@
+"""The host-side handles a slice pipeline uses, built once per daemon from the config.
+
+Tasks get drivers from here instead of constructing them, so the lab-in-a-box
+and the tests point a whole pipeline at private daemons (ovsdb socket, libvirt
+URI, dnsmasq files) by configuration alone; no code path differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpuaas_agent.config import AgentConfig, SliceConfig
+from gpuaas_agent.host.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.images import ImageCache
+from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.hostfs import HostRoot
+
+# Files QEMU opens (firmware) live on the machine the agent runs on, whatever host_root says:
+# on a recorded fixture (the lab) the sysfs is recorded but OVMF is this machine's.
+SYSTEM_ROOT = Path("/")
+
+
+@dataclass
+class SliceHost:
+    host_root: Path
+    slice: SliceConfig
+    images: ImageCache
+    libvirt: LibvirtLifecycle
+    # One provision per slot runs at a time, whatever the task ids say (two tasks for one slot race otherwise).
+    _slot_locks: dict[int, asyncio.Lock] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: AgentConfig) -> "SliceHost":
+        return cls(
+            host_root=config.host_root,
+            slice=config.slice,
+            images=ImageCache(config.image_cache_dir, allow_loopback_http=config.slice.allow_loopback_http),
+            libvirt=LibvirtLifecycle(config.slice.libvirt_uri),
+        )
+
+    def host(self) -> HostRoot:
+        return HostRoot.open(self.host_root)
+
+    def system(self) -> HostRoot:
+        return HostRoot.open(SYSTEM_ROOT)
+
+    def reservations(self) -> DnsmasqReservations:
+        return DnsmasqReservations(self.slice.dnsmasq_hosts_file, self.slice.subnet, self.slice.gateway,
+                                   self.slice.dnsmasq_pid_file)
+
+    @contextlib.asynccontextmanager
+    async def ovs(self) -> AsyncIterator[OvsDriver]:
+        """An IDL connection for one pipeline; opened and closed off the event loop (it blocks)."""
+        driver = await asyncio.to_thread(OvsDriver, self.slice.ovsdb_remote)
+        try:
+            yield driver
+        finally:
+            await asyncio.to_thread(driver.close)
+
+    def slot_lock(self, slot_index: int) -> asyncio.Lock:
+        return self._slot_locks.setdefault(slot_index, asyncio.Lock())
+
+    def seed_path(self, allocation_id: str, slot_index: int) -> Path:
+        return self.slice.seed_dir / f"{allocation_id}-slot{slot_index}.iso"
+
+    async def close(self) -> None:
+        await self.libvirt.close()
