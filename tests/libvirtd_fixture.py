@@ -11,11 +11,18 @@ packaged services from starting; PID 1 reaps nothing, so both daemons run under
 per machine (``/run/libvirt/libvirt-sock``): a libvirtd that this fixture did not start
 (another test session, an engineer's) is never fought over; the test fails and says so.
 Sessions that use this fixture queue on a host-wide lock instead.
+
+While the daemons run, ``/dev/kvm`` gets the owner udev gives it on a normal host
+(root:kvm 0660; CI has no udev, so it is root:root 0600) and gets its old mode back at
+the end: otherwise libvirtd re-probes QEMU on every capabilities lookup (see
+:func:`_kvm_like_udev`) and one ``define`` takes over a minute. (Each chmod changes the
+node's ctime, which libvirt also checks: expect one ~4 s re-probe per daemon start.)
 """
 
 from __future__ import annotations
 
 import fcntl
+import grp
 import os
 import shutil
 import signal
@@ -164,6 +171,32 @@ def _popen(daemon: LibvirtDaemon, name: str, argv: list[str]) -> None:
         )
 
 
+def _kvm_like_udev() -> Callable[[], None]:
+    """Give ``/dev/kvm`` the owner udev gives it on a normal host (root:kvm 0660); returns the undo.
+
+    Without udev (CI) it is root:root 0600. libvirtd probes QEMU as root (KVM usable) but
+    checks the cached probe as the qemu user (KVM not usable), so every lookup of the
+    capabilities re-probes QEMU: ~4 s each, about 80 s for one define. The qemu user's
+    group is ``kvm`` on Debian and Ubuntu.
+    """
+    kvm = Path("/dev/kvm")
+    try:
+        group = grp.getgrnam("kvm").gr_gid
+        before = kvm.stat()
+    except (KeyError, FileNotFoundError):
+        return lambda: None  # no kvm group or no /dev/kvm: nothing for libvirt to disagree about
+    if before.st_gid == group and before.st_mode & 0o060 == 0o060:
+        return lambda: None
+    os.chown(kvm, before.st_uid, group)
+    os.chmod(kvm, (before.st_mode & 0o7777) | 0o060)
+
+    def undo() -> None:
+        os.chown(kvm, before.st_uid, before.st_gid)
+        os.chmod(kvm, before.st_mode & 0o7777)
+
+    return undo
+
+
 def _libvirtd_answers() -> bool:
     if not LIBVIRT_SOCK.exists():
         return False
@@ -202,6 +235,7 @@ def running_libvirtd(workdir: Path | None = None, *, extra_env: Mapping[str, str
         except ForeignLibvirtdError as exc:
             pytest.fail(str(exc), pytrace=False)
         started = time.monotonic()
+        undo_kvm = _kvm_like_udev()
         try:
             virtlogd_env = {**env, "LIBVIRT_LOG_OUTPUTS": f"3:file:{workdir}/virtlogd.log"}
             with open(workdir / "virtlogd.out", "wb") as out:
@@ -217,6 +251,7 @@ def running_libvirtd(workdir: Path | None = None, *, extra_env: Mapping[str, str
         finally:
             _stop(daemon.procs.get("libvirtd"))
             _stop(daemon.procs.get("virtlogd"))
+            undo_kvm()
             if own_tmp:
                 shutil.rmtree(workdir, ignore_errors=True)
 
