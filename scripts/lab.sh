@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The main job on the bundled default host: discovery of the recorded 8x H200 slice host.
-# (The full lab-in-a-box — NATS, OVS, dnsmasq, libvirt guests — grows here as those rooms land.)
+# README command 1: the lab-in-a-box on the bundled 8x H200 host (run as root on Debian 12 / Ubuntu 24.04).
+# Real nats-server + test control plane, real OVS (netdev datapath), dnsmasq, a libvirt daemon, and the
+# agent on the recorded host whose slot disks are loop devices; two slices are provisioned as real TCG
+# guests, one released, then reconcile. Everything it starts is stopped again, also on failure.
+# GPUAAS_LAB_HOST=<fixture dir> picks another recorded host; extra arguments go to lab/run_lab.py (--keep).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,3 +13,4 @@ echo "== gpuaas-agent discover --root $root"
 mkdir -p out
 .venv/bin/gpuaas-agent discover --root "$root" --json > out/topology.json
 echo "== full report: out/topology.json"
+exec .venv/bin/python lab/run_lab.py --fixture "$root" "$@"

@@ -1,0 +1,400 @@
+"""The lab-in-a-box: every real component of a slice host on one machine, driven over the wire.
+
+Started in order, stopped in reverse (by PID), whatever failed:
+
+1. ``nats-server -js`` on 127.0.0.1 and the test control plane (``tests/controlplane.py``);
+2. a real Open vSwitch (ovsdb-server + ovs-vswitchd, netdev datapath) in the root
+   namespace, its bridge owning the lab gateway address;
+3. dnsmasq serving only the agent's reservations on that bridge;
+4. a libvirt daemon started by hand (``qemu:///system``), reaching the private ovsdb;
+5. the recorded 8xH200 host with loop devices as slot disks (``lab/loophost.py``);
+6. the lab guest image (``lab/build_guest_image.py``), offered to the agent as a
+   ``file://`` URL with its sha256: the agent verifies and clones it itself;
+7. the agent: ``gpuaas-agent enroll`` with a one-time token, then ``gpuaas-agent run``.
+
+Used by ``lab/run_lab.py`` (the README's first command) and by the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from ipaddress import IPv4Network
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus  # noqa: E402
+from gpuaas_agent.contract.tasks import TaskResult  # noqa: E402
+from lab.loophost import LoopHost, materialize  # noqa: E402
+from tests.controlplane import ControlPlane  # noqa: E402
+
+AGENT = REPO / ".venv/bin/gpuaas-agent"
+DEFAULT_FIXTURE = REPO / "fixtures/hosts/h200-slice-after-transition"
+IMAGE_CACHE = Path(os.environ.get("GPUAAS_LAB_CACHE", "/var/cache/gpuaas-agent-lab"))
+LAB_PROFILE = "lab_tcg_1c_512m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sh(*argv: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=check)
+
+
+def _stop_pid(proc: subprocess.Popen | None, timeout: float = 20) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
+def _wait(predicate, what: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what}: process exited {proc.returncode}\n{tail}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)  # poll step of a deadline wait
+
+
+@dataclass
+class LabSettings:
+    workdir: Path
+    fixture: Path = DEFAULT_FIXTURE
+    slots: int = 8
+    disk_bytes: int = 256 << 20
+    subnet: IPv4Network = IPv4Network("10.231.0.0/24")
+    readiness_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 5.0
+    say: object = print  # progress lines for people; tests pass a quiet one
+
+
+@dataclass
+class Lab:
+    settings: LabSettings
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    nats_url: str = ""
+    cp: ControlPlane | None = None
+    node_id: str = ""
+    bridge: str = ""
+    ovs_env: dict = field(default_factory=dict)
+    ovs_remote: str = ""
+    host: LoopHost | None = None
+    image_path: Path | None = None
+    image_sha256: str = ""
+    tenant_key: str = ""
+    tenant_key_file: Path | None = None
+    config_path: Path | None = None
+    approved: list[ApprovedSlot] = field(default_factory=list)
+
+    @property
+    def work(self) -> Path:
+        return self.settings.workdir
+
+    @property
+    def gateway(self) -> str:
+        return str(self.settings.subnet.network_address + 1)
+
+    def say(self, line: str) -> None:
+        self.settings.say(line)
+
+    # -- start -------------------------------------------------------------------------------
+
+    async def start(self) -> "Lab":
+        if os.geteuid() != 0:
+            raise SystemExit("the lab needs root: loop devices, OVS, dnsmasq, libvirtd")
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.work.chmod(0o755)  # QEMU (libvirt-qemu) opens the seed ISOs under it
+        try:
+            self._start_nats()
+            await self._start_control_plane()
+            self._start_ovs()
+            self._start_dnsmasq()
+            self._start_libvirtd()
+            self._make_host()
+            self._make_image()
+            self._make_keys()
+            self._write_config()
+            await self._enroll()
+            self.start_agent()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    def _start_nats(self) -> None:
+        port = _free_port()
+        store = self.work / "nats"
+        store.mkdir(exist_ok=True)
+        log = self.work / "nats.log"
+        with open(log, "wb") as out:
+            self.procs["nats"] = subprocess.Popen(
+                ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.nats_url = f"nats://127.0.0.1:{port}"
+
+        def answers() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        _wait(answers, "nats-server", 20, self.procs["nats"], log)
+        self.say(f"lab: nats-server -js on {self.nats_url} (pid {self.procs['nats'].pid})")
+
+    async def _start_control_plane(self) -> None:
+        self.cp = await ControlPlane.connect(self.nats_url)
+        await self.cp.create_streams()
+        await self.cp.serve_enrollment()
+        self.say("lab: control plane: task/result streams, enrollment on gpuaas.enroll")
+
+    def _start_ovs(self) -> None:
+        from tests.ovsdb_fixture import running_ovs
+
+        sw = self.stack.enter_context(running_ovs(root_netns=True))
+        self.bridge, self.ovs_env, self.ovs_remote = sw.bridge, sw.env, sw.remote
+        prefix = self.settings.subnet.prefixlen
+        _sh("ip", "addr", "add", f"{self.gateway}/{prefix}", "dev", self.bridge)
+        _sh("ip", "link", "set", self.bridge, "up")
+        self.say(f"lab: OVS bridge {self.bridge} (netdev datapath) owns {self.gateway}/{prefix}; ovsdb {sw.remote}")
+
+    def _start_dnsmasq(self) -> None:
+        d = self.work / "dnsmasq"
+        d.mkdir(exist_ok=True)
+        (d / "hosts").touch()
+        net = self.settings.subnet
+        log = self.work / "dnsmasq.log"
+        argv = ["dnsmasq", "--keep-in-foreground", "--user=root", "--port=0", "--conf-file=/dev/null",
+                f"--interface={self.bridge}", "--bind-interfaces", "--except-interface=lo",
+                f"--dhcp-range={net.network_address},static,{net.netmask},12h",
+                f"--dhcp-hostsfile={d / 'hosts'}", f"--dhcp-leasefile={d / 'leases'}",
+                f"--pid-file={d / 'dnsmasq.pid'}", "--log-dhcp", f"--log-facility={log}"]
+        self.procs["dnsmasq"] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.STDOUT)
+        _wait(lambda: (d / "dnsmasq.pid").exists() and (d / "dnsmasq.pid").read_text().strip(),
+              "dnsmasq pid file", 20, self.procs["dnsmasq"], log)
+        self.say(f"lab: dnsmasq (pid {self.procs['dnsmasq'].pid}) serves reservations only, on {self.bridge}")
+
+    def _start_libvirtd(self) -> None:
+        from tests.libvirtd_fixture import running_libvirtd
+
+        d = self.stack.enter_context(running_libvirtd(self.work / "libvirtd", extra_env=self.ovs_env))
+        self.say(f"lab: libvirtd (pid {d.pid}) on {d.uri}, OVS_RUNDIR -> the lab ovsdb")
+
+    def _make_host(self) -> None:
+        self.host = materialize(self.settings.fixture, self.work / "host", disk_bytes=self.settings.disk_bytes,
+                                slots=self.settings.slots)
+        self.stack.callback(self.host.close)
+        loops = ", ".join(f"slot{d.slot_index}={d.loop}" for d in self.host.disks)
+        self.say(f"lab: host root {self.host.root} ({self.settings.fixture.name}); slot disks: {loops}")
+
+    def _make_image(self) -> None:
+        from lab.build_guest_image import build_guest_image
+
+        path = Path(build_guest_image(self.work / "image", IMAGE_CACHE))
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        self.image_path, self.image_sha256 = path, h.hexdigest()
+        self.say(f"lab: guest image {path} sha256={self.image_sha256[:16]}...")
+
+    def _make_keys(self) -> None:
+        keys = self.work / "keys"
+        keys.mkdir(exist_ok=True)
+        for name in ("relay", "tenant"):
+            if not (keys / name).exists():
+                _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"gpuaas-lab-{name}", "-f", str(keys / name))
+        self.tenant_key = (keys / "tenant.pub").read_text().strip()
+        self.tenant_key_file = keys / "tenant"
+
+    def _write_config(self) -> None:
+        d = self.work / "dnsmasq"
+        state = self.work / "state"
+        state.mkdir(mode=0o700, exist_ok=True)
+        seeds = self.work / "seeds"
+        seeds.mkdir(exist_ok=True)
+        seeds.chmod(0o755)
+        config = {
+            "state_dir": str(state),
+            "host_root": str(self.host.root),
+            "nats_url": self.nats_url,
+            "token_file": str(state / "bootstrap-token"),
+            "heartbeat_interval_s": self.settings.heartbeat_interval_s,
+            "reconcile_interval_s": 120.0,
+            "shutdown_grace_s": 30.0,
+            "slice": {
+                "subnet": str(self.settings.subnet),
+                "gateway": self.gateway,
+                "ovs_bridge": self.bridge,
+                "ovsdb_remote": self.ovs_remote,
+                "libvirt_uri": "qemu:///system",
+                "dnsmasq_hosts_file": str(d / "hosts"),
+                "dnsmasq_lease_file": str(d / "leases"),
+                "dnsmasq_pid_file": str(d / "dnsmasq.pid"),
+                "seed_dir": str(seeds),
+                "image_cache_dir": str(self.work / "images"),
+                "terminal_relay_key_file": str(self.work / "keys/relay.pub"),
+                "nameservers": [self.gateway],
+                "readiness_timeout_s": self.settings.readiness_timeout_s,
+                "allow_emulated_domains": True,
+            },
+        }
+        self.config_path = self.work / "agent.json"
+        self.config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+    async def _enroll(self) -> None:
+        token_file = self.work / "state/bootstrap-token"
+        token_file.write_text(self.cp.issue_token() + "\n")
+        token_file.chmod(0o600)
+        done = await asyncio.to_thread(_sh, str(AGENT), "enroll", "--config", str(self.config_path), timeout=60,
+                                       check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"gpuaas-agent enroll failed ({done.returncode}): {done.stderr.strip()}")
+        record = json.loads((self.work / "state/enrollment.json").read_text())
+        self.node_id = record["node_id"]
+        self.say(f"lab: agent enrolled as node {self.node_id}")
+
+    def start_agent(self) -> None:
+        log = self.work / "agent.log"
+        out = open(log, "ab")
+        env = {**os.environ, **self.ovs_env}
+        self.procs["agent"] = subprocess.Popen([str(AGENT), "run", "--config", str(self.config_path)], env=env,
+                                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        out.close()
+        self.say(f"lab: gpuaas-agent run (pid {self.procs['agent'].pid}), log {log}")
+
+    def stop_agent(self, timeout: float = 60) -> int | None:
+        proc = self.procs.pop("agent", None)
+        _stop_pid(proc, timeout)
+        return None if proc is None else proc.returncode
+
+    # -- driving -----------------------------------------------------------------------------
+
+    async def task(self, task_type: str, payload: dict, *, deadline_s: float = 900, timeout: float = 900,
+                   task_id: str | None = None) -> TaskResult:
+        envelope = self.cp.envelope(self.node_id, task_type, payload, deadline_s=deadline_s, task_id=task_id)
+        await self.cp.enqueue(envelope)
+        return await self.cp.wait_result(envelope.task_id, timeout=timeout)
+
+    async def submit(self, task_type: str, payload: dict, *, deadline_s: float = 900) -> str:
+        envelope = self.cp.envelope(self.node_id, task_type, payload, deadline_s=deadline_s)
+        await self.cp.enqueue(envelope)
+        return envelope.task_id
+
+    async def approve_slots(self) -> list[ApprovedSlot]:
+        """``slice.topology_discover``, then approve every complete candidate slot (the operator's step)."""
+        result = await self.task("slice.topology_discover",
+                                 {"subnet": str(self.settings.subnet), "ovs_bridge": self.bridge}, timeout=120)
+        if result.status.value != "succeeded":
+            raise RuntimeError(f"topology_discover failed: {result.error}")
+        report = result.output.get("report", result.output)
+        disks = {d.by_id for d in self.host.disks}
+        self.approved = [
+            ApprovedSlot(slot_id=f"lab-slot-{s['slot_index']}", slot_index=s["slot_index"],
+                         gpu_pci_address=s["gpu_pci_address"], nvme_device=s["nvme_device"],
+                         storage_identity_kind=s["storage_identity_kind"],
+                         fabric_vf_pci_address=s["fabric_vf_pci_address"], fabric_claim_mode=s["fabric_claim_mode"],
+                         mac=s["mac"], private_ip=s["private_ip"], ovs_bridge=self.bridge,
+                         numa_node=s.get("numa_node"), status=SlotStatus.reserved)
+            for s in report["candidate_slots"] if not s["blockers"] and s["nvme_device"] in disks
+        ]
+        return self.approved
+
+    def provision_payload(self, slot: ApprovedSlot, *, allocation_id: str | None = None,
+                          sha256: str | None = None) -> dict:
+        return {
+            "allocation_id": allocation_id or str(uuid.uuid4()),
+            "slot": slot.model_dump(mode="json"),
+            "image": {"url": f"file://{self.image_path}", "sha256": sha256 or self.image_sha256},
+            "runtime_profile": LAB_PROFILE,
+            "hostname": f"lab-slice-{slot.slot_index}",
+            "user": "tenant",
+            "ssh_authorized_keys": [self.tenant_key],
+        }
+
+    @staticmethod
+    def release_payload(allocation_id: str, slot: ApprovedSlot, graceful_timeout_s: int = 60) -> dict:
+        return {"allocation_id": allocation_id, "slot": slot.model_dump(mode="json"),
+                "graceful_timeout_s": graceful_timeout_s}
+
+    @staticmethod
+    def domains() -> dict[str, str]:
+        """Agent domains on this machine's libvirt and their state (the lab's own view, not the agent's)."""
+        import libvirt
+
+        from gpuaas_agent.contract.naming import DOMAIN_PREFIX
+
+        names = {libvirt.VIR_DOMAIN_RUNNING: "running", libvirt.VIR_DOMAIN_SHUTOFF: "shut off"}
+        conn = libvirt.open("qemu:///system")
+        try:
+            return {d.name(): names.get(d.state()[0], str(d.state()[0])) for d in conn.listAllDomains()
+                    if d.name().startswith(DOMAIN_PREFIX)}
+        finally:
+            conn.close()
+
+    # -- stop --------------------------------------------------------------------------------
+
+    async def stop(self) -> list[str]:
+        """Stop everything started, in reverse; returns what could not be undone (also printed)."""
+        problems: list[str] = []
+        self.stop_agent()
+        with contextlib.suppress(Exception):
+            await self._destroy_lab_domains()
+        if self.cp is not None:
+            with contextlib.suppress(Exception):
+                await self.cp.close()
+            self.cp = None
+        _stop_pid(self.procs.pop("dnsmasq", None))
+        try:
+            self.stack.close()  # host loops, libvirtd, OVS (reverse order of entry)
+        except Exception as exc:  # keep going: NATS still has to stop
+            problems.append(f"teardown: {exc}")
+        _stop_pid(self.procs.pop("nats", None))
+        for problem in problems:
+            self.say(f"lab: cleanup problem: {problem}")
+        return problems
+
+    async def _destroy_lab_domains(self) -> None:
+        """A lab that stops mid-provision leaves no domain behind (the agent would have)."""
+        import libvirt
+
+        from gpuaas_agent.contract.naming import DOMAIN_PREFIX
+
+        conn = libvirt.open("qemu:///system")
+        try:
+            for dom in conn.listAllDomains():
+                if not dom.name().startswith(DOMAIN_PREFIX):
+                    continue
+                if dom.isActive():
+                    dom.destroy()
+                try:
+                    dom.undefineFlags(libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
+                except libvirt.libvirtError:
+                    dom.undefine()
+        finally:
+            conn.close()
