@@ -90,8 +90,13 @@ def _forget_recorded_mounts(root: Path, devs: set[str]) -> None:
     mountinfo.write_text("".join(kept))
 
 
-def materialize(fixture: Path, workdir: Path, *, disk_bytes: int, slots: int | None = None) -> LoopHost:
-    """Copy ``fixture`` under ``workdir/root`` and back its candidate-slot disks with loop devices."""
+def materialize(fixture: Path, workdir: Path, *, disk_bytes: int, slots: int | None = None,
+                real_links: bool = True) -> LoopHost:
+    """Copy ``fixture`` under ``workdir/root`` and back its candidate-slot disks with loop devices.
+
+    ``real_links=False``: no ``/dev/disk/by-id`` link on the real host (nothing outside the agent,
+    such as QEMU, will open the disk), so two such hosts can exist side by side.
+    """
     from gpuaas_agent.discovery.report import discover
     from gpuaas_agent.hostfs import HostRoot
 
@@ -127,6 +132,8 @@ def materialize(fixture: Path, workdir: Path, *, disk_bytes: int, slots: int | N
             node = root / "dev" / kernel
             node.unlink(missing_ok=True)
             os.mknod(node, stat.S_IFBLK | 0o600, os.makedev(major, minor))
+            if not real_links:
+                continue
             real_link = REAL_BY_ID / Path(slot.nvme_device).name
             REAL_BY_ID.mkdir(parents=True, exist_ok=True)
             if real_link.is_symlink() or real_link.exists():

@@ -1,0 +1,122 @@
+"""A provision cancelled mid-clone: qemu-img is killed, the slot is cleanup_blocked, the lease is kept.
+
+Real pieces: a loop disk behind the recorded 8xH200 host (lab/loophost.py), the
+image cache, qemu-img, the disk guard, the SQLite store, libvirt's test driver
+(no running domain uses the disk). The cancellation comes from the task being
+cancelled when the clone reports its first percent: the same path a task
+deadline takes (the worker cancels the handler at the deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from gpuaas_agent.config import SliceConfig
+from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
+from gpuaas_agent.contract.state import StepStatus
+from gpuaas_agent.contract.tasks import TaskEnvelope, VmProvisionPayload
+from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.host.images import ImageCache
+from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.pipeline import PipelineFailed
+from gpuaas_agent.tasks.provision import provision
+from gpuaas_agent.tasks.slicehost import SliceHost
+from lab.loophost import materialize
+from tests.conftest import HOSTS
+from tests.realdev import require_root
+
+MiB = 1 << 20
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKq5Vd2K8mJ5yVtQ1N0d0m2dQ6Gq6x7o0cXbq3b8s9aF tenant"
+
+
+@dataclass
+class Ctx:
+    store: StateStore
+    envelope: TaskEnvelope
+    node_id: str = "node-1"
+    resumed_steps: list = field(default_factory=list)
+    slot_outcomes: list = field(default_factory=list)
+    on_progress: object = None
+
+    async def progress(self, step, status, *, percent=None, detail=None):
+        if self.on_progress is not None:
+            self.on_progress(step, status, percent)
+
+
+@pytest.fixture
+def loop_host(tmp_path):
+    require_root()
+    host = materialize(HOSTS / "h200-slice-after-transition", tmp_path / "host", disk_bytes=512 * MiB, slots=1,
+                       real_links=False)
+    yield host
+    assert host.close() == []
+
+
+def _approved(host) -> ApprovedSlot:
+    c = discover(HostRoot.open(host.root)).candidate_slots[0]
+    return ApprovedSlot(slot_id="s-0", slot_index=0, gpu_pci_address=c.gpu_pci_address, nvme_device=c.nvme_device,
+                        storage_identity_kind=c.storage_identity_kind, fabric_vf_pci_address=c.fabric_vf_pci_address,
+                        fabric_claim_mode=c.fabric_claim_mode, mac=c.mac, private_ip=c.private_ip,
+                        ovs_bridge="ovsbr0", numa_node=c.numa_node, status=SlotStatus.reserved)
+
+
+def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loop_host, tmp_path):
+    image = tmp_path / "image.raw"
+    with open(image, "wb") as fh:  # dense: qemu-img must copy every block, so the clone takes a while
+        for _ in range(384):
+            fh.write(os.urandom(MiB))
+    digest = hashlib.sha256(image.read_bytes()).hexdigest()
+    sh = SliceHost(host_root=loop_host.root, slice=SliceConfig(allow_emulated_domains=True),
+                   images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
+    store = StateStore.open(tmp_path / "state.db")
+    alloc = str(uuid.uuid4())
+    slot = _approved(loop_host)
+    payload = VmProvisionPayload(allocation_id=alloc, slot=slot, image={"url": f"file://{image}", "sha256": digest},
+                                 runtime_profile="lab_tcg_1c_512m", hostname="cancelled", user="tenant",
+                                 ssh_authorized_keys=[KEY])
+    envelope = TaskEnvelope(task_id="t-cancel", type="slice.vm_provision", node_id="node-1", attempt=1,
+                            deadline=datetime.now(timezone.utc) + timedelta(minutes=10), payload={})
+    ctx = Ctx(store=store, envelope=envelope)
+    seen: list[float] = []
+
+    async def scenario():
+        task = asyncio.current_task()
+
+        def on_progress(step, status, percent):
+            if step == "clone" and status == "progress" and percent is not None:
+                seen.append(percent)
+                if 0 < percent < 100 and not task.cancelling():
+                    task.cancel()  # the worker does exactly this when the task's deadline passes
+
+        ctx.on_progress = on_progress
+        try:
+            await provision(sh, payload, ctx)
+        finally:
+            await sh.close()
+
+    with pytest.raises(PipelineFailed) as info:
+        asyncio.run(scenario())
+    failure = info.value
+    assert failure.cancelled and failure.code == "clone_cancelled" and failure.disk_touched
+    assert any(0 < p < 100 for p in seen) and 100 not in seen  # stopped part-way, never finished
+    # qemu-img is gone (killed with its process group), nothing holds the disk: an exclusive open succeeds.
+    fd = os.open(loop_host.disks[0].loop, os.O_RDONLY | os.O_EXCL)
+    os.close(fd)
+    # The slot is blocked, its lease kept; the journal says where it stopped.
+    record = store.slot_state(0)
+    assert record.status is SlotStatus.cleanup_blocked and record.detail["cancelled"] is True
+    assert [lease.allocation_id for lease in store.leases()] == [alloc]
+    assert [(o.status.value, o.health_state.value) for o in ctx.slot_outcomes] == [("cleanup_blocked", "failed")]
+    journal = [(e.step, e.status) for e in store.journal_of("t-cancel")]
+    assert ("clone", StepStatus.failed) in journal and ("validate", StepStatus.compensated) in journal
+    assert not any(step in ("seed", "ovs_port", "define") for step, _ in journal)
+    store.close()
