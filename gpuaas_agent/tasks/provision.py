@@ -112,6 +112,19 @@ def _check_admissible(sh: SliceHost, run: _Run, store) -> None:
             code="slot_cleanup_blocked",
             evidence={"slot_index": slot.slot_index, "control_plane_status": slot.status.value,
                       "host_record": record.model_dump(mode="json") if record else None})
+    if record and record.status is SlotStatus.provisioning and record.task_id == run.task_id:
+        # This very task was running when the agent stopped (redelivered after a crash or a kill).
+        steps = [(e.step, e.status.value) for e in store.journal_of(run.task_id)]
+        if any(step == "clone" for step, _ in steps):
+            # The disk may hold half an image and a domain may be half set up: only a release may
+            # decide what to tear down, and only a verified wipe makes the disk clean again.
+            detail = {"code": "provision_interrupted", "journal": steps[-12:], "disk_touched": True}
+            store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
+            raise ProvisionRefused(
+                f"provision {run.task_id} of slot {slot.slot_index} was interrupted after the disk was written; "
+                "the slot is cleanup_blocked until a release wipes it",
+                code="provision_interrupted", evidence={"slot_index": slot.slot_index, **detail})
+        return  # interrupted before the disk: nothing was written that a fresh run does not redo
     if record and record.status in BUSY:
         same = record.allocation_id == run.payload.allocation_id
         raise ProvisionRefused(
@@ -311,7 +324,7 @@ async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
         try:
             _check_admissible(sh, run, ctx.store)
         except ProvisionRefused as refused:
-            if refused.code == "slot_cleanup_blocked":  # say it again: the slot stays blocked, nothing changed
+            if refused.code in ("slot_cleanup_blocked", "provision_interrupted"):  # the slot is (now) blocked
                 ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed,
                                                   {"code": refused.code, **refused.evidence}))
             raise

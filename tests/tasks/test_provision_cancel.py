@@ -120,3 +120,51 @@ def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loo
     assert ("clone", StepStatus.failed) in journal and ("validate", StepStatus.compensated) in journal
     assert not any(step in ("seed", "ovs_port", "define") for step, _ in journal)
     store.close()
+
+
+def _ctx_for(store, task_id):
+    envelope = TaskEnvelope(task_id=task_id, type="slice.vm_provision", node_id="node-1", attempt=2,
+                            deadline=datetime.now(timezone.utc) + timedelta(minutes=10), payload={})
+    return Ctx(store=store, envelope=envelope)
+
+
+@pytest.mark.parametrize("touched", [True, False])
+def test_a_provision_redelivered_after_an_agent_crash(tmp_path, touched):
+    """The same task comes back with the slot still 'provisioning': blocked if the clone had started."""
+    from gpuaas_agent.contract.runtime import get_profile
+    from gpuaas_agent.contract.slots import HealthState
+    from gpuaas_agent.contract.state import SlotRecord
+    from gpuaas_agent.tasks.provision import ProvisionRefused, _check_admissible, _Run
+
+    store = StateStore.open(tmp_path / "state.db")
+    alloc = str(uuid.uuid4())
+    c = discover(HostRoot.open(HOSTS / "h200-slice-after-transition")).candidate_slots[0]
+    slot = ApprovedSlot(slot_id="s-0", slot_index=0, gpu_pci_address=c.gpu_pci_address, nvme_device=c.nvme_device,
+                        storage_identity_kind=c.storage_identity_kind, fabric_vf_pci_address=c.fabric_vf_pci_address,
+                        fabric_claim_mode=c.fabric_claim_mode, mac=c.mac, private_ip=c.private_ip,
+                        ovs_bridge="ovsbr0", numa_node=c.numa_node, status=SlotStatus.reserved)
+    payload = VmProvisionPayload(allocation_id=alloc, slot=slot, image={"url": "file:///x", "sha256": "0" * 64},
+                                 runtime_profile="lab_tcg_1c_512m", hostname="h", user="tenant",
+                                 ssh_authorized_keys=[KEY])
+    store.set_slot_state(SlotRecord(slot_index=0, allocation_id=alloc, status=SlotStatus.provisioning,
+                                    health_state=HealthState.unknown, task_id="t-crash", updated_at=1.0))
+    for step in ["validate", "bind_vfio", "image"] + (["clone"] if touched else []):
+        store.journal("t-crash", step, StepStatus.started)
+    sh = SliceHost(host_root=HOSTS / "h200-slice-after-transition", slice=SliceConfig(allow_emulated_domains=True),
+                   images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
+    run = _Run(payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash")
+    if touched:
+        with pytest.raises(ProvisionRefused) as info:
+            _check_admissible(sh, run, store)
+        assert info.value.code == "provision_interrupted" and info.value.evidence["disk_touched"] is True
+        assert store.slot_state(0).status is SlotStatus.cleanup_blocked
+    else:
+        _check_admissible(sh, run, store)  # nothing was written: the fresh run may go ahead
+        assert store.slot_state(0).status is SlotStatus.provisioning
+    # Another task of the same allocation is never let in while the slot is busy or blocked.
+    other = _Run(payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-other")
+    with pytest.raises(ProvisionRefused) as info:
+        _check_admissible(sh, other, store)
+    assert info.value.code == ("slot_cleanup_blocked" if touched else "already_provisioned")
+    asyncio.run(sh.close())
+    store.close()
