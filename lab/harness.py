@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus  # noqa: E402
 from gpuaas_agent.contract.tasks import TaskResult  # noqa: E402
 from lab.loophost import LoopHost, materialize  # noqa: E402
 from tests.controlplane import ControlPlane  # noqa: E402
+from tests.daemons import stop_pid  # noqa: E402
 
 AGENT = REPO / ".venv/bin/gpuaas-agent"
 DEFAULT_FIXTURE = REPO / "fixtures/hosts/h200-slice-after-transition"
@@ -55,17 +55,6 @@ def _free_port() -> int:
 
 def _sh(*argv: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=check)
-
-
-def _stop_pid(proc: subprocess.Popen | None, timeout: float = 20) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout)
 
 
 def _wait(predicate, what: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None):
@@ -290,7 +279,7 @@ class Lab:
 
     def stop_agent(self, timeout: float = 60) -> int | None:
         proc = self.procs.pop("agent", None)
-        _stop_pid(proc, timeout)
+        stop_pid(proc, timeout)
         return None if proc is None else proc.returncode
 
     # -- driving -----------------------------------------------------------------------------
@@ -369,12 +358,12 @@ class Lab:
             with contextlib.suppress(Exception):
                 await self.cp.close()
             self.cp = None
-        _stop_pid(self.procs.pop("dnsmasq", None))
+        stop_pid(self.procs.pop("dnsmasq", None))
         try:
             self.stack.close()  # host loops, libvirtd, OVS (reverse order of entry)
         except Exception as exc:  # keep going: NATS still has to stop
             problems.append(f"teardown: {exc}")
-        _stop_pid(self.procs.pop("nats", None))
+        stop_pid(self.procs.pop("nats", None))
         for problem in problems:
             self.say(f"lab: cleanup problem: {problem}")
         return problems

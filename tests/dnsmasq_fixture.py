@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.daemons import stop_pid
+
 SUBNET = IPv4Network("10.100.0.0/24")
 GATEWAY = IPv4Address("10.100.0.1")
 CLONE_NEWNET = 0x40000000
@@ -63,17 +65,6 @@ def wait_until(predicate: Callable[[], _T], what: str, timeout_s: float = 10.0, 
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
         time.sleep(interval_s)
-
-
-def stop_pid(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
-    """SIGTERM the process by its PID, SIGKILL if it lingers, and reap it."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout_s)
 
 
 def call_in_netns(netns: str, fn: Callable[[], _T], timeout_s: float = 60.0) -> _T:

@@ -21,11 +21,9 @@ node's ctime, which libvirt also checks: expect one ~4 s re-probe per daemon sta
 
 from __future__ import annotations
 
-import fcntl
 import grp
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -37,6 +35,8 @@ from pathlib import Path
 
 import libvirt
 import pytest
+
+from tests.daemons import host_lock, stop_pid
 
 URI = "qemu:///system"
 RUN_DIR = Path("/run/libvirt")
@@ -133,34 +133,12 @@ def _wait_for(predicate: Callable[[], bool], what: str, daemon: LibvirtDaemon, t
 
 
 def _stop(proc: subprocess.Popen | None) -> None:
-    """SIGTERM by PID, SIGKILL after the deadline, and reap."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=STOP_TIMEOUT_S)
+    stop_pid(proc, STOP_TIMEOUT_S)
 
 
-@contextmanager
-def _host_lock(timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+def _host_lock(timeout: float = LOCK_TIMEOUT_S):
     """Sessions using this fixture queue here, so two of them never race for the one system socket."""
-    with open(HOST_LOCK, "a+") as fh:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"another test session held {HOST_LOCK} for over {timeout}s") from None
-                time.sleep(0.1)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return host_lock(HOST_LOCK, timeout)
 
 
 def _popen(daemon: LibvirtDaemon, name: str, argv: list[str]) -> None:

@@ -20,7 +20,6 @@ Import the fixture into a test module (``from tests.ovsdb_fixture import ovs_swi
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import signal
@@ -34,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.daemons import host_lock, stop_pid
 
 SCHEMA = Path("/usr/share/openvswitch/vswitch.ovsschema")
 ROOT_NETNS_LOCK = Path("/tmp/gpuaas-test-ovs-root-netns.lock")
@@ -114,14 +115,7 @@ def _wait_for(predicate: Callable[[], bool], what: str, sw: OvsSwitch, timeout: 
 
 
 def _stop(proc: subprocess.Popen | None, sig: int) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(sig)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+    stop_pid(proc, 10, sig)
 
 
 def _daemon(sw: OvsSwitch, name: str, argv: list[str]) -> None:
@@ -133,22 +127,8 @@ def _daemon(sw: OvsSwitch, name: str, argv: list[str]) -> None:
         out.close()
 
 
-@contextmanager
-def _root_netns_lock(timeout: float = 300.0) -> Iterator[None]:
-    with open(ROOT_NETNS_LOCK, "a+") as fh:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"another test holds {ROOT_NETNS_LOCK} for over {timeout}s") from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _root_netns_lock(timeout: float = 300.0):
+    return host_lock(ROOT_NETNS_LOCK, timeout, poll_s=0.05)
 
 
 @contextmanager
