@@ -277,8 +277,10 @@ def test_socket_overflow_is_reported_and_the_monitor_keeps_reading():
             first = await asyncio.wait_for(anext(bursts), DEADLINE_S)
             assert first.overflowed and len(first.events) < 2 * len(names)
             await asyncio.to_thread(sh, "ip", "link", "add", later_a, "type", "veth", "peer", "name", later_b)
+            # The monitor goes on reading after the overflow: the next link's event arrives. (With a 4 KiB
+            # buffer, other net events on the machine may overflow it again; that is reported, not lost.)
             later = await _next_burst_with(bursts, later_a)
-            assert not later.overflowed
+            assert later_a in {e.name for e in later.events}
             await bursts.aclose()
 
     try:
