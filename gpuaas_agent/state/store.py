@@ -187,6 +187,14 @@ class StateStore:
             self._conn.execute("DELETE FROM slot_lease WHERE allocation_id = ?", (allocation_id,))
         return held
 
+    def release_slot_lease(self, allocation_id: str, slot_index: int) -> SlotLease | None:
+        """Drop one slot's lease of an allocation (its other slots keep theirs); returns it, or None."""
+        with self._transaction():
+            held = self._lease_row("slot_index = ? AND allocation_id = ?", (slot_index, allocation_id))
+            self._conn.execute("DELETE FROM slot_lease WHERE slot_index = ? AND allocation_id = ?",
+                               (slot_index, allocation_id))
+        return held
+
     def leases_of(self, allocation_id: str) -> list[SlotLease]:
         rows = self._conn.execute(
             f"SELECT {LEASE_COLUMNS} FROM slot_lease WHERE allocation_id = ? ORDER BY slot_index", (allocation_id,)
@@ -198,7 +206,8 @@ class StateStore:
         return [self._lease(r) for r in rows]
 
     def _lease_row(self, where: str, value: object) -> SlotLease | None:
-        row = self._conn.execute(f"SELECT {LEASE_COLUMNS} FROM slot_lease WHERE {where}", (value,)).fetchone()
+        params = value if isinstance(value, tuple) else (value,)
+        row = self._conn.execute(f"SELECT {LEASE_COLUMNS} FROM slot_lease WHERE {where}", params).fetchone()
         return None if row is None else self._lease(row)
 
     @staticmethod

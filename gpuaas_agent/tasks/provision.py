@@ -159,7 +159,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
     async def unlease() -> dict:
         if run.disk_touched:
             return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
-        store.release_leases(payload.allocation_id)
+        store.release_slot_lease(payload.allocation_id, slot.slot_index)  # the allocation's other slots keep theirs
         store.clear_slot_state(slot.slot_index)
         return {"lease": "released"}
 

@@ -128,9 +128,10 @@ async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
         async def unlease() -> dict:
             if not owns_disk:
                 return {"skipped": "no lease"}
-            released = store.release_leases(alloc)
+            # Only this slot: the allocation's other slots keep their leases until their own disks are wiped.
+            released = store.release_slot_lease(alloc, slot.slot_index)
             store.clear_slot_state(slot.slot_index)
-            return {"released": [lease.slot_index for lease in released]}
+            return {"released": [released.slot_index] if released else []}
 
         steps = [Step("find", look), Step("shutdown", stop), Step("undefine", undefine), Step("ovs_unplug", unplug),
                  Step("reservation_remove", unreserve), Step("seed_remove", unseed), Step("wipe", wipe),

@@ -204,3 +204,12 @@ def test_slot_records_survive_reopen_and_are_replaced_per_slot(tmp_path):
     assert store.slot_states() == [active]
     store.clear_slot_state(3)
     assert store.slot_states() == []
+
+
+def test_releasing_one_slot_keeps_the_allocations_other_slots(store):
+    store.take_leases([_lease(slot=0), _lease(slot=1)])
+    assert store.release_slot_lease(ALLOC_A, 0).slot_index == 0
+    assert [held.slot_index for held in store.leases_of(ALLOC_A)] == [1]
+    assert store.release_slot_lease(ALLOC_A, 0) is None  # idempotent
+    assert store.release_slot_lease(ALLOC_B, 1) is None  # another allocation cannot drop it
+    assert [held.slot_index for held in store.leases_of(ALLOC_A)] == [1]
