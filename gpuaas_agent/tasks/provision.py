@@ -36,7 +36,7 @@ from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
-from gpuaas_agent.errors import AgentError
+from gpuaas_agent.errors import AgentError, HostError
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.vmstart import check_vm_start
 from gpuaas_agent.host.clone import clone_image
@@ -134,6 +134,15 @@ def _check_admissible(sh: SliceHost, run: _Run, store) -> None:
             evidence={"slot_index": slot.slot_index, "host_record": record.model_dump(mode="json")})
 
 
+def _relay_key(path) -> str:
+    """The node's terminal relay public key (seed 004), added to every slice's authorized keys."""
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HostError(f"terminal relay key {path} cannot be read: {getattr(exc, 'strerror', None) or exc}",
+                        code="relay_key_missing", evidence={"path": str(path)}) from None
+
+
 def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
     store = ctx.store
     payload = run.payload
@@ -194,7 +203,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         spec = SeedSpec(
             instance_id=payload.allocation_id, hostname=payload.hostname,
             user=GuestUser(name=payload.user, ssh_authorized_keys=tuple(payload.ssh_authorized_keys)),
-            terminal_relay_key=(await asyncio.to_thread(sh.slice.terminal_relay_key_file.read_text)).strip(),
+            terminal_relay_key=await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file),
             network=GuestNetwork(mac=slot.mac, address=IPv4Interface(f"{slot.private_ip}/{sh.slice.subnet.prefixlen}"),
                                  gateway=sh.slice.gateway, nameservers=sh.slice.nameservers,
                                  addressing=GuestAddressing.dhcp4),
