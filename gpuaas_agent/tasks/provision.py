@@ -151,6 +151,8 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
     async def validate() -> dict:
         from gpuaas_agent.discovery.report import discover
 
+        # Inputs the later steps need are read now, so that their absence fails before the disk is touched.
+        run.facts["relay_key"] = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
         report = await asyncio.to_thread(lambda: discover(sh.host()))
         # The approved record is checked against live discovery exactly as slice.plan does.
         plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[slot.slot_id],
@@ -203,7 +205,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         spec = SeedSpec(
             instance_id=payload.allocation_id, hostname=payload.hostname,
             user=GuestUser(name=payload.user, ssh_authorized_keys=tuple(payload.ssh_authorized_keys)),
-            terminal_relay_key=await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file),
+            terminal_relay_key=run.facts["relay_key"],
             network=GuestNetwork(mac=slot.mac, address=IPv4Interface(f"{slot.private_ip}/{sh.slice.subnet.prefixlen}"),
                                  gateway=sh.slice.gateway, nameservers=sh.slice.nameservers,
                                  addressing=GuestAddressing.dhcp4),
