@@ -186,3 +186,19 @@ def test_dev_box_without_gpu_answers_with_blockers():
 def test_golden_files_are_valid_reports():
     for name in ALL_FIXTURES:
         TopologyReport.model_validate(json.loads((GOLDEN / f"{name}.json").read_text()))
+
+
+def test_recorded_h200_in_a_vm_is_one_blocked_gpu_with_its_real_ids():
+    """The one real H200 recording (GPU passed through into a VM): what the hardware really reports."""
+    report = _report("h200-vm-passthrough")
+    assert report.summary.as_line() == (
+        "gpu_devices=1 fabric_devices=0 nvme_devices=0 mounted_nvme_devices=0 candidate_slots=1 ready_candidate_slots=0"
+    )
+    (gpu,) = report.gpus
+    assert (gpu.pci_address, gpu.vendor_id, gpu.device_id, gpu.class_code) == ("0000:00:06.0", "0x10de", "0x2335", "0x030200")
+    assert (gpu.subsystem_vendor_id, gpu.subsystem_device_id, gpu.driver) == ("0x10de", "0x18bf", "nvidia")
+    assert gpu.numa_node is None and gpu.iommu_group is None and gpu.local_cpulist == "0-15"
+    (slot,) = report.candidate_slots
+    assert [b.code for b in slot.blockers] == ["gpu_no_iommu_group", "no_nvme_device", "no_free_fabric_vf"]
+    assert sorted(b.code for b in report.blockers) == ["iommu_disabled", "no_fabric_vfs"]
+    assert [w.code for w in report.warnings] == ["numa_node_unknown"]
