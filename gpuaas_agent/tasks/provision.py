@@ -171,7 +171,9 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         if run.disk_touched:
             return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
         store.release_slot_lease(payload.allocation_id, slot.slot_index)  # the allocation's other slots keep theirs
-        store.clear_slot_state(slot.slot_index)
+        record = store.slot_state(slot.slot_index)
+        if record is not None and record.allocation_id == payload.allocation_id:  # never another allocation's
+            store.clear_slot_state(slot.slot_index)
         return {"lease": "released"}
 
     async def bind() -> dict:

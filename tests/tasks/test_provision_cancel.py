@@ -75,7 +75,10 @@ def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loo
         for _ in range(384):
             fh.write(os.urandom(MiB))
     digest = hashlib.sha256(image.read_bytes()).hexdigest()
-    sh = SliceHost(host_root=loop_host.root, slice=SliceConfig(allow_emulated_domains=True),
+    relay = tmp_path / "relay.pub"
+    relay.write_text(KEY + "\n")
+    sh = SliceHost(host_root=loop_host.root,
+                   slice=SliceConfig(allow_emulated_domains=True, terminal_relay_key_file=relay),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
     store = StateStore.open(tmp_path / "state.db")
     alloc = str(uuid.uuid4())
@@ -167,4 +170,32 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, touched):
         _check_admissible(sh, other, store)
     assert info.value.code == ("slot_cleanup_blocked" if touched else "already_provisioned")
     asyncio.run(sh.close())
+    store.close()
+
+
+def test_a_missing_relay_key_fails_before_the_disk_is_touched(loop_host, tmp_path):
+    sh = SliceHost(host_root=loop_host.root,
+                   slice=SliceConfig(allow_emulated_domains=True, terminal_relay_key_file=tmp_path / "absent.pub"),
+                   images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
+    store = StateStore.open(tmp_path / "state.db")
+    payload = VmProvisionPayload(allocation_id=str(uuid.uuid4()), slot=_approved(loop_host),
+                                 image={"url": "file:///nonexistent", "sha256": "0" * 64},
+                                 runtime_profile="lab_tcg_1c_512m", hostname="h", user="tenant",
+                                 ssh_authorized_keys=[KEY])
+    ctx = _ctx_for(store, "t-relay")
+    before = open(loop_host.disks[0].loop, "rb").read(1 << 20)
+
+    async def scenario():
+        try:
+            await provision(sh, payload, ctx)
+        finally:
+            await sh.close()
+
+    with pytest.raises(PipelineFailed) as info:
+        asyncio.run(scenario())
+    assert info.value.code == "relay_key_missing" and info.value.failed_step == "validate"
+    assert info.value.disk_touched is False
+    assert store.leases() == [] and store.slot_state(0) is None
+    assert [o.status.value for o in ctx.slot_outcomes] == ["reserved"]
+    assert open(loop_host.disks[0].loop, "rb").read(1 << 20) == before
     store.close()
