@@ -293,6 +293,7 @@ async def run_agent(
     store = StateStore.open(config.state_db)
     background: list[asyncio.Task] = []
     nc: Client | None = None
+    slice_host = None
     try:
         notifier.notify(STATUS="connecting to NATS")
         nc = await connect(config, record, stop)
@@ -304,6 +305,9 @@ async def run_agent(
             from gpuaas_agent.tasks.slicehost import SliceHost
 
             slice_host = SliceHost.from_config(config)
+            removed = slice_host.images.remove_stale_partials()  # downloads a crashed agent left behind
+            if removed:
+                _event("image_partials_removed", files=removed)
             handlers = default_handlers(config, slice_host)
             if reconcile is None:
                 reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
@@ -352,6 +356,9 @@ async def run_agent(
         if nc is not None:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await asyncio.wait_for(nc.close(), config.request_timeout_s)
+        if slice_host is not None:
+            with contextlib.suppress(Exception):  # closing the libvirt connection must not mask the exit
+                await slice_host.close()
         store.close()
         _event("agent_stopped")
 
