@@ -44,6 +44,7 @@ class DriftKind(str, Enum):
     port_orphan = "port_orphan"
     reservation_orphan = "reservation_orphan"
     reservation_missing = "reservation_missing"
+    dhcp_lease_missing = "dhcp_lease_missing"  # an active slot's MAC holds no live lease on its IP
     lease_without_domain = "lease_without_domain"
     driver_not_vfio = "driver_not_vfio"
     disk_not_wiped = "disk_not_wiped"

@@ -19,13 +19,20 @@ import logging
 import time
 from datetime import datetime, timezone
 
-from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftReport, DriftSeverity, DriftTrigger
+from gpuaas_agent.contract.dhcp import LeaseState
+from gpuaas_agent.contract.drift import (
+    DriftFinding,
+    DriftKind,
+    DriftReport,
+    DriftSeverity,
+    DriftTrigger,
+)
 from gpuaas_agent.contract.naming import allocation_from_domain_name
 from gpuaas_agent.contract.runtime import UnknownProfileError, get_profile
 from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.tasks import ReconcilePayload
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
-from gpuaas_agent.host.dnsmasq import parse_leases
+from gpuaas_agent.host.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.tasks.slicehost import SliceHost
 
@@ -74,10 +81,18 @@ async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger
             findings.append(_finding(DriftKind.lease_without_domain, lease.allocation_id, DriftSeverity.warn,
                                      expected="a domain for the leased slot", actual="no domain",
                                      slot_index=lease.slot_index, slot_status=status.value if status else None))
-        if status is SlotStatus.active and not any(r.allocation_id == lease.allocation_id for r in reservations):
+        mine = [r for r in reservations if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
+        if status is SlotStatus.active and not mine:
             findings.append(_finding(DriftKind.reservation_missing, lease.allocation_id, DriftSeverity.error,
                                      expected="a dnsmasq reservation", actual="none",
                                      slot_index=lease.slot_index))
+        if status is SlotStatus.active and mine and domain is not None and domain.state.value == "running":
+            seen = status_of(dhcp, mine[0].mac, mine[0].ip, time.time())
+            if seen.lease_state is not LeaseState.bound:
+                findings.append(_finding(DriftKind.dhcp_lease_missing, lease.allocation_id, DriftSeverity.warn,
+                                         expected=f"{mine[0].mac} holds {mine[0].ip}",
+                                         actual=f"{seen.lease_state.value} {seen.actual_ip or ''}".strip(),
+                                         slot_index=lease.slot_index))
         if domain is not None and domain.metadata is not None and domain.state.value == "running":
             try:
                 hostdevs = get_profile(domain.metadata.profile).hostdevs

@@ -207,6 +207,25 @@ def test_reconcile_after_a_reservation_and_a_domain_were_removed_by_hand(lab):
     assert released.output["cleanup_proof"]["wipe"]["verified"] is True
 
 
+def test_reconcile_reports_an_active_slice_without_a_dhcp_lease(lab):
+    lab_, _ = lab
+    slot = _slot(lab, 6)
+    payload = lab_.provision_payload(slot)
+    result = _task(lab, "slice.vm_provision", payload)
+    assert result.status.value == "succeeded", result.error
+    alloc = payload["allocation_id"]
+    clean = _task(lab, "slice.reconcile", {"repair": False}, timeout=120)
+    assert [f for f in clean.output["findings"] if f["subject"] == alloc] == []
+    leases = lab_.work / "dnsmasq" / "leases"
+    leases.write_text("".join(line for line in leases.read_text().splitlines(keepends=True) if slot.mac not in line))
+    report = _task(lab, "slice.reconcile", {"repair": True}, timeout=120)
+    found = [f for f in report.output["findings"] if f["subject"] == alloc]
+    assert [(f["kind"], f["repaired"]) for f in found] == [("dhcp_lease_missing", False)]
+    assert found[0]["actual"] == "missing"
+    released = _task(lab, "slice.vm_release", lab_.release_payload(alloc, slot))
+    assert released.status.value == "succeeded", released.error
+
+
 def test_eight_concurrent_provisions_on_the_eight_slot_host(lab):
     lab_, runner = lab
     slots = [_slot(lab, i) for i in range(8)]
