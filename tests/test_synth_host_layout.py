@@ -186,7 +186,7 @@ def test_kernel_names_do_not_follow_island_order():
     assert len(names) == 8 and all(name != f"nvme{i}" for i, name in enumerate(names))
 
 
-@pytest.mark.parametrize("name", H200_FIXTURES)
+@pytest.mark.parametrize("name", [*H200_FIXTURES, "h200-slice-nat-missing"])
 def test_regenerating_gives_the_committed_tree(tmp_path, name):
     synth = load_synth_host()
     synth.build(tmp_path / name, name)

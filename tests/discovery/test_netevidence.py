@@ -220,27 +220,6 @@ def test_a_namespace_that_does_not_exist_is_refused_not_created():
     assert exc.value.code == "netns_missing" and not os.path.exists(f"/run/netns/{name}")
 
 
-def test_nat_missing_fixture_regenerates_byte_identical(tmp_path):
-    """The variant this module adds is committed like the others: the generator must give it back."""
-    from tests.conftest import load_synth_host
-
-    load_synth_host().build(tmp_path / "h200-slice-nat-missing", "nat-missing")
-
-    def tree(root):
-        out = {}
-        for dirpath, dirnames, filenames in os.walk(root):
-            for name in dirnames + filenames:
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, root)
-                if os.path.islink(path):
-                    out[rel] = ("link", os.readlink(path))
-                elif os.path.isfile(path):
-                    with open(path, "rb") as fh:
-                        out[rel] = ("file", fh.read())
-        return out
-
-    assert tree(tmp_path / "h200-slice-nat-missing") == tree(HOSTS / "h200-slice-nat-missing")
-
 
 def test_the_live_root_namespace_is_read_without_a_netns():
     """The machine's own network: whatever it holds, links come from netlink and nothing unproven passes."""
