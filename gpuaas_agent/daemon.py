@@ -138,13 +138,14 @@ def _sockets(config: AgentConfig):
 def timer_reconcile(slice_host, store: StateStore, nc: Client, node_id: str) -> Callable[[], Awaitable[dict]]:
     """The periodic reconcile: repairs what is safe, publishes its findings on the drift subject."""
     from gpuaas_agent.contract.drift import DriftTrigger
+    from gpuaas_agent.control.uevent_watch import drift_subject
     from gpuaas_agent.tasks.reconcile import reconcile
 
     async def run() -> dict:
         report = await reconcile(slice_host, store, repair=True, trigger=DriftTrigger.timer, node_id=node_id)
         if report.findings:
             with contextlib.suppress(nats.errors.Error):
-                await nc.publish(f"gpuaas.node.{node_id}.drift", report.model_dump_json().encode())
+                await nc.publish(drift_subject(node_id), report.model_dump_json().encode())
         return {"findings": len(report.findings), "repaired": sum(f.repaired for f in report.findings)}
 
     return run

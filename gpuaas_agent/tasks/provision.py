@@ -81,6 +81,12 @@ class _Run:
         return self.payload.slot
 
     @property
+    def disk_lease(self) -> DiskLease:
+        """The only disk this run may write (the guard checks every write against it)."""
+        return DiskLease(allocation_id=self.payload.allocation_id, slot_index=self.slot.slot_index,
+                         nvme_device=self.slot.nvme_device)
+
+    @property
     def name(self) -> str:
         return domain_name(self.payload.allocation_id)
 
@@ -197,9 +203,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
 
         result = await clone_image(
             sh.host(), run.image_path, slot.nvme_device,
-            lease=DiskLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
-                            nvme_device=slot.nvme_device),
-            domain_disks=others, wipe_proof=store.latest_wipe_proof(slot.slot_index), on_progress=on_progress,
+            lease=run.disk_lease, domain_disks=others, wipe_proof=store.latest_wipe_proof(slot.slot_index), on_progress=on_progress,
             timeout=sh.slice.clone_timeout_s)
         return result.model_dump(mode="json")
 
@@ -216,28 +220,25 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         return {"path": iso.path, "sha256": iso.sha256}
 
     async def unseed() -> dict:
-        path = sh.seed_path(payload.allocation_id, slot.slot_index)
-        existed = path.exists()
-        path.unlink(missing_ok=True)
-        return {"removed": existed}
+        return sh.remove_seed(payload.allocation_id, slot.slot_index)
+
+    async def put_port(ovs, vm_uuid: str):
+        """Our port with our external_ids: before define, and again after libvirt re-created it at start."""
+        policing = run.profile.ingress_policing
+        return await asyncio.to_thread(
+            ovs.add_vm_port, slot.ovs_bridge, run.vnic, mac=slot.mac, vm_uuid=vm_uuid,
+            allocation_id=payload.allocation_id, slot_index=slot.slot_index, iface_id=payload.allocation_id,
+            ingress_policing_rate_kbps=policing.rate_kbps if policing else None,
+            ingress_policing_burst_kb=policing.burst_kb if policing else None)
 
     async def plug() -> dict:
-        policing = run.profile.ingress_policing
         async with sh.ovs() as ovs:
             await asyncio.to_thread(ovs.ensure_bridge, slot.ovs_bridge)  # never created here: missing is a blocker
-            port = await asyncio.to_thread(
-                ovs.add_vm_port, slot.ovs_bridge, run.vnic, mac=slot.mac, vm_uuid=payload.allocation_id,
-                allocation_id=payload.allocation_id, slot_index=slot.slot_index,
-                ingress_policing_rate_kbps=policing.rate_kbps if policing else None,
-                ingress_policing_burst_kb=policing.burst_kb if policing else None,
-                iface_id=payload.allocation_id)
+            port = await put_port(ovs, payload.allocation_id)
         return port.model_dump(mode="json")
 
     async def unplug() -> dict:
-        async with sh.ovs() as ovs:
-            removed = await asyncio.to_thread(ovs.remove_vm_port, slot.ovs_bridge, run.vnic,
-                                              allocation_id=payload.allocation_id)
-        return {"port": run.vnic, "removed": removed}
+        return await sh.unplug(slot.ovs_bridge, run.vnic, payload.allocation_id)
 
     async def reserve() -> dict:
         reservations = sh.reservations()
@@ -247,10 +248,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         return {"reservation": res.model_dump(mode="json"), "changed": changed, "dnsmasq_pid": pid}
 
     async def unreserve() -> dict:
-        reservations = sh.reservations()
-        removed = await asyncio.to_thread(reservations.remove, payload.allocation_id, slot.slot_index)
-        pid = await asyncio.to_thread(reservations.reload) if removed else None
-        return {"removed": [r.model_dump(mode="json") for r in removed], "dnsmasq_pid": pid}
+        return await sh.unreserve(payload.allocation_id, slot.slot_index)
 
     async def define() -> dict:
         firmware = await asyncio.to_thread(find_ovmf, sh.system())
@@ -279,9 +277,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
 
     async def start() -> dict:
         disk = await asyncio.to_thread(
-            check_disk_writable, sh.host(), slot.nvme_device,
-            lease=DiskLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
-                            nvme_device=slot.nvme_device),
+            check_disk_writable, sh.host(), slot.nvme_device, lease=run.disk_lease,
             domain_disks=await sh.libvirt.running_domain_disks(exclude=run.name))
         async with sh.ovs() as ovs:
             evidence = await asyncio.to_thread(
@@ -289,11 +285,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
                 bridge_exists=await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge), disk=disk)
             info = await sh.libvirt.start(run.name, preconditions=evidence)
             # libvirt re-creates the port at start with only its own external_ids: put ours back.
-            port = await asyncio.to_thread(
-                ovs.add_vm_port, slot.ovs_bridge, run.vnic, mac=slot.mac, vm_uuid=info.uuid,
-                allocation_id=payload.allocation_id, slot_index=slot.slot_index, iface_id=payload.allocation_id,
-                ingress_policing_rate_kbps=run.profile.ingress_policing.rate_kbps if run.profile.ingress_policing else None,
-                ingress_policing_burst_kb=run.profile.ingress_policing.burst_kb if run.profile.ingress_policing else None)
+            port = await put_port(ovs, info.uuid)
         return {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
                 "ofport": port.ofport}
 

@@ -55,7 +55,7 @@ async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger
     reservations = await asyncio.to_thread(reservations_file.reservations)
     async with sh.ovs() as ovs:
         ports = await asyncio.to_thread(ovs.list_agent_ports)
-    dhcp = await asyncio.to_thread(_leases_or_empty, sh.slice.dnsmasq_lease_file)
+    dhcp = await asyncio.to_thread(parse_leases, sh.slice.dnsmasq_lease_file)
     host = sh.host().fresh()
 
     leased = {lease.allocation_id for lease in leases}
@@ -155,13 +155,6 @@ async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger
 
 def store_disk(leases, record) -> str | None:
     return next((lease.nvme_device for lease in leases if lease.slot_index == record.slot_index), None)
-
-
-def _leases_or_empty(path):
-    try:
-        return parse_leases(path)
-    except FileNotFoundError:
-        return []
 
 
 def reconcile_handler(sh: SliceHost):

@@ -93,21 +93,13 @@ async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
             return (await sh.libvirt.undefine(name)).model_dump(mode="json")
 
         async def unplug() -> dict:
-            async with sh.ovs() as ovs:
-                removed = await asyncio.to_thread(ovs.remove_vm_port, slot.ovs_bridge, port, allocation_id=alloc)
-            return {"port": port, "removed": removed}
+            return await sh.unplug(slot.ovs_bridge, port, alloc)
 
         async def unreserve() -> dict:
-            reservations = sh.reservations()
-            removed = await asyncio.to_thread(reservations.remove, alloc, slot.slot_index)
-            pid = await asyncio.to_thread(reservations.reload) if removed else None
-            return {"removed": [r.model_dump(mode="json") for r in removed], "dnsmasq_pid": pid}
+            return await sh.unreserve(alloc, slot.slot_index)
 
         async def unseed() -> dict:
-            path = sh.seed_path(alloc, slot.slot_index)
-            existed = path.exists()
-            path.unlink(missing_ok=True)
-            return {"removed": existed}
+            return sh.remove_seed(alloc, slot.slot_index)
 
         async def wipe() -> dict:
             if not owns_disk:

@@ -68,5 +68,25 @@ class SliceHost:
     def seed_path(self, allocation_id: str, slot_index: int) -> Path:
         return self.slice.seed_dir / f"{allocation_id}-slot{slot_index}.iso"
 
+    # -- teardown shared by provision's compensations and release's steps (idempotent) --------------
+
+    async def unplug(self, bridge: str, port: str, allocation_id: str) -> dict:
+        async with self.ovs() as ovs:
+            removed = await asyncio.to_thread(ovs.remove_vm_port, bridge, port, allocation_id=allocation_id)
+        return {"port": port, "removed": removed}
+
+    async def unreserve(self, allocation_id: str, slot_index: int) -> dict:
+        """Remove the slot's reservation; dnsmasq is signalled only when the file changed."""
+        reservations = self.reservations()
+        removed = await asyncio.to_thread(reservations.remove, allocation_id, slot_index)
+        pid = await asyncio.to_thread(reservations.reload) if removed else None
+        return {"removed": [r.model_dump(mode="json") for r in removed], "dnsmasq_pid": pid}
+
+    def remove_seed(self, allocation_id: str, slot_index: int) -> dict:
+        path = self.seed_path(allocation_id, slot_index)
+        existed = path.exists()
+        path.unlink(missing_ok=True)
+        return {"removed": existed}
+
     async def close(self) -> None:
         await self.libvirt.close()
