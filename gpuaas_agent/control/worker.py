@@ -223,7 +223,7 @@ class TaskWorker:
                 _warn("tasks_cancelled_at_shutdown", task_ids=cancelled)
         if self._sub is not None:
             # Unsubscribe before the connection drains, or drain() hangs on the pull inbox.
-            with contextlib.suppress(nats.errors.Error):
+            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
                 await asyncio.wait_for(self._sub.unsubscribe(), self.settings.request_timeout_s)
             self._sub = None
         return cancelled
