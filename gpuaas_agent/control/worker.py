@@ -2,20 +2,23 @@
 
 Order per message is the contract's (docs/contract.md "Tasks"):
 
-1. ``parse_task`` — junk (or another node's task) is terminated and logged; the loop goes on.
+1. ``parse_task`` — junk is terminated and logged; the loop goes on. So is a task whose
+   envelope names another node (``wrong_node``) or that arrived on a subject other than
+   ``gpuaas.node.<node>.task.<its type>`` (``wrong_subject``): logged at WARNING, nothing
+   runs, and **no result is stored or published** — a result keyed by a forged
+   ``task_id`` would shadow the genuine task's (our stored-result replay, and the result
+   stream's ``Nats-Msg-Id`` dedupe), which is what a forger would want.
 2. A stored result for ``task_id`` → publish it again (same ``Nats-Msg-Id``, so the
-   result stream keeps it once) and ack; nothing runs.
-3. ``deadline`` passed → ``failed``/``expired``.
+   result stream keeps it once) and ack; nothing runs. Whatever the redelivery's
+   ``attempt``: the stored result (with its own attempt) is the answer.
+3. ``deadline`` passed → ``failed``/``expired``; a deadline further ahead than
+   ``max_task_deadline_s`` → ``failed``/``invalid_deadline``.
 4./5. ``task_payload`` errors → ``failed`` with its code (``unsupported_task``, ``invalid_payload``).
 6. The handler runs under its type's semaphore; ``in_progress`` keepalives every
    ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile.
 7. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
    await the PubAck → only then ack the task (``ack_sync``: the server confirms it).
 
-A crash anywhere before the ack means redelivery; the stored result makes that
-redelivery a republish, never a second run. A crash before the result is stored
-means the handler runs again: the journal's ``unfinished_steps`` are handed to it
-(``ctx.resumed_steps``) so a pipeline can resume or compensate.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class WorkerSettings:
     fetch_timeout_s: float = 1.0  # also how quickly stop() stops pulling
     request_timeout_s: float = 5.0  # one JetStream API call / PubAck / ack confirmation
     publish_deadline_s: float = 60.0  # retrying a result publish across a reconnect, then give up (redelivery retries)
+    max_task_deadline_s: float = 86400.0  # a deadline further ahead is refused: invalid_deadline
 
     def durable_name(self, node_id: str) -> str:
         return f"gpuaas-agent-{node_id}"
@@ -233,12 +237,12 @@ class TaskWorker:
     async def _process(self, msg: Msg) -> None:
         try:
             envelope = parse_task(msg.data)
-            if envelope.node_id != self.node_id:
-                raise ContractError(f"task for node {envelope.node_id} delivered to {self.node_id}",
-                                    code="invalid_message", evidence={"node_id": envelope.node_id})
+            self._check_route(msg.subject, envelope)
         except ContractError as exc:
-            _warn("task_rejected", code=exc.code, subject=msg.subject, evidence=exc.evidence)
-            with contextlib.suppress(nats.errors.Error):
+            # Terminated, never answered: see the module docstring (1.) for why no result is published.
+            _warn("task_rejected", code=exc.code, subject=msg.subject, task_id=exc.evidence.get("task_id"),
+                  evidence=exc.evidence)
+            with contextlib.suppress(nats.errors.Error, OSError):
                 await msg.term()
             return
 
@@ -258,6 +262,18 @@ class TaskWorker:
             self._inflight.pop(task_id, None)
             done.set_result(None)
 
+    def _check_route(self, subject: str, envelope: TaskEnvelope) -> None:
+        """The envelope must be ours and must have come on our subject for its own type."""
+        if envelope.node_id != self.node_id:
+            raise ContractError(f"task {envelope.task_id} names node {envelope.node_id}, this is {self.node_id}",
+                                code="wrong_node", evidence={"task_id": envelope.task_id, "node_id": envelope.node_id,
+                                                             "subject": subject})
+        expected = f"gpuaas.node.{self.node_id}.task.{envelope.type}"
+        if subject != expected:
+            raise ContractError(f"task {envelope.task_id} of type {envelope.type} arrived on {subject}",
+                                code="wrong_subject", evidence={"task_id": envelope.task_id, "subject": subject,
+                                                                "expected": expected})
+
     async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:
         stored = self.store.result_of(envelope.task_id)
         if stored is not None:
@@ -266,9 +282,28 @@ class TaskWorker:
             return
 
         deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=timezone.utc)
-        if datetime.now(timezone.utc) >= deadline:
+        now = datetime.now(timezone.utc)
+        if now >= deadline:
+            evidence: dict = {"deadline": deadline.isoformat()}
+            interrupted = self.store.unfinished_steps(envelope.task_id)
+            if interrupted:
+                # TODO(issue 17): a redelivered task that was interrupted mid-pipeline (agent killed, journal
+                # shows started steps) and whose deadline passed meanwhile is answered `expired` here and its
+                # handler never runs, so nothing resumes or compensates those steps: a provision's slot can
+                # stay half-built (lease held, disk possibly written) until the periodic reconcile or a release
+                # task deals with it. The fix is to let the handler's recovery (compensation only, no new
+                # side effect) run before answering; until then the result names the steps as evidence.
+                evidence["unfinished_steps"] = interrupted
+                _warn("expired_task_interrupted", task_id=envelope.task_id, unfinished_steps=interrupted)
             error = TaskErrorBody(code="expired", message=f"deadline {deadline.isoformat()} passed before the task ran",
-                                  retryable=False, evidence={"deadline": deadline.isoformat()})
+                                  retryable=False, evidence=evidence)
+            await self._finish(msg, envelope, ResultStatus.failed, error=error)
+            return
+        horizon = self.settings.max_task_deadline_s
+        if (deadline - now).total_seconds() > horizon:
+            error = TaskErrorBody(code="invalid_deadline", retryable=False,
+                                  message=f"deadline {deadline.isoformat()} is more than {horizon:g}s ahead",
+                                  evidence={"deadline": deadline.isoformat(), "max_task_deadline_s": horizon})
             await self._finish(msg, envelope, ResultStatus.failed, error=error)
             return
 
