@@ -95,6 +95,11 @@ class AgentConfig(BaseModel):
     # A task whose deadline lies further ahead than this is refused (invalid_deadline): an absurd
     # deadline would let a replayed or forged task stay valid, and hold a slot, for ever.
     max_task_deadline_s: float = Field(default=86400.0, gt=0)
+    # Poison bound: a task whose handler was started this many times without finishing (it crashed,
+    # or the agent died under it) fails with poison_task instead of running again.
+    max_task_starts: PositiveInt = 3
+    # Delay before a crashed task is delivered again: this, doubled per start (capped at ack_wait_s).
+    task_retry_backoff_s: float = Field(default=5.0, gt=0)
     slice: SliceConfig = Field(default_factory=SliceConfig)
 
     @model_validator(mode="after")

@@ -311,7 +311,8 @@ async def run_agent(
             return EXIT_OK  # stopped before the first connect
         settings = WorkerSettings(concurrency=config.concurrency, keepalive_interval_s=config.keepalive_interval_s,
                                   ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
-                                  max_task_deadline_s=config.max_task_deadline_s)
+                                  max_task_deadline_s=config.max_task_deadline_s,
+                                  max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s)
         if handlers is None:
             from gpuaas_agent.tasks.slicehost import SliceHost
 

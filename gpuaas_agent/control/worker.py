@@ -14,11 +14,25 @@ Order per message is the contract's (docs/contract.md "Tasks"):
 3. ``deadline`` passed → ``failed``/``expired``; a deadline further ahead than
    ``max_task_deadline_s`` → ``failed``/``invalid_deadline``.
 4./5. ``task_payload`` errors → ``failed`` with its code (``unsupported_task``, ``invalid_payload``).
-6. The handler runs under its type's semaphore; ``in_progress`` keepalives every
-   ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile.
-7. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
+6. Poison bound: the journal counts the handler's starts for ``task_id``; at
+   ``max_task_starts`` starts without a finish (the handler crashed, or the agent died
+   under it each time) → ``failed``/``poison_task`` without running it again.
+7. The handler runs under its type's semaphore; ``in_progress`` keepalives every
+   ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile. A crash (an
+   exception that is not an ``AgentError``) below the bound is nak'ed with a delay
+   (``retry_backoff_s`` doubled per start, at most ``ack_wait_s``), not answered.
+8. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
    await the PubAck → only then ack the task (``ack_sync``: the server confirms it).
 
+The consumer keeps ``max_deliver=-1``: JetStream's own bound would drop a task silently
+(no result, the control plane waits for the deadline), and it counts deliveries that were
+no start at all (a shutdown's unacked tasks, a lost ack). The journal's start count above
+is the bound instead, and it also holds across agent restarts.
+
+A crash anywhere before the ack means redelivery; the stored result makes that
+redelivery a republish, never a second run. A crash before the result is stored
+means the handler runs again: the journal's ``unfinished_steps`` are handed to it
+(``ctx.resumed_steps``) so a pipeline can resume or compensate.
 """
 
 from __future__ import annotations
@@ -60,6 +74,7 @@ log = logging.getLogger(__name__)
 TASK_STREAM = "GPUAAS_TASKS"
 RESULT_STREAM = "GPUAAS_RESULTS"
 TASK_STEP = "task"  # the worker's own journal step around a handler run
+CRASH_CODE = "internal_error"  # what _run_handler reports for an exception that is not an AgentError
 
 DEFAULT_CONCURRENCY: dict[TaskType, int] = {
     TaskType.topology_discover: 2,
@@ -87,6 +102,8 @@ class WorkerSettings:
     request_timeout_s: float = 5.0  # one JetStream API call / PubAck / ack confirmation
     publish_deadline_s: float = 60.0  # retrying a result publish across a reconnect, then give up (redelivery retries)
     max_task_deadline_s: float = 86400.0  # a deadline further ahead is refused: invalid_deadline
+    max_task_starts: int = 3  # handler starts without a finish before a task is poison_task
+    retry_backoff_s: float = 5.0  # nak delay after a crash: doubled per start, at most ack_wait_s
 
     def durable_name(self, node_id: str) -> str:
         return f"gpuaas-agent-{node_id}"
@@ -274,6 +291,24 @@ class TaskWorker:
                                 code="wrong_subject", evidence={"task_id": envelope.task_id, "subject": subject,
                                                                 "expected": expected})
 
+    def _starts(self, task_id: str) -> int:
+        """How many times a handler was started for ``task_id`` (journaled before it runs, so a kill counts)."""
+        return sum(1 for e in self.store.journal_of(task_id) if e.step == TASK_STEP and e.status == StepStatus.started)
+
+    def _retry_delay(self, starts: int) -> float:
+        return min(self.settings.ack_wait_s, self.settings.retry_backoff_s * 2 ** max(starts - 1, 0))
+
+    async def _poison(self, msg: Msg, envelope: TaskEnvelope, starts: int, last_error: TaskErrorBody | None) -> None:
+        last = f"{last_error.message}" if last_error is not None else "the agent stopped while it ran"
+        _warn("task_poisoned", task_id=envelope.task_id, starts=starts, last_error=last)
+        error = TaskErrorBody(
+            code="poison_task", retryable=False,
+            message=f"handler started {starts} times without finishing (bound {self.settings.max_task_starts}); "
+                    f"last: {last}",
+            evidence={"starts": starts, "max_task_starts": self.settings.max_task_starts,
+                      "last_error": last_error.model_dump() if last_error is not None else None})
+        await self._finish(msg, envelope, ResultStatus.failed, error=error)
+
     async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:
         stored = self.store.result_of(envelope.task_id)
         if stored is not None:
@@ -319,6 +354,11 @@ class TaskWorker:
                                error=_error_body(_not_implemented(task_type), retryable=False))
             return
 
+        starts = self._starts(envelope.task_id)
+        if starts >= self.settings.max_task_starts:
+            await self._poison(msg, envelope, starts, None)
+            return
+
         resumed = self.store.unfinished_steps(envelope.task_id)
         if resumed:
             _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
@@ -329,6 +369,19 @@ class TaskWorker:
         except asyncio.CancelledError:
             run.cancel()
             raise
+        if _is_handler_crash(error):
+            starts += 1
+            if starts >= self.settings.max_task_starts:
+                await self._poison(msg, envelope, starts, error)
+                return
+            # A crash is not an answer: deliver it again later (bounded by max_task_starts).
+            delay = self._retry_delay(starts)
+            _warn("task_crash_retry", task_id=envelope.task_id, starts=starts, retry_in_s=delay)
+            try:
+                await msg.nak(delay=delay)
+            except (nats.errors.Error, OSError) as exc:  # not nak'ed: ack_wait redelivers it all the same
+                _warn("task_nak_failed", task_id=envelope.task_id, error=repr(exc))
+            return
         await self._finish(msg, envelope, status, output=output, error=error, slot_outcomes=ctx.slot_outcomes)
 
     async def _run_handler(self, task_type: TaskType, handler: Handler, payload: WireModel,
@@ -413,6 +466,17 @@ class TaskWorker:
         except (nats.errors.Error, TimeoutError) as exc:
             # The result is stored and published: a redelivery will only replay it.
             _warn("task_ack_failed", task_id=result.task_id, error=repr(exc))
+
+
+def _is_handler_crash(error: TaskErrorBody | None) -> bool:
+    """An exception escaped the handler (``_run_handler``'s last resort), as opposed to an answer with a code.
+
+    A pipeline that caught a bug in a step, compensated and reported ``internal_error`` with its
+    ``failed_step`` has answered: running a provision again for a deterministic bug would redo
+    its side effects for nothing, so only the bare crash (evidence ``exception``) is retried.
+    """
+    return error is not None and error.code == CRASH_CODE and "exception" in error.evidence \
+        and "failed_step" not in error.evidence
 
 
 def _seconds_left(envelope: TaskEnvelope) -> float:

@@ -179,13 +179,17 @@ def test_handler_errors_become_failed_results(nats_server, tmp_path):
     crash = Counting(raises=RuntimeError("boom"))
 
     async def body():
-        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: refusal, TaskType.preflight: crash}) as h:
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: refusal, TaskType.preflight: crash},
+                           max_task_starts=1) as h:
             refused = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER))
             assert refused.error.code == "mounted_child" and refused.error.evidence == {"disk": "x"}
             assert refused.error.retryable is False
+            assert refusal.calls == 1  # a refusal is an answer: never retried
+            # A crash is retried up to max_task_starts (here 1), then answered poison_task with the crash's text.
             crashed = await h.run_task_to_result(h.plane.envelope(NODE, TaskType.preflight.value))
-            assert crashed.error.code == "internal_error" and crashed.error.retryable is True
+            assert crashed.error.code == "poison_task" and crashed.error.retryable is False
             assert "boom" in crashed.error.message
+            assert crashed.error.evidence["last_error"]["code"] == "internal_error"
 
     _run(body())
 
@@ -367,5 +371,51 @@ def test_expired_interrupted_task_is_refused_and_names_its_unfinished_steps(nats
             assert (result.status, result.error.code) == (ResultStatus.failed, "expired")
             assert result.error.evidence["unfinished_steps"] == [TASK_STEP]
             assert handler.calls == 0
+
+    _run(body())
+
+
+# -- poison messages (issue 17) --------------------------------------------------------
+
+
+def test_handler_crashing_every_time_fails_once_after_the_bound_and_the_next_task_is_served(nats_server, tmp_path):
+    crash = Counting(raises=RuntimeError("segfault-ish"))
+    fine = Counting(output={"next": "served"})
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.preflight: crash, TaskType.topology_discover: fine},
+                           max_task_starts=3, retry_backoff_s=0.2) as h:
+            poison = h.plane.envelope(NODE, TaskType.preflight.value)
+            result = await h.run_task_to_result(poison)
+            assert (result.status, result.error.code, result.error.retryable) == (ResultStatus.failed, "poison_task", False)
+            assert result.error.evidence["starts"] == 3 and "segfault-ish" in result.error.message
+            assert crash.calls == 3  # bounded: three starts, then an answer
+            await wait_until_acked(h)  # the message is gone from the work queue
+            info = await h.plane.js.consumer_info(TASK_STREAM, h.settings.durable_name(NODE))
+            assert info.delivered.consumer_seq == 3 and info.num_ack_pending == 0  # three deliveries of one message
+            assert [r.task_id for r in await h.plane.stored_results(NODE)] == [poison.task_id]  # exactly one result
+            assert h.store.result_of(poison.task_id)["error"]["code"] == "poison_task"
+
+            nxt = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER))
+            assert nxt.status == ResultStatus.succeeded and nxt.output == {"next": "served"}
+            assert crash.calls == 3
+
+    _run(body())
+
+
+def test_task_started_too_often_without_finishing_is_poison_without_running(nats_server, tmp_path):
+    """The agent killed under a task on every start: the journal's start count ends the crash loop."""
+    handler = Counting()
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}, max_task_starts=3) as h:
+            envelope = h.plane.envelope(NODE, DISCOVER)
+            for attempt in (1, 2, 3):  # three starts, each killed before it finished
+                h.store.journal(envelope.task_id, TASK_STEP, StepStatus.started, {"attempt": attempt})
+            result = await h.run_task_to_result(envelope.model_copy(update={"attempt": 4}))
+            assert (result.status, result.error.code) == (ResultStatus.failed, "poison_task")
+            assert result.error.evidence == {"starts": 3, "max_task_starts": 3, "last_error": None}
+            assert handler.calls == 0
+            await wait_until_acked(h)
 
     _run(body())
