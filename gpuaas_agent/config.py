@@ -18,6 +18,8 @@ from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.errors import AgentError
 
 DEFAULT_STATE_DIR = Path("/var/lib/gpuaas-agent")
+# What `enroll` may take in all (connect + request): well inside systemd's 90 s TimeoutStartSec default.
+ENROLL_BOUND_S = 60.0
 
 
 class ConfigError(AgentError):
@@ -87,12 +89,33 @@ class AgentConfig(BaseModel):
     shutdown_grace_s: float = Field(default=60.0, ge=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
     request_timeout_s: float = Field(default=5.0, gt=0)
+    # `run` retries NATS with exponential backoff and full jitter between these bounds.
+    reconnect_backoff_initial_s: float = Field(default=0.5, gt=0)
+    reconnect_backoff_max_s: float = Field(default=30.0, gt=0)
+    # A task whose deadline lies further ahead than this is refused (invalid_deadline): an absurd
+    # deadline would let a replayed or forged task stay valid, and hold a slot, for ever.
+    max_task_deadline_s: float = Field(default=86400.0, gt=0)
+    # Poison bound: a task whose handler was started this many times without finishing (it crashed,
+    # or the agent died under it) fails with poison_task instead of running again.
+    max_task_starts: PositiveInt = 3
+    # Delay before a crashed task is delivered again: this, doubled per start (capped at ack_wait_s).
+    task_retry_backoff_s: float = Field(default=5.0, gt=0)
     slice: SliceConfig = Field(default_factory=SliceConfig)
 
     @model_validator(mode="after")
     def _keepalive_below_ack_wait(self) -> "AgentConfig":
         if self.keepalive_interval_s * 2 > self.ack_wait_s:
             raise ValueError("keepalive_interval_s must be at most half of ack_wait_s, or JetStream redelivers running tasks")
+        return self
+
+    @model_validator(mode="after")
+    def _enroll_fits_unit_start_timeout(self) -> "AgentConfig":
+        # `enroll` (ExecStartPre) takes at most connect + request timeouts; the unit's start timeout is 90 s.
+        if self.connect_timeout_s + self.request_timeout_s > ENROLL_BOUND_S:
+            raise ValueError(f"connect_timeout_s + request_timeout_s must be at most {ENROLL_BOUND_S:g}s, "
+                             "or enroll outlives the unit's 90 s start timeout")
+        if self.reconnect_backoff_max_s < self.reconnect_backoff_initial_s:
+            raise ValueError("reconnect_backoff_max_s must be at least reconnect_backoff_initial_s")
         return self
 
     @property

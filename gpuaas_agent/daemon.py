@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -31,6 +32,7 @@ from nats.aio.client import Client
 from gpuaas_agent import __version__
 from gpuaas_agent.config import AgentConfig, load_config
 from gpuaas_agent.contract.tasks import Heartbeat, TaskType
+from gpuaas_agent.control.connection import Backoff, NatsConnectError, connect_nats, safe_url
 from gpuaas_agent.control.enroll import (
     EnrollIdentity,
     EnrollmentRecord,
@@ -44,7 +46,9 @@ from gpuaas_agent.state.store import StateStore
 
 log = logging.getLogger("gpuaas_agent.daemon")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
+# Refusals that say "the host's surroundings are wrong" (NATS down, refused, silent), not "the request was bad".
+ENVIRONMENT_CODES = frozenset({"nats_unreachable", "nats_auth_refused", "enroll_unreachable"})
 
 
 _event = functools.partial(log_event, log)
@@ -172,47 +176,50 @@ def identity_from_host(host_root: Path) -> EnrollIdentity:
 # -- NATS --------------------------------------------------------------------------
 
 
-async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.Event) -> Client | None:
+async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.Event,
+                  *, rng: random.Random | None = None) -> Client | None:
     """Connect with the enrolled credentials; retry with backoff until connected or ``stop`` (then None).
 
-    After the first connect nats-py reconnects by itself (forever, ``reconnect_time_wait`` apart);
-    subscriptions and the pull consumer's inbox are restored by it.
+    Each attempt is bounded by ``connect_timeout_s`` and raced against ``stop``, so SIGTERM
+    ends the wait at once even while NATS is down. Between attempts: exponential backoff
+    with full jitter (``reconnect_backoff_initial_s`` .. ``reconnect_backoff_max_s``), one
+    log line per attempt. After the first connect nats.py reconnects by itself, forever,
+    with the same backoff (``control/connection.py``); subscriptions and the pull
+    consumer's inbox are restored by it.
     """
-
-    async def disconnected() -> None:
-        _event("nats_disconnected", logging.WARNING)
-
-    async def reconnected() -> None:
-        _event("nats_reconnected")
-
-    async def error(exc: Exception) -> None:
-        _event("nats_error", logging.WARNING, error=repr(exc))
-
-    backoff = 0.5
+    rng = rng or random.Random()
+    backoff = Backoff(config.reconnect_backoff_initial_s, config.reconnect_backoff_max_s)
+    label = f"gpuaas-agent-{record.node_id}"
+    attempt = 0
     while not stop.is_set():
+        connecting = asyncio.ensure_future(connect_nats(
+            record.credentials.servers, timeout_s=config.connect_timeout_s, name=label,
+            user=record.credentials.user, password=record.credentials.password, reconnect=backoff, rng=rng))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not connecting.done():
+            connecting.cancel()  # connect_nats closes its client when cancelled
+            with contextlib.suppress(asyncio.CancelledError, NatsConnectError):
+                await connecting
+            return None
         try:
-            nc = await nats.connect(
-                servers=record.credentials.servers,
-                user=record.credentials.user,
-                password=record.credentials.password,
-                name=f"gpuaas-agent-{record.node_id}",
-                connect_timeout=config.connect_timeout_s,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=1,
-                ping_interval=10,
-                max_outstanding_pings=3,
-                disconnected_cb=disconnected,
-                reconnected_cb=reconnected,
-                error_cb=error,
-            )
-            _event("nats_connected", servers=record.credentials.servers)
-            return nc
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
-            _event("nats_connect_failed", logging.WARNING, error=repr(exc), retry_in_s=backoff)
+            nc = connecting.result()
+        except NatsConnectError as exc:
+            delay = backoff.delay(attempt, rng)
+            attempt += 1
+            _event("nats_connect_failed", logging.WARNING, attempt=attempt, code=exc.code, retry_in_s=round(delay, 3),
+                   message=f"NATS connect attempt {attempt} failed: {exc.code}: {exc.message}; "
+                           f"next in {delay:.1f}s")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff)
-            backoff = min(backoff * 2, 30.0)
+                await asyncio.wait_for(stop.wait(), delay)
+            continue
+        if stop.is_set():  # connected in the same instant SIGTERM came
+            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
+                await asyncio.wait_for(nc.close(), config.request_timeout_s)
+            return None
+        _event("nats_connected", servers=[safe_url(s) for s in record.credentials.servers], attempts=attempt + 1)
+        return nc
     return None
 
 
@@ -296,12 +303,16 @@ async def run_agent(
     nc: Client | None = None
     slice_host = None
     try:
+        _event("agent_starting", node_id=record.node_id, version=__version__,
+               servers=[safe_url(s) for s in record.credentials.servers])
         notifier.notify(STATUS="connecting to NATS")
         nc = await connect(config, record, stop)
         if nc is None:
             return EXIT_OK  # stopped before the first connect
         settings = WorkerSettings(concurrency=config.concurrency, keepalive_interval_s=config.keepalive_interval_s,
-                                  ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s)
+                                  ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
+                                  max_task_deadline_s=config.max_task_deadline_s,
+                                  max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s)
         if handlers is None:
             from gpuaas_agent.tasks.slicehost import SliceHost
 
@@ -355,7 +366,8 @@ async def run_agent(
         if background:
             await asyncio.wait(background, timeout=config.request_timeout_s)
         if nc is not None:
-            with contextlib.suppress(nats.errors.Error, TimeoutError):
+            # OSError: the socket broke under the close (server killed); closing is all that was left to do.
+            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
                 await asyncio.wait_for(nc.close(), config.request_timeout_s)
         if slice_host is not None:
             with contextlib.suppress(Exception):  # closing the libvirt connection must not mask the exit
@@ -384,20 +396,24 @@ def run_main(config_path: str | Path) -> int:
 
 
 def enroll_main(config_path: str | Path, token_file: str | Path | None = None) -> int:
-    """``gpuaas-agent enroll --config F [--token-file T]``: exit 0 enrolled (or already), 1 refused with its code."""
-    configure_logging()
+    """``gpuaas-agent enroll --config F [--token-file T]``: exit 0 enrolled (or already), 3 NATS unreachable,
+    1 refused or impossible otherwise; every failure is one line on stderr, within connect + request timeouts.
+    """
+    handler = configure_logging()
     try:
         config = load_config(config_path)
         identity = identity_from_host(config.host_root)
         record = asyncio.run(enroll(config.nats_url, token_file or config.token_file, config.state_dir, identity,
-                                    timeout=config.request_timeout_s))
+                                    timeout=config.request_timeout_s, connect_timeout=config.connect_timeout_s))
     except AgentError as exc:
-        _event("enroll_failed", logging.ERROR, code=exc.code, message=exc.message)
-        print(f"gpuaas-agent: error: {exc}", file=sys.stderr)
+        if not isinstance(handler, logging.StreamHandler):
+            # journald keeps the structured event; on stderr the line below is the record (one line, not two).
+            _event("enroll_failed", logging.ERROR, code=exc.code, message=exc.message, evidence=exc.evidence)
+        print(f"gpuaas-agent: enroll failed: {exc}", file=sys.stderr)
         # Under systemd (ExecStartPre, NotifyAccess=exec) `systemctl status` shows why it does not start.
         notifier = SdNotifier.from_env()
         notifier.notify(STATUS=f"enroll failed: {exc.code}: {exc.message}")
         notifier.close()
-        return EXIT_FAILED
+        return EXIT_ENVIRONMENT if exc.code in ENVIRONMENT_CODES else EXIT_FAILED
     print(f"enrolled node_id={record.node_id}")
     return EXIT_OK

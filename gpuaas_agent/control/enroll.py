@@ -9,11 +9,12 @@ be refused as ``token_reused``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from datetime import datetime, timezone
 from pathlib import Path
 
-import nats
 import nats.errors
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -21,6 +22,7 @@ from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
+from gpuaas_agent.control.connection import connect_nats, safe_url
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 
@@ -107,8 +109,14 @@ async def enroll(
     identity: EnrollIdentity,
     *,
     timeout: float = 10.0,
+    connect_timeout: float | None = None,
 ) -> EnrollmentRecord:
-    """Enroll this host once; returns the stored record (the existing one when already enrolled)."""
+    """Enroll this host once; returns the stored record (the existing one when already enrolled).
+
+    ``connect_timeout`` bounds reaching NATS (default ``timeout``), ``timeout`` the request:
+    a server that is down, silent or refuses us is one :class:`NatsConnectError`
+    (``nats_unreachable``/``nats_auth_refused``) after at most ``connect_timeout``.
+    """
     existing = load_enrollment(state_dir)
     if existing is not None:
         log_event(log, "enroll_skipped", reason="already_enrolled", node_id=existing.node_id)
@@ -121,18 +129,20 @@ async def enroll(
         raise EnrollError("host identity or token does not match the contract", code="invalid_identity",
                           evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
 
-    try:
-        nc = await nats.connect(nats_url, connect_timeout=timeout, allow_reconnect=False, name="gpuaas-agent-enroll")
-    except (OSError, nats.errors.Error, TimeoutError) as exc:
-        raise EnrollError(f"cannot reach NATS at {nats_url}: {exc!r}", code="enroll_unreachable",
-                          evidence={"nats_url": nats_url}) from None
+    # Bounded: connect_timeout + timeout in all, so ExecStartPre ends well inside the unit's start timeout.
+    nc = await connect_nats([nats_url], timeout_s=connect_timeout or timeout, name="gpuaas-agent-enroll")
     try:
         msg = await nc.request(ENROLL_SUBJECT, request.model_dump_json().encode(), timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
-        raise EnrollError(f"no enrollment answer on {ENROLL_SUBJECT} within {timeout:g}s ({type(exc).__name__})",
-                          code="enroll_unreachable", evidence={"nats_url": nats_url}) from None
+        raise EnrollError(f"no enrollment answer on {ENROLL_SUBJECT} from {safe_url(nats_url)} within {timeout:g}s "
+                          f"({'no responders' if isinstance(exc, nats.errors.NoRespondersError) else 'timed out'})",
+                          code="enroll_unreachable", evidence={"nats_url": safe_url(nats_url)}) from None
+    except nats.errors.Error as exc:  # the connection broke under the request
+        raise EnrollError(f"enrollment request to {safe_url(nats_url)} failed: {exc}", code="enroll_unreachable",
+                          evidence={"nats_url": safe_url(nats_url), "error": repr(exc)}) from None
     finally:
-        await nc.close()
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await asyncio.wait_for(nc.close(), timeout)
 
     try:
         reply = EnrollReply.model_validate_json(msg.data)
@@ -142,7 +152,7 @@ async def enroll(
     if not reply.accepted or reply.node_id is None or reply.credentials is None:
         code = reply.error or "enroll_refused"
         raise EnrollError(reply.message or f"enrollment refused: {code}", code=code,
-                          evidence={"nats_url": nats_url, "hostname": identity.hostname})
+                          evidence={"nats_url": safe_url(nats_url), "hostname": identity.hostname})
 
     record = EnrollmentRecord(node_id=reply.node_id, credentials=reply.credentials,
                               enrolled_at=datetime.now(timezone.utc))

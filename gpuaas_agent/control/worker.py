@@ -2,15 +2,32 @@
 
 Order per message is the contract's (docs/contract.md "Tasks"):
 
-1. ``parse_task`` — junk (or another node's task) is terminated and logged; the loop goes on.
+1. ``parse_task`` — junk is terminated and logged; the loop goes on. So is a task whose
+   envelope names another node (``wrong_node``) or that arrived on a subject other than
+   ``gpuaas.node.<node>.task.<its type>`` (``wrong_subject``): logged at WARNING, nothing
+   runs, and **no result is stored or published** — a result keyed by a forged
+   ``task_id`` would shadow the genuine task's (our stored-result replay, and the result
+   stream's ``Nats-Msg-Id`` dedupe), which is what a forger would want.
 2. A stored result for ``task_id`` → publish it again (same ``Nats-Msg-Id``, so the
-   result stream keeps it once) and ack; nothing runs.
-3. ``deadline`` passed → ``failed``/``expired``.
+   result stream keeps it once) and ack; nothing runs. Whatever the redelivery's
+   ``attempt``: the stored result (with its own attempt) is the answer.
+3. ``deadline`` passed → ``failed``/``expired``; a deadline further ahead than
+   ``max_task_deadline_s`` → ``failed``/``invalid_deadline``.
 4./5. ``task_payload`` errors → ``failed`` with its code (``unsupported_task``, ``invalid_payload``).
-6. The handler runs under its type's semaphore; ``in_progress`` keepalives every
-   ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile.
-7. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
+6. Poison bound: the journal counts the handler's starts for ``task_id``; at
+   ``max_task_starts`` starts without a finish (the handler crashed, or the agent died
+   under it each time) → ``failed``/``poison_task`` without running it again.
+7. The handler runs under its type's semaphore; ``in_progress`` keepalives every
+   ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile. A crash (an
+   exception that is not an ``AgentError``) below the bound is nak'ed with a delay
+   (``retry_backoff_s`` doubled per start, at most ``ack_wait_s``), not answered.
+8. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
    await the PubAck → only then ack the task (``ack_sync``: the server confirms it).
+
+The consumer keeps ``max_deliver=-1``: JetStream's own bound would drop a task silently
+(no result, the control plane waits for the deadline), and it counts deliveries that were
+no start at all (a shutdown's unacked tasks, a lost ack). The journal's start count above
+is the bound instead, and it also holds across agent restarts.
 
 A crash anywhere before the ack means redelivery; the stored result makes that
 redelivery a republish, never a second run. A crash before the result is stored
@@ -57,6 +74,7 @@ log = logging.getLogger(__name__)
 TASK_STREAM = "GPUAAS_TASKS"
 RESULT_STREAM = "GPUAAS_RESULTS"
 TASK_STEP = "task"  # the worker's own journal step around a handler run
+CRASH_CODE = "internal_error"  # what _run_handler reports for an exception that is not an AgentError
 
 DEFAULT_CONCURRENCY: dict[TaskType, int] = {
     TaskType.topology_discover: 2,
@@ -83,6 +101,9 @@ class WorkerSettings:
     fetch_timeout_s: float = 1.0  # also how quickly stop() stops pulling
     request_timeout_s: float = 5.0  # one JetStream API call / PubAck / ack confirmation
     publish_deadline_s: float = 60.0  # retrying a result publish across a reconnect, then give up (redelivery retries)
+    max_task_deadline_s: float = 86400.0  # a deadline further ahead is refused: invalid_deadline
+    max_task_starts: int = 3  # handler starts without a finish before a task is poison_task
+    retry_backoff_s: float = 5.0  # nak delay after a crash: doubled per start, at most ack_wait_s
 
     def durable_name(self, node_id: str) -> str:
         return f"gpuaas-agent-{node_id}"
@@ -223,7 +244,7 @@ class TaskWorker:
                 _warn("tasks_cancelled_at_shutdown", task_ids=cancelled)
         if self._sub is not None:
             # Unsubscribe before the connection drains, or drain() hangs on the pull inbox.
-            with contextlib.suppress(nats.errors.Error):
+            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
                 await asyncio.wait_for(self._sub.unsubscribe(), self.settings.request_timeout_s)
             self._sub = None
         return cancelled
@@ -233,12 +254,12 @@ class TaskWorker:
     async def _process(self, msg: Msg) -> None:
         try:
             envelope = parse_task(msg.data)
-            if envelope.node_id != self.node_id:
-                raise ContractError(f"task for node {envelope.node_id} delivered to {self.node_id}",
-                                    code="invalid_message", evidence={"node_id": envelope.node_id})
+            self._check_route(msg.subject, envelope)
         except ContractError as exc:
-            _warn("task_rejected", code=exc.code, subject=msg.subject, evidence=exc.evidence)
-            with contextlib.suppress(nats.errors.Error):
+            # Terminated, never answered: see the module docstring (1.) for why no result is published.
+            _warn("task_rejected", code=exc.code, subject=msg.subject, task_id=exc.evidence.get("task_id"),
+                  evidence=exc.evidence)
+            with contextlib.suppress(nats.errors.Error, OSError):
                 await msg.term()
             return
 
@@ -258,6 +279,36 @@ class TaskWorker:
             self._inflight.pop(task_id, None)
             done.set_result(None)
 
+    def _check_route(self, subject: str, envelope: TaskEnvelope) -> None:
+        """The envelope must be ours and must have come on our subject for its own type."""
+        if envelope.node_id != self.node_id:
+            raise ContractError(f"task {envelope.task_id} names node {envelope.node_id}, this is {self.node_id}",
+                                code="wrong_node", evidence={"task_id": envelope.task_id, "node_id": envelope.node_id,
+                                                             "subject": subject})
+        expected = f"gpuaas.node.{self.node_id}.task.{envelope.type}"
+        if subject != expected:
+            raise ContractError(f"task {envelope.task_id} of type {envelope.type} arrived on {subject}",
+                                code="wrong_subject", evidence={"task_id": envelope.task_id, "subject": subject,
+                                                                "expected": expected})
+
+    def _starts(self, task_id: str) -> int:
+        """How many times a handler was started for ``task_id`` (journaled before it runs, so a kill counts)."""
+        return sum(1 for e in self.store.journal_of(task_id) if e.step == TASK_STEP and e.status == StepStatus.started)
+
+    def _retry_delay(self, starts: int) -> float:
+        return min(self.settings.ack_wait_s, self.settings.retry_backoff_s * 2 ** max(starts - 1, 0))
+
+    async def _poison(self, msg: Msg, envelope: TaskEnvelope, starts: int, last_error: TaskErrorBody | None) -> None:
+        last = f"{last_error.message}" if last_error is not None else "the agent stopped while it ran"
+        _warn("task_poisoned", task_id=envelope.task_id, starts=starts, last_error=last)
+        error = TaskErrorBody(
+            code="poison_task", retryable=False,
+            message=f"handler started {starts} times without finishing (bound {self.settings.max_task_starts}); "
+                    f"last: {last}",
+            evidence={"starts": starts, "max_task_starts": self.settings.max_task_starts,
+                      "last_error": last_error.model_dump() if last_error is not None else None})
+        await self._finish(msg, envelope, ResultStatus.failed, error=error)
+
     async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:
         stored = self.store.result_of(envelope.task_id)
         if stored is not None:
@@ -266,9 +317,28 @@ class TaskWorker:
             return
 
         deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=timezone.utc)
-        if datetime.now(timezone.utc) >= deadline:
+        now = datetime.now(timezone.utc)
+        if now >= deadline:
+            evidence: dict = {"deadline": deadline.isoformat()}
+            interrupted = self.store.unfinished_steps(envelope.task_id)
+            if interrupted:
+                # TODO(issue 17): a redelivered task that was interrupted mid-pipeline (agent killed, journal
+                # shows started steps) and whose deadline passed meanwhile is answered `expired` here and its
+                # handler never runs, so nothing resumes or compensates those steps: a provision's slot can
+                # stay half-built (lease held, disk possibly written) until the periodic reconcile or a release
+                # task deals with it. The fix is to let the handler's recovery (compensation only, no new
+                # side effect) run before answering; until then the result names the steps as evidence.
+                evidence["unfinished_steps"] = interrupted
+                _warn("expired_task_interrupted", task_id=envelope.task_id, unfinished_steps=interrupted)
             error = TaskErrorBody(code="expired", message=f"deadline {deadline.isoformat()} passed before the task ran",
-                                  retryable=False, evidence={"deadline": deadline.isoformat()})
+                                  retryable=False, evidence=evidence)
+            await self._finish(msg, envelope, ResultStatus.failed, error=error)
+            return
+        horizon = self.settings.max_task_deadline_s
+        if (deadline - now).total_seconds() > horizon:
+            error = TaskErrorBody(code="invalid_deadline", retryable=False,
+                                  message=f"deadline {deadline.isoformat()} is more than {horizon:g}s ahead",
+                                  evidence={"deadline": deadline.isoformat(), "max_task_deadline_s": horizon})
             await self._finish(msg, envelope, ResultStatus.failed, error=error)
             return
 
@@ -284,6 +354,11 @@ class TaskWorker:
                                error=_error_body(_not_implemented(task_type), retryable=False))
             return
 
+        starts = self._starts(envelope.task_id)
+        if starts >= self.settings.max_task_starts:
+            await self._poison(msg, envelope, starts, None)
+            return
+
         resumed = self.store.unfinished_steps(envelope.task_id)
         if resumed:
             _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
@@ -294,6 +369,19 @@ class TaskWorker:
         except asyncio.CancelledError:
             run.cancel()
             raise
+        if _is_handler_crash(error):
+            starts += 1
+            if starts >= self.settings.max_task_starts:
+                await self._poison(msg, envelope, starts, error)
+                return
+            # A crash is not an answer: deliver it again later (bounded by max_task_starts).
+            delay = self._retry_delay(starts)
+            _warn("task_crash_retry", task_id=envelope.task_id, starts=starts, retry_in_s=delay)
+            try:
+                await msg.nak(delay=delay)
+            except (nats.errors.Error, OSError) as exc:  # not nak'ed: ack_wait redelivers it all the same
+                _warn("task_nak_failed", task_id=envelope.task_id, error=repr(exc))
+            return
         await self._finish(msg, envelope, status, output=output, error=error, slot_outcomes=ctx.slot_outcomes)
 
     async def _run_handler(self, task_type: TaskType, handler: Handler, payload: WireModel,
@@ -378,6 +466,17 @@ class TaskWorker:
         except (nats.errors.Error, TimeoutError) as exc:
             # The result is stored and published: a redelivery will only replay it.
             _warn("task_ack_failed", task_id=result.task_id, error=repr(exc))
+
+
+def _is_handler_crash(error: TaskErrorBody | None) -> bool:
+    """An exception escaped the handler (``_run_handler``'s last resort), as opposed to an answer with a code.
+
+    A pipeline that caught a bug in a step, compensated and reported ``internal_error`` with its
+    ``failed_step`` has answered: running a provision again for a deterministic bug would redo
+    its side effects for nothing, so only the bare crash (evidence ``exception``) is retried.
+    """
+    return error is not None and error.code == CRASH_CODE and "exception" in error.evidence \
+        and "failed_step" not in error.evidence
 
 
 def _seconds_left(envelope: TaskEnvelope) -> float:

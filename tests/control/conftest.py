@@ -31,8 +31,9 @@ def free_port() -> int:
 class NatsServer:
     """One ``nats-server`` process; :meth:`restart` keeps its port and store dir."""
 
-    def __init__(self, binary: str, store_dir: Path, log_path: Path) -> None:
+    def __init__(self, binary: str, store_dir: Path, log_path: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.binary = binary
+        self.extra_args = tuple(extra_args)  # e.g. ("--user", "u", "--pass", "p"): a server that checks credentials
         self.store_dir = store_dir
         self.log_path = log_path
         self.port = free_port()
@@ -47,7 +48,7 @@ class NatsServer:
         assert self.proc is None, "already running"
         argv = [
             self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port),
-            "-m", str(self.http_port), "-sd", str(self.store_dir),
+            "-m", str(self.http_port), "-sd", str(self.store_dir), *self.extra_args,
         ]
         log = self.log_path.open("ab")
         try:
@@ -86,6 +87,13 @@ class NatsServer:
         try:
             proc.wait(timeout=STOP_DEADLINE_S)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=STOP_DEADLINE_S)
+
+    def kill(self) -> None:
+        """SIGKILL our PID (no goodbye to clients: their sockets just break) and reap it."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(timeout=STOP_DEADLINE_S)
 

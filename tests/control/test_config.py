@@ -63,3 +63,15 @@ def test_unreadable_or_malformed_files_are_config_errors(tmp_path, name, text, c
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert err.value.code == code
+
+
+def test_enroll_timeouts_must_fit_inside_the_unit_start_timeout():
+    from gpuaas_agent.config import parse_config
+
+    with pytest.raises(ConfigError) as err:
+        parse_config({"connect_timeout_s": 45, "request_timeout_s": 30})
+    assert "connect_timeout_s + request_timeout_s" in err.value.message
+    with pytest.raises(ConfigError):
+        parse_config({"reconnect_backoff_initial_s": 10, "reconnect_backoff_max_s": 1})
+    config = parse_config({"connect_timeout_s": 30, "request_timeout_s": 30})
+    assert (config.max_task_deadline_s, config.max_task_starts) == (86400.0, 3)

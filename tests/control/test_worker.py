@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-
+import json
+import logging
 from datetime import datetime, timezone
+
+import pytest
 
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.enrollment import NatsCredentials
+from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.worker import TASK_STEP, TaskWorker, WorkerSettings
 from gpuaas_agent.control.enroll import EnrollmentRecord
@@ -175,13 +179,17 @@ def test_handler_errors_become_failed_results(nats_server, tmp_path):
     crash = Counting(raises=RuntimeError("boom"))
 
     async def body():
-        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: refusal, TaskType.preflight: crash}) as h:
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: refusal, TaskType.preflight: crash},
+                           max_task_starts=1) as h:
             refused = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER))
             assert refused.error.code == "mounted_child" and refused.error.evidence == {"disk": "x"}
             assert refused.error.retryable is False
+            assert refusal.calls == 1  # a refusal is an answer: never retried
+            # A crash is retried up to max_task_starts (here 1), then answered poison_task with the crash's text.
             crashed = await h.run_task_to_result(h.plane.envelope(NODE, TaskType.preflight.value))
-            assert crashed.error.code == "internal_error" and crashed.error.retryable is True
+            assert crashed.error.code == "poison_task" and crashed.error.retryable is False
             assert "boom" in crashed.error.message
+            assert crashed.error.evidence["last_error"]["code"] == "internal_error"
 
     _run(body())
 
@@ -265,5 +273,149 @@ def test_server_restart_mid_task_completes_once(nats_server, tmp_path):
             assert [r.task_id for r in await h.plane.stored_results(NODE)] == [envelope.task_id]
             assert h.store.unfinished_steps(envelope.task_id) == []
             assert [e.step for e in h.store.journal_of(envelope.task_id)] == [TASK_STEP, TASK_STEP]
+
+    _run(body())
+
+
+# -- replay and forgery (issue 19) ------------------------------------------------------
+
+
+def test_redelivery_with_another_attempt_is_answered_from_the_stored_result(nats_server, tmp_path):
+    handler = Counting(output={"answer": 42})
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}) as h:
+            first = h.plane.envelope(NODE, DISCOVER, attempt=1)
+            answered = await h.run_task_to_result(first)
+            again = first.model_copy(update={"attempt": 7, "payload": {"ovs_bridge": "other"}})
+            await h.plane.enqueue(again)
+            replayed = await h.plane.wait_result(first.task_id, count=2)
+            assert replayed == answered and replayed.attempt == 1  # the stored answer, not a new run
+            assert handler.calls == 1
+            await wait_until_acked(h)
+            assert [r.task_id for r in await h.plane.stored_results(NODE)] == [first.task_id]
+
+    _run(body())
+
+
+def _rejections(caplog, code: str) -> list[dict]:
+    out = []
+    for record in caplog.records:
+        try:
+            fields = json.loads(record.getMessage())
+        except ValueError:
+            continue
+        if fields.get("event") == "task_rejected" and fields.get("code") == code:
+            assert record.levelno == logging.WARNING
+            out.append(fields)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["wrong_node", "wrong_subject"])
+def test_forged_task_is_terminated_unanswered_and_never_shadows_the_genuine_one(nats_server, tmp_path, caplog, variant):
+    """A forged task that reuses a genuine task_id must leave no result behind that the genuine one would replay."""
+    caplog.set_level(logging.WARNING, logger="gpuaas_agent.control.worker")
+    handler = Counting(output={"genuine": True})
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler,
+                                                   TaskType.preflight: handler}) as h:
+            genuine = h.plane.envelope(NODE, DISCOVER)
+            if variant == "wrong_node":
+                forged = genuine.model_copy(update={"node_id": "node-victim"})
+                subject = f"gpuaas.node.{NODE}.task.{DISCOVER}"
+            else:  # right envelope, published on the subject of another type
+                forged = genuine
+                subject = f"gpuaas.node.{NODE}.task.{TaskType.preflight.value}"
+            await h.plane.enqueue_raw(subject, forged.model_dump_json().encode())
+            await wait_until(lambda: _rejections(caplog, variant), what=f"{variant} rejection logged")
+            await wait_until_acked(h)  # terminated: the work queue dropped it, it is not redelivered
+            assert handler.calls == 0
+            assert h.store.result_of(genuine.task_id) is None and h.store.journal_of(genuine.task_id) == []
+
+            result = await h.run_task_to_result(genuine)  # the genuine task still runs, once
+            assert result.status == ResultStatus.succeeded and result.output == {"genuine": True}
+            assert handler.calls == 1
+            assert [r.task_id for r in h.plane.seen.results] == [genuine.task_id]
+            rejected = _rejections(caplog, variant)[0]
+            assert rejected["task_id"] == genuine.task_id and rejected["subject"] == subject
+
+    _run(body())
+
+
+def test_deadline_beyond_the_horizon_is_refused_invalid_deadline(nats_server, tmp_path):
+    handler = Counting()
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler},
+                           max_task_deadline_s=3600) as h:
+            far = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER, deadline_s=10 * 365 * 86400))
+            assert (far.status, far.error.code, far.error.retryable) == (ResultStatus.failed, "invalid_deadline", False)
+            assert far.error.evidence["max_task_deadline_s"] == 3600
+            near = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER, deadline_s=3000))
+            assert near.status == ResultStatus.succeeded
+            assert handler.calls == 1
+
+    _run(body())
+
+
+def test_expired_interrupted_task_is_refused_and_names_its_unfinished_steps(nats_server, tmp_path):
+    """Today's behaviour (TODO issue 17 in worker.py): no recovery runs, but the result says what was left."""
+    handler = Counting()
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}) as h:
+            envelope = h.plane.envelope(NODE, DISCOVER, deadline_s=-5)
+            h.store.journal(envelope.task_id, TASK_STEP, StepStatus.started, {"attempt": 1})  # killed mid-run
+            result = await h.run_task_to_result(envelope)
+            assert (result.status, result.error.code) == (ResultStatus.failed, "expired")
+            assert result.error.evidence["unfinished_steps"] == [TASK_STEP]
+            assert handler.calls == 0
+
+    _run(body())
+
+
+# -- poison messages (issue 17) --------------------------------------------------------
+
+
+def test_handler_crashing_every_time_fails_once_after_the_bound_and_the_next_task_is_served(nats_server, tmp_path):
+    crash = Counting(raises=RuntimeError("segfault-ish"))
+    fine = Counting(output={"next": "served"})
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.preflight: crash, TaskType.topology_discover: fine},
+                           max_task_starts=3, retry_backoff_s=0.2) as h:
+            poison = h.plane.envelope(NODE, TaskType.preflight.value)
+            result = await h.run_task_to_result(poison)
+            assert (result.status, result.error.code, result.error.retryable) == (ResultStatus.failed, "poison_task", False)
+            assert result.error.evidence["starts"] == 3 and "segfault-ish" in result.error.message
+            assert crash.calls == 3  # bounded: three starts, then an answer
+            await wait_until_acked(h)  # the message is gone from the work queue
+            info = await h.plane.js.consumer_info(TASK_STREAM, h.settings.durable_name(NODE))
+            assert info.delivered.consumer_seq == 3 and info.num_ack_pending == 0  # three deliveries of one message
+            assert [r.task_id for r in await h.plane.stored_results(NODE)] == [poison.task_id]  # exactly one result
+            assert h.store.result_of(poison.task_id)["error"]["code"] == "poison_task"
+
+            nxt = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER))
+            assert nxt.status == ResultStatus.succeeded and nxt.output == {"next": "served"}
+            assert crash.calls == 3
+
+    _run(body())
+
+
+def test_task_started_too_often_without_finishing_is_poison_without_running(nats_server, tmp_path):
+    """The agent killed under a task on every start: the journal's start count ends the crash loop."""
+    handler = Counting()
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}, max_task_starts=3) as h:
+            envelope = h.plane.envelope(NODE, DISCOVER)
+            for attempt in (1, 2, 3):  # three starts, each killed before it finished
+                h.store.journal(envelope.task_id, TASK_STEP, StepStatus.started, {"attempt": attempt})
+            result = await h.run_task_to_result(envelope.model_copy(update={"attempt": 4}))
+            assert (result.status, result.error.code) == (ResultStatus.failed, "poison_task")
+            assert result.error.evidence == {"starts": 3, "max_task_starts": 3, "last_error": None}
+            assert handler.calls == 0
+            await wait_until_acked(h)
 
     _run(body())
