@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.host.images import CHUNK_BYTES, ImageCache, sha256_file  # noqa: E402
+from gpuaas_agent.host.images import CHUNK_BYTES, ImageCache, SourcePolicy, sha256_file  # noqa: E402
 from gpuaas_agent.host.run import run  # noqa: E402
 
 
@@ -87,7 +87,8 @@ def main() -> int:
             def fetch_once():
                 cache_root = workdir / f"cache-{time.monotonic_ns()}"
                 try:
-                    return asyncio.run(ImageCache(cache_root).fetch(path.as_uri(), cache_hex))
+                    return asyncio.run(ImageCache(cache_root, policy=SourcePolicy(file_dir=path.resolve().parent))
+                                       .fetch(path.resolve().as_uri(), cache_hex))
                 finally:
                     shutil.rmtree(cache_root, ignore_errors=True)
 

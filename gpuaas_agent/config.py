@@ -8,11 +8,12 @@ and what was wrong with it.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.errors import AgentError
@@ -20,6 +21,8 @@ from gpuaas_agent.errors import AgentError
 DEFAULT_STATE_DIR = Path("/var/lib/gpuaas-agent")
 # What `enroll` may take in all (connect + request): well inside systemd's 90 s TimeoutStartSec default.
 ENROLL_BOUND_S = 60.0
+# A DNS name or IPv4 address, optionally ":port"; what SliceConfig.image_https_hosts may hold.
+HTTPS_HOST_RE = re.compile(r"^(?=.{1,253}(:|$))[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*(:[0-9]{1,5})?$")
 
 
 class ConfigError(AgentError):
@@ -37,6 +40,22 @@ class SliceConfig(BaseModel):
 
     Defaults are the production layout of seed 002 Phase 6 (private NAT on ovsbr0,
     10.100.0.0/24, gateway .1); the lab-in-a-box points them at its private daemons.
+
+    Image sources (``host/imagesource.py`` checks every image URL, and every redirect, against
+    these before anything is opened). A task's ``image.url`` is written by whoever can publish a
+    task: without an allow-list it could name any file the agent can read (another slot's disk,
+    the enrollment credentials) or an endless device. Nothing is allowed by default.
+
+    - ``image_https_hosts``: ``https://`` only to these exact host names, ``"images.example.com"``
+      (port 443) or ``"images.example.com:8443"``; compared lower-case, no wildcards.
+    - ``image_file_dir``: ``file://`` only for regular files that resolve, symlinks followed,
+      under this absolute directory; never under ``/dev``, ``/proc``, ``/sys``, the state dir or
+      the image cache, whatever this says.
+    - ``image_max_bytes``: no image is larger (more is ``too_large``); a task's declared
+      ``size_bytes`` can only lower the bound.
+    - ``image_stall_timeout_s``: a download that receives no byte for this long fails
+      ``fetch_stalled`` (the task's deadline bounds the whole download).
+    - ``allow_loopback_http`` (lab and tests only): plain ``http://`` to a loopback address.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -57,9 +76,31 @@ class SliceConfig(BaseModel):
     nameservers: tuple[IPv4Address, ...] = (IPv4Address("10.100.0.1"),)
     readiness_timeout_s: float = Field(default=900.0, gt=0)
     clone_timeout_s: float = Field(default=3600.0, gt=0)
-    # Only the lab sets these: TCG domains (profile domain_type=qemu) and http images from 127.0.0.1.
+    # Where images may come from: see the class docstring. Nothing is allowed by default.
+    image_https_hosts: tuple[str, ...] = ()
+    image_file_dir: Path | None = None
+    image_max_bytes: int = Field(default=64 << 30, gt=0)
+    image_stall_timeout_s: float = Field(default=60.0, gt=0)
+    # Only the lab and tests set these: TCG domains (profile domain_type=qemu) and plain http images
+    # from a loopback address (127.0.0.1, ::1, localhost), never from another host.
     allow_emulated_domains: bool = False
     allow_loopback_http: bool = False
+
+    @field_validator("image_https_hosts")
+    @classmethod
+    def _https_hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        normal = tuple(h.lower() for h in hosts)
+        for host in normal:
+            if not HTTPS_HOST_RE.match(host) or not 0 < int(host.partition(":")[2] or 443) < 65536:
+                raise ValueError(f"{host!r} is not a host name with an optional :port (no scheme, path or wildcard)")
+        return normal
+
+    @field_validator("image_file_dir")
+    @classmethod
+    def _file_dir_absolute(cls, path: Path | None) -> Path | None:
+        if path is not None and (not path.is_absolute() or path == Path("/")):
+            raise ValueError(f"{path} is not an absolute path below / (a directory holding only images)")
+        return path
 
     @model_validator(mode="after")
     def _gateway_in_subnet(self) -> "SliceConfig":

@@ -204,7 +204,10 @@ class Lab:
     def _make_image(self) -> None:
         from lab.build_guest_image import build_guest_image
 
-        path = Path(build_guest_image(self.work / "image", IMAGE_CACHE))
+        # A directory of its own: it is the agent's slice.image_file_dir, the only place file:// images may come from.
+        source_dir = self.work / "image-source"
+        source_dir.mkdir(exist_ok=True)
+        path = Path(build_guest_image(source_dir, IMAGE_CACHE))
         h = hashlib.sha256()
         with open(path, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -247,6 +250,7 @@ class Lab:
                 "dnsmasq_pid_file": str(d / "dnsmasq.pid"),
                 "seed_dir": str(seeds),
                 "image_cache_dir": str(self.work / "images"),
+                "image_file_dir": str(self.image_path.parent),
                 "terminal_relay_key_file": str(self.work / "keys/relay.pub"),
                 "nameservers": [self.gateway],
                 "readiness_timeout_s": self.settings.readiness_timeout_s,

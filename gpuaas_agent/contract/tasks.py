@@ -62,8 +62,13 @@ class PlanPayload(WireModel):
 
 
 class ImageRef(WireModel):
+    """The image a provision clones; the agent fetches it only from sources its config allows."""
+
     url: str = Field(pattern=r"^(https|file)://")
     sha256: str = Field(pattern=SHA256_PATTERN)
+    # Exact size in bytes, when the control plane knows it: it lowers the agent's size bound and a
+    # source delivering another size fails (too_large / truncated) before the digest is compared.
+    size_bytes: int | None = Field(default=None, gt=0)
 
 
 class VmProvisionPayload(WireModel):

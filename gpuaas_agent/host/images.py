@@ -9,6 +9,13 @@ Layout under the cache root::
 A hit needs both the image and its marker (with the same size) and does not
 hash again: the digest was proven on the way in (DESIGN.md §7, "hashed once per
 cache entry, not once per clone"). The clone onto a slot disk is another driver.
+
+Before anything is opened the URL must pass the config's allow-list
+(``host/imagesource.py``). Every download is bounded: at most
+``min(max_bytes, declared size)`` bytes, no byte for ``stall_timeout_s`` fails it,
+and an optional whole-download timeout. A failure never reports anything derived
+from what was read (no digest of it): the error would otherwise turn the cache into
+an oracle for whatever the source could reach.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import asyncio
 import errno
 import hashlib
 import http.client
-import ipaddress
 import json
 import logging
 import os
@@ -25,17 +31,23 @@ import re
 import ssl
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import urljoin, urlsplit
 
 from pydantic import ValidationError
 
 from gpuaas_agent.atomicfile import fsync_dir, write_atomic
 from gpuaas_agent.contract.images import CachedImage, CacheEntryMarker, ImageFormat
-from gpuaas_agent.errors import ContractError, HostError
+from gpuaas_agent.errors import ContractError
+from gpuaas_agent.host import imagesource
+from gpuaas_agent.host.imagesource import ImageCacheError, SourcePolicy
 from gpuaas_agent.host.run import run
+
+__all__ = ["CHUNK_BYTES", "DEFAULT_MAX_BYTES", "DEFAULT_STALL_TIMEOUT_S", "ImageCache", "ImageCacheError",
+           "SourcePolicy", "sha256_file", "sha256_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +55,8 @@ CHUNK_BYTES = 1 << 20  # 1 MiB: large enough that hashlib (which drops the GIL) 
 MAX_REDIRECTS = 5
 QEMU_IMG_INFO_TIMEOUT_S = 60.0
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-
-
-class ImageCacheError(HostError):
-    """Fetching or verifying an image failed; no partial file is left in the cache.
-
-    Codes: ``digest_mismatch``, ``truncated``, ``cache_full``, ``too_large``,
-    ``unsupported_url``, ``fetch_failed``, ``unknown_format``, ``backing_file_refused``,
-    ``fetch_timeout``.
-    """
-
-    default_code = "image_cache_error"
+DEFAULT_MAX_BYTES = 64 << 30
+DEFAULT_STALL_TIMEOUT_S = 60.0
 
 
 class _Cancelled(Exception):
@@ -77,6 +80,8 @@ def sha256_stream(read_into: Callable[[memoryview], int], write: Callable[[memor
         n = read_into(buf)
         if not n:
             break
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled()  # gave up while this read blocked: nothing more is written
         total += n
         if max_bytes is not None and total > max_bytes:
             raise ImageCacheError(
@@ -106,17 +111,6 @@ def _write_all(fd: int) -> Callable[[memoryview], None]:
     return write
 
 
-def _is_loopback(host: str | None) -> bool:
-    if host is None:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class _Source:
     """An opened source: a readinto function, the length it announced, and how to close it."""
 
@@ -128,17 +122,38 @@ class _Source:
         self.describe = describe
 
 
-class ImageCache:
-    """Content-addressed cache of VM images under ``root``."""
+class _Progress:
+    """When the copy thread last received a byte (time.monotonic); the stall watchdog reads it."""
 
-    def __init__(self, root: Path, *, ssl_context: ssl.SSLContext | None = None,
-                 network_timeout_s: float = 30.0, allow_loopback_http: bool = False) -> None:
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+
+class ImageCache:
+    """Content-addressed cache of VM images under ``root``, filled only from allowed sources.
+
+    ``policy``: where images may come from (nothing by default); ``state_dir`` and ``root``
+    are never a source. ``max_bytes``: no image is larger. ``stall_timeout_s``: the longest
+    wait for the next byte (also the socket timeout, so a stalled connection's thread ends).
+    """
+
+    def __init__(self, root: Path, *, policy: SourcePolicy | None = None, state_dir: Path | None = None,
+                 ssl_context: ssl.SSLContext | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.root = Path(root)
         self.entries = self.root / "sha256"
+        policy = policy or SourcePolicy()
+        forbidden = (*policy.forbidden, self.root, *((state_dir,) if state_dir is not None else ()))
+        self.policy = SourcePolicy(https_hosts=policy.https_hosts, file_dir=policy.file_dir,
+                                   allow_loopback_http=policy.allow_loopback_http, forbidden=forbidden)
         self.ssl_context = ssl_context or ssl.create_default_context()
-        self.network_timeout_s = network_timeout_s
-        # Plain http is only for tests against a server on 127.0.0.1; images come over https.
-        self.allow_loopback_http = allow_loopback_http
+        if max_bytes <= 0 or stall_timeout_s <= 0:
+            raise ValueError("max_bytes and stall_timeout_s must be positive")
+        self.max_bytes = max_bytes
+        self.stall_timeout_s = stall_timeout_s
         self._locks: dict[str, asyncio.Lock] = {}
 
     # -- paths and markers ----------------------------------------------------------
@@ -153,7 +168,9 @@ class ImageCache:
         """The verified entry for a digest, without hashing; ``None`` on a miss.
 
         An image without a marker, or whose size differs from the marker's, is not
-        trusted (a crash between replace and marker, or someone touched the file).
+        trusted (a crash between replace and marker, or someone touched the file). Nor
+        is one whose recorded source the policy refuses today: an entry an older agent
+        took from a device or the state dir is never served (and is removed at start).
         """
         sha256 = _digest_arg(sha256)
         path = self.image_path(sha256)
@@ -164,61 +181,86 @@ class ImageCache:
             return None
         if marker.sha256 != sha256 or marker.size_bytes != size:
             return None
+        if not self._source_allowed(marker.source_url):
+            log.warning("event=image_cache_entry_refused sha256=%s reason=source_not_allowed", sha256)
+            return None
         return CachedImage(path=str(path), sha256=sha256, size_bytes=size, source_url=marker.source_url,
                            format=marker.format)
 
+    def _refuse_unless_allowed(self, url: str) -> None:
+        """``image_url_refused`` unless the policy accepts ``url``; nothing is opened.
+
+        A file that is missing is not a refusal here (a hit does not need it; on a miss the
+        copy thread checks again right before its open and reports ``fetch_failed``).
+        """
+        try:
+            imagesource.check_url(self.policy, url)
+        except ImageCacheError as exc:
+            if exc.code == "image_url_refused":
+                raise
+
+    def _source_allowed(self, url: str) -> bool:
+        try:
+            self._refuse_unless_allowed(url)
+        except ImageCacheError:
+            return False
+        return True
+
     def remove_stale_partials(self) -> list[str]:
-        """Delete downloads left by a crashed agent; call once at daemon start, before any fetch."""
+        """Delete what is not a verified entry; call once at daemon start, before any fetch.
+
+        That is the downloads a crashed agent left (``.*.partial``), an image without a valid
+        marker (a crash between the replace and the marker), a marker without its image, and
+        an entry whose recorded source the policy refuses.
+        """
+        if not self.entries.is_dir():
+            return []
         removed = []
-        for partial in self.entries.glob(".*.partial"):
-            partial.unlink(missing_ok=True)
-            removed.append(partial.name)
+        for path in sorted(self.entries.iterdir()):
+            name = path.name
+            digest = name.removesuffix(".verified.json")
+            stale = (name.startswith(".") and name.endswith(".partial")) or (
+                SHA256_RE.match(digest) is not None and self.lookup(digest) is None)
+            if stale and not path.is_dir():
+                path.unlink(missing_ok=True)
+                removed.append(name)
         return removed
 
     # -- fetch ------------------------------------------------------------------------
 
-    async def fetch(self, url: str, expected_sha256: str, *, max_bytes: int | None = None,
-                    timeout_s: float | None = None) -> CachedImage:
+    def bound(self, max_bytes: int | None = None, size_bytes: int | None = None) -> int:
+        """The most bytes a fetch may take: the config's limit, lowered by the caller's and the declared size."""
+        return min(b for b in (self.max_bytes, max_bytes, size_bytes) if b is not None)
+
+    async def fetch(self, url: str, expected_sha256: str, *, size_bytes: int | None = None,
+                    max_bytes: int | None = None, timeout_s: float | None = None) -> CachedImage:
         """The verified cached image for ``expected_sha256``, downloading it from ``url`` on a miss.
 
-        ``timeout_s`` bounds the whole download (``None``: only the per-read network timeout).
+        ``size_bytes``: the size the task declares; the image must have exactly that many bytes.
+        ``max_bytes`` lowers the configured bound. ``timeout_s`` bounds the whole download
+        (``None``: only the stall timeout, and the caller's own deadline).
         """
         expected = _digest_arg(expected_sha256)
+        bound = self.bound(max_bytes, size_bytes)
+        # A URL the policy refuses is refused whether or not the digest is cached: the answer to a
+        # task never depends on what other tasks left in the cache.
+        self._refuse_unless_allowed(url)
         lock = self._locks.setdefault(expected, asyncio.Lock())
         async with lock:
             hit = self.lookup(expected)
             if hit is not None:
+                _check_final_size(hit.size_bytes, bound, size_bytes, {"url": url, "cached": True})
                 log.info("event=image_cache_hit sha256=%s size_bytes=%d", expected, hit.size_bytes)
                 return hit
-            return await self._fetch_miss(url, expected, max_bytes=max_bytes, timeout_s=timeout_s)
+            return await self._fetch_miss(url, expected, bound=bound, size_bytes=size_bytes, timeout_s=timeout_s)
 
-    async def _fetch_miss(self, url: str, expected: str, *, max_bytes: int | None,
+    async def _fetch_miss(self, url: str, expected: str, *, bound: int, size_bytes: int | None,
                           timeout_s: float | None) -> CachedImage:
-        self._check_url(url)
         self.entries.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(dir=self.entries, prefix=f".{expected}.", suffix=".partial")
-        os.close(fd)  # the copy thread opens its own descriptor: it may outlive this coroutine by one chunk
         tmp = Path(tmp_name)
-        cancel = threading.Event()
         try:
-            try:
-                actual, size = await asyncio.wait_for(
-                    asyncio.to_thread(self._download, url, tmp, max_bytes, cancel), timeout_s
-                )
-            except TimeoutError:
-                raise ImageCacheError(
-                    f"download did not finish within {timeout_s:g}s",
-                    code="fetch_timeout",
-                    evidence={"url": url, "timeout_s": timeout_s},
-                ) from None
-            finally:
-                cancel.set()  # the thread stops at its next chunk if it is still running
-            if actual != expected:
-                raise ImageCacheError(
-                    "downloaded image does not have the expected SHA-256",
-                    code="digest_mismatch",
-                    evidence={"url": url, "expected_sha256": expected, "actual_sha256": actual, "size_bytes": size},
-                )
+            size = await self._download_in_thread(url, expected, fd, bound, size_bytes, timeout_s)
             image_format = await _probe_format(tmp, url)
             os.replace(tmp, self.image_path(expected))
             fsync_dir(self.entries)
@@ -239,45 +281,102 @@ class ImageCache:
         return CachedImage(path=str(self.image_path(expected)), sha256=expected, size_bytes=size, source_url=url,
                            format=image_format)
 
-    def _check_url(self, url: str) -> None:
-        parts = urlsplit(url)
-        if parts.scheme == "https" and parts.hostname:
-            return
-        if parts.scheme == "file" and parts.netloc in ("", "localhost") and parts.path:
-            return
-        if parts.scheme == "http" and self.allow_loopback_http and _is_loopback(parts.hostname):
-            return
-        raise ImageCacheError(
-            f"cannot fetch images from {parts.scheme or 'a scheme-less'} URL",
-            code="unsupported_url",
-            evidence={"url": url, "accepted": ["https://", "file://"]},
-        )
+    async def _download_in_thread(self, url: str, expected: str, fd: int, bound: int, size_bytes: int | None,
+                                  timeout_s: float | None) -> int:
+        """Copy in a thread of its own (it owns and closes ``fd``) while this coroutine watches the clock.
 
-    def _download(self, url: str, tmp: Path, max_bytes: int | None, cancel: threading.Event) -> tuple[str, int]:
-        """Runs in a worker thread: open the source, stream it through the digest into ``tmp``."""
-        fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            source = self._open(url, max_bytes)
+        No byte for ``stall_timeout_s``: ``fetch_stalled``; past ``timeout_s``: ``fetch_timeout``.
+        Either way, or on cancellation, the thread is told to stop and writes nothing more
+        (a blocked socket read returns within the stall timeout).
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[tuple[str, int]] = loop.create_future()
+        cancel = threading.Event()
+        progress = _Progress()
+
+        def settle(value: tuple[str, int] | None, error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(value)
+
+        def work() -> None:
             try:
-                return self._copy(source, fd, url, max_bytes, cancel)
+                value, error = self._download(url, fd, bound, size_bytes, cancel, progress), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the coroutine
+                value, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:
+                pass  # the loop is gone: nobody waits for this download any more
+
+        thread = threading.Thread(target=work, name=f"image-fetch-{expected[:12]}", daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            os.close(fd)
+            raise
+        started = time.monotonic()
+        try:
+            while not done.done():
+                now = time.monotonic()
+                wait = progress.last + self.stall_timeout_s - now
+                if timeout_s is not None:
+                    wait = min(wait, started + timeout_s - now)
+                if wait <= 0:
+                    if timeout_s is not None and now - started >= timeout_s:
+                        raise ImageCacheError(f"download did not finish within {timeout_s:g}s",
+                                              code="fetch_timeout", evidence={"url": url, "timeout_s": timeout_s})
+                    raise ImageCacheError(f"no data from the image source for {self.stall_timeout_s:g}s",
+                                          code="fetch_stalled",
+                                          evidence={"url": url, "stall_timeout_s": self.stall_timeout_s})
+                await asyncio.wait([done], timeout=wait)
+        finally:
+            cancel.set()  # the thread stops before its next write if it is still running
+        actual, size = done.result()
+        if actual != expected:
+            # Never the digest or size of what was read: that would reveal the content of a source.
+            raise ImageCacheError("downloaded image does not have the expected SHA-256", code="digest_mismatch",
+                                  evidence={"url": url, "expected_sha256": expected})
+        return size
+
+    def _download(self, url: str, fd: int, bound: int, size_bytes: int | None, cancel: threading.Event,
+                  progress: _Progress) -> tuple[str, int]:
+        """Runs in the copy thread: open the source, stream it through the digest into ``fd``."""
+        try:
+            source = self._open(url, bound, size_bytes)
+            try:
+                progress.touch()
+                return self._copy(source, fd, url, bound, size_bytes, cancel, progress)
             finally:
                 source.close()
         finally:
             os.close(fd)
 
-    def _copy(self, source: _Source, fd: int, url: str, max_bytes: int | None,
-              cancel: threading.Event) -> tuple[str, int]:
+    def _copy(self, source: _Source, fd: int, url: str, bound: int, size_bytes: int | None,
+              cancel: threading.Event, progress: _Progress) -> tuple[str, int]:
         """One pass over the source: every chunk is hashed and written; errors get their code."""
 
         def read_into(buf: memoryview) -> int:
             try:
-                return source.read_into(buf)
+                n = source.read_into(buf)
+            except TimeoutError as exc:
+                raise ImageCacheError(
+                    f"no data from the image source for {self.stall_timeout_s:g}s",
+                    code="fetch_stalled",
+                    evidence={**source.describe, "stall_timeout_s": self.stall_timeout_s},
+                ) from exc
             except (OSError, http.client.HTTPException) as exc:
                 raise ImageCacheError(
                     f"source stopped before the end: {exc}",
                     code="truncated",
                     evidence={**source.describe, "error": repr(exc)},
                 ) from exc
+            if n:
+                progress.touch()
+            return n
 
         write_all = _write_all(fd)
 
@@ -297,13 +396,14 @@ class ImageCache:
                     evidence={"cache": str(self.entries), "errno": exc.errno},
                 ) from exc
 
-        digest, total = sha256_stream(read_into, write, max_bytes=max_bytes, cancel=cancel)
+        digest, total = sha256_stream(read_into, write, max_bytes=bound, cancel=cancel)
         if source.length is not None and total < source.length:
             raise ImageCacheError(
                 f"source ended after {total} of {source.length} bytes",
                 code="truncated",
                 evidence={**source.describe, "expected_bytes": source.length, "received_bytes": total},
             )
+        _check_final_size(total, bound, size_bytes, source.describe)
         try:
             os.fsync(fd)
         except OSError as exc:
@@ -312,35 +412,61 @@ class ImageCache:
                                   evidence={"cache": str(self.entries), "errno": exc.errno}) from exc
         return digest, total
 
-    def _open(self, url: str, max_bytes: int | None) -> _Source:
+    def _open(self, url: str, bound: int, size_bytes: int | None) -> _Source:
         parts = urlsplit(url)
         if parts.scheme == "file":
-            source = _open_file(unquote(parts.path), url)
+            source = _open_file(self.policy, imagesource.check_url(self.policy, url) or "", url)
         else:
             source = self._open_http(url)
-        if max_bytes is not None and source.length is not None and source.length > max_bytes:
+        if source.length is not None and source.length > bound:
             source.close()
             raise ImageCacheError(
-                f"source announces {source.length} bytes, more than the allowed {max_bytes}",
+                f"source announces {source.length} bytes, more than the allowed {bound}",
                 code="too_large",
-                evidence={**source.describe, "length": source.length, "max_bytes": max_bytes},
+                evidence={**source.describe, "length": source.length, "max_bytes": bound},
+            )
+        if source.length is not None and size_bytes is not None and source.length < size_bytes:
+            source.close()
+            raise ImageCacheError(
+                f"source announces {source.length} bytes, fewer than the declared {size_bytes}",
+                code="truncated",
+                evidence={**source.describe, "length": source.length, "declared_size_bytes": size_bytes},
             )
         return source
 
+    def _check_redirect(self, hop: str, first: str) -> None:
+        """Every hop passes the allow-list, and a redirect never leaves http(s) for file://."""
+        try:
+            if not hop.startswith(("https://", "http://")):
+                raise imagesource.refused(hop, imagesource.RULE_SCHEME, "a redirect may not leave http(s)")
+            imagesource.check_url(self.policy, hop)
+        except ImageCacheError as exc:
+            if hop != first:
+                exc.evidence["redirected_from"] = first
+            raise
+
     def _open_http(self, url: str) -> _Source:
+        first = url
         for _ in range(MAX_REDIRECTS + 1):
+            self._check_redirect(url, first)
             parts = urlsplit(url)
-            self._check_url(url)  # a redirect may not downgrade to http or leave for file://
             if parts.scheme == "https":
                 conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                    parts.hostname, parts.port, timeout=self.network_timeout_s, context=self.ssl_context
+                    parts.hostname, parts.port, timeout=self.stall_timeout_s, context=self.ssl_context
                 )
             else:
-                conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.network_timeout_s)
+                conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.stall_timeout_s)
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             try:
                 conn.request("GET", target, headers={"Accept-Encoding": "identity", "User-Agent": "gpuaas-agent"})
                 response = conn.getresponse()
+            except TimeoutError as exc:
+                conn.close()
+                raise ImageCacheError(
+                    f"no answer from the image server for {self.stall_timeout_s:g}s",
+                    code="fetch_stalled",
+                    evidence={"url": url, "stall_timeout_s": self.stall_timeout_s},
+                ) from exc
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 raise ImageCacheError(
@@ -363,16 +489,18 @@ class ImageCache:
         raise ImageCacheError("too many redirects", code="fetch_failed", evidence={"url": url})
 
 
-def _open_file(path: str, url: str) -> _Source:
-    try:
-        fh = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the _Source
-        length = os.fstat(fh.fileno()).st_size
-    except OSError as exc:
-        raise ImageCacheError(
-            f"cannot open the image source: {exc.strerror}",
-            code="fetch_failed",
-            evidence={"url": url, "errno": exc.errno},
-        ) from exc
+def _check_final_size(size: int, bound: int, declared: int | None, describe: dict) -> None:
+    """A whole image is within the bound and exactly the declared size, if one was declared."""
+    if size > bound:
+        raise ImageCacheError(f"image is larger than the allowed {bound} bytes", code="too_large",
+                              evidence={**describe, "max_bytes": bound})
+    if declared is not None and size != declared:
+        raise ImageCacheError(f"image is shorter than the declared {declared} bytes", code="truncated",
+                              evidence={**describe, "declared_size_bytes": declared, "received_bytes": size})
+
+
+def _open_file(policy: SourcePolicy, path: str, url: str) -> _Source:
+    fh, length = imagesource.open_file(policy, path, url)
     return _Source(fh.readinto, length, fh.close, {"url": url})
 
 
@@ -409,7 +537,3 @@ def _digest_arg(value: str) -> str:
         raise ContractError("expected a SHA-256 digest as 64 hex digits", code="invalid_digest",
                             evidence={"value": value[:80]})
     return digest
-
-
-
-

@@ -190,7 +190,8 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         return {"bound": [r.model_dump(mode="json") for r in results]}
 
     async def image() -> dict:
-        cached = await sh.images.fetch(payload.image.url, payload.image.sha256)
+        # The config bounds the size; the task's declared size (if any) lowers the bound and must match.
+        cached = await sh.images.fetch(payload.image.url, payload.image.sha256, size_bytes=payload.image.size_bytes)
         run.image_path = cached.path
         return {"sha256": cached.sha256, "size_bytes": cached.size_bytes, "format": cached.format.value}
 

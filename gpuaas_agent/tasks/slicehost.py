@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gpuaas_agent.config import AgentConfig, SliceConfig
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
-from gpuaas_agent.host.images import ImageCache
+from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.hostfs import HostRoot
@@ -39,7 +39,11 @@ class SliceHost:
         return cls(
             host_root=config.host_root,
             slice=config.slice,
-            images=ImageCache(config.image_cache_dir, allow_loopback_http=config.slice.allow_loopback_http),
+            images=ImageCache(
+                config.image_cache_dir, state_dir=config.state_dir,
+                policy=SourcePolicy(https_hosts=config.slice.image_https_hosts, file_dir=config.slice.image_file_dir,
+                                    allow_loopback_http=config.slice.allow_loopback_http),
+                max_bytes=config.slice.image_max_bytes, stall_timeout_s=config.slice.image_stall_timeout_s),
             libvirt=LibvirtLifecycle(config.slice.libvirt_uri),
         )
 

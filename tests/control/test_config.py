@@ -75,3 +75,72 @@ def test_enroll_timeouts_must_fit_inside_the_unit_start_timeout():
         parse_config({"reconnect_backoff_initial_s": 10, "reconnect_backoff_max_s": 1})
     config = parse_config({"connect_timeout_s": 30, "request_timeout_s": 30})
     assert (config.max_task_deadline_s, config.max_task_starts) == (86400.0, 3)
+# -- where images may come from ([slice] image_*) ----------------------------------------------
+
+
+def test_image_sources_are_closed_by_default():
+    from gpuaas_agent.config import SliceConfig
+
+    config = SliceConfig()
+    assert (config.image_https_hosts, config.image_file_dir) == ((), None)
+    assert config.image_max_bytes == 64 << 30 and config.image_stall_timeout_s == 60.0
+    assert config.allow_loopback_http is False
+
+
+def test_image_policy_loads_from_toml(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text('[slice]\nimage_https_hosts = ["Images.Example.com", "mirror.example.com:8443"]\n'
+                    'image_file_dir = "/srv/images"\nimage_max_bytes = 1073741824\nimage_stall_timeout_s = 30\n')
+    config = load_config(path).slice
+    assert config.image_https_hosts == ("images.example.com", "mirror.example.com:8443")
+    assert config.image_file_dir == Path("/srv/images")
+    assert (config.image_max_bytes, config.image_stall_timeout_s) == (1 << 30, 30.0)
+
+
+@pytest.mark.parametrize("line,key", [
+    ('image_https_hosts = ["https://images.example.com"]', "slice.image_https_hosts"),
+    ('image_https_hosts = ["*.example.com"]', "slice.image_https_hosts"),
+    ('image_https_hosts = ["images.example.com/path"]', "slice.image_https_hosts"),
+    ('image_https_hosts = ["images.example.com:99999"]', "slice.image_https_hosts"),
+    ('image_file_dir = "images"', "slice.image_file_dir"),
+    ('image_file_dir = "/"', "slice.image_file_dir"),
+    ("image_max_bytes = 0", "slice.image_max_bytes"),
+    ("image_stall_timeout_s = 0", "slice.image_stall_timeout_s"),
+    ('image_hosts = ["images.example.com"]', "unknown key 'slice.image_hosts'"),
+])
+def test_bad_image_policy_is_refused_with_the_key_named(tmp_path, line, key):
+    path = tmp_path / "agent.toml"
+    path.write_text(f"[slice]\n{line}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert key in str(err.value)
+
+
+def test_slice_host_wires_the_image_policy_and_forbids_the_state_dir(tmp_path):
+    import asyncio
+    import hashlib
+
+    from gpuaas_agent.config import SliceConfig
+    from gpuaas_agent.host.images import ImageCacheError
+    from gpuaas_agent.tasks.slicehost import SliceHost
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "enrollment.json").write_bytes(b"credentials")
+    image = tmp_path / "image.raw"
+    image.write_bytes(b"\0" * 65536)
+    config = AgentConfig(state_dir=state, slice=SliceConfig(
+        image_file_dir=tmp_path, image_https_hosts=("images.example.com",), image_max_bytes=1 << 20,
+        image_stall_timeout_s=5, libvirt_uri="test:///default"))
+    sh = SliceHost.from_config(config)
+    assert sh.images.policy.https_hosts == ("images.example.com",) and sh.images.policy.file_dir == tmp_path
+    assert (sh.images.max_bytes, sh.images.stall_timeout_s, sh.images.root) == (1 << 20, 5, state / "images")
+
+    async def fetch(path, data):
+        return await sh.images.fetch(path.as_uri(), hashlib.sha256(data).hexdigest())
+
+    assert asyncio.run(fetch(image, b"\0" * 65536)).size_bytes == 65536
+    with pytest.raises(ImageCacheError) as err:
+        asyncio.run(fetch(state / "enrollment.json", b"credentials"))
+    assert (err.value.code, err.value.evidence["rule"]) == ("image_url_refused", "forbidden_path")
+    asyncio.run(sh.close())

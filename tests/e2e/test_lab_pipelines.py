@@ -120,6 +120,29 @@ def test_readiness_timeout_leaves_the_slot_cleanup_blocked_until_a_release(lab):
     assert _disk_head(lab, 1) == ZERO_MIB
 
 
+def test_image_url_outside_the_allow_list_is_refused_and_nothing_is_read(lab):
+    """The reproduced attack: another slot's disk, the agent's credentials, /dev/zero as the image."""
+    lab_, _ = lab
+    slot = _slot(lab, 2)
+    before = _disk_head(lab, 2)
+    other_disk = next(d for d in lab_.host.disks if d.slot_index == 0)
+    for url, rule in ((f"file://{other_disk.by_id}", "forbidden_path"), ("file:///dev/zero", "forbidden_path"),
+                      (f"file://{lab_.work / 'state/enrollment.json'}", "forbidden_path"),
+                      (f"file://{lab_.image_path.parent}/../state/enrollment.json", "forbidden_path"),
+                      (f"file://{lab_.work / 'keys/relay'}", "outside_image_dir")):
+        payload = lab_.provision_payload(slot)
+        payload["image"]["url"] = url
+        result = _task(lab, "slice.vm_provision", payload)
+        assert result.status.value == "failed" and result.error.code == "image_url_refused", (url, result.error)
+        assert (result.error.evidence["url"], result.error.evidence["rule"]) == (url, rule)
+        assert result.error.evidence["failed_step"] == "image" and result.error.evidence["disk_touched"] is False
+        assert _outcome(result).health_detail["lease_released"] is True
+    assert _disk_head(lab, 2) == before
+    cache = lab_.work / "images" / "sha256"
+    names = sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+    assert all(n == lab_.image_sha256 or n == f"{lab_.image_sha256}.verified.json" for n in names), names
+
+
 def test_image_digest_mismatch_releases_the_lease_and_never_touches_the_disk(lab):
     lab_, _ = lab
     slot = _slot(lab, 2)

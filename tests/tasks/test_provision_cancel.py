@@ -23,7 +23,7 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import TaskEnvelope, VmProvisionPayload
 from gpuaas_agent.discovery.report import discover
-from gpuaas_agent.host.images import ImageCache
+from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
@@ -79,7 +79,8 @@ def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loo
     relay.write_text(KEY + "\n")
     sh = SliceHost(host_root=loop_host.root,
                    slice=SliceConfig(allow_emulated_domains=True, terminal_relay_key_file=relay),
-                   images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
+                   images=ImageCache(tmp_path / "cache", policy=SourcePolicy(file_dir=tmp_path)),
+                   libvirt=LibvirtLifecycle("test:///default"))
     store = StateStore.open(tmp_path / "state.db")
     alloc = str(uuid.uuid4())
     slot = _approved(loop_host)
