@@ -175,7 +175,10 @@ async def power(sh: SliceHost, payload: VmPowerPayload, ctx) -> dict:
                 outputs = await run_pipeline(ctx, steps)
             except PipelineFailed as exc:
                 failure = exc
-        after = (await sh.libvirt.lookup(name))
+        try:
+            after = await sh.libvirt.lookup(name)
+        except AgentError:  # libvirt gone after the operation: record "unknown", never mask the operation's error
+            after = None
         state = after.state if after is not None else None
         last = {"operation": op, "task_id": task_id, "at": time.time(), "changed": bool(outputs or failure),
                 "succeeded": failure is None, "code": failure.code if failure else None}

@@ -208,6 +208,30 @@ def test_stop_start_reset_reboot_keep_the_slice_active_and_leased(active_slice, 
     assert s.store.leases() == [s.lease]
 
 
+def test_reconcile_does_not_report_a_slice_the_tenant_stopped(active_slice, test_driver, tmp_path):
+    """Reconcile looks at running domains only for DHCP and vfio, and at missing domains: a stopped one is fine."""
+    from gpuaas_agent.host.dnsmasq import make_reservation
+    from gpuaas_agent.tasks.reconcile import reconcile
+
+    s = active_slice
+    s.sh.slice = s.sh.slice.model_copy(update={"dnsmasq_hosts_file": tmp_path / "hosts",
+                                               "dnsmasq_lease_file": tmp_path / "leases"})
+    ip = str(s.sh.slice.subnet.network_address + 10)
+    s.sh.reservations().add(make_reservation(s.alloc, 0, s.spec.mac, ip, "tenant"))
+    _power(s, "stop", "t-stop")
+    assert s.store.slot_state(0).detail["power_state"] == "stopped"
+
+    async def go():
+        s.sh.libvirt = LibvirtLifecycle(URI)
+        try:
+            return await reconcile(s.sh, s.store, repair=False)
+        finally:
+            await s.sh.libvirt.close()
+
+    report = asyncio.run(go())
+    assert [f for f in report.findings if s.alloc in (f.subject, f.detail.get("allocation_id"))] == []
+
+
 def test_a_stopped_slice_started_by_reboot_just_starts(active_slice, test_driver):
     s = active_slice
     test_driver.lookupByName(s.name).destroy()
