@@ -121,6 +121,7 @@ def default_handlers(config: AgentConfig, slice_host=None) -> dict[TaskType, Han
                                               ovs_bridge=config.slice.ovs_bridge, sockets=_sockets(config)),
     }
     if slice_host is not None:
+        from gpuaas_agent.tasks.power import power_handler
         from gpuaas_agent.tasks.provision import provision_handler
         from gpuaas_agent.tasks.reconcile import reconcile_handler
         from gpuaas_agent.tasks.release import release_handler
@@ -128,6 +129,7 @@ def default_handlers(config: AgentConfig, slice_host=None) -> dict[TaskType, Han
         handlers[TaskType.vm_provision] = provision_handler(slice_host)
         handlers[TaskType.vm_release] = release_handler(slice_host)
         handlers[TaskType.reconcile] = reconcile_handler(slice_host)
+        handlers[TaskType.vm_power] = power_handler(slice_host)
     return handlers
 
 

@@ -76,6 +76,11 @@ class DomainSpec(WireModel):
     def vnic_name(self) -> str:
         return vnic_name(self.allocation_id, self.slot_index)
 
+    def start_target(self) -> StartTarget:
+        return StartTarget(allocation_id=self.allocation_id, slot_index=self.slot_index, profile=self.profile,
+                           gpu_pci_address=self.gpu_pci_address, fabric_vf_pci_address=self.fabric_vf_pci_address,
+                           nvme_device=self.nvme_device, ovs_bridge=self.ovs_bridge, numa_node=self.numa_node)
+
     def metadata(self) -> "DomainMetadata":
         return DomainMetadata(
             allocation_id=self.allocation_id,
@@ -84,6 +89,31 @@ class DomainSpec(WireModel):
             profile=self.profile.name,
             agent_version=self.agent_version,
         )
+
+
+class StartTarget(WireModel):
+    """What the start guard checks about a domain: the facts of a :class:`DomainSpec` a start depends on.
+
+    Provision has the whole spec; a power-on of an existing domain (``slice.vm_power``) rebuilds
+    these facts from the host's lease, the domain's own metadata and its live XML instead.
+    """
+
+    allocation_id: AllocationId
+    slot_index: int = Field(ge=0, le=255)
+    profile: RuntimeProfile
+    gpu_pci_address: PciAddress | None = None
+    fabric_vf_pci_address: PciAddress | None = None
+    nvme_device: ByIdPath
+    ovs_bridge: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")
+    numa_node: int | None = Field(default=None, ge=0)
+
+    @property
+    def domain_name(self) -> str:
+        return domain_name(self.allocation_id)
+
+    @property
+    def vnic_name(self) -> str:
+        return vnic_name(self.allocation_id, self.slot_index)
 
 
 def cpulist_cpus(cpulist: str) -> list[int]:
@@ -188,6 +218,31 @@ class UndefineOutcome(WireModel):
     nvram_removed: bool
     attempts: list[str]
     note: str | None = None
+
+
+class DomainInterface(WireModel):
+    mac: str
+    bridge: str | None = None
+    target_dev: str | None = None
+
+
+class DomainDevices(WireModel):
+    """What a defined domain will use when it starts, read back from its live XML (never from a task)."""
+
+    name: str
+    domain_type: str
+    block_disks: list[str]
+    hostdevs: list[PciAddress]
+    interfaces: list[DomainInterface]
+    # <numatune><memory nodeset=...>: where QEMU takes guest RAM (and its hugepages) from.
+    numa_nodeset: str | None = None
+
+
+class ResetOutcome(WireModel):
+    """``virDomainReset``: the domain was hard-reset and stays running (the guest gets no say)."""
+
+    name: str
+    state: DomainState
 
 
 class VmStartEvidence(WireModel):

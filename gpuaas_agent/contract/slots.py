@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from enum import Enum
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gpuaas_agent.contract.base import WireModel
-from gpuaas_agent.contract.topology import FabricClaimMode, StorageIdentityKind
+from gpuaas_agent.contract.topology import (
+    FabricClaimMode,
+    SharingMechanism,
+    StorageIdentityKind,
+    check_parent_slot_id,
+    check_sharing_mechanism,
+)
 from gpuaas_agent.contract.types import ByIdPath, MacAddress, PciAddress
 
 
@@ -45,6 +51,13 @@ class ApprovedSlot(WireModel):
     numa_node: int | None = None
     status: SlotStatus
     health_state: HealthState = HealthState.unknown
+    # Room for fractional GPUs (MIG, vGPU): defaults keep today's payloads valid; anything but a whole
+    # device with no parent is refused (invalid_payload naming the field) until a mechanism is implemented.
+    sharing_mechanism: SharingMechanism = SharingMechanism.exclusive_device
+    parent_slot_id: str | None = Field(default=None, max_length=100)
+
+    _sharing = field_validator("sharing_mechanism")(check_sharing_mechanism)
+    _parent = field_validator("parent_slot_id")(check_parent_slot_id)
 
 
 class SlotOutcome(WireModel):

@@ -32,6 +32,7 @@ class TaskType(str, Enum):
     vm_provision = "slice.vm_provision"
     vm_release = "slice.vm_release"
     reconcile = "slice.reconcile"
+    vm_power = "slice.vm_power"
 
 
 class TaskEnvelope(WireModel):
@@ -90,6 +91,21 @@ class VmReleasePayload(WireModel):
     graceful_timeout_s: int = Field(default=120, ge=1, le=3600)
 
 
+class VmPowerPayload(WireModel):
+    """Stop, start, reboot or reset a tenant's slice; the host's own lease and slot record are the truth.
+
+    The payload only names the slot (``slot_index``): its devices, MAC and bridge are read from
+    the host's lease and the live domain, never taken from the wire. ``reboot`` is a graceful
+    shutdown (deadline ``graceful_timeout_s``, then destroy) followed by a guarded start;
+    ``reset`` is a hard reset of the running domain (the guest gets no say).
+    """
+
+    allocation_id: str = Field(pattern=UUID_PATTERN)
+    slot_index: int = Field(ge=0, le=255)
+    operation: Literal["start", "stop", "reboot", "reset"]
+    graceful_timeout_s: int = Field(default=120, ge=0, le=3600)
+
+
 class ReconcilePayload(WireModel):
     repair: bool = True
 
@@ -101,6 +117,7 @@ PAYLOADS: dict[TaskType, type[WireModel]] = {
     TaskType.vm_provision: VmProvisionPayload,
     TaskType.vm_release: VmReleasePayload,
     TaskType.reconcile: ReconcilePayload,
+    TaskType.vm_power: VmPowerPayload,
 }
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from enum import Enum
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
 from gpuaas_agent.contract.types import ByIdPath, KernelName, MacAddress, PciAddress, PciId
@@ -25,6 +26,44 @@ class StorageIdentityKind(str, Enum):
 
 class FabricClaimMode(str, Enum):
     per_slot_vf = "per_slot_vf"
+
+
+class SharingMechanism(str, Enum):
+    """How a slot shares its GPU (seed 002 design tasks: room for fractional GPUs).
+
+    ``exclusive_device``: the whole GPU is passed through to one slice; the only mechanism
+    implemented. ``mig`` (MIG instances of one GPU) and ``vgpu`` (mediated vGPU devices) are
+    known names so that a control plane can speak of them, but every model refuses them until
+    the agent implements them: a slot that claims one is refused at the edge, not half-provisioned.
+    """
+
+    exclusive_device = "exclusive_device"
+    mig = "mig"
+    vgpu = "vgpu"
+
+
+IMPLEMENTED_SHARING = frozenset({SharingMechanism.exclusive_device})
+
+
+def check_sharing_mechanism(value: SharingMechanism) -> SharingMechanism:
+    """A field validator: a known-but-not-implemented mechanism is refused with its name."""
+    if value not in IMPLEMENTED_SHARING:
+        # A custom error keeps ctx plain JSON (a ValueError would put an exception object into the evidence).
+        raise PydanticCustomError(
+            "sharing_mechanism_not_implemented",
+            "sharing mechanism {mechanism} is known but not implemented by this agent; implemented: {implemented}",
+            {"mechanism": value.value, "implemented": ",".join(sorted(m.value for m in IMPLEMENTED_SHARING))})
+    return value
+
+
+def check_parent_slot_id(value: str | None) -> str | None:
+    """A field validator: child slots (a MIG instance of a parent GPU slot) need a sharing mechanism that has them."""
+    if value is not None:
+        raise PydanticCustomError(
+            "parent_slot_not_implemented",
+            "a parent slot needs a sharing mechanism with child slots (mig, vgpu); none is implemented, "
+            "so parent_slot_id must be null")
+    return value
 
 
 class Locality(str, Enum):
@@ -148,6 +187,12 @@ class CandidateSlot(WireModel):
     fabric_locality: Locality | None = None
     blockers: list[Finding] = Field(default_factory=list)
     warnings: list[Finding] = Field(default_factory=list)
+    # Room for fractional GPUs: discovery emits whole-device slots only, with no parent.
+    sharing_mechanism: SharingMechanism = SharingMechanism.exclusive_device
+    parent_slot_id: str | None = Field(default=None, max_length=100)
+
+    _sharing = field_validator("sharing_mechanism")(check_sharing_mechanism)
+    _parent = field_validator("parent_slot_id")(check_parent_slot_id)
 
 
 class HostIdentity(WireModel):

@@ -83,6 +83,7 @@ DEFAULT_CONCURRENCY: dict[TaskType, int] = {
     TaskType.vm_provision: 8,  # one per slot: 8 concurrent provisions take as long as the slowest
     TaskType.vm_release: 8,
     TaskType.reconcile: 1,
+    TaskType.vm_power: 8,  # one per slot; the slot lock serialises power, provision and release of one slot
 }
 
 

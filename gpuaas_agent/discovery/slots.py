@@ -26,6 +26,7 @@ from gpuaas_agent.contract.topology import (
     GpuDevice,
     Locality,
     NvmeDevice,
+    SharingMechanism,
 )
 from gpuaas_agent.discovery.assignment import max_weight_assignment
 from gpuaas_agent.discovery.pci import LOCALITY_SCORE, PciIndex, locality
@@ -192,6 +193,7 @@ def plan_slots(
                 fabric_locality=fabric_loc,
                 blockers=blockers,
                 warnings=warnings,
+                sharing_mechanism=SharingMechanism.exclusive_device,  # whole-GPU slots only (no MIG/vGPU yet)
             )
         )
     return slots

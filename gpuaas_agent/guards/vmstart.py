@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from gpuaas_agent.contract.domain import DomainSpec, VmStartEvidence
+from gpuaas_agent.contract.domain import DomainSpec, StartTarget, VmStartEvidence
 from gpuaas_agent.contract.runtime import HUGEPAGE_1G_MIB, DomainType
 from gpuaas_agent.contract.storage import DiskEvidence
 from gpuaas_agent.discovery.numa import free_hugepages_1g
@@ -79,13 +79,15 @@ def check_kvm(host: HostRoot) -> str:
 
 def check_vm_start(
     host: HostRoot,
-    spec: DomainSpec,
+    spec: DomainSpec | StartTarget,
     *,
     bridge_exists: BridgeCheck,
     disk: DiskEvidence,
 ) -> VmStartEvidence:
     """Prove ``spec``'s domain may start now, or raise :class:`VmStartRefused`.
 
+    ``spec``: the whole domain spec (provision) or its :class:`StartTarget` (a power-on of an
+    existing domain); only the fields they share are read.
     ``disk``: what the disk guard (``check_disk_writable``) returned for this slot's disk.
     """
     fresh = host.fresh()

@@ -33,10 +33,13 @@ import libvirt
 from gpuaas_agent.contract.domain import (
     METADATA_NS,
     DefineOutcome,
+    DomainDevices,
     DomainInfo,
+    DomainInterface,
     DomainMetadata,
     DomainSpec,
     DomainState,
+    ResetOutcome,
     ShutdownOutcome,
     UndefineOutcome,
     VmStartEvidence,
@@ -329,6 +332,15 @@ class LibvirtLifecycle:
 
         return await self._call("running_domain_disks", op)
 
+    async def devices(self, name: str) -> DomainDevices:
+        """What an agent domain will use when it starts, read from its persistent XML (the next boot's config)."""
+
+        def op(conn: libvirt.virConnect) -> DomainDevices:
+            dom = self._owned(conn, name, "read the devices of")
+            return parse_domain_devices(name, dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+
+        return await self._call("devices", op)
+
     # -- define / start -----------------------------------------------------------
 
     async def define(self, spec: DomainSpec) -> DefineOutcome:
@@ -482,6 +494,29 @@ class LibvirtLifecycle:
             raise DomainNotFoundError(f"no domain {name}", evidence={"name": name})
         return info
 
+    async def reset(self, name: str) -> ResetOutcome:
+        """Hard reset of a running agent domain (``virDomainReset``); it stays running. A shut-off one is refused."""
+
+        def op(conn: libvirt.virConnect) -> ResetOutcome:
+            dom = self._owned(conn, name, "reset")
+            if not dom.isActive():
+                raise DomainRefused(
+                    f"domain {name} is not running; a reset needs a running domain (start it instead)",
+                    code="domain_not_running",
+                    evidence={"name": name, "uuid": dom.UUIDString(), "state": _STATES[dom.state()[0]].value},
+                )
+            try:
+                dom.reset(0)
+            except libvirt.libvirtError as exc:
+                if self._is_loss(exc):
+                    raise
+                raise _wrap(exc, f"resetting {name} failed", name=name) from None
+            return ResetOutcome(name=name, state=_STATES.get(dom.state()[0], DomainState.nostate))
+
+        outcome = await self._call("reset", op)
+        log_event(log, "domain_reset", name=name, state=outcome.state.value)
+        return outcome
+
     # -- undefine -----------------------------------------------------------------
 
     async def undefine(self, name: str) -> UndefineOutcome:
@@ -541,3 +576,34 @@ class LibvirtLifecycle:
         log_event(log, "domain_undefined", name=name, undefined=outcome.undefined,
                   nvram_removed=outcome.nvram_removed, attempts=outcome.attempts, note=outcome.note)
         return outcome
+
+
+def _pci_address(source: ET.Element | None) -> str | None:
+    address = None if source is None else source.find("address")
+    if address is None:
+        return None
+    try:
+        parts = [int(address.get(key, ""), 16) for key in ("domain", "bus", "slot", "function")]
+    except ValueError:
+        return None
+    return f"{parts[0]:04x}:{parts[1]:02x}:{parts[2]:02x}.{parts[3]:x}"
+
+
+def parse_domain_devices(name: str, xml: str) -> DomainDevices:
+    """The devices a domain XML names: block disks, PCI hostdevs, interfaces, the numatune node (pure)."""
+    root = ET.fromstring(xml)
+    disks = [s.get("dev") for s in root.findall("devices/disk[@type='block']/source") if s.get("dev")]
+    hostdevs = [a for a in (_pci_address(h.find("source")) for h in root.findall("devices/hostdev[@type='pci']"))
+                if a is not None]
+    interfaces = []
+    for iface in root.findall("devices/interface"):
+        mac = iface.find("mac")
+        source = iface.find("source")
+        target = iface.find("target")
+        interfaces.append(DomainInterface(
+            mac=(mac.get("address") or "") if mac is not None else "",
+            bridge=source.get("bridge") if source is not None else None,
+            target_dev=target.get("dev") if target is not None else None))
+    memory = root.find("numatune/memory")
+    return DomainDevices(name=name, domain_type=root.get("type", ""), block_disks=disks, hostdevs=hostdevs,
+                         interfaces=interfaces, numa_nodeset=memory.get("nodeset") if memory is not None else None)

@@ -1,0 +1,82 @@
+"""Starting a slot's domain the one guarded way, shared by provision's ``start`` step and ``slice.vm_power``.
+
+A start is the moment a guest gets the GPU, the VF and the raw disk, so every
+start goes through the same sequence, whoever asks for it:
+
+1. the PCI functions the profile passes through are still isolated (every member
+   of their IOMMU groups approved, on vfio-pci, or a bridge: DESIGN.md §4.3);
+2. the disk guard, with the slot's :class:`DiskLease` and the block disks of every
+   *other* running domain (§4.1);
+3. the start guard: ``/dev/kvm``, the OVS bridge, hugepages on the node, devices on
+   vfio-pci, the disk evidence (§4.4);
+4. ``LibvirtLifecycle.start`` with that evidence;
+5. the agent's ``external_ids`` put back on the OVS port: libvirt re-creates the port
+   at every start with only its own ids, and reconcile and release find a slice's
+   port by ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from gpuaas_agent.contract.domain import StartTarget
+from gpuaas_agent.contract.ovs import OvsPort
+from gpuaas_agent.contract.runtime import IngressPolicing
+from gpuaas_agent.contract.storage import DiskLease
+from gpuaas_agent.guards.disk import check_disk_writable
+from gpuaas_agent.guards.vfio import check_vfio_bindable
+from gpuaas_agent.guards.vmstart import check_vm_start
+from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.tasks.slicehost import SliceHost
+
+
+@dataclass(frozen=True)
+class SlicePort:
+    """The slot's vNIC as the agent owns it on OVS: name, MAC, owner ids, policing."""
+
+    bridge: str
+    vnic: str
+    mac: str
+    allocation_id: str
+    slot_index: int
+    policing: IngressPolicing | None = None
+
+
+async def put_port(ovs: OvsDriver, port: SlicePort, vm_uuid: str) -> OvsPort:
+    """Our port with our external_ids (idempotent): before define, and again after libvirt re-created it at start."""
+    return await asyncio.to_thread(
+        ovs.add_vm_port, port.bridge, port.vnic, mac=port.mac, vm_uuid=vm_uuid,
+        allocation_id=port.allocation_id, slot_index=port.slot_index, iface_id=port.allocation_id,
+        ingress_policing_rate_kbps=port.policing.rate_kbps if port.policing else None,
+        ingress_policing_burst_kb=port.policing.burst_kb if port.policing else None)
+
+
+async def guarded_start(sh: SliceHost, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort) -> dict:
+    """Run the guards of a start, start the domain, put the port's ids back; returns the evidence.
+
+    A running domain is returned as it is by the lifecycle driver (after the guards held).
+    Raises the first guard's typed refusal with nothing started.
+    """
+    name = target.domain_name
+    groups = []
+    if target.profile.hostdevs:
+        approved = [a for a in (target.gpu_pci_address, target.fabric_vf_pci_address) if a is not None]
+        for address in approved:
+            evidence = await asyncio.to_thread(check_vfio_bindable, sh.host().fresh(), address, approved)
+            groups.append(evidence.model_dump(mode="json"))
+    disk = await asyncio.to_thread(
+        check_disk_writable, sh.host(), target.nvme_device, lease=disk_lease,
+        domain_disks=await sh.libvirt.running_domain_disks(exclude=name))
+    async with sh.ovs() as ovs:
+        evidence = await asyncio.to_thread(
+            check_vm_start, sh.host() if target.profile.hostdevs else sh.system(), target,
+            bridge_exists=await asyncio.to_thread(ovs.bridge_exists, target.ovs_bridge), disk=disk)
+        info = await sh.libvirt.start(name, preconditions=evidence)
+        # libvirt re-creates the port at start with only its own external_ids: put ours back.
+        ovs_port = await put_port(ovs, port, info.uuid)
+    out = {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
+           "ofport": ovs_port.ofport}
+    if groups:
+        out["iommu_groups"] = groups
+    return out

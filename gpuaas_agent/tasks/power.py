@@ -1,0 +1,215 @@
+"""``slice.vm_power``: a tenant stops, starts, reboots or resets the slice it holds.
+
+Who may: only the allocation that holds the slot's lease on this host *and* an
+``active`` slot record for it. A slot that is ``provisioning``, ``releasing``,
+``cleanup_blocked`` or another allocation's is refused before anything is looked
+at; the domain must carry our metadata naming this allocation and slot. The
+payload only names the slot: devices, MAC and bridge come from the lease and the
+domain the agent defined, never from the wire.
+
+What each operation does (all idempotent):
+
+* ``stop``: ACPI power button, ``graceful_timeout_s`` to comply, then destroy.
+  A shut-off domain: nothing changed.
+* ``start``: the guarded start every start takes (:mod:`gpuaas_agent.tasks.domain_start`:
+  IOMMU isolation, disk guard, KVM/bridge/hugepages/vfio, then the OVS port's ids).
+  A running domain: nothing changed.
+* ``reboot``: ``stop`` then ``start``, so the start guards run again (a guest that
+  ignores ACPI is destroyed at the deadline). Not ``virDomainReboot``: that leaves
+  the guest to decide and re-checks nothing on the host.
+* ``reset``: ``virDomainReset``, a hard reset; the domain stays running, so no start
+  guard is needed. A shut-off domain is refused (``domain_not_running``): start it.
+
+A stopped slice keeps its lease, its disk and its ``active`` record: it is never
+wiped or released here. The record's detail says ``power_state`` (``running``,
+``stopped``, or libvirt's state) and the last operation, so reconcile and the
+control plane tell a slice the tenant stopped from one that died.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from gpuaas_agent.contract.domain import DomainInfo, DomainState, StartTarget
+from gpuaas_agent.contract.naming import domain_name, vnic_name
+from gpuaas_agent.contract.runtime import get_profile
+from gpuaas_agent.contract.slots import SlotOutcome, SlotStatus
+from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.storage import DiskLease
+from gpuaas_agent.contract.tasks import VmPowerPayload
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.logs import log_event
+from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start
+from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
+from gpuaas_agent.tasks.slicehost import SliceHost
+
+log = logging.getLogger(__name__)
+
+# States in which the domain counts as on (a start of it changes nothing).
+ON = frozenset({DomainState.running, DomainState.blocked, DomainState.paused, DomainState.pmsuspended})
+
+
+class PowerRefused(AgentError):
+    """Refused before anything was changed on the host.
+
+    Codes: ``not_this_allocation``, ``slot_cleanup_blocked``, ``slot_not_active``,
+    ``domain_missing``, ``domain_not_ours``, ``domain_lease_mismatch``, ``domain_not_running``.
+    """
+
+    default_code = "power_refused"
+
+
+def power_state(state: DomainState | None) -> str:
+    """The slot record's ``power_state``: what the tenant sees (``stopped`` for shut off)."""
+    if state is None:
+        return "unknown"
+    return {DomainState.shutoff: "stopped", DomainState.running: "running"}.get(state, state.value)
+
+
+def admit(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord]:
+    """The lease and the active record of this allocation on the slot, or a refusal naming why not."""
+    index, alloc = payload.slot_index, payload.allocation_id
+    record = store.slot_state(index)
+    lease = next((held for held in store.leases() if held.slot_index == index), None)
+    holder = next((r.allocation_id for r in (lease, record) if r is not None and r.allocation_id != alloc), None)
+    evidence = {"slot_index": index, "lease_held": lease is not None and lease.allocation_id == alloc,
+                "host_status": record.status.value if record else None}
+    if holder is not None:
+        raise PowerRefused(f"slot {index} is held by another allocation, not {alloc}: nothing touched",
+                           code="not_this_allocation", evidence={**evidence, "held_by": holder})
+    if record is not None and record.status is SlotStatus.cleanup_blocked:
+        raise PowerRefused(f"slot {index} is cleanup_blocked: only a release (wipe and verify) may act on it",
+                           code="slot_cleanup_blocked", evidence=evidence)
+    if lease is None or record is None or record.status is not SlotStatus.active:
+        state = record.status.value if record else "not leased"
+        raise PowerRefused(f"slot {index} is {state} on this host, not an active slice of {alloc}",
+                           code="slot_not_active", evidence=evidence)
+    return lease, record
+
+
+def check_domain(info: DomainInfo | None, payload: VmPowerPayload) -> DomainInfo:
+    name = domain_name(payload.allocation_id)
+    if info is None:
+        raise PowerRefused(f"slot {payload.slot_index} is active but domain {name} does not exist",
+                           code="domain_missing", evidence={"domain": name, "slot_index": payload.slot_index})
+    meta = info.metadata
+    if meta is None or (meta.allocation_id, meta.slot_index) != (payload.allocation_id, payload.slot_index):
+        raise PowerRefused(f"domain {name} is not this agent's domain of allocation {payload.allocation_id} "
+                           f"slot {payload.slot_index}", code="domain_not_ours",
+                           evidence={"domain": info.model_dump(mode="json"), "slot_index": payload.slot_index})
+    return info
+
+
+async def start_plan(sh: SliceHost, info: DomainInfo, lease: SlotLease) -> tuple[StartTarget, SlicePort]:
+    """What the guarded start checks, from the lease and the domain's own XML; the two must agree."""
+    devices = await sh.libvirt.devices(info.name)
+    profile = get_profile(info.metadata.profile)  # unknown_profile: refused, nothing started
+    vnic = vnic_name(lease.allocation_id, lease.slot_index)
+    leased_pci = {lease.gpu_pci_address, lease.fabric_vf_pci_address}
+    problems = []
+    if devices.block_disks != [lease.nvme_device]:
+        problems.append(f"block disks {devices.block_disks} are not the leased {lease.nvme_device}")
+    if set(devices.hostdevs) != (leased_pci if profile.hostdevs else set()):
+        problems.append(f"PCI hostdevs {sorted(devices.hostdevs)} are not the leased "
+                        f"{sorted(leased_pci) if profile.hostdevs else []}")
+    ifaces = [i for i in devices.interfaces if i.target_dev == vnic and i.bridge]
+    if len(devices.interfaces) != 1 or not ifaces:
+        problems.append(f"interfaces {[i.model_dump() for i in devices.interfaces]} are not the one vNIC {vnic}")
+    if problems:
+        raise PowerRefused(f"domain {info.name} does not match the lease of slot {lease.slot_index}: {problems[0]}",
+                           code="domain_lease_mismatch",
+                           evidence={"problems": problems, "devices": devices.model_dump(mode="json"),
+                                     "lease": lease.model_dump()})
+    nodeset = devices.numa_nodeset
+    target = StartTarget(
+        allocation_id=lease.allocation_id, slot_index=lease.slot_index, profile=profile,
+        gpu_pci_address=lease.gpu_pci_address if profile.hostdevs else None,
+        fabric_vf_pci_address=lease.fabric_vf_pci_address if profile.hostdevs else None,
+        nvme_device=lease.nvme_device, ovs_bridge=ifaces[0].bridge,
+        numa_node=int(nodeset) if nodeset is not None and nodeset.isdigit() else None)
+    port = SlicePort(bridge=ifaces[0].bridge, vnic=vnic, mac=ifaces[0].mac, allocation_id=lease.allocation_id,
+                     slot_index=lease.slot_index, policing=profile.ingress_policing)
+    return target, port
+
+
+async def power(sh: SliceHost, payload: VmPowerPayload, ctx) -> dict:
+    store = ctx.store
+    op = payload.operation
+    name = domain_name(payload.allocation_id)
+    task_id = ctx.envelope.task_id
+
+    async with sh.slot_lock(payload.slot_index):
+        lease, record = admit(store, payload)
+        info = check_domain(await sh.libvirt.lookup(name), payload)
+        before = info.state
+        if op == "reset" and before not in ON:
+            raise PowerRefused(f"domain {name} is {before.value}; a reset needs a running domain (start it instead)",
+                               code="domain_not_running", evidence={"domain": name, "state": before.value})
+        disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
+                               nvme_device=lease.nvme_device)
+
+        async def stop() -> dict:
+            outcome = await sh.libvirt.shutdown(name, deadline_s=payload.graceful_timeout_s)
+            return outcome.model_dump(mode="json")
+
+        async def start() -> dict:
+            target, port = await start_plan(sh, info, lease)
+            return await guarded_start(sh, target, disk_lease=disk_lease, port=port)
+
+        async def reset() -> dict:
+            return (await sh.libvirt.reset(name)).model_dump(mode="json")
+
+        steps: list[Step] = []
+        if op in ("stop", "reboot") and before is not DomainState.shutoff:
+            steps.append(Step("shutdown", stop))
+        if op == "reboot" or (op == "start" and before not in ON):
+            steps.append(Step("start", start))
+        if op == "reset":
+            steps.append(Step("reset", reset))
+
+        failure: PipelineFailed | None = None
+        outputs: dict = {}
+        if steps:
+            try:
+                outputs = await run_pipeline(ctx, steps)
+            except PipelineFailed as exc:
+                failure = exc
+        try:
+            after = await sh.libvirt.lookup(name)
+        except AgentError:  # libvirt gone after the operation: record "unknown", never mask the operation's error
+            after = None
+        state = after.state if after is not None else None
+        last = {"operation": op, "task_id": task_id, "at": time.time(), "changed": bool(outputs or failure),
+                "succeeded": failure is None, "code": failure.code if failure else None}
+        detail = {**record.detail, "power_state": power_state(state), "last_power_operation": last}
+        # Status stays active whatever happened: a stopped slice keeps its lease and its disk.
+        store.set_slot_state(record.model_copy(update={"detail": detail, "task_id": task_id,
+                                                       "updated_at": time.time()}))
+        ctx.slot_outcomes.append(SlotOutcome(slot_index=payload.slot_index, status=SlotStatus.active,
+                                             health_state=record.health_state,
+                                             health_detail={"power_state": detail["power_state"],
+                                                            "last_power_operation": last}))
+        log_event(log, "slice_power", logging.WARNING if failure else logging.INFO, task_id=task_id,
+                  allocation_id=payload.allocation_id, slot_index=payload.slot_index, operation=op,
+                  before=before.value, after=state.value if state else None, changed=last["changed"],
+                  code=last["code"])
+        if failure is not None:
+            raise failure
+    return {
+        "vm": name,
+        "operation": op,
+        "changed": bool(outputs),
+        "done": list(outputs) or [f"nothing: domain was already {before.value}"],
+        "state_before": before.value,
+        "state": state.value if state else None,
+        "power_state": power_state(state),
+        "steps": outputs,
+    }
+
+
+def power_handler(sh: SliceHost):
+    async def handle(payload: VmPowerPayload, ctx) -> dict:
+        return await power(sh, payload, ctx)
+
+    return handle

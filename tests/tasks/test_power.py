@@ -1,0 +1,374 @@
+"""``slice.vm_power`` driven with a store and a SliceHost over real pieces.
+
+Real: libvirt's test driver (``test:///default``: it rejects the ACPI shutdown flag, so
+``stop`` takes the plain-shutdown fallback, DESIGN.md §5), a private ovsdb-server and
+ovs-vswitchd, the recorded 8xH200 host with its slot disk backed by a loop device (the
+disk guard runs for real), the SQLite store. The domain is defined by the lifecycle
+driver exactly as provision defines it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+import libvirt
+import pytest
+
+from gpuaas_agent.config import SliceConfig
+from gpuaas_agent.contract.domain import DomainSpec, DomainState, OvmfFirmware
+from gpuaas_agent.contract.naming import domain_name, vnic_name
+from gpuaas_agent.contract.runtime import get_profile
+from gpuaas_agent.contract.slots import HealthState, SlotStatus
+from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.tasks import TaskEnvelope, TaskType, VmPowerPayload, task_payload
+from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.errors import ContractError
+from gpuaas_agent.host.images import ImageCache
+from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle, parse_domain_devices
+from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.pipeline import PipelineFailed
+from gpuaas_agent.tasks.power import PowerRefused, power
+from gpuaas_agent.tasks.slicehost import SliceHost
+from lab.loophost import materialize
+from tests.conftest import HOSTS
+from tests.ovsdb_fixture import OvsSwitch, ovs_switch  # noqa: F401  (pytest fixture)
+from tests.realdev import require_root
+
+URI = "test:///default"
+MiB = 1 << 20
+FIRMWARE = OvmfFirmware(code_path="/usr/share/OVMF/OVMF_CODE_4M.fd",
+                        vars_template_path="/usr/share/OVMF/OVMF_VARS_4M.fd")
+
+
+@dataclass
+class Ctx:
+    store: StateStore
+    envelope: TaskEnvelope
+    node_id: str = "node-1"
+    resumed_steps: list = field(default_factory=list)
+    slot_outcomes: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+
+    async def progress(self, step, status, *, percent=None, detail=None):
+        self.events.append((step, status))
+
+
+@pytest.fixture(autouse=True)
+def test_driver():
+    """test:///default forgets its domains when its last connection closes: hold one for the test."""
+    conn = libvirt.open(URI)
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def loop_host(tmp_path):
+    require_root()
+    host = materialize(HOSTS / "h200-slice-after-transition", tmp_path / "host", disk_bytes=16 * MiB, slots=1,
+                       real_links=False)
+    yield host
+    assert host.close() == []
+
+
+@dataclass
+class Slice:
+    sh: SliceHost
+    store: StateStore
+    alloc: str
+    lease: SlotLease
+    spec: DomainSpec
+    bridge: str
+    remote: str
+
+    @property
+    def name(self) -> str:
+        return domain_name(self.alloc)
+
+    def state(self, conn) -> DomainState:
+        return {libvirt.VIR_DOMAIN_RUNNING: DomainState.running,
+                libvirt.VIR_DOMAIN_SHUTOFF: DomainState.shutoff}[conn.lookupByName(self.name).state()[0]]
+
+    def snapshot(self, conn) -> tuple:
+        """Everything a refusal must leave as it was."""
+        return (self.store.leases(), self.store.slot_states(), self.state(conn),
+                self.store.journal_of("t-power"))
+
+
+@pytest.fixture
+def active_slice(loop_host, ovs_switch: OvsSwitch, tmp_path, test_driver):  # noqa: F811
+    """Slot 0 as a successful provision leaves it: leased, record active, domain defined and running."""
+    candidate = discover(HostRoot.open(loop_host.root)).candidate_slots[0]
+    alloc = str(uuid.uuid4())
+    spec = DomainSpec(allocation_id=alloc, slot_index=0, task_id="t-provision", profile=get_profile("lab_tcg_1c_512m"),
+                      nvme_device=candidate.nvme_device, mac=candidate.mac, ovs_bridge=ovs_switch.bridge,
+                      seed_iso_path=str(tmp_path / "seed.iso"), firmware=FIRMWARE, agent_version="0.1.0")
+    sh = SliceHost(host_root=loop_host.root,
+                   slice=SliceConfig(allow_emulated_domains=True, ovsdb_remote=ovs_switch.remote),
+                   images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle(URI))
+    store = StateStore.open(tmp_path / "state.db")
+    lease = SlotLease(allocation_id=alloc, slot_index=0, gpu_pci_address=candidate.gpu_pci_address,
+                      nvme_device=candidate.nvme_device, fabric_vf_pci_address=candidate.fabric_vf_pci_address,
+                      task_id="t-provision", taken_at=time.time())
+    store.take_lease(lease)
+    store.set_slot_state(SlotRecord(slot_index=0, allocation_id=alloc, status=SlotStatus.active,
+                                    health_state=HealthState.healthy, detail={"domain": spec.domain_name},
+                                    task_id="t-provision", updated_at=time.time()))
+
+    async def define():
+        await sh.libvirt.define(spec)
+
+    asyncio.run(define())
+    test_driver.lookupByName(spec.domain_name).create()
+    yield Slice(sh=sh, store=store, alloc=alloc, lease=lease, spec=spec, bridge=ovs_switch.bridge,
+                remote=ovs_switch.remote)
+    for name in (spec.domain_name, "gpuaas-other-disk-user"):
+        try:
+            dom = test_driver.lookupByName(name)
+        except libvirt.libvirtError:
+            continue
+        if dom.isActive():
+            dom.destroy()
+        dom.undefine()
+    store.close()
+
+
+def _ctx(store, task_id="t-power") -> Ctx:
+    envelope = TaskEnvelope(task_id=task_id, type="slice.vm_power", node_id="node-1", attempt=1,
+                            deadline=datetime.now(timezone.utc) + timedelta(minutes=10), payload={})
+    return Ctx(store=store, envelope=envelope)
+
+
+def _power(s: Slice, operation: str, task_id: str = "t-power", **over):
+    payload = VmPowerPayload(**{"allocation_id": s.alloc, "slot_index": 0, "operation": operation,
+                                "graceful_timeout_s": 5, **over})
+    ctx = _ctx(s.store, task_id)
+
+    async def go():
+        # A fresh lifecycle per call: asyncio.run closes the loop its executor futures belong to.
+        s.sh.libvirt = LibvirtLifecycle(URI)
+        try:
+            return await power(s.sh, payload, ctx)
+        finally:
+            await s.sh.libvirt.close()
+
+    return asyncio.run(go()), ctx
+
+
+def _agent_port(s: Slice):
+    with OvsDriver(s.remote, timeout_s=10.0) as ovs:
+        return [p for p in ovs.list_agent_ports(s.bridge) if p.allocation_id == s.alloc]
+
+
+def test_stop_start_reset_reboot_keep_the_slice_active_and_leased(active_slice, test_driver):
+    s = active_slice
+    out, ctx = _power(s, "stop", "t-stop")
+    assert out["changed"] and out["done"] == ["shutdown"] and out["state"] == "shutoff"
+    assert out["power_state"] == "stopped" and s.state(test_driver) is DomainState.shutoff
+    # The test driver rejects the ACPI flag: plain shutdown() within the deadline, no destroy.
+    assert out["steps"]["shutdown"]["graceful"] and not out["steps"]["shutdown"]["destroyed"]
+    record = s.store.slot_state(0)
+    assert record.status is SlotStatus.active and record.detail["power_state"] == "stopped"
+    assert record.detail["domain"] == s.name  # provision's detail is kept
+    assert record.detail["last_power_operation"]["operation"] == "stop" and record.task_id == "t-stop"
+    assert s.store.leases() == [s.lease]  # a stopped slice keeps its lease (and its disk)
+    assert [(o.status.value, o.health_detail["power_state"]) for o in ctx.slot_outcomes] == [("active", "stopped")]
+    assert ("shutdown", "succeeded") in ctx.events
+
+    again, _ = _power(s, "stop", "t-stop-2")
+    assert not again["changed"] and again["done"] == ["nothing: domain was already shutoff"]
+
+    out, _ = _power(s, "start", "t-start")
+    assert out["changed"] and out["state"] == "running" and s.state(test_driver) is DomainState.running
+    started = out["steps"]["start"]
+    assert "disk_guard_passed" in started["preconditions"]["checks_passed"]
+    assert started["preconditions"]["disk"]["by_id"] == s.lease.nvme_device
+    # The agent's port ids are back on the port libvirt would have re-created.
+    (port,) = _agent_port(s)
+    assert port.name == vnic_name(s.alloc, 0) and port.attached_mac == s.spec.mac and port.slot_index == 0
+    assert s.store.slot_state(0).detail["power_state"] == "running"
+
+    again, _ = _power(s, "start", "t-start-2")
+    assert not again["changed"] and again["state"] == "running"
+
+    out, _ = _power(s, "reset", "t-reset")
+    assert out["done"] == ["reset"] and out["steps"]["reset"]["state"] == "running"
+    assert s.state(test_driver) is DomainState.running
+
+    out, ctx = _power(s, "reboot", "t-reboot")
+    assert out["done"] == ["shutdown", "start"] and out["state"] == "running"
+    assert [e for e in ctx.events if e[1] == "succeeded"] == [("shutdown", "succeeded"), ("start", "succeeded")]
+    record = s.store.slot_state(0)
+    assert record.status is SlotStatus.active and record.detail["last_power_operation"]["task_id"] == "t-reboot"
+    assert s.store.leases() == [s.lease]
+
+
+def test_reconcile_does_not_report_a_slice_the_tenant_stopped(active_slice, test_driver, tmp_path):
+    """Reconcile looks at running domains only for DHCP and vfio, and at missing domains: a stopped one is fine."""
+    from gpuaas_agent.host.dnsmasq import make_reservation
+    from gpuaas_agent.tasks.reconcile import reconcile
+
+    s = active_slice
+    s.sh.slice = s.sh.slice.model_copy(update={"dnsmasq_hosts_file": tmp_path / "hosts",
+                                               "dnsmasq_lease_file": tmp_path / "leases"})
+    ip = str(s.sh.slice.subnet.network_address + 10)
+    s.sh.reservations().add(make_reservation(s.alloc, 0, s.spec.mac, ip, "tenant"))
+    _power(s, "stop", "t-stop")
+    assert s.store.slot_state(0).detail["power_state"] == "stopped"
+
+    async def go():
+        s.sh.libvirt = LibvirtLifecycle(URI)
+        try:
+            return await reconcile(s.sh, s.store, repair=False)
+        finally:
+            await s.sh.libvirt.close()
+
+    report = asyncio.run(go())
+    assert [f for f in report.findings if s.alloc in (f.subject, f.detail.get("allocation_id"))] == []
+
+
+def test_a_stopped_slice_started_by_reboot_just_starts(active_slice, test_driver):
+    s = active_slice
+    test_driver.lookupByName(s.name).destroy()
+    out, _ = _power(s, "reboot", "t-reboot")
+    assert out["done"] == ["start"] and out["state"] == "running"
+
+
+def _refusal(s: Slice, conn, operation: str, code: str):
+    before = s.snapshot(conn)
+    with pytest.raises(PowerRefused) as info:
+        _power(s, operation)
+    assert info.value.code == code, info.value
+    assert s.snapshot(conn) == before  # nothing changed: lease, record, domain, journal
+    return info.value
+
+
+@pytest.mark.parametrize("operation", ["stop", "start", "reboot", "reset"])
+def test_a_slot_this_host_does_not_lease_is_refused(active_slice, test_driver, operation):
+    s = active_slice
+    s.store.release_slot_lease(s.alloc, 0)
+    s.store.clear_slot_state(0)
+    refused = _refusal(s, test_driver, operation, "slot_not_active")
+    assert refused.evidence["lease_held"] is False
+
+
+@pytest.mark.parametrize("status", [SlotStatus.provisioning, SlotStatus.releasing])
+def test_a_slot_that_is_not_active_is_refused(active_slice, test_driver, status):
+    s = active_slice
+    s.store.set_slot_state(s.store.slot_state(0).model_copy(update={"status": status}))
+    refused = _refusal(s, test_driver, "stop", "slot_not_active")
+    assert refused.evidence["host_status"] == status.value
+
+
+def test_a_cleanup_blocked_slot_is_refused(active_slice, test_driver):
+    s = active_slice
+    s.store.set_slot_state(s.store.slot_state(0).model_copy(update={"status": SlotStatus.cleanup_blocked}))
+    _refusal(s, test_driver, "start", "slot_cleanup_blocked")
+
+
+def test_another_allocations_slot_is_refused(active_slice, test_driver):
+    s = active_slice
+    other = str(uuid.uuid4())
+    before = s.snapshot(test_driver)
+    with pytest.raises(PowerRefused) as info:
+        _power(s, "stop", allocation_id=other)
+    assert info.value.code == "not_this_allocation" and info.value.evidence["held_by"] == s.alloc
+    assert s.snapshot(test_driver) == before
+
+
+def test_a_domain_whose_metadata_names_another_slot_is_not_ours(active_slice, test_driver):
+    s = active_slice
+    # The domain with this allocation's name claims slot 1: the agent did not define it for slot 0.
+    dom = test_driver.lookupByName(s.name)
+    dom.destroy()
+    dom.undefine()
+    foreign = s.spec.model_copy(update={"slot_index": 1})
+
+    async def define():
+        async with LibvirtLifecycle(URI) as lc:
+            await lc.define(foreign)
+
+    asyncio.run(define())
+    test_driver.lookupByName(s.name).create()
+    refused = _refusal(s, test_driver, "stop", "domain_not_ours")
+    assert refused.evidence["domain"]["metadata"]["slot_index"] == 1
+
+
+def test_a_domain_without_agent_metadata_is_not_ours(active_slice, test_driver):
+    s = active_slice
+    dom = test_driver.lookupByName(s.name)
+    dom.destroy()
+    dom.undefine()
+    test_driver.defineXML(f"<domain type='test'><name>{s.name}</name><memory>1024</memory>"
+                          "<os><type>hvm</type></os></domain>").create()
+    _refusal(s, test_driver, "reset", "domain_not_ours")
+
+
+def test_a_reset_of_a_stopped_slice_is_refused(active_slice, test_driver):
+    s = active_slice
+    test_driver.lookupByName(s.name).destroy()
+    _refusal(s, test_driver, "reset", "domain_not_running")
+
+
+def test_start_is_refused_while_another_running_domain_uses_the_slot_disk(active_slice, test_driver):
+    s = active_slice
+    test_driver.lookupByName(s.name).destroy()
+    test_driver.defineXML(
+        "<domain type='test'><name>gpuaas-other-disk-user</name><memory>1024</memory><os><type>hvm</type></os>"
+        f"<devices><disk type='block' device='disk'><source dev='{s.lease.nvme_device}'/>"
+        "<target dev='vda' bus='virtio'/></disk></devices></domain>").create()
+    with pytest.raises(PipelineFailed) as info:
+        _power(s, "start")
+    assert info.value.code == "in_use_by_domain" and info.value.failed_step == "start"
+    assert s.state(test_driver) is DomainState.shutoff  # nothing started
+    record = s.store.slot_state(0)
+    assert record.status is SlotStatus.active and record.detail["power_state"] == "stopped"
+    assert record.detail["last_power_operation"] == {**record.detail["last_power_operation"],
+                                                     "succeeded": False, "code": "in_use_by_domain"}
+    assert s.store.leases() == [s.lease]
+
+
+def test_start_is_refused_when_the_domain_does_not_use_the_leased_disk(active_slice, test_driver):
+    s = active_slice
+    s.store.release_slot_lease(s.alloc, 0)
+    candidates = discover(HostRoot.open(HOSTS / "h200-slice-after-transition")).candidate_slots
+    s.store.take_lease(s.lease.model_copy(update={"nvme_device": candidates[1].nvme_device}))
+    test_driver.lookupByName(s.name).destroy()
+    with pytest.raises(PipelineFailed) as info:
+        _power(s, "start")
+    assert info.value.code == "domain_lease_mismatch"
+    assert s.state(test_driver) is DomainState.shutoff
+
+
+def test_the_domain_devices_are_read_back_from_its_xml(active_slice, test_driver):
+    s = active_slice
+    devices = parse_domain_devices(s.name, test_driver.lookupByName(s.name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+    assert devices.block_disks == [s.lease.nvme_device] and devices.hostdevs == []
+    assert [(i.mac, i.bridge, i.target_dev) for i in devices.interfaces] == [(s.spec.mac, s.bridge,
+                                                                              vnic_name(s.alloc, 0))]
+
+
+def test_parse_domain_devices_reads_hostdev_addresses_and_the_numa_node():
+    xml = ("<domain type='kvm'><name>d</name><numatune><memory mode='strict' nodeset='1'/></numatune><devices>"
+           "<hostdev mode='subsystem' type='pci'><source><address domain='0x0000' bus='0x1b' slot='0x00' "
+           "function='0x0'/></source></hostdev></devices></domain>")
+    devices = parse_domain_devices("d", xml)
+    assert devices.hostdevs == ["0000:1b:00.0"] and devices.numa_nodeset == "1" and devices.domain_type == "kvm"
+
+
+@pytest.mark.parametrize("bad", [
+    {"operation": "hibernate"}, {"slot_index": -1}, {"slot_index": 256}, {"graceful_timeout_s": 3601},
+    {"allocation_id": "not-a-uuid"}, {"slot": {}},
+])
+def test_a_bad_power_payload_is_an_invalid_payload(bad):
+    payload = {"allocation_id": str(uuid.uuid4()), "slot_index": 0, "operation": "stop", **bad}
+    envelope = TaskEnvelope(task_id="t", type=TaskType.vm_power.value, node_id="n", attempt=1,
+                            deadline=datetime.now(timezone.utc), payload=payload)
+    with pytest.raises(ContractError) as info:
+        task_payload(envelope)
+    assert info.value.code == "invalid_payload"
