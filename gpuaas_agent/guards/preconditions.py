@@ -404,14 +404,16 @@ def check_provision_preconditions(
     image_cache_dir: str | Path,
     image_size_hint: int | None = None,
     proc: HostRoot | None = None,
+    net: HostRoot | None = None,
     netns: str | None = None,
 ) -> ProvisionPreconditions:
     """Prove every later step of a provision can succeed, or raise :class:`PreconditionRefused`.
 
     ``host``: the root discovery reads (sysfs: KVM, hugepages, IOMMU groups) when the profile passes
     devices through; ``system``: the machine QEMU and the agent run on (OVMF, passwd, qemu.conf, seed
-    dir, relay key, image cache, network). ``proc``: where the process table is read (default
-    ``system``). ``netns``: read the bridge's addresses in this namespace (tests). Blocking.
+    dir, relay key, image cache). ``proc``: where the process table is read; ``net``: where links and
+    addresses are read (both default ``system``; tests point them at the live machine while the files
+    live in a temp root). ``netns``: read the bridge's addresses in this namespace (tests). Blocking.
     """
     base = {"profile": profile.name}
     passed: list[str] = []
@@ -455,7 +457,7 @@ def check_provision_preconditions(
                                   evidence={**base, "ovs_bridge": bridge, "evidence_given": repr(present)})
     target = NetTarget(subnet=slice_config.subnet, ovs_bridge=bridge, netns=netns)
     gateway = f"{slice_config.gateway}/{slice_config.subnet.prefixlen}"
-    links, addresses, unreadable = read_bridge_addresses(system, target)
+    links, addresses, unreadable = read_bridge_addresses(net or system, target)
     owned = sorted(a.cidr for a in addresses or [] if a.ifname == bridge and a.family == "inet")
     if gateway not in owned:
         raise PreconditionRefused(
