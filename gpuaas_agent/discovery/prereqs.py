@@ -531,7 +531,8 @@ def check_gpu_host_services(host: HostRoot, report: TopologyReport) -> ParityChe
     on_nvidia = sorted(a for a, d in drivers.items() if d == "nvidia")
     fix = ("stop and disable nvidia-persistenced, nvidia-fabricmanager and nvidia-dcgm on slice-mode hosts "
            "(systemctl disable --now ...)")
-    enabled = [f"{d}/{u}" for d in WANTS_DIRS for u in GPU_SERVICE_UNITS if host.exists(f"{d}/{u}")]
+    # A wants/ entry is a link to the unit file; a recording keeps the link, not always its target.
+    enabled = [f"{d}/{u}" for d in WANTS_DIRS for u in GPU_SERVICE_UNITS if host.is_link(f"{d}/{u}") or host.exists(f"{d}/{u}")]
     table = running_processes(host, tuple(GPU_HOST_SERVICES))
     if table is None:
         evidence = f"no process table; enabled units: {','.join(enabled) or 'none'}"
