@@ -21,7 +21,7 @@ from gpuaas_agent.contract.domain import DomainSpec, VmStartEvidence
 from gpuaas_agent.contract.runtime import DomainType
 from gpuaas_agent.contract.storage import DiskEvidence
 from gpuaas_agent.errors import GuardError
-from gpuaas_agent.guards.preconditions import KVM_DEVICE, BridgeCheck, check_hugepages
+from gpuaas_agent.guards.preconditions import KVM_DEVICE, BridgeCheck, check_hugepages  # noqa: F401  (re-exported)
 from gpuaas_agent.guards.preconditions import check_kvm as shared_check_kvm
 from gpuaas_agent.hostfs import HostRoot
 
