@@ -1,7 +1,9 @@
 """``gpuaas-agent`` command line: one subcommand per job, heavy imports only where needed.
 
 Exit codes: 0 answered, 1 the job ran and failed, 2 bad invocation or input
-(``--root`` that does not exist, an unknown flag).
+(``--root`` that does not exist, an unknown flag). ``discover`` and
+``parity``/``preflight`` say whether the host is usable: discover exits 1 when
+no candidate slot is ready, parity 1 when any hard check FAILs.
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ def _parser() -> argparse.ArgumentParser:
         check.add_argument("--netns", default=None, help="read the network of this namespace (live host only)")
         check.add_argument("--ovsdb-socket", default=None, help="OVSDB socket (default $OVS_RUNDIR/db.sock or /run/openvswitch/db.sock)")
         check.add_argument("--libvirt-socket", action="append", default=None, help="libvirt socket to probe (repeatable)")
+        check.add_argument("--config", type=Path, default=None,
+                           help="agent config whose [slice] gives the dnsmasq hosts/pid files and the seed dir "
+                                "(default: built-in defaults)")
+        check.add_argument("--dnsmasq-hosts-file", type=Path, default=None,
+                           help="the reservations file a running dnsmasq must read (default [slice].dnsmasq_hosts_file)")
+        check.add_argument("--seed-dir", type=Path, default=None, help="where seed ISOs go (default [slice].seed_dir)")
+        check.add_argument("--runtime-profile", action="append", default=None,
+                           help="runtime profile this host runs (repeatable; default h200_1g_24c_64g)")
 
     record = sub.add_parser("record-fixture", help="snapshot what discovery reads into a fixture directory")
     record.add_argument("out", type=Path, help="new, empty output directory")
@@ -111,12 +121,15 @@ def _cmd_discover(args: argparse.Namespace) -> int:
         print(report.model_dump_json(indent=2))
     else:
         _print_human(report)
-    return EXIT_OK
+    # Usable means at least one slot the control plane could approve now.
+    return EXIT_OK if report.summary.ready_candidate_slots > 0 else EXIT_FAILED
 
 
 def _cmd_parity(args: argparse.Namespace) -> int:
     """Exit 0 when no hard check FAILs, 1 when one does, 2 when the question itself is wrong."""
-    from gpuaas_agent.discovery.netevidence import NetEvidenceError, NetTarget
+    from gpuaas_agent.config import SliceConfig, load_config
+    from gpuaas_agent.contract.runtime import get_profile
+    from gpuaas_agent.discovery.netevidence import NetTarget
     from gpuaas_agent.discovery.prereqs import SocketPaths
     from gpuaas_agent.hostfs import HostRoot
     from gpuaas_agent.tasks.preflight import build_parity_report
@@ -126,10 +139,17 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         sockets = SocketPaths(libvirt=sockets.libvirt, ovsdb=args.ovsdb_socket)
     if args.libvirt_socket:
         sockets = SocketPaths(libvirt=tuple(args.libvirt_socket), ovsdb=sockets.ovsdb)
+
     target = NetTarget(subnet=args.subnet, ovs_bridge=args.ovs_bridge, netns=args.netns)
+    overrides = {k: v for k, v in (("dnsmasq_hosts_file", args.dnsmasq_hosts_file), ("seed_dir", args.seed_dir)) if v}
     try:
-        report = build_parity_report(HostRoot.open(args.root), target, sockets)
-    except NetEvidenceError as exc:
+        site = (load_config(args.config).slice if args.config else SliceConfig()).model_copy(update=overrides)
+        profiles = [get_profile(name) for name in args.runtime_profile] if args.runtime_profile else None
+        report = build_parity_report(HostRoot.open(args.root), target, sockets, slice_config=site, profiles=profiles)
+    except AgentError as exc:
+        if exc.code not in ("netns_missing", "netns_on_fixture", "unknown_runtime_profile", "root_missing",
+                            "config_invalid", "config_unreadable"):
+            raise
         print(f"gpuaas-agent: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(report.model_dump_json(indent=2) if args.json else "\n".join(report.lines))

@@ -56,3 +56,10 @@ def test_record_fixture_then_discover_round_trips(tmp_path):
 def test_version():
     proc = _cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("gpuaas-agent ")
+
+
+def test_discover_exit_code_says_whether_the_host_is_usable():
+    assert _cli("discover", "--root", AFTER).returncode == 0  # 8 ready candidate slots
+    before = _cli("discover", "--root", str(HOSTS / "h200-slice-before-transition"))
+    assert before.returncode == 1 and "ready_candidate_slots=0" in before.stdout  # /share* still mounted
+    assert _cli("discover", "--json", "--root", str(HOSTS / "dev-box-no-gpu")).returncode == 1

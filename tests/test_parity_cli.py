@@ -33,7 +33,7 @@ def test_healthy_fixture_exits_0_with_one_line_per_check_and_a_summary(command):
     assert all(parse_line(line)["status"] in ("PASS", "WARN") for line in lines[:-1])
     summary = parse_line(lines[-1])
     assert summary["_prefix"] == SUMMARY_PREFIX and summary["failures"] == "0"
-    assert int(summary["checks"]) == len(lines) - 1 == 20
+    assert int(summary["checks"]) == len(lines) - 1 == 24
     assert _checks(proc.stdout)["nat"]["status"] == "PASS"
 
 
@@ -83,3 +83,30 @@ def test_live_namespace_through_the_cli(tmp_path):
         ns_exec(netns, "iptables", "-t", "nat", "-D", *MASQ)
         after = _checks(_cli("parity", "--netns", netns).stdout)
         assert after["nat"]["status"] == "FAIL"
+
+
+def test_a_host_before_the_storage_transition_exits_1_naming_the_transition():
+    proc = _cli("parity", "--root", str(HOSTS / "h200-slice-before-transition"))
+    assert proc.returncode == 1, proc.stderr
+    slots = _checks(proc.stdout)["slot_candidates"]
+    assert slots["status"] == "FAIL" and "unmount /share*" in slots["remediation"]
+    assert "ready_candidate_slots=0" in slots["evidence"]
+
+
+def test_evidence_is_the_last_word_of_a_line_and_round_trips():
+    proc = _cli("parity", "--root", AFTER)
+    for line in proc.stdout.splitlines()[:-1]:
+        words = line.split(" ")
+        assert words[0] == LINE_PREFIX and words[1].startswith("status=") and words[2].startswith("check=")
+        assert "evidence=" in line and parse_line(line)["evidence"]
+
+
+def test_profile_and_config_options(tmp_path):
+    bad = _cli("parity", "--root", AFTER, "--runtime-profile", "no_such_profile")
+    assert bad.returncode == 2 and "unknown_runtime_profile" in bad.stderr
+    lab = _checks(_cli("parity", "--root", AFTER, "--runtime-profile", "lab_tcg_1c_512m").stdout)
+    assert lab["hugepages"]["detail"].startswith("no runtime profile asks for 1 GiB hugepages")
+    missing = _cli("parity", "--root", AFTER, "--config", str(tmp_path / "absent.toml"))
+    assert missing.returncode == 2 and "config_unreadable" in missing.stderr
+    hosts = _checks(_cli("parity", "--root", AFTER, "--dnsmasq-hosts-file", "/srv/reservations").stdout)
+    assert "/srv/reservations" in hosts["dnsmasq"]["detail"]

@@ -5,6 +5,11 @@ One machine-readable line per target condition, exactly the seed's shape::
     GPUAAS_SLICE_PARITY status=PASS check=node_agent detail=active/running
     GPUAAS_SLICE_PARITY status=FAIL check=ipoib_netplan detail=command\\ exited\\ with\\ 1 remediation=render\\ ...
 
+Every check of the agent's own also ends with ``evidence=<escaped>``: what was
+read to reach the verdict (paths, pids, values), so a line can be judged
+without re-running the check. A line built without evidence (the seed's own
+examples) keeps the seed's exact shape.
+
 Values are escaped the way bash ``printf %q`` escapes a plain word (a
 backslash before every character a shell would split or expand on), so a
 parser splits on unescaped spaces and drops one backslash per escape. A final
@@ -86,6 +91,7 @@ class ParityCheck(WireModel):
     detail: str
     remediation: str | None = None
     hard: bool = Field(description="a hard check FAILs; a soft one is at most WARN")
+    evidence: str | None = Field(default=None, description="what was read to reach the verdict (paths, pids, values)")
 
     @model_validator(mode="after")
     def _soft_checks_never_fail(self) -> ParityCheck:
@@ -97,6 +103,8 @@ class ParityCheck(WireModel):
         line = f"{LINE_PREFIX} status={self.status.value} check={self.check} detail={escape(self.detail)}"
         if self.remediation:
             line += f" remediation={escape(self.remediation)}"
+        if self.evidence:
+            line += f" evidence={escape(self.evidence)}"
         return line
 
 
@@ -198,3 +206,39 @@ class SliceNetworkEvidence(WireModel):
 
     def addresses_of(self, ifname: str, family: str = "inet") -> list[str]:
         return [a.cidr for a in self.addresses if a.ifname == ifname and a.family == family]
+
+
+# -- dnsmasq: which running process reads the agent's reservations ---------------------------
+
+
+class DnsmasqProcess(WireModel):
+    """One running dnsmasq: its argv and every file or directory it was told to read hosts from."""
+
+    pid: int
+    argv: list[str]
+    conf_files: list[str] = Field(default_factory=list, description="config files it loads, in load order")
+    hosts_files: list[str] = Field(default_factory=list, description="dhcp-hostsfile values (file or directory)")
+    hosts_dirs: list[str] = Field(default_factory=list, description="dhcp-hostsdir values")
+    sources: dict[str, str] = Field(default_factory=dict, description="each hosts path -> where it was named")
+    unreadable: list[Finding] = Field(default_factory=list)
+
+
+class DnsmasqEvidence(WireModel):
+    """Whether a running dnsmasq reads the hosts file the agent writes reservations to.
+
+    ``process_table``: False when the root holds no process table at all (a
+    recording): nothing about a running dnsmasq is provable there.
+    """
+
+    source: Literal["live", "fixture"]
+    hosts_file: str
+    pid_file: str | None = None
+    pid_file_pid: int | None = Field(default=None, description="the pid the pid file names (the one reload signals)")
+    process_table: bool
+    processes: list[DnsmasqProcess] = Field(default_factory=list)
+    readers: list[int] = Field(default_factory=list, description="pids of the dnsmasq processes that read hosts_file")
+    via: str | None = Field(default=None, description="how the first reader reads it: option=value (where)")
+
+    @property
+    def running(self) -> bool:
+        return bool(self.processes)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from gpuaas_agent.contract.fixture import FIXTURE_META_DIR, MANIFEST_NAME
 from gpuaas_agent.contract.parity import (
+    DnsmasqEvidence,
+    DnsmasqProcess,
     NatEvidence,
     NetAddress,
     NetRoute,
@@ -497,3 +499,293 @@ def judge(ev: SliceNetworkEvidence, *, links_read: bool = True, addresses_read: 
     if TMFIFO in ev.links and not any(ipaddress.IPv4Interface(c).network.prefixlen == 30 for c in ev.addresses_of(TMFIFO)):
         warnings.append(Finding(code="tmfifo_without_ipv4", detail=f"{TMFIFO} exists without a /30 IPv4 address"))
     return blockers, warnings
+
+
+
+# -- dnsmasq: the running process, its config, and the agent's hosts file ------------------------
+#
+# A dhcp-range in /etc/dnsmasq.d proves only that *a* config serves the subnet. What a provision
+# needs is that the dnsmasq actually running reads the file the agent writes reservations to:
+# otherwise the reservation step succeeds, SIGHUP is sent, and the guest never gets its address
+# (seed 004: the recorded hosts read /var/lib/gpuaas/dnsmasq-hosts while reservations went
+# elsewhere). So the evidence starts from the process table and follows what each dnsmasq was
+# told on its command line and in every config file it loads.
+
+DNSMASQ_COMM = "dnsmasq"
+DEFAULT_DNSMASQ_CONF = "/etc/dnsmasq.conf"  # compiled-in CONFFILE, read when no -C/--conf-file is given
+MAX_CONF_DEPTH = 8
+
+
+def _opt_value(argv: list[str], i: int, long: str, short: str | None, *, optional: bool = False) -> tuple[str | None, int]:
+    """(value, words consumed) of option ``argv[i]`` if it is ``--long=V``, ``--long V``, ``-sV`` or ``-s V``.
+
+    ``optional`` options (dnsmasq's ``--conf-file``) take a value only after ``=``. Returns (None, 0)
+    when ``argv[i]`` is not this option; ("", 1) for a bare optional one.
+    """
+    word = argv[i]
+    if word.startswith(f"--{long}="):
+        return word[len(long) + 3:], 1
+    if word == f"--{long}":
+        if optional:
+            return "", 1
+        return (argv[i + 1], 2) if i + 1 < len(argv) else ("", 1)
+    if short and word.startswith(f"-{short}") and not word.startswith("--"):
+        if len(word) > 2:
+            return word[2:], 1
+        return (argv[i + 1], 2) if i + 1 < len(argv) else ("", 1)
+    return None, 0
+
+
+def _conf_lines(text: str) -> list[tuple[str, str]]:
+    """``key=value`` pairs of a dnsmasq config file; ``#`` outside quotes starts a comment."""
+    out = []
+    for raw in text.splitlines():
+        line, quoted = [], False
+        for c in raw:
+            if c == '"':
+                quoted = not quoted
+                continue
+            if c == "#" and not quoted:
+                break
+            line.append(c)
+        key, _, value = "".join(line).strip().partition("=")
+        if key.strip():
+            out.append((key.strip(), value.strip()))
+    return out
+
+
+def _conf_dir_files(host: HostRoot, spec: str) -> tuple[list[str], str | None]:
+    """Files ``conf-dir=DIR[,*.inc|,.exc...]`` loads, sorted; plus a reason when DIR cannot be listed.
+
+    A suffix starting with ``*`` keeps only files ending with it; any other suffix drops files
+    ending with it; dnsmasq always skips ``.``-files, ``~`` backups and ``#...#`` autosaves.
+    """
+    directory, *suffixes = [p.strip() for p in spec.split(",")]
+    include = [s[1:] for s in suffixes if s.startswith("*")]
+    exclude = [s for s in suffixes if s and not s.startswith("*")]
+    try:
+        names = host.listdir(directory)
+    except OSError as exc:
+        return [], f"conf-dir {directory}: {exc.strerror or exc}"
+    files = []
+    for name in names:
+        if name.startswith(".") or name.endswith("~") or (name.startswith("#") and name.endswith("#")):
+            continue
+        if include and not any(name.endswith(s) for s in include):
+            continue
+        if any(name.endswith(s) for s in exclude):
+            continue
+        path = posixpath.join(directory, name)
+        if not host.is_dir(path):
+            files.append(path)
+    return files, None
+
+
+def dnsmasq_process(host: HostRoot, pid: int, argv: list[str]) -> DnsmasqProcess:
+    """What one dnsmasq reads: ``argv`` first, then each config file it loads (nested, in order)."""
+    proc = DnsmasqProcess(pid=pid, argv=argv)
+    conf_queue: list[tuple[str, str, int]] = []  # (path, named where, depth)
+    explicit_conf = False
+
+    def hosts(kind: str, value: str, where: str) -> None:
+        if not value:
+            return
+        (proc.hosts_files if kind == "file" else proc.hosts_dirs).append(value)
+        proc.sources.setdefault(value, f"dhcp-hosts{kind}={value} ({where})")
+
+    def conf_dir(spec: str, where: str, depth: int) -> None:
+        files, problem = _conf_dir_files(host, spec)
+        if problem:
+            proc.unreadable.append(Finding(code="dnsmasq_conf_dir_unreadable", detail=problem, path=where))
+        conf_queue.extend((f, f"conf-dir={spec} in {where}", depth) for f in files)
+
+    i = 1
+    while i < len(argv):
+        for long, short, optional, kind in (("conf-file", "C", True, "conf"), ("conf-dir", "7", False, "dir"),
+                                            ("dhcp-hostsfile", None, False, "file"),
+                                            ("dhcp-hostsdir", None, False, "hostsdir")):
+            value, used = _opt_value(argv, i, long, short, optional=optional)
+            if used:
+                break
+        else:
+            i += 1
+            continue
+        i += used
+        if kind == "conf":
+            explicit_conf = True
+            if value:
+                conf_queue.append((value, "command line", 0))
+        elif kind == "dir":
+            conf_dir(value, "command line", 0)
+        else:
+            hosts("file" if kind == "file" else "dir", value, "command line")
+    if not explicit_conf:
+        conf_queue.insert(0, (DEFAULT_DNSMASQ_CONF, "default config file", 0))
+
+    seen: set[str] = set()
+    while conf_queue:
+        path, where, depth = conf_queue.pop(0)
+        if path in seen or depth > MAX_CONF_DEPTH:
+            continue
+        seen.add(path)
+        if path == "/dev/null":
+            proc.conf_files.append(path)
+            continue
+        try:
+            text = host.read_text(path)
+        except OSError as exc:
+            if where != "default config file" or host.exists(path):
+                proc.unreadable.append(Finding(code="dnsmasq_conf_unreadable",
+                                               detail=f"{path} ({where}): {exc.strerror or exc}", path=path))
+            continue
+        proc.conf_files.append(path)
+        nested = []
+        for key, value in _conf_lines(text):
+            if key == "conf-file" and value:
+                nested.append((value, f"conf-file in {path}", depth + 1))
+            elif key == "conf-dir" and value:
+                files, problem = _conf_dir_files(host, value)
+                if problem:
+                    proc.unreadable.append(Finding(code="dnsmasq_conf_dir_unreadable", detail=problem, path=path))
+                nested.extend((f, f"conf-dir={value} in {path}", depth + 1) for f in files)
+            elif key == "dhcp-hostsfile":
+                hosts("file", value, path)
+            elif key == "dhcp-hostsdir":
+                hosts("dir", value, path)
+        conf_queue[0:0] = nested  # dnsmasq reads an included file where it is named
+    return proc
+
+
+def _same(host: HostRoot, a: str, b: str) -> bool:
+    """Two host paths name the same entry (links followed inside the root, trailing slashes ignored)."""
+    def norm(p: str) -> str:
+        try:
+            return host.resolve(posixpath.normpath(p))
+        except OSError:
+            return posixpath.normpath(p)
+    return norm(a) == norm(b)
+
+
+def reads_hosts_file(host: HostRoot, proc: DnsmasqProcess, hosts_file: str) -> str | None:
+    """How ``proc`` reads ``hosts_file`` (``dhcp-hostsfile=... (where)``), or None when it does not.
+
+    ``dhcp-hostsfile`` may name the file itself or a directory holding it; ``dhcp-hostsdir`` the
+    directory. dnsmasq skips dotfiles and ``~`` backups in a directory.
+    """
+    parent, name = posixpath.split(posixpath.normpath(hosts_file))
+    in_dir_ok = not name.startswith(".") and not name.endswith("~")
+    for value in proc.hosts_files:
+        if _same(host, value, hosts_file) or (in_dir_ok and host.is_dir(value) and _same(host, value, parent)):
+            return proc.sources.get(value, value)
+    for value in proc.hosts_dirs:
+        if in_dir_ok and _same(host, value, parent):
+            return proc.sources.get(value, value)
+    return None
+
+
+def _proc_pids(host: HostRoot) -> list[int] | None:
+    """The pids of a process table under the root; None when the root has none (a recording)."""
+    try:
+        names = host.listdir("/proc")
+    except OSError:
+        return None
+    pids = sorted(int(n) for n in names if n.isdigit())
+    return pids or None
+
+
+def _argv(host: HostRoot, pid: int) -> list[str] | None:
+    try:
+        with open(host.real(f"/proc/{pid}/cmdline"), "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a] or None
+
+
+def running_processes(host: HostRoot, comms: tuple[str, ...]) -> dict[int, tuple[str, list[str]]] | None:
+    """pid -> (comm, argv) of the processes whose ``comm`` is one of ``comms``; None without a process table.
+
+    ``comm`` is the kernel's 15-character name: pass it truncated (``nvidia-persiste``).
+    """
+    pids = _proc_pids(host)
+    if pids is None:
+        return None
+    found = {}
+    for pid in pids:
+        try:
+            comm = host.read_attr(f"/proc/{pid}/comm")
+        except OSError:
+            continue  # exited while we looked
+        if comm in comms:
+            argv = _argv(host, pid)
+            if argv is not None:
+                found[pid] = (comm, argv)
+    return found
+
+
+def read_dnsmasq_evidence(host: HostRoot, hosts_file: str | Path, pid_file: str | Path | None = None) -> DnsmasqEvidence:
+    """Every running dnsmasq (``/proc/*/comm``), what it reads, and which of them read ``hosts_file``.
+
+    Paths are host paths under ``host`` (the running dnsmasq's own mount namespace is assumed to
+    be the agent's). Blocking: call it through ``asyncio.to_thread`` from the event loop.
+    """
+    hosts_file, pid_file = str(hosts_file), None if pid_file is None else str(pid_file)
+    pid_file_pid = None
+    if pid_file is not None:
+        try:
+            text = host.read_attr(pid_file)
+            pid_file_pid = int(text) if text.isdigit() and int(text) > 0 else None
+        except OSError:
+            pid_file_pid = None
+    table = running_processes(host, (DNSMASQ_COMM,))
+    processes = [dnsmasq_process(host, pid, argv) for pid, (_, argv) in sorted((table or {}).items())]
+    readers, via = [], None
+    for proc in processes:
+        how = reads_hosts_file(host, proc, hosts_file)
+        if how:
+            readers.append(proc.pid)
+            via = via or f"pid {proc.pid}: {how}"
+    return DnsmasqEvidence(source="live" if host.is_live else "fixture", hosts_file=hosts_file, pid_file=pid_file,
+                           pid_file_pid=pid_file_pid, process_table=table is not None, processes=processes,
+                           readers=readers, via=via)
+
+
+def judge_dnsmasq(ev: DnsmasqEvidence) -> Finding | None:
+    """The one thing wrong with the dnsmasq that should serve the agent's reservations, or None.
+
+    Codes: ``dnsmasq_unproven`` (no process table to read), ``dnsmasq_not_running``,
+    ``dnsmasq_not_reading_hosts``, ``dnsmasq_pid_file_mismatch`` (the reader is not the pid the
+    reservation step will SIGHUP, so new reservations would not be re-read).
+    """
+    if not ev.process_table:
+        return Finding(code="dnsmasq_unproven", detail="no process table under the root: a running dnsmasq cannot be proven",
+                       path="/proc")
+    if not ev.processes:
+        return Finding(code="dnsmasq_not_running", detail="no process with comm dnsmasq is running", path="/proc")
+    if not ev.readers:
+        told = "; ".join(
+            f"pid {p.pid} reads {','.join(p.hosts_files + p.hosts_dirs) or 'no dhcp-hostsfile/dhcp-hostsdir'}"
+            f" (config {','.join(p.conf_files) or 'none'})" for p in ev.processes)
+        return Finding(code="dnsmasq_not_reading_hosts", detail=f"no running dnsmasq reads {ev.hosts_file}: {told}",
+                       path=ev.hosts_file)
+    if ev.pid_file is not None and ev.pid_file_pid not in ev.readers:
+        return Finding(code="dnsmasq_pid_file_mismatch",
+                       detail=f"{ev.pid_file} names {ev.pid_file_pid or 'no pid'}, but the dnsmasq reading "
+                              f"{ev.hosts_file} is pid {','.join(map(str, ev.readers))}: a reload would not reach it",
+                       path=ev.pid_file)
+    return None
+
+
+def read_bridge_addresses(host: HostRoot, target: NetTarget) -> tuple[list[str] | None, list[NetAddress] | None, list[Finding]]:
+    """Links and addresses only (netlink, or the recorded ``ip -j addr``): enough to prove the gateway."""
+    snap = NetSnapshot()
+    if host.is_live:
+        _read_netlink(target, snap)
+    else:
+        text = _recorded_command(host, "ip-addr", snap)
+        if text is not None:
+            try:
+                snap.links, snap.addresses = parse_ip_addr(text)
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                snap.cannot("command_output_invalid", f"ip-addr output is not ip -j JSON: {exc}")
+    return snap.links, snap.addresses, snap.unreadable

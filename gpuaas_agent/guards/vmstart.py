@@ -8,25 +8,24 @@ while host services hold it (seed 004: nvidia-persistenced / fabric manager
 blocked 0000:1b:00.0). So each is proven here, in that order, and the first
 failure is a typed refusal naming what was seen. Reads go through
 :meth:`HostRoot.fresh` (a driver may have changed since discovery); blocking,
-so call it through ``asyncio.to_thread``.
+so call it through ``asyncio.to_thread``. The KVM and hugepage checks are
+shared with the validate step (``guards/preconditions.py``), which proves them
+before the disk is touched; here they are asked again because time has passed.
 """
 
 from __future__ import annotations
 
-import os
-import stat
-from collections.abc import Callable
 from typing import Any
 
 from gpuaas_agent.contract.domain import DomainSpec, StartTarget, VmStartEvidence
-from gpuaas_agent.contract.runtime import HUGEPAGE_1G_MIB, DomainType
+from gpuaas_agent.contract.runtime import DomainType
 from gpuaas_agent.contract.storage import DiskEvidence
-from gpuaas_agent.discovery.numa import free_hugepages_1g
 from gpuaas_agent.errors import GuardError
+from gpuaas_agent.guards.preconditions import KVM_DEVICE, BridgeCheck, check_hugepages  # noqa: F401  (re-exported)
+from gpuaas_agent.guards.preconditions import check_kvm as shared_check_kvm
 from gpuaas_agent.hostfs import HostRoot
 
 VFIO_DRIVER = "vfio-pci"
-KVM_DEVICE = "/dev/kvm"
 # The disk guard checks a start depends on (names as guards/disk.py records them in checks_passed).
 REQUIRED_DISK_CHECKS = (
     "by_id",
@@ -38,11 +37,6 @@ REQUIRED_DISK_CHECKS = (
     "no_holders",
     "not_in_use_by_domain",
 )
-
-# Evidence that the slot's OVS bridge exists: a boolean already proven, or a check to call with the bridge name
-# (e.g. the OVS driver's bridge lookup), so this guard does not depend on how OVS is reached.
-BridgeCheck = bool | Callable[[str], bool]
-
 
 class VmStartRefused(GuardError):
     """A domain start was refused; nothing was started.
@@ -59,22 +53,8 @@ def _refuse(code: str, message: str, **evidence: Any) -> VmStartRefused:
 
 
 def check_kvm(host: HostRoot) -> str:
-    """``/dev/kvm`` is a character device this process can open read-write (on the live host)."""
-    if not host.exists(KVM_DEVICE):
-        raise _refuse("kvm_missing", f"{KVM_DEVICE} does not exist (KVM module not loaded or virtualisation off)",
-                      path=KVM_DEVICE, root=str(host.root))
-    real = str(host.real(host.resolve(KVM_DEVICE)))
-    mode = os.stat(real).st_mode
-    # A recording cannot keep device nodes in git: there a regular placeholder file stands for one.
-    acceptable = stat.S_ISCHR(mode) or (not host.is_live and stat.S_ISREG(mode))
-    if not acceptable:
-        raise _refuse("kvm_unusable", f"{KVM_DEVICE} is not a character device", path=KVM_DEVICE,
-                      mode=oct(mode), root=str(host.root))
-    # On the live host it must also be openable by this process (it is root-only on CI machines).
-    if host.is_live and not os.access(real, os.R_OK | os.W_OK):
-        raise _refuse("kvm_unusable", f"{KVM_DEVICE} is not readable and writable by uid {os.getuid()}",
-                      path=KVM_DEVICE, mode=oct(mode), uid=os.getuid())
-    return "usable"
+    """``/dev/kvm`` usable: the one check validate (guards/preconditions.py) and parity also run."""
+    return shared_check_kvm(host, VmStartRefused)
 
 
 def check_vm_start(
@@ -107,23 +87,9 @@ def check_vm_start(
                       ovs_bridge=spec.ovs_bridge, evidence_given=repr(present))
     passed.append("ovs_bridge_exists")
 
-    needed = profile.memory_mib // HUGEPAGE_1G_MIB if profile.hugepages_1g else 0
-    free: int | None = None
+    # Validate proved this before the disk was touched; another slice may have taken the pages since.
+    needed, free = check_hugepages(fresh, profile, spec.numa_node, VmStartRefused, **base)
     if profile.hugepages_1g:
-        if spec.numa_node is None:
-            raise _refuse("hugepages_unknown", "hugepages are required but the slot has no NUMA node to take them from",
-                          **base, needed=needed)
-        path = f"/sys/devices/system/node/node{spec.numa_node}/hugepages/hugepages-1048576kB/free_hugepages"
-        free = free_hugepages_1g(fresh, spec.numa_node)
-        if free is None:
-            raise _refuse("hugepages_unknown", f"NUMA node {spec.numa_node} has no 1 GiB hugepage pool", **base,
-                          numa_node=spec.numa_node, path=path, needed=needed)
-        if free < needed:
-            raise _refuse(
-                "hugepages_insufficient",
-                f"NUMA node {spec.numa_node} has {free} free 1 GiB hugepages; profile {profile.name} needs {needed}",
-                **base, numa_node=spec.numa_node, path=path, free=free, needed=needed,
-            )
         passed.append("hugepages_free")
 
     bound: list[str] = []

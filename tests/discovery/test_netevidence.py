@@ -229,3 +229,72 @@ def test_the_live_root_namespace_is_read_without_a_netns():
     assert ev.ip_forward is (Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == "1")
     if ev.nat.present is None:
         assert "nat_unproven" in _codes(ev.warnings)
+
+
+# -- dnsmasq: the running process and what it reads ---------------------------------------------
+
+from gpuaas_agent.contract.parity import ParityStatus  # noqa: E402
+from gpuaas_agent.discovery.netevidence import judge_dnsmasq, read_dnsmasq_evidence  # noqa: E402
+from gpuaas_agent.discovery.prereqs import check_dnsmasq  # noqa: E402
+from tests.dnsmasq_fixture import dhcp_lab, net_lab  # noqa: E402,F401  (fixtures)
+
+
+def _dnsmasq_proc(root: Path, pid: int, argv: list[str]) -> None:
+    (root / f"proc/{pid}").mkdir(parents=True)
+    (root / f"proc/{pid}/comm").write_text("dnsmasq\n")
+    (root / f"proc/{pid}/cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+
+
+def test_debian_packaged_dnsmasq_reads_conf_dir_with_its_suffix_filters(tmp_path):
+    """Debian's unit runs ``dnsmasq -x PID -u dnsmasq -7 /etc/dnsmasq.d,.dpkg-dist,...``; conf files nest."""
+    (tmp_path / "etc/dnsmasq.d").mkdir(parents=True)
+    (tmp_path / "etc/dnsmasq.conf").write_text("# defaults\n#dhcp-hostsfile=/commented/out\n")
+    (tmp_path / "etc/dnsmasq.d/gpuaas-slice-network.conf").write_text(
+        'dhcp-range=10.100.0.10,10.100.0.250,12h\nconf-file=/etc/gpuaas/extra.conf  # nested\n')
+    (tmp_path / "etc/dnsmasq.d/old.conf.dpkg-old").write_text("dhcp-hostsfile=/var/lib/gpuaas-dnsmasq/hosts\n")
+    (tmp_path / "etc/gpuaas").mkdir()
+    (tmp_path / "etc/gpuaas/extra.conf").write_text('dhcp-hostsfile="/var/lib/gpuaas-dnsmasq/hosts"\n')
+    (tmp_path / "run/dnsmasq").mkdir(parents=True)
+    (tmp_path / "run/dnsmasq/dnsmasq.pid").write_text("812\n")
+    _dnsmasq_proc(tmp_path, 812, ["/usr/sbin/dnsmasq", "-x", "/run/dnsmasq/dnsmasq.pid", "-u", "dnsmasq",
+                                  "-7", "/etc/dnsmasq.d,.dpkg-dist,.dpkg-old,.dpkg-new", "--local-service"])
+    root = HostRoot.open(tmp_path)
+    ev = read_dnsmasq_evidence(root, "/var/lib/gpuaas-dnsmasq/hosts", "/run/dnsmasq/dnsmasq.pid")
+    (proc,) = ev.processes
+    assert proc.conf_files == ["/etc/dnsmasq.conf", "/etc/dnsmasq.d/gpuaas-slice-network.conf", "/etc/gpuaas/extra.conf"]
+    assert ev.readers == [812] and judge_dnsmasq(ev) is None
+    assert ev.via == "pid 812: dhcp-hostsfile=/var/lib/gpuaas-dnsmasq/hosts (/etc/gpuaas/extra.conf)"
+
+    # Only the .dpkg-old file names it: dnsmasq skips that file, so nothing reads the agent's hosts file.
+    (tmp_path / "etc/gpuaas/extra.conf").write_text("dhcp-hostsdir=/var/lib/gpuaas/dnsmasq-hosts\n")
+    ev = read_dnsmasq_evidence(root, "/var/lib/gpuaas-dnsmasq/hosts", "/run/dnsmasq/dnsmasq.pid")
+    finding = judge_dnsmasq(ev)
+    assert finding.code == "dnsmasq_not_reading_hosts" and "/var/lib/gpuaas/dnsmasq-hosts" in finding.detail
+    # ... while a hosts dir holding it counts (the recorded hosts of seed 004 used one).
+    assert judge_dnsmasq(read_dnsmasq_evidence(root, "/var/lib/gpuaas/dnsmasq-hosts/slots")) is None
+
+
+def test_a_recording_without_a_process_table_proves_no_running_dnsmasq():
+    ev = read_dnsmasq_evidence(HostRoot.open(HOSTS / "h200-slice-after-transition"), "/var/lib/gpuaas-dnsmasq/hosts")
+    assert ev.process_table is False and judge_dnsmasq(ev).code == "dnsmasq_unproven"
+
+
+def test_a_real_dnsmasq_reading_the_agents_file_passes_and_another_file_fails(dhcp_lab):
+    live = HostRoot.open("/")
+    dns = dhcp_lab.dnsmasq
+    net = read_network_evidence(HostRoot.open(HOSTS / "h200-slice-after-transition"))  # a dhcp-range is configured
+    ev = read_dnsmasq_evidence(live, dns.hosts_file, dns.pid_file)
+    assert dns.proc.pid in ev.readers and ev.pid_file_pid == dns.proc.pid
+    check = check_dnsmasq(net, ev)
+    assert check.status is ParityStatus.PASS and f"pid {dns.proc.pid}" in check.detail
+    assert f"hosts={dns.hosts_file}" in check.evidence
+
+    other = read_dnsmasq_evidence(live, dns.workdir / "elsewhere", dns.pid_file)
+    check = check_dnsmasq(net, other)
+    assert check.status is ParityStatus.FAIL and check.detail.startswith("dnsmasq_not_reading_hosts")
+    assert str(dns.hosts_file) in check.detail  # what the running one reads instead
+
+    dns.stop()
+    gone = read_dnsmasq_evidence(live, dns.hosts_file, dns.pid_file)
+    assert dns.proc.pid not in [p.pid for p in gone.processes]
+    assert judge_dnsmasq(gone).code in ("dnsmasq_not_running", "dnsmasq_not_reading_hosts")

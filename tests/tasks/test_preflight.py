@@ -15,6 +15,7 @@ from gpuaas_agent.contract.parity import (
     ParityStatus,
     parse_line,
 )
+from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.contract.tasks import PreflightPayload, TopologyDiscoverPayload
 from gpuaas_agent.discovery.netevidence import NetTarget
 from gpuaas_agent.discovery.prereqs import SocketPaths, check_libvirt, check_openvswitch
@@ -32,7 +33,8 @@ from tests.discovery.test_netevidence import (
 AFTER = HOSTS / "h200-slice-after-transition"
 NAT_MISSING = HOSTS / "h200-slice-nat-missing"
 EXPECTED_CHECKS = [
-    "node_agent", "kvm", "iommu", "vfio", "sriov_vfs", "ovmf", "hugepages", "rdma_devices", "libvirt", "openvswitch",
+    "node_agent", "kvm", "iommu", "vfio", "sriov_vfs", "slot_candidates", "gpu_driver", "gpu_host_services", "ovmf",
+    "hugepages", "rdma_devices", "libvirt", "qemu_access", "openvswitch",
     "ovs_bridge", "dnsmasq", "nat", "ip_forward", "ipoib_netplan", "ipoib_address", "fabric_route", "tmfifo",
     "historical_network_service", "reboot_required",
 ]
@@ -77,11 +79,16 @@ def test_healthy_fixture_has_every_check_in_order_and_no_failures():
     assert [c.check for c in report.checks] == EXPECTED_CHECKS
     checks = _by_name(report)
     assert report.failures == 0 and report.lines[-1].endswith("failures=0")
-    for name in ("kvm", "iommu", "vfio", "sriov_vfs", "ovmf", *NETWORK_HARD, "dnsmasq", "ipoib_netplan", "fabric_route"):
+    for name in ("kvm", "iommu", "vfio", "sriov_vfs", "slot_candidates", "ovmf", "hugepages", *NETWORK_HARD,
+                 "ipoib_netplan", "fabric_route"):
         assert checks[name].status is ParityStatus.PASS, checks[name]
-    # Sockets and processes cannot be proven from a recording: WARN, never PASS (DESIGN §4.7).
-    for name in ("node_agent", "libvirt", "openvswitch"):
-        assert checks[name].status is ParityStatus.WARN and checks[name].hard
+    # Sockets and processes cannot be proven from a recording: WARN, never PASS (DESIGN §4.7). A dhcp-range in
+    # the config does not prove a running dnsmasq reads the agent's reservations.
+    for name in ("node_agent", "libvirt", "openvswitch", "dnsmasq", "gpu_host_services", "qemu_access"):
+        assert checks[name].status is ParityStatus.WARN and checks[name].hard, checks[name]
+    assert "not provable from a recording" in checks["dnsmasq"].detail
+    # The recording's GPUs are still on nvidia: provision rebinds them, so a warning with the evidence.
+    assert checks["gpu_driver"].status is ParityStatus.WARN and "0000:18:00.0=nvidia" in checks["gpu_driver"].evidence
     service = checks["historical_network_service"]
     assert service.status is ParityStatus.WARN and "gpuaas-slice-host-net-baseline" in service.detail
 
@@ -110,7 +117,9 @@ def test_missing_prerequisites_fail_hard(host_copy):
     (root / "run/reboot-required").write_text("*** System restart required ***\n")
     report = build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths())
     checks = _by_name(report)
-    assert {c.check for c in report.checks if c.status is ParityStatus.FAIL} == {"kvm", "sriov_vfs", "ipoib_netplan"}
+    assert {c.check for c in report.checks if c.status is ParityStatus.FAIL} == {
+        "kvm", "sriov_vfs", "ipoib_netplan", "slot_candidates"}
+    assert "sriov_numvfs" in checks["slot_candidates"].remediation
     assert checks["reboot_required"].status is ParityStatus.WARN
 
 
@@ -208,3 +217,87 @@ def test_topology_discover_adds_slice_network_beside_the_unchanged_report():
     assert output == discover(HostRoot.open(NAT_MISSING)).model_dump(mode="json")
     assert [b["code"] for b in network["blockers"]] == ["nat_missing"]
     assert network["ovs_bridge"] == "ovsbr0" and network["nat"]["present"] is False
+
+
+# -- what parity must not PASS (seed 004 parity target, DESIGN §4.7) ----------------------------
+
+
+def test_every_line_of_the_agents_checks_carries_its_evidence():
+    report = build_parity_report(HostRoot.open(AFTER), NetTarget(), SocketPaths())
+    assert all(c.evidence for c in report.checks), [c.check for c in report.checks if not c.evidence]
+    line = _by_name(report)["hugepages"].as_line()
+    assert line.startswith("GPUAAS_SLICE_PARITY status=PASS check=hugepages detail=")
+    assert parse_line(line)["evidence"].endswith("node0=256/256 node1=256/256")
+
+
+def test_a_host_before_the_storage_transition_fails_with_the_transition_remediation():
+    checks = _by_name(build_parity_report(HostRoot.open(HOSTS / "h200-slice-before-transition"), NetTarget(), SocketPaths()))
+    slots = checks["slot_candidates"]
+    assert slots.status is ParityStatus.FAIL and slots.hard
+    assert slots.detail.startswith("candidate_slots=8 ready_candidate_slots=0")
+    assert "unmount /share*" in slots.remediation and "wipefs" in slots.remediation
+    assert "nvme_mounted_child" in slots.evidence and "nvme_not_rawx8" in slots.evidence
+
+
+def test_a_host_without_slot_devices_fails():
+    checks = _by_name(build_parity_report(HostRoot.open(HOSTS / "dev-box-no-gpu"), NetTarget(), SocketPaths()))
+    assert checks["slot_candidates"].status is ParityStatus.FAIL
+    assert "candidate_slots=0" in checks["slot_candidates"].detail and "no NVIDIA GPU" in checks["slot_candidates"].remediation
+
+
+def test_hugepages_the_profile_needs_are_a_hard_failure(host_copy):
+    root = host_copy("h200-slice-after-transition")
+    (root / "sys/devices/system/node/node1/hugepages/hugepages-1048576kB/free_hugepages").write_text("8\n")
+    hp = _by_name(build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths()))["hugepages"]
+    assert hp.status is ParityStatus.FAIL and hp.hard
+    assert "h200_1g_24c_64g needs 64 on node1, free=8" in hp.detail and "node1=8/256" in hp.evidence
+    # A node that backs one slot but not all of its four only warns; a profile without hugepages passes.
+    (root / "sys/devices/system/node/node1/hugepages/hugepages-1048576kB/free_hugepages").write_text("128\n")
+    assert _by_name(build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths()))["hugepages"].status is ParityStatus.WARN
+    lab = build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths(), profiles=[get_profile("lab_tcg_1c_512m")])
+    assert _by_name(lab)["hugepages"].status is ParityStatus.PASS
+
+
+def _recorded_process(root, pid: int, comm: str, argv: list[str]) -> None:
+    """A process table entry in a copied recording (real files, as /proc shows them)."""
+    (root / f"proc/{pid}").mkdir(parents=True)
+    (root / f"proc/{pid}/comm").write_text(comm + "\n")
+    (root / f"proc/{pid}/cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+
+
+def test_gpu_host_services_holding_nvidia_gpus_fail_and_enabled_units_warn(host_copy):
+    root = host_copy("h200-slice-after-transition")
+    _recorded_process(root, 1, "systemd", ["/sbin/init"])
+    services = _by_name(build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths()))["gpu_host_services"]
+    assert services.status is ParityStatus.PASS and "none running" in services.evidence
+    _recorded_process(root, 2417, "nvidia-persiste", ["/usr/bin/nvidia-persistenced", "--user", "nvidia-persistenced"])
+    _recorded_process(root, 2418, "nv-fabricmanage", ["/usr/bin/nv-fabricmanager", "-c", "/usr/share/nvidia/nvswitch/fabricmanager.cfg"])
+    services = _by_name(build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths()))["gpu_host_services"]
+    assert services.status is ParityStatus.FAIL and services.hard
+    assert "nvidia-persistenced(pid 2417)" in services.detail and "nvidia-fabricmanager(pid 2418)" in services.detail
+    assert "disable --now" in services.remediation and "0000:18:00.0" in services.evidence
+
+    # Enabled at boot but not running, on a recording without a process table: a warning naming the unit.
+    root2 = host_copy("h200-slice-nat-missing")
+    wants = root2 / "etc/systemd/system/multi-user.target.wants"
+    wants.mkdir(parents=True)
+    (wants / "nvidia-persistenced.service").symlink_to("/usr/lib/systemd/system/nvidia-persistenced.service")
+    services = _by_name(build_parity_report(HostRoot.open(root2), NetTarget(), SocketPaths()))["gpu_host_services"]
+    assert services.status is ParityStatus.WARN and "nvidia-persistenced.service" in services.detail
+
+
+def test_libvirt_dirs_that_block_qemu_fail(host_copy):
+    root = host_copy("h200-slice-after-transition")
+    root.chmod(0o755)
+    (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\nlibvirt-qemu:x:64055:109::/var/lib/libvirt:/bin/false\n")
+    seeds = root / "var/lib/libvirt/images/gpuaas-seeds"
+    seeds.mkdir(parents=True)
+    for d in (root / "var", root / "var/lib", root / "var/lib/libvirt/images", seeds):
+        d.chmod(0o755)
+    (root / "var/lib/libvirt").chmod(0o700)  # seed 004, j22u05
+    access = _by_name(build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths()))["qemu_access"]
+    assert access.status is ParityStatus.FAIL and "cannot traverse /var/lib/libvirt " in access.detail
+    assert "/var/lib/libvirt:0o700:0:0:BLOCKED" in access.evidence and "libvirt-qemu" in access.evidence
+    (root / "var/lib/libvirt").chmod(0o755)
+    access = _by_name(build_parity_report(HostRoot.open(root), NetTarget(), SocketPaths()))["qemu_access"]
+    assert access.status is ParityStatus.PASS, access
