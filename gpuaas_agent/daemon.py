@@ -117,8 +117,7 @@ def default_handlers(config: AgentConfig, slice_host=None) -> dict[TaskType, Han
     handlers: dict[TaskType, Handler] = {
         TaskType.topology_discover: topology_discover_handler(config.host_root),
         TaskType.plan: plan_handler(config.host_root),
-        TaskType.preflight: preflight_handler(config.host_root, subnet=str(config.slice.subnet),
-                                              ovs_bridge=config.slice.ovs_bridge, sockets=_sockets(config)),
+        TaskType.preflight: preflight_handler(config.host_root, sockets=_sockets(config), slice_config=config.slice),
     }
     if slice_host is not None:
         from gpuaas_agent.tasks.power import power_handler
