@@ -71,9 +71,13 @@ class SliceHost:
     # -- teardown shared by provision's compensations and release's steps (idempotent) --------------
 
     async def unplug(self, bridge: str, port: str, allocation_id: str) -> dict:
+        """Remove the port, then its isolation flows (by its cookie) and its nft guard element."""
+        from gpuaas_agent.tasks.isolation import unisolate_port  # tasks.isolation types against SliceHost
+
         async with self.ovs() as ovs:
             removed = await asyncio.to_thread(ovs.remove_vm_port, bridge, port, allocation_id=allocation_id)
-        return {"port": port, "removed": removed}
+        isolation = await unisolate_port(self, bridge, port)
+        return {"port": port, "removed": removed, **isolation}
 
     async def unreserve(self, allocation_id: str, slot_index: int) -> dict:
         """Remove the slot's reservation; dnsmasq is signalled only when the file changed."""
