@@ -9,13 +9,23 @@ may change), and reconcile calls it to repair a port whose rules drifted.
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
 from ipaddress import IPv4Address
 from typing import TYPE_CHECKING
 
-from gpuaas_agent.contract.isolation import GuardSpec, PortIsolation, cookie_of_port_name
+from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
+from gpuaas_agent.contract.isolation import (
+    FlowState,
+    GuardSpec,
+    PortIsolation,
+    cookie_of_port_name,
+    port_name_of_cookie,
+)
 from gpuaas_agent.contract.ovs import OvsPort
+from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.nftguard import NftGuard
-from gpuaas_agent.host.portflows import IsolationInputError, PortFlows, ovs_rundir, port_isolation
+from gpuaas_agent.host.portflows import IsolationInputError, PortFlows, expected_flows, ovs_rundir, port_isolation
 
 if TYPE_CHECKING:
     from gpuaas_agent.tasks.slicehost import SliceHost
@@ -76,3 +86,120 @@ def _is_ipv4(value: object) -> bool:
     except ValueError:
         return False
     return True
+
+
+# -- reconcile: the isolation an active slot implies vs. what the bridge and nftables hold -----------------
+
+
+@dataclass(frozen=True)
+class ActivePort:
+    """An active slot's port and the reservation its rules follow."""
+
+    port: OvsPort
+    mac: str
+    ip: str
+
+
+async def isolation_drift(sh: "SliceHost", *, ports: list[OvsPort], active: list[ActivePort], known: set[str],
+                          repair: bool) -> list[DriftFinding]:
+    """Findings for flows and the nft guard; with ``repair``, reinstall what an active port lacks and remove orphans.
+
+    ``ports``: every agent port in ovsdb; ``known``: allocations this host still knows
+    (lease, slot record or domain). Rules or guard elements of a port that is not a
+    port of a known allocation are orphans. Repairs never loosen anything: they
+    restore the rules a reservation implies or delete rules nobody owns.
+    """
+    flows, guard = port_flows(sh), nft_guard(sh)
+    findings: list[DriftFinding] = []
+    kept = {p.name for p in ports if p.allocation_id in known}
+    bridges = sorted({sh.slice.ovs_bridge, *(p.bridge for p in ports)})
+    async with sh.ovs() as ovs:
+        present = [b for b in bridges if await asyncio.to_thread(ovs.bridge_exists, b)]
+
+    for bridge in present:
+        for cookie, rules in sorted((await flows.ours(bridge)).items()):
+            name = port_name_of_cookie(cookie)
+            if name in kept:
+                continue
+            done = bool(await flows.remove(bridge, cookie)) if repair else False
+            findings.append(_finding(DriftKind.flows_orphan, name or f"{cookie:#x}", DriftSeverity.warn,
+                                     expected="no flows (no such port)", actual=f"{len(rules)} rules on {bridge}",
+                                     repaired=done, cookie=f"{cookie:#x}", bridge=bridge))
+
+    for entry in active:
+        port = entry.port
+        try:
+            iso = isolation_of(sh, port, mac=entry.mac, ip=entry.ip)
+        except AgentError as exc:
+            findings.append(_finding(DriftKind.flows_missing, port.allocation_id, DriftSeverity.error,
+                                     expected="flows of the port's reservation", actual=exc.code,
+                                     port=port.name, error=exc.message))
+            continue
+        if port.bridge not in present:
+            continue  # the bridge itself is gone: the port's own findings say so
+        seen = await flows.compare(iso)
+        if seen.state is FlowState.ok:
+            continue
+        done, error = False, None
+        if repair:
+            try:
+                await isolate_port(sh, port, mac=entry.mac, ip=entry.ip)
+                done = True
+            except AgentError as exc:  # a conflict with another port's rules: reported, never forced
+                error = {"code": exc.code, "message": exc.message, "evidence": exc.evidence}
+        kind = DriftKind.flows_missing if seen.state is FlowState.missing else DriftKind.flows_altered
+        findings.append(_finding(
+            kind, port.allocation_id, DriftSeverity.error, expected=f"{len(expected_flows(iso))} rules",
+            actual=f"{len(seen.missing)} missing, {len(seen.extra)} extra", repaired=done, port=port.name,
+            cookie=f"{iso.cookie:#x}", ofport=iso.ofport, slot_index=port.slot_index,
+            missing=[r.model_dump(mode="json") for r in seen.missing][:20],
+            extra=[r.model_dump(mode="json") for r in seen.extra][:20], repair_error=error))
+
+    state = await guard.read()
+    wanted = {entry.port.name: entry.port.allocation_id for entry in active}
+    orphans = [name for name in state.guest_ports if name not in kept]
+    if wanted and not state.present:
+        findings.append(_finding(DriftKind.nft_guard_missing, state.table, DriftSeverity.error,
+                                 expected=f"table inet {state.table}", actual="absent", ports=sorted(wanted)))
+    elif state.present and not state.rules_match:
+        findings.append(_finding(DriftKind.nft_guard_altered, state.table, DriftSeverity.error,
+                                 expected="the guard's chains and rules", actual="; ".join(state.differences)))
+    for name in sorted(set(wanted) - set(state.guest_ports)):
+        if state.present:
+            findings.append(_finding(DriftKind.nft_guard_missing, wanted[name], DriftSeverity.error,
+                                     expected=f"{name} in the guard's set", actual="absent", port=name))
+    for name in orphans:
+        findings.append(_finding(DriftKind.nft_guard_orphan, name, DriftSeverity.warn,
+                                 expected="not in the guard's set (no such port)", actual="in the set", port=name))
+    needs_table = (wanted and not state.present) or (state.present and not state.rules_match)
+    if repair and (needs_table or orphans or set(wanted) - set(state.guest_ports)):
+        if needs_table or orphans:
+            keep = [n for n in state.guest_ports if n in kept]
+            await guard.replace([*keep, *wanted])
+        else:
+            for name in sorted(set(wanted) - set(state.guest_ports)):
+                await guard.add_port(name)
+        after = await guard.read()
+        findings = [f.model_copy(update={"repaired": _guard_repaired(f, after, kept)})
+                    if f.kind in _GUARD_KINDS else f for f in findings]
+    return findings
+
+
+_GUARD_KINDS = (DriftKind.nft_guard_missing, DriftKind.nft_guard_altered, DriftKind.nft_guard_orphan)
+
+
+def _guard_repaired(finding: DriftFinding, after, kept: set[str]) -> bool:
+    if not (after.present and after.rules_match):
+        return False
+    port = finding.detail.get("port")
+    if finding.kind is DriftKind.nft_guard_orphan:
+        return port not in after.guest_ports
+    if port is not None:
+        return port in after.guest_ports
+    return all(p in after.guest_ports for p in finding.detail.get("ports", []))
+
+
+def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected=None, actual=None,
+             repaired=False, **detail) -> DriftFinding:
+    return DriftFinding(kind=kind, subject=subject, severity=severity, expected=expected, actual=actual,
+                        repaired=repaired, detail=detail)

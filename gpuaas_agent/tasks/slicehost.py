@@ -19,6 +19,7 @@ from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.tasks.isolation import unisolate_port
 
 # Files QEMU opens (firmware) live on the machine the agent runs on, whatever host_root says:
 # on a recorded fixture (the lab) the sysfs is recorded but OVMF is this machine's.
@@ -72,8 +73,6 @@ class SliceHost:
 
     async def unplug(self, bridge: str, port: str, allocation_id: str) -> dict:
         """Remove the port, then its isolation flows (by its cookie) and its nft guard element."""
-        from gpuaas_agent.tasks.isolation import unisolate_port  # tasks.isolation types against SliceHost
-
         async with self.ovs() as ovs:
             removed = await asyncio.to_thread(ovs.remove_vm_port, bridge, port, allocation_id=allocation_id)
         isolation = await unisolate_port(self, bridge, port)
