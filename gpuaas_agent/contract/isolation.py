@@ -143,4 +143,6 @@ class GuardState(WireModel):
     present: bool
     rules_match: bool = Field(description="chains, hooks, policies and rules are exactly what the spec implies")
     differences: list[str] = Field(default_factory=list, description="which chain or set differs, for the finding")
-    guest_ports: list[str] = Field(default_factory=list, description="elements of the guest_ports set")
+    guest_ports: list[str] = Field(default_factory=list,
+                                   description="ports guarded: in the guest_ports set of every family's table")
+    elements: dict[str, list[str]] = Field(default_factory=dict, description="family -> its set's elements")

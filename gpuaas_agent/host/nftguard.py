@@ -8,7 +8,8 @@ crossing the bridge's rules. And traffic that does cross them reaches the gatewa
 address, where every service of the host listens too. So the host kernel filters
 input from the slices itself.
 
-The table (``inet gpuaas_slice_guard``; the agent touches no other table)::
+The tables (``inet gpuaas_slice_guard`` and ``arp gpuaas_slice_guard``, each with its own
+``guest_ports`` set holding the same names; the agent touches no other table)::
 
     set guest_ports { type ifname }           # the vNIC names of the guest ports
     chain input   { type filter hook input priority filter - 5; policy accept;
@@ -26,6 +27,15 @@ The table (``inet gpuaas_slice_guard``; the agent touches no other table)::
         ip daddr <gateway> tcp dport 53 accept
         drop                                                   # every other service of the host, any address
     }
+    # table arp gpuaas_slice_guard
+    chain input   { type filter hook input priority filter; policy accept;
+        iifname @guest_ports drop     # the host never answers ARP on a guest tap (only through the bridge)
+    }
+
+Without the ARP chain a guest asking for the gateway gets two answers, the bridge's and
+one from the host kernel on its tap (arp_ignore=0 answers for any local address on any
+interface); a guest that picked the tap's MAC would send its traffic past the port
+flows, straight into the host stack.
 
 The NAT uplink is the forward path and stays open; input to *any* host address from
 the slices is filtered (the gateway's and the host's others alike). Base chains of
@@ -55,6 +65,8 @@ from gpuaas_agent.logs import log_event
 log = logging.getLogger(__name__)
 
 FAMILY = "inet"
+ARP_FAMILY = "arp"
+FAMILIES = (FAMILY, ARP_FAMILY)
 PRIORITY = -5  # "filter - 5": before the usual filter chains, not that order matters for a drop
 GUEST_CHAIN = "guest_input"
 DHCP_PORT, DNS_PORT = 67, 53
@@ -117,22 +129,31 @@ def expected_chains(spec: GuardSpec) -> dict[str, dict]:
     }
 
 
+def expected_arp_chains() -> dict[str, dict]:
+    return {"input": {"props": {"type": "filter", "hook": "input", "prio": 0, "policy": "accept"}, "rules": [
+        [_eq(_meta("iifname"), f"@{GUARD_SET}"), {"drop": None}],
+    ]}}
+
+
+def expected_tables(spec: GuardSpec) -> dict[str, dict[str, dict]]:
+    """Family -> chain name -> props and rules."""
+    return {FAMILY: expected_chains(spec), ARP_FAMILY: expected_arp_chains()}
+
+
 def _ensure_commands(spec: GuardSpec, ifnames: Iterable[str]) -> list[dict]:
-    """Add-if-missing table, set and chains; flush and re-add every rule; add the elements."""
-    t = {"family": FAMILY, "table": spec.table}
-    cmds: list[dict] = [
-        {"add": {"table": {"family": FAMILY, "name": spec.table}}},
-        {"add": {"set": {**t, "name": GUARD_SET, "type": "ifname"}}},
-    ]
-    chains = expected_chains(spec)
-    for name, chain in chains.items():
-        cmds.append({"add": {"chain": {**t, "name": name, **chain["props"]}}})
-    for name, chain in chains.items():
-        cmds.append({"flush": {"chain": {**t, "name": name}}})
-        cmds += [{"add": {"rule": {**t, "chain": name, "expr": expr}}} for expr in chain["rules"]]
+    """Add-if-missing tables, sets and chains; flush and re-add every rule; add the elements (both families)."""
     names = sorted({_check_ifname(n) for n in ifnames})
-    if names:
-        cmds.append({"add": {"element": {**t, "name": GUARD_SET, "elem": names}}})
+    cmds: list[dict] = []
+    for family, chains in expected_tables(spec).items():
+        t = {"family": family, "table": spec.table}
+        cmds += [{"add": {"table": {"family": family, "name": spec.table}}},
+                 {"add": {"set": {**t, "name": GUARD_SET, "type": "ifname"}}}]
+        cmds += [{"add": {"chain": {**t, "name": name, **chain["props"]}}} for name, chain in chains.items()]
+        for name, chain in chains.items():
+            cmds.append({"flush": {"chain": {**t, "name": name}}})
+            cmds += [{"add": {"rule": {**t, "chain": name, "expr": expr}}} for expr in chain["rules"]]
+        if names:
+            cmds.append({"add": {"element": {**t, "name": GUARD_SET, "elem": names}}})
     return cmds
 
 
@@ -141,15 +162,21 @@ def ensure_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict:
 
 
 def replace_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict:
-    """The whole table swapped in one transaction (``add`` first so ``delete`` cannot fail on a missing one)."""
-    table = {"table": {"family": FAMILY, "name": spec.table}}
-    return {"nftables": [{"add": table}, {"delete": table}, *_ensure_commands(spec, ifnames)]}
+    """Both tables swapped in one transaction (``add`` first so ``delete`` cannot fail on a missing one)."""
+    cmds: list[dict] = []
+    for family in FAMILIES:
+        table = {"table": {"family": family, "name": spec.table}}
+        cmds += [{"add": table}, {"delete": table}]
+    return {"nftables": [*cmds, *_ensure_commands(spec, ifnames)]}
 
 
-def parse_table(spec: GuardSpec, listing: dict | None) -> GuardState:
-    """A :class:`GuardState` from ``nft -j list table`` output (None: the table does not exist)."""
-    if listing is None:
-        return GuardState(table=spec.table, present=False, rules_match=False, differences=["table absent"])
+def remove_document(spec: GuardSpec, ifname: str, families: Iterable[str]) -> dict:
+    return {"nftables": [{"delete": {"element": {"family": f, "table": spec.table, "name": GUARD_SET,
+                                                 "elem": [ifname]}}} for f in families]}
+
+
+def _parse_family(family: str, expected: dict[str, dict], listing: dict) -> tuple[list[str], list[str]]:
+    """(differences, set elements) of one family's table listing."""
     chains: dict[str, dict] = {}
     rules: dict[str, list] = {}
     sets: dict[str, dict] = {}
@@ -163,28 +190,48 @@ def parse_table(spec: GuardSpec, listing: dict | None) -> GuardState:
         elif "set" in item:
             sets[item["set"]["name"]] = item["set"]
     differences = []
-    expected = expected_chains(spec)
     for name in sorted(set(expected) | set(chains)):
+        where = f"{family} chain {name}"
         if name not in expected:
-            differences.append(f"chain {name} is not ours")
+            differences.append(f"{where} is not ours")
         elif name not in chains:
-            differences.append(f"chain {name} missing")
+            differences.append(f"{where} missing")
         elif chains[name] != expected[name]["props"]:
-            differences.append(f"chain {name} is {chains[name]}, not {expected[name]['props']}")
+            differences.append(f"{where} is {chains[name]}, not {expected[name]['props']}")
         elif rules.get(name, []) != expected[name]["rules"]:
-            differences.append(f"chain {name} rules differ")
+            differences.append(f"{where} rules differ")
     guest_set = sets.get(GUARD_SET)
     elements: list[str] = []
     if guest_set is None:
-        differences.append(f"set {GUARD_SET} missing")
+        differences.append(f"{family} set {GUARD_SET} missing")
     else:
         if guest_set.get("type") != "ifname" or guest_set.get("flags"):
-            differences.append(f"set {GUARD_SET} is {guest_set.get('type')} {guest_set.get('flags')}, not ifname")
+            differences.append(f"{family} set {GUARD_SET} is {guest_set.get('type')} {guest_set.get('flags')}")
         elements = sorted(e for e in guest_set.get("elem", []) if isinstance(e, str))
-    for name in sorted(set(sets) - {GUARD_SET}):
-        differences.append(f"set {name} is not ours")
+    differences += [f"{family} set {name} is not ours" for name in sorted(set(sets) - {GUARD_SET})]
+    return differences, elements
+
+
+def parse_tables(spec: GuardSpec, listings: dict[str, dict | None]) -> GuardState:
+    """A :class:`GuardState` from ``nft -j list table`` of each family (None: that table does not exist)."""
+    differences: list[str] = []
+    elements: dict[str, list[str]] = {}
+    for family, chains in expected_tables(spec).items():
+        listing = listings.get(family)
+        if listing is None:
+            differences.append(f"table {family} {spec.table} absent")
+            continue
+        found, elements[family] = _parse_family(family, chains, listing)
+        differences += found
+    if not elements:
+        return GuardState(table=spec.table, present=False, rules_match=False, differences=differences)
+    inet, arp = set(elements.get(FAMILY, [])), set(elements.get(ARP_FAMILY, []))
+    if FAMILY in elements and ARP_FAMILY in elements and inet != arp:
+        differences.append(f"the sets differ: only inet {sorted(inet - arp)}, only arp {sorted(arp - inet)}")
+    # A port counts as guarded only when both families hold it.
+    both = inet & arp if len(elements) == 2 else set()
     return GuardState(table=spec.table, present=True, rules_match=not differences, differences=differences,
-                      guest_ports=elements)
+                      guest_ports=sorted(both), elements=elements)
 
 
 # -- the thin shell -------------------------------------------------------------------------------------
@@ -203,13 +250,16 @@ class NftGuard:
         log_event(log, "nft_guard_applied", table=self.spec.table, what=what)
 
     async def read(self) -> GuardState:
-        tables = await self._run(["nft", "-j", "list", "tables", FAMILY], timeout=self.timeout_s)
-        names = {i["table"]["name"] for i in _json(tables).get("nftables", []) if "table" in i
-                 and i["table"].get("family") == FAMILY}
-        if self.spec.table not in names:
-            return parse_table(self.spec, None)
-        listing = await self._run(["nft", "-j", "list", "table", FAMILY, self.spec.table], timeout=self.timeout_s)
-        return parse_table(self.spec, _json(listing))
+        tables = await self._run(["nft", "-j", "list", "tables"], timeout=self.timeout_s)
+        present = {i["table"]["family"] for i in _json(tables).get("nftables", [])
+                   if "table" in i and i["table"].get("name") == self.spec.table}
+        listings: dict[str, dict | None] = {}
+        for family in FAMILIES:
+            listings[family] = None
+            if family in present:
+                done = await self._run(["nft", "-j", "list", "table", family, self.spec.table], timeout=self.timeout_s)
+                listings[family] = _json(done)
+        return parse_tables(self.spec, listings)
 
     async def add_port(self, ifname: str) -> GuardState:
         """Put the guest port in the guard (creating or correcting the table's rules); idempotent.
@@ -226,21 +276,22 @@ class NftGuard:
             state = await self.read()
             log_event(log, "nft_guard_replaced", logging.WARNING, table=self.spec.table, ifname=ifname,
                       differences=state.differences, error=exc.evidence.get("stderr"))
-            await self._apply(replace_document(self.spec, [*state.guest_ports, ifname]), f"replace for {ifname}")
+            keep = sorted({n for names in state.elements.values() for n in names} | {ifname})
+            await self._apply(replace_document(self.spec, keep), f"replace for {ifname}")
         return await self.read()
 
     async def remove_port(self, ifname: str) -> bool:
-        """Take the guest port out of the set; False when it was not there (or no table exists)."""
+        """Take the guest port out of both sets; False when neither held it (or no table exists)."""
         _check_ifname(ifname)
         state = await self.read()
-        if ifname not in state.guest_ports:
+        holding = [f for f, names in state.elements.items() if ifname in names]
+        if not holding:
             return False
-        element = {"family": FAMILY, "table": self.spec.table, "name": GUARD_SET, "elem": [ifname]}
         try:
-            await self._apply({"nftables": [{"delete": {"element": element}}]}, f"remove {ifname}")
+            await self._apply(remove_document(self.spec, ifname, holding), f"remove {ifname}")
         except HostError:
-            if ifname in (await self.read()).guest_ports:  # not a lost race with another remove: a real failure
-                raise
+            if any(ifname in names for names in (await self.read()).elements.values()):
+                raise  # not a lost race with another remove: a real failure
             return False
         return True
 

@@ -157,7 +157,8 @@ async def isolation_drift(sh: "SliceHost", *, ports: list[OvsPort], active: list
 
     state = await guard.read()
     wanted = {entry.port.name: entry.port.allocation_id for entry in active}
-    orphans = [name for name in state.guest_ports if name not in kept]
+    listed = sorted({n for names in state.elements.values() for n in names})
+    orphans = [name for name in listed if name not in kept]
     if wanted and not state.present:
         findings.append(_finding(DriftKind.nft_guard_missing, state.table, DriftSeverity.error,
                                  expected=f"table inet {state.table}", actual="absent", ports=sorted(wanted)))
@@ -174,7 +175,7 @@ async def isolation_drift(sh: "SliceHost", *, ports: list[OvsPort], active: list
     needs_table = (wanted and not state.present) or (state.present and not state.rules_match)
     if repair and (needs_table or orphans or set(wanted) - set(state.guest_ports)):
         if needs_table or orphans:
-            keep = [n for n in state.guest_ports if n in kept]
+            keep = [n for n in listed if n in kept]
             await guard.replace([*keep, *wanted])
         else:
             for name in sorted(set(wanted) - set(state.guest_ports)):
@@ -193,7 +194,7 @@ def _guard_repaired(finding: DriftFinding, after, kept: set[str]) -> bool:
         return False
     port = finding.detail.get("port")
     if finding.kind is DriftKind.nft_guard_orphan:
-        return port not in after.guest_ports
+        return all(port not in names for names in after.elements.values())
     if port is not None:
         return port in after.guest_ports
     return all(p in after.guest_ports for p in finding.detail.get("ports", []))
