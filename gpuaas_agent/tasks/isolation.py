@@ -41,7 +41,10 @@ def nft_guard(sh: "SliceHost") -> NftGuard:
 
 
 def isolation_of(sh: "SliceHost", port: OvsPort, *, mac: str, ip: str | IPv4Address) -> PortIsolation:
-    """What the port's reservation implies; :class:`IsolationInputError` for a port or address that cannot be a guest's."""
+    """What the port's reservation implies.
+
+    :class:`IsolationInputError` for a port or address that cannot be a guest's.
+    """
     address = IPv4Address(str(ip)) if _is_ipv4(ip) else None
     if address is None or address not in sh.slice.subnet or address in (
             sh.slice.gateway, sh.slice.subnet.network_address, sh.slice.subnet.broadcast_address):

@@ -110,7 +110,7 @@ class IsoLab:
         return sh("ovs-ofctl", *args).stdout
 
     def all_flows(self) -> list[FlowRule]:
-        return parse_dump(self.ofctl("--no-stats", "--no-names", "dump-flows", f"unix:{self.sw.rundir}/{self.sw.bridge}.mgmt"))
+        return parse_dump(self.ofctl("--no-stats", "--no-names", "dump-flows", _mgmt(self.sw)))
 
     def nft(self, *args: str) -> str:
         return sh("ip", "netns", "exec", self.host, "nft", *args).stdout
@@ -490,7 +490,8 @@ def test_vswitchd_restart_loses_the_flows_and_reconcile_reports_and_restores_the
 
     report = lab.agent(lambda: reconcile(lab.sh, store, repair=True))
     found = _kinds(report)
-    assert set(found) == {(DriftKind.flows_missing, lab.a.allocation_id), (DriftKind.flows_missing, lab.b.allocation_id)}
+    assert set(found) == {(DriftKind.flows_missing, lab.a.allocation_id),
+                          (DriftKind.flows_missing, lab.b.allocation_id)}
     assert all(f.repaired for f in found.values())
     assert sorted((r for r in lab.all_flows() if r.cookie >> 48 == 0x6773), key=repr) == sorted(ours, key=repr)
     assert spoof_probes(lab) == {k: False for k in ATTACKS}
