@@ -52,6 +52,7 @@ class OvsSwitch:
     startup_s: float = 0.0
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _veths: list[str] = field(default_factory=list)
+    _vswitchd_argv: list[str] = field(default_factory=list)
 
     @property
     def remote(self) -> str:
@@ -90,6 +91,22 @@ class OvsSwitch:
     def kill_ovsdb_server(self) -> None:
         """Stop ovsdb-server now (tests of an unreachable db); teardown copes with it being gone."""
         _stop(self._procs.get("ovsdb-server"), signal.SIGTERM)
+
+    def restart_vswitchd(self) -> None:
+        """SIGKILL ovs-vswitchd (a crash: no cleanup) and start it again on the same db; returns once it serves OpenFlow.
+
+        The bridge, its ports and their ofports come back from ovsdb; OpenFlow rules are not kept there and are gone.
+        """
+        _stop(self._procs.get("ovs-vswitchd"), signal.SIGKILL)
+        _daemon(self, "ovs-vswitchd", self._vswitchd_argv)
+
+        def serving() -> bool:
+            out = subprocess.run(["ovs-ofctl", "show", f"unix:{self.rundir}/{self.bridge}.mgmt"], env=self.env,
+                                 capture_output=True, timeout=CMD_TIMEOUT_S)
+            return out.returncode == 0
+
+        _wait_for(serving, "the restarted ovs-vswitchd to serve OpenFlow", self)
+        self.vsctl("--timeout=20", "wait-until", "Interface", self.bridge, "ofport=65534")
 
     def kill_vswitchd(self) -> None:
         """Stop ovs-vswitchd now (tests of a change nobody applies)."""
@@ -165,7 +182,8 @@ def running_ovs(*, root_netns: bool = False) -> Iterator[OvsSwitch]:
                 f"--unixctl={rundir}/ovs-vswitchd.ctl", f"--log-file={rundir}/ovs-vswitchd.log",
             ]
             # `ip netns exec` execs the daemon: the Popen PID is vswitchd's own.
-            _daemon(sw, "ovs-vswitchd", (["ip", "netns", "exec", netns] if netns else []) + vswitchd)
+            sw._vswitchd_argv = (["ip", "netns", "exec", netns] if netns else []) + vswitchd
+            _daemon(sw, "ovs-vswitchd", sw._vswitchd_argv)
             # Without --no-wait, ovs-vsctl returns once vswitchd has applied the change.
             sw.vsctl("add-br", sw.bridge, "--", "set", "Bridge", sw.bridge, "datapath_type=netdev")
             ofport = sw.vsctl("get", "Interface", sw.bridge, "ofport").strip()

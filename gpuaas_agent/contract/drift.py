@@ -48,6 +48,13 @@ class DriftKind(str, Enum):
     lease_without_domain = "lease_without_domain"
     driver_not_vfio = "driver_not_vfio"
     disk_not_wiped = "disk_not_wiped"
+    # port isolation (DESIGN.md §4.9): the flows and nft guard an active slot's reservation implies
+    flows_missing = "flows_missing"  # none of the port's OpenFlow rules is installed (e.g. vswitchd restarted)
+    flows_altered = "flows_altered"  # some are, but rules are missing, extra or changed
+    flows_orphan = "flows_orphan"  # rules under our cookie for a port that no longer exists
+    nft_guard_missing = "nft_guard_missing"  # the guard table is absent, or an active port's tap is not in its set
+    nft_guard_altered = "nft_guard_altered"  # the guard table's chains or rules differ from the spec
+    nft_guard_orphan = "nft_guard_orphan"  # the guard's set names a port that no longer exists
 
 
 class DriftSeverity(str, Enum):

@@ -3,11 +3,14 @@
 Sources: the state store (leases, slot records), libvirt (agent-owned domains,
 read back from their metadata), OVS (ports carrying ``gpuaas-allocation``),
 dnsmasq (the agent's reservations and the lease file), sysfs (drivers of the
-leased PCI functions). Every difference is a typed :class:`DriftFinding`.
+leased PCI functions), the bridge's flows and the nft guard (``tasks/isolation.py``).
+Every difference is a typed :class:`DriftFinding`.
 
 Repairs are limited to what cannot hurt a tenant: an OVS port or a dnsmasq
 reservation of an allocation this host no longer knows at all (no lease, no
-slot record, no domain) is removed. Nothing here ever destroys a domain,
+slot record, no domain) is removed, and so are isolation flows or guard entries of
+ports that no longer exist; an active port's missing or altered flows are reinstalled
+(that only ever closes the port again). Nothing here ever destroys a domain,
 releases a lease or wipes a disk: those are findings for the control plane,
 which answers with a release.
 """
@@ -34,6 +37,7 @@ from gpuaas_agent.contract.tasks import ReconcilePayload
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.host.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.tasks.isolation import ActivePort, isolation_drift
 from gpuaas_agent.tasks.slicehost import SliceHost
 
 log = logging.getLogger(__name__)
@@ -144,6 +148,16 @@ async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger
         findings.append(_finding(DriftKind.port_orphan, port.allocation_id or port.name, DriftSeverity.warn,
                                  expected="no port (allocation unknown here)", actual=f"{port.bridge}/{port.name}",
                                  repaired=done, port=port.name))
+
+    # Port isolation (DESIGN.md §4.9): an active slot's port carries the flows and guard its reservation implies.
+    active = [ActivePort(port=port, mac=res.mac, ip=str(res.ip))
+              for lease in leases
+              if (rec := records.get(lease.slot_index)) is not None and rec.status is SlotStatus.active
+              and rec.allocation_id == lease.allocation_id
+              for port in ports if (port.allocation_id, port.slot_index) == (lease.allocation_id, lease.slot_index)
+              for res in reservations if (res.allocation_id, res.slot_index) == (lease.allocation_id,
+                                                                                   lease.slot_index)]
+    findings += await isolation_drift(sh, ports=ports, active=active, known=known, repair=repair)
 
     report = DriftReport(node_id=node_id, trigger=trigger, findings=findings, at=datetime.now(timezone.utc))
     log_event(log, "reconciled", trigger=trigger.value, findings=len(findings),

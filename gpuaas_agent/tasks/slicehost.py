@@ -19,6 +19,7 @@ from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.tasks.isolation import unisolate_port
 
 # Files QEMU opens (firmware) live on the machine the agent runs on, whatever host_root says:
 # on a recorded fixture (the lab) the sysfs is recorded but OVMF is this machine's.
@@ -75,9 +76,11 @@ class SliceHost:
     # -- teardown shared by provision's compensations and release's steps (idempotent) --------------
 
     async def unplug(self, bridge: str, port: str, allocation_id: str) -> dict:
+        """Remove the port, then its isolation flows (by its cookie) and its nft guard element."""
         async with self.ovs() as ovs:
             removed = await asyncio.to_thread(ovs.remove_vm_port, bridge, port, allocation_id=allocation_id)
-        return {"port": port, "removed": removed}
+        isolation = await unisolate_port(self, bridge, port)
+        return {"port": port, "removed": removed, **isolation}
 
     async def unreserve(self, allocation_id: str, slot_index: int) -> dict:
         """Remove the slot's reservation; dnsmasq is signalled only when the file changed."""

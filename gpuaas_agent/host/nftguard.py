@@ -1,0 +1,311 @@
+"""The host-side half of slice isolation: one nftables table the agent owns, filtering what guests may send the host.
+
+Why a second layer beside the port flows: a guest's tap is also a network device of
+the host kernel. With the userspace (netdev) datapath the kernel receives every frame
+the guest sends on its tap beside OVS (and answers its ARP for the gateway address
+there, arp_ignore=0), so a guest can reach the host's listening services without ever
+crossing the bridge's rules. And traffic that does cross them reaches the gateway
+address, where every service of the host listens too. So the host kernel filters
+input from the slices itself.
+
+The tables (``inet gpuaas_slice_guard`` and ``arp gpuaas_slice_guard``, each with its own
+``guest_ports`` set holding the same names; the agent touches no other table)::
+
+    set guest_ports { type ifname }           # the vNIC names of the guest ports
+    chain input   { type filter hook input priority filter - 5; policy accept;
+        iifname @guest_ports jump guest_input                  # straight off a guest tap
+        iifname != "lo" ip saddr <subnet> jump guest_input     # from the slices, via the bridge
+    }
+    chain forward { type filter hook forward priority filter - 5; policy accept;
+        iifname @guest_ports drop                              # routing must come via the bridge's port
+        ip saddr <subnet> ip daddr <subnet> drop               # guest -> guest hairpinned by the host
+    }
+    chain guest_input {
+        ct state established,related accept                    # answers to the host's own connections (SSH)
+        meta nfproto ipv4 udp dport 67 accept                  # DHCP
+        ip daddr <gateway> udp dport 53 accept                 # DNS on the gateway
+        ip daddr <gateway> tcp dport 53 accept
+        drop                                                   # every other service of the host, any address
+    }
+    # table arp gpuaas_slice_guard
+    chain input   { type filter hook input priority filter; policy accept;
+        iifname @guest_ports drop     # the host never answers ARP on a guest tap (only through the bridge)
+    }
+
+Without the ARP chain a guest asking for the gateway gets two answers, the bridge's and
+one from the host kernel on its tap (arp_ignore=0 answers for any local address on any
+interface); a guest that picked the tap's MAC would send its traffic past the port
+flows, straight into the host stack.
+
+The NAT uplink is the forward path and stays open; input to *any* host address from
+the slices is filtered (the gateway's and the host's others alike). Base chains of
+other tables see the same packets: an ``accept`` elsewhere cannot undo our ``drop``.
+
+Writes go through ``nft -j -f -`` (JSON, one transaction each): adding a port is
+add-if-missing of table, set and chains, a flush and re-add of the chains' rules, and
+the port's set element, atomically, so concurrent plugs of two slots both land and
+the rules are always the spec's. :meth:`NftGuard.replace` swaps the whole table
+(``add; delete; define``) for repair. Reads use ``nft -j list``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from gpuaas_agent.contract.isolation import GUARD_SET, GuardSpec, GuardState
+from gpuaas_agent.contract.ovs import IFNAME_PATTERN
+from gpuaas_agent.errors import ContractError, HostError
+from gpuaas_agent.host.run import Completed, run
+from gpuaas_agent.logs import log_event
+
+log = logging.getLogger(__name__)
+
+FAMILY = "inet"
+ARP_FAMILY = "arp"
+FAMILIES = (FAMILY, ARP_FAMILY)
+PRIORITY = -5  # "filter - 5": before the usual filter chains, not that order matters for a drop
+GUEST_CHAIN = "guest_input"
+DHCP_PORT, DNS_PORT = 67, 53
+Runner = Callable[..., Awaitable[Completed]]
+_IFNAME = re.compile(IFNAME_PATTERN)
+
+
+class NftGuardInputError(ContractError):
+    default_code = "nft_guard_invalid_input"
+
+
+def _check_ifname(name: Any) -> str:
+    if not isinstance(name, str) or not _IFNAME.fullmatch(name):
+        raise NftGuardInputError(f"ifname={name!r}: not an interface name", evidence={"ifname": name})
+    return name
+
+
+# -- pure core: the table as nft JSON -----------------------------------------------------------------
+
+
+def _eq(left: dict, right: Any, op: str = "==") -> dict:
+    return {"match": {"op": op, "left": left, "right": right}}
+
+
+def _meta(key: str) -> dict:
+    return {"meta": {"key": key}}
+
+
+def _payload(protocol: str, field: str) -> dict:
+    return {"payload": {"protocol": protocol, "field": field}}
+
+
+def expected_chains(spec: GuardSpec) -> dict[str, dict]:
+    """Chain name -> its properties (hook, prio, policy; none for a regular chain) and rules (expr lists, in order).
+
+    Written in the exact form ``nft -j list`` prints back, so a readback compares equal.
+    """
+    subnet = {"prefix": {"addr": str(spec.subnet.network_address), "len": spec.subnet.prefixlen}}
+    gateway = str(spec.gateway)
+    ipv4 = _eq(_meta("nfproto"), "ipv4")
+    base = {"type": "filter", "prio": PRIORITY, "policy": "accept"}
+    return {
+        "input": {"props": {**base, "hook": "input"}, "rules": [
+            [_eq(_meta("iifname"), f"@{GUARD_SET}"), {"jump": {"target": GUEST_CHAIN}}],
+            [_eq(_meta("iifname"), "lo", "!="), _eq(_payload("ip", "saddr"), subnet),
+             {"jump": {"target": GUEST_CHAIN}}],
+        ]},
+        "forward": {"props": {**base, "hook": "forward"}, "rules": [
+            [_eq(_meta("iifname"), f"@{GUARD_SET}"), {"drop": None}],
+            [_eq(_payload("ip", "saddr"), subnet), _eq(_payload("ip", "daddr"), subnet), {"drop": None}],
+        ]},
+        GUEST_CHAIN: {"props": {}, "rules": [
+            [_eq({"ct": {"key": "state"}}, ["established", "related"], "in"), {"accept": None}],
+            [ipv4, _eq(_payload("udp", "dport"), DHCP_PORT), {"accept": None}],
+            # "ip daddr" implies IPv4: nft drops a "meta nfproto ipv4" written before it.
+            [_eq(_payload("ip", "daddr"), gateway), _eq(_payload("udp", "dport"), DNS_PORT), {"accept": None}],
+            [_eq(_payload("ip", "daddr"), gateway), _eq(_payload("tcp", "dport"), DNS_PORT), {"accept": None}],
+            [{"drop": None}],
+        ]},
+    }
+
+
+def expected_arp_chains() -> dict[str, dict]:
+    return {"input": {"props": {"type": "filter", "hook": "input", "prio": 0, "policy": "accept"}, "rules": [
+        [_eq(_meta("iifname"), f"@{GUARD_SET}"), {"drop": None}],
+    ]}}
+
+
+def expected_tables(spec: GuardSpec) -> dict[str, dict[str, dict]]:
+    """Family -> chain name -> props and rules."""
+    return {FAMILY: expected_chains(spec), ARP_FAMILY: expected_arp_chains()}
+
+
+def _ensure_commands(spec: GuardSpec, ifnames: Iterable[str]) -> list[dict]:
+    """Add-if-missing tables, sets and chains; flush and re-add every rule; add the elements (both families)."""
+    names = sorted({_check_ifname(n) for n in ifnames})
+    cmds: list[dict] = []
+    for family, chains in expected_tables(spec).items():
+        t = {"family": family, "table": spec.table}
+        cmds += [{"add": {"table": {"family": family, "name": spec.table}}},
+                 {"add": {"set": {**t, "name": GUARD_SET, "type": "ifname"}}}]
+        cmds += [{"add": {"chain": {**t, "name": name, **chain["props"]}}} for name, chain in chains.items()]
+        for name, chain in chains.items():
+            cmds.append({"flush": {"chain": {**t, "name": name}}})
+            cmds += [{"add": {"rule": {**t, "chain": name, "expr": expr}}} for expr in chain["rules"]]
+        if names:
+            cmds.append({"add": {"element": {**t, "name": GUARD_SET, "elem": names}}})
+    return cmds
+
+
+def ensure_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict:
+    return {"nftables": _ensure_commands(spec, ifnames)}
+
+
+def replace_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict:
+    """Both tables swapped in one transaction (``add`` first so ``delete`` cannot fail on a missing one)."""
+    cmds: list[dict] = []
+    for family in FAMILIES:
+        table = {"table": {"family": family, "name": spec.table}}
+        cmds += [{"add": table}, {"delete": table}]
+    return {"nftables": [*cmds, *_ensure_commands(spec, ifnames)]}
+
+
+def remove_document(spec: GuardSpec, ifname: str, families: Iterable[str]) -> dict:
+    return {"nftables": [{"delete": {"element": {"family": f, "table": spec.table, "name": GUARD_SET,
+                                                 "elem": [ifname]}}} for f in families]}
+
+
+def _parse_family(family: str, expected: dict[str, dict], listing: dict) -> tuple[list[str], list[str]]:
+    """(differences, set elements) of one family's table listing."""
+    chains: dict[str, dict] = {}
+    rules: dict[str, list] = {}
+    sets: dict[str, dict] = {}
+    for item in listing.get("nftables", []):
+        if "chain" in item:
+            c = item["chain"]
+            chains[c["name"]] = {k: c[k] for k in ("type", "hook", "prio", "policy") if k in c}
+        elif "rule" in item:
+            r = item["rule"]
+            rules.setdefault(r["chain"], []).append(r["expr"])
+        elif "set" in item:
+            sets[item["set"]["name"]] = item["set"]
+    differences = []
+    for name in sorted(set(expected) | set(chains)):
+        where = f"{family} chain {name}"
+        if name not in expected:
+            differences.append(f"{where} is not ours")
+        elif name not in chains:
+            differences.append(f"{where} missing")
+        elif chains[name] != expected[name]["props"]:
+            differences.append(f"{where} is {chains[name]}, not {expected[name]['props']}")
+        elif rules.get(name, []) != expected[name]["rules"]:
+            differences.append(f"{where} rules differ")
+    guest_set = sets.get(GUARD_SET)
+    elements: list[str] = []
+    if guest_set is None:
+        differences.append(f"{family} set {GUARD_SET} missing")
+    else:
+        if guest_set.get("type") != "ifname" or guest_set.get("flags"):
+            differences.append(f"{family} set {GUARD_SET} is {guest_set.get('type')} {guest_set.get('flags')}")
+        elements = sorted(e for e in guest_set.get("elem", []) if isinstance(e, str))
+    differences += [f"{family} set {name} is not ours" for name in sorted(set(sets) - {GUARD_SET})]
+    return differences, elements
+
+
+def parse_tables(spec: GuardSpec, listings: dict[str, dict | None]) -> GuardState:
+    """A :class:`GuardState` from ``nft -j list table`` of each family (None: that table does not exist)."""
+    differences: list[str] = []
+    elements: dict[str, list[str]] = {}
+    for family, chains in expected_tables(spec).items():
+        listing = listings.get(family)
+        if listing is None:
+            differences.append(f"table {family} {spec.table} absent")
+            continue
+        found, elements[family] = _parse_family(family, chains, listing)
+        differences += found
+    if not elements:
+        return GuardState(table=spec.table, present=False, rules_match=False, differences=differences)
+    inet, arp = set(elements.get(FAMILY, [])), set(elements.get(ARP_FAMILY, []))
+    if FAMILY in elements and ARP_FAMILY in elements and inet != arp:
+        differences.append(f"the sets differ: only inet {sorted(inet - arp)}, only arp {sorted(arp - inet)}")
+    # A port counts as guarded only when both families hold it.
+    both = inet & arp if len(elements) == 2 else set()
+    return GuardState(table=spec.table, present=True, rules_match=not differences, differences=differences,
+                      guest_ports=sorted(both), elements=elements)
+
+
+# -- the thin shell -------------------------------------------------------------------------------------
+
+
+class NftGuard:
+    """The guard table of one host (one slice subnet)."""
+
+    def __init__(self, spec: GuardSpec, *, timeout_s: float = 10.0, runner: Runner = run) -> None:
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self._run = runner
+
+    async def _apply(self, document: dict, what: str) -> None:
+        await self._run(["nft", "-j", "-f", "-"], timeout=self.timeout_s, stdin=json.dumps(document).encode())
+        log_event(log, "nft_guard_applied", table=self.spec.table, what=what)
+
+    async def read(self) -> GuardState:
+        tables = await self._run(["nft", "-j", "list", "tables"], timeout=self.timeout_s)
+        present = {i["table"]["family"] for i in _json(tables).get("nftables", [])
+                   if "table" in i and i["table"].get("name") == self.spec.table}
+        listings: dict[str, dict | None] = {}
+        for family in FAMILIES:
+            listings[family] = None
+            if family in present:
+                done = await self._run(["nft", "-j", "list", "table", family, self.spec.table], timeout=self.timeout_s)
+                listings[family] = _json(done)
+        return parse_tables(self.spec, listings)
+
+    async def add_port(self, ifname: str) -> GuardState:
+        """Put the guest port in the guard (creating or correcting the table's rules); idempotent.
+
+        A table whose set or chains cannot be corrected in place (a set of another type, a
+        chain on another hook) is swapped whole, keeping the elements it had.
+        """
+        _check_ifname(ifname)
+        try:
+            await self._apply(ensure_document(self.spec, [ifname]), f"add {ifname}")
+        except HostError as exc:
+            if exc.code != "command_failed":
+                raise
+            state = await self.read()
+            log_event(log, "nft_guard_replaced", logging.WARNING, table=self.spec.table, ifname=ifname,
+                      differences=state.differences, error=exc.evidence.get("stderr"))
+            keep = sorted({n for names in state.elements.values() for n in names} | {ifname})
+            await self._apply(replace_document(self.spec, keep), f"replace for {ifname}")
+        return await self.read()
+
+    async def remove_port(self, ifname: str) -> bool:
+        """Take the guest port out of both sets; False when neither held it (or no table exists)."""
+        _check_ifname(ifname)
+        state = await self.read()
+        holding = [f for f, names in state.elements.items() if ifname in names]
+        if not holding:
+            return False
+        try:
+            await self._apply(remove_document(self.spec, ifname, holding), f"remove {ifname}")
+        except HostError:
+            if any(ifname in names for names in (await self.read()).elements.values()):
+                raise  # not a lost race with another remove: a real failure
+            return False
+        return True
+
+    async def replace(self, ifnames: Iterable[str]) -> GuardState:
+        """Swap in the whole table with exactly ``ifnames`` in its set (repair)."""
+        names = sorted({_check_ifname(n) for n in ifnames})
+        await self._apply(replace_document(self.spec, names), f"replace with {len(names)} ports")
+        return await self.read()
+
+
+def _json(done: Completed) -> dict:
+    try:
+        return json.loads(done.stdout or b"{}")
+    except json.JSONDecodeError as exc:
+        raise HostError("nft -j printed something that is not JSON", code="nft_output_unparsable",
+                        evidence={"argv": list(done.argv), "stdout": done.stdout[:2000].decode("utf-8", "replace")}) \
+            from exc

@@ -1,0 +1,209 @@
+"""Isolate a slice's port on plug and release it on unplug: the two calls the pipelines make (DESIGN.md §4.9).
+
+:func:`isolate_port` installs the port's OpenFlow rules (``host/portflows.py``) and puts
+its vNIC in the host's nft guard (``host/nftguard.py``); :func:`unisolate_port` removes
+exactly those. Both are idempotent, so provision calls ``isolate_port`` once the port
+exists and again after the domain start (libvirt re-creates the port, and its ofport
+may change), and reconcile calls it to repair a port whose rules drifted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from ipaddress import IPv4Address
+from typing import TYPE_CHECKING
+
+from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
+from gpuaas_agent.contract.isolation import (
+    FlowState,
+    GuardSpec,
+    PortIsolation,
+    cookie_of_port_name,
+    port_name_of_cookie,
+)
+from gpuaas_agent.contract.ovs import OvsPort
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.nftguard import NftGuard
+from gpuaas_agent.host.portflows import IsolationInputError, PortFlows, expected_flows, ovs_rundir, port_isolation
+
+if TYPE_CHECKING:
+    from gpuaas_agent.tasks.slicehost import SliceHost
+
+
+def port_flows(sh: "SliceHost") -> PortFlows:
+    """The OpenFlow driver of the host's vswitchd (its sockets sit beside the ovsdb socket)."""
+    return PortFlows(ovs_rundir(sh.slice.ovsdb_remote))
+
+
+def nft_guard(sh: "SliceHost") -> NftGuard:
+    return NftGuard(GuardSpec(subnet=sh.slice.subnet, gateway=sh.slice.gateway))
+
+
+def isolation_of(sh: "SliceHost", port: OvsPort, *, mac: str, ip: str | IPv4Address) -> PortIsolation:
+    """What the port's reservation implies.
+
+    :class:`IsolationInputError` for a port or address that cannot be a guest's.
+    """
+    address = IPv4Address(str(ip)) if _is_ipv4(ip) else None
+    if address is None or address not in sh.slice.subnet or address in (
+            sh.slice.gateway, sh.slice.subnet.network_address, sh.slice.subnet.broadcast_address):
+        raise IsolationInputError(
+            f"ip {ip} is not a guest address of {sh.slice.subnet} (gateway {sh.slice.gateway})",
+            evidence={"port": port.name, "ip": str(ip), "subnet": str(sh.slice.subnet),
+                      "gateway": str(sh.slice.gateway)})
+    if port.slot_index is None:
+        raise IsolationInputError(f"port {port.name} carries no slot index", evidence={"port": port.name})
+    # ofport -1: vswitchd could not open the tap yet (the domain is not started); the MAC is closed meanwhile.
+    ofport = port.ofport if port.ofport is not None and port.ofport > 0 else None
+    return port_isolation(bridge=port.bridge, port=port.name, allocation_id=port.allocation_id,
+                          slot_index=port.slot_index, ofport=ofport, mac=mac, ip=address)
+
+
+async def isolate_port(sh: "SliceHost", port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict:
+    """Install the port's flows (one bundle) and add its vNIC to the nft guard; returns the evidence.
+
+    Refuses with ``port_isolation_conflict`` (nothing written) when another port's flows
+    hold the same MAC, IP or ofport.
+    """
+    iso = isolation_of(sh, port, mac=mac, ip=ip)
+    rules = await port_flows(sh).install(iso)
+    guard = await nft_guard(sh).add_port(port.name)
+    return {"cookie": f"{iso.cookie:#x}", "ofport": iso.ofport, "flows": len(rules), "nft_table": guard.table,
+            "nft_guarded": port.name in guard.guest_ports}
+
+
+async def unisolate_port(sh: "SliceHost", bridge: str, port_name: str) -> dict:
+    """Remove the port's flows (by its cookie only) and its nft set element; idempotent."""
+    cookie = cookie_of_port_name(port_name)
+    if cookie is None:  # not a vNIC name of ours: we never installed anything for it
+        return {"flows_removed": 0, "nft_removed": False}
+    removed = await port_flows(sh).remove(bridge, cookie)
+    unguarded = await nft_guard(sh).remove_port(port_name)
+    return {"flows_removed": len(removed), "nft_removed": unguarded}
+
+
+def _is_ipv4(value: object) -> bool:
+    try:
+        IPv4Address(str(value))
+    except ValueError:
+        return False
+    return True
+
+
+# -- reconcile: the isolation an active slot implies vs. what the bridge and nftables hold -----------------
+
+
+@dataclass(frozen=True)
+class ActivePort:
+    """An active slot's port and the reservation its rules follow."""
+
+    port: OvsPort
+    mac: str
+    ip: str
+
+
+async def isolation_drift(sh: "SliceHost", *, ports: list[OvsPort], active: list[ActivePort], known: set[str],
+                          repair: bool) -> list[DriftFinding]:
+    """Findings for flows and the nft guard; with ``repair``, reinstall what an active port lacks and remove orphans.
+
+    ``ports``: every agent port in ovsdb; ``known``: allocations this host still knows
+    (lease, slot record or domain). Rules or guard elements of a port that is not a
+    port of a known allocation are orphans. Repairs never loosen anything: they
+    restore the rules a reservation implies or delete rules nobody owns.
+    """
+    flows, guard = port_flows(sh), nft_guard(sh)
+    findings: list[DriftFinding] = []
+    kept = {p.name for p in ports if p.allocation_id in known}
+    bridges = sorted({sh.slice.ovs_bridge, *(p.bridge for p in ports)})
+    async with sh.ovs() as ovs:
+        present = [b for b in bridges if await asyncio.to_thread(ovs.bridge_exists, b)]
+
+    for bridge in present:
+        for cookie, rules in sorted((await flows.ours(bridge)).items()):
+            name = port_name_of_cookie(cookie)
+            if name in kept:
+                continue
+            done = bool(await flows.remove(bridge, cookie)) if repair else False
+            findings.append(_finding(DriftKind.flows_orphan, name or f"{cookie:#x}", DriftSeverity.warn,
+                                     expected="no flows (no such port)", actual=f"{len(rules)} rules on {bridge}",
+                                     repaired=done, cookie=f"{cookie:#x}", bridge=bridge))
+
+    for entry in active:
+        port = entry.port
+        try:
+            iso = isolation_of(sh, port, mac=entry.mac, ip=entry.ip)
+        except AgentError as exc:
+            findings.append(_finding(DriftKind.flows_missing, port.allocation_id, DriftSeverity.error,
+                                     expected="flows of the port's reservation", actual=exc.code,
+                                     port=port.name, error=exc.message))
+            continue
+        if port.bridge not in present:
+            continue  # the bridge itself is gone: the port's own findings say so
+        seen = await flows.compare(iso)
+        if seen.state is FlowState.ok:
+            continue
+        done, error = False, None
+        if repair:
+            try:
+                await isolate_port(sh, port, mac=entry.mac, ip=entry.ip)
+                done = True
+            except AgentError as exc:  # a conflict with another port's rules: reported, never forced
+                error = {"code": exc.code, "message": exc.message, "evidence": exc.evidence}
+        kind = DriftKind.flows_missing if seen.state is FlowState.missing else DriftKind.flows_altered
+        findings.append(_finding(
+            kind, port.allocation_id, DriftSeverity.error, expected=f"{len(expected_flows(iso))} rules",
+            actual=f"{len(seen.missing)} missing, {len(seen.extra)} extra", repaired=done, port=port.name,
+            cookie=f"{iso.cookie:#x}", ofport=iso.ofport, slot_index=port.slot_index,
+            missing=[r.model_dump(mode="json") for r in seen.missing][:20],
+            extra=[r.model_dump(mode="json") for r in seen.extra][:20], repair_error=error))
+
+    state = await guard.read()
+    wanted = {entry.port.name: entry.port.allocation_id for entry in active}
+    listed = sorted({n for names in state.elements.values() for n in names})
+    orphans = [name for name in listed if name not in kept]
+    if wanted and not state.present:
+        findings.append(_finding(DriftKind.nft_guard_missing, state.table, DriftSeverity.error,
+                                 expected=f"table inet {state.table}", actual="absent", ports=sorted(wanted)))
+    elif state.present and not state.rules_match:
+        findings.append(_finding(DriftKind.nft_guard_altered, state.table, DriftSeverity.error,
+                                 expected="the guard's chains and rules", actual="; ".join(state.differences)))
+    for name in sorted(set(wanted) - set(state.guest_ports)):
+        if state.present:
+            findings.append(_finding(DriftKind.nft_guard_missing, wanted[name], DriftSeverity.error,
+                                     expected=f"{name} in the guard's set", actual="absent", port=name))
+    for name in orphans:
+        findings.append(_finding(DriftKind.nft_guard_orphan, name, DriftSeverity.warn,
+                                 expected="not in the guard's set (no such port)", actual="in the set", port=name))
+    needs_table = (wanted and not state.present) or (state.present and not state.rules_match)
+    if repair and (needs_table or orphans or set(wanted) - set(state.guest_ports)):
+        if needs_table or orphans:
+            keep = [n for n in listed if n in kept]
+            await guard.replace([*keep, *wanted])
+        else:
+            for name in sorted(set(wanted) - set(state.guest_ports)):
+                await guard.add_port(name)
+        after = await guard.read()
+        findings = [f.model_copy(update={"repaired": _guard_repaired(f, after, kept)})
+                    if f.kind in _GUARD_KINDS else f for f in findings]
+    return findings
+
+
+_GUARD_KINDS = (DriftKind.nft_guard_missing, DriftKind.nft_guard_altered, DriftKind.nft_guard_orphan)
+
+
+def _guard_repaired(finding: DriftFinding, after, kept: set[str]) -> bool:
+    if not (after.present and after.rules_match):
+        return False
+    port = finding.detail.get("port")
+    if finding.kind is DriftKind.nft_guard_orphan:
+        return all(port not in names for names in after.elements.values())
+    if port is not None:
+        return port in after.guest_ports
+    return all(p in after.guest_ports for p in finding.detail.get("ports", []))
+
+
+def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected=None, actual=None,
+             repaired=False, **detail) -> DriftFinding:
+    return DriftFinding(kind=kind, subject=subject, severity=severity, expected=expected, actual=actual,
+                        repaired=repaired, detail=detail)
