@@ -130,8 +130,6 @@ class Lab:
     async def start(self) -> "Lab":
         if os.geteuid() != 0:
             raise SystemExit("the lab needs root: loop devices, OVS, dnsmasq, libvirtd")
-        self.work.mkdir(parents=True, exist_ok=True)
-        self.work.chmod(0o755)  # QEMU (libvirt-qemu) opens the seed ISOs under it
         try:
             await self.start_services()
             await self.start_node()
@@ -142,6 +140,8 @@ class Lab:
 
     async def start_services(self) -> None:
         """Everything around the node: NATS + control plane, OVS, dnsmasq, libvirtd, the host, the image."""
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.work.chmod(0o755)  # QEMU (libvirt-qemu) opens the seed ISOs under it
         self._start_nats()
         await self._start_control_plane()
         self._start_ovs()
