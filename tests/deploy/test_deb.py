@@ -379,7 +379,7 @@ echo "systemctl $*" >> /tmp/systemctl-calls.log
 
 def _fresh_host(box: Chroot) -> None:
     """A host that never had the agent: purged, no bootstrap leftovers, no downloaded package."""
-    box.run("apt-get", "purge", "-y", "gpuaas-agent", timeout=APT_TIMEOUT_S)
+    box.run("dpkg", "--purge", "gpuaas-agent", timeout=APT_TIMEOUT_S)  # a no-op when never installed
     for leftover in ("/run/gpuaas-agent-bootstrap", "/var/cache/gpuaas-agent", "/var/lib/cloud/instance",
                      "/etc/default/gpuaas-slice-network-baseline", "/tmp/systemctl-calls.log"):
         path = box.path(leftover)
