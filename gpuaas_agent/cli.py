@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("inputs", type=Path, help="JSON: package_url, package_sha256, bootstrap_token, nats_url, maas_tags")
     render.add_argument("--out", type=Path, default=None, help="write here (0600) instead of stdout")
 
+    prepare = sub.add_parser("prepare-host",
+                             help="create the directories and terminal relay key a provision needs (idempotent)")
+    prepare.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=f"agent config (default {DEFAULT_CONFIG})")
+    prepare.add_argument("--check", action="store_true",
+                         help="write nothing: verify everything exists and the agent can write where it must")
+
     baseline = sub.add_parser("network-baseline",
                               help="converge ovsbr0 + gateway, dnsmasq subnet config, NAT, ip_forward (idempotent)")
     baseline.add_argument("--config", type=Path, default=None,
@@ -189,6 +195,17 @@ def _cmd_cloud_init(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_prepare_host(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gpuaas_agent.config import load_config
+    from gpuaas_agent.deploy.prepare import prepare_host
+
+    for line in asyncio.run(prepare_host(load_config(args.config), check_only=args.check)):
+        print(line)
+    return EXIT_OK
+
+
 def _cmd_network_baseline(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -245,6 +262,7 @@ COMMANDS = {
     "enroll": _cmd_enroll,
     "cloud-init": _cmd_cloud_init,
     "network-baseline": _cmd_network_baseline,
+    "prepare-host": _cmd_prepare_host,
 }
 
 

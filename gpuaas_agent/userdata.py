@@ -8,9 +8,18 @@ is an argv list (cloud-init runs those without a shell).
 The order on the host: write the bootstrap token (0600) and the agent config
 into a bootstrap directory, download the package and check its sha256, install
 it (``--force-confold`` keeps a config already there), install the config,
-then, only on hosts tagged ``gpuaas-profile-slice-vm``, enable and run the
-network baseline, then enroll and enable the agent. A bare-metal-intent host
-(seed 004: ``gpuaas-profile-baremetal``) gets the agent but no slice network.
+then ``gpuaas-agent prepare-host`` with that config (directories and the
+terminal relay key a provision needs), then, only on hosts tagged
+``gpuaas-profile-slice-vm``, enable and run the network baseline, then enroll
+and enable the agent. A bare-metal-intent host (seed 004:
+``gpuaas-profile-baremetal``) gets the agent but no slice network.
+
+Fail closed: cloud-init runs ``runcmd`` as one shell script without ``set -e``,
+so on its own a failed ``sha256sum --check`` is followed by installing the
+package anyway. Every step therefore goes through :data:`STEP_SCRIPT` (written
+by ``write_files``): the first failing step records its reason (journal via
+``logger -t gpuaas-bootstrap``, stderr into cloud-init-output.log) and every
+later step refuses to run.
 """
 
 from __future__ import annotations
@@ -33,6 +42,43 @@ TOKEN_PATH = STATE_DIR / "bootstrap-token"
 CONFIG_PATH = Path("/etc/gpuaas-agent/agent.toml")
 DEB_PATH = Path("/var/cache/gpuaas-agent/gpuaas-agent.deb")
 AGENT = "/usr/bin/gpuaas-agent"
+STEP_PATH = BOOTSTRAP_DIR / "step"
+FAILED_PATH = BOOTSTRAP_DIR / "failed"
+LOG_TAG = "gpuaas-bootstrap"
+
+# Constant text (nothing of the inputs is interpolated): data reaches it only as argv of a runcmd entry.
+STEP_SCRIPT = f"""#!/bin/sh
+# One step of the gpuaas bootstrap (gpuaas-agent cloud-init render). Every runcmd entry runs
+#   sh {STEP_PATH} NAME COMMAND [ARG...]
+# cloud-init runs runcmd as one shell script without `set -e`: on its own, a failed step is followed
+# by the next one (a package whose digest is wrong installed anyway). Here the first failure records
+# its reason in {FAILED_PATH}, in the journal (logger -t {LOG_TAG}) and on stderr
+# (/var/log/cloud-init-output.log), and every later step refuses to run.
+# To retry once the cause is fixed: rm {FAILED_PATH}, then run cloud-init's runcmd script again.
+set -eu
+failed={FAILED_PATH}
+err={BOOTSTRAP_DIR}/step.stderr
+step="$1"
+shift
+say() {{
+    printf '{LOG_TAG}: %s\\n' "$2" >&2
+    logger -t {LOG_TAG} -p "user.$1" -- "$2" 2>/dev/null || true
+}}
+if [ -e "$failed" ]; then
+    say err "step $step not run: an earlier step failed: $(cat "$failed")"
+    exit 1
+fi
+rc=0
+"$@" 2>"$err" || rc=$?
+cat "$err" >&2
+if [ "$rc" -ne 0 ]; then
+    why="$(tail -n 3 "$err" | tr '\\n' ' ')"
+    printf 'step %s failed (exit %s): %s\\n' "$step" "$rc" "$why" > "$failed"
+    say err "step $step failed (exit $rc): $why"
+    exit "$rc"
+fi
+say info "step $step ok"
+"""
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 MaasTag = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,255}$")]
@@ -105,35 +151,45 @@ _Dumper.add_representer(str, _represent_str)
 _Dumper.add_representer(_Argv, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
 
 
-def _runcmd(inputs: UserDataInputs) -> list[list[str]]:
+def steps(inputs: UserDataInputs) -> list[tuple[str, list[str]]]:
+    """The bootstrap's steps in order: (name, argv). Each becomes one runcmd entry through :data:`STEP_SCRIPT`."""
     deb, sums = str(DEB_PATH), str(BOOTSTRAP_DIR / "package.sha256")
-    cmds: list[list[str]] = [
-        ["install", "-d", "-m", "0755", str(DEB_PATH.parent)],
-        ["curl", "--fail", "--silent", "--show-error", "--location", "--retry", "5",
-         "--output", deb, str(inputs.package_url)],
-        ["sha256sum", "--check", "--strict", sums],
-        ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "--yes",
-         "-o", "Dpkg::Options::=--force-confold", "-o", "Dpkg::Options::=--force-confdef", deb],
-        ["install", "-m", "0644", "-o", "root", "-g", "root", str(BOOTSTRAP_DIR / "agent.toml"), str(CONFIG_PATH)],
-        ["install", "-d", "-m", "0700", "-o", "root", "-g", "root", str(STATE_DIR)],
-        ["install", "-m", "0600", "-o", "root", "-g", "root", str(BOOTSTRAP_DIR / "bootstrap-token"), str(TOKEN_PATH)],
-        ["rm", "-f", str(BOOTSTRAP_DIR / "bootstrap-token")],
+    cmds: list[tuple[str, list[str]]] = [
+        ("make-cache-dir", ["install", "-d", "-m", "0755", str(DEB_PATH.parent)]),
+        ("download-package", ["curl", "--fail", "--silent", "--show-error", "--location", "--retry", "5",
+                              "--output", deb, str(inputs.package_url)]),
+        ("verify-package", ["sha256sum", "--check", "--strict", sums]),
+        ("install-package", ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "--yes",
+                             "-o", "Dpkg::Options::=--force-confold", "-o", "Dpkg::Options::=--force-confdef", deb]),
+        ("install-config", ["install", "-m", "0644", "-o", "root", "-g", "root", str(BOOTSTRAP_DIR / "agent.toml"),
+                            str(CONFIG_PATH)]),
+        ("make-state-dir", ["install", "-d", "-m", "0700", "-o", "root", "-g", "root", str(STATE_DIR)]),
+        ("install-token", ["install", "-m", "0600", "-o", "root", "-g", "root", str(BOOTSTRAP_DIR / "bootstrap-token"),
+                           str(TOKEN_PATH)]),
+        ("remove-staged-token", ["rm", "-f", str(BOOTSTRAP_DIR / "bootstrap-token")]),
+        # Again with the site config just installed (postinst ran with the packaged default).
+        ("prepare-host", [AGENT, "prepare-host", "--config", str(CONFIG_PATH)]),
     ]
     if inputs.slice_vm:
         if inputs.baseline_args:
-            cmds.append(["install", "-m", "0644", str(BOOTSTRAP_DIR / "network-baseline.env"),
-                         "/etc/default/gpuaas-slice-network-baseline"])
-        cmds.append(["systemctl", "enable", "--now", "gpuaas-slice-network-baseline.service"])
+            cmds.append(("install-baseline-args", ["install", "-m", "0644", str(BOOTSTRAP_DIR / "network-baseline.env"),
+                                                   "/etc/default/gpuaas-slice-network-baseline"]))
+        cmds.append(("enable-network-baseline", ["systemctl", "enable", "--now", "gpuaas-slice-network-baseline.service"]))
     cmds += [
-        [AGENT, "enroll", "--config", str(CONFIG_PATH)],
-        ["systemctl", "enable", "--now", "gpuaas-agent.service"],
+        ("enroll", [AGENT, "enroll", "--config", str(CONFIG_PATH)]),
+        ("enable-agent", ["systemctl", "enable", "--now", "gpuaas-agent.service"]),
     ]
     return cmds
+
+
+def _runcmd(inputs: UserDataInputs) -> list[list[str]]:
+    return [["sh", str(STEP_PATH), name, *argv] for name, argv in steps(inputs)]
 
 
 def render_userdata(inputs: UserDataInputs) -> str:
     """The ``#cloud-config`` document for ``inputs`` (a pure function: same inputs, same bytes)."""
     files = [
+        {"path": str(STEP_PATH), "owner": "root:root", "permissions": "0700", "content": STEP_SCRIPT},
         {"path": str(BOOTSTRAP_DIR / "bootstrap-token"), "owner": "root:root", "permissions": "0600",
          "content": inputs.bootstrap_token.get_secret_value() + "\n"},
         {"path": str(BOOTSTRAP_DIR / "agent.toml"), "owner": "root:root", "permissions": "0600",

@@ -81,6 +81,10 @@ class LabSettings:
     readiness_timeout_s: float = 300.0
     heartbeat_interval_s: float = 5.0
     say: object = print  # progress lines for people; tests pass a quiet one
+    # The fresh-host lane (tests/deploy/test_fresh_host.py): the agent the .deb installed, and the package's
+    # default state dir, seed-ISO dir and terminal relay key (made by its prepare-host, not by the lab).
+    agent_binary: Path = AGENT
+    use_package_paths: bool = False
 
 
 @dataclass
@@ -107,6 +111,14 @@ class Lab:
         return self.settings.workdir
 
     @property
+    def state_dir(self) -> Path:
+        if self.settings.use_package_paths:
+            from gpuaas_agent.config import DEFAULT_STATE_DIR
+
+            return DEFAULT_STATE_DIR
+        return self.work / "state"
+
+    @property
     def gateway(self) -> str:
         return str(self.settings.subnet.network_address + 1)
 
@@ -118,24 +130,34 @@ class Lab:
     async def start(self) -> "Lab":
         if os.geteuid() != 0:
             raise SystemExit("the lab needs root: loop devices, OVS, dnsmasq, libvirtd")
-        self.work.mkdir(parents=True, exist_ok=True)
-        self.work.chmod(0o755)  # QEMU (libvirt-qemu) opens the seed ISOs under it
         try:
-            self._start_nats()
-            await self._start_control_plane()
-            self._start_ovs()
-            self._start_dnsmasq()
-            self._start_libvirtd()
-            self._make_host()
-            self._make_image()
-            self._make_keys()
-            self._write_config()
-            await self._enroll()
-            self.start_agent()
+            await self.start_services()
+            await self.start_node()
         except BaseException:
             await self.stop()
             raise
         return self
+
+    async def start_services(self) -> None:
+        """Everything around the node: NATS + control plane, OVS, dnsmasq, libvirtd, the host, the image."""
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.work.chmod(0o755)  # QEMU (libvirt-qemu) opens the seed ISOs under it
+        self._start_nats()
+        await self._start_control_plane()
+        self._start_ovs()
+        self._start_dnsmasq()
+        self._start_libvirtd()
+        self._make_host()
+        self._make_image()
+
+    async def start_node(self) -> None:
+        """The node, as its unit would start it: config, (prepare-host), enroll, run."""
+        self._make_keys()
+        self._write_config()
+        if self.settings.use_package_paths:
+            await self._prepare_host()
+        await self._enroll()
+        self.start_agent()
 
     def _start_nats(self) -> None:
         port = _free_port()
@@ -218,7 +240,7 @@ class Lab:
     def _make_keys(self) -> None:
         keys = self.work / "keys"
         keys.mkdir(exist_ok=True)
-        for name in ("relay", "tenant"):
+        for name in ("tenant",) if self.settings.use_package_paths else ("relay", "tenant"):
             if not (keys / name).exists():
                 _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"gpuaas-lab-{name}", "-f", str(keys / name))
         self.tenant_key = (keys / "tenant.pub").read_text().strip()
@@ -227,10 +249,11 @@ class Lab:
     def _write_config(self) -> None:
         d = self.work / "dnsmasq"
         state = self.work / "state"
-        state.mkdir(mode=0o700, exist_ok=True)
         seeds = self.work / "seeds"
-        seeds.mkdir(exist_ok=True)
-        seeds.chmod(0o755)
+        if not self.settings.use_package_paths:
+            state.mkdir(mode=0o700, exist_ok=True)
+            seeds.mkdir(exist_ok=True)
+            seeds.chmod(0o755)
         config = {
             "state_dir": str(state),
             "host_root": str(self.host.root),
@@ -257,18 +280,36 @@ class Lab:
                 "allow_emulated_domains": True,
             },
         }
+        if self.settings.use_package_paths:
+            # Left to the agent's defaults, which are the package's: prepare-host made them.
+            for key in ("state_dir", "token_file"):
+                del config[key]
+            for key in ("seed_dir", "terminal_relay_key_file"):
+                del config["slice"][key]
         self.config_path = self.work / "agent.json"
         self.config_path.write_text(json.dumps(config, indent=2) + "\n")
 
+    async def _prepare_host(self) -> None:
+        """The unit's first two ExecStartPre= lines: prepare-host, then its --check."""
+        for extra in ((), ("--check",)):
+            done = await asyncio.to_thread(_sh, str(self.settings.agent_binary), "prepare-host", *extra, "--config",
+                                           str(self.config_path), timeout=60, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"gpuaas-agent prepare-host {' '.join(extra)} failed ({done.returncode}): "
+                                   f"{done.stderr.strip()}")
+            self.say(f"lab: prepare-host {' '.join(extra)}\n{done.stdout.rstrip()}")
+
     async def _enroll(self) -> None:
-        token_file = self.work / "state/bootstrap-token"
-        token_file.write_text(self.cp.issue_token() + "\n")
-        token_file.chmod(0o600)
-        done = await asyncio.to_thread(_sh, str(AGENT), "enroll", "--config", str(self.config_path), timeout=60,
-                                       check=False)
+        record_file = self.state_dir / "enrollment.json"
+        if not record_file.exists():  # else enrolled already (cloud-init): enroll is the unit's no-op ExecStartPre
+            token_file = self.state_dir / "bootstrap-token"
+            token_file.write_text(self.cp.issue_token() + "\n")
+            token_file.chmod(0o600)
+        done = await asyncio.to_thread(_sh, str(self.settings.agent_binary), "enroll", "--config", str(self.config_path),
+                                       timeout=60, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"gpuaas-agent enroll failed ({done.returncode}): {done.stderr.strip()}")
-        record = json.loads((self.work / "state/enrollment.json").read_text())
+        record = json.loads(record_file.read_text())
         self.node_id = record["node_id"]
         self.say(f"lab: agent enrolled as node {self.node_id}")
 
@@ -276,7 +317,7 @@ class Lab:
         log = self.work / "agent.log"
         out = open(log, "ab")
         env = {**os.environ, **self.ovs_env}
-        self.procs["agent"] = subprocess.Popen([str(AGENT), "run", "--config", str(self.config_path)], env=env,
+        self.procs["agent"] = subprocess.Popen([str(self.settings.agent_binary), "run", "--config", str(self.config_path)], env=env,
                                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         out.close()
         self.say(f"lab: gpuaas-agent run (pid {self.procs['agent'].pid}), log {log}")

@@ -22,12 +22,15 @@ against a real nats-server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -127,6 +130,21 @@ class Chroot:
         return self.root / inside.lstrip("/")
 
 
+def assert_prepared(box: Chroot) -> None:
+    """What a provision needs exists, created by the package with the modes QEMU, dnsmasq and root need."""
+    expected = {"/var/lib/gpuaas-agent": 0o700, "/var/lib/gpuaas-agent/images": 0o700,
+                "/var/lib/libvirt/images/gpuaas-seeds": 0o711, "/var/lib/gpuaas-dnsmasq": 0o755,
+                "/var/lib/gpuaas/terminal": 0o700, "/var/lib/gpuaas/terminal/id_ed25519": 0o600,
+                "/var/lib/gpuaas/terminal/id_ed25519.pub": 0o644}
+    for inside, mode in expected.items():
+        st = box.path(inside).stat()
+        assert (st.st_mode & 0o777, st.st_uid) == (mode, 0), f"{inside}: {st.st_mode & 0o777:04o} uid {st.st_uid}"
+    listed = box.run("ssh-keygen", "-l", "-f", "/var/lib/gpuaas/terminal/id_ed25519").stdout
+    assert listed.endswith("(ED25519)\n")
+    check = box.run("gpuaas-agent", "prepare-host", "--check", "--config", "/etc/gpuaas-agent/agent.toml")
+    assert check.stdout.count("outcome=ok") == 6
+
+
 @pytest.fixture(scope="module")
 def debs(tmp_path_factory) -> dict[str, Path]:
     """v1 (the source version) and v2 (a newer one) built by the script `make deb` runs."""
@@ -205,6 +223,7 @@ def test_installed_package_runs_version_and_discover(installed, debs):
 
     state = box.path("/var/lib/gpuaas-agent").stat()
     assert oct(state.st_mode & 0o777) == "0o700" and state.st_uid == 0
+    assert_prepared(box)  # postinst ran prepare-host: the first provision finds its directories and relay key
     # The shipped default config is valid for the agent's own parser (every key commented = defaults).
     box.run("/opt/gpuaas-agent/bin/python", "-c",
             "from gpuaas_agent.config import load_config; load_config('/etc/gpuaas-agent/agent.toml')")
@@ -230,6 +249,9 @@ def test_upgrade_keeps_config_credentials_and_state_and_rollback_works(installed
     for inside, (data, mode) in kept.items():
         box.path(inside).write_bytes(data)
         box.path(inside).chmod(mode)
+    # The relay key postinst generated: every slice trusts it, so no upgrade or rollback may touch it.
+    for inside in ("/var/lib/gpuaas/terminal/id_ed25519", "/var/lib/gpuaas/terminal/id_ed25519.pub"):
+        kept[inside] = (box.path(inside).read_bytes(), box.path(inside).stat().st_mode & 0o777)
 
     def assert_kept(when: str) -> None:
         for inside, (data, mode) in kept.items():
@@ -339,56 +361,144 @@ def package_server(debs) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
-def test_user_data_installs_verifies_writes_token_and_enrolls_in_the_clean_root(installed, debs, package_server,
-                                                                                nats_server):  # noqa: F811
-    """The rendered user-data, step by step in the chroot, as cloud-init would run it on a fresh host.
+@dataclass
+class Bootstrap:
+    """One run of the rendered user-data in the chroot, as cloud-init runs it."""
 
-    write_files and packages are applied as cloud-init's modules do; every runcmd argv runs in the chroot
-    in order, except `systemctl` (no systemd as PID 1 here; the units are covered by test_units.py).
-    Enrollment is real: a real nats-server and the test control plane answer `gpuaas.enroll`.
-    """
-    box = installed
-    box.run("apt-get", "purge", "-y", "gpuaas-agent", timeout=APT_TIMEOUT_S)  # a host that never had it
+    returncode: int
+    output: str
+    journal: list[str]          # what `logger -t gpuaas-bootstrap` sent to /dev/log
+    systemctl: list[str]        # systemctl calls (recorded: no systemd as PID 1 in a chroot)
+    enroll_requests: int
+
+
+SYSTEMCTL_SHIM = """#!/bin/sh
+echo "systemctl $*" >> /tmp/systemctl-calls.log
+"""
+
+
+def _fresh_host(box: Chroot) -> None:
+    """A host that never had the agent: purged, no bootstrap leftovers, no downloaded package."""
+    box.run("dpkg", "--purge", "gpuaas-agent", timeout=APT_TIMEOUT_S)  # a no-op when never installed
+    for leftover in ("/run/gpuaas-agent-bootstrap", "/var/cache/gpuaas-agent", "/var/lib/cloud/instance",
+                     "/etc/default/gpuaas-slice-network-baseline", "/tmp/systemctl-calls.log"):
+        path = box.path(leftover)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     machine_id = box.path("/etc/machine-id")
     if not machine_id.read_text().strip():  # systemd writes it at first boot
         machine_id.write_text("5f3c0a7e9b2d4c1e8a6f0b3d2c1e4f5a\n")
-    deb = debs["v2"]
+
+
+def _dpkg_status(box: Chroot) -> str:
+    return box.run("dpkg-query", "-W", "-f=${db:Status-Abbrev} ${Version}", "gpuaas-agent", check=False).stdout
+
+
+def _run_user_data(box: Chroot, nats_url: str, make_inputs) -> Bootstrap:
+    """cloud-init's modules applied to the chroot: write_files, packages, then runcmd exactly as cloud-init scripts it.
+
+    ``runcmd`` becomes a script through cloud-init's own ``util.shellify`` (what cc_runcmd writes to
+    scripts/runcmd, mode 0700) and that script runs in the chroot. /dev/log is a datagram socket here,
+    so what ``logger`` sends (the journal on a real host) is read back.
+    """
+    from tests.deploy.test_userdata import cloud_init_runcmd_script
 
     async def body():
-        plane = await ControlPlane.connect(nats_server.url)
+        plane = await ControlPlane.connect(nats_url)
         try:
             await plane.serve_enrollment()
-            inputs = UserDataInputs(package_url=f"{package_server}/{deb.name}",
-                                    package_sha256=hashlib.sha256(deb.read_bytes()).hexdigest(),
-                                    bootstrap_token=plane.issue_token(), nats_url=nats_server.url,
-                                    maas_tags=["gpuaas-profile-slice-vm"], baseline_args=["--tmfifo"])
+            inputs = make_inputs(plane)
             doc = yaml.safe_load(render_userdata(inputs))
             for entry in doc["write_files"]:  # cloud-init's write_files module
                 path = box.path(entry["path"])
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(entry["content"])
                 path.chmod(int(entry["permissions"], 8))
-            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/root"}
+            env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+                   "HOME": "/root"}
             await run(["chroot", str(box.root), "apt-get", "install", "-y", "--no-install-recommends", *doc["packages"]],
                       timeout=APT_TIMEOUT_S, env=env)
-            skipped, outputs = [], []
-            for argv in doc["runcmd"]:
-                if argv[0] == "systemctl":
-                    skipped.append(argv)
-                    continue
-                done = await run(["chroot", str(box.root), *argv], timeout=APT_TIMEOUT_S, env=env, check=False)
-                assert done.returncode == 0, f"{argv}: {done.stderr.decode()[-3000:]}"
-                outputs.append(done.stdout.decode())
-            return inputs, skipped, outputs, plane.enroll_requests
+            script = box.path("/var/lib/cloud/instance/scripts/runcmd")
+            script.parent.mkdir(parents=True, exist_ok=True)
+            script.write_text(cloud_init_runcmd_script(doc["runcmd"]))
+            script.chmod(0o700)
+            done = await run(["chroot", str(box.root), "/var/lib/cloud/instance/scripts/runcmd"],
+                             timeout=APT_TIMEOUT_S, env=env, check=False)
+            return done, len(plane.enroll_requests)
         finally:
             await plane.close()
 
-    inputs, skipped, outputs, requests = asyncio.run(body())
+    shim = box.path("/usr/local/sbin/systemctl")
+    shim.write_text(SYSTEMCTL_SHIM)
+    shim.chmod(0o755)
+    log_socket = box.path("/dev/log")
+    log_socket.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    journal: list[str] = []
+    stop = threading.Event()
+
+    def drain() -> None:
+        """Read while the script runs: a datagram socket queues only net.unix.max_dgram_qlen (10) messages."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                journal.append(sock.recv(65536).decode(errors="replace"))
+
+    reader = threading.Thread(target=drain, name="dev-log", daemon=True)
+    try:
+        sock.bind(str(log_socket))
+        sock.settimeout(0.2)
+        reader.start()
+        done, requests = asyncio.run(body())
+    finally:
+        stop.set()
+        if reader.is_alive():
+            reader.join(timeout=5)
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:  # what was queued after the reader's last recv
+                journal.append(sock.recv(65536).decode(errors="replace"))
+        sock.close()
+        log_socket.unlink(missing_ok=True)
+        shim.unlink()
+    calls = box.path("/tmp/systemctl-calls.log")
+    return Bootstrap(returncode=done.returncode, output=done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace"),
+                     journal=[line for line in journal if "gpuaas-bootstrap:" in line],
+                     systemctl=calls.read_text().splitlines() if calls.exists() else [], enroll_requests=requests)
+
+
+def _inputs(url: str, deb_bytes: bytes, token: str, nats_url: str, **changes) -> UserDataInputs:
+    return UserDataInputs(package_url=url, package_sha256=hashlib.sha256(deb_bytes).hexdigest(),
+                          bootstrap_token=token, nats_url=nats_url, **changes)
+
+
+def test_user_data_as_cloud_init_runs_it_installs_prepares_and_enrolls_in_the_clean_root(installed, debs, package_server,
+                                                                                        nats_server):  # noqa: F811
+    """The rendered user-data run the way cloud-init runs it, on a root that never had the agent.
+
+    Enrollment is real: a real nats-server and the test control plane answer `gpuaas.enroll`.
+    """
+    box = installed
+    _fresh_host(box)
+    deb = debs["v2"]
+    made = {}
+
+    def make(plane):
+        made["inputs"] = _inputs(f"{package_server}/{deb.name}", deb.read_bytes(), plane.issue_token(), nats_server.url,
+                                 maas_tags=["gpuaas-profile-slice-vm"], baseline_args=["--tmfifo"])
+        return made["inputs"]
+
+    started = time.monotonic()
+    boot = _run_user_data(box, nats_server.url, make)
+    print(f"user-data bootstrap (install, prepare-host, enroll): {time.monotonic() - started:.1f}s", file=sys.stderr)
+    assert boot.returncode == 0, boot.output[-4000:]
     version = deb.name.split("_")[1]
     assert box.run("gpuaas-agent", "--version").stdout.strip() == f"gpuaas-agent {version}"
-    assert skipped == [["systemctl", "enable", "--now", "gpuaas-slice-network-baseline.service"],
-                       ["systemctl", "enable", "--now", "gpuaas-agent.service"]]
-    assert outputs[-1].startswith("enrolled node_id=node-") and len(requests) == 1
+    assert boot.systemctl == ["systemctl enable --now gpuaas-slice-network-baseline.service",
+                              "systemctl enable --now gpuaas-agent.service"]
+    assert "enrolled node_id=node-" in boot.output and boot.enroll_requests == 1
+    assert any("step enroll ok" in line for line in boot.journal) and not box.path("/run/gpuaas-agent-bootstrap/failed").exists()
     # The token was spent and removed, the credentials are root-only, the staged copy is gone.
     assert not box.path("/var/lib/gpuaas-agent/bootstrap-token").exists()
     assert not box.path("/run/gpuaas-agent-bootstrap/bootstrap-token").exists()
@@ -397,5 +507,58 @@ def test_user_data_installs_verifies_writes_token_and_enrolls_in_the_clean_root(
     assert box.path("/var/lib/gpuaas-agent").stat().st_mode & 0o777 == 0o700
     config = box.run("/opt/gpuaas-agent/bin/python", "-c",
                      "from gpuaas_agent.config import load_config; print(load_config('/etc/gpuaas-agent/agent.toml').nats_url)")
-    assert config.stdout.strip() == inputs.nats_url
+    assert config.stdout.strip() == made["inputs"].nats_url
     assert box.path("/etc/default/gpuaas-slice-network-baseline").read_text() == "BASELINE_ARGS=--tmfifo\n"
+    # What the first provision needs is there, with no hand step (the unit's --check agrees).
+    assert_prepared(box)
+
+
+def test_user_data_stops_at_a_wrong_digest_and_never_installs(installed, debs, package_server, nats_server):  # noqa: F811
+    box = installed
+    _fresh_host(box)
+    before = _dpkg_status(box)
+    deb = debs["v2"]
+    boot = _run_user_data(box, nats_server.url, lambda plane: _inputs(
+        f"{package_server}/{deb.name}", b"not the package", plane.issue_token(), nats_server.url))
+    assert boot.returncode != 0
+    assert _dpkg_status(box) == before and not box.path("/opt/gpuaas-agent").exists()
+    assert any("step verify-package failed (exit 1)" in line and "did NOT match" in line for line in boot.journal), boot.journal
+    assert any("step install-package not run" in line for line in boot.journal)
+    assert boot.enroll_requests == 0 and boot.systemctl == []
+    assert not box.path("/var/lib/gpuaas-agent/bootstrap-token").exists()
+    assert box.path("/run/gpuaas-agent-bootstrap/failed").read_text().startswith("step verify-package failed")
+
+
+def test_user_data_stops_at_a_failed_install(installed, debs, package_server, nats_server):  # noqa: F811
+    box = installed
+    _fresh_host(box)
+    before = _dpkg_status(box)
+    broken = debs["v2"].parent / "gpuaas-agent_9.9.9_amd64.deb"
+    broken.write_bytes(b"!<arch>\nthis is not a debian package\n")
+    try:
+        boot = _run_user_data(box, nats_server.url, lambda plane: _inputs(
+            f"{package_server}/{broken.name}", broken.read_bytes(), plane.issue_token(), nats_server.url))
+    finally:
+        broken.unlink()
+    assert boot.returncode != 0
+    assert _dpkg_status(box) == before
+    assert any("step verify-package ok" in line for line in boot.journal)
+    assert any("step install-package failed" in line for line in boot.journal), boot.journal
+    assert any("step enroll not run" in line for line in boot.journal)
+    assert boot.enroll_requests == 0 and boot.systemctl == []
+
+
+def test_user_data_stops_at_a_refused_enrollment_and_never_enables_the_agent(installed, debs, package_server,
+                                                                             nats_server):  # noqa: F811
+    box = installed
+    _fresh_host(box)
+    deb = debs["v2"]
+    boot = _run_user_data(box, nats_server.url, lambda plane: _inputs(
+        f"{package_server}/{deb.name}", deb.read_bytes(), "a-token-the-control-plane-never-issued", nats_server.url))
+    assert boot.returncode != 0
+    assert _dpkg_status(box).startswith("ii ")  # installed; only enrollment was refused
+    failed = [line for line in boot.journal if "step enroll failed" in line]
+    assert failed and "token_invalid" in failed[0], boot.journal
+    assert any("step enable-agent not run" in line for line in boot.journal)
+    assert boot.enroll_requests == 1 and boot.systemctl == []
+    assert not box.path("/var/lib/gpuaas-agent/enrollment.json").exists()

@@ -14,7 +14,8 @@ import yaml
 
 from gpuaas_agent.config import parse_config
 from gpuaas_agent.errors import ContractError
-from gpuaas_agent.userdata import SLICE_PROFILE_TAG, UserDataInputs, load_inputs, render_userdata
+from gpuaas_agent.userdata import (SLICE_PROFILE_TAG, STEP_PATH, STEP_SCRIPT, UserDataInputs, load_inputs,
+                                   render_userdata)
 from tests.conftest import REPO
 
 EXAMPLE_INPUTS = REPO / "cloud-init" / "inputs.example.json"
@@ -64,16 +65,18 @@ def test_order_token_config_install_baseline_enroll_enable_on_slice_hosts():
     doc = yaml.safe_load(render_userdata(_inputs(maas_tags=[SLICE_PROFILE_TAG, "h200"])))
     token = next(f for f in doc["write_files"] if f["path"].endswith("bootstrap-token"))
     assert token["permissions"] == "0600" and token["content"].strip() == json.loads(EXAMPLE_INPUTS.read_text())["bootstrap_token"]
-    cmds = doc["runcmd"]
-    assert all(isinstance(c, list) for c in cmds)  # argv lists: cloud-init runs them without a shell
+    assert all(isinstance(c, list) and c[:2] == ["sh", str(STEP_PATH)] for c in doc["runcmd"])
+    cmds = [c[3:] for c in doc["runcmd"]]  # each step's own argv, behind the fail-closed step wrapper
     names = [" ".join(c) for c in cmds]
     install = next(i for i, c in enumerate(names) if "apt-get install" in c)
     verify = next(i for i, c in enumerate(names) if c.startswith("sha256sum --check"))
     token_in = next(i for i, c in enumerate(cmds) if c[-1] == "/var/lib/gpuaas-agent/bootstrap-token")
     baseline = cmds.index(BASELINE_ENABLE)
+    config_in = next(i for i, c in enumerate(cmds) if c[-1] == "/etc/gpuaas-agent/agent.toml")
+    prepare = cmds.index(["/usr/bin/gpuaas-agent", "prepare-host", "--config", "/etc/gpuaas-agent/agent.toml"])
     enroll = next(i for i, c in enumerate(cmds) if c[1:2] == ["enroll"])
     enable = cmds.index(["systemctl", "enable", "--now", "gpuaas-agent.service"])
-    assert verify < install < token_in < baseline < enroll < enable
+    assert verify < install < config_in < token_in < prepare < baseline < enroll < enable
     # The config it installs is one the agent accepts.
     config = next(f for f in doc["write_files"] if f["path"].endswith("agent.toml"))
     assert parse_config(tomllib.loads(config["content"])).nats_url == json.loads(EXAMPLE_INPUTS.read_text())["nats_url"]
@@ -82,9 +85,10 @@ def test_order_token_config_install_baseline_enroll_enable_on_slice_hosts():
 def test_baremetal_profile_gets_no_network_baseline():
     """Seed 004: j22u05, tagged gpuaas-profile-baremetal, correctly lacked slice services."""
     doc = yaml.safe_load(render_userdata(_inputs(maas_tags=["gpuaas-profile-baremetal"], baseline_args=["--tmfifo"])))
-    assert BASELINE_ENABLE not in doc["runcmd"]
+    cmds = [c[3:] for c in doc["runcmd"]]
+    assert BASELINE_ENABLE not in cmds
     assert not any("network-baseline" in f["path"] for f in doc["write_files"])
-    assert ["systemctl", "enable", "--now", "gpuaas-agent.service"] in doc["runcmd"]
+    assert ["systemctl", "enable", "--now", "gpuaas-agent.service"] in cmds
 
 
 def test_yaml_special_characters_in_the_token_stay_data():
@@ -115,3 +119,49 @@ def test_bad_inputs_are_refused_naming_the_key(tmp_path, change, named):
 def test_missing_inputs_file_is_named(tmp_path):
     done = _render_cli(tmp_path / "nope.json", tmp_path / "user-data")
     assert done.returncode == 1 and "nope.json" in done.stderr
+
+
+def cloud_init_runcmd_script(runcmd: list) -> str:
+    """The script cloud-init's runcmd module writes for ``runcmd``: its own ``util.shellify``.
+
+    cloud-init is installed from apt for the system python, not into the venv, so it runs there.
+    """
+    code = "import json, sys\nfrom cloudinit import util\nsys.stdout.write(util.shellify(json.load(sys.stdin)))"
+    done = subprocess.run(["/usr/bin/python3", "-c", code], input=json.dumps(runcmd), capture_output=True,
+                          text=True, timeout=60)
+    if done.returncode != 0:
+        pytest.fail(f"cloud-init's shellify is not importable by /usr/bin/python3 (apt cloud-init): {done.stderr}")
+    return done.stdout
+
+
+def test_every_step_goes_through_the_wrapper_which_is_constant_and_valid_sh():
+    doc = yaml.safe_load(render_userdata(_inputs()))
+    step = next(f for f in doc["write_files"] if f["path"] == str(STEP_PATH))
+    assert step["permissions"] == "0700" and step["content"] == STEP_SCRIPT
+    other = yaml.safe_load(render_userdata(_inputs(bootstrap_token="another-token-0123456789abcdef")))
+    assert next(f for f in other["write_files"] if f["path"] == str(STEP_PATH))["content"] == STEP_SCRIPT
+    names = [c[2] for c in doc["runcmd"]]
+    assert len(names) == len(set(names)) and all(c[:2] == ["sh", str(STEP_PATH)] for c in doc["runcmd"])
+    assert subprocess.run(["sh", "-n"], input=STEP_SCRIPT, text=True, timeout=10).returncode == 0
+    # cloud-init's own shellify keeps each entry one quoted command line (no shell re-parsing of our argv).
+    script = cloud_init_runcmd_script(doc["runcmd"])
+    assert script.startswith("#!/bin/sh\n") and len(script.splitlines()) == 1 + len(doc["runcmd"])
+
+
+def test_the_first_failed_step_stops_every_later_one_in_cloud_inits_runcmd_script(tmp_path):
+    """cloud-init's runcmd script has no `set -e`: the wrapper alone must stop the chain (here in a tmp dir)."""
+    boot = tmp_path / "boot"
+    boot.mkdir()
+    step = boot / "step"
+    step.write_text(STEP_SCRIPT.replace(str(STEP_PATH.parent), str(boot)))
+    marker = tmp_path / "later-step-ran"
+    runcmd = [["sh", str(step), "first", "true"],
+              ["sh", str(step), "verify-package", "sh", "-c", "echo 'pkg.deb: FAILED' >&2; exit 3"],
+              ["sh", str(step), "install-package", "touch", str(marker)]]
+    script = tmp_path / "runcmd"
+    script.write_text(cloud_init_runcmd_script(runcmd))
+    script.chmod(0o700)
+    done = subprocess.run([str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and not marker.exists()
+    assert (boot / "failed").read_text() == "step verify-package failed (exit 3): pkg.deb: FAILED \n"
+    assert "gpuaas-bootstrap: step install-package not run: an earlier step failed" in done.stderr

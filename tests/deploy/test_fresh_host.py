@@ -1,0 +1,202 @@
+"""The fresh-host lane (DESIGN.md §4.11): package + cloud-init user-data, then the first provision succeeds.
+
+On this machine itself (the lab's daemons need the root namespace): the ``.deb`` is
+built by ``packaging/build_deb.py`` and installed by the rendered user-data, run the
+way cloud-init runs it (its ``write_files``, then its own ``util.shellify`` script of
+``runcmd``): download over HTTP, sha256, ``apt-get install``, config, token,
+``prepare-host``, enroll against the lab's control plane (real nats-server).
+``systemctl`` is recorded, not run (no systemd as PID 1): the lab then starts the
+node as the unit would, with the *installed* ``/opt/gpuaas-agent/bin/gpuaas-agent``:
+``prepare-host``, ``prepare-host --check``, ``enroll`` (already enrolled: a no-op),
+``run``. The agent's config is the lab's (its bridge, ovsdb, dnsmasq files,
+recorded host), but state dir, seed-ISO dir and terminal relay key are the
+package defaults, which nothing but the package created. Then: topology, preflight,
+a real TCG guest provisioned to ``succeeded`` (lease + SSH), an SSH login into it
+with the package's relay key (seed 004's terminal path), release.
+
+Cleanup, also on failure: the lab stops, the package is purged and every package
+apt pulled in for it is purged again, so the machine ends as it began. A machine
+that already has gpuaas-agent installed or its state dir fails the test untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuaas_agent.userdata import BOOTSTRAP_DIR, DEB_PATH, UserDataInputs, render_userdata
+from lab.harness import Lab, LabSettings
+from tests.conftest import REPO
+from tests.deploy.test_deb import APT_TIMEOUT_S, _run
+from tests.deploy.test_userdata import cloud_init_runcmd_script
+
+INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")
+RELAY_KEY = Path("/var/lib/gpuaas/terminal/id_ed25519")
+SEED_DIR = Path("/var/lib/libvirt/images/gpuaas-seeds")
+STATE_DIR = Path("/var/lib/gpuaas-agent")
+LEFTOVERS = (BOOTSTRAP_DIR, DEB_PATH.parent, Path("/etc/default/gpuaas-slice-network-baseline"))
+SYSTEMCTL_SHIM = """#!/bin/sh
+echo "systemctl $*" >> "$(dirname "$0")/calls.log"
+"""
+
+
+def _installed_packages() -> set[str]:
+    out = _run(["dpkg-query", "-W", "-f=${binary:Package} ${db:Status-Status}\n"]).stdout
+    return {line.split()[0].split(":")[0] for line in out.splitlines() if line.endswith(" installed")}
+
+
+@pytest.fixture
+def clean_machine() -> set[str]:
+    """This machine without the agent; afterwards the package and whatever apt added for it are purged."""
+    if os.geteuid() != 0:
+        pytest.fail("the fresh-host lane needs root (apt, loop devices, OVS, libvirtd)", pytrace=False)
+    before = _installed_packages()
+    if "gpuaas-agent" in before or STATE_DIR.exists() or INSTALLED_AGENT.exists():
+        pytest.fail("gpuaas-agent (or its state dir) is already on this machine: refusing to install over it",
+                    pytrace=False)
+    yield before
+    added = sorted(_installed_packages() - before)
+    if added:
+        _run(["apt-get", "purge", "-y", *added], timeout=APT_TIMEOUT_S,
+             env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    for path in LEFTOVERS:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    assert "gpuaas-agent" not in _installed_packages()
+    for gone in (STATE_DIR, INSTALLED_AGENT, RELAY_KEY.parent.parent, SEED_DIR, Path("/etc/gpuaas-agent")):
+        assert not gone.exists(), f"purge left {gone}"
+
+
+def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(clean_machine, tmp_path):
+    timings: dict[str, float] = {}
+    started = time.monotonic()
+    out = tmp_path / "dist"
+    built = _run(["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py"), "--out", str(out)],
+                 timeout=APT_TIMEOUT_S)
+    deb = Path(built.stdout.strip().splitlines()[-1])
+    timings["build"] = time.monotonic() - started
+
+    workdir = Path(tempfile.mkdtemp(prefix="gpuaas-fresh-", dir="/var/tmp"))
+    lines: list[str] = []
+    lab = Lab(LabSettings(workdir=workdir, slots=1, readiness_timeout_s=300, say=lines.append,
+                          agent_binary=INSTALLED_AGENT, use_package_paths=True))
+    server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "0",
+                               "--directory", str(out)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              stdin=subprocess.DEVNULL, text=True)
+
+    async def body() -> dict:
+        mark = time.monotonic()
+        await lab.start_services()
+        timings["lab services"] = time.monotonic() - mark
+
+        # --- the user-data, as cloud-init runs it ------------------------------------------------
+        port_line = server.stdout.readline()  # "Serving HTTP on 127.0.0.1 port N (...)"
+        port = int(port_line.split(" port ")[1].split()[0])
+        inputs = UserDataInputs(package_url=f"http://127.0.0.1:{port}/{deb.name}",
+                                package_sha256=hashlib.sha256(deb.read_bytes()).hexdigest(),
+                                bootstrap_token=lab.cp.issue_token(), nats_url=lab.nats_url,
+                                maas_tags=["gpuaas-profile-slice-vm"])
+        doc = yaml.safe_load(render_userdata(inputs))
+        for entry in doc["write_files"]:
+            path = Path(entry["path"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(entry["content"])
+            path.chmod(int(entry["permissions"], 8))
+        shims = workdir / "shims"
+        shims.mkdir()
+        (shims / "systemctl").write_text(SYSTEMCTL_SHIM)
+        (shims / "systemctl").chmod(0o755)
+        script = workdir / "runcmd"
+        script.write_text(cloud_init_runcmd_script(doc["runcmd"]))
+        script.chmod(0o700)
+        mark = time.monotonic()
+        env = {**os.environ, "PATH": f"{shims}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "DEBIAN_FRONTEND": "noninteractive"}
+        done = await asyncio.to_thread(subprocess.run, [str(script)], capture_output=True, text=True,
+                                       timeout=APT_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
+        timings["user-data"] = time.monotonic() - mark
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        assert (shims / "calls.log").read_text().splitlines() == [
+            "systemctl enable --now gpuaas-slice-network-baseline.service", "systemctl enable --now gpuaas-agent.service"]
+        assert "enrolled node_id=" in done.stdout
+
+        # Made by the package, nothing else: the lab never touched these paths.
+        for path, mode in ((STATE_DIR, 0o700), (SEED_DIR, 0o711), (RELAY_KEY.parent, 0o700), (RELAY_KEY, 0o600)):
+            assert path.stat().st_mode & 0o777 == mode, path
+        relay_before = RELAY_KEY.read_bytes()
+
+        # --- the node, as the unit starts it (prepare-host, --check, enroll, run) -----------------
+        mark = time.monotonic()
+        await lab.start_node()
+        timings["node start"] = time.monotonic() - mark
+        assert RELAY_KEY.read_bytes() == relay_before  # ExecStartPre's prepare-host kept the key
+
+        mark = time.monotonic()
+        slots = await lab.approve_slots()
+        assert slots, "no complete slot on the lab host"
+        # The recorded host's network is not the lab's: FAIL lines are expected (README); the task must answer.
+        preflight = await lab.task("slice.preflight", {}, timeout=120)
+        assert preflight.output.get("lines"), (preflight.status, preflight.error)
+        payload = lab.provision_payload(slots[0])
+        result = await lab.task("slice.vm_provision", payload, timeout=600)
+        timings["provision"] = time.monotonic() - mark
+        assert result.status.value == "succeeded", result.error
+        output = result.output
+        seeds = sorted(p.name for p in SEED_DIR.iterdir())
+        assert seeds == [f"{payload['allocation_id']}-slot{slots[0].slot_index}.iso"]
+
+        # Seed 004's terminal relay: the package's key logs into the slice it provisioned.
+        ip = slots[0].private_ip
+        login = await asyncio.to_thread(
+            subprocess.run, ["ssh", "-i", str(RELAY_KEY), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+                             "-o", "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=20", f"tenant@{ip}",
+                             "echo relay-ok $(hostname)"],
+            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert login.returncode == 0 and login.stdout.strip() == f"relay-ok lab-slice-{slots[0].slot_index}", login.stderr
+
+        mark = time.monotonic()
+        release = await lab.task("slice.vm_release", Lab.release_payload(payload["allocation_id"], slots[0], 10),
+                                 timeout=600)
+        timings["release"] = time.monotonic() - mark
+        assert release.status.value == "succeeded", release.error
+        assert list(SEED_DIR.iterdir()) == []
+        return output
+
+    problems: list[str] = ["lab.stop() did not run"]
+
+    async def main() -> dict:
+        try:
+            return await body()
+        finally:
+            problems[:] = await lab.stop()  # in the loop that owns the control plane's NATS connection
+
+    ok = False
+    try:
+        output = asyncio.run(main())
+        ok = True
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        if ok and not problems:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print("\n".join(lines) + f"\nlogs kept in {workdir}", file=sys.stderr)
+    total = time.monotonic() - started
+    print("fresh-host lane: " + " ".join(f"{k}={v:.1f}s" for k, v in timings.items()) + f" total={total:.1f}s",
+          file=sys.stderr)
+    print(json.dumps({k: output.get(k) for k in ("vm", "actual_ip", "lease_state", "ssh_banner")}, default=str),
+          file=sys.stderr)
+    assert not problems
