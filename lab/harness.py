@@ -399,6 +399,7 @@ class Lab:
         self.stop_agent()
         with contextlib.suppress(Exception):
             await self._destroy_lab_domains()
+        self._drop_guard_tables()
         if self.cp is not None:
             with contextlib.suppress(Exception):
                 await self.cp.close()
@@ -412,6 +413,14 @@ class Lab:
         for problem in problems:
             self.say(f"lab: cleanup problem: {problem}")
         return problems
+
+    @staticmethod
+    def _drop_guard_tables() -> None:
+        """The agent's host-side guard tables live in this (root) namespace: the lab takes them with it."""
+        from gpuaas_agent.contract.isolation import GUARD_TABLE
+
+        for family in ("inet", "arp"):
+            _sh("nft", "delete", "table", family, GUARD_TABLE, check=False)
 
     async def _destroy_lab_domains(self) -> None:
         """A lab that stops mid-provision leaves no domain behind (the agent would have)."""
