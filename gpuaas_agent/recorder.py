@@ -42,11 +42,11 @@ TABLE_CAP = 4 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 COMMAND_TIMEOUT_S = 10
 
-BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-VIRTFN_RE = re.compile(r"^virtfn\d+$")
-NVME_CTRL_RE = re.compile(r"^nvme\d+$")
-NVME_NS_RE = re.compile(r"^nvme\d+(c\d+)?n\d+$")
-NODE_RE = re.compile(r"^node\d+$")
+BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")
+VIRTFN_RE = re.compile(r"^virtfn\d+\Z")
+NVME_CTRL_RE = re.compile(r"^nvme\d+\Z")
+NVME_NS_RE = re.compile(r"^nvme\d+(c\d+)?n\d+\Z")
+NODE_RE = re.compile(r"^node\d+\Z")
 
 PCI_ATTRS = (
     "vendor", "device", "class", "subsystem_vendor", "subsystem_device", "revision",

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from enum import Enum
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.topology import FabricClaimMode, StorageIdentityKind
 from gpuaas_agent.contract.types import ByIdPath, MacAddress, PciAddress
 
 
-class SlotStatus(str, Enum):
+class SlotStatus(WireEnum):
     disabled = "disabled"
     available = "available"
     reserved = "reserved"
@@ -22,7 +21,7 @@ class SlotStatus(str, Enum):
     cleanup_blocked = "cleanup_blocked"
 
 
-class HealthState(str, Enum):
+class HealthState(WireEnum):
     unknown = "unknown"
     healthy = "healthy"
     degraded = "degraded"

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.types import ByIdPath, PciAddress
 
@@ -23,7 +22,7 @@ class SlotLease(WireModel):
     taken_at: float
 
 
-class StepStatus(str, Enum):
+class StepStatus(WireEnum):
     """A pipeline step is journaled before it runs and after it ends (STYLE.md rule 6)."""
 
     started = "started"

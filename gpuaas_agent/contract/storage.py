@@ -6,12 +6,11 @@ journal, so they are strict models: a proof that does not parse is no proof.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.images import ImageFormat
 from gpuaas_agent.contract.tasks import UUID_PATTERN
 from gpuaas_agent.contract.types import ByIdPath, KernelName
@@ -38,7 +37,7 @@ class DiskEvidence(WireModel):
     checks_passed: list[str]
 
 
-class WipeMethod(str, Enum):
+class WipeMethod(WireEnum):
     """How the disk's blocks were cleared."""
 
     discard = "discard"  # blkdiscard: the device drops the blocks (reads back zero when it says so)

@@ -9,14 +9,13 @@ model of its type before any handler runs.
 from __future__ import annotations
 
 from datetime import datetime
-from enum import Enum
 from typing import Literal
 
 from pydantic import Field, ValidationError
 
 from gpuaas_agent.errors import ContractError
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel, first_error
 from gpuaas_agent.contract.cloudinit import GuestDriverProfile
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
 
@@ -25,7 +24,7 @@ UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
 
-class TaskType(str, Enum):
+class TaskType(WireEnum):
     topology_discover = "slice.topology_discover"
     preflight = "slice.preflight"
     plan = "slice.plan"
@@ -99,7 +98,7 @@ PAYLOADS: dict[TaskType, type[WireModel]] = {
 }
 
 
-class ResultStatus(str, Enum):
+class ResultStatus(WireEnum):
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
@@ -177,10 +176,18 @@ def task_payload(envelope: TaskEnvelope) -> tuple[TaskType, WireModel]:
             evidence={"type": envelope.type, "supported": [t.value for t in TaskType]},
         ) from None
     try:
-        return task_type, PAYLOADS[task_type].model_validate(envelope.payload)
+        return task_type, PAYLOADS[task_type].from_wire(envelope.payload)
     except ValidationError as exc:
-        raise ContractError(
-            f"payload of {task_type.value} does not match the contract",
-            code="invalid_payload",
-            evidence={"errors": exc.errors(include_url=False, include_input=False)},
-        ) from None
+        raise invalid_payload(f"payload of {task_type.value}", exc) from None
+
+
+def invalid_payload(what: str, exc: ValidationError) -> ContractError:
+    """``invalid_payload`` naming the first bad field in one line (``evidence.field``), never a raw dump."""
+    field, reason = first_error(exc)
+    return ContractError(
+        f"{what}: {field}: {reason}",
+        code="invalid_payload",
+        evidence={"field": field, "reason": reason,
+                  "errors": [{k: e[k] for k in ("type", "loc", "msg") if k in e}
+                             for e in exc.errors(include_url=False, include_input=False)][:10]},
+    )

@@ -6,15 +6,14 @@ Field names are the control plane's vocabulary (seed 002 Phase 2, seed 004
 
 from __future__ import annotations
 
-from enum import Enum
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
 from gpuaas_agent.contract.types import ByIdPath, KernelName, MacAddress, PciAddress, PciId
 
 
-class StorageIdentityKind(str, Enum):
+class StorageIdentityKind(WireEnum):
     """Which stable /dev/disk/by-id link names a disk (DESIGN.md §1)."""
 
     nvme_eui_by_id = "nvme_eui_by_id"
@@ -23,11 +22,11 @@ class StorageIdentityKind(str, Enum):
     kernel_name_only = "kernel_name_only"
 
 
-class FabricClaimMode(str, Enum):
+class FabricClaimMode(WireEnum):
     per_slot_vf = "per_slot_vf"
 
 
-class Locality(str, Enum):
+class Locality(WireEnum):
     """How close two PCI functions are, best first."""
 
     same_switch = "same_switch"

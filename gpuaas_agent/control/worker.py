@@ -262,7 +262,7 @@ class TaskWorker:
         stored = self.store.result_of(envelope.task_id)
         if stored is not None:
             _event("task_result_replayed", task_id=envelope.task_id)
-            await self._publish_and_ack(msg, TaskResult.model_validate(stored))
+            await self._publish_and_ack(msg, TaskResult.from_wire(stored))
             return
 
         deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=timezone.utc)
@@ -349,7 +349,7 @@ class TaskWorker:
                             attempt=envelope.attempt, status=status, output=output or {}, error=error,
                             slot_outcomes=slot_outcomes or [], finished_at=datetime.now(timezone.utc))
         stored = self.store.store_result(envelope.task_id, result.model_dump(mode="json"))
-        await self._publish_and_ack(msg, TaskResult.model_validate(stored))
+        await self._publish_and_ack(msg, TaskResult.from_wire(stored))
 
     async def _publish_and_ack(self, msg: Msg, result: TaskResult) -> None:
         """PubAck first, then ack; a failure leaves the task unacked so redelivery replays the stored result."""

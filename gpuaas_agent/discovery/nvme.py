@@ -38,11 +38,11 @@ from gpuaas_agent.discovery.sysread import SysReader
 CLASS_BLOCK = "/sys/class/block"
 SYS_BLOCK = "/sys/block"
 BY_ID = "/dev/disk/by-id"
-NVME_NAMESPACE_RE = re.compile(r"^nvme\d+n\d+$")
-NVME_PATH_NODE_RE = re.compile(r"^nvme\d+c\d+n\d+$")
-NVME_CONTROLLER_RE = re.compile(r"^nvme\d+$")
-BY_ID_NAME_RE = re.compile(rf"^{BY_ID_NAME}$")
-DEV_RE = re.compile(r"^\d+:\d+$")
+NVME_NAMESPACE_RE = re.compile(r"^nvme\d+n\d+\Z")
+NVME_PATH_NODE_RE = re.compile(r"^nvme\d+c\d+n\d+\Z")
+NVME_CONTROLLER_RE = re.compile(r"^nvme\d+\Z")
+BY_ID_NAME_RE = re.compile(rf"^{BY_ID_NAME}\Z")
+DEV_RE = re.compile(r"^\d+:\d+\Z")
 SECTOR_BYTES = 512  # sysfs "size" is always in 512-byte sectors
 OS_MOUNTPOINTS = ("/", "/boot", "/boot/efi", "/efi")
 UDEV_SIGNATURES = {"ID_PART_TABLE_TYPE": "partition_table", "ID_FS_TYPE": "filesystem"}

@@ -29,7 +29,7 @@ from gpuaas_agent.discovery.sysread import SysReader
 from gpuaas_agent.errors import GuardError
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
-BY_ID_PATH_RE = re.compile(rf"^/dev/disk/by-id/{BY_ID_NAME}$")
+BY_ID_PATH_RE = re.compile(rf"^/dev/disk/by-id/{BY_ID_NAME}\Z")
 
 
 class DiskGuardError(GuardError):

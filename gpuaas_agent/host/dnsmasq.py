@@ -46,8 +46,8 @@ _OWNED_LINE = re.compile(
 )
 _OWNED_MARK = re.compile(r"\s#\s*gpuaas\s+allocation=")
 _COMMENT = re.compile(r"(^|\s)#.*$")  # where dnsmasq ends a line
-_MAC_ANY_CASE = re.compile(r"^[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}$")
-_IPV4 = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
+_MAC_ANY_CASE = re.compile(r"^[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}\Z")
+_IPV4 = re.compile(r"^\d{1,3}(\.\d{1,3}){3}\Z")
 LOCK_TIMEOUT_S = 10.0
 HOSTS_FILE_MODE = 0o644  # dnsmasq may read it after dropping to its own user
 
