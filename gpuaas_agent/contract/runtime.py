@@ -56,7 +56,7 @@ class RuntimeProfile(WireModel):
 class UnknownProfileError(ContractError):
     """A task named a runtime profile this agent does not know."""
 
-    default_code = "unknown_runtime_profile"
+    default_code = "unknown_profile"
 
 
 PROFILES: MappingProxyType[str, RuntimeProfile] = MappingProxyType(

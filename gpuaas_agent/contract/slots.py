@@ -7,7 +7,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.topology import FabricClaimMode, StorageIdentityKind
-from gpuaas_agent.contract.types import ByIdPath, MacAddress, PciAddress
+from gpuaas_agent.contract.types import ByIdPath, IPv4String, MacAddress, PciAddress
 
 
 class SlotStatus(WireEnum):
@@ -39,7 +39,7 @@ class ApprovedSlot(WireModel):
     fabric_vf_pci_address: PciAddress
     fabric_claim_mode: FabricClaimMode
     mac: MacAddress
-    private_ip: str
+    private_ip: IPv4String
     ovs_bridge: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")
     numa_node: int | None = None
     status: SlotStatus

@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError
 from gpuaas_agent.errors import ContractError
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel, first_error
-from gpuaas_agent.contract.cloudinit import GuestDriverProfile
+from gpuaas_agent.contract.cloudinit import MAX_SSH_KEYS, GuestDriverProfile, Hostname, LinuxUserName, SshPublicKey
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
 
 NODE_ID_PATTERN = r"^[A-Za-z0-9-]{1,64}$"
@@ -70,9 +70,11 @@ class VmProvisionPayload(WireModel):
     slot: ApprovedSlot
     image: ImageRef
     runtime_profile: str = "h200_1g_24c_64g"
-    hostname: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-    user: str = Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
-    ssh_authorized_keys: list[str] = Field(min_length=1)
+    # The tenant's input is checked here, at the edge (``invalid_payload`` naming the field), with the
+    # very validators the guest seed uses: a key or name the seed would refuse never reaches a lease.
+    hostname: Hostname
+    user: LinuxUserName
+    ssh_authorized_keys: list[SshPublicKey] = Field(min_length=1, max_length=MAX_SSH_KEYS)
     guest_driver_profile: GuestDriverProfile | None = None  # unknown names are refused at the edge
     # How long the control plane gives the guest to take its lease and answer SSH; None: the agent's config.
     readiness_timeout_s: int | None = Field(default=None, ge=5, le=7200)

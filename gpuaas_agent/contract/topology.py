@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
-from gpuaas_agent.contract.types import ByIdPath, KernelName, MacAddress, PciAddress, PciId
+from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName, MacAddress, PciAddress, PciId
 
 
 class StorageIdentityKind(WireEnum):
@@ -89,6 +89,8 @@ class NvmeDevice(WireModel):
     kernel_name: KernelName
     dev: str | None = Field(default=None, description="major:minor, advisory like the kernel name")
     wwid: str | None = None
+    disk_identity: DiskIdentity | None = Field(
+        default=None, description="what the disk is, whatever by-id alias names it: uuid/nguid/eui/wwid/dev")
     pci_address: PciAddress | None = None
     controller_pci_addresses: list[PciAddress] = Field(default_factory=list)
     pci_path: list[PciAddress] = Field(default_factory=list)

@@ -34,6 +34,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from pydantic import ValidationError
 
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.slots import SlotOutcome
@@ -45,6 +46,7 @@ from gpuaas_agent.contract.tasks import (
     TaskErrorBody,
     TaskResult,
     TaskType,
+    invalid_payload,
     parse_task,
     task_payload,
 )
@@ -313,7 +315,9 @@ class TaskWorker:
                 return ResultStatus.cancelled, {}, TaskErrorBody(
                     code="deadline_exceeded", message="the task's deadline passed while it ran", retryable=False,
                     evidence={"deadline": ctx.envelope.deadline.isoformat()})
-            except AgentError as exc:
+            except (AgentError, ValidationError) as exc:
+                if isinstance(exc, ValidationError):  # a model refused a value built from the task: a refusal
+                    exc = invalid_payload(task_type.value, exc)
                 # A pipeline that was cancelled (deadline) has compensated and says so: the task is cancelled.
                 status = ResultStatus.cancelled if getattr(exc, "cancelled", False) else ResultStatus.failed
                 self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": exc.code})
