@@ -48,9 +48,9 @@ def check_guest_address(private_ip: str, cfg: SliceConfig) -> IPv4Address:
     if ip not in cfg.subnet:
         raise AdmissionRefused(f"private_ip {ip} is outside the slice subnet {cfg.subnet}", code="ip_outside_subnet",
                                evidence={"field": "slot.private_ip", "ip": str(ip), "subnet": str(cfg.subnet)})
-    roles = {cfg.subnet.network_address: "network", cfg.subnet.broadcast_address: "broadcast",
-             cfg.gateway: "gateway"}
-    roles.update({ns: "nameserver" for ns in cfg.nameservers if ns in cfg.subnet})
+    roles = {ns: "nameserver" for ns in cfg.nameservers if ns in cfg.subnet}
+    roles.update({cfg.subnet.network_address: "network", cfg.subnet.broadcast_address: "broadcast",
+                  cfg.gateway: "gateway"})
     if ip in roles:
         raise AdmissionRefused(f"private_ip {ip} is the {roles[ip]} address of {cfg.subnet}", code="ip_reserved",
                                evidence={"field": "slot.private_ip", "ip": str(ip), "role": roles[ip]})

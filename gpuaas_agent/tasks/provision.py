@@ -184,8 +184,8 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
         # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
         run.facts["relay_key"] = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
-        run.facts["seed_spec"] = build_seed_spec(payload, run.facts["relay_key"], sh.slice)
         check_guest_address(slot.private_ip, sh.slice)
+        run.facts["seed_spec"] = build_seed_spec(payload, run.facts["relay_key"], sh.slice)
         check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
         report = await asyncio.to_thread(lambda: discover(sh.host(), slice_plan_config(sh.slice)))
         # The approved record must be exactly the host's candidate slot of its index, as slice.plan checks.
