@@ -62,7 +62,7 @@ NVME_CTRL_ATTRS = (
 )
 NVME_SUBSYS_ATTRS = ("model", "serial", "firmware_rev", "subsysnqn", "iopolicy")
 BLOCK_ATTRS = (
-    "dev", "size", "ro", "removable", "hidden", "wwid", "nsid", "partition", "start",
+    "dev", "size", "ro", "removable", "hidden", "wwid", "nguid", "eui", "uuid", "nsid", "partition", "start",
     "queue/logical_block_size", "dm/name", "dm/uuid",
 )
 DRIVER_CONTROL_FILES = ("bind", "unbind", "new_id", "remove_id")
