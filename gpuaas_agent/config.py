@@ -22,7 +22,7 @@ DEFAULT_STATE_DIR = Path("/var/lib/gpuaas-agent")
 # What `enroll` may take in all (connect + request): well inside systemd's 90 s TimeoutStartSec default.
 ENROLL_BOUND_S = 60.0
 # A DNS name or IPv4 address, optionally ":port"; what SliceConfig.image_https_hosts may hold.
-HTTPS_HOST_RE = re.compile(r"^(?=.{1,253}(:|$))[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*(:[0-9]{1,5})?$")
+HTTPS_HOST_RE = re.compile(r"^(?=.{1,253}(:|$))[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*(:[0-9]{1,5})?\Z")
 
 
 class ConfigError(AgentError):

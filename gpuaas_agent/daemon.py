@@ -110,13 +110,14 @@ def default_handlers(config: AgentConfig, slice_host=None) -> dict[TaskType, Han
     ``slice_host``: the drivers the slice pipelines share (one per daemon); without
     it only the read-only tasks are served.
     """
+    from gpuaas_agent.tasks.admission import slice_plan_config
     from gpuaas_agent.tasks.plan import plan_handler
     from gpuaas_agent.tasks.preflight import preflight_handler
     from gpuaas_agent.tasks.topology import topology_discover_handler
 
     handlers: dict[TaskType, Handler] = {
-        TaskType.topology_discover: topology_discover_handler(config.host_root),
-        TaskType.plan: plan_handler(config.host_root),
+        TaskType.topology_discover: topology_discover_handler(config.host_root, config.slice.gateway),
+        TaskType.plan: plan_handler(config.host_root, slice_plan_config(config.slice)),
         TaskType.preflight: preflight_handler(config.host_root, sockets=_sockets(config), slice_config=config.slice),
     }
     if slice_host is not None:

@@ -42,11 +42,11 @@ TABLE_CAP = 4 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 COMMAND_TIMEOUT_S = 10
 
-BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-VIRTFN_RE = re.compile(r"^virtfn\d+$")
-NVME_CTRL_RE = re.compile(r"^nvme\d+$")
-NVME_NS_RE = re.compile(r"^nvme\d+(c\d+)?n\d+$")
-NODE_RE = re.compile(r"^node\d+$")
+BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")
+VIRTFN_RE = re.compile(r"^virtfn\d+\Z")
+NVME_CTRL_RE = re.compile(r"^nvme\d+\Z")
+NVME_NS_RE = re.compile(r"^nvme\d+(c\d+)?n\d+\Z")
+NODE_RE = re.compile(r"^node\d+\Z")
 
 PCI_ATTRS = (
     "vendor", "device", "class", "subsystem_vendor", "subsystem_device", "revision",
@@ -62,7 +62,7 @@ NVME_CTRL_ATTRS = (
 )
 NVME_SUBSYS_ATTRS = ("model", "serial", "firmware_rev", "subsysnqn", "iopolicy")
 BLOCK_ATTRS = (
-    "dev", "size", "ro", "removable", "hidden", "wwid", "nsid", "partition", "start",
+    "dev", "size", "ro", "removable", "hidden", "wwid", "nguid", "eui", "uuid", "nsid", "partition", "start",
     "queue/logical_block_size", "dm/name", "dm/uuid",
 )
 DRIVER_CONTROL_FILES = ("bind", "unbind", "new_id", "remove_id")

@@ -49,7 +49,16 @@ class LoopDisk:
         return os.path.basename(self.dev)
 
     def lease(self, slot_index: int = 0) -> DiskLease:
-        return DiskLease(allocation_id=str(uuid.uuid4()), slot_index=slot_index, nvme_device=self.by_id)
+        return DiskLease(allocation_id=str(uuid.uuid4()), slot_index=slot_index, nvme_device=self.by_id,
+                         disk_identity=self.identity)
+
+    @property
+    def identity(self) -> str:
+        """What the guard compares: a loop device has no namespace id, so its major:minor."""
+        from gpuaas_agent.guards.disk import read_disk_identity
+        from gpuaas_agent.hostfs import HostRoot
+
+        return read_disk_identity(HostRoot.open("/"), self.by_id)
 
 
 class RealDevices:

@@ -3,17 +3,65 @@
 Unknown fields are rejected: a control plane that sends a field this agent
 does not know about is talking a different contract version, and guessing is
 how hosts get wiped by mistake.
+
+Models are *strict*: ``"2"`` is not the slot index 2 and ``"true"`` is not a
+boolean (a hostile or buggy control plane must not have its input guessed
+into shape). Data that arrived as JSON goes through :meth:`WireModel.from_wire`,
+which validates in JSON mode, where an enum's value, an ISO datetime or an
+IPv4 string are the legitimate spellings and still parse.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import to_json
 
 # Bumped when a wire model changes shape; carried by every top-level message.
 SCHEMA_VERSION = "gpuaas.agent/v1"
 
 
-class WireModel(BaseModel):
-    """Strict, immutable pydantic model: ``extra="forbid"``, frozen."""
+class WireEnum(str, Enum):
+    """An enum of the contract: its value is its one spelling, on the wire and in Python alike.
 
-    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False)
+    Strict models would take only enum *instances* from Python code; a value
+    such as ``"reserved"`` is not a coercion to guard against (JSON has no other
+    way to say it), so enum fields stay lax while ints, bools and floats are strict.
+    """
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        schema = handler(source)
+        schema["strict"] = False
+        return schema
+
+
+class WireModel(BaseModel):
+    """Strict, immutable pydantic model: ``extra="forbid"``, frozen, no type coercion."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False, strict=True)
+
+    @classmethod
+    def from_wire(cls, data: Any):
+        """Validate JSON-decoded data (a dict from a message, a file or the store) with JSON's strict rules."""
+        return cls.model_validate_json(to_json(data))
+
+
+def first_error(exc: ValidationError) -> tuple[str, str]:
+    """``(field, reason)`` of a validation error's first complaint: a one-line answer, not a dump.
+
+    ``field`` is the dotted location (``ssh_authorized_keys.0``), ``(payload)``
+    for a problem with the whole object.
+    """
+    errors = exc.errors(include_url=False, include_input=False)
+    if not errors:
+        return "(payload)", "does not match the contract"
+    err = errors[0]
+    field = ".".join(str(p) for p in err["loc"]) or "(payload)"
+    reason = str(err.get("msg", "invalid"))
+    if reason.startswith("Value error, "):  # our own validators' messages, without pydantic's prefix
+        reason = reason[len("Value error, "):]
+    reason = " ".join(reason.split())  # one line, whatever a validator said
+    return field, reason[:300]

@@ -13,17 +13,20 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from enum import Enum
 from ipaddress import IPv4Address, IPv4Interface
 from typing import Annotated, Literal
 from uuid import UUID
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, Strict, model_validator
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.types import MacAddress, Sha256Hex
 
 SEED_VOLUME_LABEL = "cidata"  # the NoCloud datasource looks for this label (or CIDATA)
+
+# Addresses, UUIDs and tuples are spelled as strings and lists wherever they come from (JSON has
+# no other way): these fields take them in Python too, while ints and bools stay strict.
+LAX = Strict(False)
 
 
 # ---------------------------------------------------------------------------
@@ -31,6 +34,7 @@ SEED_VOLUME_LABEL = "cidata"  # the NoCloud datasource looks for this label (or 
 # ---------------------------------------------------------------------------
 
 SSH_KEY_LINE_MAX = 8192  # an ssh-rsa 16384-bit key is ~2.8 KB of base64
+MAX_SSH_KEYS = 32
 SSH_KEY_COMMENT_MAX = 255
 RSA_MIN_BITS = 2048  # OpenSSH refuses < 1024; we refuse what no tenant should still use
 RSA_MAX_BITS = 16384  # OpenSSH's own upper bound
@@ -42,6 +46,7 @@ _KEY_TYPES = (
     "ecdsa-sha2-nistp384",
     "ecdsa-sha2-nistp521",
     "sk-ssh-ed25519@openssh.com",
+    "sk-ecdsa-sha2-nistp256@openssh.com",
 )
 _BASE64_RE = re.compile(r"[A-Za-z0-9+/]+={0,2}")
 _COMMENT_RE = re.compile(r"[\x20-\x7e]*")  # printable ASCII: no newline, NUL, tab or Unicode line separator
@@ -95,13 +100,15 @@ def _check_key_blob(key_type: str, blob: bytes) -> None:
             raise ValueError("ssh public key: RSA exponent must be odd and at least 3")
         if not RSA_MIN_BITS <= bits <= RSA_MAX_BITS:
             raise ValueError(f"ssh public key: RSA modulus is {bits} bits; {RSA_MIN_BITS}..{RSA_MAX_BITS} are accepted")
-    else:  # ecdsa-sha2-nistpNNN
-        curve = key_type.removeprefix("ecdsa-sha2-")
+    else:  # ecdsa-sha2-nistpNNN, sk-ecdsa-sha2-nistp256@openssh.com
+        curve = key_type.removeprefix("sk-").removeprefix("ecdsa-sha2-").removesuffix("@openssh.com")
         if reader.string("ECDSA curve name") != curve.encode():
             raise ValueError(f"ssh public key: ECDSA curve name does not match {key_type!r}")
         point = reader.string("ECDSA point")
         if len(point) != _ECDSA_POINT_BYTES[curve] or point[0] != 0x04:
             raise ValueError(f"ssh public key: not an uncompressed {curve} point")
+        if key_type.startswith("sk-") and not reader.string("FIDO application"):
+            raise ValueError("ssh public key: a security-key key names its FIDO application")
     reader.expect_end()
 
 
@@ -197,21 +204,21 @@ LinuxUserName = Annotated[str, AfterValidator(_check_user_name)]
 # ---------------------------------------------------------------------------
 
 
-class SudoPolicy(str, Enum):
+class SudoPolicy(WireEnum):
     """What the allocation user may do with sudo (the user has no password: it is locked)."""
 
     none = "none"
     nopasswd_all = "nopasswd_all"  # "ALL=(ALL) NOPASSWD:ALL": the tenant owns the VM
 
 
-class LoginShell(str, Enum):
+class LoginShell(WireEnum):
     """Shells every supported guest image ships (a missing shell means no login at all)."""
 
     bash = "/bin/bash"
     sh = "/bin/sh"
 
 
-class GuestAddressing(str, Enum):
+class GuestAddressing(WireEnum):
     """How the guest gets its address.
 
     ``static`` (default): the slot's address is known before boot, so the guest
@@ -226,7 +233,7 @@ class GuestAddressing(str, Enum):
     dhcp4 = "dhcp4"
 
 
-class GuestDriverProfile(str, Enum):
+class GuestDriverProfile(WireEnum):
     """Known guest driver installs; the package lists live with the builder (host/cloudinit.py)."""
 
     nvidia_570_server_rdma = "nvidia-570-server-rdma"
@@ -244,16 +251,17 @@ class GuestUser(WireModel):
     name: LinuxUserName
     sudo: SudoPolicy = SudoPolicy.nopasswd_all
     shell: LoginShell = LoginShell.bash
-    ssh_authorized_keys: tuple[SshPublicKey, ...] = Field(default=(), max_length=32, description="the tenant's keys")
+    ssh_authorized_keys: Annotated[tuple[SshPublicKey, ...], LAX] = Field(
+        default=(), max_length=MAX_SSH_KEYS, description="the tenant's keys")
 
 
 class GuestNetwork(WireModel):
     """The VM's one management NIC, matched by MAC (network-config v2)."""
 
     mac: MacAddress
-    address: IPv4Interface = Field(description="private IP with prefix, e.g. 10.100.0.10/24")
-    gateway: IPv4Address
-    nameservers: tuple[IPv4Address, ...] = Field(min_length=1, max_length=3)
+    address: Annotated[IPv4Interface, LAX] = Field(description="private IP with prefix, e.g. 10.100.0.10/24")
+    gateway: Annotated[IPv4Address, LAX]
+    nameservers: Annotated[tuple[Annotated[IPv4Address, LAX], ...], LAX] = Field(min_length=1, max_length=3)
     addressing: GuestAddressing = GuestAddressing.static
 
     @model_validator(mode="after")
@@ -276,7 +284,7 @@ class GuestNetwork(WireModel):
 class SeedSpec(WireModel):
     """Everything the seed ISO of one slice VM is built from."""
 
-    instance_id: UUID = Field(description="the allocation id; cloud-init runs first-boot modules once per id")
+    instance_id: Annotated[UUID, LAX] = Field(description="the allocation id; cloud-init runs first-boot modules once per id")
     hostname: Hostname
     user: GuestUser
     terminal_relay_key: RelayPublicKey = Field(

@@ -8,13 +8,12 @@ MAC holds the expected IP" (DESIGN.md §4.5).
 
 from __future__ import annotations
 
-from enum import Enum
 from ipaddress import IPv4Address
 from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.tasks import UUID_PATTERN
 from gpuaas_agent.contract.types import MacAddress
 
@@ -43,7 +42,7 @@ class Lease(WireModel):
     client_id: str | None = None
 
 
-class LeaseState(str, Enum):
+class LeaseState(WireEnum):
     bound = "bound"  # the MAC holds the expected IP on an unexpired lease
     missing = "missing"  # no lease at all for the MAC
     wrong_ip = "wrong_ip"  # the MAC holds another address

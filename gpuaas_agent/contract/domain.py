@@ -9,12 +9,11 @@ into task outputs and the journal.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile
 from gpuaas_agent.contract.storage import DiskEvidence
@@ -168,7 +167,7 @@ class DomainMetadata(WireModel):
         )
 
 
-class DomainState(str, Enum):
+class DomainState(WireEnum):
     """libvirt's ``virDomainState`` by name."""
 
     nostate = "nostate"

@@ -10,16 +10,15 @@ kernel names only ever appear as advisory detail (DESIGN.md §4.2).
 from __future__ import annotations
 
 from datetime import datetime
-from enum import Enum
 from typing import Any, Literal
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 
 
-class DriftKind(str, Enum):
+class DriftKind(WireEnum):
     """What drifted. Topology kinds come from comparing two discoveries; reconcile kinds from host vs. leases."""
 
     # topology (discovery before vs. after)
@@ -57,13 +56,13 @@ class DriftKind(str, Enum):
     nft_guard_orphan = "nft_guard_orphan"  # the guard's set names a port that no longer exists
 
 
-class DriftSeverity(str, Enum):
+class DriftSeverity(WireEnum):
     info = "info"  # advisory: nothing a slot depends on changed
     warn = "warn"  # needs a look: a slot may be affected
     error = "error"  # a slot's device is gone or unusable
 
 
-class DriftTrigger(str, Enum):
+class DriftTrigger(WireEnum):
     uevent = "uevent"
     timer = "timer"
     task = "task"

@@ -7,18 +7,17 @@ while its bytes arrive, and the marker written afterwards says so (DESIGN.md §7
 from __future__ import annotations
 
 from datetime import datetime
-from enum import Enum
 from typing import Annotated
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
 from gpuaas_agent.contract.types import Sha256Hex
 
 # A SHA-256 digest as lower-case hex, the cache key and the control plane's image id.
 
 
-class ImageFormat(str, Enum):
+class ImageFormat(WireEnum):
     """Formats `qemu-img convert` may read into a slot disk; anything else is refused."""
 
     raw = "raw"

@@ -34,7 +34,7 @@ COOKIE_TAG_MASK = 0xFFFF << COOKIE_TAG_SHIFT
 COOKIE_ALL_MASK = (1 << 64) - 1
 # OpenFlow port numbers a guest port can have: 0 is invalid, 0xff00 and up are reserved (LOCAL is 0xfffe).
 MAX_OFPORT = 0xFEFF
-_VNIC = re.compile(rf"^{VNIC_PREFIX}([0-9a-f]{{1,2}})-([0-9a-f]{{10}})$")
+_VNIC = re.compile(rf"^{VNIC_PREFIX}([0-9a-f]{{1,2}})-([0-9a-f]{{10}})\Z")
 
 GUARD_TABLE = "gpuaas_slice_guard"
 GUARD_SET = "guest_ports"

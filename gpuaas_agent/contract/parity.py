@@ -22,12 +22,11 @@ never a PASS (DESIGN.md §4.7).
 from __future__ import annotations
 
 import re
-from enum import Enum
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
 from gpuaas_agent.contract.topology import Finding
 
 LINE_PREFIX = "GPUAAS_SLICE_PARITY"
@@ -77,7 +76,7 @@ def parse_line(line: str) -> dict[str, str]:
     return out
 
 
-class ParityStatus(str, Enum):
+class ParityStatus(WireEnum):
     PASS = "PASS"
     WARN = "WARN"
     FAIL = "FAIL"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from gpuaas_agent.contract.base import WireModel
-from gpuaas_agent.contract.types import ByIdPath, KernelName, MacAddress, PciAddress
+from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName, MacAddress, PciAddress
 
 
 class PlannedSlot(WireModel):
@@ -18,6 +18,7 @@ class PlannedSlot(WireModel):
     fabric_pf_pci_address: PciAddress | None
     nvme_device: ByIdPath
     nvme_kernel_name: KernelName = Field(description="advisory: resolved now, moves on reboot")
+    disk_identity: DiskIdentity = Field(description="what the disk is; the lease holds it by this, whatever its name")
     nvme_size_bytes: int | None
     mac: MacAddress
     private_ip: str

@@ -10,25 +10,24 @@ boot a stock kernel), no PCI passthrough, no hugepages.
 
 from __future__ import annotations
 
-from enum import Enum
 from types import MappingProxyType
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.errors import ContractError
 
 HUGEPAGE_1G_MIB = 1024
 
 
-class DomainType(str, Enum):
+class DomainType(WireEnum):
     """libvirt ``<domain type=...>``: ``kvm`` in production, ``qemu`` (TCG) for the lab."""
 
     kvm = "kvm"
     qemu = "qemu"
 
 
-class NicModel(str, Enum):
+class NicModel(WireEnum):
     virtio = "virtio"
     e1000e = "e1000e"
 
@@ -57,7 +56,7 @@ class RuntimeProfile(WireModel):
 class UnknownProfileError(ContractError):
     """A task named a runtime profile this agent does not know."""
 
-    default_code = "unknown_runtime_profile"
+    default_code = "unknown_profile"
 
 
 PROFILES: MappingProxyType[str, RuntimeProfile] = MappingProxyType(

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
 
 from pydantic import Field, field_validator
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.topology import (
     FabricClaimMode,
     SharingMechanism,
@@ -14,10 +13,10 @@ from gpuaas_agent.contract.topology import (
     check_parent_slot_id,
     check_sharing_mechanism,
 )
-from gpuaas_agent.contract.types import ByIdPath, MacAddress, PciAddress
+from gpuaas_agent.contract.types import ByIdPath, IPv4String, MacAddress, PciAddress
 
 
-class SlotStatus(str, Enum):
+class SlotStatus(WireEnum):
     disabled = "disabled"
     available = "available"
     reserved = "reserved"
@@ -28,7 +27,7 @@ class SlotStatus(str, Enum):
     cleanup_blocked = "cleanup_blocked"
 
 
-class HealthState(str, Enum):
+class HealthState(WireEnum):
     unknown = "unknown"
     healthy = "healthy"
     degraded = "degraded"
@@ -46,7 +45,7 @@ class ApprovedSlot(WireModel):
     fabric_vf_pci_address: PciAddress
     fabric_claim_mode: FabricClaimMode
     mac: MacAddress
-    private_ip: str
+    private_ip: IPv4String
     ovs_bridge: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")
     numa_node: int | None = None
     status: SlotStatus

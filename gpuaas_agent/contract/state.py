@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
-from enum import Enum
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
-from gpuaas_agent.contract.types import ByIdPath, PciAddress
+from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, PciAddress
 
 
 class SlotLease(WireModel):
-    """One allocation holds one slot: the host-side half of the control plane's claim."""
+    """One allocation holds one slot: the host-side half of the control plane's claim.
+
+    ``disk_identity`` is what the disk *is* (every by-id alias of it has the same
+    one): two leases can never hold one namespace through two of its names.
+    """
 
     allocation_id: str = Field(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
     slot_index: int = Field(ge=0)
     gpu_pci_address: PciAddress
     nvme_device: ByIdPath
+    disk_identity: DiskIdentity
     fabric_vf_pci_address: PciAddress
     task_id: str = Field(min_length=1, max_length=200)
     taken_at: float
 
 
-class StepStatus(str, Enum):
+class StepStatus(WireEnum):
     """A pipeline step is journaled before it runs and after it ends (STYLE.md rule 6)."""
 
     started = "started"

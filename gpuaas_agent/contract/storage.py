@@ -6,25 +6,30 @@ journal, so they are strict models: a proof that does not parse is no proof.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.images import ImageFormat
 from gpuaas_agent.contract.tasks import UUID_PATTERN
-from gpuaas_agent.contract.types import ByIdPath, KernelName
+from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName
 
 NonNegative = Annotated[int, Field(ge=0)]
 
 
 class DiskLease(WireModel):
-    """The slot a task holds: the only disk it may write is ``nvme_device``."""
+    """The slot a task holds: the only disk it may write is the one ``disk_identity`` names.
+
+    ``nvme_device`` is the name the lease was taken under; any other by-id alias
+    of the same namespace is the same disk, a link that resolves to another
+    namespace is refused (``not_in_lease``) whatever it is called.
+    """
 
     allocation_id: Annotated[str, Field(pattern=UUID_PATTERN)]
     slot_index: NonNegative
     nvme_device: ByIdPath
+    disk_identity: DiskIdentity
 
 
 class DiskEvidence(WireModel):
@@ -33,12 +38,13 @@ class DiskEvidence(WireModel):
     by_id: ByIdPath
     kernel_name: KernelName
     dev: Annotated[str, Field(pattern=r"^\d+:\d+$")]
+    disk_identity: DiskIdentity | None = None
     size_bytes: NonNegative
     partitions: list[KernelName]
     checks_passed: list[str]
 
 
-class WipeMethod(str, Enum):
+class WipeMethod(WireEnum):
     """How the disk's blocks were cleared."""
 
     discard = "discard"  # blkdiscard: the device drops the blocks (reads back zero when it says so)

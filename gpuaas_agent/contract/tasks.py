@@ -9,15 +9,14 @@ model of its type before any handler runs.
 from __future__ import annotations
 
 from datetime import datetime
-from enum import Enum
 from typing import Literal
 
 from pydantic import Field, ValidationError
 
 from gpuaas_agent.errors import ContractError
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
-from gpuaas_agent.contract.cloudinit import GuestDriverProfile
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel, first_error
+from gpuaas_agent.contract.cloudinit import MAX_SSH_KEYS, GuestDriverProfile, Hostname, LinuxUserName, SshPublicKey
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
 
 NODE_ID_PATTERN = r"^[A-Za-z0-9-]{1,64}$"
@@ -25,7 +24,7 @@ UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
 
-class TaskType(str, Enum):
+class TaskType(WireEnum):
     topology_discover = "slice.topology_discover"
     preflight = "slice.preflight"
     plan = "slice.plan"
@@ -77,9 +76,11 @@ class VmProvisionPayload(WireModel):
     slot: ApprovedSlot
     image: ImageRef
     runtime_profile: str = "h200_1g_24c_64g"
-    hostname: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-    user: str = Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
-    ssh_authorized_keys: list[str] = Field(min_length=1)
+    # The tenant's input is checked here, at the edge (``invalid_payload`` naming the field), with the
+    # very validators the guest seed uses: a key or name the seed would refuse never reaches a lease.
+    hostname: Hostname
+    user: LinuxUserName
+    ssh_authorized_keys: list[SshPublicKey] = Field(min_length=1, max_length=MAX_SSH_KEYS)
     guest_driver_profile: GuestDriverProfile | None = None  # unknown names are refused at the edge
     # How long the control plane gives the guest to take its lease and answer SSH; None: the agent's config.
     readiness_timeout_s: int | None = Field(default=None, ge=5, le=7200)
@@ -121,7 +122,7 @@ PAYLOADS: dict[TaskType, type[WireModel]] = {
 }
 
 
-class ResultStatus(str, Enum):
+class ResultStatus(WireEnum):
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
@@ -199,10 +200,18 @@ def task_payload(envelope: TaskEnvelope) -> tuple[TaskType, WireModel]:
             evidence={"type": envelope.type, "supported": [t.value for t in TaskType]},
         ) from None
     try:
-        return task_type, PAYLOADS[task_type].model_validate(envelope.payload)
+        return task_type, PAYLOADS[task_type].from_wire(envelope.payload)
     except ValidationError as exc:
-        raise ContractError(
-            f"payload of {task_type.value} does not match the contract",
-            code="invalid_payload",
-            evidence={"errors": exc.errors(include_url=False, include_input=False)},
-        ) from None
+        raise invalid_payload(f"payload of {task_type.value}", exc) from None
+
+
+def invalid_payload(what: str, exc: ValidationError) -> ContractError:
+    """``invalid_payload`` naming the first bad field in one line (``evidence.field``), never a raw dump."""
+    field, reason = first_error(exc)
+    return ContractError(
+        f"{what}: {field}: {reason}",
+        code="invalid_payload",
+        evidence={"field": field, "reason": reason,
+                  "errors": [{k: e[k] for k in ("type", "loc", "msg") if k in e}
+                             for e in exc.errors(include_url=False, include_input=False)][:10]},
+    )

@@ -6,16 +6,15 @@ Field names are the control plane's vocabulary (seed 002 Phase 2, seed 004
 
 from __future__ import annotations
 
-from enum import Enum
 
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
-from gpuaas_agent.contract.types import ByIdPath, KernelName, MacAddress, PciAddress, PciId
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
+from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName, MacAddress, PciAddress, PciId
 
 
-class StorageIdentityKind(str, Enum):
+class StorageIdentityKind(WireEnum):
     """Which stable /dev/disk/by-id link names a disk (DESIGN.md §1)."""
 
     nvme_eui_by_id = "nvme_eui_by_id"
@@ -24,11 +23,11 @@ class StorageIdentityKind(str, Enum):
     kernel_name_only = "kernel_name_only"
 
 
-class FabricClaimMode(str, Enum):
+class FabricClaimMode(WireEnum):
     per_slot_vf = "per_slot_vf"
 
 
-class SharingMechanism(str, Enum):
+class SharingMechanism(WireEnum):
     """How a slot shares its GPU (seed 002 design tasks: room for fractional GPUs).
 
     ``exclusive_device``: the whole GPU is passed through to one slice; the only mechanism
@@ -66,7 +65,7 @@ def check_parent_slot_id(value: str | None) -> str | None:
     return value
 
 
-class Locality(str, Enum):
+class Locality(WireEnum):
     """How close two PCI functions are, best first."""
 
     same_switch = "same_switch"
@@ -129,6 +128,8 @@ class NvmeDevice(WireModel):
     kernel_name: KernelName
     dev: str | None = Field(default=None, description="major:minor, advisory like the kernel name")
     wwid: str | None = None
+    disk_identity: DiskIdentity | None = Field(
+        default=None, description="what the disk is, whatever by-id alias names it: uuid/nguid/eui/wwid/dev")
     pci_address: PciAddress | None = None
     controller_pci_addresses: list[PciAddress] = Field(default_factory=list)
     pci_path: list[PciAddress] = Field(default_factory=list)

@@ -24,3 +24,16 @@ PciId = Annotated[str, StringConstraints(pattern=r"^0x[0-9a-f]{4}$")]
 
 # A sha256 digest in lower-case hex: image identities and file proofs.
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+# What a disk *is*, whatever it is called (DESIGN.md §4.1): ``<kind>:<value>`` from the namespace's
+# sysfs identity, strongest first: uuid, nguid, eui (NVMe namespace ids), wwid, then dev (major:minor,
+# for a block device with no stable id). ``path:<by-id>`` only on leases migrated from a store that
+# predates identities (state migration 4). Every alias of one namespace has the same identity.
+DISK_IDENTITY_KINDS = ("uuid", "nguid", "eui", "wwid", "dev", "path")
+DiskIdentity = Annotated[
+    str, StringConstraints(pattern=rf"^({'|'.join(DISK_IDENTITY_KINDS)}):[\x21-\x7e]{{1,256}}$")]
+
+# A dotted-quad IPv4 address as the control plane spells a slot's private IP (no leading zeros,
+# no prefix, no whitespace or newline: it is written into dnsmasq's hosts file and the guest's seed).
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+IPv4String = Annotated[str, StringConstraints(pattern=rf"^{_OCTET}(\.{_OCTET}){{3}}$")]

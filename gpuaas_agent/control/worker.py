@@ -51,6 +51,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from pydantic import ValidationError
 
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.slots import SlotOutcome
@@ -62,6 +63,7 @@ from gpuaas_agent.contract.tasks import (
     TaskErrorBody,
     TaskResult,
     TaskType,
+    invalid_payload,
     parse_task,
     task_payload,
 )
@@ -314,7 +316,7 @@ class TaskWorker:
         stored = self.store.result_of(envelope.task_id)
         if stored is not None:
             _event("task_result_replayed", task_id=envelope.task_id)
-            await self._publish_and_ack(msg, TaskResult.model_validate(stored))
+            await self._publish_and_ack(msg, TaskResult.from_wire(stored))
             return
 
         deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=timezone.utc)
@@ -402,7 +404,9 @@ class TaskWorker:
                 return ResultStatus.cancelled, {}, TaskErrorBody(
                     code="deadline_exceeded", message="the task's deadline passed while it ran", retryable=False,
                     evidence={"deadline": ctx.envelope.deadline.isoformat()})
-            except AgentError as exc:
+            except (AgentError, ValidationError) as exc:
+                if isinstance(exc, ValidationError):  # a model refused a value built from the task: a refusal
+                    exc = invalid_payload(task_type.value, exc)
                 # A pipeline that was cancelled (deadline) has compensated and says so: the task is cancelled.
                 status = ResultStatus.cancelled if getattr(exc, "cancelled", False) else ResultStatus.failed
                 self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": exc.code})
@@ -438,7 +442,7 @@ class TaskWorker:
                             attempt=envelope.attempt, status=status, output=output or {}, error=error,
                             slot_outcomes=slot_outcomes or [], finished_at=datetime.now(timezone.utc))
         stored = self.store.store_result(envelope.task_id, result.model_dump(mode="json"))
-        await self._publish_and_ack(msg, TaskResult.model_validate(stored))
+        await self._publish_and_ack(msg, TaskResult.from_wire(stored))
 
     async def _publish_and_ack(self, msg: Msg, result: TaskResult) -> None:
         """PubAck first, then ack; a failure leaves the task unacked so redelivery replays the stored result."""

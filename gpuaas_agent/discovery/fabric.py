@@ -18,8 +18,8 @@ from gpuaas_agent.discovery.sysread import SysReader
 MELLANOX_VENDOR = 0x15B3
 NETWORK_BASE_CLASS = 0x02
 FABRIC_KIND = {0x0207: "infiniband", 0x0200: "ethernet"}
-PHYS_PORT_RE = re.compile(r"^p\d+$")
-VIRTFN_RE = re.compile(r"^virtfn(\d+)$")
+PHYS_PORT_RE = re.compile(r"^p\d+\Z")
+VIRTFN_RE = re.compile(r"^virtfn(\d+)\Z")
 
 
 def is_fabric(vendor: int | None, class_code: int | None) -> bool:

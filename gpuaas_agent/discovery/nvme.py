@@ -38,11 +38,11 @@ from gpuaas_agent.discovery.sysread import SysReader
 CLASS_BLOCK = "/sys/class/block"
 SYS_BLOCK = "/sys/block"
 BY_ID = "/dev/disk/by-id"
-NVME_NAMESPACE_RE = re.compile(r"^nvme\d+n\d+$")
-NVME_PATH_NODE_RE = re.compile(r"^nvme\d+c\d+n\d+$")
-NVME_CONTROLLER_RE = re.compile(r"^nvme\d+$")
-BY_ID_NAME_RE = re.compile(rf"^{BY_ID_NAME}$")
-DEV_RE = re.compile(r"^\d+:\d+$")
+NVME_NAMESPACE_RE = re.compile(r"^nvme\d+n\d+\Z")
+NVME_PATH_NODE_RE = re.compile(r"^nvme\d+c\d+n\d+\Z")
+NVME_CONTROLLER_RE = re.compile(r"^nvme\d+\Z")
+BY_ID_NAME_RE = re.compile(rf"^{BY_ID_NAME}\Z")
+DEV_RE = re.compile(r"^\d+:\d+\Z")
 SECTOR_BYTES = 512  # sysfs "size" is always in 512-byte sectors
 OS_MOUNTPOINTS = ("/", "/boot", "/boot/efi", "/efi")
 UDEV_SIGNATURES = {"ID_PART_TABLE_TYPE": "partition_table", "ID_FS_TYPE": "filesystem"}
@@ -239,6 +239,33 @@ def read_by_id_links(reader: SysReader, blocks: BlockTable) -> dict[str, list[st
     return targets
 
 
+_IDENTITY_ATTRS = (("uuid", "uuid"), ("nguid", "nguid"), ("eui", "eui"), ("wwid", "wwid"))
+_ZERO_ID_RE = re.compile(r"[0:\-]+\Z")
+
+
+def disk_identity(reader: SysReader, node: BlockNode) -> str | None:
+    """What a whole disk *is*: ``<kind>:<value>`` from its namespace's sysfs identity, strongest first.
+
+    Every ``/dev/disk/by-id`` alias of one namespace (EUI, WWN, model_serial)
+    resolves to the same node and so to the same identity: leases, the disk
+    guard and the slot binding compare this, never a link name. NVMe reports an
+    unset id as zeroes; those are skipped. A block device with no id at all
+    (a loop device) falls back to ``dev:<major:minor>``, which is unique while
+    the host runs but moves on reboot; ``None`` when not even that is readable.
+    """
+    for kind, attr in _IDENTITY_ATTRS:
+        value = reader.attr(f"{node.sysfs}/{attr}")
+        if not value:
+            continue
+        value = "_".join(value.lower().split())
+        if _ZERO_ID_RE.match(value) or not value.isascii() or not value.isprintable() or len(value) > 256:
+            continue
+        if kind in ("nguid", "eui"):
+            value = value.replace("-", "").replace(":", "")
+        return f"{kind}:{value}"
+    return f"dev:{node.dev}" if node.dev else None
+
+
 def _controller_addresses(reader: SysReader, ns: BlockNode) -> list[str]:
     """PCI functions of the controllers serving a namespace.
 
@@ -334,6 +361,7 @@ def _read_namespace(
         kernel_name=node.name,
         dev=node.dev,
         wwid=reader.attr(f"{node.sysfs}/wwid"),
+        disk_identity=disk_identity(reader, node),
         pci_address=pci.address if pci else None,
         controller_pci_addresses=controllers,
         pci_path=list(pci.pci_path) if pci else [],

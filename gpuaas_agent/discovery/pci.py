@@ -16,7 +16,7 @@ from gpuaas_agent.discovery.sysread import SysReader
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 IOMMU_GROUPS = "/sys/kernel/iommu_groups"
-BDF_RE = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+BDF_RE = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")
 
 CLASS_BRIDGE_PCI = 0x0604  # PCI-to-PCI bridge: root ports and switch ports
 

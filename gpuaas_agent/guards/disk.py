@@ -24,12 +24,12 @@ from typing import Any
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.storage import DiskEvidence, DiskLease
 from gpuaas_agent.contract.types import BY_ID_NAME
-from gpuaas_agent.discovery.nvme import SECTOR_BYTES, BlockTable, MountTable, disk_use
+from gpuaas_agent.discovery.nvme import SECTOR_BYTES, BlockTable, MountTable, disk_identity, disk_use
 from gpuaas_agent.discovery.sysread import SysReader
 from gpuaas_agent.errors import GuardError
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
-BY_ID_PATH_RE = re.compile(rf"^/dev/disk/by-id/{BY_ID_NAME}$")
+BY_ID_PATH_RE = re.compile(rf"^/dev/disk/by-id/{BY_ID_NAME}\Z")
 
 
 class DiskGuardError(GuardError):
@@ -52,12 +52,16 @@ def check_disk_writable(
     """Prove ``by_id`` may be overwritten now, or raise :class:`DiskGuardError`.
 
     ``lease``: the slot this task holds (the state store's :class:`SlotLease`
-    or a bare :class:`DiskLease`); only its ``nvme_device`` may be written.
+    or a bare :class:`DiskLease`); only the disk its ``disk_identity`` names may
+    be written, through any by-id alias of it.
 
-    ``domain_disks``: disks (by-id or ``/dev`` paths, or kernel names) used by
-    running libvirt domains *other than the slot's own*; the caller knows which
-    domain is the slot's. Blocking (sysfs walk, ``open``): call it through
-    ``asyncio.to_thread`` and immediately before the write.
+    ``domain_disks``: disks (by-id or ``/dev`` paths, or kernel names) that
+    defined libvirt domains, running or shut off, *other than the slot's own*
+    reference; the caller knows which domain is the slot's. They are compared
+    by resolved major:minor over the disk, its partitions and holders.
+
+    Blocking (sysfs walk, ``open``): call it through ``asyncio.to_thread`` and
+    immediately before the write.
     """
     passed: list[str] = []
     if not isinstance(by_id, str) or not BY_ID_PATH_RE.match(by_id) or posixpath.normpath(by_id) != by_id:
@@ -65,18 +69,9 @@ def check_disk_writable(
             "not_by_id", f"{by_id!r} is not a /dev/disk/by-id/ path; kernel names move on reboot", by_id=by_id
         )
     passed.append("by_id")
-    if by_id != lease.nvme_device:
-        raise _refuse(
-            "not_in_lease",
-            f"{by_id} is not the disk of slot {lease.slot_index} ({lease.nvme_device})",
-            by_id=by_id,
-            lease={
-                "allocation_id": lease.allocation_id,
-                "slot_index": lease.slot_index,
-                "nvme_device": lease.nvme_device,
-            },
-        )
-    passed.append("in_lease")
+    legacy = lease.disk_identity.startswith("path:")
+    if legacy and by_id != lease.nvme_device:  # a lease from before identities: its own link only
+        raise _not_in_lease(by_id, lease, None)
 
     fresh = host.fresh()
     reader = SysReader(fresh)
@@ -89,6 +84,12 @@ def check_disk_writable(
     if node.dev is None:
         raise _refuse("missing", f"{name} has no readable major:minor in sysfs", **base)
     passed.append("whole_disk")
+    identity = disk_identity(reader, node)
+    if not legacy and identity != lease.disk_identity:
+        # Any alias of the leased namespace is that disk; a link to another namespace never is.
+        raise _not_in_lease(by_id, lease, identity, kernel_name=name, dev=node.dev)
+    passed.append("in_lease")
+    base["disk_identity"] = identity
 
     mounts = MountTable(reader, blocks)
     part_names = [p.name for p in blocks.partitions_of(node)]
@@ -122,15 +123,18 @@ def check_disk_writable(
         raise _refuse("swap", f"{', '.join(use.swap)} on {name} is an active swap area", **base, swap=use.swap)
     passed.append("not_swap")
 
-    ours = {name, *part_names, *holders}
+    ours = {blocks.nodes[n].dev for n in (name, *part_names, *holders) if n in blocks.nodes and blocks.nodes[n].dev}
     for entry in domain_disks:
-        used = _domain_disk_name(fresh, entry)
-        if entry == by_id or used in ours:
+        # Compared by the device the path resolves to (major:minor), never by the path string:
+        # a domain may name the disk by another by-id alias, /dev/nvmeXnY or a partition.
+        used = _domain_disk_dev(fresh, blocks, entry)
+        if used in ours or entry == by_id:
             raise _refuse(
                 "in_use_by_domain",
-                f"{name} is used by another running domain (as {entry})",
+                f"{name} is used by another defined domain (as {entry})",
                 **base,
                 domain_disk=entry,
+                domain_disk_dev=used,
             )
     passed.append("not_in_use_by_domain")
 
@@ -143,10 +147,24 @@ def check_disk_writable(
         by_id=by_id,
         kernel_name=name,
         dev=node.dev,
+        disk_identity=identity,
         size_bytes=sectors * SECTOR_BYTES,
         partitions=part_names,
         checks_passed=passed,
     )
+
+
+def read_disk_identity(host: HostRoot, by_id: str) -> str:
+    """The identity of the whole disk ``by_id`` resolves to now (``missing`` when it resolves to none)."""
+    fresh = host.fresh()
+    reader = SysReader(fresh)
+    blocks = BlockTable(reader)
+    node = blocks.nodes[_resolve_by_id(fresh, blocks, by_id)]
+    identity = None if node.is_partition else disk_identity(reader, node)
+    if identity is None:
+        raise _refuse("missing", f"{by_id} resolves to {node.name}, which has no disk identity", by_id=by_id,
+                      kernel_name=node.name)
+    return identity
 
 
 # Reads the guard cannot do without: a mount table it could not read proves nothing (§4.7).
@@ -195,13 +213,38 @@ def _check_dev_node(host: HostRoot, name: str, dev: str, base: dict[str, Any]) -
         raise _refuse("missing", f"/dev/{name} is {seen} but sysfs says {dev}", **base, dev_node=seen)
 
 
-def _domain_disk_name(host: HostRoot, entry: str) -> str:
+def _domain_disk_dev(host: HostRoot, blocks: BlockTable, entry: str) -> str | None:
+    """major:minor of the block device a domain's disk source (a path, or a bare kernel name) is, if any."""
     if not entry.startswith("/"):
-        return entry
+        node = blocks.nodes.get(entry)
+        return node.dev if node else None
     try:
-        return posixpath.basename(host.resolve(entry))
-    except OSError:
-        return entry
+        resolved = host.resolve(entry)
+    except (OSError, SymlinkLoopError):
+        resolved = None
+    if resolved and posixpath.dirname(resolved) == "/dev" and posixpath.basename(resolved) in blocks.nodes:
+        return blocks.nodes[posixpath.basename(resolved)].dev
+    try:  # a device node outside the host root's /dev/disk tree: its own device number
+        st = os.stat(host.real(entry))
+    except (OSError, ValueError):
+        return None
+    return f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if stat.S_ISBLK(st.st_mode) else None
+
+
+def _not_in_lease(by_id: str, lease: DiskLease | SlotLease, identity: str | None, **seen: Any) -> DiskGuardError:
+    return _refuse(
+        "not_in_lease",
+        f"{by_id} is not the disk of slot {lease.slot_index} ({lease.nvme_device}, {lease.disk_identity})",
+        by_id=by_id,
+        disk_identity=identity,
+        **seen,
+        lease={
+            "allocation_id": lease.allocation_id,
+            "slot_index": lease.slot_index,
+            "nvme_device": lease.nvme_device,
+            "disk_identity": lease.disk_identity,
+        },
+    )
 
 
 def open_exclusive(path: str, evidence: dict[str, Any]) -> int:

@@ -46,8 +46,8 @@ _OWNED_LINE = re.compile(
 )
 _OWNED_MARK = re.compile(r"\s#\s*gpuaas\s+allocation=")
 _COMMENT = re.compile(r"(^|\s)#.*$")  # where dnsmasq ends a line
-_MAC_ANY_CASE = re.compile(r"^[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}$")
-_IPV4 = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
+_MAC_ANY_CASE = re.compile(r"^[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}\Z")
+_IPV4 = re.compile(r"^\d{1,3}(\.\d{1,3}){3}\Z")
 LOCK_TIMEOUT_S = 10.0
 HOSTS_FILE_MODE = 0o644  # dnsmasq may read it after dropping to its own user
 
@@ -286,31 +286,45 @@ class DnsmasqReservations:
         self._check_address(res)
         with self._locked():
             lines = self._read()
-            for ln in lines:
-                other = ln.reservation
-                if other is not None and (other.allocation_id, other.slot_index) == (res.allocation_id, res.slot_index):
-                    if other == res:
-                        return False
-                    raise _refuse("slot_reserved", f"allocation {res.allocation_id} slot {res.slot_index} already "
-                                  f"reserves {other.mac} -> {other.ip} ({other.hostname}); release it first",
-                                  existing=other.model_dump(mode="json"), requested=res.model_dump(mode="json"))
-            for ln in lines:
-                if ln.reservation is not None and (ln.reservation.allocation_id, ln.reservation.slot_index) == (
-                        res.allocation_id, res.slot_index):
-                    continue
-                macs, ips, hostnames = _claims(ln)
-                owner = ln.text
-                if res.mac in macs:
-                    raise _refuse("mac_in_use", f"MAC {res.mac} is already reserved by another line", mac=res.mac,
-                                  line=owner)
-                if res.ip in ips:
-                    raise _refuse("ip_in_use", f"{res.ip} is already reserved by another line", ip=str(res.ip),
-                                  line=owner)
-                if res.hostname.lower() in hostnames:
-                    raise _refuse("hostname_in_use", f"hostname {res.hostname} is already reserved by another line",
-                                  hostname=res.hostname, line=owner)
+            if self._conflicts(lines, res):
+                return False
             self._write([*lines, _Line(text=render_line(res), reservation=res)])
         return True
+
+    def check(self, res: Reservation) -> bool:
+        """Every refusal :meth:`add` would raise for ``res`` now, without writing anything.
+
+        A provision asks this in its validate step, before any lease is taken or disk
+        written, so a reserved MAC, IP or hostname refuses the task with the slot clean.
+        True when this very reservation is already there.
+        """
+        self._check_address(res)
+        return self._conflicts(self._read(), res)
+
+    @staticmethod
+    def _conflicts(lines: list[_Line], res: Reservation) -> bool:
+        """Raise when another line claims what ``res`` needs; True when ``res`` itself is there already."""
+        for ln in lines:
+            other = ln.reservation
+            if other is not None and (other.allocation_id, other.slot_index) == (res.allocation_id, res.slot_index):
+                if other == res:
+                    return True
+                raise _refuse("slot_reserved", f"allocation {res.allocation_id} slot {res.slot_index} already "
+                              f"reserves {other.mac} -> {other.ip} ({other.hostname}); release it first",
+                              existing=other.model_dump(mode="json"), requested=res.model_dump(mode="json"))
+        for ln in lines:
+            macs, ips, hostnames = _claims(ln)
+            owner = ln.text
+            if res.mac in macs:
+                raise _refuse("mac_in_use", f"MAC {res.mac} is already reserved by another line", mac=res.mac,
+                              line=owner)
+            if res.ip in ips:
+                raise _refuse("ip_in_use", f"{res.ip} is already reserved by another line", ip=str(res.ip),
+                              line=owner)
+            if res.hostname.lower() in hostnames:
+                raise _refuse("hostname_in_use", f"hostname {res.hostname} is already reserved by another line",
+                              hostname=res.hostname, line=owner)
+        return False
 
     def remove(self, allocation_id: str, slot_index: int | None = None) -> list[Reservation]:
         """Drop the allocation's reservations (one slot, or all of them); returns what was removed.

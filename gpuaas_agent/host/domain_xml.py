@@ -250,6 +250,9 @@ def read_metadata(agent_xml: str) -> DomainMetadata | None:
         if child is None or child.text is None:
             return None
         values[field] = child.text
+    if not values["slot_index"].isascii() or not values["slot_index"].isdigit():
+        return None  # XML text: the one integer field is converted here, the model itself is strict
+    values["slot_index"] = int(values["slot_index"])
     try:
         return DomainMetadata.model_validate(values)
     except ValueError:

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20  # 1 MiB: large enough that hashlib (which drops the GIL) runs at full speed
 MAX_REDIRECTS = 5
 QEMU_IMG_INFO_TIMEOUT_S = 60.0
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
 DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_STALL_TIMEOUT_S = 60.0
 

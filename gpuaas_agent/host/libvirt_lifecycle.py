@@ -341,6 +341,37 @@ class LibvirtLifecycle:
 
         return await self._call("devices", op)
 
+    async def defined_domain_disks(self, *, exclude_allocation: str | None = None,
+                                   exclude_slot: int | None = None) -> list[str]:
+        """Block-device sources of every *defined* domain, running or shut off (DESIGN.md §4.1).
+
+        A shut-off domain still owns its disk: start it again and it writes there,
+        so its disk must not be cloned or wiped for another slot. Only the
+        domain whose metadata names exactly ``exclude_allocation`` *and*
+        ``exclude_slot`` (the slot's own) is left out; a domain without our
+        metadata, or of the same allocation on another slot, counts.
+        """
+
+        def op(conn: libvirt.virConnect) -> list[str]:
+            disks: set[str] = set()
+            for dom in conn.listAllDomains(0):
+                try:
+                    meta = self._metadata(dom)
+                    if (meta is not None and exclude_allocation is not None
+                            and (meta.allocation_id, meta.slot_index) == (exclude_allocation, exclude_slot)):
+                        continue
+                    root = ET.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+                except libvirt.libvirtError as exc:
+                    if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                        continue  # undefined between the listing and the read
+                    raise
+                for source in root.findall("devices/disk[@type='block']/source"):
+                    if source.get("dev"):
+                        disks.add(source.get("dev"))
+            return sorted(disks)
+
+        return await self._call("defined_domain_disks", op)
+
     # -- define / start -----------------------------------------------------------
 
     async def define(self, spec: DomainSpec) -> DefineOutcome:

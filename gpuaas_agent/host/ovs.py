@@ -71,9 +71,9 @@ _COLUMNS = {
 }
 _IFNAME = re.compile(IFNAME_PATTERN)
 _UUID = re.compile(UUID_PATTERN)
-_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
-_DATAPATH_TYPE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-_VNIC = re.compile(rf"^{VNIC_PREFIX}[0-9a-f]{{1,2}}-[0-9a-f]{{10}}$")
+_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}\Z")
+_DATAPATH_TYPE = re.compile(r"^[a-z][a-z0-9_-]{0,31}\Z")
+_VNIC = re.compile(rf"^{VNIC_PREFIX}[0-9a-f]{{1,2}}-[0-9a-f]{{10}}\Z")
 Txn = ovs.db.idl.Transaction
 
 

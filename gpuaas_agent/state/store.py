@@ -71,10 +71,21 @@ MIGRATIONS: tuple[str, ...] = (
         updated_at REAL NOT NULL
     );
     """,
+    # 3 -> 4: a lease holds a disk by what it is, not by one of its names (an NVMe namespace has
+    # several by-id aliases: two leases held one disk through two of them and the second wiped the
+    # first's data). Rows leased before identities existed get ``path:<their by-id>``: the guard
+    # then accepts exactly that link (the old rule) until the lease is released; new leases carry
+    # the namespace identity read from sysfs. SQLite cannot add a UNIQUE column: a unique index does it.
+    """
+    ALTER TABLE slot_lease ADD COLUMN disk_identity TEXT;
+    UPDATE slot_lease SET disk_identity = 'path:' || nvme_device WHERE disk_identity IS NULL;
+    CREATE UNIQUE INDEX slot_lease_disk_identity ON slot_lease (disk_identity);
+    """,
 )
 
 
-LEASE_FIELDS = ("allocation_id", "slot_index", "gpu_pci_address", "nvme_device", "fabric_vf_pci_address", "task_id", "taken_at")
+LEASE_FIELDS = ("allocation_id", "slot_index", "gpu_pci_address", "nvme_device", "disk_identity",
+                "fabric_vf_pci_address", "task_id", "taken_at")
 LEASE_COLUMNS = ", ".join(LEASE_FIELDS)
 
 
@@ -147,8 +158,9 @@ class StateStore:
         """Lease every slot of one allocation, all or nothing (a multi-GPU slice fits on one node).
 
         Taking a lease the allocation already holds is a no-op. Raises
-        :class:`LeaseConflict` naming the holder when a slot, its GPU, disk or VF
-        is held by another lease; then nothing is taken.
+        :class:`LeaseConflict` naming the holder when a slot, its GPU, disk (by
+        any of its names: ``disk_identity``) or VF is held by another lease; then
+        nothing is taken.
         """
         allocations = {lease.allocation_id for lease in leases}
         if len(allocations) != 1:
@@ -162,7 +174,7 @@ class StateStore:
 
     def _take_one(self, lease: SlotLease) -> SlotLease:
         bound = lease.model_dump(exclude={"task_id", "taken_at"})
-        for column in ("slot_index", "gpu_pci_address", "nvme_device", "fabric_vf_pci_address"):
+        for column in ("slot_index", "gpu_pci_address", "nvme_device", "disk_identity", "fabric_vf_pci_address"):
             holder = self._lease_row(f"{column} = ?", getattr(lease, column))
             if holder is None:
                 continue
@@ -170,12 +182,12 @@ class StateStore:
                 return holder  # this very lease, taken before (a redelivered plan)
             raise LeaseConflict(
                 f"{column}={getattr(lease, column)} is leased by allocation {holder.allocation_id} (slot {holder.slot_index})",
-                evidence={"held": holder.model_dump(), "requested": lease.model_dump()},
+                evidence={"field": column, "held": holder.model_dump(), "requested": lease.model_dump()},
             )
         self._conn.execute(
-            "INSERT INTO slot_lease (slot_index, allocation_id, gpu_pci_address, nvme_device, fabric_vf_pci_address,"
-            " task_id, taken_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (lease.slot_index, lease.allocation_id, lease.gpu_pci_address, lease.nvme_device,
+            "INSERT INTO slot_lease (slot_index, allocation_id, gpu_pci_address, nvme_device, disk_identity,"
+            " fabric_vf_pci_address, task_id, taken_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (lease.slot_index, lease.allocation_id, lease.gpu_pci_address, lease.nvme_device, lease.disk_identity,
              lease.fabric_vf_pci_address, lease.task_id, lease.taken_at),
         )
         return lease

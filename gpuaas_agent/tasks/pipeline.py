@@ -24,7 +24,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from gpuaas_agent.contract.state import StepStatus
+from gpuaas_agent.contract.tasks import invalid_payload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 
@@ -146,6 +149,8 @@ async def run_pipeline(ctx: PipelineContext, steps: list[Step]) -> dict[str, dic
         try:
             output = await step.run() or {}
         except (Exception, asyncio.CancelledError) as exc:
+            if isinstance(exc, ValidationError):  # a model refused a value from the task: a refusal, not a bug
+                exc = invalid_payload(f"step {step.name}", exc)
             cancelled = _is_cancel(exc)
             code = exc.code if isinstance(exc, AgentError) else ("cancelled" if cancelled else "internal_error")
             ctx.store.journal(ctx.envelope.task_id, step.name, StepStatus.failed, {"code": code})

@@ -3,7 +3,8 @@
 The control plane hands over approved slot ids and its records of them; the
 agent checks each record against what the host has *now* (complete bindings,
 a per-slot VF, a by-id disk that resolves to a raw, unmounted namespace; a
-binding this host does not have is ``not_approved``),
+binding this host does not have is ``not_approved``; bindings that exist but
+are not exactly the host's candidate slot of that index are ``slot_mismatch``),
 takes the host-local leases all or nothing, and answers with the concrete
 bundle. It changes nothing else on the host.
 """
@@ -19,7 +20,9 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.tasks import PlanPayload
 from gpuaas_agent.contract.topology import TopologyReport
+from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.guards.slot_binding import check_slot_binding, disks_by_name
 from gpuaas_agent.state.store import StateStore
 
 # A slot the control plane has not handed to this allocation cannot be planned.
@@ -61,10 +64,7 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport) -> BundlePlan:
     _no_shared_devices(slots)
     gpus = {g.pci_address: g for g in report.gpus}
     vfs = {f.pci_address: f for f in report.fabric_devices if f.is_vf}
-    disks = {}
-    for disk in report.nvme_devices:
-        for name in filter(None, [disk.by_id, *disk.by_id_links]):
-            disks[name] = disk
+    disks = disks_by_name(report)
     planned = []
     for slot in slots:
         if slot.status not in PLANNABLE:
@@ -82,6 +82,7 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport) -> BundlePlan:
         disk = disks.get(slot.nvme_device)
         if disk is None:
             raise _not_on_this_node(slot, "nvme_device", f"{slot.nvme_device} does not resolve to an NVMe namespace here")
+        check_slot_binding(slot, report)  # slot_mismatch: exists, but is not this slot's (any field)
         if not disk.slice_eligible:
             raise PlanError(
                 f"slot {slot.slot_id}: {slot.nvme_device} is not a raw, unused disk",
@@ -93,7 +94,8 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport) -> BundlePlan:
             slot_id=slot.slot_id, slot_index=slot.slot_index,
             gpu_pci_address=gpu.pci_address, gpu_numa_node=gpu.numa_node, gpu_local_cpulist=gpu.local_cpulist,
             fabric_vf_pci_address=vf.pci_address, fabric_pf_pci_address=vf.physfn,
-            nvme_device=slot.nvme_device, nvme_kernel_name=disk.kernel_name, nvme_size_bytes=disk.size_bytes,
+            nvme_device=slot.nvme_device, nvme_kernel_name=disk.kernel_name, disk_identity=disk.disk_identity,
+            nvme_size_bytes=disk.size_bytes,
             mac=slot.mac, private_ip=slot.private_ip, ovs_bridge=slot.ovs_bridge,
         ))
     return BundlePlan(allocation_id=payload.allocation_id, slots=planned)
@@ -104,21 +106,26 @@ def lease_bundle(store: StateStore, plan: BundlePlan, task_id: str, *, now: floa
     taken_at = time.time() if now is None else now
     return store.take_leases([
         SlotLease(allocation_id=plan.allocation_id, slot_index=s.slot_index, gpu_pci_address=s.gpu_pci_address,
-                  nvme_device=s.nvme_device, fabric_vf_pci_address=s.fabric_vf_pci_address,
+                  nvme_device=s.nvme_device, disk_identity=s.disk_identity,
+                  fabric_vf_pci_address=s.fabric_vf_pci_address,
                   task_id=task_id, taken_at=taken_at)
         for s in plan.slots
     ])
 
 
-def plan_handler(host_root: Path):
-    """The worker's handler for ``slice.plan`` (discovery runs off the event loop)."""
+def plan_handler(host_root: Path, plan_config: PlanConfig | None = None):
+    """The worker's handler for ``slice.plan`` (discovery runs off the event loop).
+
+    ``plan_config``: the host's slice subnet, gateway and bridge (``SliceConfig``), so the
+    candidate slots' suggested MAC/IP are the ones the records were approved from.
+    """
 
     async def handle(payload: PlanPayload, ctx) -> dict:
         from gpuaas_agent.discovery.report import discover
         from gpuaas_agent.hostfs import HostRoot
 
         await ctx.progress("validate", "started")
-        report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root)))
+        report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan_config))
         plan = plan_bundle(payload, report)
         await ctx.progress("validate", "succeeded")
         lease_bundle(ctx.store, plan, ctx.envelope.task_id)

@@ -21,11 +21,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from ipaddress import IPv4Interface
 from typing import Any
 
 from gpuaas_agent import __version__
-from gpuaas_agent.contract.cloudinit import GuestAddressing, GuestNetwork, GuestUser, SeedSpec
 from gpuaas_agent.contract.domain import DomainSpec
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.plan import PlannedSlot
@@ -45,6 +43,13 @@ from gpuaas_agent.host.dnsmasq import make_reservation
 from gpuaas_agent.host.readiness import wait_for_guest
 from gpuaas_agent.host.vfio import bind_to_vfio
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.tasks.admission import (
+    build_seed_spec,
+    check_guest_address,
+    check_one_slot_per_allocation,
+    check_reservation,
+    slice_plan_config,
+)
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
 from gpuaas_agent.tasks.plan import plan_bundle
 from gpuaas_agent.tasks.slicehost import SliceHost
@@ -84,7 +89,7 @@ class _Run:
     def disk_lease(self) -> DiskLease:
         """The only disk this run may write (the guard checks every write against it)."""
         return DiskLease(allocation_id=self.payload.allocation_id, slot_index=self.slot.slot_index,
-                         nvme_device=self.slot.nvme_device)
+                         nvme_device=self.slot.nvme_device, disk_identity=self.lease.disk_identity)
 
     @property
     def name(self) -> str:
@@ -140,6 +145,25 @@ def _check_admissible(sh: SliceHost, run: _Run, store) -> None:
             evidence={"slot_index": slot.slot_index, "host_record": record.model_dump(mode="json")})
 
 
+def domain_not_ours(found, allocation_id: str, slot_index: int, created_uuid: str | None) -> str | None:
+    """Why a compensation must leave the domain ``found`` alone, or None when it is this run's to undo.
+
+    Ours means: our metadata naming this allocation *and* this slot, and, once define
+    answered, the very UUID it returned. A domain of the same name (the name is per
+    allocation) on another slot, or re-created by someone else meanwhile, is never touched.
+    """
+    if found is None:
+        return None
+    meta = found.metadata
+    if meta is None:
+        return "no agent metadata"
+    if meta.allocation_id != allocation_id or meta.slot_index != slot_index:
+        return f"domain of allocation {meta.allocation_id} slot {meta.slot_index}"
+    if created_uuid is not None and found.uuid != created_uuid:
+        return f"uuid {found.uuid} is not the domain define answered ({created_uuid})"
+    return None
+
+
 def _relay_key(path) -> str:
     """The node's terminal relay public key (seed 004), added to every slice's authorized keys."""
     try:
@@ -157,21 +181,33 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
     async def validate() -> dict:
         from gpuaas_agent.discovery.report import discover
 
-        # Inputs the later steps need are read now, so that their absence fails before the disk is touched.
+        # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
+        # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
         run.facts["relay_key"] = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
-        report = await asyncio.to_thread(lambda: discover(sh.host()))
-        # The approved record is checked against live discovery exactly as slice.plan does.
+        check_guest_address(slot.private_ip, sh.slice)
+        run.facts["seed_spec"] = build_seed_spec(payload, run.facts["relay_key"], sh.slice)
+        check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
+        report = await asyncio.to_thread(lambda: discover(sh.host(), slice_plan_config(sh.slice)))
+        # The approved record must be exactly the host's candidate slot of its index, as slice.plan checks.
         plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[slot.slot_id],
                                        slots=[slot.model_copy(update={"status": SlotStatus.reserved})]), report)
         run.planned = plan.slots[0]
+        await asyncio.to_thread(check_reservation, sh.reservations(), payload)
         lease = SlotLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
                           gpu_pci_address=slot.gpu_pci_address, nvme_device=slot.nvme_device,
+                          disk_identity=run.planned.disk_identity,
                           fabric_vf_pci_address=slot.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
         run.lease_was_held = any(held.slot_index == slot.slot_index for held in store.leases_of(payload.allocation_id))
         run.lease = store.take_lease(lease)  # lease_conflict: another allocation holds a device of this slot
         store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}))
         return {"kernel_name": run.planned.nvme_kernel_name, "numa_node": run.planned.gpu_numa_node,
+                "disk_identity": run.planned.disk_identity,
                 "lease": "held_before" if run.lease_was_held else "taken"}
+
+    async def other_domain_disks() -> list[str]:
+        """Disks of every defined domain, running or shut off, except this allocation+slot's own."""
+        return await sh.libvirt.defined_domain_disks(exclude_allocation=payload.allocation_id,
+                                                     exclude_slot=slot.slot_index)
 
     async def unlease() -> dict:
         if run.disk_touched:
@@ -197,7 +233,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
 
     async def clone() -> dict:
         run.disk_touched = True  # from here on, nothing but a verified wipe makes this disk clean
-        others = await sh.libvirt.running_domain_disks(exclude=run.name)
+        others = await other_domain_disks()
 
         async def on_progress(p) -> None:
             await ctx.progress("clone", "progress", percent=p.percent)
@@ -209,15 +245,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         return result.model_dump(mode="json")
 
     async def seed() -> dict:
-        spec = SeedSpec(
-            instance_id=payload.allocation_id, hostname=payload.hostname,
-            user=GuestUser(name=payload.user, ssh_authorized_keys=tuple(payload.ssh_authorized_keys)),
-            terminal_relay_key=run.facts["relay_key"],
-            network=GuestNetwork(mac=slot.mac, address=IPv4Interface(f"{slot.private_ip}/{sh.slice.subnet.prefixlen}"),
-                                 gateway=sh.slice.gateway, nameservers=sh.slice.nameservers,
-                                 addressing=GuestAddressing.dhcp4),
-            guest_driver_profile=payload.guest_driver_profile)
-        iso = await write_seed_iso(spec, sh.seed_path(payload.allocation_id, slot.slot_index))
+        iso = await write_seed_iso(run.facts["seed_spec"], sh.seed_path(payload.allocation_id, slot.slot_index))
         return {"path": iso.path, "sha256": iso.sha256}
 
     async def unseed() -> dict:
@@ -264,14 +292,20 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
             seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
             numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__)
         outcome = await sh.libvirt.define(run.spec)
+        run.facts["domain_uuid"] = outcome.domain.uuid  # what undo may touch: this domain, no other of that name
         return {"domain": outcome.domain.name, "uuid": outcome.domain.uuid, "action": outcome.action}
 
-    async def undefine() -> dict:
+    async def ours() -> tuple[Any, str | None]:
+        """The slot's own domain, or why the one of that name is left alone (undo never goes by name alone)."""
         found = await sh.libvirt.lookup(run.name)
+        return found, domain_not_ours(found, payload.allocation_id, slot.slot_index, run.facts.get("domain_uuid"))
+
+    async def undefine() -> dict:
+        found, foreign = await ours()
         if found is None:
             return {"domain": run.name, "found": False}
-        if found.metadata is None or found.metadata.allocation_id != payload.allocation_id:
-            return {"domain": run.name, "found": True, "left": "not ours"}
+        if foreign:
+            return {"domain": run.name, "found": True, "left": foreign}
         stopped = await sh.libvirt.shutdown(run.name, deadline_s=0)  # compensation: no grace, destroy now
         gone = await sh.libvirt.undefine(run.name)
         return {"domain": run.name, "destroyed": stopped.destroyed, "nvram_removed": gone.nvram_removed}
@@ -279,7 +313,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
     async def start() -> dict:
         disk = await asyncio.to_thread(
             check_disk_writable, sh.host(), slot.nvme_device, lease=run.disk_lease,
-            domain_disks=await sh.libvirt.running_domain_disks(exclude=run.name))
+            domain_disks=await other_domain_disks())
         async with sh.ovs() as ovs:
             evidence = await asyncio.to_thread(
                 check_vm_start, sh.host() if run.profile.hostdevs else sh.system(), run.spec,
@@ -291,9 +325,9 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
                 "ofport": port.ofport}
 
     async def stop() -> dict:
-        found = await sh.libvirt.lookup(run.name)
-        if found is None or found.metadata is None or found.metadata.allocation_id != payload.allocation_id:
-            return {"domain": run.name, "found": found is not None}
+        found, foreign = await ours()
+        if found is None or foreign:
+            return {"domain": run.name, "found": found is not None, **({"left": foreign} if foreign else {})}
         stopped = await sh.libvirt.shutdown(run.name, deadline_s=0)
         return stopped.model_dump(mode="json")
 

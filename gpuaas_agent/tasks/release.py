@@ -25,6 +25,7 @@ from gpuaas_agent.contract.state import SlotRecord
 from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.guards.disk import read_disk_identity
 from gpuaas_agent.host.disks import wipe_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
@@ -51,9 +52,12 @@ async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
     proof: dict = {}
 
     async with sh.slot_lock(slot.slot_index):
-        holders = [lease for lease in store.leases()
-                   if lease.slot_index == slot.slot_index or lease.nvme_device == slot.nvme_device]
-        foreign = [lease for lease in holders if lease.allocation_id != alloc]
+        # The disk this release may wipe is the one its lease holds (by identity), whatever the
+        # payload calls it: another alias, or another slot's disk, in the payload is never wiped.
+        leases = store.leases()
+        holders = [lease for lease in leases if lease.allocation_id == alloc and lease.slot_index == slot.slot_index]
+        foreign = [lease for lease in leases if lease.allocation_id != alloc
+                   and (lease.slot_index == slot.slot_index or lease.nvme_device == slot.nvme_device)]
         if foreign:
             raise ReleaseRefused(
                 f"slot {slot.slot_index} is leased by allocation {foreign[0].allocation_id}, not {alloc}: nothing touched",
@@ -101,17 +105,34 @@ async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
         async def unseed() -> dict:
             return sh.remove_seed(alloc, slot.slot_index)
 
+        async def held_disk() -> DiskLease:
+            """The lease's disk; without a lease (a cleanup_blocked record only), the payload's disk as it is
+            now, provided no other lease holds that disk by identity."""
+            if holders:
+                held = holders[0]
+                return DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=held.nvme_device,
+                                 disk_identity=held.disk_identity)
+            identity = await asyncio.to_thread(read_disk_identity, sh.host(), slot.nvme_device)
+            other = [lease for lease in store.leases() if lease.disk_identity == identity]
+            if other:
+                raise ReleaseRefused(
+                    f"{slot.nvme_device} is the disk leased by allocation {other[0].allocation_id}: not wiped",
+                    code="lease_conflict", evidence={"field": "nvme_device", "held": other[0].model_dump()})
+            return DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=slot.nvme_device,
+                             disk_identity=identity)
+
         async def wipe() -> dict:
             if not owns_disk:
                 return {"skipped": "this host holds no lease of this allocation on the slot: its disk is not ours to wipe"}
+            disk_lease = await held_disk()
             try:
                 result = await wipe_disk(
-                    sh.host(), slot.nvme_device,
-                    lease=DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=slot.nvme_device),
-                    domain_disks=await sh.libvirt.running_domain_disks(exclude=name))
+                    sh.host(), disk_lease.nvme_device, lease=disk_lease,
+                    domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=alloc,
+                                                                       exclude_slot=slot.slot_index))
             except AgentError as exc:
                 if exc.code == "wipe_unverified":
-                    store.record_wipe_proof(slot.slot_index, WipeProof.model_validate(exc.evidence))
+                    store.record_wipe_proof(slot.slot_index, WipeProof.from_wire(exc.evidence))
                 raise
             store.record_wipe_proof(slot.slot_index, result)
             proof.update(result.model_dump(mode="json"))

@@ -9,8 +9,12 @@ from pathlib import Path
 from gpuaas_agent.contract.tasks import TopologyDiscoverPayload
 
 
-def topology_discover_handler(host_root: Path):
-    """Discovery over the configured host root, the report as JSON."""
+def topology_discover_handler(host_root: Path, gateway: ipaddress.IPv4Address | None = None):
+    """Discovery over the configured host root, the report as JSON.
+
+    ``gateway``: the host's slice gateway (``SliceConfig``); used when the payload's subnet holds
+    it, so the suggested IPs are the ones a provision's validate compares against.
+    """
 
     async def handle(payload: TopologyDiscoverPayload, ctx) -> dict:
         from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
@@ -19,7 +23,9 @@ def topology_discover_handler(host_root: Path):
         from gpuaas_agent.hostfs import HostRoot
 
         await ctx.progress("discover", "started")
-        plan = PlanConfig(subnet=ipaddress.IPv4Network(payload.subnet, strict=True), ovs_bridge=payload.ovs_bridge)
+        subnet = ipaddress.IPv4Network(payload.subnet, strict=True)
+        plan = PlanConfig(subnet=subnet, gateway=gateway if gateway is not None and gateway in subnet else None,
+                          ovs_bridge=payload.ovs_bridge)
         # sysfs walks block: keep them off the event loop so keepalives and heartbeats go on.
         report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan))
         await ctx.progress("discover", "succeeded", percent=100, detail={"candidate_slots": report.summary.candidate_slots})

@@ -61,3 +61,72 @@ def test_bootstrap_token_stays_out_of_repr_but_reaches_the_wire():
     req = EnrollRequest(bootstrap_token="t" * 32, machine_id="1" * 32, hostname="j22u05", agent_version="0.1.0")
     assert "tttt" not in repr(req)
     assert json.loads(req.model_dump_json())["bootstrap_token"] == "t" * 32
+
+
+# -- slice.vm_provision: the tenant's input is refused at the edge, one line naming the field ------------------
+
+ED25519 = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIIG81KbW458JUOjDcJx4OcOIor8JRkPZz7IlijLFZsgC tenant@laptop"
+
+
+def _provision(**over):
+    payload = {"allocation_id": ALLOC, "slot": dict(SLOT, status="reserved"),
+               "image": {"url": "https://images.example/x.qcow2", "sha256": "0" * 64},
+               "hostname": "gpu-box", "user": "tenant", "ssh_authorized_keys": [ED25519]}
+    payload.update(over)
+    return parse_task(_envelope(type="slice.vm_provision", payload=payload))
+
+
+def _invalid(**over) -> ContractError:
+    with pytest.raises(ContractError) as err:
+        task_payload(_provision(**over))
+    assert err.value.code == "invalid_payload"
+    assert "\n" not in err.value.message and len(err.value.message) < 400, err.value.message
+    assert err.value.message.startswith(f"payload of slice.vm_provision: {err.value.evidence['field']}: ")
+    return err.value
+
+
+def test_a_valid_provision_payload_is_accepted():
+    assert task_payload(_provision())[1].ssh_authorized_keys == [ED25519]
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"hostname": "gpu-box\n"}, "hostname"),
+    ({"user": "tenant\n"}, "user"),
+    ({"user": "root"}, "user"),
+    ({"ssh_authorized_keys": ["ssh-ed25519 " + "A" * 600_000]}, "ssh_authorized_keys.0"),
+    ({"ssh_authorized_keys": [ED25519 + "\nssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIIG81KbW458JUOjDcJx4OcOIor8JRkPZz7IlijLFZsgC x"]},
+     "ssh_authorized_keys.0"),
+    ({"ssh_authorized_keys": ["ssh-dss AAAAB3NzaC1kc3MAAACBAP"]}, "ssh_authorized_keys.0"),
+    ({"ssh_authorized_keys": ["ssh-ed25519 not*base64"]}, "ssh_authorized_keys.0"),
+    ({"ssh_authorized_keys": [ED25519] * 33}, "ssh_authorized_keys"),
+    ({"ssh_authorized_keys": []}, "ssh_authorized_keys"),
+    ({"slot": dict(SLOT, status="reserved", private_ip="10.100.0.10\n")}, "slot.private_ip"),
+    ({"slot": dict(SLOT, status="reserved", slot_index="2")}, "slot.slot_index"),
+    ({"slot": dict(SLOT, status="reserved", slot_index=True)}, "slot.slot_index"),
+    ({"allocation_id": ALLOC + "\n"}, "allocation_id"),
+])
+def test_tenant_input_is_invalid_payload_naming_the_field(over, field):
+    err = _invalid(**over)
+    assert err.evidence["field"] == field
+
+
+def test_the_key_errors_say_why_in_one_line():
+    assert "more than one line" in _invalid(ssh_authorized_keys=[ED25519 + "\nx"]).message or \
+        "single line" in _invalid(ssh_authorized_keys=[ED25519 + "\nx"]).message
+    assert "longer than 8192" in _invalid(ssh_authorized_keys=["ssh-ed25519 " + "A" * 600_000]).message
+    assert "type must be one of" in _invalid(ssh_authorized_keys=["ssh-dss AAAA"]).message
+
+
+def test_every_contract_pattern_refuses_a_trailing_newline():
+    """Python's ``$`` matches before a trailing newline; pydantic's (Rust) regex does not. Prove it per type."""
+    from pydantic import TypeAdapter
+
+    from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, IPv4String, KernelName, MacAddress, PciAddress
+
+    good = {ByIdPath: "/dev/disk/by-id/nvme-eui.01", MacAddress: "02:00:00:00:00:01", PciAddress: "0000:18:00.0",
+            KernelName: "nvme0n1", IPv4String: "10.0.0.1", DiskIdentity: "nguid:01"}
+    for kind, value in good.items():
+        adapter = TypeAdapter(kind)
+        assert adapter.validate_python(value) == value
+        with pytest.raises(ValueError):
+            adapter.validate_python(value + "\n")

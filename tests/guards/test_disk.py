@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpuaas_agent.contract.storage import DiskLease
-from gpuaas_agent.guards.disk import DiskGuardError, check_disk_writable, check_exclusive
+from gpuaas_agent.guards.disk import DiskGuardError, check_disk_writable, check_exclusive, read_disk_identity
 from gpuaas_agent.host.run import run
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import HOSTS
@@ -74,22 +74,22 @@ def test_refuses_a_mounted_whole_disk(realdev):
 def test_refuses_a_partition_by_id(realdev):
     disk = realdev.disk(64, partitions_mib=[16])
     link = realdev.by_id_link(f"../../{disk.name}p1")
-    lease = DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=link)
+    lease = DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=link, disk_identity=disk.identity)
     err = refused(link, lease)
     assert err.code == "not_whole_disk" and err.evidence["kernel_name"] == disk.name + "p1"
 
 
 def test_refuses_dangling_and_looping_links_and_non_by_id_paths(realdev):
     dangling = realdev.by_id_link("../../gpuaas-no-such-disk")
-    assert refused(dangling, DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=dangling)).code == "missing"
+    assert refused(dangling, DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=dangling, disk_identity="dev:1:1")).code == "missing"
     loop_a = realdev.by_id_link("placeholder")
     loop_b = realdev.by_id_link(os.path.basename(loop_a))
     os.unlink(loop_a)
     os.symlink(os.path.basename(loop_b), loop_a)
-    err = refused(loop_a, DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=loop_a))
+    err = refused(loop_a, DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=loop_a, disk_identity="dev:1:1"))
     assert err.code == "missing" and err.evidence["reason"] == "symlink_loop"
     absent = "/dev/disk/by-id/gpuaas-test-absent"
-    assert refused(absent, DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=absent)).code == "missing"
+    assert refused(absent, DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=absent, disk_identity="dev:1:1")).code == "missing"
     disk = realdev.disk(16)
     assert refused(disk.dev, disk.lease()).code == "not_by_id"
     assert refused("/dev/disk/by-id/../../" + disk.name, disk.lease()).code == "not_by_id"
@@ -118,14 +118,45 @@ def test_refuses_a_disk_used_by_another_domain(realdev):
 
 
 def test_follows_the_link_each_time(realdev):
-    """A link re-pointed between two calls is re-read (kernel names are advisory)."""
+    """A link re-pointed between two calls is re-read (kernel names are advisory): it now names another
+    disk, and a lease holds a disk by what it is, so the same link is refused for the old lease."""
     first, second = realdev.disk(16), realdev.disk(32)
     host = HostRoot.open("/")
-    assert check_disk_writable(host, first.by_id, lease=first.lease()).kernel_name == first.name
+    lease = first.lease()
+    assert check_disk_writable(host, first.by_id, lease=lease).kernel_name == first.name
     os.unlink(first.by_id)
     os.symlink(f"../../{second.name}", first.by_id)
-    evidence = check_disk_writable(host, first.by_id, lease=first.lease())
+    err = refused(first.by_id, lease)
+    assert err.code == "not_in_lease" and err.evidence["kernel_name"] == second.name
+    # A lease of the disk the link names now is honoured: the walk reads the new target.
+    evidence = check_disk_writable(host, first.by_id, lease=lease.model_copy(update={"disk_identity": second.identity}))
     assert evidence.kernel_name == second.name and evidence.size_bytes == 32 * MiB
+
+
+def test_an_alias_of_the_leased_disk_passes_and_a_link_to_another_disk_is_not_in_lease(realdev):
+    """Every by-id name of the leased disk is that disk; a name of another disk never is, whatever it is called."""
+    disk, other = realdev.disk(16), realdev.disk(16)
+    alias = realdev.by_id_link(f"../../{disk.name}")
+    lease = disk.lease()
+    evidence = check_disk_writable(LIVE, alias, lease=lease)
+    assert evidence.kernel_name == disk.name and evidence.disk_identity == lease.disk_identity
+    # The lease's own name re-pointed at another disk (a hostile alias) is refused.
+    other_identity = other.identity
+    assert other_identity != lease.disk_identity
+    os.unlink(disk.by_id)
+    os.symlink(f"../../{other.name}", disk.by_id)
+    err = refused(disk.by_id, lease)
+    assert err.code == "not_in_lease"
+    assert err.evidence["disk_identity"] == other_identity and err.evidence["lease"]["disk_identity"] == lease.disk_identity
+
+
+def test_a_domain_naming_the_disk_by_another_alias_or_a_partition_is_in_use_by_domain(realdev):
+    """Compared by major:minor, not by path string: any name of the disk or of its partition counts."""
+    disk = realdev.disk(64, partitions_mib=[16])
+    alias = realdev.by_id_link(f"../../{disk.name}")
+    for used_as in (alias, disk.partitions[0]):
+        err = refused(disk.by_id, disk.lease(), domain_disks=[used_as])
+        assert err.code == "in_use_by_domain" and err.evidence["domain_disk"] == used_as
 
 
 def test_os_disk_is_refused_on_this_host():
@@ -147,7 +178,8 @@ def test_os_disk_is_refused_on_this_host():
         devices = RealDevices(Path(tmp))
         try:
             link = devices.by_id_link(f"../../{name}")
-            err = refused(link, DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=link))
+            err = refused(link, DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=link,
+                                          disk_identity=read_disk_identity(LIVE, link)))
         finally:
             devices.close()
     assert err.code == "os_disk"
@@ -155,8 +187,9 @@ def test_os_disk_is_refused_on_this_host():
 
 # -- recorded hosts (DESIGN.md §6): the same guard over the 8×H200 fixtures --------------------------------
 
-def _lease(by_id: str) -> DiskLease:
-    return DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=by_id)
+def _lease(by_id: str, host: str = "h200-slice-after-transition") -> DiskLease:
+    return DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=by_id,
+                     disk_identity=read_disk_identity(HostRoot.open(HOSTS / host), by_id))
 
 
 def test_recorded_host_share_disk_is_mounted_child():
@@ -164,7 +197,7 @@ def test_recorded_host_share_disk_is_mounted_child():
     host = HostRoot.open(HOSTS / "h200-slice-before-transition")
     by_id = "/dev/disk/by-id/nvme-eui.000000000000000100a075244a10e115"
     with pytest.raises(DiskGuardError) as err:
-        check_disk_writable(host, by_id, lease=_lease(by_id))
+        check_disk_writable(host, by_id, lease=_lease(by_id, "h200-slice-before-transition"))
     assert err.value.code == "mounted_child"
     assert err.value.evidence["mounted_children"] == [{"node": "nvme2n1p1", "mountpoint": "/share3"}]
 
@@ -198,7 +231,7 @@ def test_the_state_stores_slot_lease_is_accepted(realdev):
     disk, other = realdev.disk(16), realdev.disk(16)
     lease = SlotLease(
         allocation_id=ALLOC, slot_index=3, gpu_pci_address="0000:1b:00.0", nvme_device=disk.by_id,
-        fabric_vf_pci_address="0000:1a:00.2", task_id="t-1", taken_at=0.0,
+        disk_identity=disk.identity, fabric_vf_pci_address="0000:1a:00.2", task_id="t-1", taken_at=0.0,
     )
     assert check_disk_writable(LIVE, disk.by_id, lease=lease).kernel_name == disk.name
     err = refused(other.by_id, lease)

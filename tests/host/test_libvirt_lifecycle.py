@@ -21,7 +21,7 @@ import pytest
 
 from gpuaas_agent.contract.domain import DomainSpec, DomainSpecError, DomainState, OvmfFirmware
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
-from gpuaas_agent.guards.disk import check_disk_writable
+from gpuaas_agent.guards.disk import DiskGuardError, check_disk_writable
 from gpuaas_agent.guards.vmstart import check_vm_start
 from gpuaas_agent.host.domain_xml import build_domain_xml
 from gpuaas_agent.host.libvirt_lifecycle import (
@@ -410,3 +410,38 @@ def test_a_call_that_does_not_answer_in_time_is_a_typed_timeout():
     err, conn_after = run(go())
     assert err.code == "libvirt_timeout" and err.evidence["timeout_s"] == 0.2
     assert conn_after is None  # the wedged connection is not reused
+
+
+def test_defined_domain_disks_lists_shut_off_domains_and_excludes_only_the_slots_own(realdev):
+    """A shut-off domain of another allocation still owns its disk: the guard refuses it as in_use_by_domain,
+    even when the clone names the disk by another by-id alias (compared by major:minor, not path)."""
+    disk = realdev.disk(16)
+    alias = realdev.by_id_link(f"../../{disk.dev.removeprefix('/dev/')}")
+    mine = spec(nvme_device="/dev/disk/by-id/gpuaas-test-mine", slot_index=1)
+    same_alloc_other_slot = spec(allocation_id=mine.allocation_id, slot_index=4,
+                                 nvme_device="/dev/disk/by-id/gpuaas-test-slot4")
+    stranger = spec(nvme_device=disk.by_id)  # another allocation, defined, never started
+
+    async def go():
+        async with LibvirtLifecycle(URI) as lc:
+            await lc.define(stranger)
+            try:
+                # Same name for both specs of one allocation: define the other slot's under its own name.
+                conn = libvirt.open(URI)
+                conn.defineXML(build_domain_xml(same_alloc_other_slot).replace(
+                    same_alloc_other_slot.domain_name, "gpuaas-test-other-slot"))
+                conn.close()
+                return (await lc.defined_domain_disks(exclude_allocation=mine.allocation_id, exclude_slot=1),
+                        await lc.defined_domain_disks(exclude_allocation=stranger.allocation_id, exclude_slot=2),
+                        await lc.running_domain_disks())
+            finally:
+                await _cleanup(lc, stranger.domain_name)
+                await _cleanup(lc, "gpuaas-test-other-slot")
+
+    others, without_stranger, running = run(go())
+    assert disk.by_id in others and "/dev/disk/by-id/gpuaas-test-slot4" in others
+    assert disk.by_id not in without_stranger and "/dev/disk/by-id/gpuaas-test-slot4" in without_stranger
+    assert disk.by_id not in running  # shut off: the old running-only check let this disk be written
+    with pytest.raises(DiskGuardError) as err:
+        check_disk_writable(LIVE, alias, lease=disk.lease(), domain_disks=others)
+    assert err.value.code == "in_use_by_domain" and err.value.evidence["domain_disk"] == disk.by_id

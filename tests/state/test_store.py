@@ -18,7 +18,8 @@ ALLOC_B = "158ea147-0115-407f-bbd5-1850c32b9517"
 def _lease(alloc=ALLOC_A, slot=0, **over):
     fields = dict(
         allocation_id=alloc, slot_index=slot, gpu_pci_address=f"0000:{0x18 + slot:02x}:00.0",
-        nvme_device=f"/dev/disk/by-id/nvme-eui.{slot:032x}", fabric_vf_pci_address=f"0000:{0x40 + slot:02x}:00.1",
+        nvme_device=f"/dev/disk/by-id/nvme-eui.{slot:032x}", disk_identity=f"nguid:{slot:032x}",
+        fabric_vf_pci_address=f"0000:{0x40 + slot:02x}:00.1",
         task_id="task-1", taken_at=1.0,
     )
     fields.update(over)
@@ -181,9 +182,54 @@ def test_a_version_1_file_is_migrated_keeping_its_leases(tmp_path):
     conn.commit()
     conn.close()
     store = StateStore.open(path)
-    assert store.schema_version == len(MIGRATIONS) == 3
+    assert store.schema_version == len(MIGRATIONS) == 4
     assert [l.allocation_id for l in store.leases()] == [ALLOC_A]
+    # A lease from before identities holds its disk by the path it was taken under (migration 4).
+    assert store.leases()[0].disk_identity == "path:/dev/disk/by-id/nvme-eui.0"
     store.record_wipe_proof(0, _proof(True))
+    store.close()
+
+
+def test_an_alias_of_a_leased_disk_is_the_same_disk(store):
+    """Two leases on one NVMe through two of its by-id names: the second is a lease_conflict on the identity."""
+    store.take_lease(_lease(nvme_device="/dev/disk/by-id/nvme-eui.0000000000000001", disk_identity="nguid:00aa"))
+    alias = _lease(alloc=ALLOC_B, slot=1, nvme_device="/dev/disk/by-id/nvme-SAMSUNG_MZ_S3XNA0R123456",
+                   disk_identity="nguid:00aa")
+    with pytest.raises(LeaseConflict) as err:
+        store.take_lease(alias)
+    assert err.value.code == "lease_conflict" and err.value.evidence["field"] == "disk_identity"
+    assert err.value.evidence["held"]["allocation_id"] == ALLOC_A
+    assert [l.allocation_id for l in store.leases()] == [ALLOC_A]
+
+
+def test_the_database_itself_refuses_a_second_lease_on_one_identity(store):
+    """The uniqueness is the index's, not only a Python check two tasks could race past."""
+    store.take_lease(_lease(disk_identity="nguid:00aa"))
+    with pytest.raises(sqlite3.IntegrityError):
+        store._conn.execute(
+            "INSERT INTO slot_lease (slot_index, allocation_id, gpu_pci_address, nvme_device, disk_identity,"
+            " fabric_vf_pci_address, task_id, taken_at) VALUES (5, ?, '0000:99:00.0', '/dev/disk/by-id/other',"
+            " 'nguid:00aa', '0000:99:00.1', 't', 1.0)", (ALLOC_B,))
+
+
+def test_a_version_3_file_gets_identities_for_its_leases_and_stays_usable(tmp_path):
+    path = tmp_path / "agent.db"
+    conn = sqlite3.connect(path)
+    for migration in MIGRATIONS[:3]:
+        for statement in filter(str.strip, migration.split(";")):
+            conn.execute(statement)
+    conn.execute("INSERT INTO slot_lease (slot_index, allocation_id, gpu_pci_address, nvme_device,"
+                 " fabric_vf_pci_address, task_id, taken_at) VALUES (2, ?, '0000:18:00.0',"
+                 " '/dev/disk/by-id/nvme-eui.2', '0000:40:00.1', 't', 1.0)", (ALLOC_A,))
+    conn.execute("PRAGMA user_version = 3")
+    conn.commit()
+    conn.close()
+    store = StateStore.open(path)
+    (old,) = store.leases()
+    assert old.disk_identity == "path:/dev/disk/by-id/nvme-eui.2" and old.slot_index == 2
+    store.take_lease(_lease(alloc=ALLOC_B, slot=3))  # new leases go on beside it
+    with pytest.raises(LeaseConflict):
+        store.take_lease(_lease(alloc=ALLOC_B, slot=4, nvme_device="/dev/disk/by-id/nvme-eui.2"))
     store.close()
 
 

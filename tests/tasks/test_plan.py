@@ -110,3 +110,99 @@ def test_leases_are_all_or_nothing(tmp_path):
         lease_bundle(store, plan, "t-mine")
     assert store.leases_of(ALLOC) == []
     store.close()
+
+
+# -- the approved slot is the only truth: exactly the host's candidate of that index (slot_mismatch) ----------
+
+def _mismatch(slot: ApprovedSlot, report):
+    from gpuaas_agent.errors import AgentError
+
+    with pytest.raises(AgentError) as err:
+        plan_bundle(_payload(slot), report)
+    assert err.value.code == "slot_mismatch", err.value
+    return err.value.evidence
+
+
+def _alias(report, by_id: str) -> str:
+    """Another by-id name (model_serial) of the same namespace."""
+    disk = next(d for d in report.nvme_devices if d.by_id == by_id)
+    assert disk.by_id_links, "the recorded host gives every namespace several names"
+    return disk.by_id_links[0]
+
+
+def test_slot_index_without_candidate_carrying_another_slots_devices_is_slot_mismatch():
+    """Seen over the wire: slot_index 99 with slot 2's devices succeeded (port gs63-…, reservation slot 99)."""
+    report = _report()
+    evidence = _mismatch(_approved(report, 2, slot_index=99, slot_id="s-99"), report)
+    assert evidence["field"] == "slot_index" and evidence["requested"] == 99 and evidence["host"] is None
+
+
+def test_an_index_with_another_slots_devices_is_slot_mismatch_naming_the_first_field():
+    report = _report()
+    evidence = _mismatch(_approved(report, 2, slot_index=3, slot_id="s-3"), report)
+    assert evidence["field"] == "gpu_pci_address"
+    assert evidence["requested"] == report.candidate_slots[2].gpu_pci_address
+    assert evidence["host"] == report.candidate_slots[3].gpu_pci_address
+
+
+@pytest.mark.parametrize("field, value_from", [
+    ("mac", lambda r: "02:00:00:00:00:99"),
+    ("private_ip", lambda r: "10.100.0.99"),
+    ("fabric_vf_pci_address", lambda r: r.candidate_slots[3].fabric_vf_pci_address),
+])
+def test_a_field_that_is_not_the_slots_own_is_slot_mismatch(field, value_from):
+    report = _report()
+    value = value_from(report)
+    evidence = _mismatch(_approved(report, 2, **{field: value}), report)
+    assert evidence["field"] == field and evidence["requested"] == value
+    assert evidence["host"] == getattr(report.candidate_slots[2], field)
+
+
+def test_the_disk_of_another_slot_under_an_alias_is_slot_mismatch():
+    """An NVMe has several by-id names: a different namespace is refused whatever it is called."""
+    report = _report()
+    other = _alias(report, report.candidate_slots[5].nvme_device)
+    evidence = _mismatch(_approved(report, 2, nvme_device=other), report)
+    assert evidence["field"] == "nvme_device" and evidence["requested"] == other
+    assert evidence["host"] == report.candidate_slots[2].nvme_device
+    assert evidence["requested_identity"] != evidence["host_identity"]
+
+
+def test_an_alias_of_the_slots_own_disk_is_the_same_disk_and_the_plan_carries_its_identity():
+    report = _report()
+    own = report.candidate_slots[2].nvme_device
+    plan = plan_bundle(_payload(_approved(report, 2, nvme_device=_alias(report, own))), report)
+    (planned,) = plan.slots
+    assert planned.disk_identity == next(d.disk_identity for d in report.nvme_devices if d.by_id == own)
+
+
+def test_leases_of_two_aliases_of_one_disk_conflict_on_identity(tmp_path):
+    """The plan's lease holds the disk by identity: a second allocation naming it by another alias is refused."""
+    report = _report()
+    store = StateStore.open(tmp_path / "state.db")
+    lease_bundle(store, plan_bundle(_payload(_approved(report, 2)), report), "t-1")
+    alias = _approved(report, 2, nvme_device=_alias(report, report.candidate_slots[2].nvme_device))
+    with pytest.raises(LeaseConflict) as err:
+        lease_bundle(store, plan_bundle(_payload(alias, alloc=OTHER), report), "t-2")
+    assert err.value.evidence["field"] in ("slot_index", "disk_identity")
+    assert [lease.allocation_id for lease in store.leases()] == [ALLOC]
+    store.close()
+
+
+def test_a_string_slot_index_is_not_coerced():
+    """Wire models are strict: "2" is not the slot index 2."""
+    from gpuaas_agent.contract.tasks import TaskEnvelope, task_payload
+    from gpuaas_agent.errors import ContractError
+
+    report = _report()
+    raw = _approved(report, 2).model_dump(mode="json")
+    env = TaskEnvelope.from_wire(dict(
+        task_id="t", type="slice.plan", node_id="n", attempt=1, deadline="2030-01-01T00:00:00Z",
+        payload={"allocation_id": ALLOC, "approved_slot_ids": ["s-2"], "slots": [{**raw, "slot_index": "2"}]}))
+    with pytest.raises(ContractError) as err:
+        task_payload(env)
+    assert err.value.code == "invalid_payload" and err.value.evidence["field"] == "slots.0.slot_index"
+    assert "\n" not in err.value.message
+    # the same record with the integer goes through, enums spelled as strings as JSON does
+    env = env.model_copy(update={"payload": {**env.payload, "slots": [raw]}})
+    assert task_payload(env)[1].slots[0].slot_index == 2
