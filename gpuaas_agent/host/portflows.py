@@ -99,7 +99,7 @@ class IsolationInputError(ContractError):
 def port_isolation(**fields) -> PortIsolation:
     """A :class:`PortIsolation` from untrusted values, or :class:`IsolationInputError` naming what is wrong."""
     try:
-        return PortIsolation(**fields)
+        return PortIsolation.from_wire(fields)  # strict models: JSON rules for untrusted str values
     except ValidationError as exc:
         raise IsolationInputError(
             f"cannot isolate port {fields.get('port')!r}: {exc.errors(include_url=False)[0]['msg']}",

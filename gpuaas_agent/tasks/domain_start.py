@@ -12,7 +12,9 @@ start goes through the same sequence, whoever asks for it:
 4. ``LibvirtLifecycle.start`` with that evidence;
 5. the agent's ``external_ids`` put back on the OVS port: libvirt re-creates the port
    at every start with only its own ids, and reconcile and release find a slice's
-   port by ours.
+   port by ours;
+6. the port's isolation rules re-installed for the tap's (possibly new) ofport
+   (DESIGN.md §4.9): a restarted guest is never switched NORMAL.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.vfio import check_vfio_bindable
 from gpuaas_agent.guards.vmstart import check_vm_start
 from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.tasks.isolation import isolate_port
 from gpuaas_agent.tasks.slicehost import SliceHost
 
 
 @dataclass(frozen=True)
 class SlicePort:
-    """The slot's vNIC as the agent owns it on OVS: name, MAC, owner ids, policing."""
+    """The slot's vNIC as the agent owns it on OVS: name, MAC and reserved IP, owner ids, policing."""
 
     bridge: str
     vnic: str
     mac: str
+    ip: str
     allocation_id: str
     slot_index: int
     policing: IngressPolicing | None = None
@@ -67,7 +71,8 @@ async def guarded_start(sh: SliceHost, target: StartTarget, *, disk_lease: DiskL
             groups.append(evidence.model_dump(mode="json"))
     disk = await asyncio.to_thread(
         check_disk_writable, sh.host(), target.nvme_device, lease=disk_lease,
-        domain_disks=await sh.libvirt.running_domain_disks(exclude=name))
+        domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=disk_lease.allocation_id,
+                                                           exclude_slot=disk_lease.slot_index))
     async with sh.ovs() as ovs:
         evidence = await asyncio.to_thread(
             check_vm_start, sh.host() if target.profile.hostdevs else sh.system(), target,
@@ -75,8 +80,9 @@ async def guarded_start(sh: SliceHost, target: StartTarget, *, disk_lease: DiskL
         info = await sh.libvirt.start(name, preconditions=evidence)
         # libvirt re-creates the port at start with only its own external_ids: put ours back.
         ovs_port = await put_port(ovs, port, info.uuid)
+    isolation = await isolate_port(sh, ovs_port, mac=port.mac, ip=port.ip)
     out = {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
-           "ofport": ovs_port.ofport}
+           "ofport": ovs_port.ofport, "isolation": isolation}
     if groups:
         out["iommu_groups"] = groups
     return out

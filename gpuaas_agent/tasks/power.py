@@ -28,6 +28,7 @@ control plane tell a slice the tenant stopped from one that died.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -128,8 +129,17 @@ async def start_plan(sh: SliceHost, info: DomainInfo, lease: SlotLease) -> tuple
         fabric_vf_pci_address=lease.fabric_vf_pci_address if profile.hostdevs else None,
         nvme_device=lease.nvme_device, ovs_bridge=ifaces[0].bridge,
         numa_node=int(nodeset) if nodeset is not None and nodeset.isdigit() else None)
-    port = SlicePort(bridge=ifaces[0].bridge, vnic=vnic, mac=ifaces[0].mac, allocation_id=lease.allocation_id,
-                     slot_index=lease.slot_index, policing=profile.ingress_policing)
+    # The port's isolation rules are built from the slot's reservation: no reservation, no start.
+    reserved = [r for r in await asyncio.to_thread(sh.reservations().reservations)
+                if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
+    if len(reserved) != 1 or reserved[0].mac != ifaces[0].mac:
+        raise PowerRefused(f"slot {lease.slot_index} of allocation {lease.allocation_id} has no reservation for "
+                           f"{ifaces[0].mac}: its port could not be isolated", code="reservation_missing",
+                           evidence={"reservations": [r.model_dump(mode="json") for r in reserved],
+                                     "mac": ifaces[0].mac})
+    port = SlicePort(bridge=ifaces[0].bridge, vnic=vnic, mac=ifaces[0].mac, ip=str(reserved[0].ip),
+                     allocation_id=lease.allocation_id, slot_index=lease.slot_index,
+                     policing=profile.ingress_policing)
     return target, port
 
 
@@ -147,7 +157,7 @@ async def power(sh: SliceHost, payload: VmPowerPayload, ctx) -> dict:
             raise PowerRefused(f"domain {name} is {before.value}; a reset needs a running domain (start it instead)",
                                code="domain_not_running", evidence={"domain": name, "state": before.value})
         disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
-                               nvme_device=lease.nvme_device)
+                               nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
 
         async def stop() -> dict:
             outcome = await sh.libvirt.shutdown(name, deadline_s=payload.graceful_timeout_s)

@@ -35,8 +35,7 @@ from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.errors import AgentError, HostError
-from gpuaas_agent.guards.disk import check_disk_writable
-from gpuaas_agent.guards.vmstart import check_vm_start
+from gpuaas_agent.guards.preconditions import check_provision_preconditions
 from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
 from gpuaas_agent.host.dnsmasq import make_reservation
@@ -50,6 +49,8 @@ from gpuaas_agent.tasks.admission import (
     check_reservation,
     slice_plan_config,
 )
+from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
+from gpuaas_agent.tasks.isolation import isolate_port
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
 from gpuaas_agent.tasks.plan import plan_bundle
 from gpuaas_agent.tasks.slicehost import SliceHost
@@ -193,6 +194,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
                                        slots=[slot.model_copy(update={"status": SlotStatus.reserved})]), report)
         run.planned = plan.slots[0]
         await asyncio.to_thread(check_reservation, sh.reservations(), payload)
+        run.facts["preconditions"] = await preconditions()
         lease = SlotLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
                           gpu_pci_address=slot.gpu_pci_address, nvme_device=slot.nvme_device,
                           disk_identity=run.planned.disk_identity,
@@ -202,7 +204,23 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}))
         return {"kernel_name": run.planned.nvme_kernel_name, "numa_node": run.planned.gpu_numa_node,
                 "disk_identity": run.planned.disk_identity,
-                "lease": "held_before" if run.lease_was_held else "taken"}
+                "lease": "held_before" if run.lease_was_held else "taken",
+                "preconditions": run.facts["preconditions"]}
+
+    async def preconditions() -> dict:
+        """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8)."""
+        async with sh.ovs() as ovs:
+            bridge_exists = await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge)
+        cached = sh.images.lookup(payload.image.sha256)
+        proven = await asyncio.to_thread(
+            check_provision_preconditions, sh.host(), sh.system(),
+            sh.slice.model_copy(update={"ovs_bridge": slot.ovs_bridge}), run.profile,
+            numa_node=run.planned.gpu_numa_node if run.profile.hostdevs else None,
+            gpu_pci_address=slot.gpu_pci_address if run.profile.hostdevs else None,
+            fabric_vf_pci_address=slot.fabric_vf_pci_address if run.profile.hostdevs else None,
+            bridge_exists=bridge_exists, image_cache_dir=sh.images.root,
+            image_size_hint=0 if cached else payload.image.size_bytes)
+        return proven.model_dump(mode="json")
 
     async def other_domain_disks() -> list[str]:
         """Disks of every defined domain, running or shut off, except this allocation+slot's own."""
@@ -251,20 +269,17 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
     async def unseed() -> dict:
         return sh.remove_seed(payload.allocation_id, slot.slot_index)
 
-    async def put_port(ovs, vm_uuid: str):
-        """Our port with our external_ids: before define, and again after libvirt re-created it at start."""
-        policing = run.profile.ingress_policing
-        return await asyncio.to_thread(
-            ovs.add_vm_port, slot.ovs_bridge, run.vnic, mac=slot.mac, vm_uuid=vm_uuid,
-            allocation_id=payload.allocation_id, slot_index=slot.slot_index, iface_id=payload.allocation_id,
-            ingress_policing_rate_kbps=policing.rate_kbps if policing else None,
-            ingress_policing_burst_kb=policing.burst_kb if policing else None)
+    vnic = SlicePort(slot.ovs_bridge, run.vnic, slot.mac, slot.private_ip, payload.allocation_id, slot.slot_index,
+                     run.profile.ingress_policing)
 
     async def plug() -> dict:
         async with sh.ovs() as ovs:
             await asyncio.to_thread(ovs.ensure_bridge, slot.ovs_bridge)  # never created here: missing is a blocker
-            port = await put_port(ovs, payload.allocation_id)
-        return port.model_dump(mode="json")
+            port = await put_port(ovs, vnic, payload.allocation_id)
+        # Closed from the moment it exists: the MAC is the slot's only (DESIGN.md §4.9); the tap and its
+        # ofport appear at start, when the full per-port rules go in.
+        isolation = await isolate_port(sh, port, mac=slot.mac, ip=slot.private_ip)
+        return {**port.model_dump(mode="json"), "isolation": isolation}
 
     async def unplug() -> dict:
         return await sh.unplug(slot.ovs_bridge, run.vnic, payload.allocation_id)
@@ -311,18 +326,8 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         return {"domain": run.name, "destroyed": stopped.destroyed, "nvram_removed": gone.nvram_removed}
 
     async def start() -> dict:
-        disk = await asyncio.to_thread(
-            check_disk_writable, sh.host(), slot.nvme_device, lease=run.disk_lease,
-            domain_disks=await other_domain_disks())
-        async with sh.ovs() as ovs:
-            evidence = await asyncio.to_thread(
-                check_vm_start, sh.host() if run.profile.hostdevs else sh.system(), run.spec,
-                bridge_exists=await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge), disk=disk)
-            info = await sh.libvirt.start(run.name, preconditions=evidence)
-            # libvirt re-creates the port at start with only its own external_ids: put ours back.
-            port = await put_port(ovs, info.uuid)
-        return {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
-                "ofport": port.ofport}
+        # The guards, the start, our port ids back, and the full isolation rules for the tap's ofport.
+        return await guarded_start(sh, run.spec.start_target(), disk_lease=run.disk_lease, port=vnic)
 
     async def stop() -> dict:
         found, foreign = await ours()

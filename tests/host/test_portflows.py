@@ -465,6 +465,7 @@ def _store_with_active(lab: IsoLab, tmp: Path) -> StateStore:
     for i, g in enumerate((lab.a, lab.b)):
         store.take_lease(SlotLease(allocation_id=g.allocation_id, slot_index=g.slot_index,
                                    gpu_pci_address=f"0000:1{i}:00.0", nvme_device=f"/dev/disk/by-id/nvme-test{i}",
+                                   disk_identity=f"path:/dev/disk/by-id/nvme-test{i}",
                                    fabric_vf_pci_address=f"0000:2{i}:00.1", task_id=f"t{i}", taken_at=time.time()))
         store.set_slot_state(SlotRecord(slot_index=g.slot_index, allocation_id=g.allocation_id,
                                         status=SlotStatus.active, health_state=HealthState.healthy, task_id=f"t{i}",

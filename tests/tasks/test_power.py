@@ -10,6 +10,7 @@ driver exactly as provision defines it.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import TaskEnvelope, TaskType, VmPowerPayload, task_payload
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import ContractError
+from gpuaas_agent.contract.isolation import GUARD_TABLE
+from gpuaas_agent.host.dnsmasq import make_reservation
 from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle, parse_domain_devices
 from gpuaas_agent.host.ovs import OvsDriver
@@ -103,17 +106,24 @@ class Slice:
 @pytest.fixture
 def active_slice(loop_host, ovs_switch: OvsSwitch, tmp_path, test_driver):  # noqa: F811
     """Slot 0 as a successful provision leaves it: leased, record active, domain defined and running."""
-    candidate = discover(HostRoot.open(loop_host.root)).candidate_slots[0]
+    report = discover(HostRoot.open(loop_host.root))
+    candidate = report.candidate_slots[0]
+    identity = next(d.disk_identity for d in report.nvme_devices if d.by_id == candidate.nvme_device)
     alloc = str(uuid.uuid4())
     spec = DomainSpec(allocation_id=alloc, slot_index=0, task_id="t-provision", profile=get_profile("lab_tcg_1c_512m"),
                       nvme_device=candidate.nvme_device, mac=candidate.mac, ovs_bridge=ovs_switch.bridge,
                       seed_iso_path=str(tmp_path / "seed.iso"), firmware=FIRMWARE, agent_version="0.1.0")
     sh = SliceHost(host_root=loop_host.root,
-                   slice=SliceConfig(allow_emulated_domains=True, ovsdb_remote=ovs_switch.remote),
+                   slice=SliceConfig(allow_emulated_domains=True, ovsdb_remote=ovs_switch.remote,
+                                     dnsmasq_hosts_file=tmp_path / "dnsmasq-hosts",
+                                     dnsmasq_pid_file=tmp_path / "dnsmasq.pid"),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle(URI))
+    # The slot's reservation: a start isolates the port by the reserved MAC and IP.
+    sh.reservations().add(make_reservation(alloc, 0, candidate.mac, candidate.private_ip, "slice-0"))
     store = StateStore.open(tmp_path / "state.db")
     lease = SlotLease(allocation_id=alloc, slot_index=0, gpu_pci_address=candidate.gpu_pci_address,
-                      nvme_device=candidate.nvme_device, fabric_vf_pci_address=candidate.fabric_vf_pci_address,
+                      nvme_device=candidate.nvme_device, disk_identity=identity,
+                      fabric_vf_pci_address=candidate.fabric_vf_pci_address,
                       task_id="t-provision", taken_at=time.time())
     store.take_lease(lease)
     store.set_slot_state(SlotRecord(slot_index=0, allocation_id=alloc, status=SlotStatus.active,
@@ -127,6 +137,8 @@ def active_slice(loop_host, ovs_switch: OvsSwitch, tmp_path, test_driver):  # no
     test_driver.lookupByName(spec.domain_name).create()
     yield Slice(sh=sh, store=store, alloc=alloc, lease=lease, spec=spec, bridge=ovs_switch.bridge,
                 remote=ovs_switch.remote)
+    for family in ("inet", "arp"):  # the start's host-side guard, made in this (root) namespace
+        subprocess.run(["nft", "delete", "table", family, GUARD_TABLE], capture_output=True, timeout=30)
     for name in (spec.domain_name, "gpuaas-other-disk-user"):
         try:
             dom = test_driver.lookupByName(name)

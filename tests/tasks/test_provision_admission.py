@@ -66,13 +66,17 @@ def _approved(host, index: int, **over) -> ApprovedSlot:
     return ApprovedSlot(**fields)
 
 
-def _slice_host(host, tmp_path) -> SliceHost:
-    relay = tmp_path / "relay.pub"
-    relay.write_text(KEY + "\n")
-    return SliceHost(host_root=host.root,
-                     slice=SliceConfig(allow_emulated_domains=True, terminal_relay_key_file=relay,
-                                       dnsmasq_hosts_file=tmp_path / "hosts", seed_dir=tmp_path / "seeds"),
-                     images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle(URI))
+def _slice_host(host, tmp_path, prepared=None) -> SliceHost:
+    """Refusals before validate's host preconditions need no prepared host; a run past them does."""
+    if prepared is not None:
+        config = SliceConfig(**prepared.slice_config())
+    else:
+        relay = tmp_path / "relay.pub"
+        relay.write_text(KEY + "\n")
+        config = SliceConfig(allow_emulated_domains=True, terminal_relay_key_file=relay,
+                             dnsmasq_hosts_file=tmp_path / "hosts", seed_dir=tmp_path / "seeds")
+    return SliceHost(host_root=host.root, slice=config, images=ImageCache(tmp_path / "cache"),
+                     libvirt=LibvirtLifecycle(URI))
 
 
 def _payload(slot: ApprovedSlot, alloc: str | None = None, **over) -> VmProvisionPayload:
@@ -208,14 +212,15 @@ def test_a_second_slot_of_an_allocation_is_allocation_has_slot_and_the_first_vm_
         dom.undefine()
 
 
-def test_undo_after_a_define_conflict_leaves_another_slots_domain_running(loop_host, tmp_path, test_driver):
+def test_undo_after_a_define_conflict_leaves_another_slots_domain_running(loop_host, tmp_path, test_driver,
+                                                                        prepared_host):
     """The host lost its records of slot 0 (so admission cannot see it): slot 1's define meets slot 0's
     domain (the name is per allocation), and the define/start compensations must leave it alone."""
     alloc = str(uuid.uuid4())
     first_uuid = _first_slot_running(test_driver, loop_host, alloc)
-    sh = _slice_host(loop_host, tmp_path)
+    sh = _slice_host(loop_host, tmp_path, prepared_host)
     store = StateStore.open(tmp_path / "state.db")
-    payload = _payload(_approved(loop_host, 1), alloc=alloc)
+    payload = _payload(_approved(loop_host, 1, ovs_bridge=prepared_host.bridge), alloc=alloc)
     run = _Run(payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-second")
     steps = {step.name: step for step in _steps(sh, run, _ctx_for(store, "t-second"))}
 

@@ -61,29 +61,26 @@ def loop_host(tmp_path):
     assert host.close() == []
 
 
-def _approved(host) -> ApprovedSlot:
+def _approved(host, bridge: str = "ovsbr0") -> ApprovedSlot:
     c = discover(HostRoot.open(host.root)).candidate_slots[0]
     return ApprovedSlot(slot_id="s-0", slot_index=0, gpu_pci_address=c.gpu_pci_address, nvme_device=c.nvme_device,
                         storage_identity_kind=c.storage_identity_kind, fabric_vf_pci_address=c.fabric_vf_pci_address,
                         fabric_claim_mode=c.fabric_claim_mode, mac=c.mac, private_ip=c.private_ip,
-                        ovs_bridge="ovsbr0", numa_node=c.numa_node, status=SlotStatus.reserved)
+                        ovs_bridge=bridge, numa_node=c.numa_node, status=SlotStatus.reserved)
 
 
-def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loop_host, tmp_path):
+def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loop_host, tmp_path, prepared_host):
     image = tmp_path / "image.raw"
     with open(image, "wb") as fh:  # dense: qemu-img must copy every block, so the clone takes a while
         for _ in range(384):
             fh.write(os.urandom(MiB))
     digest = hashlib.sha256(image.read_bytes()).hexdigest()
-    relay = tmp_path / "relay.pub"
-    relay.write_text(KEY + "\n")
-    sh = SliceHost(host_root=loop_host.root,
-                   slice=SliceConfig(allow_emulated_domains=True, terminal_relay_key_file=relay),
+    sh = SliceHost(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config()),
                    images=ImageCache(tmp_path / "cache", policy=SourcePolicy(file_dir=tmp_path)),
                    libvirt=LibvirtLifecycle("test:///default"))
     store = StateStore.open(tmp_path / "state.db")
     alloc = str(uuid.uuid4())
-    slot = _approved(loop_host)
+    slot = _approved(loop_host, prepared_host.bridge)
     payload = VmProvisionPayload(allocation_id=alloc, slot=slot, image={"url": f"file://{image}", "sha256": digest},
                                  runtime_profile="lab_tcg_1c_512m", hostname="cancelled", user="tenant",
                                  ssh_authorized_keys=[KEY])
