@@ -9,6 +9,10 @@ a recording keeps the shape of the host (``/sys/bus/pci/devices`` entries
 pointing into ``/sys/devices/pci*``) and recording a fixture gives the same
 fixture back. Nothing is ever written outside OUT, and no device node is ever
 opened.
+
+:func:`record_fixture_archive` writes the same recording as one deterministic
+``.tar.xz`` (:mod:`gpuaas_agent.fixture_archive`), the form ``fixtures/hosts/``
+keeps: it records into a staging directory beside OUT, packs it and removes it.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import shutil
 import stat
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +37,7 @@ from gpuaas_agent.contract.fixture import (
     SkippedPath,
 )
 from gpuaas_agent.errors import FixtureError
+from gpuaas_agent.fixture_archive import ARCHIVE_SUFFIX, pack_tree
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
 # sysfs files report a size of 4096 whatever they hold: read, never copy by size.
@@ -120,6 +127,31 @@ def record_fixture(source: HostRoot, out: Path, *, run_commands: bool | None = N
         commands=commands,
     )
     rec.write_meta(MANIFEST_NAME, (manifest.model_dump_json(indent=2) + "\n").encode())
+    return manifest
+
+
+def record_fixture_archive(source: HostRoot, out: Path, *, run_commands: bool | None = None) -> FixtureManifest:
+    """Record ``source`` as the one new archive file ``out`` (``NAME.tar.xz``).
+
+    The tree is recorded into a staging directory next to ``out`` (same
+    checks as :func:`record_fixture`), packed, and removed again, also on failure.
+    """
+    out = Path(out)
+    if not out.name.endswith(ARCHIVE_SUFFIX) or out.name == ARCHIVE_SUFFIX:
+        raise FixtureError(
+            f"archive output {str(out)!r} must be named NAME{ARCHIVE_SUFFIX}",
+            code="archive_name",
+            evidence={"out": str(out)},
+        )
+    if out.exists() or out.is_symlink():
+        raise FixtureError(f"output {str(out)!r} already exists", code="output_exists", evidence={"out": str(out)})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.recording-", dir=out.parent))
+    try:
+        manifest = record_fixture(source, staging, run_commands=run_commands)
+        pack_tree(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return manifest
 
 

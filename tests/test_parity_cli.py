@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from gpuaas_agent.contract.parity import LINE_PREFIX, SUMMARY_PREFIX, parse_line
-from tests.conftest import HOSTS, REPO
+from tests.conftest import REPO, fixture_host
 from tests.discovery.test_netevidence import MASQ, ns_exec, slice_namespace
 
-AFTER = str(HOSTS / "h200-slice-after-transition")
-NAT_MISSING = str(HOSTS / "h200-slice-nat-missing")
+AFTER = str(fixture_host("h200-slice-after-transition"))
+NAT_MISSING = str(fixture_host("h200-slice-nat-missing"))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

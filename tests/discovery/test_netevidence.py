@@ -22,7 +22,7 @@ from gpuaas_agent.discovery.netevidence import (
     read_network_evidence,
 )
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 
 SUBNET = ipaddress.IPv4Network("10.100.0.0/24")
 MASQ = ["POSTROUTING", "-s", "10.100.0.0/24", "-j", "MASQUERADE"]
@@ -78,7 +78,7 @@ def netns():
 
 
 def test_healthy_recording_has_no_blockers_and_proves_nat_through_iptables():
-    ev = read_network_evidence(HostRoot.open(HOSTS / "h200-slice-after-transition"))
+    ev = read_network_evidence(HostRoot.open(fixture_host("h200-slice-after-transition")))
     assert ev.source == "fixture" and ev.blockers == [] and ev.warnings == [] and ev.unreadable == []
     assert ev.addresses_of("ovsbr0") == ["10.100.0.1/24"]
     assert ev.nat.present is True and ev.nat.method == "recorded iptables-save"
@@ -91,7 +91,7 @@ def test_healthy_recording_has_no_blockers_and_proves_nat_through_iptables():
 
 def test_nat_missing_recording_is_a_hard_blocker_naming_the_rule():
     """Seed 004, 2026-04-24: bridge and dnsmasq fine, MASQUERADE rule gone."""
-    ev = read_network_evidence(HostRoot.open(HOSTS / "h200-slice-nat-missing"))
+    ev = read_network_evidence(HostRoot.open(fixture_host("h200-slice-nat-missing")))
     assert _codes(ev.blockers) == ["nat_missing"]
     assert "-A POSTROUTING -s 10.100.0.0/24 -j MASQUERADE" in ev.blockers[0].detail
     assert ev.nat.present is False
@@ -140,7 +140,7 @@ def test_missing_bridge_and_dnsmasq_block(host_copy):
 
 def test_netns_on_a_recording_is_refused():
     with pytest.raises(NetEvidenceError) as exc:
-        read_network_evidence(HostRoot.open(HOSTS / "h200-slice-after-transition"), NetTarget(netns="x"))
+        read_network_evidence(HostRoot.open(fixture_host("h200-slice-after-transition")), NetTarget(netns="x"))
     assert exc.value.code == "netns_on_fixture"
 
 

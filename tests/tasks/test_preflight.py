@@ -21,7 +21,7 @@ from gpuaas_agent.discovery.prereqs import SocketPaths, check_libvirt, check_ope
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.tasks.preflight import build_parity_report, preflight_handler
 from gpuaas_agent.tasks.topology import topology_discover_handler
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 from tests.discovery.test_netevidence import (
     MASQ,
     ns_exec,
@@ -29,8 +29,8 @@ from tests.discovery.test_netevidence import (
     slice_namespace,
 )
 
-AFTER = HOSTS / "h200-slice-after-transition"
-NAT_MISSING = HOSTS / "h200-slice-nat-missing"
+AFTER = fixture_host("h200-slice-after-transition")
+NAT_MISSING = fixture_host("h200-slice-nat-missing")
 EXPECTED_CHECKS = [
     "node_agent", "kvm", "iommu", "vfio", "sriov_vfs", "ovmf", "hugepages", "rdma_devices", "libvirt", "openvswitch",
     "ovs_bridge", "dnsmasq", "nat", "ip_forward", "ipoib_netplan", "ipoib_address", "fabric_route", "tmfifo",
