@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuaas_agent import __version__
+from gpuaas_agent.contract.types import MAJOR_MINOR_RE, PCI_ADDRESS_RE
 from gpuaas_agent.contract.fixture import (
     FIXTURE_META_DIR,
     MANIFEST_NAME,
@@ -49,7 +50,8 @@ TABLE_CAP = 4 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 COMMAND_TIMEOUT_S = 10
 
-BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+# The one PCI address shape (contract/types.py): 4 to 8 domain digits, so Intel VMD's 10000:e1:00.0 is recorded.
+BDF_RE = PCI_ADDRESS_RE
 VIRTFN_RE = re.compile(r"^virtfn\d+$")
 NVME_CTRL_RE = re.compile(r"^nvme\d+$")
 NVME_NS_RE = re.compile(r"^nvme\d+(c\d+)?n\d+$")
@@ -529,7 +531,7 @@ def _block_node(rec: _Recording, directory: str) -> None:
         if name.startswith(own) and not rec.is_link(directory, name) and rec.source.exists(f"{directory}/{name}/partition"):
             _block_node(rec, f"{directory}/{name}")
     dev = _recorded_text(rec, f"{directory}/dev")
-    if dev and re.fullmatch(r"\d+:\d+", dev):
+    if dev and MAJOR_MINOR_RE.fullmatch(dev):
         rec.copy_attr(f"/run/udev/data/b{dev}")
 
 

@@ -19,6 +19,7 @@ from gpuaas_agent.contract.fixture import (
     MANIFEST_NAME,
     FixtureManifest,
 )
+from gpuaas_agent.contract.types import PCI_ADDRESS_RE
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import FixtureError
 from gpuaas_agent.hostfs import HostRoot
@@ -40,7 +41,7 @@ from lab.fixture_hosts import fixture_host, host_names, recorded_names
 
 REPO = Path(__file__).resolve().parents[1]
 HOST_TOPS = {"sys", "dev", "proc", "run", "etc"}
-BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+BDF_RE = PCI_ADDRESS_RE
 
 
 # -- building a small host tree ---------------------------------------------------

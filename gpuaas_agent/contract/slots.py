@@ -8,7 +8,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.topology import FabricClaimMode, StorageIdentityKind
-from gpuaas_agent.contract.types import ByIdPath, MacAddress, PciAddress
+from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN, ByIdPath, MacAddress, PciAddress
 
 
 class SlotStatus(str, Enum):
@@ -41,7 +41,7 @@ class ApprovedSlot(WireModel):
     fabric_claim_mode: FabricClaimMode
     mac: MacAddress
     private_ip: str
-    ovs_bridge: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")
+    ovs_bridge: str = Field(pattern=BRIDGE_NAME_PATTERN)
     numa_node: int | None = None
     status: SlotStatus
     health_state: HealthState = HealthState.unknown

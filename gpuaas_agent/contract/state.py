@@ -8,13 +8,13 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
-from gpuaas_agent.contract.types import ByIdPath, PciAddress
+from gpuaas_agent.contract.types import UUID_PATTERN, ByIdPath, PciAddress
 
 
 class SlotLease(WireModel):
     """One allocation holds one slot: the host-side half of the control plane's claim."""
 
-    allocation_id: str = Field(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    allocation_id: str = Field(pattern=UUID_PATTERN)
     slot_index: int = Field(ge=0)
     gpu_pci_address: PciAddress
     nvme_device: ByIdPath

@@ -13,8 +13,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.images import ImageFormat
-from gpuaas_agent.contract.tasks import UUID_PATTERN
-from gpuaas_agent.contract.types import ByIdPath, KernelName
+from gpuaas_agent.contract.types import MAJOR_MINOR_PATTERN, UUID_PATTERN, ByIdPath, KernelName
 
 NonNegative = Annotated[int, Field(ge=0)]
 
@@ -32,7 +31,7 @@ class DiskEvidence(WireModel):
 
     by_id: ByIdPath
     kernel_name: KernelName
-    dev: Annotated[str, Field(pattern=r"^\d+:\d+$")]
+    dev: Annotated[str, Field(pattern=MAJOR_MINOR_PATTERN)]
     size_bytes: NonNegative
     partitions: list[KernelName]
     checks_passed: list[str]
@@ -59,7 +58,7 @@ class WipeProof(WireModel):
 
     by_id: ByIdPath
     kernel_name: KernelName
-    dev: Annotated[str, Field(pattern=r"^\d+:\d+$")]
+    dev: Annotated[str, Field(pattern=MAJOR_MINOR_PATTERN)]
     method: WipeMethod
     bytes: NonNegative
     seed: int
