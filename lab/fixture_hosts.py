@@ -172,7 +172,10 @@ def link_hosts(names: tuple[str, ...] | None = None) -> dict[str, Path]:
                 continue
             link.unlink()
         elif link.exists():
-            raise FileExistsError(f"{link} exists and is not a link: a recording must be one archive (see README)")
+            raise FileExistsError(
+                f"{link} is a directory left from when fixtures were trees: remove it (hosts are materialised "
+                f"under {cache_dir()}; a new recording goes in as {name}{ARCHIVE_SUFFIX}, see the README)"
+            )
         tmp = link.with_name(f".{name}.link-{os.getpid()}")
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(root)

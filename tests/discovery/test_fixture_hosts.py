@@ -1,4 +1,4 @@
-"""Full discovery results of every committed host fixture.
+"""Full discovery results of every fixture host (recorded or generated, see lab/fixture_hosts.py).
 
 Each fixture is compared with its golden report (``tests/golden/discovery``),
 and the facts that matter to the control plane are asserted explicitly so a

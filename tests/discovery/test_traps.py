@@ -1,4 +1,4 @@
-"""Discovery on hosts that are messier than the committed fixtures.
+"""Discovery on hosts that are messier than the fixture hosts.
 
 Each test breaks a copy of a fixture the way real hosts break (seed 004 and
 DESIGN.md §6) and checks discovery still answers, says what it saw, and never
