@@ -74,6 +74,7 @@ class SynthDescription(WireModel):
 
 
 _MATERIALISED: dict[str, Path] = {}  # name -> root, for this process
+_BUILT_HERE: set[str] = set()  # names this process built (not found in the cache)
 
 
 def cache_dir() -> Path:
@@ -151,6 +152,7 @@ def fixture_host(name: str) -> Path:
             _build(name, kind, source, staging / name)
             try:
                 os.rename(staging, final)
+                _BUILT_HERE.add(name)
             except OSError:
                 if not root.is_dir():  # not someone else's complete tree: a real failure
                     raise
@@ -158,6 +160,11 @@ def fixture_host(name: str) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
     _MATERIALISED[name] = root
     return root
+
+
+def built_in_this_process(name: str) -> bool:
+    """Whether this process built ``name``'s tree (rather than finding it in the cache)."""
+    return name in _BUILT_HERE
 
 
 def link_hosts(names: tuple[str, ...] | None = None) -> dict[str, Path]:
