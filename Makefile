@@ -10,12 +10,13 @@ test:
 bench:
 	bash scripts/setup.sh && .venv/bin/python bench/bench_discovery.py
 
+# Materialise every fixture host (cache: .cache/fixture-hosts) and link fixtures/hosts/<name> to it.
 fixtures:
-	python3 fixtures/tools/synth_host.py --all fixtures/hosts
+	bash scripts/setup.sh && .venv/bin/python -m lab.fixture_hosts --link
 
 # dist/gpuaas-agent_<version>_amd64.deb (GPUAAS_DEB_VERSION=... overrides the version).
 deb:
 	/usr/bin/python3 packaging/build_deb.py
 
 clean:
-	rm -rf .venv out .pytest_cache
+	rm -rf .venv out .pytest_cache .cache

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from gpuaas_agent.discovery.report import discover  # noqa: E402
 from gpuaas_agent.hostfs import HostRoot  # noqa: E402
+from lab.fixture_hosts import H200, fixture_host  # noqa: E402
 
 
 def _median_ms(fn, runs: int) -> float:
@@ -49,10 +50,11 @@ def _run(argv: list[str]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=REPO / "fixtures/hosts/h200-slice-after-transition")
+    parser.add_argument("--root", type=Path, default=None, help=f"host root (default: the fixture host {H200})")
     parser.add_argument("--runs", type=int, default=30)
     args = parser.parse_args()
 
+    args.root = args.root or fixture_host(H200)
     host = HostRoot.open(args.root)
     discover(HostRoot.open(args.root))  # warm imports and the page cache
     walk_ms = _median_ms(lambda: _read_every_file(args.root), args.runs)

@@ -67,8 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="runtime profile this host runs (repeatable; default h200_1g_24c_64g)")
 
     record = sub.add_parser("record-fixture", help="snapshot what discovery reads into a fixture directory")
-    record.add_argument("out", type=Path, help="new, empty output directory")
+    record.add_argument("out", type=Path, help="new, empty output directory (with --archive: new NAME.tar.xz file)")
     record.add_argument("--root", default="/", help="host root to record (default: the live host)")
+    record.add_argument("--archive", action="store_true",
+                        help="write one deterministic .tar.xz (what fixtures/hosts/ keeps) instead of a directory")
 
     cloud_init = sub.add_parser("cloud-init", help="cloud-init user-data that installs, enrolls and enables the agent")
     cloud_init_sub = cloud_init.add_subparsers(dest="cloud_init_command", required=True)
@@ -164,9 +166,10 @@ def _cmd_parity(args: argparse.Namespace) -> int:
 
 def _cmd_record_fixture(args: argparse.Namespace) -> int:
     from gpuaas_agent.hostfs import HostRoot
-    from gpuaas_agent.recorder import record_fixture
+    from gpuaas_agent.recorder import record_fixture, record_fixture_archive
 
-    manifest = record_fixture(HostRoot.open(args.root), args.out)
+    record = record_fixture_archive if args.archive else record_fixture
+    manifest = record(HostRoot.open(args.root), args.out)
     print(f"recorded files={manifest.files} links={manifest.links} skipped={len(manifest.skipped)} out={args.out}")
     return EXIT_OK
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from gpuaas_agent.contract.tasks import TaskType
+from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN
 from gpuaas_agent.errors import AgentError
 
 DEFAULT_STATE_DIR = Path("/var/lib/gpuaas-agent")
@@ -62,7 +63,7 @@ class SliceConfig(BaseModel):
 
     subnet: IPv4Network = IPv4Network("10.100.0.0/24")
     gateway: IPv4Address = IPv4Address("10.100.0.1")
-    ovs_bridge: str = Field(default="ovsbr0", pattern=r"^[A-Za-z0-9_.-]{1,15}$")
+    ovs_bridge: str = Field(default="ovsbr0", pattern=BRIDGE_NAME_PATTERN)
     ovsdb_remote: str = Field(default="unix:/var/run/openvswitch/db.sock", pattern=r"^(unix|tcp|ssl):")
     libvirt_uri: str = "qemu:///system"
     # dnsmasq re-reads this on SIGHUP after dropping privileges: it must not sit in the 0700 state dir.

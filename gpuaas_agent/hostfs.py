@@ -1,7 +1,7 @@
 """One view of a host's /sys, /dev, /proc, /run and /etc under a root directory.
 
-The same discovery code reads a live host (root ``/``) or a recorded fixture
-(root ``fixtures/hosts/NAME``). Paths handed to :class:`HostRoot` are always
+The same discovery code reads a live host (root ``/``) or a fixture host
+(recorded or generated, see ``lab/fixture_hosts.py``). Paths handed to :class:`HostRoot` are always
 *host* paths (``/sys/bus/pci/devices``); symlinks met on the way are followed
 inside the root, so an absolute link recorded as ``/sys/devices/...`` or a
 relative link that climbs with ``..`` can never escape a fixture and read the

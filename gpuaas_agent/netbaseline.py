@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.ovs import IfName
+from gpuaas_agent.contract.types import DATAPATH_TYPE_PATTERN
 from gpuaas_agent.errors import HostError
 from gpuaas_agent.host.run import run
 
@@ -57,7 +58,7 @@ class BaselineSpec(WireModel):
     ip_forward_path: Path = IP_FORWARD
     ovs_remote: str = OVS_REMOTE
     # None keeps OVS's default (the kernel datapath); tests and hosts without the module use "netdev".
-    datapath_type: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+    datapath_type: str | None = Field(default=None, pattern=DATAPATH_TYPE_PATTERN)
     nat: bool = True
     tmfifo: bool = False
     tmfifo_interface: IfName = "tmfifo_net0"

@@ -9,6 +9,10 @@ a recording keeps the shape of the host (``/sys/bus/pci/devices`` entries
 pointing into ``/sys/devices/pci*``) and recording a fixture gives the same
 fixture back. Nothing is ever written outside OUT, and no device node is ever
 opened.
+
+:func:`record_fixture_archive` writes the same recording as one deterministic
+``.tar.xz`` (:mod:`gpuaas_agent.fixture_archive`), the form ``fixtures/hosts/``
+keeps: it records into a staging directory beside OUT, packs it and removes it.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import shutil
 import stat
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuaas_agent import __version__
+from gpuaas_agent.contract.types import MAJOR_MINOR_RE, PCI_ADDRESS_RE
 from gpuaas_agent.contract.fixture import (
     FIXTURE_META_DIR,
     MANIFEST_NAME,
@@ -31,6 +38,7 @@ from gpuaas_agent.contract.fixture import (
     SkippedPath,
 )
 from gpuaas_agent.errors import FixtureError
+from gpuaas_agent.fixture_archive import ARCHIVE_SUFFIX, pack_tree
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
 # sysfs files report a size of 4096 whatever they hold: read, never copy by size.
@@ -42,7 +50,8 @@ TABLE_CAP = 4 * 1024 * 1024
 READ_CHUNK = 64 * 1024
 COMMAND_TIMEOUT_S = 10
 
-BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")
+# The one PCI address shape (contract/types.py): 4 to 8 domain digits, so Intel VMD's 10000:e1:00.0 is recorded.
+BDF_RE = PCI_ADDRESS_RE
 VIRTFN_RE = re.compile(r"^virtfn\d+\Z")
 NVME_CTRL_RE = re.compile(r"^nvme\d+\Z")
 NVME_NS_RE = re.compile(r"^nvme\d+(c\d+)?n\d+\Z")
@@ -120,6 +129,31 @@ def record_fixture(source: HostRoot, out: Path, *, run_commands: bool | None = N
         commands=commands,
     )
     rec.write_meta(MANIFEST_NAME, (manifest.model_dump_json(indent=2) + "\n").encode())
+    return manifest
+
+
+def record_fixture_archive(source: HostRoot, out: Path, *, run_commands: bool | None = None) -> FixtureManifest:
+    """Record ``source`` as the one new archive file ``out`` (``NAME.tar.xz``).
+
+    The tree is recorded into a staging directory next to ``out`` (same
+    checks as :func:`record_fixture`), packed, and removed again, also on failure.
+    """
+    out = Path(out)
+    if not out.name.endswith(ARCHIVE_SUFFIX) or out.name == ARCHIVE_SUFFIX:
+        raise FixtureError(
+            f"archive output {str(out)!r} must be named NAME{ARCHIVE_SUFFIX}",
+            code="archive_name",
+            evidence={"out": str(out)},
+        )
+    if out.exists() or out.is_symlink():
+        raise FixtureError(f"output {str(out)!r} already exists", code="output_exists", evidence={"out": str(out)})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.recording-", dir=out.parent))
+    try:
+        manifest = record_fixture(source, staging, run_commands=run_commands)
+        pack_tree(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return manifest
 
 
@@ -497,7 +531,7 @@ def _block_node(rec: _Recording, directory: str) -> None:
         if name.startswith(own) and not rec.is_link(directory, name) and rec.source.exists(f"{directory}/{name}/partition"):
             _block_node(rec, f"{directory}/{name}")
     dev = _recorded_text(rec, f"{directory}/dev")
-    if dev and re.fullmatch(r"\d+:\d+", dev):
+    if dev and MAJOR_MINOR_RE.fullmatch(dev):
         rec.copy_attr(f"/run/udev/data/b{dev}")
 
 

@@ -33,6 +33,7 @@ from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError
 
 from gpuaas_agent.config import ConfigError, parse_config
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.types import SHA256_PATTERN
 from gpuaas_agent.errors import ContractError
 
 SLICE_PROFILE_TAG = "gpuaas-profile-slice-vm"
@@ -80,7 +81,7 @@ fi
 say info "step $step ok"
 """
 
-Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Sha256 = Annotated[str, Field(pattern=SHA256_PATTERN)]
 MaasTag = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,255}$")]
 
 

@@ -45,6 +45,7 @@ from pydantic import Field
 
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.types import SHA256_PATTERN
 from gpuaas_agent.errors import HostError
 
 HERE = Path(__file__).resolve().parent
@@ -105,8 +106,8 @@ class LabImageError(HostError):
 class GuestImageManifest(WireModel):
     """Written next to each cached image: what it was built from and its digest (read back on a cache hit)."""
 
-    input_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    input_digest: str = Field(pattern=SHA256_PATTERN)
+    sha256: str = Field(pattern=SHA256_PATTERN)
     kernel: str
     cmdline: str
     debs: list[str]

@@ -37,12 +37,13 @@ if str(REPO) not in sys.path:
 
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus  # noqa: E402
 from gpuaas_agent.contract.tasks import TaskResult  # noqa: E402
+from lab.fixture_hosts import H200, fixture_host  # noqa: E402
 from lab.loophost import LoopHost, materialize  # noqa: E402
 from tests.controlplane import ControlPlane  # noqa: E402
 from tests.daemons import stop_pid  # noqa: E402
 
 AGENT = REPO / ".venv/bin/gpuaas-agent"
-DEFAULT_FIXTURE = REPO / "fixtures/hosts/h200-slice-after-transition"
+DEFAULT_FIXTURE_NAME = H200  # the 8x H200 host, materialised by lab/fixture_hosts.py on first use
 IMAGE_CACHE = Path(os.environ.get("GPUAAS_LAB_CACHE", "/var/cache/gpuaas-agent-lab"))
 LAB_PROFILE = "lab_tcg_1c_512m"
 
@@ -74,7 +75,7 @@ def _wait(predicate, what: str, timeout: float, proc: subprocess.Popen | None = 
 @dataclass
 class LabSettings:
     workdir: Path
-    fixture: Path = DEFAULT_FIXTURE
+    fixture: Path = field(default_factory=lambda: fixture_host(DEFAULT_FIXTURE_NAME))
     slots: int = 8
     disk_bytes: int = 256 << 20
     subnet: IPv4Network = IPv4Network("10.231.0.0/24")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lab.harness import DEFAULT_FIXTURE, Lab, LabSettings  # noqa: E402
+from lab.fixture_hosts import fixture_host  # noqa: E402
+from lab.harness import DEFAULT_FIXTURE_NAME, Lab, LabSettings  # noqa: E402
 
 
 def _line(event) -> str:
@@ -123,12 +124,14 @@ async def scenario(lab: Lab) -> list[str]:
 
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fixture", type=Path, default=DEFAULT_FIXTURE)
+    parser.add_argument("--fixture", type=Path, default=None,
+                        help=f"host root (default: the fixture host {DEFAULT_FIXTURE_NAME}, materialised)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) afterwards")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gpuaas-lab-", dir="/var/tmp"))
-    lab = Lab(LabSettings(workdir=workdir, fixture=args.fixture, slots=2))
+    fixture = args.fixture or fixture_host(DEFAULT_FIXTURE_NAME)
+    lab = Lab(LabSettings(workdir=workdir, fixture=fixture, slots=2))
     print(f"== lab-in-a-box in {workdir}", flush=True)
     failures = ["lab did not start"]
     try:

@@ -3,11 +3,12 @@
 # Real nats-server + test control plane, real OVS (netdev datapath), dnsmasq, a libvirt daemon, and the
 # agent on the recorded host whose slot disks are loop devices; two slices are provisioned as real TCG
 # guests, one released, then reconcile. Everything it starts is stopped again, also on failure.
-# GPUAAS_LAB_HOST=<fixture dir> picks another recorded host; extra arguments go to lab/run_lab.py (--keep).
+# GPUAAS_LAB_HOST=<host root dir> picks another host (default: the 8x H200 fixture host, materialised by
+# lab/fixture_hosts.py); extra arguments go to lab/run_lab.py (--keep).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-root=${GPUAAS_LAB_HOST:-fixtures/hosts/h200-slice-after-transition}
+root=${GPUAAS_LAB_HOST:-$(.venv/bin/python -m lab.fixture_hosts h200-slice-after-transition)}
 echo "== gpuaas-agent discover --root $root"
 .venv/bin/gpuaas-agent discover --root "$root"
 mkdir -p out

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
-from tests.conftest import HOSTS, REPO
+from gpuaas_agent.fixture_archive import unpack_tree
+from tests.conftest import REPO, fixture_host
 
-AFTER = str(HOSTS / "h200-slice-after-transition")
+AFTER = str(fixture_host("h200-slice-after-transition"))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -53,6 +55,15 @@ def test_record_fixture_then_discover_round_trips(tmp_path):
     assert again.returncode == 1 and "output_exists" in again.stderr
 
 
+def test_record_fixture_archive_then_discover_round_trips(tmp_path):
+    out = tmp_path / "host.tar.xz"
+    rec = _cli("record-fixture", "--archive", str(out), "--root", AFTER)
+    assert rec.returncode == 0, rec.stderr
+    assert out.is_file() and sorted(os.listdir(tmp_path)) == ["host.tar.xz"]
+    root = unpack_tree(out, tmp_path / "root")
+    assert _cli("discover", "--json", "--root", str(root)).stdout == _cli("discover", "--json", "--root", AFTER).stdout
+
+
 def test_version():
     proc = _cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("gpuaas-agent ")
@@ -60,6 +71,6 @@ def test_version():
 
 def test_discover_exit_code_says_whether_the_host_is_usable():
     assert _cli("discover", "--root", AFTER).returncode == 0  # 8 ready candidate slots
-    before = _cli("discover", "--root", str(HOSTS / "h200-slice-before-transition"))
+    before = _cli("discover", "--root", str(fixture_host("h200-slice-before-transition")))
     assert before.returncode == 1 and "ready_candidate_slots=0" in before.stdout  # /share* still mounted
-    assert _cli("discover", "--json", "--root", str(HOSTS / "dev-box-no-gpu")).returncode == 1
+    assert _cli("discover", "--json", "--root", str(fixture_host("dev-box-no-gpu"))).returncode == 1

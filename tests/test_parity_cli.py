@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from gpuaas_agent.contract.parity import LINE_PREFIX, SUMMARY_PREFIX, parse_line
-from tests.conftest import HOSTS, REPO
+from tests.conftest import REPO, fixture_host
 from tests.discovery.test_netevidence import MASQ, ns_exec, slice_namespace
 
-AFTER = str(HOSTS / "h200-slice-after-transition")
-NAT_MISSING = str(HOSTS / "h200-slice-nat-missing")
+AFTER = str(fixture_host("h200-slice-after-transition"))
+NAT_MISSING = str(fixture_host("h200-slice-nat-missing"))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -86,7 +86,7 @@ def test_live_namespace_through_the_cli(tmp_path):
 
 
 def test_a_host_before_the_storage_transition_exits_1_naming_the_transition():
-    proc = _cli("parity", "--root", str(HOSTS / "h200-slice-before-transition"))
+    proc = _cli("parity", "--root", str(fixture_host("h200-slice-before-transition")))
     assert proc.returncode == 1, proc.stderr
     slots = _checks(proc.stdout)["slot_candidates"]
     assert slots["status"] == "FAIL" and "unmount /share*" in slots["remediation"]

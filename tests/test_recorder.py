@@ -19,6 +19,7 @@ from gpuaas_agent.contract.fixture import (
     MANIFEST_NAME,
     FixtureManifest,
 )
+from gpuaas_agent.contract.types import PCI_ADDRESS_RE
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import FixtureError
 from gpuaas_agent.hostfs import HostRoot
@@ -33,12 +34,14 @@ from gpuaas_agent.recorder import (
     NVME_SUBSYS_ATTRS,
     PCI_ATTRS,
     record_fixture,
+    record_fixture_archive,
 )
+from gpuaas_agent.fixture_archive import tree_digest, unpack_tree
+from lab.fixture_hosts import fixture_host, host_names, recorded_names
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO / "fixtures" / "hosts"
 HOST_TOPS = {"sys", "dev", "proc", "run", "etc"}
-BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+BDF_RE = PCI_ADDRESS_RE
 
 
 # -- building a small host tree ---------------------------------------------------
@@ -249,8 +252,6 @@ def _names(host: HostRoot, path: str) -> list[str]:
     return host.listdir(path) if host.is_dir(path) else []
 
 
-def existing_fixtures() -> list[str]:
-    return sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()) if FIXTURES.is_dir() else []
 
 
 # -- tests ----------------------------------------------------------------------------
@@ -286,10 +287,10 @@ def test_built_host_is_meaningful_to_discovery(tmp_path):
     assert [(c.mountpoint, c.via_holder) for c in disk.mounted_children] == [("/share1", "dm-0")]
 
 
-@pytest.mark.parametrize("name", existing_fixtures())
-def test_recording_a_committed_fixture_reads_the_same(tmp_path, name):
-    """Every committed fixture records back to itself: links verbatim, contents equal, discovery equal."""
-    src = FIXTURES / name
+@pytest.mark.parametrize("name", host_names())
+def test_recording_a_fixture_host_reads_the_same(tmp_path, name):
+    """Every fixture host records back to itself: links verbatim, contents equal, discovery equal."""
+    src = fixture_host(name)
     out = tmp_path / "out"
     record_fixture(HostRoot.open(src), out)
     source, recorded = snapshot(src), snapshot(out)
@@ -302,6 +303,51 @@ def test_recording_a_committed_fixture_reads_the_same(tmp_path, name):
             assert source.get(rel) == entry, rel
     assert sorted(must_be_recorded(src, source) - set(recorded)) == []
     assert_discovery_identical(src, out)
+
+
+def test_recording_as_one_archive_unpacks_to_the_recorded_tree(tmp_path):
+    """recording -> archive -> unpack changes nothing: same tree as a directory recording, same discovery."""
+    src = build_host(tmp_path / "src")
+    record_fixture(HostRoot.open(src), tmp_path / "as-dir")
+    manifest = record_fixture_archive(HostRoot.open(src), tmp_path / "host.tar.xz")
+    unpacked = unpack_tree(tmp_path / "host.tar.xz", tmp_path / "unpacked")
+    assert tree_digest(unpacked) == tree_digest(tmp_path / "as-dir")
+    assert snapshot(unpacked) == snapshot(src)
+    assert (manifest.links, manifest.files) == (
+        sum(1 for v in snapshot(src).values() if v[0] == "link"),
+        sum(1 for v in snapshot(src).values() if v[0] == "file"),
+    )
+    assert_discovery_identical(src, unpacked)
+    assert sorted(os.listdir(tmp_path)) == ["as-dir", "host.tar.xz", "src", "unpacked"]  # staging removed
+
+
+def test_recording_the_same_tree_twice_gives_the_same_archive_bytes(tmp_path):
+    src = build_host(tmp_path / "src")
+    record_fixture_archive(HostRoot.open(src), tmp_path / "a.tar.xz")
+    record_fixture_archive(HostRoot.open(src), tmp_path / "b.tar.xz")
+    assert (tmp_path / "a.tar.xz").read_bytes() == (tmp_path / "b.tar.xz").read_bytes()
+
+
+def test_archive_output_must_be_new_and_named_tar_xz(tmp_path):
+    src = build_host(tmp_path / "src")
+    (tmp_path / "taken.tar.xz").write_bytes(b"mine")
+    with pytest.raises(FixtureError) as caught:
+        record_fixture_archive(HostRoot.open(src), tmp_path / "taken.tar.xz")
+    assert caught.value.code == "output_exists" and (tmp_path / "taken.tar.xz").read_bytes() == b"mine"
+    with pytest.raises(FixtureError) as caught:
+        record_fixture_archive(HostRoot.open(src), tmp_path / "host.tgz")
+    assert caught.value.code == "archive_name"
+    assert sorted(os.listdir(tmp_path)) == ["src", "taken.tar.xz"]
+
+
+@pytest.mark.parametrize("name", recorded_names())
+def test_committed_recordings_are_archives_that_rerecord_to_the_same_host(tmp_path, name):
+    """A real recording kept as one archive, re-recorded through the archive path, reads identically."""
+    src = fixture_host(name)
+    record_fixture_archive(HostRoot.open(src), tmp_path / f"{name}.tar.xz")
+    again = unpack_tree(tmp_path / f"{name}.tar.xz", tmp_path / name)
+    assert snapshot(again) == snapshot(src)
+    assert_discovery_identical(src, again)
 
 
 def test_non_empty_output_is_refused_and_left_alone(tmp_path):

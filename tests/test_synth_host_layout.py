@@ -1,6 +1,7 @@
 """The synthesised H200 host fixtures are internally consistent and reproducible.
 
-``fixtures/tools/synth_host.py`` writes the four ``h200-slice-*`` trees. These
+``lab/synth_host.py`` writes the ``h200-slice-*`` trees from their descriptions
+(``fixtures/hosts/<name>.synth.json``, each pinning its tree's digest). These
 checks use plain ``os`` functions only (never the agent's own ``HostRoot``), so
 a bug in the reader cannot hide a broken fixture and a broken fixture cannot
 make a reader bug look like a pass.
@@ -13,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import H200_FIXTURES, HOSTS, load_synth_host
+from gpuaas_agent.fixture_archive import tree_digest
+from lab.fixture_hosts import built_in_this_process, description, synthetic_names
+from tests.conftest import H200_FIXTURES, fixture_host, load_synth_host
 
-AFTER = HOSTS / "h200-slice-after-transition"
-BEFORE = HOSTS / "h200-slice-before-transition"
-REBOOT = HOSTS / "h200-slice-after-reboot"
-NO_VFS = HOSTS / "h200-slice-no-vfs"
+AFTER = fixture_host("h200-slice-after-transition")
+BEFORE = fixture_host("h200-slice-before-transition")
+REBOOT = fixture_host("h200-slice-after-reboot")
+NO_VFS = fixture_host("h200-slice-no-vfs")
 # Names udev puts under /dev that point at device nodes a recording cannot copy.
 DEV_NODE_LINK_DIRS = ("dev/disk/", "dev/mapper/", "dev/ubuntu-vg/")
 
@@ -66,7 +69,7 @@ def _by_id_targets(root: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", H200_FIXTURES)
 def test_every_link_is_relative_and_lands_inside_the_fixture(name):
-    root = HOSTS / name
+    root = fixture_host(name)
     real_root = os.path.realpath(root)
     class_block = set(os.listdir(root / "sys/class/block"))
     links = _links(root)
@@ -92,7 +95,7 @@ def test_every_link_is_relative_and_lands_inside_the_fixture(name):
     ],
 )
 def test_gpu_and_connectx7_counts(name, vfs, gpu_driver):
-    functions = _pci_functions(HOSTS / name)
+    functions = _pci_functions(fixture_host(name))
     gpus = [p for p in functions.values() if _attr(p / "vendor") == "0x10de" and _attr(p / "class").startswith("0x0302")]
     pfs = [p for p in functions.values() if _attr(p / "device") == "0x1021"]
     vf_dirs = [p for p in functions.values() if (p / "physfn").is_symlink()]
@@ -186,11 +189,33 @@ def test_kernel_names_do_not_follow_island_order():
     assert len(names) == 8 and all(name != f"nvme{i}" for i, name in enumerate(names))
 
 
-@pytest.mark.parametrize("name", [*H200_FIXTURES, "h200-slice-nat-missing"])
-def test_regenerating_gives_the_committed_tree(tmp_path, name):
-    synth = load_synth_host()
-    synth.build(tmp_path / name, name)
-    assert _snapshot(tmp_path / name) == _snapshot(HOSTS / name)
+def test_every_synthetic_host_is_described():
+    assert set(synthetic_names()) == {*H200_FIXTURES, "h200-slice-nat-missing"}
+    for name in synthetic_names():
+        assert name == "h200-slice-" + description(name).variant
+
+
+@pytest.mark.parametrize("name", synthetic_names())
+def test_materialised_tree_is_the_pinned_one(name):
+    """The tree every test reads is exactly the one its description pins (content, links, names)."""
+    assert tree_digest(fixture_host(name)) == description(name).tree_sha256, (
+        f"{name}: the generator now writes another tree; if that is intended, re-pin with "
+        "`python -m lab.fixture_hosts --pin` and say why in the commit; if not, something wrote into "
+        f"the shared tree {fixture_host(name)} (remove .cache/fixture-hosts)"
+    )
+
+
+def test_a_tree_built_by_this_generator_now_has_the_pinned_digest(tmp_path):
+    """Not a tree from an earlier session's cache: the generator is deterministic and the pin is not stale.
+
+    (That the digest sees a changed byte or link target: tests/test_fixture_archive.py.)
+    """
+    name = "h200-slice-after-reboot"  # the variant that differs most from the others (boot "b")
+    root = fixture_host(name)
+    if not built_in_this_process(name):  # reused from the cache: build a fresh one to compare
+        load_synth_host().build(tmp_path / name, description(name).variant)
+        root = tmp_path / name
+    assert tree_digest(root) == description(name).tree_sha256
 
 
 def test_absolute_links_variant_has_the_same_links_made_absolute(tmp_path):

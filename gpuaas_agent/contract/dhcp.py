@@ -14,8 +14,7 @@ from typing import Annotated
 from pydantic import Field, StringConstraints
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
-from gpuaas_agent.contract.tasks import UUID_PATTERN
-from gpuaas_agent.contract.types import MacAddress
+from gpuaas_agent.contract.types import UUID_PATTERN, MacAddress
 
 # One DNS label (RFC 1123): 1-63 letters, digits and hyphens, no hyphen at either end.
 DNS_LABEL_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$"  # no look-around: pydantic's regex engine

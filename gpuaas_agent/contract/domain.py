@@ -17,8 +17,7 @@ from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile
 from gpuaas_agent.contract.storage import DiskEvidence
-from gpuaas_agent.contract.tasks import UUID_PATTERN
-from gpuaas_agent.contract.types import ByIdPath, MacAddress, PciAddress
+from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN, UUID_PATTERN, ByIdPath, MacAddress, PciAddress
 from gpuaas_agent.errors import ContractError
 
 AbsolutePath = Annotated[str, Field(pattern=r"^/[^\x00\n]*$", max_length=4096)]
@@ -55,7 +54,7 @@ class DomainSpec(WireModel):
     # NUMA node of the NVMe controller, when known: a slot whose disk is on another node than its GPU is refused.
     nvme_numa_node: int | None = Field(default=None, ge=0)
     mac: MacAddress
-    ovs_bridge: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")
+    ovs_bridge: str = Field(pattern=BRIDGE_NAME_PATTERN)
     seed_iso_path: AbsolutePath
     # The GPU's NUMA node and that node's cpulist (/sys/devices/system/node/nodeN/cpulist).
     numa_node: int | None = Field(default=None, ge=0)

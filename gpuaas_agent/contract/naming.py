@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 
-from gpuaas_agent.contract.tasks import UUID_PATTERN
+from gpuaas_agent.contract.types import UUID_RE
 
 DOMAIN_PREFIX = "gpuaas-slice-"
 VNIC_PREFIX = "gs"  # never "vnet": libvirt reserves that prefix for its own taps
-_UUID = re.compile(UUID_PATTERN)
+_UUID = UUID_RE
 
 
 def _hex(allocation_id: str) -> str:

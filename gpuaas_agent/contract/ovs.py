@@ -15,8 +15,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.naming import vnic_name
-from gpuaas_agent.contract.tasks import UUID_PATTERN
-from gpuaas_agent.contract.types import MacAddress
+from gpuaas_agent.contract.types import UUID_PATTERN, MacAddress
 
 # external_ids keys on the Interface row.
 EXT_IFACE_ID = "iface-id"

@@ -13,7 +13,7 @@ from gpuaas_agent.contract.topology import (
     check_parent_slot_id,
     check_sharing_mechanism,
 )
-from gpuaas_agent.contract.types import ByIdPath, IPv4String, MacAddress, PciAddress
+from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN, ByIdPath, IPv4String, MacAddress, PciAddress
 
 
 class SlotStatus(WireEnum):
@@ -46,7 +46,7 @@ class ApprovedSlot(WireModel):
     fabric_claim_mode: FabricClaimMode
     mac: MacAddress
     private_ip: IPv4String
-    ovs_bridge: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")
+    ovs_bridge: str = Field(pattern=BRIDGE_NAME_PATTERN)
     numa_node: int | None = None
     status: SlotStatus
     health_state: HealthState = HealthState.unknown

@@ -7,7 +7,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
-from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, PciAddress
+from gpuaas_agent.contract.types import UUID_PATTERN, ByIdPath, DiskIdentity, PciAddress
 
 
 class SlotLease(WireModel):
@@ -17,7 +17,7 @@ class SlotLease(WireModel):
     one): two leases can never hold one namespace through two of its names.
     """
 
-    allocation_id: str = Field(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    allocation_id: str = Field(pattern=UUID_PATTERN)
     slot_index: int = Field(ge=0)
     gpu_pci_address: PciAddress
     nvme_device: ByIdPath

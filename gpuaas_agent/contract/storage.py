@@ -12,8 +12,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.images import ImageFormat
-from gpuaas_agent.contract.tasks import UUID_PATTERN
-from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName
+from gpuaas_agent.contract.types import MAJOR_MINOR_PATTERN, UUID_PATTERN, ByIdPath, DiskIdentity, KernelName
 
 NonNegative = Annotated[int, Field(ge=0)]
 
@@ -37,7 +36,7 @@ class DiskEvidence(WireModel):
 
     by_id: ByIdPath
     kernel_name: KernelName
-    dev: Annotated[str, Field(pattern=r"^\d+:\d+$")]
+    dev: Annotated[str, Field(pattern=MAJOR_MINOR_PATTERN)]
     disk_identity: DiskIdentity | None = None
     size_bytes: NonNegative
     partitions: list[KernelName]
@@ -65,7 +64,7 @@ class WipeProof(WireModel):
 
     by_id: ByIdPath
     kernel_name: KernelName
-    dev: Annotated[str, Field(pattern=r"^\d+:\d+$")]
+    dev: Annotated[str, Field(pattern=MAJOR_MINOR_PATTERN)]
     method: WipeMethod
     bytes: NonNegative
     seed: int

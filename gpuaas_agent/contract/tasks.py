@@ -18,10 +18,9 @@ from gpuaas_agent.errors import ContractError
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel, first_error
 from gpuaas_agent.contract.cloudinit import MAX_SSH_KEYS, GuestDriverProfile, Hostname, LinuxUserName, SshPublicKey
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
+from gpuaas_agent.contract.types import SHA256_PATTERN, UUID_PATTERN  # noqa: F401 (re-exported for old importers)
 
 NODE_ID_PATTERN = r"^[A-Za-z0-9-]{1,64}$"
-UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
-SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
 
 class TaskType(WireEnum):

@@ -25,7 +25,7 @@ from gpuaas_agent.contract.topology import (
     Partition,
     StorageIdentityKind,
 )
-from gpuaas_agent.contract.types import BY_ID_NAME
+from gpuaas_agent.contract.types import BY_ID_NAME_RE, MAJOR_MINOR_RE
 from gpuaas_agent.discovery.pci import BDF_RE, PciIndex
 from gpuaas_agent.discovery.procfs import (
     MountEntry,
@@ -41,8 +41,7 @@ BY_ID = "/dev/disk/by-id"
 NVME_NAMESPACE_RE = re.compile(r"^nvme\d+n\d+\Z")
 NVME_PATH_NODE_RE = re.compile(r"^nvme\d+c\d+n\d+\Z")
 NVME_CONTROLLER_RE = re.compile(r"^nvme\d+\Z")
-BY_ID_NAME_RE = re.compile(rf"^{BY_ID_NAME}\Z")
-DEV_RE = re.compile(r"^\d+:\d+\Z")
+DEV_RE = MAJOR_MINOR_RE
 SECTOR_BYTES = 512  # sysfs "size" is always in 512-byte sectors
 OS_MOUNTPOINTS = ("/", "/boot", "/boot/efi", "/efi")
 UDEV_SIGNATURES = {"ID_PART_TABLE_TYPE": "partition_table", "ID_FS_TYPE": "filesystem"}

@@ -8,15 +8,15 @@ function sits behind.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 
 from gpuaas_agent.contract.topology import Locality
+from gpuaas_agent.contract.types import PCI_ADDRESS_RE
 from gpuaas_agent.discovery.sysread import SysReader
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 IOMMU_GROUPS = "/sys/kernel/iommu_groups"
-BDF_RE = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")
+BDF_RE = PCI_ADDRESS_RE  # whole-string only: a name with a trailing newline is not an address
 
 CLASS_BRIDGE_PCI = 0x0604  # PCI-to-PCI bridge: root ports and switch ports
 

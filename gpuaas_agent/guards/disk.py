@@ -16,20 +16,18 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
-import re
 import stat
 from collections.abc import Collection
 from typing import Any
 
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.storage import DiskEvidence, DiskLease
-from gpuaas_agent.contract.types import BY_ID_NAME
+from gpuaas_agent.contract.types import BY_ID_PATH_RE
 from gpuaas_agent.discovery.nvme import SECTOR_BYTES, BlockTable, MountTable, disk_identity, disk_use
 from gpuaas_agent.discovery.sysread import SysReader
 from gpuaas_agent.errors import GuardError
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
-BY_ID_PATH_RE = re.compile(rf"^/dev/disk/by-id/{BY_ID_NAME}\Z")
 
 
 class DiskGuardError(GuardError):

@@ -35,18 +35,17 @@ from pydantic import ValidationError
 
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.dhcp import DNS_LABEL_PATTERN, HostsFileJunk, Lease, LeaseState, LeaseStatus, Reservation
-from gpuaas_agent.contract.tasks import UUID_PATTERN
+from gpuaas_agent.contract.types import MAC, UUID_RE, whole
 from gpuaas_agent.errors import GuardError, HostError
 
 OWNER_MARK = "# gpuaas "
-_UUID = UUID_PATTERN.strip("^$")
 _OWNED_LINE = re.compile(
     r"^(?P<mac>[^,\s]*),(?P<ip>[^,\s]*),(?P<hostname>[^,\s]*) # gpuaas allocation=(?P<allocation_id>\S*) "
     r"slot=(?P<slot_index>\S*)$"
 )
 _OWNED_MARK = re.compile(r"\s#\s*gpuaas\s+allocation=")
 _COMMENT = re.compile(r"(^|\s)#.*$")  # where dnsmasq ends a line
-_MAC_ANY_CASE = re.compile(r"^[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}\Z")
+_MAC_ANY_CASE = whole(MAC, re.IGNORECASE | re.ASCII)  # hand-written lines may use upper case
 _IPV4 = re.compile(r"^\d{1,3}(\.\d{1,3}){3}\Z")
 LOCK_TIMEOUT_S = 10.0
 HOSTS_FILE_MODE = 0o644  # dnsmasq may read it after dropping to its own user
@@ -82,7 +81,7 @@ def make_reservation(allocation_id: str, slot_index: int, mac: str, ip: str, hos
 
     MACs are accepted in either case and stored lower-case; a multicast or all-zero MAC is refused.
     """
-    if not isinstance(allocation_id, str) or not re.fullmatch(_UUID, allocation_id):
+    if not isinstance(allocation_id, str) or not UUID_RE.fullmatch(allocation_id):
         raise _refuse("bad_allocation_id", f"allocation id {allocation_id!r} is not a lower-case UUID",
                       allocation_id=allocation_id)
     if isinstance(slot_index, bool) or not isinstance(slot_index, int) or not 0 <= slot_index <= 255:

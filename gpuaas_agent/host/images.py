@@ -27,7 +27,6 @@ import http.client
 import json
 import logging
 import os
-import re
 import ssl
 import tempfile
 import threading
@@ -40,6 +39,7 @@ from urllib.parse import urljoin, urlsplit
 from pydantic import ValidationError
 
 from gpuaas_agent.atomicfile import fsync_dir, write_atomic
+from gpuaas_agent.contract.types import SHA256_RE
 from gpuaas_agent.contract.images import CachedImage, CacheEntryMarker, ImageFormat
 from gpuaas_agent.errors import ContractError
 from gpuaas_agent.host import imagesource
@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20  # 1 MiB: large enough that hashlib (which drops the GIL) runs at full speed
 MAX_REDIRECTS = 5
 QEMU_IMG_INFO_TIMEOUT_S = 60.0
-SHA256_RE = re.compile(r"^[0-9a-f]{64}\Z")
 DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_STALL_TIMEOUT_S = 60.0
 

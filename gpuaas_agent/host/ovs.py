@@ -48,7 +48,7 @@ from gpuaas_agent.contract.ovs import (
     OvsPort,
     default_iface_id,
 )
-from gpuaas_agent.contract.tasks import UUID_PATTERN
+from gpuaas_agent.contract.types import DATAPATH_TYPE_RE, MAC_RE, UUID_RE
 from gpuaas_agent.errors import ContractError, GuardError, HostError
 from gpuaas_agent.logs import log_event
 
@@ -70,9 +70,9 @@ _COLUMNS = {
     "Interface": ["name", "type", "external_ids", "ofport", "error", "ingress_policing_rate", "ingress_policing_burst"],
 }
 _IFNAME = re.compile(IFNAME_PATTERN)
-_UUID = re.compile(UUID_PATTERN)
-_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}\Z")
-_DATAPATH_TYPE = re.compile(r"^[a-z][a-z0-9_-]{0,31}\Z")
+_UUID = UUID_RE
+_MAC = MAC_RE
+_DATAPATH_TYPE = DATAPATH_TYPE_RE
 _VNIC = re.compile(rf"^{VNIC_PREFIX}[0-9a-f]{{1,2}}-[0-9a-f]{{10}}\Z")
 Txn = ovs.db.idl.Transaction
 

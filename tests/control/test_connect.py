@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path

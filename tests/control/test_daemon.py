@@ -28,10 +28,10 @@ from gpuaas_agent.daemon import SdNotifier, default_handlers, run_agent, watchdo
 from gpuaas_agent.host.run import run
 from gpuaas_agent.logs import JsonLinesFormatter, configure_logging
 from gpuaas_agent.state.store import StateStore
-from tests.conftest import HOSTS, REPO
+from tests.conftest import REPO, fixture_host
 from tests.controlplane import ControlPlane
 
-FIXTURE = HOSTS / "h200-slice-after-transition"
+FIXTURE = fixture_host("h200-slice-after-transition")
 IDENTITY = EnrollIdentity(machine_id="1221a371a78ea21b24acbc2cf895b074", hostname="j22u05", agent_version="0.1.0")
 TEST_DEADLINE_S = 120
 

@@ -3,13 +3,13 @@
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.daemon import default_handlers
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 from tests.control.test_worker import NODE, Harness, _run
 from tests.tasks.test_plan import ALLOC, _approved, _payload, _report
 
 
 def test_plan_task_leases_the_slots_and_a_second_allocation_is_refused(nats_server, tmp_path):
-    config = AgentConfig(host_root=HOSTS / "h200-slice-after-transition", state_dir=tmp_path / "state")
+    config = AgentConfig(host_root=fixture_host("h200-slice-after-transition"), state_dir=tmp_path / "state")
     report = _report()
     mine = _payload(_approved(report, 2), _approved(report, 3)).model_dump(mode="json")
     theirs = _payload(_approved(report, 3), alloc="158ea147-0115-407f-bbd5-1850c32b9517").model_dump(mode="json")

@@ -18,7 +18,7 @@ from gpuaas_agent.control.enroll import EnrollmentRecord
 from gpuaas_agent.daemon import connect, default_handlers
 from gpuaas_agent.errors import GuardError
 from gpuaas_agent.state.store import StateStore
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 from tests.controlplane import TASK_STREAM, ControlPlane
 
 NODE = "node-test01"
@@ -102,7 +102,7 @@ class Counting:
 
 
 def test_topology_discover_over_fixture_succeeds(nats_server, tmp_path):
-    config = AgentConfig(host_root=HOSTS / "h200-slice-after-transition", state_dir=tmp_path / "state")
+    config = AgentConfig(host_root=fixture_host("h200-slice-after-transition"), state_dir=tmp_path / "state")
 
     async def body():
         async with Harness(nats_server, tmp_path, default_handlers(config)) as h:

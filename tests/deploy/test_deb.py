@@ -42,7 +42,7 @@ import yaml
 
 from gpuaas_agent.host.run import run
 from gpuaas_agent.userdata import UserDataInputs, render_userdata
-from tests.conftest import HOSTS, REPO
+from tests.conftest import REPO, fixture_host
 from tests.control.conftest import free_port, nats_server  # noqa: F401  (pytest fixture)
 from tests.controlplane import ControlPlane
 
@@ -216,9 +216,9 @@ def test_installed_package_runs_version_and_discover(installed, debs):
     assert os.readlink(box.path("/usr/bin/gpuaas-agent")) == "/opt/gpuaas-agent/bin/gpuaas-agent"
 
     # discover over a recorded host, from the installed package, matches the source tree's answer.
-    shutil.copytree(HOSTS / FIXTURE, box.path(f"/tmp/{FIXTURE}"), symlinks=True)
+    shutil.copytree(fixture_host(FIXTURE), box.path(f"/tmp/{FIXTURE}"), symlinks=True)
     inside = box.run("gpuaas-agent", "discover", "--root", f"/tmp/{FIXTURE}")
-    here = _run([sys.executable, "-m", "gpuaas_agent", "discover", "--root", str(HOSTS / FIXTURE)], env=None)
+    here = _run([sys.executable, "-m", "gpuaas_agent", "discover", "--root", str(fixture_host(FIXTURE))], env=None)
     assert inside.stdout == here.stdout and "gpu_devices=8 " in inside.stdout
 
     state = box.path("/var/lib/gpuaas-agent").stat()

@@ -15,7 +15,7 @@ from gpuaas_agent.contract.drift import DriftKind, DriftReport, DriftSeverity, D
 from gpuaas_agent.discovery.drift import nvme_identity, topology_drift
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 
 AFTER = "h200-slice-after-transition"
 BEFORE = "h200-slice-before-transition"
@@ -35,13 +35,13 @@ def _kinds(findings) -> Counter:
 
 
 def test_same_host_twice_has_no_drift():
-    report = _discover(HOSTS / AFTER)
+    report = _discover(fixture_host(AFTER))
     assert topology_drift(report, report) == []
-    assert topology_drift(report, _discover(HOSTS / AFTER)) == []
+    assert topology_drift(report, _discover(fixture_host(AFTER))) == []
 
 
 def test_reboot_renames_disks_but_vanishes_and_adds_nothing():
-    before, after = _discover(HOSTS / AFTER), _discover(HOSTS / REBOOT)
+    before, after = _discover(fixture_host(AFTER)), _discover(fixture_host(REBOOT))
     findings = topology_drift(before, after)
     assert not VANISHED_OR_APPEARED & set(_kinds(findings))
     disk_findings = [f for f in findings if f.kind.value.startswith("nvme_")]
@@ -64,7 +64,7 @@ def test_reboot_renames_disks_but_vanishes_and_adds_nothing():
 
 
 def test_storage_transition_changes_how_every_slot_disk_is_used():
-    after, before = _discover(HOSTS / AFTER), _discover(HOSTS / BEFORE)
+    after, before = _discover(fixture_host(AFTER)), _discover(fixture_host(BEFORE))
     findings = topology_drift(after, before)  # raw slot disks -> disks with (mounted) /share partitions
     assert set(_kinds(findings)) == {DriftKind.nvme_in_use_changed}
     slot_disks = {nvme_identity(d) for d in after.nvme_devices if not d.os_disk}
@@ -81,7 +81,7 @@ def test_storage_transition_changes_how_every_slot_disk_is_used():
 
 
 def test_vfs_gone_are_fabric_vf_vanished_errors():
-    findings = topology_drift(_discover(HOSTS / AFTER), _discover(HOSTS / NO_VFS))
+    findings = topology_drift(_discover(fixture_host(AFTER)), _discover(fixture_host(NO_VFS)))
     assert _kinds(findings) == Counter({DriftKind.fabric_vf_vanished: 8})
     assert all(f.severity == DriftSeverity.error and f.detail["is_vf"] for f in findings)
     assert "0000:19:00.1" in {f.subject for f in findings}
@@ -145,6 +145,6 @@ def test_link_that_vanished_under_an_unchanged_driver_is_link_vanished(host_copy
 
 
 def test_findings_travel_in_a_drift_report():
-    findings = topology_drift(_discover(HOSTS / AFTER), _discover(HOSTS / REBOOT))
+    findings = topology_drift(_discover(fixture_host(AFTER)), _discover(fixture_host(REBOOT)))
     report = DriftReport(node_id="node-1", trigger=DriftTrigger.timer, findings=findings, at=datetime.now(timezone.utc))
     assert DriftReport.model_validate_json(report.model_dump_json()) == report

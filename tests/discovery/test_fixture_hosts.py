@@ -1,4 +1,4 @@
-"""Full discovery results of every committed host fixture.
+"""Full discovery results of every fixture host (recorded or generated, see lab/fixture_hosts.py).
 
 Each fixture is compared with its golden report (``tests/golden/discovery``),
 and the facts that matter to the control plane are asserted explicitly so a
@@ -17,7 +17,7 @@ import pytest
 from gpuaas_agent.contract.topology import Locality, TopologyReport
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import ALL_FIXTURES, HOSTS
+from tests.conftest import ALL_FIXTURES, fixture_host
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "discovery"
 
@@ -38,7 +38,7 @@ BF3_DMA = "0000:e8:00.2"
 
 
 def _report(name: str) -> TopologyReport:
-    return discover(HostRoot.open(HOSTS / name))
+    return discover(HostRoot.open(fixture_host(name)))
 
 
 @pytest.mark.parametrize("name", ALL_FIXTURES)
@@ -110,7 +110,7 @@ def test_os_disk_is_found_through_lvm_and_never_offered():
 
 def test_nvswitch_bmc_vga_and_bf3_dma_are_not_reported():
     report = _report("h200-slice-after-transition")
-    functions = HOSTS / "h200-slice-after-transition" / "sys/bus/pci/devices"
+    functions = fixture_host("h200-slice-after-transition") / "sys/bus/pci/devices"
     # The traps are really in the fixture: NVIDIA bridges, a VGA, a Mellanox DMA function.
     assert all((functions / a / "vendor").read_text() == "0x10de\n" for a in NVSWITCHES)
     assert (functions / BMC_VGA / "class").read_text() == "0x030000\n"

@@ -22,7 +22,7 @@ from gpuaas_agent.discovery.netevidence import (
     read_network_evidence,
 )
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 
 SUBNET = ipaddress.IPv4Network("10.100.0.0/24")
 MASQ = ["POSTROUTING", "-s", "10.100.0.0/24", "-j", "MASQUERADE"]
@@ -78,7 +78,7 @@ def netns():
 
 
 def test_healthy_recording_has_no_blockers_and_proves_nat_through_iptables():
-    ev = read_network_evidence(HostRoot.open(HOSTS / "h200-slice-after-transition"))
+    ev = read_network_evidence(HostRoot.open(fixture_host("h200-slice-after-transition")))
     assert ev.source == "fixture" and ev.blockers == [] and ev.warnings == [] and ev.unreadable == []
     assert ev.addresses_of("ovsbr0") == ["10.100.0.1/24"]
     assert ev.nat.present is True and ev.nat.method == "recorded iptables-save"
@@ -91,7 +91,7 @@ def test_healthy_recording_has_no_blockers_and_proves_nat_through_iptables():
 
 def test_nat_missing_recording_is_a_hard_blocker_naming_the_rule():
     """Seed 004, 2026-04-24: bridge and dnsmasq fine, MASQUERADE rule gone."""
-    ev = read_network_evidence(HostRoot.open(HOSTS / "h200-slice-nat-missing"))
+    ev = read_network_evidence(HostRoot.open(fixture_host("h200-slice-nat-missing")))
     assert _codes(ev.blockers) == ["nat_missing"]
     assert "-A POSTROUTING -s 10.100.0.0/24 -j MASQUERADE" in ev.blockers[0].detail
     assert ev.nat.present is False
@@ -140,7 +140,7 @@ def test_missing_bridge_and_dnsmasq_block(host_copy):
 
 def test_netns_on_a_recording_is_refused():
     with pytest.raises(NetEvidenceError) as exc:
-        read_network_evidence(HostRoot.open(HOSTS / "h200-slice-after-transition"), NetTarget(netns="x"))
+        read_network_evidence(HostRoot.open(fixture_host("h200-slice-after-transition")), NetTarget(netns="x"))
     assert exc.value.code == "netns_on_fixture"
 
 
@@ -275,14 +275,14 @@ def test_debian_packaged_dnsmasq_reads_conf_dir_with_its_suffix_filters(tmp_path
 
 
 def test_a_recording_without_a_process_table_proves_no_running_dnsmasq():
-    ev = read_dnsmasq_evidence(HostRoot.open(HOSTS / "h200-slice-after-transition"), "/var/lib/gpuaas-dnsmasq/hosts")
+    ev = read_dnsmasq_evidence(HostRoot.open(fixture_host("h200-slice-after-transition")), "/var/lib/gpuaas-dnsmasq/hosts")
     assert ev.process_table is False and judge_dnsmasq(ev).code == "dnsmasq_unproven"
 
 
 def test_a_real_dnsmasq_reading_the_agents_file_passes_and_another_file_fails(dhcp_lab):
     live = HostRoot.open("/")
     dns = dhcp_lab.dnsmasq
-    net = read_network_evidence(HostRoot.open(HOSTS / "h200-slice-after-transition"))  # a dhcp-range is configured
+    net = read_network_evidence(HostRoot.open(fixture_host("h200-slice-after-transition")))  # a dhcp-range is configured
     ev = read_dnsmasq_evidence(live, dns.hosts_file, dns.pid_file)
     assert dns.proc.pid in ev.readers and ev.pid_file_pid == dns.proc.pid
     check = check_dnsmasq(net, ev)

@@ -7,9 +7,9 @@ import pytest
 from gpuaas_agent.contract.domain import cpulist_cpus
 from gpuaas_agent.discovery.numa import NumaReadError, free_hugepages_1g, node_cpulist
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 
-H200 = HostRoot.open(HOSTS / "h200-slice-after-transition")
+H200 = HostRoot.open(fixture_host("h200-slice-after-transition"))
 
 
 def test_recorded_nodes_cpulists_and_hugepages():

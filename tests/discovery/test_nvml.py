@@ -3,11 +3,11 @@
 from gpuaas_agent.discovery.nvml import _normalise_bus_id, enrich
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 
 
 def _gpus():
-    return discover(HostRoot.open(HOSTS / "h200-slice-after-transition")).gpus
+    return discover(HostRoot.open(fixture_host("h200-slice-after-transition"))).gpus
 
 
 def test_fixture_root_never_consults_nvml():

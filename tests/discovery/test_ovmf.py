@@ -9,7 +9,7 @@ import pytest
 
 from gpuaas_agent.discovery.ovmf import OvmfNotFoundError, find_ovmf
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 
 
 def _descriptor(code: str, vars_: str, features: list[str], machines=("pc-q35-*",)) -> dict:
@@ -82,7 +82,7 @@ def test_descriptor_naming_missing_files_falls_back_to_the_well_known_pair(tmp_p
 
 
 def test_the_recorded_h200_host_uses_the_well_known_4m_pair():
-    firmware = find_ovmf(HostRoot.open(HOSTS / "h200-slice-after-transition"))
+    firmware = find_ovmf(HostRoot.open(fixture_host("h200-slice-after-transition")))
     assert (firmware.code_path, firmware.vars_template_path, firmware.descriptor) == (CODE, VARS, None)
 
 

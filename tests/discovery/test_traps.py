@@ -1,4 +1,4 @@
-"""Discovery on hosts that are messier than the committed fixtures.
+"""Discovery on hosts that are messier than the fixture hosts.
 
 Each test breaks a copy of a fixture the way real hosts break (seed 004 and
 DESIGN.md §6) and checks discovery still answers, says what it saw, and never
@@ -19,7 +19,7 @@ import pytest
 from gpuaas_agent.contract.topology import StorageIdentityKind
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import HOSTS, REPO, load_synth_host
+from tests.conftest import REPO, fixture_host, load_synth_host
 
 AFTER = "h200-slice-after-transition"
 GPU0 = "0000:18:00.0"
@@ -41,7 +41,7 @@ def test_classic_nvme_layout_gives_the_same_disks_and_slots(tmp_path):
     synth = load_synth_host()
     synth.build(tmp_path / "classic", "after-transition", multipath=False)
     classic = _discover(tmp_path / "classic")
-    multipath = _discover(HOSTS / AFTER)
+    multipath = _discover(fixture_host(AFTER))
     keep = {"by_id", "kernel_name", "pci_address", "numa_node", "size_bytes", "serial", "model", "mounted", "os_disk"}
     assert [d.model_dump(include=keep) for d in classic.nvme_devices] == [
         d.model_dump(include=keep) for d in multipath.nvme_devices
@@ -54,7 +54,7 @@ def test_absolute_links_are_followed_inside_the_fixture(tmp_path):
     synth.build(tmp_path / "absolute", "after-transition", absolute_links=True)
     some_link = tmp_path / "absolute" / "sys/bus/pci/devices" / GPU0
     assert os.readlink(some_link).startswith("/sys/devices/")
-    assert _discover(tmp_path / "absolute").model_dump_json() == _discover(HOSTS / AFTER).model_dump_json()
+    assert _discover(tmp_path / "absolute").model_dump_json() == _discover(fixture_host(AFTER)).model_dump_json()
 
 
 def test_disk_known_only_by_kernel_name_is_never_a_slot_disk(host_copy):
@@ -105,7 +105,7 @@ def test_numa_node_minus_one_is_a_warning_naming_the_path(host_copy):
     slot0 = report.candidate_slots[0]
     assert report.gpus[0].numa_node is None and slot0.numa_node is None
     assert [w.code for w in slot0.warnings] == ["gpu_numa_unknown"]
-    assert slot0.nvme_device == _discover(HOSTS / AFTER).candidate_slots[0].nvme_device  # switch still pairs it
+    assert slot0.nvme_device == _discover(fixture_host(AFTER)).candidate_slots[0].nvme_device  # switch still pairs it
 
 
 def test_unreadable_and_junk_attributes_are_warnings(host_copy):

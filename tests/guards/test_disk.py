@@ -13,7 +13,7 @@ from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.guards.disk import DiskGuardError, check_disk_writable, check_exclusive, read_disk_identity
 from gpuaas_agent.host.run import run
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 from tests.realdev import MiB, read_bytes, realdev  # noqa: F401  (fixture)
 
 LIVE = HostRoot.open("/")
@@ -189,12 +189,12 @@ def test_os_disk_is_refused_on_this_host():
 
 def _lease(by_id: str, host: str = "h200-slice-after-transition") -> DiskLease:
     return DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=by_id,
-                     disk_identity=read_disk_identity(HostRoot.open(HOSTS / host), by_id))
+                     disk_identity=read_disk_identity(HostRoot.open(fixture_host(host)), by_id))
 
 
 def test_recorded_host_share_disk_is_mounted_child():
     """Seed 004's host before the storage transition: nvme2n1 itself unmounted, its p1 at /share3."""
-    host = HostRoot.open(HOSTS / "h200-slice-before-transition")
+    host = HostRoot.open(fixture_host("h200-slice-before-transition"))
     by_id = "/dev/disk/by-id/nvme-eui.000000000000000100a075244a10e115"
     with pytest.raises(DiskGuardError) as err:
         check_disk_writable(host, by_id, lease=_lease(by_id, "h200-slice-before-transition"))
@@ -205,7 +205,7 @@ def test_recorded_host_share_disk_is_mounted_child():
 def test_recorded_host_os_disk_and_lvm_holder(host_copy):
     by_id = "/dev/disk/by-id/nvme-Dell_BOSS-N1_a3c7e1f2b4d60918"
     with pytest.raises(DiskGuardError) as err:
-        check_disk_writable(HostRoot.open(HOSTS / "h200-slice-after-transition"), by_id, lease=_lease(by_id))
+        check_disk_writable(HostRoot.open(fixture_host("h200-slice-after-transition")), by_id, lease=_lease(by_id))
     assert err.value.code == "os_disk" and err.value.evidence["os_mountpoints"] == ["/", "/boot", "/boot/efi"]
     # The same disk with nothing mounted: the LVM PV on p3 (dm-0) still holds it.
     root = host_copy("h200-slice-after-transition")
@@ -218,7 +218,7 @@ def test_recorded_host_os_disk_and_lvm_holder(host_copy):
 
 def test_recorded_host_raw_slice_disk_passes_policy_but_has_no_device_node():
     """After the transition a slot disk passes every policy check; a recording has no /dev node to open."""
-    host = HostRoot.open(HOSTS / "h200-slice-after-transition")
+    host = HostRoot.open(fixture_host("h200-slice-after-transition"))
     by_id = "/dev/disk/by-id/nvme-eui.000000000000000100a075244a10e115"
     with pytest.raises(DiskGuardError) as err:
         check_disk_writable(host, by_id, lease=_lease(by_id))

@@ -28,10 +28,10 @@ from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.host.domain_xml import build_domain_xml, read_metadata
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "domain"
-H200 = HostRoot.open(HOSTS / "h200-slice-after-transition")
+H200 = HostRoot.open(fixture_host("h200-slice-after-transition"))
 # Seed 004's first active smoke allocation.
 ALLOCATION = "23bd713b-6073-4ef7-8a51-2897e902365d"
 # What find_ovmf returns on a Debian/Ubuntu host with the ovmf package (pinned: goldens must not follow the CI host).

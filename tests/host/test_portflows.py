@@ -39,7 +39,7 @@ from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.host.portflows import IsolationRefused, PortFlows, expected_flows, parse_dump, port_isolation
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.isolation import isolate_port, nft_guard, port_flows
+from gpuaas_agent.tasks.isolation import isolate_port, nft_guard
 from gpuaas_agent.tasks.reconcile import reconcile
 from gpuaas_agent.tasks.slicehost import SliceHost
 from tests.dnsmasq_fixture import (  # noqa: F401  (net_lab is a pytest fixture)

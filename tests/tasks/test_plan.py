@@ -10,14 +10,14 @@ from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import LeaseConflict, StateStore
 from gpuaas_agent.tasks.plan import PlanError, lease_bundle, plan_bundle
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 
 ALLOC = "23bd713b-6073-4ef7-8a51-2897e902365d"
 OTHER = "158ea147-0115-407f-bbd5-1850c32b9517"
 
 
 def _report(name="h200-slice-after-transition"):
-    return discover(HostRoot.open(HOSTS / name))
+    return discover(HostRoot.open(fixture_host(name)))
 
 
 def _approved(report, index: int, **over) -> ApprovedSlot:

@@ -22,7 +22,7 @@ from gpuaas_agent.discovery.prereqs import SocketPaths, check_libvirt, check_ope
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.tasks.preflight import build_parity_report, preflight_handler
 from gpuaas_agent.tasks.topology import topology_discover_handler
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 from tests.discovery.test_netevidence import (
     MASQ,
     ns_exec,
@@ -30,8 +30,8 @@ from tests.discovery.test_netevidence import (
     slice_namespace,
 )
 
-AFTER = HOSTS / "h200-slice-after-transition"
-NAT_MISSING = HOSTS / "h200-slice-nat-missing"
+AFTER = fixture_host("h200-slice-after-transition")
+NAT_MISSING = fixture_host("h200-slice-nat-missing")
 EXPECTED_CHECKS = [
     "node_agent", "kvm", "iommu", "vfio", "sriov_vfs", "slot_candidates", "gpu_driver", "gpu_host_services", "ovmf",
     "hugepages", "rdma_devices", "libvirt", "qemu_access", "openvswitch",
@@ -231,7 +231,7 @@ def test_every_line_of_the_agents_checks_carries_its_evidence():
 
 
 def test_a_host_before_the_storage_transition_fails_with_the_transition_remediation():
-    checks = _by_name(build_parity_report(HostRoot.open(HOSTS / "h200-slice-before-transition"), NetTarget(), SocketPaths()))
+    checks = _by_name(build_parity_report(HostRoot.open(fixture_host("h200-slice-before-transition")), NetTarget(), SocketPaths()))
     slots = checks["slot_candidates"]
     assert slots.status is ParityStatus.FAIL and slots.hard
     assert slots.detail.startswith("candidate_slots=8 ready_candidate_slots=0")
@@ -240,7 +240,7 @@ def test_a_host_before_the_storage_transition_fails_with_the_transition_remediat
 
 
 def test_a_host_without_slot_devices_fails():
-    checks = _by_name(build_parity_report(HostRoot.open(HOSTS / "dev-box-no-gpu"), NetTarget(), SocketPaths()))
+    checks = _by_name(build_parity_report(HostRoot.open(fixture_host("dev-box-no-gpu")), NetTarget(), SocketPaths()))
     assert checks["slot_candidates"].status is ParityStatus.FAIL
     assert "candidate_slots=0" in checks["slot_candidates"].detail and "no NVIDIA GPU" in checks["slot_candidates"].remediation
 

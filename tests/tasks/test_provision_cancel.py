@@ -31,7 +31,7 @@ from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import provision
 from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
-from tests.conftest import HOSTS
+from tests.conftest import fixture_host
 from tests.realdev import require_root
 
 MiB = 1 << 20
@@ -55,7 +55,7 @@ class Ctx:
 @pytest.fixture
 def loop_host(tmp_path):
     require_root()
-    host = materialize(HOSTS / "h200-slice-after-transition", tmp_path / "host", disk_bytes=512 * MiB, slots=1,
+    host = materialize(fixture_host("h200-slice-after-transition"), tmp_path / "host", disk_bytes=512 * MiB, slots=1,
                        real_links=False)
     yield host
     assert host.close() == []
@@ -139,7 +139,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, touched):
 
     store = StateStore.open(tmp_path / "state.db")
     alloc = str(uuid.uuid4())
-    c = discover(HostRoot.open(HOSTS / "h200-slice-after-transition")).candidate_slots[0]
+    c = discover(HostRoot.open(fixture_host("h200-slice-after-transition"))).candidate_slots[0]
     slot = ApprovedSlot(slot_id="s-0", slot_index=0, gpu_pci_address=c.gpu_pci_address, nvme_device=c.nvme_device,
                         storage_identity_kind=c.storage_identity_kind, fabric_vf_pci_address=c.fabric_vf_pci_address,
                         fabric_claim_mode=c.fabric_claim_mode, mac=c.mac, private_ip=c.private_ip,
@@ -151,7 +151,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, touched):
                                     health_state=HealthState.unknown, task_id="t-crash", updated_at=1.0))
     for step in ["validate", "bind_vfio", "image"] + (["clone"] if touched else []):
         store.journal("t-crash", step, StepStatus.started)
-    sh = SliceHost(host_root=HOSTS / "h200-slice-after-transition", slice=SliceConfig(allow_emulated_domains=True),
+    sh = SliceHost(host_root=fixture_host("h200-slice-after-transition"), slice=SliceConfig(allow_emulated_domains=True),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
     run = _Run(payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash")
     if touched:
