@@ -155,7 +155,7 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         profiles = [get_profile(name) for name in args.runtime_profile] if args.runtime_profile else None
         report = build_parity_report(HostRoot.open(args.root), target, sockets, slice_config=site, profiles=profiles)
     except AgentError as exc:
-        if exc.code not in ("netns_missing", "netns_on_fixture", "unknown_runtime_profile", "root_missing",
+        if exc.code not in ("netns_missing", "netns_on_fixture", "unknown_profile", "root_missing",
                             "config_invalid", "config_unreadable"):
             raise
         print(f"gpuaas-agent: error: {exc}", file=sys.stderr)

@@ -103,7 +103,7 @@ def test_evidence_is_the_last_word_of_a_line_and_round_trips():
 
 def test_profile_and_config_options(tmp_path):
     bad = _cli("parity", "--root", AFTER, "--runtime-profile", "no_such_profile")
-    assert bad.returncode == 2 and "unknown_runtime_profile" in bad.stderr
+    assert bad.returncode == 2 and "unknown_profile" in bad.stderr
     lab = _checks(_cli("parity", "--root", AFTER, "--runtime-profile", "lab_tcg_1c_512m").stdout)
     assert lab["hugepages"]["detail"].startswith("no runtime profile asks for 1 GiB hugepages")
     missing = _cli("parity", "--root", AFTER, "--config", str(tmp_path / "absent.toml"))

@@ -69,7 +69,8 @@ def test_recorder_discovery_and_the_vfio_guard_share_one_pci_shape():
 
 def test_wire_models_take_their_uuid_from_the_shared_shape():
     base = {"slot_index": 0, "gpu_pci_address": "0000:18:00.0", "fabric_vf_pci_address": "10000:19:00.1",
-            "nvme_device": "/dev/disk/by-id/nvme-eui.01", "task_id": "t", "taken_at": 0.0}
+            "nvme_device": "/dev/disk/by-id/nvme-eui.01", "disk_identity": "eui:01", "task_id": "t",
+                "taken_at": 0.0}
     SlotLease(allocation_id="127f3bd0-1c2d-4e5f-8a9b-0c1d2e3f4a5b", **base)
     with pytest.raises(ValidationError):
         SlotLease(allocation_id="127f3bd0-1c2d-4e5f-8a9b-0c1d2e3f4a5b\n", **base)
