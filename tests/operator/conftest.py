@@ -1,0 +1,2 @@
+from tests.control.conftest import nats_server  # noqa: F401 - the real nats-server fixture
+from tests.dnsmasq_fixture import dhcp_lab, net_lab  # noqa: F401 - namespaces + a real dnsmasq
