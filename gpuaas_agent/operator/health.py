@@ -30,7 +30,7 @@ import posixpath
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from gpuaas_agent.contract.slots import SlotStatus
@@ -64,7 +64,7 @@ class HealthSettings:
     libvirt_uri: str = "qemu:///system"
 
     @classmethod
-    def from_config(cls, config) -> "HealthSettings":
+    def from_config(cls, config) -> HealthSettings:
         site = config.slice
         return cls(host_root=config.host_root, subnet=str(site.subnet), ovs_bridge=site.ovs_bridge,
                    netns=config.health_netns, dnsmasq_hosts_file=site.dnsmasq_hosts_file,
@@ -72,7 +72,7 @@ class HealthSettings:
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def _check(name: str, status: str, detail: str) -> HealthCheck:

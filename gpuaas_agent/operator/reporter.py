@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nats.errors
@@ -33,7 +33,7 @@ TASK_STEP = "task"  # the worker's own journal step around a handler run (contro
 
 
 def _utc(epoch: float) -> datetime:
-    return datetime.fromtimestamp(epoch, timezone.utc)
+    return datetime.fromtimestamp(epoch, UTC)
 
 
 def in_flight(store: StateStore, task_ids: list[str]) -> list[InFlightTask]:
@@ -73,7 +73,7 @@ class Reporter:
         self.health_settings = health
         self.metrics = metrics
         self._notify = notify
-        self.started_at = datetime.now(timezone.utc)
+        self.started_at = datetime.now(UTC)
         self.nc = None
         self.worker = None
         self.connect_attempts = 0
@@ -131,7 +131,7 @@ class Reporter:
         running = self.worker.running_task_ids if self.worker is not None else []
         return DaemonStatus(
             node_id=self.settings.node_id, agent_version=__version__, pid=os.getpid(), started_at=self.started_at,
-            written_at=datetime.now(timezone.utc), heartbeat_interval_s=self.settings.heartbeat_interval_s,
+            written_at=datetime.now(UTC), heartbeat_interval_s=self.settings.heartbeat_interval_s,
             nats_state=self.nats_state, nats_connect_attempts=self.connect_attempts, nats_reconnects=self.reconnects,
             last_heartbeat_at=self.last_heartbeat_at, health_state=state, health_reason=reason,
             health=self.checks or [], in_flight=in_flight(self.store, running))
@@ -186,7 +186,7 @@ class Reporter:
             health=self.checks or [],
             running_tasks=self.worker.running_task_ids if self.worker is not None else [],
             leased_slots=[lease.slot_index for lease in self.store.leases()],
-            at=datetime.now(timezone.utc))
+            at=datetime.now(UTC))
         try:
             await self.nc.publish(f"gpuaas.node.{self.settings.node_id}.heartbeat", beat.model_dump_json().encode())
             await self.nc.flush(timeout=self.settings.request_timeout_s)

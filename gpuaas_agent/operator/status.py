@@ -21,7 +21,7 @@ import json
 import sqlite3
 import time
 import urllib.parse
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from pydantic import Field
@@ -88,7 +88,7 @@ class StateUnreadable(AgentError):
 
 
 def _utc(epoch: float | None) -> datetime | None:
-    return None if epoch is None else datetime.fromtimestamp(epoch, timezone.utc)
+    return None if epoch is None else datetime.fromtimestamp(epoch, UTC)
 
 
 def open_readonly(path: Path) -> sqlite3.Connection:
@@ -281,7 +281,7 @@ def _age(then: datetime | None, now: datetime) -> str:
 
 def render(report: StatusReport) -> str:
     """The human table: one block per question an operator asks."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     lines = [f"host     {report.verdict.upper()}  node {report.node_id or '-'}  agent {report.agent_version}"]
     for reason in report.reasons:
         lines.append(f"  - {reason}")

@@ -12,8 +12,7 @@ import urllib.request
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from tests.conftest import REPO
 from tests.control.conftest import free_port
-from tests.control.test_daemon import (  # noqa: F401 - fixtures
-    AgentProcess, NotifyListener, _enrolled_setup, _env, _run, agents, short_dir)
+from tests.control.test_daemon import AgentProcess, NotifyListener, _enrolled_setup, _env, _run
 from tests.dnsmasq_fixture import sh
 
 

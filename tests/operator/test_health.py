@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.operator.health import (
-    HealthSettings, gpu_nvml_check, nvme_smart_check, pcie_aer_check, run_checks, slot_disk_check, summarise,
-    vfio_check)
+    HealthSettings,
+    gpu_nvml_check,
+    nvme_smart_check,
+    pcie_aer_check,
+    run_checks,
+    slot_disk_check,
+    summarise,
+    vfio_check,
+)
 
 HOST = "h200-slice-after-transition"
 GPU = "0000:18:00.0"
@@ -88,7 +95,7 @@ def test_recorded_host_network_is_ok_and_the_nat_missing_recording_is_degraded(h
 
 
 def test_summary_is_the_worst_verdict_and_unavailable_never_degrades():
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     checks = [HealthCheck(name="a", status="unavailable", detail="no nvme-cli", checked_at=now),
               HealthCheck(name="b", status="ok", detail="fine", checked_at=now)]
     assert summarise(checks) == ("healthy", None)
