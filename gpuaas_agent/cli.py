@@ -1,23 +1,36 @@
 """``gpuaas-agent`` command line: one subcommand per job, heavy imports only where needed.
 
-Exit codes: 0 answered, 1 the job ran and failed, 2 bad invocation or input
-(``--root`` that does not exist, an unknown flag). ``discover`` and
+Exit codes, every command: 0 ok, 1 the check or job ran and failed, 2 usage or
+input error (an unknown flag, a ``--root`` that does not exist, a bad config), 3
+environment error (NATS unreachable, state unreadable, not enrolled, a file the
+agent cannot open), 130 interrupted (Ctrl-C). ``discover`` and
 ``parity``/``preflight`` say whether the host is usable: discover exits 1 when
-no candidate slot is ready, parity 1 when any hard check FAILs.
+no candidate slot is ready, parity 1 when any hard check FAILs; ``status`` exits
+1 when the host is degraded and 3 when it is broken. Every error is one line on
+stderr, ``gpuaas-agent: error: <code>: <message>``; ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import sqlite3
 import sys
+import traceback
 from pathlib import Path
 
 from gpuaas_agent import __version__
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.exitcodes import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, exit_code_for
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_CONFIG = Path("/etc/gpuaas-agent/agent.toml")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (``usage: ...``), exit 2; ``--help`` as usual."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"gpuaas-agent: error: usage: {self.prog}: {message} (see --help)\n")
 
 
 def _subnet(value: str) -> ipaddress.IPv4Network:
@@ -28,8 +41,9 @@ def _subnet(value: str) -> ipaddress.IPv4Network:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpuaas-agent", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="gpuaas-agent", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"gpuaas-agent {__version__}")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error (default: one line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     discover = sub.add_parser("discover", help="report GPU/NVMe/fabric topology and candidate slots")
@@ -65,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
         check.add_argument("--seed-dir", type=Path, default=None, help="where seed ISOs go (default [slice].seed_dir)")
         check.add_argument("--runtime-profile", action="append", default=None,
                            help="runtime profile this host runs (repeatable; default h200_1g_24c_64g)")
+
+    status = sub.add_parser("status", help="what this host is doing and whether it is healthy (no NATS needed)")
+    status.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=f"agent config (default {DEFAULT_CONFIG})")
+    status.add_argument("--json", action="store_true", help="print the report as JSON")
+    status.add_argument("--no-checks", action="store_true",
+                        help="show the daemon's last health checks instead of running them now")
 
     record = sub.add_parser("record-fixture", help="snapshot what discovery reads into a fixture directory")
     record.add_argument("out", type=Path, help="new, empty output directory (with --archive: new NAME.tar.xz file)")
@@ -162,6 +182,16 @@ def _cmd_parity(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(report.model_dump_json(indent=2) if args.json else "\n".join(report.lines))
     return EXIT_FAILED if report.failures else EXIT_OK
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """Exit 0 healthy, 1 degraded, 3 broken (state unreadable, not enrolled, a failed check); 2 a bad config."""
+    from gpuaas_agent.config import load_config
+    from gpuaas_agent.operator.status import collect, render
+
+    report = collect(load_config(args.config), run_checks=not args.no_checks)
+    print(report.model_dump_json(indent=2) if args.json else render(report))
+    return report.exit_code
 
 
 def _cmd_record_fixture(args: argparse.Namespace) -> int:
@@ -266,14 +296,36 @@ COMMANDS = {
     "cloud-init": _cmd_cloud_init,
     "network-baseline": _cmd_network_baseline,
     "prepare-host": _cmd_prepare_host,
+    "status": _cmd_status,
 }
 
 
+def _error(code: str, message: str, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    print(f"gpuaas-agent: error: {code}: {' '.join(message.split())}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Every error is one line with its code and the documented exit code; a traceback only with --debug."""
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
     try:
+        args = _parser().parse_args(argv)
         return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("gpuaas-agent: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except AgentError as exc:
-        # Refusals with a code are for people: one line, no traceback.
-        print(f"gpuaas-agent: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE if exc.code == "root_missing" else EXIT_FAILED
+        _error(exc.code, exc.message, debug)
+        return exit_code_for(exc.code)
+    except OSError as exc:  # PermissionError, a directory where a file should be...
+        where = f" {exc.filename}" if exc.filename else ""
+        _error("os_error", f"{exc.strerror or exc}:{where}", debug)
+        return EXIT_ENVIRONMENT
+    except sqlite3.Error as exc:
+        _error("state_unreadable", f"state DB: {exc}", debug)
+        return EXIT_ENVIRONMENT
+    except Exception as exc:  # noqa: BLE001 - a bug: still one line, the traceback behind --debug
+        _error("internal_error", f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", debug)
+        return EXIT_ENVIRONMENT

@@ -82,6 +82,10 @@ class SliceConfig(BaseModel):
     image_file_dir: Path | None = None
     image_max_bytes: int = Field(default=64 << 30, gt=0)
     image_stall_timeout_s: float = Field(default=60.0, gt=0)
+    # The image cache's bounds (host/images.py): at most this many bytes of images, and never a download
+    # that would leave less than this free on the cache's filesystem (cache_full); LRU eviction first.
+    image_cache_max_bytes: int = Field(default=256 << 30, gt=0)
+    image_cache_min_free_bytes: int = Field(default=8 << 30, ge=0)
     # Only the lab and tests set these: TCG domains (profile domain_type=qemu) and plain http images
     # from a loopback address (127.0.0.1, ::1, localhost), never from another host.
     allow_emulated_domains: bool = False
@@ -142,6 +146,16 @@ class AgentConfig(BaseModel):
     max_task_starts: PositiveInt = 3
     # Delay before a crashed task is delivered again: this, doubled per start (capped at ack_wait_s).
     task_retry_backoff_s: float = Field(default=5.0, gt=0)
+    # Host health checks (operator/health.py) run this often; their verdict rides on every heartbeat.
+    health_interval_s: float = Field(default=60.0, gt=0)
+    # Read the slice network (bridge, NAT, ip_forward) inside this network namespace (lab and tests).
+    health_netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    # Prometheus: GET /metrics on this loopback host:port ("" disables), and/or this node-exporter
+    # textfile (rewritten every heartbeat; None disables).
+    metrics_listen: str = "127.0.0.1:9464"
+    metrics_textfile: Path | None = None
+    # Stored task results and their journal rows older than this are pruned (at start and daily).
+    task_retention_days: float = Field(default=30.0, gt=0)
     slice: SliceConfig = Field(default_factory=SliceConfig)
 
     @model_validator(mode="after")
@@ -159,6 +173,15 @@ class AgentConfig(BaseModel):
         if self.reconnect_backoff_max_s < self.reconnect_backoff_initial_s:
             raise ValueError("reconnect_backoff_max_s must be at least reconnect_backoff_initial_s")
         return self
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _metrics_loopback(cls, value: str) -> str:
+        if value:
+            from gpuaas_agent.operator.metrics import parse_listen
+
+            parse_listen(value)
+        return value
 
     @property
     def state_db(self) -> Path:

@@ -3,9 +3,18 @@
 ``python -m gpuaas_agent.daemon run --config F`` / ``enroll --config F [--token-file T]``
 (``gpuaas-agent run|enroll`` call :func:`run_main` / :func:`enroll_main`).
 
-systemd (``Type=notify``): ``READY=1`` once the task consumer is bound,
-``STATUS=`` on state changes, ``WATCHDOG=1`` at half of ``WATCHDOG_USEC`` from a
-loop task (a wedged event loop stops petting it), ``STOPPING=1`` on SIGTERM.
+systemd (``Type=notify``, through libsystemd's ``sd_notify``): ``READY=1`` as soon as
+config, enrollment and state are loaded, with ``STATUS=waiting for NATS (attempt N)``:
+a NATS outage at boot must not look like a start that hangs (systemd would kill and
+restart the agent every start timeout, for ever). ``WATCHDOG=1`` at half of
+``WATCHDOG_USEC`` from a loop task started before the first connect attempt (a wedged
+event loop stops petting it; a NATS outage does not); ``STATUS=`` changes when the
+consumer is bound, when NATS is lost and back; ``STOPPING=1`` on SIGTERM.
+
+Around the worker: the :class:`~gpuaas_agent.operator.reporter.Reporter` (heartbeats,
+the status file ``gpuaas-agent status`` reads, health checks on their timer), the
+Prometheus metrics (``metrics_listen``, ``metrics_textfile``), and the retention prune
+of stored results (at start and daily).
 Shutdown: stop pulling, let running handlers finish for ``shutdown_grace_s``
 (the rest stay unacked and are redelivered), close NATS, close the store, exit 0.
 """
@@ -19,10 +28,9 @@ import logging
 import os
 import random
 import signal
-import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 import nats
@@ -31,7 +39,7 @@ from nats.aio.client import Client
 
 from gpuaas_agent import __version__
 from gpuaas_agent.config import AgentConfig, load_config
-from gpuaas_agent.contract.tasks import Heartbeat, TaskType
+from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.control.connection import Backoff, NatsConnectError, connect_nats, safe_url
 from gpuaas_agent.control.enroll import (
     EnrollIdentity,
@@ -41,14 +49,15 @@ from gpuaas_agent.control.enroll import (
 )
 from gpuaas_agent.control.worker import Handler, TaskWorker, WorkerSettings
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.exitcodes import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for  # noqa: F401
 from gpuaas_agent.logs import configure_logging, log_event
+from gpuaas_agent.operator.health import HealthSettings
+from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
+from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
 
 log = logging.getLogger("gpuaas_agent.daemon")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
-# Refusals that say "the host's surroundings are wrong" (NATS down, refused, silent), not "the request was bad".
-ENVIRONMENT_CODES = frozenset({"nats_unreachable", "nats_auth_refused", "enroll_unreachable"})
 
 
 _event = functools.partial(log_event, log)
@@ -58,37 +67,31 @@ _event = functools.partial(log_event, log)
 
 
 class SdNotifier:
-    """sd_notify(3) without libsystemd: one datagram to ``$NOTIFY_SOCKET``; a no-op when it is unset."""
-
-    def __init__(self, address: str | None) -> None:
-        self.address = address
-        self._sock: socket.socket | None = None
-        if address:
-            # '@' is an abstract-namespace socket (systemd's own notation).
-            self._target = "\0" + address[1:] if address.startswith("@") else address
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.setblocking(False)
+    """sd_notify(3) through libsystemd (``systemd.daemon.notify``); a no-op when ``$NOTIFY_SOCKET`` is unset."""
 
     @classmethod
     def from_env(cls) -> "SdNotifier":
-        return cls(os.environ.get("NOTIFY_SOCKET"))
+        return cls()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(os.environ.get("NOTIFY_SOCKET"))
 
     def notify(self, **fields: str | int) -> bool:
-        """``notify(READY=1, STATUS="...")``; returns False (and logs) when the datagram could not be sent."""
-        if self._sock is None:
+        """``notify(READY=1, STATUS="...")``; returns False (and logs) when the message could not be sent."""
+        if not self.enabled:
             return False
-        payload = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
+        from systemd import daemon  # libsystemd binding
+
+        payload = "\n".join(f"{k}={v}" for k, v in fields.items())
         try:
-            self._sock.sendto(payload, self._target)
-            return True
+            return bool(daemon.notify(payload))
         except OSError as exc:
             _event("sd_notify_failed", logging.WARNING, error=repr(exc), fields=sorted(fields))
             return False
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        """Nothing to close: libsystemd opens and closes its socket per message."""
 
 
 def watchdog_interval_s(environ: dict[str, str] | None = None) -> float | None:
@@ -179,7 +182,8 @@ def identity_from_host(host_root: Path) -> EnrollIdentity:
 
 
 async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.Event,
-                  *, rng: random.Random | None = None) -> Client | None:
+                  *, rng: random.Random | None = None,
+                  on_attempt: Callable[[int], None] | None = None) -> Client | None:
     """Connect with the enrolled credentials; retry with backoff until connected or ``stop`` (then None).
 
     Each attempt is bounded by ``connect_timeout_s`` and raced against ``stop``, so SIGTERM
@@ -194,6 +198,8 @@ async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.E
     label = f"gpuaas-agent-{record.node_id}"
     attempt = 0
     while not stop.is_set():
+        if on_attempt is not None:
+            on_attempt(attempt + 1)
         connecting = asyncio.ensure_future(connect_nats(
             record.credentials.servers, timeout_s=config.connect_timeout_s, name=label,
             user=record.credentials.user, password=record.credentials.password, reconnect=backoff, rng=rng))
@@ -225,28 +231,23 @@ async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.E
     return None
 
 
-async def heartbeat_loop(nc: Client, node_id: str, worker: TaskWorker, store: StateStore,
-                         interval_s: float, timeout_s: float) -> None:
-    subject = f"gpuaas.node.{node_id}.heartbeat"
-    while True:
-        beat = Heartbeat(
-            node_id=node_id,
-            agent_version=__version__,
-            # unknown until the consumer is bound; degraded while NATS is reconnecting
-            health_state=("healthy" if nc.is_connected else "degraded") if worker.ready.is_set() else "unknown",
-            running_tasks=worker.running_task_ids,
-            leased_slots=[lease.slot_index for lease in store.leases()],
-            at=datetime.now(timezone.utc),
-        )
-        try:
-            await nc.publish(subject, beat.model_dump_json().encode())
-            await nc.flush(timeout=timeout_s)
-        except (nats.errors.Error, TimeoutError) as exc:
-            _event("heartbeat_failed", logging.WARNING, error=repr(exc))
-        await asyncio.sleep(interval_s)  # the period of the heartbeat itself
+class CountingBursts:
+    """The uevent source, counting the device events it hands on (``gpuaas_agent_uevents_total``)."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self.events = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)
+
+    async def bursts(self, debounce_s: float, max_burst_s: float):
+        async for burst in self.source.bursts(debounce_s, max_burst_s):
+            self.events += len(burst.events)
+            yield burst
 
 
-def uevent_watch_task(config: AgentConfig, nc: Client, node_id: str) -> asyncio.Task:
+def uevent_watch_task(config: AgentConfig, nc: Client, node_id: str, counter: list[CountingBursts]) -> asyncio.Task:
     """The drift watcher wired to discovery of ``host_root`` and the host's device events."""
     from gpuaas_agent.control.uevent_watch import DriftWatcher
     from gpuaas_agent.discovery.drift import topology_drift
@@ -256,7 +257,9 @@ def uevent_watch_task(config: AgentConfig, nc: Client, node_id: str) -> asyncio.
 
     watcher = DriftWatcher(nc, node_id, lambda: discover(HostRoot.open(config.host_root)), topology_drift,
                            publish_timeout_s=config.request_timeout_s)
-    return asyncio.create_task(watcher.watch(UeventMonitor(), debounce_s=config.uevent_debounce_s,
+    source = CountingBursts(UeventMonitor())
+    counter.append(source)
+    return asyncio.create_task(watcher.watch(source, debounce_s=config.uevent_debounce_s,
                                              max_burst_s=DEFAULT_MAX_BURST_S), name="uevent_watch")
 
 
@@ -264,6 +267,37 @@ async def watchdog_loop(notifier: SdNotifier, interval_s: float) -> None:
     while True:
         notifier.notify(WATCHDOG=1)
         await asyncio.sleep(interval_s)  # the watchdog period
+
+
+async def prune_loop(store: StateStore, retention_s: float, interval_s: float = 86400.0) -> None:
+    """Forget stored results (and their journal rows) older than the retention: at start, then daily."""
+    while True:
+        try:
+            results, rows = store.prune_finished(time.time() - retention_s)
+            if results or rows:
+                _event("state_pruned", results=results, journal_rows=rows, retention_days=round(retention_s / 86400, 2))
+        except AgentError as exc:
+            _event("state_prune_failed", logging.WARNING, code=exc.code, message=exc.message)
+        await asyncio.sleep(interval_s)  # the retention period's tick
+
+
+def live_state(store: StateStore, reporter: Reporter, slice_host, uevents: list[CountingBursts]) -> Callable[[], LiveState]:
+    """What a scrape reads at that moment: cache, slot records, NATS, uevents."""
+    def sample() -> LiveState:
+        live = LiveState(nats_connected=reporter.nats_state == "connected", nats_reconnects=reporter.reconnects,
+                         uevents_seen=sum(u.events for u in uevents))
+        counts: dict[str, int] = {}
+        for record in store.slot_states():
+            counts[record.status.value] = counts.get(record.status.value, 0) + 1
+        live.slot_states = counts
+        if slice_host is not None:
+            stats = slice_host.images.stats()
+            live.image_cache_bytes, live.image_cache_entries = stats.size_bytes, stats.entries
+            live.image_cache_hits, live.image_cache_misses = stats.hits, stats.misses
+            live.image_cache_evictions = stats.evictions
+        return live
+
+    return sample
 
 
 async def reconcile_loop(reconcile: Callable[[], Awaitable[dict]], interval_s: float, timeout_s: float) -> None:
@@ -304,17 +338,11 @@ async def run_agent(
     background: list[asyncio.Task] = []
     nc: Client | None = None
     slice_host = None
+    metrics_server: MetricsServer | None = None
+    uevents: list[CountingBursts] = []
     try:
         _event("agent_starting", node_id=record.node_id, version=__version__,
                servers=[safe_url(s) for s in record.credentials.servers])
-        notifier.notify(STATUS="connecting to NATS")
-        nc = await connect(config, record, stop)
-        if nc is None:
-            return EXIT_OK  # stopped before the first connect
-        settings = WorkerSettings(concurrency=config.concurrency, keepalive_interval_s=config.keepalive_interval_s,
-                                  ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
-                                  max_task_deadline_s=config.max_task_deadline_s,
-                                  max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s)
         if handlers is None:
             from gpuaas_agent.tasks.slicehost import SliceHost
 
@@ -322,16 +350,48 @@ async def run_agent(
             removed = slice_host.images.remove_stale_partials()  # downloads a crashed agent left behind
             if removed:
                 _event("image_partials_removed", files=removed)
+            evicted = slice_host.images.enforce_bounds()
+            if evicted:
+                _event("image_cache_evicted", files=evicted, reason="bounds at start")
             handlers = default_handlers(config, slice_host)
-            if reconcile is None:
-                reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
-        worker = TaskWorker(nc, store, record.node_id, handlers, settings)
-        worker_task = asyncio.create_task(worker.run(), name="worker")
+        reporter = Reporter(
+            ReporterSettings(node_id=record.node_id, state_dir=config.state_dir,
+                             heartbeat_interval_s=config.heartbeat_interval_s,
+                             health_interval_s=config.health_interval_s, request_timeout_s=config.request_timeout_s,
+                             metrics_textfile=config.metrics_textfile),
+            store, HealthSettings.from_config(config), None, notifier.notify)
+        metrics = AgentMetrics(live_state(store, reporter, slice_host, uevents))
+        reporter.metrics = metrics
+        # Config and state are loaded: tell systemd we are up, whatever NATS does (see the module docstring).
+        notifier.notify(READY=1, STATUS=f"node {record.node_id}: waiting for NATS (attempt 1)")
+        if (wd := watchdog_interval_s()) is not None:
+            background.append(asyncio.create_task(watchdog_loop(notifier, wd), name="watchdog"))
+        if config.metrics_listen:
+            metrics_server = MetricsServer(metrics)
+            if not await metrics_server.start(config.metrics_listen):
+                metrics_server = None
+        background.append(asyncio.create_task(reporter.loop(), name="report"))
+        background.append(asyncio.create_task(reporter.health_loop(), name="health"))
         background.append(asyncio.create_task(
-            heartbeat_loop(nc, record.node_id, worker, store, config.heartbeat_interval_s, config.request_timeout_s),
-            name="heartbeat"))
+            prune_loop(store, config.task_retention_days * 86400), name="prune"))
+
+        nc = await connect(config, record, stop, on_attempt=reporter.connect_attempt)
+        if nc is None:
+            reporter.stopping = True
+            notifier.notify(STOPPING=1, STATUS="stopping: NATS never answered")
+            return EXIT_OK  # stopped before the first connect
+        settings = WorkerSettings(concurrency=config.concurrency, keepalive_interval_s=config.keepalive_interval_s,
+                                  ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
+                                  max_task_deadline_s=config.max_task_deadline_s,
+                                  max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s)
+        if reconcile is None and slice_host is not None:
+            reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
+        worker = TaskWorker(nc, store, record.node_id, handlers, settings, observer=metrics)
+        reporter.attach(nc, worker)
+        reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
+        worker_task = asyncio.create_task(worker.run(), name="worker")
         if config.uevent_watch:
-            background.append(uevent_watch_task(config, nc, record.node_id))
+            background.append(uevent_watch_task(config, nc, record.node_id, uevents))
         else:
             _event("uevent_watch_disabled", reason="config")
         if reconcile is not None:
@@ -339,15 +399,14 @@ async def run_agent(
                 reconcile_loop(reconcile, config.reconcile_interval_s, config.reconcile_interval_s), name="reconcile"))
         else:
             _event("reconcile_timer_disabled", reason="no_reconcile_handler")
-        if (wd := watchdog_interval_s()) is not None:
-            background.append(asyncio.create_task(watchdog_loop(notifier, wd), name="watchdog"))
 
         ready = asyncio.create_task(worker.ready.wait())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({ready, stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
-            notifier.notify(READY=1, STATUS=f"node {record.node_id}: pulling tasks")
+            reporter.status_line(f"node {record.node_id}: pulling tasks")
             _event("agent_ready", node_id=record.node_id, version=__version__)
+            await reporter.tick()  # the first heartbeat and status file now, not one interval later
         await asyncio.wait({stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
         for waiter in (ready, stopping):
             waiter.cancel()
@@ -356,6 +415,7 @@ async def run_agent(
             exc = worker_task.exception()
             _event("worker_died", logging.ERROR, error=repr(exc))
             return EXIT_FAILED
+        reporter.stopping = True
         notifier.notify(STOPPING=1, STATUS="stopping: finishing running tasks")
         _event("agent_stopping", running_tasks=worker.running_task_ids, grace_s=config.shutdown_grace_s)
         worker.stop()
@@ -367,6 +427,8 @@ async def run_agent(
             task.cancel()
         if background:
             await asyncio.wait(background, timeout=config.request_timeout_s)
+        if metrics_server is not None:
+            await metrics_server.close()
         if nc is not None:
             # OSError: the socket broke under the close (server killed); closing is all that was left to do.
             with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
@@ -387,14 +449,21 @@ async def _run_with_signals(config: AgentConfig) -> int:
 
 
 def run_main(config_path: str | Path) -> int:
-    """``gpuaas-agent run --config F``: the daemon; exit 0 on SIGTERM, 1 on failure."""
+    """``gpuaas-agent run --config F``: the daemon; exit 0 on SIGTERM; otherwise one ``agent_failed`` line and
+    2 (bad config), 3 (environment: not enrolled, state unreadable) or 1 (the worker died)."""
+    import sqlite3
+
     configure_logging()
     try:
         config = load_config(config_path)
         return asyncio.run(_run_with_signals(config))
     except AgentError as exc:
         _event("agent_failed", logging.ERROR, code=exc.code, message=exc.message, evidence=exc.evidence)
-        return EXIT_FAILED
+        return exit_code_for(exc.code)
+    except (OSError, sqlite3.Error) as exc:  # the state dir or DB cannot be used: the host's problem, not a bug
+        _event("agent_failed", logging.ERROR, code="state_unreadable" if isinstance(exc, sqlite3.Error) else "os_error",
+               message=f"{type(exc).__name__}: {exc}")
+        return EXIT_ENVIRONMENT
 
 
 def enroll_main(config_path: str | Path, token_file: str | Path | None = None) -> int:
@@ -416,6 +485,6 @@ def enroll_main(config_path: str | Path, token_file: str | Path | None = None) -
         notifier = SdNotifier.from_env()
         notifier.notify(STATUS=f"enroll failed: {exc.code}: {exc.message}")
         notifier.close()
-        return EXIT_ENVIRONMENT if exc.code in ENVIRONMENT_CODES else EXIT_FAILED
+        return exit_code_for(exc.code)
     print(f"enrolled node_id={record.node_id}")
     return EXIT_OK

@@ -197,7 +197,7 @@ def build(version: str, out_dir: Path, wheel_cache: Path) -> Path:
         raise BuildError(f"{SYSTEM_PYTHON} is missing: the venv must link to Debian's python3")
     for tool in ("dpkg-deb", "gcc", "pkg-config"):
         if shutil.which(tool) is None:
-            raise BuildError(f"{tool} is not installed (build needs dpkg-deb; libvirt-python needs gcc, pkg-config, libvirt-dev)")
+            raise BuildError(f"{tool} is not installed (build needs dpkg-deb; libvirt-python needs gcc, pkg-config, libvirt-dev; systemd-python libsystemd-dev)")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpuaas-deb-") as tmp:
         work = Path(tmp)

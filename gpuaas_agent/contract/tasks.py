@@ -164,13 +164,30 @@ class ProgressEvent(WireModel):
     at: datetime
 
 
+class HealthCheck(WireModel):
+    """One host health check as last run: ``ok``, ``degraded``/``failed`` (it moves ``health_state``),
+    or ``unavailable`` (this host cannot answer it: no nvme-cli, no NVML, a recording; never a pass)."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)
+    status: Literal["ok", "degraded", "failed", "unavailable"]
+    detail: str = Field(max_length=4000)
+    checked_at: datetime
+
+
 class Heartbeat(WireModel):
-    """``gpuaas.node.<node>.heartbeat`` every N seconds."""
+    """``gpuaas.node.<node>.heartbeat`` every N seconds.
+
+    ``health_state`` is the worst of the host's health checks (``health``) and the agent's own
+    state (NATS reconnecting is ``degraded``); ``health_reason`` names the checks that set it.
+    ``health`` and ``health_reason`` are optional: a control plane that predates them ignores nothing.
+    """
 
     schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
     node_id: str = Field(pattern=NODE_ID_PATTERN)
     agent_version: str
     health_state: Literal["unknown", "healthy", "degraded", "failed"]
+    health_reason: str | None = Field(default=None, max_length=4000)
+    health: list[HealthCheck] = Field(default_factory=list)
     running_tasks: list[str] = Field(default_factory=list)
     leased_slots: list[int] = Field(default_factory=list)
     at: datetime

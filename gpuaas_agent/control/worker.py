@@ -124,6 +124,8 @@ class TaskContext:
     # What the task did to slots; reported with the result whether it succeeded or not
     # (a provision that failed after writing the disk reports its slot cleanup_blocked).
     slot_outcomes: list[SlotOutcome] = field(default_factory=list)
+    # Called by the step pipeline per finished step (task type, step, status, duration_s, output): metrics.
+    step_observer: Callable[[str, str, str, float, dict], None] | None = None
 
     async def progress(self, step: str, status: str, *, percent: float | None = None, detail: dict | None = None) -> None:
         """Publish a step event on ``gpuaas.node.<node>.progress`` (core NATS, fire and forget)."""
@@ -147,8 +149,12 @@ class TaskWorker:
     """Build once in the daemon; :meth:`run` until :meth:`stop`; then :meth:`drain`."""
 
     def __init__(self, nc: Client, store: StateStore, node_id: str, handlers: Mapping[TaskType, Handler],
-                 settings: WorkerSettings | None = None) -> None:
+                 settings: WorkerSettings | None = None, *, observer=None) -> None:
         self.nc = nc
+        # Optional (the daemon's metrics): observer.task_finished(type, status, duration_s) per result
+        # stored, observer.step_finished(...) per pipeline step.
+        self.observer = observer
+        self._received: dict[str, float] = {}
         self.js = nc.jetstream(timeout=(settings or WorkerSettings()).request_timeout_s)
         self.store = store
         self.node_id = node_id
@@ -274,12 +280,14 @@ class TaskWorker:
             await self._keepalive_while(msg, asyncio.shield(running))
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         self._inflight[task_id] = done
+        self._received[task_id] = asyncio.get_running_loop().time()
         try:
             await self._process_envelope(msg, envelope)
         except Exception:  # e.g. the store refused (result_conflict): leave it unacked, JetStream redelivers
             log_event(log, "task_processing_error", logging.ERROR, task_id=task_id, exc_info=True)
         finally:
             self._inflight.pop(task_id, None)
+            self._received.pop(task_id, None)
             done.set_result(None)
 
     def _check_route(self, subject: str, envelope: TaskEnvelope) -> None:
@@ -365,7 +373,8 @@ class TaskWorker:
         resumed = self.store.unfinished_steps(envelope.task_id)
         if resumed:
             _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
-        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store, resumed_steps=resumed, _nc=self.nc)
+        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store, resumed_steps=resumed, _nc=self.nc,
+                          step_observer=getattr(self.observer, "step_finished", None))
         run = asyncio.ensure_future(self._run_handler(task_type, handler, payload, ctx))
         try:
             status, output, error = await self._keepalive_while(msg, run)
@@ -442,6 +451,10 @@ class TaskWorker:
                             attempt=envelope.attempt, status=status, output=output or {}, error=error,
                             slot_outcomes=slot_outcomes or [], finished_at=datetime.now(timezone.utc))
         stored = self.store.store_result(envelope.task_id, result.model_dump(mode="json"))
+        if self.observer is not None:
+            received = self._received.get(envelope.task_id)
+            self.observer.task_finished(envelope.type, status.value,
+                                        None if received is None else asyncio.get_running_loop().time() - received)
         await self._publish_and_ack(msg, TaskResult.from_wire(stored))
 
     async def _publish_and_ack(self, msg: Msg, result: TaskResult) -> None:

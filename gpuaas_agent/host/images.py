@@ -10,6 +10,15 @@ A hit needs both the image and its marker (with the same size) and does not
 hash again: the digest was proven on the way in (DESIGN.md §7, "hashed once per
 cache entry, not once per clone"). The clone onto a slot disk is another driver.
 
+Bounded disk use: the cache holds at most ``cache_max_bytes`` of images and never
+lets a download take its file system below ``min_free_bytes`` (the cache often sits
+on the OS disk). Least-recently-used entries go first (a hit touches the marker's
+mtime); an entry that is pinned (:meth:`ImageCache.pin` / :meth:`ImageCache.in_use`,
+held by a provision from its image step until its clone is done) or being fetched
+is never evicted. A download that cannot fit even after eviction is refused with
+``cache_full`` before a byte is written, and stopped with ``cache_full`` if the
+file system fills under it anyway.
+
 Before anything is opened the URL must pass the config's allow-list
 (``host/imagesource.py``). Every download is bounded: at most
 ``min(max_bytes, declared size)`` bytes, no byte for ``stall_timeout_s`` fails it,
@@ -21,6 +30,7 @@ an oracle for whatever the source could reach.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import http.client
@@ -31,7 +41,8 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urljoin, urlsplit
@@ -56,6 +67,23 @@ MAX_REDIRECTS = 5
 QEMU_IMG_INFO_TIMEOUT_S = 60.0
 DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_STALL_TIMEOUT_S = 60.0
+FREE_SPACE_CHECK_BYTES = 64 << 20  # re-check the free-space floor every 64 MiB written
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    size_bytes: int
+    entries: int
+    hits: int
+    misses: int
+    evictions: int
+
+
+@dataclass(frozen=True)
+class _Entry:
+    sha256: str
+    size_bytes: int
+    last_used: float
 
 
 class _Cancelled(Exception):
@@ -141,7 +169,8 @@ class ImageCache:
 
     def __init__(self, root: Path, *, policy: SourcePolicy | None = None, state_dir: Path | None = None,
                  ssl_context: ssl.SSLContext | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
-                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, cache_max_bytes: int | None = None,
+                 min_free_bytes: int = 0) -> None:
         self.root = Path(root)
         self.entries = self.root / "sha256"
         policy = policy or SourcePolicy()
@@ -153,7 +182,110 @@ class ImageCache:
             raise ValueError("max_bytes and stall_timeout_s must be positive")
         self.max_bytes = max_bytes
         self.stall_timeout_s = stall_timeout_s
+        self.cache_max_bytes = cache_max_bytes
+        self.min_free_bytes = min_free_bytes
         self._locks: dict[str, asyncio.Lock] = {}
+        self._pins: dict[str, int] = {}  # sha256 -> holders (in-flight fetches, provisions until their clone)
+        self.hits = self.misses = self.evictions = 0
+
+    # -- bounds: pins, LRU, eviction ------------------------------------------------------
+
+    def pin(self, sha256: str) -> None:
+        """Keep ``sha256`` out of eviction until as many :meth:`unpin` calls (a refcount)."""
+        sha256 = _digest_arg(sha256)
+        self._pins[sha256] = self._pins.get(sha256, 0) + 1
+
+    def unpin(self, sha256: str) -> None:
+        sha256 = _digest_arg(sha256)
+        held = self._pins.get(sha256, 0) - 1
+        if held > 0:
+            self._pins[sha256] = held
+        else:
+            self._pins.pop(sha256, None)
+
+    @contextlib.contextmanager
+    def in_use(self, sha256: str) -> Iterator[None]:
+        """``with cache.in_use(digest): clone(...)``: the image cannot be evicted meanwhile."""
+        self.pin(sha256)
+        try:
+            yield
+        finally:
+            self.unpin(sha256)
+
+    def pinned(self) -> set[str]:
+        return set(self._pins)
+
+    def _entries(self) -> list[_Entry]:
+        """Verified entries with their size and last use (the marker's mtime), oldest use first."""
+        if not self.entries.is_dir():
+            return []
+        found = []
+        for path in self.entries.iterdir():
+            digest = path.name
+            if not SHA256_RE.match(digest):
+                continue
+            try:
+                size = path.stat().st_size
+                used = self.marker_path(digest).stat().st_mtime
+            except OSError:
+                continue
+            found.append(_Entry(digest, size, used))
+        return sorted(found, key=lambda e: (e.last_used, e.sha256))
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.entries if self.entries.is_dir() else self.root)
+        return st.f_bavail * st.f_frsize
+
+    def stats(self) -> CacheStats:
+        entries = self._entries()
+        return CacheStats(size_bytes=sum(e.size_bytes for e in entries), entries=len(entries), hits=self.hits,
+                          misses=self.misses, evictions=self.evictions)
+
+    def _evict(self, entry: _Entry) -> None:
+        self.marker_path(entry.sha256).unlink(missing_ok=True)  # the marker first: a crash leaves no trusted half
+        self.image_path(entry.sha256).unlink(missing_ok=True)
+        self.evictions += 1
+        log.info("event=image_cache_evicted sha256=%s size_bytes=%d", entry.sha256, entry.size_bytes)
+
+    def enforce_bounds(self, incoming_bytes: int = 0) -> list[str]:
+        """Evict least-recently-used, unpinned entries until ``incoming_bytes`` more fit both bounds.
+
+        Returns the evicted digests. Does not raise: :meth:`_check_room` says whether it was enough.
+        """
+        if not self.entries.is_dir():
+            return []
+        evicted = []
+        entries = self._entries()
+        total = sum(e.size_bytes for e in entries)
+        for entry in entries:
+            over_cap = self.cache_max_bytes is not None and total + incoming_bytes > self.cache_max_bytes
+            under_floor = self.free_bytes() - incoming_bytes < self.min_free_bytes
+            if not (over_cap or under_floor):
+                break
+            if entry.sha256 in self._pins or self._locks.get(entry.sha256, asyncio.Lock()).locked():
+                continue
+            self._evict(entry)
+            total -= entry.size_bytes
+            evicted.append(entry.sha256)
+        return evicted
+
+    def _check_room(self, incoming_bytes: int, url: str) -> None:
+        """``cache_full`` unless ``incoming_bytes`` fit under the cap and above the free-space floor."""
+        self.entries.mkdir(parents=True, exist_ok=True)
+        self.enforce_bounds(incoming_bytes)
+        total = sum(e.size_bytes for e in self._entries())
+        free = self.free_bytes()
+        evidence = {"cache": str(self.entries), "url": url, "incoming_bytes": incoming_bytes, "free_bytes": free,
+                    "min_free_bytes": self.min_free_bytes, "cache_bytes": total,
+                    "cache_max_bytes": self.cache_max_bytes, "pinned": sorted(self._pins)}
+        if free - incoming_bytes < self.min_free_bytes:
+            raise ImageCacheError(
+                f"the image needs {incoming_bytes} bytes; {free} are free and {self.min_free_bytes} must stay free "
+                f"(image_cache_min_free_bytes), after evicting every unused image", code="cache_full", evidence=evidence)
+        if self.cache_max_bytes is not None and total + incoming_bytes > self.cache_max_bytes:
+            raise ImageCacheError(
+                f"the image needs {incoming_bytes} bytes; images in use hold {total} of the cache's "
+                f"{self.cache_max_bytes} (image_cache_max_bytes)", code="cache_full", evidence=evidence)
 
     # -- paths and markers ----------------------------------------------------------
 
@@ -232,12 +364,13 @@ class ImageCache:
         return min(b for b in (self.max_bytes, max_bytes, size_bytes) if b is not None)
 
     async def fetch(self, url: str, expected_sha256: str, *, size_bytes: int | None = None,
-                    max_bytes: int | None = None, timeout_s: float | None = None) -> CachedImage:
+                    max_bytes: int | None = None, timeout_s: float | None = None, pin: bool = False) -> CachedImage:
         """The verified cached image for ``expected_sha256``, downloading it from ``url`` on a miss.
 
         ``size_bytes``: the size the task declares; the image must have exactly that many bytes.
         ``max_bytes`` lowers the configured bound. ``timeout_s`` bounds the whole download
-        (``None``: only the stall timeout, and the caller's own deadline).
+        (``None``: only the stall timeout, and the caller's own deadline). ``pin``: the entry is
+        pinned before it is returned (no eviction gap between fetch and clone); the caller unpins.
         """
         expected = _digest_arg(expected_sha256)
         bound = self.bound(max_bytes, size_bytes)
@@ -249,9 +382,26 @@ class ImageCache:
             hit = self.lookup(expected)
             if hit is not None:
                 _check_final_size(hit.size_bytes, bound, size_bytes, {"url": url, "cached": True})
+                self.hits += 1
+                with contextlib.suppress(OSError):
+                    os.utime(self.marker_path(expected))  # last use, for LRU eviction
                 log.info("event=image_cache_hit sha256=%s size_bytes=%d", expected, hit.size_bytes)
+                if pin:
+                    self.pin(expected)
                 return hit
-            return await self._fetch_miss(url, expected, bound=bound, size_bytes=size_bytes, timeout_s=timeout_s)
+            self.misses += 1
+            self._check_room(size_bytes or 0, url)
+            cached = await self._fetch_miss(url, expected, bound=bound, size_bytes=size_bytes, timeout_s=timeout_s)
+            if pin:
+                self.pin(expected)
+            self.pin(expected)  # the new entry is not evicted to make room for itself
+            try:
+                evicted = self.enforce_bounds()
+            finally:
+                self.unpin(expected)
+            if evicted:
+                log.info("event=image_cache_trimmed evicted=%s", ",".join(evicted))
+            return cached
 
     async def _fetch_miss(self, url: str, expected: str, *, bound: int, size_bytes: int | None,
                           timeout_s: float | None) -> CachedImage:
@@ -378,8 +528,19 @@ class ImageCache:
             return n
 
         write_all = _write_all(fd)
+        written = [0, 0]  # bytes written, bytes at the last free-space check
 
         def write(chunk: memoryview) -> None:
+            written[0] += len(chunk)
+            if self.min_free_bytes and written[0] - written[1] >= FREE_SPACE_CHECK_BYTES:
+                written[1] = written[0]
+                free = self.free_bytes()
+                if free < self.min_free_bytes:
+                    raise ImageCacheError(
+                        f"the cache file system has {free} bytes free, below image_cache_min_free_bytes "
+                        f"{self.min_free_bytes}: download stopped", code="cache_full",
+                        evidence={"cache": str(self.entries), "url": url, "free_bytes": free,
+                                  "min_free_bytes": self.min_free_bytes, "written_bytes": written[0]})
             try:
                 write_all(chunk)
             except OSError as exc:

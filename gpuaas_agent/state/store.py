@@ -275,6 +275,21 @@ class StateStore:
             self._conn.execute("INSERT INTO task_result VALUES (?, ?, ?)", (task_id, payload, self._clock()))
         return result
 
+    def prune_finished(self, before: float) -> tuple[int, int]:
+        """Forget results stored before ``before`` (epoch s) and the journal rows of those tasks.
+
+        Only finished tasks: a task without a stored result keeps its journal (a restart resumes
+        it from there). Returns (results, journal rows) deleted. Retention, not correctness: a
+        task redelivered after its result was pruned would run again, so keep this well beyond
+        any task deadline (``max_task_deadline_s``).
+        """
+        with self._transaction():
+            rows = self._conn.execute(
+                "DELETE FROM task_journal WHERE task_id IN (SELECT task_id FROM task_result WHERE stored_at < ?)",
+                (before,)).rowcount
+            results = self._conn.execute("DELETE FROM task_result WHERE stored_at < ?", (before,)).rowcount
+        return results, rows
+
     def result_of(self, task_id: str) -> dict | None:
         row = self._conn.execute("SELECT result FROM task_result WHERE task_id = ?", (task_id,)).fetchone()
         return None if row is None else json.loads(row[0])

@@ -13,6 +13,11 @@ makes the failure report ``disk_touched=True`` from the moment it *starts*
 caller turns that into ``cleanup_blocked``. Compensation failures never mask
 the original error; they are collected into its evidence so reconcile and the
 operator know what was left behind.
+
+Observation: one log line per step start and end (with its duration), and, when the
+context carries a ``step_observer`` (the worker's, wired to the daemon's metrics),
+a call ``observer(task_type, step, status, duration_s, output)`` per finished step.
+The pipeline knows nothing of what observes it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,25 @@ class PipelineContext(Protocol):
 
     async def progress(self, step: str, status: str, *, percent: float | None = None,
                        detail: dict | None = None) -> None: ...
+
+
+StepObserver = Callable[[str, str, str, float, dict[str, Any]], None]
+
+
+def _observe(ctx: PipelineContext, step: str, status: str, started: float, output: dict[str, Any],
+             *, log_it: bool = True) -> float:
+    """Log the step's end with its duration and tell the context's observer (if any); returns the duration."""
+    duration = round(time.monotonic() - started, 3)
+    task_type = getattr(ctx.envelope, "type", None)
+    if log_it:
+        log_event(log, f"step_{status}", task_id=ctx.envelope.task_id, type=task_type, step=step, duration_s=duration)
+    observer: StepObserver | None = getattr(ctx, "step_observer", None)
+    if observer is not None:
+        try:
+            observer(str(task_type), step, status, duration, output)
+        except Exception:  # noqa: BLE001 - observing must never change what the task does
+            log.exception("step observer failed")
+    return duration
 
 
 @dataclass(frozen=True)
@@ -145,6 +169,8 @@ async def run_pipeline(ctx: PipelineContext, steps: list[Step]) -> dict[str, dic
     for step in steps:
         disk_touched = disk_touched or step.touches_disk
         await _journal(ctx, step.name, StepStatus.started)
+        log_event(log, "step_started", task_id=ctx.envelope.task_id, type=getattr(ctx.envelope, "type", None),
+                  step=step.name)
         started = time.monotonic()
         try:
             output = await step.run() or {}
@@ -154,14 +180,15 @@ async def run_pipeline(ctx: PipelineContext, steps: list[Step]) -> dict[str, dic
             cancelled = _is_cancel(exc)
             code = exc.code if isinstance(exc, AgentError) else ("cancelled" if cancelled else "internal_error")
             ctx.store.journal(ctx.envelope.task_id, step.name, StepStatus.failed, {"code": code})
+            duration = _observe(ctx, step.name, StepStatus.failed.value, started, {"code": code}, log_it=False)
             if not isinstance(exc, asyncio.CancelledError):  # a cancelled task publishes nothing more
                 await ctx.progress(step.name, StepStatus.failed.value, detail={"code": code})
             log_event(log, "pipeline_step_failed", logging.WARNING, task_id=ctx.envelope.task_id, step=step.name,
-                      code=code, disk_touched=disk_touched, cancelled=cancelled)
+                      code=code, disk_touched=disk_touched, cancelled=cancelled, duration_s=duration)
             compensations = await _compensate(ctx, [*done, step])
             raise PipelineFailed(exc, failed_step=step.name, disk_touched=disk_touched, cancelled=cancelled,
                                  compensations=compensations, steps_done=[s.name for s in done]) from exc
-        output = {**output, "duration_s": round(time.monotonic() - started, 3)}
+        output = {**output, "duration_s": _observe(ctx, step.name, StepStatus.succeeded.value, started, output)}
         outputs[step.name] = output
         done.append(step)
         await _journal(ctx, step.name, StepStatus.succeeded, output)

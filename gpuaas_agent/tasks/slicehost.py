@@ -44,7 +44,9 @@ class SliceHost:
                 config.image_cache_dir, state_dir=config.state_dir,
                 policy=SourcePolicy(https_hosts=config.slice.image_https_hosts, file_dir=config.slice.image_file_dir,
                                     allow_loopback_http=config.slice.allow_loopback_http),
-                max_bytes=config.slice.image_max_bytes, stall_timeout_s=config.slice.image_stall_timeout_s),
+                max_bytes=config.slice.image_max_bytes, stall_timeout_s=config.slice.image_stall_timeout_s,
+                cache_max_bytes=config.slice.image_cache_max_bytes,
+                min_free_bytes=config.slice.image_cache_min_free_bytes),
             libvirt=LibvirtLifecycle(config.slice.libvirt_uri),
         )
 

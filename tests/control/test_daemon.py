@@ -197,6 +197,7 @@ async def _enrolled_setup(nats_server, tmp_path, **overrides):
     config = {
         "state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_server.url,
         "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, "shutdown_grace_s": 30,
+        "health_interval_s": 0.5, "metrics_listen": "", "slice": {"libvirt_uri": "test:///default"},
         **overrides,
     }
     config_path = tmp_path / "agent.json"
@@ -220,9 +221,10 @@ def _run(coro):
 # -- unit-sized ----------------------------------------------------------------------
 
 
-def test_sd_notifier_sends_one_datagram_per_call(short_dir):
+def test_sd_notifier_sends_one_datagram_per_call(short_dir, monkeypatch):
     listener = NotifyListener(short_dir / "notify")
-    notifier = SdNotifier(str(listener.path))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(listener.path))
+    notifier = SdNotifier()
     try:
         assert notifier.notify(READY=1, STATUS="pulling tasks") is True
         assert listener.sock.recv(4096) == b"READY=1\nSTATUS=pulling tasks"
@@ -231,11 +233,12 @@ def test_sd_notifier_sends_one_datagram_per_call(short_dir):
         listener.close()
 
 
-def test_sd_notifier_reaches_abstract_socket():
+def test_sd_notifier_reaches_abstract_socket(monkeypatch):
     name = f"gpuaas-test-{os.getpid()}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind("\0" + name)
-    notifier = SdNotifier("@" + name)
+    monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+    notifier = SdNotifier()
     try:
         assert notifier.notify(WATCHDOG=1)
         sock.settimeout(5)
@@ -245,8 +248,9 @@ def test_sd_notifier_reaches_abstract_socket():
         sock.close()
 
 
-def test_sd_notifier_without_socket_is_a_no_op():
-    assert SdNotifier(None).notify(READY=1) is False
+def test_sd_notifier_without_socket_is_a_no_op(monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert SdNotifier().notify(READY=1) is False
 
 
 def test_watchdog_interval_is_half_of_watchdog_usec():
@@ -268,7 +272,8 @@ def test_log_lines_are_json_objects():
 # -- the daemon process --------------------------------------------------------------
 
 
-def test_not_enrolled_daemon_exits_1_with_code(tmp_path):
+def test_not_enrolled_daemon_exits_3_with_code(tmp_path):
+    """Not enrolled is the host's surroundings (exit 3, environment), not a failed job."""
     config = tmp_path / "agent.json"
     config.write_text(json.dumps({"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE)}))
 
@@ -277,7 +282,7 @@ def test_not_enrolled_daemon_exits_1_with_code(tmp_path):
                          timeout=60, check=False)
 
     done = _run(body())
-    assert done.returncode == 1
+    assert done.returncode == 3
     events = [json.loads(line) for line in done.stderr.decode().splitlines()]
     assert any(e.get("event") == "agent_failed" and e.get("code") == "not_enrolled" for e in events)
 
@@ -316,8 +321,10 @@ def test_daemon_notifies_heartbeats_runs_tasks_and_exits_0_on_sigterm(nats_serve
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
                                  _env(listener.path, watchdog_usec=1_000_000), tmp_path / "agent.log")
             agents.append(agent.start())
-            assert "node-" in (await listener.wait_for("READY", "1"))["STATUS"]
+            # READY as soon as config and state are loaded; STATUS says what it waits for, then that it pulls.
+            assert "waiting for NATS (attempt 1)" in (await listener.wait_for("READY", "1"))["STATUS"]
             await listener.wait_for("WATCHDOG", "1")
+            await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
             beats = await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health_state == "healthy"])
             assert beats[0].node_id == node_id and beats[0].agent_version == "0.1.0"
 
@@ -420,12 +427,13 @@ def test_kill_9_mid_task_is_journaled_and_completes_once_after_restart(nats_serv
     _run(body())
 
 
-def test_run_agent_in_process_reconciles_on_its_timer_and_stops_cleanly(nats_server, tmp_path, short_dir):
+def test_run_agent_in_process_reconciles_on_its_timer_and_stops_cleanly(nats_server, tmp_path, short_dir, monkeypatch):
     calls: list[int] = []
 
     async def body():
         plane, node_id, config_path = await _enrolled_setup(nats_server, tmp_path, reconcile_interval_s=0.1)
         listener = NotifyListener(short_dir / "notify")
+        monkeypatch.setenv("NOTIFY_SOCKET", str(listener.path))
         stop = asyncio.Event()
         reconciled = asyncio.Event()
 
@@ -437,7 +445,7 @@ def test_run_agent_in_process_reconciles_on_its_timer_and_stops_cleanly(nats_ser
 
         try:
             agent = asyncio.create_task(run_agent(load_config(config_path), stop, reconcile=reconcile,
-                                                  notifier=SdNotifier(str(listener.path))))
+                                                  notifier=SdNotifier()))
             await listener.wait_for("READY", "1")
             await asyncio.wait_for(reconciled.wait(), 10)
             stop.set()

@@ -80,3 +80,11 @@ def test_every_baseline_directive_has_a_reason():
                        if line and not line.startswith("#") and not prev.startswith("#")
                        and prev.split("=", 1)[0] != line.split("=", 1)[0]]
         assert unexplained == [], section
+
+
+def test_agent_is_notify_with_a_watchdog_and_no_start_timeout_that_nats_could_trip():
+    """READY=1 comes once state is loaded (tests/operator: NATS down at boot), so the default start timeout holds."""
+    service = _section(UNITS[0], "Service")
+    assert service["Type"] == ["notify"] and service["WatchdogSec"] == ["60s"]
+    assert service["NotifyAccess"] == ["exec"] and "TimeoutStartSec" not in service
+    assert "READY=1" in (REPO / "gpuaas_agent" / "daemon.py").read_text()

@@ -1,0 +1,1 @@
+"""What an operator sees of a host: health checks, metrics, the daemon's status file and `gpuaas-agent status`."""

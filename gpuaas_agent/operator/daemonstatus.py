@@ -1,0 +1,76 @@
+"""``<state_dir>/daemon-status.json``: the running daemon's own account of itself, for ``gpuaas-agent status``.
+
+The status command must answer without NATS and without asking the daemon anything
+(a wedged daemon is exactly when it is needed), so the daemon writes this small file
+atomically on every heartbeat tick, connected or not: NATS state, the last heartbeat
+the server accepted, the tasks in flight with their current step, the health checks.
+Its age is itself evidence: a file older than a few heartbeat intervals means the
+daemon is not running or its loop is stuck.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import Field, ValidationError
+
+from gpuaas_agent.atomicfile import write_atomic
+from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.errors import AgentError
+
+STATUS_FILE = "daemon-status.json"
+
+
+class InFlightTask(WireModel):
+    task_id: str
+    type: str | None = None
+    step: str | None = None  # the last journaled step; None before the first
+    started_at: datetime | None = None
+    step_started_at: datetime | None = None
+
+
+class DaemonStatus(WireModel):
+    schema_version: str = SCHEMA_VERSION
+    node_id: str
+    agent_version: str
+    pid: int
+    started_at: datetime
+    written_at: datetime
+    heartbeat_interval_s: float
+    nats_state: str = Field(description="waiting | connected | reconnecting | stopping")
+    nats_connect_attempts: int = 0
+    nats_reconnects: int = 0
+    last_heartbeat_at: datetime | None = None  # the last heartbeat the server took (flush answered)
+    health_state: str
+    health_reason: str | None = None
+    health: list[HealthCheck] = Field(default_factory=list)
+    in_flight: list[InFlightTask] = Field(default_factory=list)
+
+
+def status_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / STATUS_FILE
+
+
+def write_status(state_dir: str | Path, status: DaemonStatus) -> None:
+    """Atomically replace the status file (0600: it names allocations)."""
+    write_atomic(status_path(state_dir), status.model_dump_json(indent=1).encode(), mode=0o600)
+
+
+def read_status(state_dir: str | Path) -> DaemonStatus | None:
+    """The last status the daemon wrote; None when there is none; ``daemon_status_invalid`` when unreadable junk."""
+    path = status_path(state_dir)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise AgentError(f"cannot read {path}: {exc.strerror}", code="daemon_status_unreadable",
+                         evidence={"path": str(path)}) from None
+    try:
+        return DaemonStatus.model_validate_json(raw)
+    except ValidationError as exc:
+        raise AgentError(f"{path} is not a daemon status file", code="daemon_status_invalid",
+                         evidence={"path": str(path), "errors": exc.errors(include_url=False, include_input=False)}
+                         ) from None

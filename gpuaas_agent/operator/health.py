@@ -1,0 +1,386 @@
+"""Host health from real checks: what the heartbeat's ``health_state`` and the status command say.
+
+"NATS is connected" is not health. A host whose NAT rule vanished (seed 004,
+2026-04-24) or whose leased slot disk fell off the bus still heartbeats; these
+checks are what an operator would look at by hand, each one a
+:class:`HealthCheck` with a verdict and the evidence in one line:
+
+- slice network: ``slice_gateway`` (bridge owns the gateway), ``slice_nat``
+  (MASQUERADE for the subnet), ``slice_ip_forward``, ``dnsmasq`` (running and
+  reading the agent's hosts file; the discovery evidence functions, one source of
+  truth with preflight);
+- ``libvirtd`` reachable (read-only connection);
+- leased slots: ``slot_disks`` (each leased by-id disk resolves to a block device),
+  ``vfio_binding`` (an active slot's GPU and VF are on vfio-pci);
+- hardware where the host exposes it: ``nvme_smart`` (nvme-cli's smart-log),
+  ``pcie_aer`` (AER counters of GPU/NIC/NVMe functions), ``gpu_nvml`` (ECC and
+  retired pages through NVML).
+
+``unavailable`` means this host cannot answer (no nvme-cli, no NVML driver, a
+recorded root): it never counts as ``ok`` and never degrades the host either.
+A check that raises is ``unavailable`` with the error, not a crash of the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import posixpath
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from gpuaas_agent.contract.slots import SlotStatus
+from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.run import run
+from gpuaas_agent.hostfs import HostRoot
+
+log = logging.getLogger(__name__)
+
+CHECK_TIMEOUT_S = 20.0
+NVME_TIMEOUT_S = 10.0
+_RANK = {"ok": 0, "unavailable": 0, "degraded": 1, "failed": 2}
+PCI_DEVICES = "/sys/bus/pci/devices"
+# GPU (NVIDIA), fabric (Mellanox) and NVMe (class 0x0108) functions are the slot's devices.
+_SLOT_VENDORS = ("0x10de", "0x15b3")
+_NVME_CLASS = "0x0108"
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """What the checks look at: the host root, the slice network's shape, and where its daemons are."""
+
+    host_root: Path
+    subnet: str = "10.100.0.0/24"
+    ovs_bridge: str = "ovsbr0"
+    netns: str | None = None
+    dnsmasq_hosts_file: Path = Path("/var/lib/gpuaas-dnsmasq/hosts")
+    dnsmasq_pid_file: Path | None = Path("/run/dnsmasq/dnsmasq.pid")
+    libvirt_uri: str = "qemu:///system"
+
+    @classmethod
+    def from_config(cls, config) -> HealthSettings:
+        site = config.slice
+        return cls(host_root=config.host_root, subnet=str(site.subnet), ovs_bridge=site.ovs_bridge,
+                   netns=config.health_netns, dnsmasq_hosts_file=site.dnsmasq_hosts_file,
+                   dnsmasq_pid_file=site.dnsmasq_pid_file, libvirt_uri=site.libvirt_uri)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _check(name: str, status: str, detail: str) -> HealthCheck:
+    return HealthCheck(name=name, status=status, detail=detail[:4000], checked_at=_now())
+
+
+# -- slice network ------------------------------------------------------------------------
+
+
+def network_checks(settings: HealthSettings) -> list[HealthCheck]:
+    """Bridge + gateway, NAT and ip_forward from one read of the slice network evidence (blocking)."""
+    import ipaddress
+
+    from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
+
+    host = HostRoot.open(settings.host_root)
+    target = NetTarget(subnet=ipaddress.IPv4Network(settings.subnet), ovs_bridge=settings.ovs_bridge,
+                       netns=settings.netns)
+    try:
+        ev = read_network_evidence(host, target)
+    except AgentError as exc:
+        return [_check(n, "unavailable", f"{exc.code}: {exc.message}")
+                for n in ("slice_gateway", "slice_nat", "slice_ip_forward")]
+    where = f" in netns {settings.netns}" if settings.netns else ""
+    blocked = {f.code: f.detail for f in ev.blockers}
+    unproven = {f.code: f.detail for f in ev.warnings}
+    checks = []
+    for name, bad_codes, unproven_codes, good in (
+        ("slice_gateway", ("ovs_bridge_missing", "gateway_address_missing"),
+         ("ovs_bridge_unproven", "gateway_address_unproven"), f"{ev.ovs_bridge} owns {ev.gateway}{where}"),
+        ("slice_nat", ("nat_missing",), ("nat_unproven",), f"{ev.nat.rule} ({ev.nat.method}){where}"),
+        ("slice_ip_forward", ("ip_forward_disabled",), ("ip_forward_unproven",), f"net.ipv4.ip_forward=1{where}"),
+    ):
+        bad = [f"{c}: {blocked[c]}" for c in bad_codes if c in blocked]
+        maybe = [f"{c}: {unproven[c]}" for c in unproven_codes if c in unproven]
+        if bad:
+            checks.append(_check(name, "degraded", "; ".join(bad) + where))
+        elif maybe:
+            checks.append(_check(name, "unavailable", "; ".join(maybe) + where))
+        else:
+            checks.append(_check(name, "ok", good))
+    return checks
+
+
+def dnsmasq_check(settings: HealthSettings) -> HealthCheck:
+    """A running dnsmasq reads the agent's hosts file and is the pid a reload signals (blocking)."""
+    from gpuaas_agent.discovery.netevidence import judge_dnsmasq, read_dnsmasq_evidence
+
+    host = HostRoot.open(settings.host_root)
+    ev = read_dnsmasq_evidence(host, settings.dnsmasq_hosts_file, settings.dnsmasq_pid_file)
+    finding = judge_dnsmasq(ev)
+    if finding is None:
+        return _check("dnsmasq", "ok", f"{ev.via}")
+    status = "unavailable" if finding.code == "dnsmasq_unproven" else "degraded"
+    return _check("dnsmasq", status, f"{finding.code}: {finding.detail}")
+
+
+def libvirtd_check(settings: HealthSettings) -> HealthCheck:
+    """A read-only connection to the configured libvirt URI opens and answers (blocking)."""
+    import libvirt
+
+    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)  # errors are returned, not printed
+    try:
+        conn = libvirt.openReadOnly(settings.libvirt_uri)
+    except libvirt.libvirtError as exc:
+        return _check("libvirtd", "degraded", f"cannot connect to {settings.libvirt_uri}: {exc.get_error_message()}")
+    try:
+        return _check("libvirtd", "ok", f"{settings.libvirt_uri} answers (libvirt {conn.getLibVersion()})")
+    finally:
+        conn.close()
+
+
+# -- leased slots --------------------------------------------------------------------------
+
+
+def slot_disk_check(settings: HealthSettings, leases: list[SlotLease]) -> HealthCheck:
+    """Every leased slot's by-id disk resolves to a block device the kernel still has."""
+    if not leases:
+        return _check("slot_disks", "ok", "no leased slots")
+    host = HostRoot.open(settings.host_root).fresh()
+    missing = []
+    for lease in leases:
+        try:
+            target = host.resolve(lease.nvme_device)
+        except OSError as exc:
+            missing.append(f"slot {lease.slot_index} {lease.nvme_device}: {exc}")
+            continue
+        name = posixpath.basename(target)
+        if not host.exists(lease.nvme_device) and not host.exists(f"/sys/class/block/{name}"):
+            missing.append(f"slot {lease.slot_index} {lease.nvme_device} -> {target}: no such block device")
+    if missing:
+        return _check("slot_disks", "failed", "; ".join(missing))
+    return _check("slot_disks", "ok", f"{len(leases)} leased disk(s) present")
+
+
+def _driver(host: HostRoot, address: str) -> str | None:
+    link = f"{PCI_DEVICES}/{address}/driver"
+    if not host.exists(link):
+        return None
+    return posixpath.basename(host.resolve(link))
+
+
+def vfio_check(settings: HealthSettings, leases: list[SlotLease], records: list[SlotRecord]) -> HealthCheck:
+    """An active slot's GPU and fabric VF are on vfio-pci (a host driver grabbing one breaks the guest)."""
+    active = {r.slot_index for r in records if r.status == SlotStatus.active}
+    checked = [lease for lease in leases if lease.slot_index in active]
+    if not checked:
+        return _check("vfio_binding", "ok", "no active leased slots")
+    host = HostRoot.open(settings.host_root).fresh()
+    wrong = []
+    for lease in checked:
+        for role, address in (("gpu", lease.gpu_pci_address), ("fabric_vf", lease.fabric_vf_pci_address)):
+            driver = _driver(host, address)
+            if driver != "vfio-pci":
+                wrong.append(f"slot {lease.slot_index} {role} {address} on {driver or 'no driver'}")
+    if wrong:
+        return _check("vfio_binding", "degraded", "; ".join(wrong))
+    return _check("vfio_binding", "ok", f"{len(checked)} active slot(s) on vfio-pci")
+
+
+# -- hardware ------------------------------------------------------------------------------
+
+
+def _aer_total(text: str) -> int:
+    """``aer_dev_*`` files list one counter a line and end with ``TOTAL_ERR_*``; sum them when that is absent."""
+    total, summed = None, 0
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            continue
+        if parts[0].startswith("TOTAL_ERR"):
+            total = int(parts[1])
+        else:
+            summed += int(parts[1])
+    return summed if total is None else total
+
+
+def pcie_aer_check(settings: HealthSettings) -> HealthCheck:
+    """AER counters of the slot's PCI functions: fatal errors fail the host, non-fatal degrade it."""
+    host = HostRoot.open(settings.host_root)
+    try:
+        addresses = sorted(host.listdir(PCI_DEVICES))
+    except OSError:
+        return _check("pcie_aer", "unavailable", f"{PCI_DEVICES} unreadable")
+    fatal, nonfatal, correctable, seen = [], [], 0, 0
+    for address in addresses:
+        base = f"{PCI_DEVICES}/{address}"
+        try:
+            vendor = host.read_attr(f"{base}/vendor")
+            klass = host.read_attr(f"{base}/class")
+        except OSError:
+            continue
+        if vendor not in _SLOT_VENDORS and not klass.startswith(_NVME_CLASS):
+            continue
+        counts = {}
+        for kind in ("fatal", "nonfatal", "correctable"):
+            try:
+                counts[kind] = _aer_total(host.read_text(f"{base}/aer_dev_{kind}"))
+            except OSError:
+                pass
+        if not counts:
+            continue
+        seen += 1
+        if counts.get("fatal"):
+            fatal.append(f"{address} fatal={counts['fatal']}")
+        if counts.get("nonfatal"):
+            nonfatal.append(f"{address} nonfatal={counts['nonfatal']}")
+        correctable += counts.get("correctable", 0)
+    if not seen:
+        return _check("pcie_aer", "unavailable", "no slot device exposes AER counters")
+    if fatal or nonfatal:
+        return _check("pcie_aer", "failed" if fatal else "degraded", "; ".join(fatal + nonfatal))
+    return _check("pcie_aer", "ok", f"{seen} device(s), 0 fatal, 0 non-fatal, {correctable} correctable")
+
+
+def _smart_value(log_json: dict, *names: str) -> int | None:
+    for name in names:
+        value = log_json.get(name)
+        if isinstance(value, dict):  # nvme-cli 2.x: {"value": N, ...} for critical_warning
+            value = value.get("value")
+        if isinstance(value, (int, float)):
+            return int(value)
+    return None
+
+
+async def nvme_smart_check(settings: HealthSettings) -> HealthCheck:
+    """Critical warning, media errors and wear of every NVMe controller (nvme-cli, live host only)."""
+    host = HostRoot.open(settings.host_root)
+    if not host.is_live:
+        return _check("nvme_smart", "unavailable", f"recorded root {settings.host_root}: SMART not readable")
+    if shutil.which("nvme") is None:
+        return _check("nvme_smart", "unavailable", "nvme-cli is not installed")
+    try:
+        controllers = sorted(n for n in host.listdir("/sys/class/nvme") if n.startswith("nvme"))
+    except OSError:
+        controllers = []
+    if not controllers:
+        return _check("nvme_smart", "unavailable", "no NVMe controllers")
+    bad, failed, read = [], False, 0
+    for name in controllers:
+        try:
+            done = await run(["nvme", "smart-log", "-o", "json", f"/dev/{name}"], timeout=NVME_TIMEOUT_S)
+            data = json.loads(done.stdout)
+        except (AgentError, ValueError) as exc:
+            bad.append(f"{name}: smart-log unreadable ({exc})")
+            continue
+        read += 1
+        critical = _smart_value(data, "critical_warning") or 0
+        media = _smart_value(data, "media_errors") or 0
+        used = _smart_value(data, "percent_used", "percentage_used") or 0
+        if critical:
+            failed = True
+            bad.append(f"{name}: critical_warning={critical:#x}")
+        if media:
+            bad.append(f"{name}: media_errors={media}")
+        if used >= 100:
+            bad.append(f"{name}: percentage_used={used}")
+    if not read:
+        return _check("nvme_smart", "unavailable", "; ".join(bad))
+    if bad:
+        return _check("nvme_smart", "failed" if failed else "degraded", "; ".join(bad))
+    return _check("nvme_smart", "ok", f"{read} controller(s): no critical warning, no media errors")
+
+
+def gpu_nvml_check(settings: HealthSettings) -> HealthCheck:
+    """Uncorrected ECC errors and pages pending retirement through NVML (live host with the driver only).
+
+    XIDs are events, not counters NVML can be polled for: they are out of this check's reach.
+    """
+    host = HostRoot.open(settings.host_root)
+    if not host.is_live:
+        return _check("gpu_nvml", "unavailable", "recorded root: NVML not consulted")
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return _check("gpu_nvml", "unavailable", "pynvml (nvidia-ml-py) is not installed")
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError subclasses vary by driver state  # noqa: BLE001
+        return _check("gpu_nvml", "unavailable", f"nvmlInit failed: {exc}")
+    try:
+        bad, count = [], pynvml.nvmlDeviceGetCount()
+        for i in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            try:
+                ecc = pynvml.nvmlDeviceGetTotalEccErrors(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                         pynvml.NVML_VOLATILE_ECC)
+                if ecc:
+                    bad.append(f"gpu {i}: uncorrected ECC errors={ecc}")
+            except pynvml.NVMLError:
+                pass  # ECC off or not supported on this board
+            try:
+                if pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle):
+                    bad.append(f"gpu {i}: retired pages pending a reset")
+            except pynvml.NVMLError:
+                pass
+    except Exception as exc:  # noqa: BLE001
+        return _check("gpu_nvml", "unavailable", f"NVML query failed: {exc}")
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - shutdown failure changes nothing we report
+            pass
+    if bad:
+        return _check("gpu_nvml", "degraded", "; ".join(bad))
+    return _check("gpu_nvml", "ok", f"{count} GPU(s) visible to NVML: no uncorrected ECC, no pending retirement")
+
+
+# -- one round -----------------------------------------------------------------------------
+
+
+async def _guarded(name: str, work: Callable[[], object]) -> list[HealthCheck]:
+    """One check in a thread under a deadline; what it raises becomes ``unavailable`` with the reason."""
+    try:
+        result = await asyncio.wait_for(asyncio.to_thread(work), CHECK_TIMEOUT_S)
+    except TimeoutError:
+        return [_check(name, "unavailable", f"check did not answer within {CHECK_TIMEOUT_S:g}s")]
+    except Exception as exc:  # noqa: BLE001 - a broken check must not take the loop down; it says why
+        return [_check(name, "unavailable", f"check raised {type(exc).__name__}: {exc}")]
+    return result if isinstance(result, list) else [result]
+
+
+async def run_checks(settings: HealthSettings, leases: list[SlotLease], records: list[SlotRecord]) -> list[HealthCheck]:
+    """Every check once, concurrently; sorted by name so heartbeats compare line by line."""
+    async def nvme() -> list[HealthCheck]:
+        try:
+            return [await asyncio.wait_for(nvme_smart_check(settings), CHECK_TIMEOUT_S)]
+        except Exception as exc:  # noqa: BLE001
+            return [_check("nvme_smart", "unavailable", f"check raised {type(exc).__name__}: {exc}")]
+
+    rounds = await asyncio.gather(
+        _guarded("slice_network", lambda: network_checks(settings)),
+        _guarded("dnsmasq", lambda: dnsmasq_check(settings)),
+        _guarded("libvirtd", lambda: libvirtd_check(settings)),
+        _guarded("slot_disks", lambda: slot_disk_check(settings, leases)),
+        _guarded("vfio_binding", lambda: vfio_check(settings, leases, records)),
+        _guarded("pcie_aer", lambda: pcie_aer_check(settings)),
+        _guarded("gpu_nvml", lambda: gpu_nvml_check(settings)),
+        nvme(),
+    )
+    return sorted((c for group in rounds for c in group), key=lambda c: c.name)
+
+
+def summarise(checks: list[HealthCheck]) -> tuple[str, str | None]:
+    """(health_state, reason): the worst verdict, and the checks that set it (``name: detail``)."""
+    worst = max((_RANK[c.status] for c in checks), default=0)
+    if worst == 0:
+        return "healthy", None
+    state = "failed" if worst == 2 else "degraded"
+    reason = "; ".join(f"{c.name}: {c.detail}" for c in checks if _RANK[c.status] == worst)
+    return state, reason[:4000]

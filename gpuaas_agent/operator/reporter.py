@@ -1,0 +1,206 @@
+"""What the daemon says about itself every tick: heartbeat, status file, metrics textfile, systemd STATUS=.
+
+One :class:`Reporter` per daemon, started as soon as the state store is open, so
+``gpuaas-agent status`` and ``systemctl status`` tell the truth while NATS is
+still down. It learns the NATS client and the worker when they exist
+(:meth:`attach`) and publishes heartbeats only then. Health checks run on their
+own timer (:meth:`health_loop`); every heartbeat carries their latest verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import nats.errors
+
+from gpuaas_agent import __version__
+from gpuaas_agent.contract.state import StepStatus
+from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat
+from gpuaas_agent.logs import log_event
+from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, write_status
+from gpuaas_agent.operator.health import HealthSettings, run_checks, summarise
+from gpuaas_agent.operator.metrics import AgentMetrics
+from gpuaas_agent.state.store import StateStore
+
+log = logging.getLogger(__name__)
+TASK_STEP = "task"  # the worker's own journal step around a handler run (control/worker.py)
+
+
+def _utc(epoch: float) -> datetime:
+    return datetime.fromtimestamp(epoch, UTC)
+
+
+def in_flight(store: StateStore, task_ids: list[str]) -> list[InFlightTask]:
+    """Each running task's type, start, and the step it is in now, from the journal."""
+    out = []
+    for task_id in task_ids:
+        entries = store.journal_of(task_id)
+        starts = [e for e in entries if e.step == TASK_STEP and e.status == StepStatus.started]
+        steps = [e for e in entries if e.step != TASK_STEP]
+        last = steps[-1] if steps else None
+        out.append(InFlightTask(
+            task_id=task_id,
+            type=starts[-1].detail.get("type") if starts else None,
+            started_at=_utc(starts[-1].at) if starts else None,
+            step=None if last is None else (last.step if last.status == StepStatus.started
+                                            else f"{last.step} ({last.status.value})"),
+            step_started_at=_utc(last.at) if last is not None else None,
+        ))
+    return out
+
+
+@dataclass
+class ReporterSettings:
+    node_id: str
+    state_dir: Path
+    heartbeat_interval_s: float
+    health_interval_s: float
+    request_timeout_s: float
+    metrics_textfile: Path | None = None
+
+
+class Reporter:
+    def __init__(self, settings: ReporterSettings, store: StateStore, health: HealthSettings,
+                 metrics: AgentMetrics | None, notify: Callable[..., bool]) -> None:
+        self.settings = settings
+        self.store = store
+        self.health_settings = health
+        self.metrics = metrics
+        self._notify = notify
+        self.started_at = datetime.now(UTC)
+        self.nc = None
+        self.worker = None
+        self.connect_attempts = 0
+        self.stopping = False
+        self.checks: list[HealthCheck] | None = None
+        self.last_heartbeat_at: datetime | None = None
+        self._last_status_line: str | None = None
+        self.checked = asyncio.Event()  # set after the first round of health checks
+
+    # -- what the daemon tells us ---------------------------------------------------------
+
+    def attach(self, nc, worker) -> None:
+        self.nc, self.worker = nc, worker
+
+    def connect_attempt(self, attempt: int) -> None:
+        """Called before each NATS connect attempt: systemd shows which one we are waiting on."""
+        self.connect_attempts = attempt
+        self.status_line(f"node {self.settings.node_id}: waiting for NATS (attempt {attempt})")
+
+    def status_line(self, line: str) -> None:
+        """``STATUS=`` for ``systemctl status``, sent only when it changes."""
+        if line != self._last_status_line:
+            self._last_status_line = line
+            self._notify(STATUS=line)
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def nats_state(self) -> str:
+        if self.stopping:
+            return "stopping"
+        if self.nc is None:
+            return "waiting"
+        return "connected" if self.nc.is_connected else "reconnecting"
+
+    @property
+    def reconnects(self) -> int:
+        return int(self.nc.stats.get("reconnects", 0)) if self.nc is not None else 0
+
+    def health(self) -> tuple[str, str | None]:
+        """The host's health_state and why: the worst check, NATS trouble, or unknown before the first round."""
+        if self.checks is None:
+            state, reason = "unknown", "health checks have not run yet"
+        else:
+            state, reason = summarise(self.checks)
+        if self.nats_state == "reconnecting":
+            reason = "nats: connection lost, reconnecting" + (f"; {reason}" if reason and state != "healthy" else "")
+            state = "failed" if state == "failed" else "degraded"
+        elif state == "healthy" and self.worker is not None and not self.worker.ready.is_set():
+            state, reason = "unknown", "task consumer not bound yet"
+        return state, reason
+
+    def daemon_status(self) -> DaemonStatus:
+        state, reason = self.health()
+        running = self.worker.running_task_ids if self.worker is not None else []
+        return DaemonStatus(
+            node_id=self.settings.node_id, agent_version=__version__, pid=os.getpid(), started_at=self.started_at,
+            written_at=datetime.now(UTC), heartbeat_interval_s=self.settings.heartbeat_interval_s,
+            nats_state=self.nats_state, nats_connect_attempts=self.connect_attempts, nats_reconnects=self.reconnects,
+            last_heartbeat_at=self.last_heartbeat_at, health_state=state, health_reason=reason,
+            health=self.checks or [], in_flight=in_flight(self.store, running))
+
+    # -- loops --------------------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        leases, records = self.store.leases(), self.store.slot_states()
+        self.checks = await run_checks(self.health_settings, leases, records)
+        self.checked.set()
+        state, reason = summarise(self.checks)
+        if self.metrics is not None:
+            self.metrics.health(self.health()[0], self.checks)
+        log_event(log, "health_checked", logging.INFO if state == "healthy" else logging.WARNING,
+                  status=state, message=reason or "every check ok or unavailable",
+                  checks={c.name: c.status for c in self.checks})
+
+    async def health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001 - the loop outlives one broken round; the log says why
+                log_event(log, "health_check_failed", logging.ERROR, exc_info=True)
+            await asyncio.sleep(self.settings.health_interval_s)  # the period of the checks
+
+    async def tick(self) -> None:
+        """One heartbeat (when connected), the status file, the textfile, STATUS= on a change."""
+        state, reason = self.health()
+        if self.nc is not None and self.nc.is_connected:
+            await self._publish(state, reason)
+        if self.nc is not None and self.worker is not None:
+            if self.nc.is_connected and self.worker.ready.is_set():
+                self.status_line(f"node {self.settings.node_id}: pulling tasks; health {state}")
+            elif not self.nc.is_connected:
+                self.status_line(f"node {self.settings.node_id}: NATS connection lost, reconnecting")
+        if self.metrics is not None and self.checks is not None:
+            self.metrics.health(state, self.checks)
+        try:
+            write_status(self.settings.state_dir, self.daemon_status())
+        except OSError as exc:
+            log_event(log, "status_file_failed", logging.WARNING, error=exc.strerror or str(exc))
+        if self.metrics is not None and self.settings.metrics_textfile is not None:
+            try:
+                self.metrics.write_textfile(self.settings.metrics_textfile)
+            except OSError as exc:
+                log_event(log, "metrics_textfile_failed", logging.WARNING, path=str(self.settings.metrics_textfile),
+                          error=exc.strerror or str(exc))
+
+    async def _publish(self, state: str, reason: str | None) -> None:
+        beat = Heartbeat(
+            node_id=self.settings.node_id, agent_version=__version__, health_state=state, health_reason=reason,
+            health=self.checks or [],
+            running_tasks=self.worker.running_task_ids if self.worker is not None else [],
+            leased_slots=[lease.slot_index for lease in self.store.leases()],
+            at=datetime.now(UTC))
+        try:
+            await self.nc.publish(f"gpuaas.node.{self.settings.node_id}.heartbeat", beat.model_dump_json().encode())
+            await self.nc.flush(timeout=self.settings.request_timeout_s)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log_event(log, "heartbeat_failed", logging.WARNING, error=repr(exc))
+            return
+        self.last_heartbeat_at = beat.at
+        if self.metrics is not None:
+            self.metrics.heartbeats.inc()
+
+    async def loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - a broken tick is logged; the next one tries again
+                log_event(log, "report_tick_failed", logging.ERROR, exc_info=True)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)  # the period of the heartbeat itself

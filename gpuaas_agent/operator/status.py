@@ -1,0 +1,320 @@
+"""``gpuaas-agent status``: what this host is doing and whether it is healthy, without NATS and read-only.
+
+Sources, each read-only, each allowed to be missing (the answer then says so):
+
+- the enrollment record (node id) and the daemon's status file (NATS state, last
+  heartbeat, in-flight tasks with their current step, its latest health checks);
+- the state DB, opened ``mode=ro`` (a status command must never migrate, lock or
+  create it): leases, slot records, stored task results (recent failures);
+- libvirt, read-only, for each leased slot's domain (by the agent's domain name);
+- the dnsmasq hosts file for the slot's reserved IP;
+- the host itself: the health checks run now (``--no-checks`` skips them).
+
+Exit code: 0 healthy, 1 degraded (a check, NATS, the daemon not running, a slot
+``cleanup_blocked``), 3 broken (state unreadable, not enrolled, a check ``failed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+import urllib.parse
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import Field
+
+from gpuaas_agent import __version__
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, read_status
+
+EXIT_HEALTHY, EXIT_DEGRADED, EXIT_BROKEN = 0, 1, 3
+RECENT_FAILURES = 10
+STALE_AFTER_INTERVALS = 3
+
+
+class SlotView(WireModel):
+    slot_index: int
+    allocation_id: str | None = None
+    lease_task_id: str | None = None
+    leased_at: datetime | None = None
+    nvme_device: str | None = None
+    gpu_pci_address: str | None = None
+    fabric_vf_pci_address: str | None = None
+    status: str | None = None  # the slot record's status (None: never touched by this host)
+    health_state: str | None = None
+    last_task_id: str | None = None
+    updated_at: datetime | None = None
+    domain: str | None = None
+    vm_state: str | None = None  # running, shut off, absent, or why it could not be read
+    ip: str | None = None
+
+
+class FailureView(WireModel):
+    task_id: str
+    type: str
+    status: str
+    code: str | None = None
+    message: str | None = None
+    finished_at: str | None = None
+
+
+class StatusReport(WireModel):
+    verdict: str  # healthy | degraded | broken
+    reasons: list[str] = Field(default_factory=list)
+    node_id: str | None = None
+    agent_version: str = __version__
+    daemon: DaemonStatus | None = None
+    daemon_running: bool = False
+    nats_state: str | None = None
+    last_heartbeat_at: datetime | None = None
+    slots: list[SlotView] = Field(default_factory=list)
+    in_flight: list[InFlightTask] = Field(default_factory=list)
+    recent_failures: list[FailureView] = Field(default_factory=list)
+    health: list[HealthCheck] = Field(default_factory=list)
+    libvirt: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return {"healthy": EXIT_HEALTHY, "degraded": EXIT_DEGRADED}.get(self.verdict, EXIT_BROKEN)
+
+
+class StateUnreadable(AgentError):
+    default_code = "state_unreadable"
+
+
+def _utc(epoch: float | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, UTC)
+
+
+def open_readonly(path: Path) -> sqlite3.Connection:
+    """The state DB read-only (``mode=ro``): nothing is created, migrated or locked for writing."""
+    if not path.is_file():
+        raise StateUnreadable(f"state DB {path} does not exist or is not a file", evidence={"path": str(path)})
+    uri = f"file:{urllib.parse.quote(str(path))}?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=5)
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.Error as exc:
+        raise StateUnreadable(f"cannot read state DB {path}: {exc}", evidence={"path": str(path)}) from None
+    return conn
+
+
+def read_state(path: Path) -> tuple[dict[int, SlotView], list[FailureView]]:
+    """Leases and slot records merged per slot, and the newest failed task results."""
+    conn = open_readonly(path)
+    try:
+        slots: dict[int, SlotView] = {}
+        for slot_index, allocation_id, task_id, taken_at, nvme, gpu, vf in conn.execute(
+                "SELECT slot_index, allocation_id, task_id, taken_at, nvme_device, gpu_pci_address,"
+                " fabric_vf_pci_address FROM slot_lease"):
+            slots[slot_index] = SlotView(slot_index=slot_index, allocation_id=allocation_id, lease_task_id=task_id,
+                                         leased_at=_utc(taken_at), nvme_device=nvme, gpu_pci_address=gpu,
+                                         fabric_vf_pci_address=vf)
+        for slot_index, allocation_id, status, health, task_id, updated_at in conn.execute(
+                "SELECT slot_index, allocation_id, status, health_state, task_id, updated_at FROM slot_state"):
+            base = slots.get(slot_index) or SlotView(slot_index=slot_index, allocation_id=allocation_id)
+            slots[slot_index] = base.model_copy(update={"status": status, "health_state": health,
+                                                        "last_task_id": task_id, "updated_at": _utc(updated_at)})
+        failures = []
+        for (raw,) in conn.execute("SELECT result FROM task_result ORDER BY stored_at DESC LIMIT 500"):
+            result = json.loads(raw)
+            if result.get("status") == "succeeded":
+                continue
+            error = result.get("error") or {}
+            failures.append(FailureView(task_id=result.get("task_id", "?"), type=result.get("type", "?"),
+                                        status=result.get("status", "?"), code=error.get("code"),
+                                        message=error.get("message"), finished_at=result.get("finished_at")))
+            if len(failures) >= RECENT_FAILURES:
+                break
+        return slots, failures
+    except (sqlite3.Error, ValueError) as exc:
+        raise StateUnreadable(f"cannot read state DB {path}: {exc}", evidence={"path": str(path)}) from None
+    finally:
+        conn.close()
+
+
+def vm_states(uri: str, names: dict[int, str]) -> tuple[dict[int, str], str]:
+    """Each slot's domain state through a read-only libvirt connection; (states, connection verdict)."""
+    import libvirt
+
+    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+    try:
+        conn = libvirt.openReadOnly(uri)
+    except libvirt.libvirtError as exc:
+        return {i: "unknown (libvirt unreachable)" for i in names}, f"unreachable: {uri}: {exc.get_error_message()}"
+    labels = {libvirt.VIR_DOMAIN_RUNNING: "running", libvirt.VIR_DOMAIN_SHUTOFF: "shut off",
+              libvirt.VIR_DOMAIN_PAUSED: "paused", libvirt.VIR_DOMAIN_SHUTDOWN: "shutting down",
+              libvirt.VIR_DOMAIN_CRASHED: "crashed", libvirt.VIR_DOMAIN_PMSUSPENDED: "suspended"}
+    states = {}
+    try:
+        for index, name in names.items():
+            try:
+                state, _ = conn.lookupByName(name).state()
+                states[index] = labels.get(state, f"state {state}")
+            except libvirt.libvirtError as exc:
+                states[index] = "absent" if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN else \
+                    f"unknown ({exc.get_error_message()})"
+    finally:
+        conn.close()
+    return states, f"reachable: {uri}"
+
+
+def _reserved_ips(config) -> dict[int, str]:
+    from gpuaas_agent.host.dnsmasq import DnsmasqReservations
+
+    site = config.slice
+    try:
+        reservations = DnsmasqReservations(site.dnsmasq_hosts_file, site.subnet, site.gateway,
+                                           site.dnsmasq_pid_file).reservations()
+    except (OSError, AgentError):
+        return {}
+    return {r.slot_index: str(r.ip) for r in reservations}
+
+
+def collect(config, *, run_checks: bool = True, now: float | None = None) -> StatusReport:
+    """Everything the status command shows; never raises for a missing source, says so instead."""
+    from gpuaas_agent.contract.naming import domain_name
+    from gpuaas_agent.control.enroll import load_enrollment
+
+    now = time.time() if now is None else now
+    reasons: list[str] = []
+    broken = False
+    node_id = None
+    try:
+        record = load_enrollment(config.state_dir)
+        node_id = record.node_id if record else None
+        if record is None:
+            broken = True
+            reasons.append(f"not enrolled: no enrollment record in {config.state_dir}")
+    except (AgentError, OSError) as exc:
+        broken = True
+        reasons.append(f"enrollment record unreadable: {exc}")
+
+    daemon = None
+    try:
+        daemon = read_status(config.state_dir)
+    except AgentError as exc:
+        reasons.append(str(exc))
+    running = False
+    if daemon is None:
+        reasons.append("daemon: no status file (not running, or never ran)")
+    else:
+        age = now - daemon.written_at.timestamp()
+        running = daemon.nats_state != "stopping" and age <= max(STALE_AFTER_INTERVALS * daemon.heartbeat_interval_s, 5)
+        if not running:
+            reasons.append(f"daemon: status file is {age:.0f}s old (pid {daemon.pid} not running or stuck)")
+        elif daemon.nats_state != "connected":
+            reasons.append(f"nats: {daemon.nats_state} (attempt {daemon.nats_connect_attempts})")
+
+    slots: dict[int, SlotView] = {}
+    failures: list[FailureView] = []
+    try:
+        slots, failures = read_state(config.state_db)
+    except StateUnreadable as exc:
+        broken = True
+        reasons.append(str(exc))
+
+    libvirt_verdict = None
+    with_alloc = {i: domain_name(s.allocation_id) for i, s in slots.items() if s.allocation_id}
+    if with_alloc:
+        states, libvirt_verdict = vm_states(config.slice.libvirt_uri, with_alloc)
+        ips = _reserved_ips(config)
+        for index, name in with_alloc.items():
+            slots[index] = slots[index].model_copy(update={"domain": name, "vm_state": states.get(index),
+                                                          "ip": ips.get(index)})
+    for slot in slots.values():
+        if slot.status == "cleanup_blocked":
+            reasons.append(f"slot {slot.slot_index}: cleanup_blocked (last task {slot.last_task_id})")
+
+    checks: list[HealthCheck] = []
+    if run_checks:
+        from pydantic import ValidationError
+
+        from gpuaas_agent.contract.state import SlotLease, SlotRecord
+        from gpuaas_agent.operator.health import HealthSettings
+        from gpuaas_agent.operator.health import run_checks as run_health
+
+        leases, records = [], []
+        for s in slots.values():
+            try:  # rows as the store wrote them; one that does not validate is left out of the checks
+                if s.lease_task_id:
+                    leases.append(SlotLease(allocation_id=s.allocation_id, slot_index=s.slot_index,
+                                            gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
+                                            fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=s.lease_task_id,
+                                            taken_at=s.leased_at.timestamp()))
+                if s.status:
+                    records.append(SlotRecord(slot_index=s.slot_index, allocation_id=s.allocation_id or "",
+                                              status=s.status, health_state=s.health_state,
+                                              task_id=s.last_task_id or "", updated_at=0.0))
+            except ValidationError:
+                reasons.append(f"slot {s.slot_index}: stored lease or record does not validate")
+        checks = asyncio.run(run_health(HealthSettings.from_config(config), leases, records))
+    elif daemon is not None:
+        checks = list(daemon.health)
+    worst = [c for c in checks if c.status in ("degraded", "failed")]
+    reasons.extend(f"{c.name}: {c.detail}" for c in worst)
+    if broken or any(c.status == "failed" for c in worst):
+        verdict = "broken"
+    elif reasons:
+        verdict = "degraded"
+    else:
+        verdict = "healthy"
+    return StatusReport(
+        verdict=verdict, reasons=reasons, node_id=node_id, daemon=daemon, daemon_running=running,
+        nats_state=daemon.nats_state if daemon else None,
+        last_heartbeat_at=daemon.last_heartbeat_at if daemon else None,
+        slots=[slots[i] for i in sorted(slots)], in_flight=list(daemon.in_flight) if daemon and running else [],
+        recent_failures=failures, health=checks, libvirt=libvirt_verdict)
+
+
+def _age(then: datetime | None, now: datetime) -> str:
+    if then is None:
+        return "-"
+    seconds = max(0, int((now - then).total_seconds()))
+    return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m" if seconds < 7200 else f"{seconds // 3600}h"
+
+
+def render(report: StatusReport) -> str:
+    """The human table: one block per question an operator asks."""
+    now = datetime.now(UTC)
+    lines = [f"host     {report.verdict.upper()}  node {report.node_id or '-'}  agent {report.agent_version}"]
+    for reason in report.reasons:
+        lines.append(f"  - {reason}")
+    if report.daemon is not None:
+        d = report.daemon
+        lines.append(f"daemon   {'running' if report.daemon_running else 'NOT RUNNING'} pid {d.pid}, "
+                     f"up {_age(d.started_at, now)}, status written {_age(d.written_at, now)} ago")
+        lines.append(f"nats     {d.nats_state}, last heartbeat {_age(d.last_heartbeat_at, now)} ago, "
+                     f"reconnects {d.nats_reconnects}")
+    else:
+        lines.append("daemon   no status file")
+    lines.append(f"libvirt  {report.libvirt or '-'}")
+    lines.append("")
+    lines.append(f"{'SLOT':<5}{'STATUS':<16}{'HEALTH':<10}{'ALLOCATION':<38}{'VM':<12}{'IP':<16}LAST TASK")
+    for s in report.slots:
+        lines.append(f"{s.slot_index:<5}{(s.status or ('leased' if s.lease_task_id else '-')):<16}"
+                     f"{(s.health_state or '-'):<10}{(s.allocation_id or '-'):<38}{(s.vm_state or '-'):<12}"
+                     f"{(s.ip or '-'):<16}{s.last_task_id or s.lease_task_id or '-'}")
+    if not report.slots:
+        lines.append("(no leased or recorded slots)")
+    lines.append("")
+    lines.append("IN FLIGHT")
+    for t in report.in_flight:
+        lines.append(f"  {t.task_id} {t.type or '?'} step {t.step or '-'} for {_age(t.step_started_at, now)}, "
+                     f"task age {_age(t.started_at, now)}")
+    if not report.in_flight:
+        lines.append("  (none)")
+    lines.append("RECENT FAILURES")
+    for f in report.recent_failures:
+        lines.append(f"  {f.finished_at or '-'} {f.task_id} {f.type} {f.status} {f.code or '-'}: {f.message or ''}")
+    if not report.recent_failures:
+        lines.append("  (none)")
+    lines.append("HEALTH CHECKS")
+    for c in report.health:
+        lines.append(f"  {c.status:<12}{c.name:<18}{c.detail}")
+    return "\n".join(lines)

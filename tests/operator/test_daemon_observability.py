@@ -1,0 +1,167 @@
+"""A real daemon against a real nats-server: /metrics moves with a task, the status command reads it,
+READY comes while NATS is down, and the heartbeat turns degraded when the NAT rule is deleted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.request
+
+from gpuaas_agent.contract.tasks import ResultStatus, TaskType
+from tests.conftest import REPO
+from tests.control.conftest import free_port
+from tests.control.test_daemon import AgentProcess, NotifyListener, _enrolled_setup, _env, _run
+from tests.dnsmasq_fixture import sh
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def _status(config, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuaas_agent", "status", "--config", str(config), *extra],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_metrics_move_when_a_task_runs_and_status_reads_the_running_daemon(nats_server, tmp_path, short_dir, agents):
+    port = free_port()
+
+    async def body():
+        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, metrics_listen=f"127.0.0.1:{port}",
+                                                       metrics_textfile=str(tmp_path / "agent.prom"))
+        listener = NotifyListener(short_dir / "notify")
+        try:
+            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
+                                 _env(listener.path), tmp_path / "agent.log")
+            agents.append(agent.start())
+            await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
+            before = await asyncio.to_thread(_scrape, port)
+            key = 'gpuaas_agent_tasks_total{status="succeeded",type="slice.topology_discover"}'
+            assert before.get(key, 0) == 0 and before["gpuaas_agent_nats_connected"] == 1
+
+            envelope = plane.envelope(node_id, TaskType.topology_discover.value)
+            await plane.enqueue(envelope)
+            result = await plane.wait_result(envelope.task_id, timeout=30)
+            assert result.status == ResultStatus.succeeded
+            after = await asyncio.to_thread(_scrape, port)
+            assert after[key] == 1
+            assert after['gpuaas_agent_task_duration_seconds_count{type="slice.topology_discover"}'] == 1
+            # health checks ran on the fixture host: the network of the recording is healthy
+            await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health_state == "healthy" and h.health])
+            after = await asyncio.to_thread(_scrape, port)
+            assert after['gpuaas_agent_health_check{check="slice_nat",status="ok"}'] == 1
+            assert "gpuaas_agent_tasks_total" in (tmp_path / "agent.prom").read_text()
+
+            done = await asyncio.to_thread(_status, config, "--json", "--no-checks")
+            report = json.loads(done.stdout)
+            assert report["node_id"] == node_id and report["daemon_running"] is True, done.stdout + done.stderr
+            assert report["nats_state"] == "connected" and report["last_heartbeat_at"]
+            human = await asyncio.to_thread(_status, config, "--no-checks")
+            assert human.stdout.startswith("host     HEALTHY") and human.returncode == 0, human.stdout
+        finally:
+            listener.close()
+            await plane.close()
+
+    _run(body())
+
+
+def test_metrics_port_in_use_is_one_log_line_and_the_daemon_runs_on(nats_server, tmp_path, short_dir, agents):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+
+    async def body():
+        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, metrics_listen=f"127.0.0.1:{port}")
+        listener = NotifyListener(short_dir / "notify")
+        try:
+            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
+                                 _env(listener.path), tmp_path / "agent.log")
+            agents.append(agent.start())
+            await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
+            failed = [e for e in agent.log_events() if e.get("event") == "metrics_listen_failed"]
+            assert len(failed) == 1 and str(port) in failed[0]["msg"]
+        finally:
+            listener.close()
+            await plane.close()
+
+    try:
+        _run(body())
+    finally:
+        taken.close()
+
+
+def test_nats_down_at_boot_is_ready_waiting_with_watchdog_then_pulls_when_it_comes(nats_server, tmp_path, short_dir,
+                                                                                  agents):
+    async def body():
+        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, reconnect_backoff_max_s=0.5)
+        await plane.close()
+        nats_server.stop()
+        listener = NotifyListener(short_dir / "notify")
+        try:
+            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
+                                 _env(listener.path, watchdog_usec=1_000_000), tmp_path / "agent.log")
+            agents.append(agent.start())
+            ready = await listener.wait_for("READY", "1")
+            assert "waiting for NATS (attempt 1)" in ready["STATUS"]
+            await listener.wait_for("STATUS", f"node {node_id}: waiting for NATS (attempt 3)")
+            pets = sum(1 for m in listener.messages if m.get("WATCHDOG") == "1")
+            await listener.wait_for("STATUS", f"node {node_id}: waiting for NATS (attempt 4)")
+            assert sum(1 for m in listener.messages if m.get("WATCHDOG") == "1") >= pets  # still petting
+            await listener.wait_for("WATCHDOG", "1")
+            down = await asyncio.to_thread(_status, config, "--json", "--no-checks")
+            assert json.loads(down.stdout)["nats_state"] == "waiting" and down.returncode == 1
+            await asyncio.to_thread(nats_server.start)
+            await listener.wait_for("STATUS", f"node {node_id}: pulling tasks", timeout=30)
+        finally:
+            listener.close()
+
+    _run(body())
+
+
+def test_heartbeat_turns_degraded_naming_the_nat_check_when_the_rule_is_deleted(nats_server, dhcp_lab, tmp_path,
+                                                                                short_dir, agents):
+    ns = dhcp_lab.server
+    rule = ["POSTROUTING", "-s", "10.100.0.0/24", "-j", "MASQUERADE"]
+    sh("ip", "netns", "exec", ns, "iptables", "-t", "nat", "-A", *rule)
+    sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+
+    async def body():
+        plane, node_id, config = await _enrolled_setup(
+            nats_server, tmp_path, host_root="/", health_netns=ns, uevent_watch=False,
+            slice={"libvirt_uri": "test:///default", "ovs_bridge": dhcp_lab.server_if,
+                   "dnsmasq_hosts_file": str(dhcp_lab.dnsmasq.hosts_file),
+                   "dnsmasq_pid_file": str(dhcp_lab.dnsmasq.pid_file)})
+        listener = NotifyListener(short_dir / "notify")
+        try:
+            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
+                                 _env(listener.path), tmp_path / "agent.log")
+            agents.append(agent.start())
+            healthy = await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health], timeout=30)
+            checks = {c.name: c.status for c in healthy[-1].health}
+            assert healthy[-1].health_state == "healthy", healthy[-1].health_reason
+            assert checks["slice_nat"] == "ok" and checks["slice_gateway"] == "ok" and checks["dnsmasq"] == "ok", \
+                healthy[-1].health
+            assert checks["slice_ip_forward"] == "ok" and checks["libvirtd"] == "ok"
+
+            await asyncio.to_thread(sh, "ip", "netns", "exec", ns, "iptables", "-t", "nat", "-D", *rule)
+            degraded = await plane.wait_for(
+                lambda s: [h for h in s.heartbeats if h.health_state == "degraded"
+                           and any(c.name == "slice_nat" and c.status == "degraded" for c in h.health)], timeout=20)
+            assert "slice_nat" in degraded[-1].health_reason
+        finally:
+            listener.close()
+            await plane.close()
+
+    _run(body())

@@ -1,0 +1,103 @@
+"""Health checks over fixture roots built from a copy of a recorded host (the kernel's own file formats)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from gpuaas_agent.contract.slots import HealthState, SlotStatus
+from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.operator.health import (
+    HealthSettings,
+    gpu_nvml_check,
+    nvme_smart_check,
+    pcie_aer_check,
+    run_checks,
+    slot_disk_check,
+    summarise,
+    vfio_check,
+)
+
+HOST = "h200-slice-after-transition"
+GPU = "0000:18:00.0"
+AER_CLEAN = "RxErr 0\nBadTLP 0\nBadDLLP 0\nTOTAL_ERR_COR 0\n"
+
+
+def _aer(root: Path, address: str, *, fatal: int = 0, nonfatal: int = 0, correctable: int = 0) -> None:
+    device = (root / "sys/bus/pci/devices" / address).resolve()
+    (device / "aer_dev_correctable").write_text(f"RxErr {correctable}\nBadTLP 0\nTOTAL_ERR_COR {correctable}\n")
+    (device / "aer_dev_fatal").write_text(f"Undefined 0\nDLP {fatal}\nTOTAL_ERR_FATAL {fatal}\n")
+    (device / "aer_dev_nonfatal").write_text(f"Undefined 0\nPoisonTLP {nonfatal}\nTOTAL_ERR_NONFATAL {nonfatal}\n")
+
+
+def _lease(slot: int = 0, nvme: str = "/dev/disk/by-id/nvme-eui.000000000000000100a075244a103331") -> SlotLease:
+    return SlotLease(allocation_id="0b7c1a9e-0000-4000-8000-000000000001", slot_index=slot, gpu_pci_address=GPU,
+                     nvme_device=nvme, fabric_vf_pci_address="0000:19:00.1", task_id="t-1", taken_at=time.time())
+
+
+def test_aer_counters_of_a_slot_gpu_fail_or_degrade_the_host(host_copy):
+    root = host_copy(HOST)
+    settings = HealthSettings(host_root=root)
+    assert pcie_aer_check(settings).status == "unavailable"  # the recording exposes no AER counters
+    _aer(root, GPU, correctable=7)
+    clean = pcie_aer_check(settings)
+    assert clean.status == "ok" and "7 correctable" in clean.detail
+    _aer(root, GPU, nonfatal=2)
+    assert pcie_aer_check(settings).status == "degraded"
+    _aer(root, GPU, fatal=1)
+    failed = pcie_aer_check(settings)
+    assert failed.status == "failed" and f"{GPU} fatal=1" in failed.detail
+
+
+def test_a_leased_disk_that_vanished_fails_the_host(host_copy):
+    root = host_copy(HOST)
+    settings = HealthSettings(host_root=root)
+    lease = _lease()
+    assert slot_disk_check(settings, [lease]).status == "ok"
+    link = root / lease.nvme_device.lstrip("/")
+    target = (link.parent / link.readlink()).resolve()
+    sysfs = root / "sys/class/block" / target.name
+    sysfs.unlink()
+    link.unlink()
+    missing = slot_disk_check(settings, [lease])
+    assert missing.status == "failed" and "slot 0" in missing.detail
+
+
+def test_an_active_slot_gpu_not_on_vfio_degrades_the_host(host_copy):
+    settings = HealthSettings(host_root=host_copy(HOST))
+    record = SlotRecord(slot_index=0, allocation_id=_lease().allocation_id, status=SlotStatus.active,
+                        health_state=HealthState.healthy, task_id="t-1", updated_at=time.time())
+    check = vfio_check(settings, [_lease()], [record])
+    assert check.status == "degraded" and f"gpu {GPU} on nvidia" in check.detail
+    assert vfio_check(settings, [_lease()], []).status == "ok"  # leased but not active: nothing bound yet
+
+
+def test_without_the_driver_or_on_a_recording_gpu_and_nvme_health_are_unavailable(host_copy):
+    settings = HealthSettings(host_root=host_copy(HOST))
+    assert gpu_nvml_check(settings).status == "unavailable"
+    assert asyncio.run(nvme_smart_check(settings)).status == "unavailable"
+    live = gpu_nvml_check(HealthSettings(host_root=Path("/")))  # this machine has no NVIDIA driver
+    assert live.status == "unavailable" and "nvmlInit failed" in live.detail
+
+
+def test_recorded_host_network_is_ok_and_the_nat_missing_recording_is_degraded(host_copy):
+    healthy = asyncio.run(run_checks(HealthSettings(host_root=host_copy(HOST), libvirt_uri="test:///default"), [], []))
+    by_name = {c.name: c for c in healthy}
+    assert {by_name[n].status for n in ("slice_gateway", "slice_nat", "slice_ip_forward", "libvirtd")} == {"ok"}
+    assert summarise(healthy)[0] == "healthy"
+    broken = asyncio.run(run_checks(HealthSettings(host_root=host_copy("h200-slice-nat-missing"),
+                                                   libvirt_uri="test:///default"), [], []))
+    state, reason = summarise(broken)
+    assert state == "degraded" and reason.startswith("slice_nat: nat_missing")
+
+
+def test_summary_is_the_worst_verdict_and_unavailable_never_degrades():
+    now = datetime.now(UTC)
+    checks = [HealthCheck(name="a", status="unavailable", detail="no nvme-cli", checked_at=now),
+              HealthCheck(name="b", status="ok", detail="fine", checked_at=now)]
+    assert summarise(checks) == ("healthy", None)
+    checks.append(HealthCheck(name="c", status="failed", detail="fatal AER", checked_at=now))
+    assert summarise(checks) == ("failed", "c: fatal AER")
