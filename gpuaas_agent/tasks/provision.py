@@ -245,7 +245,10 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
 
     async def image() -> dict:
         # The config bounds the size; the task's declared size (if any) lowers the bound and must match.
-        cached = await sh.images.fetch(payload.image.url, payload.image.sha256, size_bytes=payload.image.size_bytes)
+        # Pinned until the clone has read it: the cache's LRU eviction never takes an image a provision holds.
+        cached = await sh.images.fetch(payload.image.url, payload.image.sha256, size_bytes=payload.image.size_bytes,
+                                       pin=True)
+        run.facts["image_pinned"] = True
         run.image_path = cached.path
         return {"sha256": cached.sha256, "size_bytes": cached.size_bytes, "format": cached.format.value}
 
@@ -256,11 +259,20 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
         async def on_progress(p) -> None:
             await ctx.progress("clone", "progress", percent=p.percent)
 
-        result = await clone_image(
-            sh.host(), run.image_path, slot.nvme_device,
-            lease=run.disk_lease, domain_disks=others, wipe_proof=store.latest_wipe_proof(slot.slot_index), on_progress=on_progress,
-            timeout=sh.slice.clone_timeout_s)
+        try:
+            result = await clone_image(
+                sh.host(), run.image_path, slot.nvme_device,
+                lease=run.disk_lease, domain_disks=others, wipe_proof=store.latest_wipe_proof(slot.slot_index),
+                on_progress=on_progress, timeout=sh.slice.clone_timeout_s)
+        finally:
+            await unpin_image()
         return result.model_dump(mode="json")
+
+    async def unpin_image() -> dict:
+        if run.facts.pop("image_pinned", False):
+            sh.images.unpin(payload.image.sha256)
+            return {"image": "unpinned"}
+        return {"image": "not pinned"}
 
     async def seed() -> dict:
         iso = await write_seed_iso(run.facts["seed_spec"], sh.seed_path(payload.allocation_id, slot.slot_index))
@@ -352,7 +364,7 @@ def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
     return [
         Step("validate", validate, unlease),
         Step("bind_vfio", bind),  # a GPU left on vfio-pci is the slice host's steady state: nothing to undo
-        Step("image", image),  # the cache is shared and content-addressed: nothing to undo
+        Step("image", image, unpin_image),  # the shared cache keeps the image; only this run's pin goes
         Step("clone", clone, touches_disk=True),  # cannot be undone: a wipe by release is the only way back
         Step("seed", seed, unseed),
         Step("ovs_port", plug, unplug),

@@ -151,7 +151,7 @@ def test_image_digest_mismatch_releases_the_lease_and_never_touches_the_disk(lab
     result = _task(lab, "slice.vm_provision", payload)
     assert result.status.value == "failed" and result.error.code == "digest_mismatch"
     assert result.error.evidence["failed_step"] == "image" and result.error.evidence["disk_touched"] is False
-    assert [c["step"] for c in result.error.evidence["compensations"]] == ["validate"]
+    assert [c["step"] for c in result.error.evidence["compensations"]] == ["image", "validate"]
     outcome = _outcome(result)
     assert outcome.status.value == "reserved" and outcome.health_detail["lease_released"] is True
     assert _disk_head(lab, 2) == before
