@@ -136,6 +136,19 @@ def default_handlers(config: AgentConfig, slice_host=None) -> dict[TaskType, Han
     return handlers
 
 
+def port_isolation_probe(slice_host, store):
+    """The health round's ``port_isolation`` check: a read-only reconcile, its isolation findings only."""
+    from gpuaas_agent.contract.drift import DriftTrigger
+    from gpuaas_agent.operator.health import isolation_check
+    from gpuaas_agent.tasks.reconcile import reconcile
+
+    async def port_isolation():
+        report = await reconcile(slice_host, store, repair=False, trigger=DriftTrigger.timer)
+        return [isolation_check(report.findings)]
+
+    return port_isolation
+
+
 def _sockets(config: AgentConfig):
     """Preflight probes the daemons the slice pipelines use: the configured ovsdb, not the default one."""
     from gpuaas_agent.discovery.prereqs import SocketPaths
@@ -360,6 +373,8 @@ async def run_agent(
                              health_interval_s=config.health_interval_s, request_timeout_s=config.request_timeout_s,
                              metrics_textfile=config.metrics_textfile),
             store, HealthSettings.from_config(config), None, notifier.notify)
+        if slice_host is not None:
+            reporter.extra_checks.append(port_isolation_probe(slice_host, store))
         metrics = AgentMetrics(live_state(store, reporter, slice_host, uevents))
         reporter.metrics = metrics
         # Config and state are loaded: tell systemd we are up, whatever NATS does (see the module docstring).

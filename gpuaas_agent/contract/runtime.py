@@ -92,5 +92,5 @@ def get_profile(name: str) -> RuntimeProfile:
     except (KeyError, TypeError):
         raise UnknownProfileError(
             f"runtime profile {name!r} is not in this agent's catalog",
-            evidence={"profile": name, "known": sorted(PROFILES)},
+            evidence={"field": "runtime_profile", "profile": name, "known": sorted(PROFILES)},
         ) from None

@@ -341,6 +341,21 @@ def gpu_nvml_check(settings: HealthSettings) -> HealthCheck:
     return _check("gpu_nvml", "ok", f"{count} GPU(s) visible to NVML: no uncorrected ECC, no pending retirement")
 
 
+# -- port isolation (DESIGN.md §4.9) ---------------------------------------------------------
+
+ISOLATION_KINDS = frozenset({"flows_missing", "flows_altered", "flows_orphan",
+                             "nft_guard_missing", "nft_guard_altered", "nft_guard_orphan"})
+
+
+def isolation_check(findings: list) -> HealthCheck:
+    """``port_isolation`` from a read-only reconcile's findings: a guest port without its rules is degraded."""
+    broken = [f for f in findings if getattr(f.kind, "value", f.kind) in ISOLATION_KINDS]
+    if not broken:
+        return _check("port_isolation", "ok", "every active slice port carries its flows and nft guard element")
+    return _check("port_isolation", "degraded", "; ".join(
+        f"{f.kind.value} {f.subject}" + (f" ({f.actual})" if f.actual else "") for f in broken))
+
+
 # -- one round -----------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +24,7 @@ from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, write_status
-from gpuaas_agent.operator.health import HealthSettings, run_checks, summarise
+from gpuaas_agent.operator.health import CHECK_TIMEOUT_S, HealthSettings, run_checks, summarise
 from gpuaas_agent.operator.metrics import AgentMetrics
 from gpuaas_agent.state.store import StateStore
 
@@ -82,6 +82,8 @@ class Reporter:
         self.last_heartbeat_at: datetime | None = None
         self._last_status_line: str | None = None
         self.checked = asyncio.Event()  # set after the first round of health checks
+        # Checks that need the slice drivers (the daemon adds them when it serves slices).
+        self.extra_checks: list[Callable[[], Awaitable[list[HealthCheck]]]] = []
 
     # -- what the daemon tells us ---------------------------------------------------------
 
@@ -140,7 +142,15 @@ class Reporter:
 
     async def check_health(self) -> None:
         leases, records = self.store.leases(), self.store.slot_states()
-        self.checks = await run_checks(self.health_settings, leases, records)
+        checks = await run_checks(self.health_settings, leases, records)
+        for extra in self.extra_checks:
+            try:
+                checks += await asyncio.wait_for(extra(), CHECK_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a broken check says why, it does not stop the round
+                checks.append(HealthCheck(name=getattr(extra, "__name__", "extra"), status="unavailable",
+                                          detail=f"check raised {type(exc).__name__}: {exc}"[:4000],
+                                          checked_at=datetime.now(UTC)))
+        self.checks = sorted(checks, key=lambda c: c.name)
         self.checked.set()
         state, reason = summarise(self.checks)
         if self.metrics is not None:

@@ -43,6 +43,7 @@ class SlotView(WireModel):
     lease_task_id: str | None = None
     leased_at: datetime | None = None
     nvme_device: str | None = None
+    disk_identity: str | None = None  # None on a store the daemon has not migrated yet (before schema 4)
     gpu_pci_address: str | None = None
     fabric_vf_pci_address: str | None = None
     status: str | None = None  # the slot record's status (None: never touched by this host)
@@ -109,12 +110,15 @@ def read_state(path: Path) -> tuple[dict[int, SlotView], list[FailureView]]:
     conn = open_readonly(path)
     try:
         slots: dict[int, SlotView] = {}
-        for slot_index, allocation_id, task_id, taken_at, nvme, gpu, vf in conn.execute(
-                "SELECT slot_index, allocation_id, task_id, taken_at, nvme_device, gpu_pci_address,"
-                " fabric_vf_pci_address FROM slot_lease"):
-            slots[slot_index] = SlotView(slot_index=slot_index, allocation_id=allocation_id, lease_task_id=task_id,
-                                         leased_at=_utc(taken_at), nvme_device=nvme, gpu_pci_address=gpu,
-                                         fabric_vf_pci_address=vf)
+        cursor = conn.execute("SELECT * FROM slot_lease")  # by column name: an older schema lacks disk_identity
+        names = [d[0] for d in cursor.description]
+        for row in cursor:
+            lease = dict(zip(names, row))
+            slots[lease["slot_index"]] = SlotView(
+                slot_index=lease["slot_index"], allocation_id=lease["allocation_id"], lease_task_id=lease["task_id"],
+                leased_at=_utc(lease["taken_at"]), nvme_device=lease["nvme_device"],
+                disk_identity=lease.get("disk_identity"), gpu_pci_address=lease["gpu_pci_address"],
+                fabric_vf_pci_address=lease["fabric_vf_pci_address"])
         for slot_index, allocation_id, status, health, task_id, updated_at in conn.execute(
                 "SELECT slot_index, allocation_id, status, health_state, task_id, updated_at FROM slot_state"):
             base = slots.get(slot_index) or SlotView(slot_index=slot_index, allocation_id=allocation_id)
@@ -245,6 +249,7 @@ def collect(config, *, run_checks: bool = True, now: float | None = None) -> Sta
                 if s.lease_task_id:
                     leases.append(SlotLease(allocation_id=s.allocation_id, slot_index=s.slot_index,
                                             gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
+                                            disk_identity=s.disk_identity or f"path:{s.nvme_device}",
                                             fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=s.lease_task_id,
                                             taken_at=s.leased_at.timestamp()))
                 if s.status:

@@ -110,6 +110,7 @@ def test_status_reads_leases_records_and_failures_read_only(tmp_path):
     allocation = "0b7c1a9e-0000-4000-8000-000000000001"
     store.take_lease(SlotLease(allocation_id=allocation, slot_index=2, gpu_pci_address="0000:18:00.0",
                                nvme_device="/dev/disk/by-id/nvme-eui.000000000000000100a075244a103331",
+                               disk_identity="nguid:000000000000000100a075244a103331",
                                fabric_vf_pci_address="0000:19:00.1", task_id="t-plan", taken_at=time.time()))
     store.set_slot_state(SlotRecord(slot_index=2, allocation_id=allocation, status=SlotStatus.cleanup_blocked,
                                     health_state=HealthState.failed, task_id="t-prov", updated_at=time.time()))

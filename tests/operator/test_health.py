@@ -35,7 +35,8 @@ def _aer(root: Path, address: str, *, fatal: int = 0, nonfatal: int = 0, correct
 
 def _lease(slot: int = 0, nvme: str = "/dev/disk/by-id/nvme-eui.000000000000000100a075244a103331") -> SlotLease:
     return SlotLease(allocation_id="0b7c1a9e-0000-4000-8000-000000000001", slot_index=slot, gpu_pci_address=GPU,
-                     nvme_device=nvme, fabric_vf_pci_address="0000:19:00.1", task_id="t-1", taken_at=time.time())
+                     nvme_device=nvme, disk_identity=f"path:{nvme}", fabric_vf_pci_address="0000:19:00.1",
+                     task_id="t-1", taken_at=time.time())
 
 
 def test_aer_counters_of_a_slot_gpu_fail_or_degrade_the_host(host_copy):
@@ -101,3 +102,18 @@ def test_summary_is_the_worst_verdict_and_unavailable_never_degrades():
     assert summarise(checks) == ("healthy", None)
     checks.append(HealthCheck(name="c", status="failed", detail="fatal AER", checked_at=now))
     assert summarise(checks) == ("failed", "c: fatal AER")
+
+
+def test_port_isolation_is_degraded_by_a_missing_or_altered_flow_and_ok_without_isolation_findings():
+    from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
+    from gpuaas_agent.operator.health import isolation_check
+
+    missing = DriftFinding(kind=DriftKind.flows_missing, subject="2f6a1c0e-0000-4000-8000-000000000001",
+                           severity=DriftSeverity.error, actual="0 of 7 rules")
+    other = DriftFinding(kind=DriftKind.reservation_orphan, subject="2f6a1c0e-0000-4000-8000-000000000002",
+                         severity=DriftSeverity.warn)
+    degraded = isolation_check([missing, other])
+    assert (degraded.name, degraded.status) == ("port_isolation", "degraded")
+    assert "flows_missing 2f6a1c0e-0000-4000-8000-000000000001 (0 of 7 rules)" in degraded.detail
+    assert "reservation_orphan" not in degraded.detail  # only isolation findings count here
+    assert isolation_check([other]).status == "ok"

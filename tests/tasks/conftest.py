@@ -33,6 +33,11 @@ class PreparedHost:
     ovs: OvsSwitch
     work: Path
     relay_key: Path  # the .pub the config names
+    dnsmasq: subprocess.Popen
+
+    def stop_dnsmasq(self) -> None:
+        """Stop (and reap) the host's dnsmasq, as a crash or a hand-stop would leave it."""
+        stop_pid(self.dnsmasq)
 
     @property
     def bridge(self) -> str:
@@ -81,7 +86,7 @@ def prepared_host() -> Iterator[PreparedHost]:
                 if dnsmasq.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"dnsmasq did not start (exit {dnsmasq.poll()})", pytrace=False)
                 time.sleep(0.05)  # poll step of the deadline wait above
-            yield PreparedHost(ovs=sw, work=work, relay_key=keys / "relay.pub")
+            yield PreparedHost(ovs=sw, work=work, relay_key=keys / "relay.pub", dnsmasq=dnsmasq)
         finally:
             stop_pid(dnsmasq)
             for family in ("inet", "arp"):  # the port isolation's host-side guard, made in the root namespace
