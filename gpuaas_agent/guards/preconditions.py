@@ -290,7 +290,7 @@ class RelayKeyEvidence(WireModel):
     private_uid: int
 
 
-def _parse_ed25519(line: str) -> tuple[str, str | None] | None:
+def parse_ed25519(line: str) -> tuple[str, str | None] | None:
     """(key type, comment) of one ``ssh-ed25519 BASE64 [comment]`` line whose blob is a real ed25519 key."""
     words = line.split(None, 2)
     if len(words) < 2 or words[0] != ED25519:
@@ -325,7 +325,7 @@ def check_relay_key(system: HostRoot, public_key_file: str | Path,
         raise _refuse(refusal, "relay_key_missing", f"terminal relay key {pub} cannot be read: {exc.strerror or exc}",
                       path=pub)
     lines = [line for line in text.splitlines() if line.strip()]
-    parsed = _parse_ed25519(lines[0].strip()) if len(lines) == 1 else None
+    parsed = parse_ed25519(lines[0].strip()) if len(lines) == 1 else None
     if parsed is None:
         raise _refuse(refusal, "relay_key_invalid", f"{pub} is not one {ED25519} public key line",
                       path=pub, lines=len(lines), first_word=(lines[0].split() or [""])[0][:32] if lines else None)

@@ -35,7 +35,7 @@ from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.errors import AgentError, HostError
-from gpuaas_agent.guards.preconditions import check_provision_preconditions
+from gpuaas_agent.guards.preconditions import check_provision_preconditions, parse_ed25519
 from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
 from gpuaas_agent.host.dnsmasq import make_reservation
@@ -166,12 +166,20 @@ def domain_not_ours(found, allocation_id: str, slot_index: int, created_uuid: st
 
 
 def _relay_key(path) -> str:
-    """The node's terminal relay public key (seed 004), added to every slice's authorized keys."""
+    """The node's terminal relay public key (seed 004), added to every slice's authorized keys.
+
+    A key that is not one ed25519 line is the host's fault (``relay_key_invalid``), not the tenant's:
+    it must not surface as the seed's ``invalid_payload``.
+    """
     try:
-        return path.read_text().strip()
+        text = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise HostError(f"terminal relay key {path} cannot be read: {getattr(exc, 'strerror', None) or exc}",
                         code="relay_key_missing", evidence={"path": str(path)}) from None
+    if parse_ed25519(text) is None:
+        raise HostError(f"terminal relay key {path} is not one ssh-ed25519 public key line",
+                        code="relay_key_invalid", evidence={"path": str(path), "lines": len(text.splitlines())})
+    return text
 
 
 def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
