@@ -52,7 +52,7 @@ def test_record_fixture_then_discover_round_trips(tmp_path):
     assert rec.returncode == 0, rec.stderr
     assert _cli("discover", "--json", "--root", str(out)).stdout == _cli("discover", "--json", "--root", AFTER).stdout
     again = _cli("record-fixture", str(out), "--root", AFTER)
-    assert again.returncode == 1 and "output_exists" in again.stderr
+    assert again.returncode == 2 and "output_exists" in again.stderr
 
 
 def test_record_fixture_archive_then_discover_round_trips(tmp_path):
