@@ -266,8 +266,9 @@ def _cmd_network_baseline(args: argparse.Namespace) -> int:
             "dhcp_hostsfile": args.dhcp_hostsfile or site.dnsmasq_hosts_file,
         }
         try:
-            spec = BaselineSpec(dnsmasq_conf=args.dnsmasq_conf, datapath_type=args.datapath_type,
-                                nat=not args.no_nat, tmfifo=args.tmfifo, **chosen)
+            # Flags are text: validated with JSON's rules (the models are strict in Python mode).
+            spec = BaselineSpec.from_wire(dict(dnsmasq_conf=args.dnsmasq_conf, datapath_type=args.datapath_type,
+                                               nat=not args.no_nat, tmfifo=args.tmfifo, **chosen))
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'flags'}: {e['msg']}" for e in exc.errors())
             print(f"gpuaas-agent: error: network-baseline: {problems}", file=sys.stderr)

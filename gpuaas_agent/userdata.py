@@ -112,7 +112,7 @@ def load_inputs(path: Path) -> UserDataInputs:
         raise ContractError(f"{path}: not valid JSON: {exc}", code="userdata_inputs_invalid",
                             evidence={"path": str(path)}) from None
     try:
-        return UserDataInputs.model_validate(data)
+        return UserDataInputs.from_wire(data)  # JSON-decoded: validated with JSON's rules
     except ValidationError as exc:
         problems = "; ".join(
             f"unknown key {'.'.join(map(str, e['loc']))!r}" if e["type"] == "extra_forbidden"

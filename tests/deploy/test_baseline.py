@@ -160,7 +160,7 @@ def test_bad_agent_config_is_named_and_reported_through_status(tmp_path):
         status = sock.recv(4096).decode()
     finally:
         sock.close()
-    assert done.returncode == 1 and "unknown key 'slice.ovs_bridg'" in done.stderr
+    assert done.returncode == 2 and "unknown key 'slice.ovs_bridg'" in done.stderr  # usage/input error
     assert status.startswith("STATUS=failed") and "ovs_bridg" in status
     assert not (tmp_path / "x.conf").exists()
 

@@ -285,7 +285,7 @@ def test_install_names_an_invalid_config_key_and_still_installs(installed, debs)
         assert "unknown key 'nats_ur'" in done.stderr + done.stdout
         assert "/etc/gpuaas-agent/agent.toml is invalid" in done.stderr + done.stdout
         start = box.run("gpuaas-agent", "run", "--config", "/etc/gpuaas-agent/agent.toml", check=False)
-        assert start.returncode == 1 and "nats_ur" in start.stderr + start.stdout
+        assert start.returncode == 2 and "nats_ur" in start.stderr + start.stdout
     finally:
         config.write_bytes(original)
 
