@@ -245,8 +245,9 @@ def check_seed_dir(system: HostRoot, seed_dir: str | Path, refusal: type[GuardEr
     """Prove QEMU (libvirt's qemu user) can open a seed ISO in ``seed_dir`` and the agent can write one there.
 
     libvirt's ``dynamic_ownership`` chowns the ISO itself at start, never its parent directories:
-    every component must let QEMU's uid traverse (seed 004: ``/var/lib/libvirt`` 0700 root:root kept
-    libvirt-qemu out), and the directory itself must be readable.
+    every component, the seed dir included, must let QEMU's uid traverse (seed 004: ``/var/lib/libvirt``
+    0700 root:root kept libvirt-qemu out). QEMU opens the ISO by its path and never lists the
+    directory, so the package's 0711 seed dir (``prepare-host``) is enough: search, not read.
     """
     seed_dir = posixpath.normpath("/" + str(seed_dir))
     user = user or qemu_user(system, refusal)
@@ -262,9 +263,8 @@ def check_seed_dir(system: HostRoot, seed_dir: str | Path, refusal: type[GuardEr
     for depth in range(len(parts) + 1):
         path = "/" + "/".join(parts[:depth])
         st = os.stat(system.real(path))
-        last = depth == len(parts)
         components.append(PathAccess(path=path, mode=oct(stat.S_IMODE(st.st_mode)), uid=st.st_uid, gid=st.st_gid,
-                                     ok=_may(st, user, 5 if last else 1)))
+                                     ok=_may(st, user, 1)))
     real = str(system.real(resolved))
     writable = os.access(real, os.W_OK | os.X_OK)
     evidence = SeedDirEvidence(seed_dir=seed_dir, qemu_user=user, components=components, agent_writable=writable)
@@ -274,9 +274,8 @@ def check_seed_dir(system: HostRoot, seed_dir: str | Path, refusal: type[GuardEr
     blocked = [c for c in components if not c.ok]
     if blocked:
         first = blocked[0]
-        what = "read" if first.path == resolved else "traverse"
         raise _refuse(refusal, "seed_dir_unreadable_by_qemu",
-                      f"QEMU's user {user.name} (uid {user.uid}) cannot {what} {first.path} "
+                      f"QEMU's user {user.name} (uid {user.uid}) cannot traverse {first.path} "
                       f"(mode {first.mode} owner {first.uid}:{first.gid})", **evidence.model_dump(mode="json"))
     return evidence
 

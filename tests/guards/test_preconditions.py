@@ -171,7 +171,7 @@ CASES: dict[str, tuple[Callable[[World], None], str, str]] = {
     "seed_dir_missing": (lambda w: _rm(w.machine / SEED_DIR.lstrip("/")), "seed_dir_missing", SEED_DIR),
     "var_lib_libvirt_0700": (lambda w: (w.machine / "var/lib/libvirt").chmod(0o700), "seed_dir_unreadable_by_qemu",
                              "/var/lib/libvirt"),
-    "seed_dir_0711": (lambda w: (w.machine / SEED_DIR.lstrip("/")).chmod(0o711), "seed_dir_unreadable_by_qemu",
+    "seed_dir_0700": (lambda w: (w.machine / SEED_DIR.lstrip("/")).chmod(0o700), "seed_dir_unreadable_by_qemu",
                       SEED_DIR),
     "seed_dir_read_only": (_read_only_seed_dir, "seed_dir_not_writable", SEED_DIR),
     "relay_pub_missing": (lambda w: (w.machine / RELAY.lstrip("/")).unlink(), "relay_key_missing", RELAY),

@@ -127,7 +127,8 @@ def test_lab_guest_boots_from_builder_xml_answers_ssh_and_leaves_nothing_after_a
         devices = RealDevices(workdir)
         stack.callback(devices.close)
         disk = devices.disk(size_mib=64)
-        lease = DiskLease(allocation_id=allocation_id, slot_index=0, nvme_device=disk.by_id)
+        lease = DiskLease(allocation_id=allocation_id, slot_index=0, nvme_device=disk.by_id,
+                          disk_identity=disk.identity)
 
         # Network: OVS netdev bridge (root netns, where libvirt makes taps) <- veth -> dnsmasq's namespace.
         mark = time.monotonic()
