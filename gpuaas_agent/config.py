@@ -31,9 +31,11 @@ class ConfigError(AgentError):
 
 
 def _default_concurrency() -> dict[TaskType, int]:
-    from gpuaas_agent.control.worker import DEFAULT_CONCURRENCY  # one source of the defaults
+    # The task registry is the one source of the defaults. Imported here, not at the top: the task
+    # modules the registry names import this module (SliceConfig), so config cannot import them first.
+    from gpuaas_agent.tasks.registry import default_concurrency
 
-    return dict(DEFAULT_CONCURRENCY)
+    return default_concurrency()
 
 
 class SliceConfig(BaseModel):

@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import signal
+import sqlite3
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -39,22 +40,44 @@ from nats.aio.client import Client
 
 from gpuaas_agent import __version__
 from gpuaas_agent.config import AgentConfig, load_config
+from gpuaas_agent.contract.drift import DriftTrigger
 from gpuaas_agent.contract.tasks import TaskType
-from gpuaas_agent.control.connection import Backoff, NatsConnectError, connect_nats, safe_url
+from gpuaas_agent.control.connection import (
+    Backoff,
+    NatsConnectError,
+    connect_nats,
+    safe_url,
+)
 from gpuaas_agent.control.enroll import (
     EnrollIdentity,
     EnrollmentRecord,
     enroll,
     load_enrollment,
 )
+from gpuaas_agent.control.uevent_watch import DriftWatcher, drift_subject
 from gpuaas_agent.control.worker import Handler, TaskWorker, WorkerSettings
+from gpuaas_agent.discovery.drift import topology_drift
+from gpuaas_agent.discovery.identity import read_identity
+from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.discovery.sysread import SysReader
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.exitcodes import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for  # noqa: F401
+from gpuaas_agent.exitcodes import (  # noqa: F401
+    EXIT_ENVIRONMENT,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    exit_code_for,
+)
+from gpuaas_agent.host.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
+from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
-from gpuaas_agent.operator.health import HealthSettings
+from gpuaas_agent.operator.health import HealthSettings, isolation_check
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
+from gpuaas_agent.tasks.registry import build_handlers
+from gpuaas_agent.tasks.slicehost import SliceHost
 
 log = logging.getLogger("gpuaas_agent.daemon")
 
@@ -70,7 +93,7 @@ class SdNotifier:
     """sd_notify(3) through libsystemd (``systemd.daemon.notify``); a no-op when ``$NOTIFY_SOCKET`` is unset."""
 
     @classmethod
-    def from_env(cls) -> "SdNotifier":
+    def from_env(cls) -> SdNotifier:
         return cls()
 
     @property
@@ -107,64 +130,30 @@ def watchdog_interval_s(environ: dict[str, str] | None = None) -> float | None:
 # -- task handlers ------------------------------------------------------------------
 
 
-def default_handlers(config: AgentConfig, slice_host=None) -> dict[TaskType, Handler]:
-    """Every type not here gets ``failed``/``not_implemented`` from the worker.
+def default_handlers(config: AgentConfig, slice_host: SliceHost | None = None) -> dict[TaskType, Handler]:
+    """The handlers of :data:`~gpuaas_agent.tasks.registry.TASKS`; every type not there gets
+    ``failed``/``not_implemented`` from the worker.
 
-    ``slice_host``: the drivers the slice pipelines share (one per daemon); without
+    ``slice_host``: the drivers the slice pipelines share (built once per daemon); without
     it only the read-only tasks are served.
     """
-    from gpuaas_agent.tasks.admission import slice_plan_config
-    from gpuaas_agent.tasks.plan import plan_handler
-    from gpuaas_agent.tasks.preflight import preflight_handler
-    from gpuaas_agent.tasks.topology import topology_discover_handler
-
-    handlers: dict[TaskType, Handler] = {
-        TaskType.topology_discover: topology_discover_handler(config.host_root, config.slice.gateway),
-        TaskType.plan: plan_handler(config.host_root, slice_plan_config(config.slice)),
-        TaskType.preflight: preflight_handler(config.host_root, sockets=_sockets(config), slice_config=config.slice),
-    }
-    if slice_host is not None:
-        from gpuaas_agent.tasks.power import power_handler
-        from gpuaas_agent.tasks.provision import provision_handler
-        from gpuaas_agent.tasks.reconcile import reconcile_handler
-        from gpuaas_agent.tasks.release import release_handler
-
-        handlers[TaskType.vm_provision] = provision_handler(slice_host)
-        handlers[TaskType.vm_release] = release_handler(slice_host)
-        handlers[TaskType.reconcile] = reconcile_handler(slice_host)
-        handlers[TaskType.vm_power] = power_handler(slice_host)
-    return handlers
+    return dict(build_handlers(config, slice_host))
 
 
-def port_isolation_probe(slice_host, store):
+def port_isolation_probe(slice_host: SliceHost, store):
     """The health round's ``port_isolation`` check: a read-only reconcile, its isolation findings only."""
-    from gpuaas_agent.contract.drift import DriftTrigger
-    from gpuaas_agent.operator.health import isolation_check
-    from gpuaas_agent.tasks.reconcile import reconcile
 
     async def port_isolation():
-        report = await reconcile(slice_host, store, repair=False, trigger=DriftTrigger.timer)
+        report = await reconcile_host(slice_host, store, repair=False, trigger=DriftTrigger.timer)
         return [isolation_check(report.findings)]
 
     return port_isolation
 
 
-def _sockets(config: AgentConfig):
-    """Preflight probes the daemons the slice pipelines use: the configured ovsdb, not the default one."""
-    from gpuaas_agent.discovery.prereqs import SocketPaths
-
-    remote = config.slice.ovsdb_remote
-    return SocketPaths(ovsdb=remote.removeprefix("unix:")) if remote.startswith("unix:") else SocketPaths()
-
-
 def timer_reconcile(slice_host, store: StateStore, nc: Client, node_id: str) -> Callable[[], Awaitable[dict]]:
     """The periodic reconcile: repairs what is safe, publishes its findings on the drift subject."""
-    from gpuaas_agent.contract.drift import DriftTrigger
-    from gpuaas_agent.control.uevent_watch import drift_subject
-    from gpuaas_agent.tasks.reconcile import reconcile
-
     async def run() -> dict:
-        report = await reconcile(slice_host, store, repair=True, trigger=DriftTrigger.timer, node_id=node_id)
+        report = await reconcile_host(slice_host, store, repair=True, trigger=DriftTrigger.timer, node_id=node_id)
         if report.findings:
             with contextlib.suppress(nats.errors.Error):
                 await nc.publish(drift_subject(node_id), report.model_dump_json().encode())
@@ -175,10 +164,6 @@ def timer_reconcile(slice_host, store: StateStore, nc: Client, node_id: str) -> 
 
 def identity_from_host(host_root: Path) -> EnrollIdentity:
     """Enrollment identity read from the host root (live ``/`` or a fixture)."""
-    from gpuaas_agent.discovery.identity import read_identity
-    from gpuaas_agent.discovery.sysread import SysReader
-    from gpuaas_agent.hostfs import HostRoot
-
     host = read_identity(SysReader(HostRoot.open(host_root)))
     if not host.machine_id or not host.hostname:
         raise AgentError("enrollment needs /etc/machine-id and a hostname", code="host_identity_missing",
@@ -262,12 +247,6 @@ class CountingBursts:
 
 def uevent_watch_task(config: AgentConfig, nc: Client, node_id: str, counter: list[CountingBursts]) -> asyncio.Task:
     """The drift watcher wired to discovery of ``host_root`` and the host's device events."""
-    from gpuaas_agent.control.uevent_watch import DriftWatcher
-    from gpuaas_agent.discovery.drift import topology_drift
-    from gpuaas_agent.discovery.report import discover
-    from gpuaas_agent.host.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
-    from gpuaas_agent.hostfs import HostRoot
-
     watcher = DriftWatcher(nc, node_id, lambda: discover(HostRoot.open(config.host_root)), topology_drift,
                            publish_timeout_s=config.request_timeout_s)
     source = CountingBursts(UeventMonitor())
@@ -357,8 +336,6 @@ async def run_agent(
         _event("agent_starting", node_id=record.node_id, version=__version__,
                servers=[safe_url(s) for s in record.credentials.servers])
         if handlers is None:
-            from gpuaas_agent.tasks.slicehost import SliceHost
-
             slice_host = SliceHost.from_config(config)
             removed = slice_host.images.remove_stale_partials()  # downloads a crashed agent left behind
             if removed:
@@ -466,8 +443,6 @@ async def _run_with_signals(config: AgentConfig) -> int:
 def run_main(config_path: str | Path) -> int:
     """``gpuaas-agent run --config F``: the daemon; exit 0 on SIGTERM; otherwise one ``agent_failed`` line and
     2 (bad config), 3 (environment: not enrolled, state unreadable) or 1 (the worker died)."""
-    import sqlite3
-
     configure_logging()
     try:
         config = load_config(config_path)

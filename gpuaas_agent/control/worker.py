@@ -70,6 +70,7 @@ from gpuaas_agent.contract.tasks import (
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.registry import default_concurrency
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +79,6 @@ RESULT_STREAM = "GPUAAS_RESULTS"
 TASK_STEP = "task"  # the worker's own journal step around a handler run
 CRASH_CODE = "internal_error"  # what _run_handler reports for an exception that is not an AgentError
 
-DEFAULT_CONCURRENCY: dict[TaskType, int] = {
-    TaskType.topology_discover: 2,
-    TaskType.preflight: 1,
-    TaskType.plan: 1,
-    TaskType.vm_provision: 8,  # one per slot: 8 concurrent provisions take as long as the slowest
-    TaskType.vm_release: 8,
-    TaskType.reconcile: 1,
-    TaskType.vm_power: 8,  # one per slot; the slot lock serialises power, provision and release of one slot
-}
 
 
 _event = functools.partial(log_event, log)
@@ -97,7 +89,7 @@ _warn = functools.partial(log_event, log, level=logging.WARNING)
 class WorkerSettings:
     task_stream: str = TASK_STREAM
     result_stream: str = RESULT_STREAM
-    concurrency: Mapping[TaskType, int] = field(default_factory=lambda: dict(DEFAULT_CONCURRENCY))
+    concurrency: Mapping[TaskType, int] = field(default_factory=default_concurrency)  # the registry's
     keepalive_interval_s: float = 10.0
     ack_wait_s: float = 60.0  # must be well above keepalive_interval_s
     max_deliver: int = -1  # a task is never dropped for having been redelivered; its deadline ends it

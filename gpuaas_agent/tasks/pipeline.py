@@ -18,6 +18,14 @@ Observation: one log line per step start and end (with its duration), and, when 
 context carries a ``step_observer`` (the worker's, wired to the daemon's metrics),
 a call ``observer(task_type, step, status, duration_s, output)`` per finished step.
 The pipeline knows nothing of what observes it.
+
+Declared pipelines (:class:`StepDef`): a task module declares its steps once, at module
+level, as named functions with typed inputs and outputs (``PROVISION_STEPS``), so the
+journal, the docs and a crash harness can enumerate them. :func:`bind_steps` turns such a
+declaration into today's :class:`Step` objects for one run: each step gets the run's
+read-only context plus the typed outputs of the steps it ``takes``; each compensation gets
+the context and an :class:`Undo` view (the outputs so far, ``disk_touched``). The runner
+below is unchanged by it.
 """
 
 from __future__ import annotations
@@ -25,11 +33,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import invalid_payload
@@ -69,7 +77,7 @@ def _observe(ctx: PipelineContext, step: str, status: str, started: float, outpu
     if observer is not None:
         try:
             observer(str(task_type), step, status, duration, output)
-        except Exception:  # noqa: BLE001 - observing must never change what the task does
+        except Exception:
             log.exception("step observer failed")
     return duration
 
@@ -80,6 +88,86 @@ class Step:
     run: StepFn
     compensate: StepFn | None = None  # None: nothing to undo (pure checks, reads, the shared image cache)
     touches_disk: bool = False  # once started, the slot disk may be dirty: no compensation can make it clean
+
+
+C = TypeVar("C")  # the run's read-only context (e.g. provision's ProvisionRun)
+
+
+@dataclass(frozen=True)
+class Undo:
+    """What a compensation may read: the typed outputs of the steps that finished, and whether the disk
+    may be dirty (a ``touches_disk`` step has *started*). A step that failed or never ran has no output."""
+
+    outputs: Mapping[str, Any]
+    disk_touched: bool
+
+    def output(self, name: str) -> Any | None:
+        return self.outputs.get(name)
+
+
+@dataclass(frozen=True)
+class StepDef(Generic[C]):
+    """One declared step: ``run(context, *outputs_of(takes))`` returns its typed output;
+    ``compensate(context, undo)`` undoes whatever part of it happened (idempotent).
+
+    A step without a compensation names why in ``no_compensation`` (a check, a read, a
+    state that is the host's steady state, or a write only a release can undo).
+    """
+
+    name: str
+    run: Callable[..., Awaitable[Any]]
+    compensate: Callable[[C, Undo], Awaitable[dict[str, Any] | None]] | None = None
+    takes: tuple[str, ...] = ()
+    touches_disk: bool = False
+    no_compensation: str | None = None
+
+
+def journal_detail(output: Any) -> dict[str, Any]:
+    """A step's output as the JSON its journal entry and progress event carry."""
+    if output is None:
+        return {}
+    if hasattr(output, "journal"):
+        return output.journal()
+    if isinstance(output, BaseModel):
+        return output.model_dump(mode="json")
+    return dict(output)
+
+
+def bind_steps(defs: tuple[StepDef[C], ...] | list[StepDef[C]], context: C) -> list[Step]:
+    """Today's :class:`Step` objects for one run of ``defs``; the typed outputs stay in this binding.
+
+    A step may only take outputs of steps declared before it (checked here, so a bad
+    declaration fails at bind time, before anything runs).
+    """
+    outputs: dict[str, Any] = {}
+    started: set[str] = set()
+    names = [d.name for d in defs]
+    for index, d in enumerate(defs):
+        unknown = [t for t in d.takes if t not in names[:index]]
+        if unknown:
+            raise ValueError(f"step {d.name} takes {unknown}, not outputs of earlier steps")
+    touching = {d.name for d in defs if d.touches_disk}
+
+    def undo_view() -> Undo:
+        return Undo(outputs=dict(outputs), disk_touched=bool(started & touching))
+
+    def bound(d: StepDef[C]) -> Step:
+        async def run() -> dict[str, Any]:
+            started.add(d.name)
+            output = await d.run(context, *(outputs[t] for t in d.takes))
+            outputs[d.name] = output
+            return journal_detail(output)
+
+        compensate = None
+        if d.compensate is not None:
+            undo_fn = d.compensate
+
+            async def compensate() -> dict[str, Any] | None:
+                return await undo_fn(context, undo_view())
+
+        return Step(d.name, run, compensate, touches_disk=d.touches_disk)
+
+    return [bound(d) for d in defs]
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gpuaas_agent import __version__
+from gpuaas_agent.contract.cloudinit import SeedSpec
+from gpuaas_agent.contract.dhcp import GuestReadiness
 from gpuaas_agent.contract.domain import DomainSpec
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.plan import PlannedSlot
@@ -34,6 +36,7 @@ from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
+from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError, HostError
 from gpuaas_agent.guards.preconditions import check_provision_preconditions, parse_ed25519
 from gpuaas_agent.host.clone import clone_image
@@ -51,7 +54,14 @@ from gpuaas_agent.tasks.admission import (
 )
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
 from gpuaas_agent.tasks.isolation import isolate_port
-from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
+from gpuaas_agent.tasks.pipeline import (
+    PipelineFailed,
+    Step,
+    StepDef,
+    Undo,
+    bind_steps,
+    run_pipeline,
+)
 from gpuaas_agent.tasks.plan import plan_bundle
 from gpuaas_agent.tasks.slicehost import SliceHost
 
@@ -67,30 +77,32 @@ class ProvisionRefused(AgentError):
     default_code = "provision_refused"
 
 
-@dataclass
-class _Run:
-    """State shared by the steps of one provision run (and read by their compensations)."""
+@dataclass(frozen=True)
+class ProvisionRun:
+    """What every step of one provision reads and none may change: the host's drivers, the task, its profile.
 
+    ``ctx`` is the worker's TaskContext (``store``, ``progress``, ``slot_outcomes``). What a step
+    produces is its typed output, handed to the steps that declare they take it.
+    """
+
+    sh: SliceHost
     payload: VmProvisionPayload
     profile: RuntimeProfile
     task_id: str
-    planned: PlannedSlot | None = None
-    lease: SlotLease | None = None
-    lease_was_held: bool = False
-    disk_touched: bool = False
-    spec: DomainSpec | None = None
-    image_path: str | None = None
-    facts: dict[str, Any] = field(default_factory=dict)
+    ctx: Any
+
+    @classmethod
+    def for_task(cls, sh: SliceHost, payload: VmProvisionPayload, ctx) -> ProvisionRun:
+        return cls(sh=sh, payload=payload, profile=get_profile(payload.runtime_profile),
+                   task_id=ctx.envelope.task_id, ctx=ctx)
+
+    @property
+    def store(self):
+        return self.ctx.store
 
     @property
     def slot(self):
         return self.payload.slot
-
-    @property
-    def disk_lease(self) -> DiskLease:
-        """The only disk this run may write (the guard checks every write against it)."""
-        return DiskLease(allocation_id=self.payload.allocation_id, slot_index=self.slot.slot_index,
-                         nvme_device=self.slot.nvme_device, disk_identity=self.lease.disk_identity)
 
     @property
     def name(self) -> str:
@@ -100,19 +112,30 @@ class _Run:
     def vnic(self) -> str:
         return vnic_name(self.payload.allocation_id, self.slot.slot_index)
 
+    @property
+    def port(self) -> SlicePort:
+        slot = self.slot
+        return SlicePort(slot.ovs_bridge, self.vnic, slot.mac, slot.private_ip, self.payload.allocation_id,
+                         slot.slot_index, self.profile.ingress_policing)
 
-def _outcome(run: _Run, status: SlotStatus, health: HealthState, detail: dict) -> SlotOutcome:
+    def disk_lease(self, validated: Validated) -> DiskLease:
+        """The only disk this run may write (the guard checks every write against it)."""
+        return DiskLease(allocation_id=self.payload.allocation_id, slot_index=self.slot.slot_index,
+                         nvme_device=self.slot.nvme_device, disk_identity=validated.lease.disk_identity)
+
+
+def _outcome(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict) -> SlotOutcome:
     return SlotOutcome(slot_index=run.slot.slot_index, status=status, health_state=health, health_detail=detail)
 
 
-def _record(run: _Run, status: SlotStatus, health: HealthState, detail: dict) -> SlotRecord:
+def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict) -> SlotRecord:
     return SlotRecord(slot_index=run.slot.slot_index, allocation_id=run.payload.allocation_id, status=status,
                       health_state=health, detail=detail, task_id=run.task_id, updated_at=time.time())
 
 
-def _check_admissible(sh: SliceHost, run: _Run, store) -> None:
+def check_admissible(run: ProvisionRun) -> None:
     """Refusals that need no host access: profile, slot state, a second provision of the allocation."""
-    slot = run.slot
+    sh, store, slot = run.sh, run.store, run.slot
     if run.profile.domain_type is DomainType.qemu and not sh.slice.allow_emulated_domains:
         raise ProvisionRefused(
             f"runtime profile {run.profile.name} runs under emulation (TCG); this host only runs KVM slices",
@@ -182,219 +205,343 @@ def _relay_key(path) -> str:
     return text
 
 
-def _steps(sh: SliceHost, run: _Run, ctx) -> list[Step]:
-    store = ctx.store
-    payload = run.payload
-    slot = payload.slot
+# -- the steps: each a named function of the run and the typed outputs it takes, its undo beside it --------
 
-    async def validate() -> dict:
-        from gpuaas_agent.discovery.report import discover
 
-        # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
-        # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
-        run.facts["relay_key"] = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
-        check_guest_address(slot.private_ip, sh.slice)
-        run.facts["seed_spec"] = build_seed_spec(payload, run.facts["relay_key"], sh.slice)
-        check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
-        report = await asyncio.to_thread(lambda: discover(sh.host(), slice_plan_config(sh.slice)))
-        # The approved record must be exactly the host's candidate slot of its index, as slice.plan checks.
-        plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[slot.slot_id],
-                                       slots=[slot.model_copy(update={"status": SlotStatus.reserved})]), report)
-        run.planned = plan.slots[0]
-        await asyncio.to_thread(check_reservation, sh.reservations(), payload)
-        run.facts["preconditions"] = await preconditions()
-        lease = SlotLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
-                          gpu_pci_address=slot.gpu_pci_address, nvme_device=slot.nvme_device,
-                          disk_identity=run.planned.disk_identity,
-                          fabric_vf_pci_address=slot.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
-        run.lease_was_held = any(held.slot_index == slot.slot_index for held in store.leases_of(payload.allocation_id))
-        run.lease = store.take_lease(lease)  # lease_conflict: another allocation holds a device of this slot
-        store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}))
-        return {"kernel_name": run.planned.nvme_kernel_name, "numa_node": run.planned.gpu_numa_node,
-                "disk_identity": run.planned.disk_identity,
-                "lease": "held_before" if run.lease_was_held else "taken",
-                "preconditions": run.facts["preconditions"]}
+@dataclass(frozen=True)
+class Validated:
+    """Everything that can refuse the task was asked; the lease is held and the slot is ``provisioning``."""
 
-    async def preconditions() -> dict:
-        """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8)."""
-        async with sh.ovs() as ovs:
-            bridge_exists = await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge)
-        cached = sh.images.lookup(payload.image.sha256)
-        proven = await asyncio.to_thread(
-            check_provision_preconditions, sh.host(), sh.system(),
-            sh.slice.model_copy(update={"ovs_bridge": slot.ovs_bridge}), run.profile,
-            numa_node=run.planned.gpu_numa_node if run.profile.hostdevs else None,
-            gpu_pci_address=slot.gpu_pci_address if run.profile.hostdevs else None,
-            fabric_vf_pci_address=slot.fabric_vf_pci_address if run.profile.hostdevs else None,
-            bridge_exists=bridge_exists, image_cache_dir=sh.images.root,
-            image_size_hint=0 if cached else payload.image.size_bytes)
-        return proven.model_dump(mode="json")
+    planned: PlannedSlot
+    lease: SlotLease
+    lease_was_held: bool
+    relay_key: str
+    seed_spec: SeedSpec
+    preconditions: dict[str, Any]
 
-    async def other_domain_disks() -> list[str]:
-        """Disks of every defined domain, running or shut off, except this allocation+slot's own."""
-        return await sh.libvirt.defined_domain_disks(exclude_allocation=payload.allocation_id,
-                                                     exclude_slot=slot.slot_index)
+    def journal(self) -> dict[str, Any]:
+        return {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
+                "disk_identity": self.planned.disk_identity,
+                "lease": "held_before" if self.lease_was_held else "taken",
+                "preconditions": self.preconditions}
 
-    async def unlease() -> dict:
-        if run.disk_touched:
-            return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
-        store.release_slot_lease(payload.allocation_id, slot.slot_index)  # the allocation's other slots keep theirs
-        record = store.slot_state(slot.slot_index)
-        if record is not None and record.allocation_id == payload.allocation_id:  # never another allocation's
-            store.clear_slot_state(slot.slot_index)
-        return {"lease": "released"}
 
-    async def bind() -> dict:
-        if not run.profile.hostdevs:
-            return {"skipped": f"profile {run.profile.name} passes no PCI devices through"}
-        approved = [slot.gpu_pci_address, slot.fabric_vf_pci_address]
-        results = [await bind_to_vfio(sh.host(), address, approved) for address in approved]
-        return {"bound": [r.model_dump(mode="json") for r in results]}
+async def _preconditions(run: ProvisionRun, planned: PlannedSlot) -> dict[str, Any]:
+    """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8)."""
+    sh, payload, slot, profile = run.sh, run.payload, run.slot, run.profile
+    async with sh.ovs() as ovs:
+        bridge_exists = await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge)
+    cached = sh.images.lookup(payload.image.sha256)
+    proven = await asyncio.to_thread(
+        check_provision_preconditions, sh.host(), sh.system(),
+        sh.slice.model_copy(update={"ovs_bridge": slot.ovs_bridge}), profile,
+        numa_node=planned.gpu_numa_node if profile.hostdevs else None,
+        gpu_pci_address=slot.gpu_pci_address if profile.hostdevs else None,
+        fabric_vf_pci_address=slot.fabric_vf_pci_address if profile.hostdevs else None,
+        bridge_exists=bridge_exists, image_cache_dir=sh.images.root,
+        image_size_hint=0 if cached else payload.image.size_bytes)
+    return proven.model_dump(mode="json")
 
-    async def image() -> dict:
-        # The config bounds the size; the task's declared size (if any) lowers the bound and must match.
-        # Pinned until the clone has read it: the cache's LRU eviction never takes an image a provision holds.
-        cached = await sh.images.fetch(payload.image.url, payload.image.sha256, size_bytes=payload.image.size_bytes,
-                                       pin=True)
-        run.facts["image_pinned"] = True
-        run.image_path = cached.path
-        return {"sha256": cached.sha256, "size_bytes": cached.size_bytes, "format": cached.format.value}
 
-    async def clone() -> dict:
-        run.disk_touched = True  # from here on, nothing but a verified wipe makes this disk clean
-        others = await other_domain_disks()
+async def validate(run: ProvisionRun) -> Validated:
+    # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
+    # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
+    sh, payload, slot, store = run.sh, run.payload, run.slot, run.store
+    relay_key = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
+    check_guest_address(slot.private_ip, sh.slice)
+    seed_spec = build_seed_spec(payload, relay_key, sh.slice)
+    check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
+    report = await asyncio.to_thread(lambda: discover(sh.host(), slice_plan_config(sh.slice)))
+    # The approved record must be exactly the host's candidate slot of its index, as slice.plan checks.
+    plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[slot.slot_id],
+                                   slots=[slot.model_copy(update={"status": SlotStatus.reserved})]), report)
+    planned = plan.slots[0]
+    await asyncio.to_thread(check_reservation, sh.reservations(), payload)
+    preconditions = await _preconditions(run, planned)
+    wanted = SlotLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
+                       gpu_pci_address=slot.gpu_pci_address, nvme_device=slot.nvme_device,
+                       disk_identity=planned.disk_identity,
+                       fabric_vf_pci_address=slot.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
+    lease_was_held = any(held.slot_index == slot.slot_index for held in store.leases_of(payload.allocation_id))
+    lease = store.take_lease(wanted)  # lease_conflict: another allocation holds a device of this slot
+    store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}))
+    return Validated(planned=planned, lease=lease, lease_was_held=lease_was_held, relay_key=relay_key,
+                     seed_spec=seed_spec, preconditions=preconditions)
+
+
+async def unlease(run: ProvisionRun, undo: Undo) -> dict:
+    if undo.disk_touched:
+        return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
+    store, alloc, index = run.store, run.payload.allocation_id, run.slot.slot_index
+    store.release_slot_lease(alloc, index)  # the allocation's other slots keep theirs
+    record = store.slot_state(index)
+    if record is not None and record.allocation_id == alloc:  # never another allocation's
+        store.clear_slot_state(index)
+    return {"lease": "released"}
+
+
+@dataclass(frozen=True)
+class VfioBound:
+    results: tuple[Any, ...] = ()
+    skipped: str | None = None
+
+    def journal(self) -> dict[str, Any]:
+        if self.skipped is not None:
+            return {"skipped": self.skipped}
+        return {"bound": [r.model_dump(mode="json") for r in self.results]}
+
+
+async def bind_vfio(run: ProvisionRun) -> VfioBound:
+    if not run.profile.hostdevs:
+        return VfioBound(skipped=f"profile {run.profile.name} passes no PCI devices through")
+    approved = [run.slot.gpu_pci_address, run.slot.fabric_vf_pci_address]
+    return VfioBound(results=tuple([await bind_to_vfio(run.sh.host(), address, approved) for address in approved]))
+
+
+class ImagePin:
+    """This run's pin of an image in the shared cache: released once, by the clone or by the image's undo."""
+
+    def __init__(self, images, sha256: str) -> None:
+        self._images, self._sha256, self._held = images, sha256, True
+
+    def release(self) -> bool:
+        """Drop the pin if this run still holds it; True when it did."""
+        if not self._held:
+            return False
+        self._held = False
+        self._images.unpin(self._sha256)
+        return True
+
+
+@dataclass(frozen=True)
+class FetchedImage:
+    path: str
+    sha256: str
+    size_bytes: int
+    format: str
+    pin: ImagePin
+
+    def journal(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "size_bytes": self.size_bytes, "format": self.format}
+
+
+async def fetch_image(run: ProvisionRun) -> FetchedImage:
+    # The config bounds the size; the task's declared size (if any) lowers the bound and must match.
+    # Pinned until the clone has read it: the cache's LRU eviction never takes an image a provision holds.
+    image, images = run.payload.image, run.sh.images
+    cached = await images.fetch(image.url, image.sha256, size_bytes=image.size_bytes, pin=True)
+    return FetchedImage(path=cached.path, sha256=cached.sha256, size_bytes=cached.size_bytes,
+                        format=cached.format.value, pin=ImagePin(images, image.sha256))
+
+
+async def unpin_image(run: ProvisionRun, undo: Undo) -> dict:
+    fetched: FetchedImage | None = undo.output("image")
+    if fetched is not None and fetched.pin.release():
+        return {"image": "unpinned"}
+    return {"image": "not pinned"}
+
+
+async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage):
+    # touches_disk: from its start, nothing but a verified wipe makes this disk clean.
+    sh, slot = run.sh, run.slot
+    try:
+        # Disks of every defined domain, running or shut off, except this allocation+slot's own.
+        others = await sh.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
+                                                       exclude_slot=slot.slot_index)
 
         async def on_progress(p) -> None:
-            await ctx.progress("clone", "progress", percent=p.percent)
+            await run.ctx.progress("clone", "progress", percent=p.percent)
 
-        try:
-            result = await clone_image(
-                sh.host(), run.image_path, slot.nvme_device,
-                lease=run.disk_lease, domain_disks=others, wipe_proof=store.latest_wipe_proof(slot.slot_index),
-                on_progress=on_progress, timeout=sh.slice.clone_timeout_s)
-        finally:
-            await unpin_image()
-        return result.model_dump(mode="json")
+        return await clone_image(
+            sh.host(), image.path, slot.nvme_device,
+            lease=run.disk_lease(validated), domain_disks=others,
+            wipe_proof=run.store.latest_wipe_proof(slot.slot_index),
+            on_progress=on_progress, timeout=sh.slice.clone_timeout_s)
+    finally:
+        image.pin.release()
 
-    async def unpin_image() -> dict:
-        if run.facts.pop("image_pinned", False):
-            sh.images.unpin(payload.image.sha256)
-            return {"image": "unpinned"}
-        return {"image": "not pinned"}
 
-    async def seed() -> dict:
-        iso = await write_seed_iso(run.facts["seed_spec"], sh.seed_path(payload.allocation_id, slot.slot_index))
-        return {"path": iso.path, "sha256": iso.sha256}
+@dataclass(frozen=True)
+class Seeded:
+    path: str
+    sha256: str
 
-    async def unseed() -> dict:
-        return sh.remove_seed(payload.allocation_id, slot.slot_index)
+    def journal(self) -> dict[str, Any]:
+        return {"path": self.path, "sha256": self.sha256}
 
-    vnic = SlicePort(slot.ovs_bridge, run.vnic, slot.mac, slot.private_ip, payload.allocation_id, slot.slot_index,
-                     run.profile.ingress_policing)
 
-    async def plug() -> dict:
-        async with sh.ovs() as ovs:
-            await asyncio.to_thread(ovs.ensure_bridge, slot.ovs_bridge)  # never created here: missing is a blocker
-            port = await put_port(ovs, vnic, payload.allocation_id)
-        # Closed from the moment it exists: the MAC is the slot's only (DESIGN.md §4.9); the tap and its
-        # ofport appear at start, when the full per-port rules go in.
-        isolation = await isolate_port(sh, port, mac=slot.mac, ip=slot.private_ip)
-        return {**port.model_dump(mode="json"), "isolation": isolation}
+async def seed(run: ProvisionRun, validated: Validated) -> Seeded:
+    iso = await write_seed_iso(validated.seed_spec, run.sh.seed_path(run.payload.allocation_id, run.slot.slot_index))
+    return Seeded(path=iso.path, sha256=iso.sha256)
 
-    async def unplug() -> dict:
-        return await sh.unplug(slot.ovs_bridge, run.vnic, payload.allocation_id)
 
-    async def reserve() -> dict:
-        reservations = sh.reservations()
-        res = make_reservation(payload.allocation_id, slot.slot_index, slot.mac, slot.private_ip, payload.hostname)
-        changed = await asyncio.to_thread(reservations.add, res)
-        pid = await asyncio.to_thread(reservations.reload)
-        return {"reservation": res.model_dump(mode="json"), "changed": changed, "dnsmasq_pid": pid}
+async def unseed(run: ProvisionRun, undo: Undo) -> dict:
+    return run.sh.remove_seed(run.payload.allocation_id, run.slot.slot_index)
 
-    async def unreserve() -> dict:
-        return await sh.unreserve(payload.allocation_id, slot.slot_index)
 
-    async def define() -> dict:
-        firmware = await asyncio.to_thread(find_ovmf, sh.system())
-        numa = run.planned.gpu_numa_node if run.profile.hostdevs else None
-        cpulist = await asyncio.to_thread(node_cpulist, sh.host(), numa) if numa is not None else None
-        run.spec = DomainSpec(
-            allocation_id=payload.allocation_id, slot_index=slot.slot_index, task_id=run.task_id,
-            profile=run.profile,
-            gpu_pci_address=slot.gpu_pci_address if run.profile.hostdevs else None,
-            fabric_vf_pci_address=slot.fabric_vf_pci_address if run.profile.hostdevs else None,
-            nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
-            seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
-            numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__)
-        outcome = await sh.libvirt.define(run.spec)
-        run.facts["domain_uuid"] = outcome.domain.uuid  # what undo may touch: this domain, no other of that name
-        return {"domain": outcome.domain.name, "uuid": outcome.domain.uuid, "action": outcome.action}
+@dataclass(frozen=True)
+class Plugged:
+    port: Any  # OvsPort
+    isolation: dict[str, Any]
 
-    async def ours() -> tuple[Any, str | None]:
-        """The slot's own domain, or why the one of that name is left alone (undo never goes by name alone)."""
-        found = await sh.libvirt.lookup(run.name)
-        return found, domain_not_ours(found, payload.allocation_id, slot.slot_index, run.facts.get("domain_uuid"))
+    def journal(self) -> dict[str, Any]:
+        return {**self.port.model_dump(mode="json"), "isolation": self.isolation}
 
-    async def undefine() -> dict:
-        found, foreign = await ours()
-        if found is None:
-            return {"domain": run.name, "found": False}
-        if foreign:
-            return {"domain": run.name, "found": True, "left": foreign}
-        stopped = await sh.libvirt.shutdown(run.name, deadline_s=0)  # compensation: no grace, destroy now
-        gone = await sh.libvirt.undefine(run.name)
-        return {"domain": run.name, "destroyed": stopped.destroyed, "nvram_removed": gone.nvram_removed}
 
-    async def start() -> dict:
-        # The guards, the start, our port ids back, and the full isolation rules for the tap's ofport.
-        return await guarded_start(sh, run.spec.start_target(), disk_lease=run.disk_lease, port=vnic)
+async def ovs_port(run: ProvisionRun) -> Plugged:
+    slot = run.slot
+    async with run.sh.ovs() as ovs:
+        await asyncio.to_thread(ovs.ensure_bridge, slot.ovs_bridge)  # never created here: missing is a blocker
+        port = await put_port(ovs, run.port, run.payload.allocation_id)
+    # Closed from the moment it exists: the MAC is the slot's only (DESIGN.md §4.9); the tap and its
+    # ofport appear at start, when the full per-port rules go in.
+    isolation = await isolate_port(run.sh, port, mac=slot.mac, ip=slot.private_ip)
+    return Plugged(port=port, isolation=isolation)
 
-    async def stop() -> dict:
-        found, foreign = await ours()
-        if found is None or foreign:
-            return {"domain": run.name, "found": found is not None, **({"left": foreign} if foreign else {})}
-        stopped = await sh.libvirt.shutdown(run.name, deadline_s=0)
-        return stopped.model_dump(mode="json")
 
-    async def ready() -> dict:
-        loop = asyncio.get_running_loop()
+async def unplug(run: ProvisionRun, undo: Undo) -> dict:
+    return await run.sh.unplug(run.slot.ovs_bridge, run.vnic, run.payload.allocation_id)
 
-        async def progress(event: str, fields: dict) -> None:
-            await ctx.progress("readiness", "progress", detail={"event": event, **fields})
 
-        readiness = await wait_for_guest(sh.slice.dnsmasq_lease_file, slot.mac, slot.private_ip,
-                                         deadline=loop.time() + (payload.readiness_timeout_s
-                                                                 or sh.slice.readiness_timeout_s),
-                                         progress=progress)
-        run.facts["readiness"] = readiness.model_dump(mode="json")
-        return run.facts["readiness"]
+@dataclass(frozen=True)
+class Reserved:
+    reservation: Any  # DhcpReservation
+    changed: bool
+    dnsmasq_pid: int | None
 
-    return [
-        Step("validate", validate, unlease),
-        Step("bind_vfio", bind),  # a GPU left on vfio-pci is the slice host's steady state: nothing to undo
-        Step("image", image, unpin_image),  # the shared cache keeps the image; only this run's pin goes
-        Step("clone", clone, touches_disk=True),  # cannot be undone: a wipe by release is the only way back
-        Step("seed", seed, unseed),
-        Step("ovs_port", plug, unplug),
-        Step("reservation", reserve, unreserve),
-        Step("define", define, undefine),
-        Step("start", start, stop),
-        Step("readiness", ready),
-    ]
+    def journal(self) -> dict[str, Any]:
+        return {"reservation": self.reservation.model_dump(mode="json"), "changed": self.changed,
+                "dnsmasq_pid": self.dnsmasq_pid}
+
+
+async def reservation(run: ProvisionRun) -> Reserved:
+    payload, slot = run.payload, run.slot
+    reservations = run.sh.reservations()
+    res = make_reservation(payload.allocation_id, slot.slot_index, slot.mac, slot.private_ip, payload.hostname)
+    changed = await asyncio.to_thread(reservations.add, res)
+    pid = await asyncio.to_thread(reservations.reload)
+    return Reserved(reservation=res, changed=changed, dnsmasq_pid=pid)
+
+
+async def unreserve(run: ProvisionRun, undo: Undo) -> dict:
+    return await run.sh.unreserve(run.payload.allocation_id, run.slot.slot_index)
+
+
+@dataclass(frozen=True)
+class Defined:
+    spec: DomainSpec
+    domain: str
+    uuid: str  # what undo may touch: this domain, no other of that name
+    action: str
+
+    def journal(self) -> dict[str, Any]:
+        return {"domain": self.domain, "uuid": self.uuid, "action": self.action}
+
+
+async def define(run: ProvisionRun, validated: Validated) -> Defined:
+    sh, payload, slot, profile = run.sh, run.payload, run.slot, run.profile
+    firmware = await asyncio.to_thread(find_ovmf, sh.system())
+    numa = validated.planned.gpu_numa_node if profile.hostdevs else None
+    cpulist = await asyncio.to_thread(node_cpulist, sh.host(), numa) if numa is not None else None
+    spec = DomainSpec(
+        allocation_id=payload.allocation_id, slot_index=slot.slot_index, task_id=run.task_id,
+        profile=profile,
+        gpu_pci_address=slot.gpu_pci_address if profile.hostdevs else None,
+        fabric_vf_pci_address=slot.fabric_vf_pci_address if profile.hostdevs else None,
+        nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
+        seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
+        numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__)
+    outcome = await sh.libvirt.define(spec)
+    return Defined(spec=spec, domain=outcome.domain.name, uuid=outcome.domain.uuid, action=outcome.action)
+
+
+async def _ours(run: ProvisionRun, undo: Undo) -> tuple[Any, str | None]:
+    """The slot's own domain, or why the one of that name is left alone (undo never goes by name alone)."""
+    found = await run.sh.libvirt.lookup(run.name)
+    defined: Defined | None = undo.output("define")
+    return found, domain_not_ours(found, run.payload.allocation_id, run.slot.slot_index,
+                                  defined.uuid if defined is not None else None)
+
+
+async def undefine(run: ProvisionRun, undo: Undo) -> dict:
+    found, foreign = await _ours(run, undo)
+    if found is None:
+        return {"domain": run.name, "found": False}
+    if foreign:
+        return {"domain": run.name, "found": True, "left": foreign}
+    stopped = await run.sh.libvirt.shutdown(run.name, deadline_s=0)  # compensation: no grace, destroy now
+    gone = await run.sh.libvirt.undefine(run.name)
+    return {"domain": run.name, "destroyed": stopped.destroyed, "nvram_removed": gone.nvram_removed}
+
+
+@dataclass(frozen=True)
+class Started:
+    evidence: dict[str, Any]  # the guards' evidence, the start, the port ids and the isolation rules
+
+    def journal(self) -> dict[str, Any]:
+        return dict(self.evidence)
+
+
+async def start(run: ProvisionRun, validated: Validated, defined: Defined) -> Started:
+    # The guards, the start, our port ids back, and the full isolation rules for the tap's ofport.
+    return Started(await guarded_start(run.sh, defined.spec.start_target(), disk_lease=run.disk_lease(validated),
+                                       port=run.port))
+
+
+async def stop(run: ProvisionRun, undo: Undo) -> dict:
+    found, foreign = await _ours(run, undo)
+    if found is None or foreign:
+        return {"domain": run.name, "found": found is not None, **({"left": foreign} if foreign else {})}
+    stopped = await run.sh.libvirt.shutdown(run.name, deadline_s=0)
+    return stopped.model_dump(mode="json")
+
+
+async def readiness(run: ProvisionRun) -> GuestReadiness:
+    loop = asyncio.get_running_loop()
+
+    async def progress(event: str, fields: dict) -> None:
+        await run.ctx.progress("readiness", "progress", detail={"event": event, **fields})
+
+    slot = run.slot
+    timeout = run.payload.readiness_timeout_s or run.sh.slice.readiness_timeout_s
+    return await wait_for_guest(run.sh.slice.dnsmasq_lease_file, slot.mac, slot.private_ip,
+                                deadline=loop.time() + timeout, progress=progress)
+
+
+# The provision pipeline, in order (README and DESIGN.md §2 name the same steps).
+PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
+    StepDef("validate", validate, unlease),
+    StepDef("bind_vfio", bind_vfio,
+            no_compensation="a GPU left on vfio-pci is the slice host's steady state: nothing to undo"),
+    StepDef("image", fetch_image, unpin_image),  # the shared cache keeps the image; only this run's pin goes
+    StepDef("clone", clone, takes=("validate", "image"), touches_disk=True,
+            no_compensation="a written disk cannot be un-written: only a verified wipe by release makes it clean"),
+    StepDef("seed", seed, unseed, takes=("validate",)),
+    StepDef("ovs_port", ovs_port, unplug),
+    StepDef("reservation", reservation, unreserve),
+    StepDef("define", define, undefine, takes=("validate",)),
+    StepDef("start", start, stop, takes=("validate", "define")),
+    StepDef("readiness", readiness, no_compensation="a read of the lease file and an SSH banner: nothing to undo"),
+)
+
+
+def provision_steps(run: ProvisionRun) -> list[Step]:
+    """:data:`PROVISION_STEPS` bound to one run, as the runner takes them."""
+    return bind_steps(PROVISION_STEPS, run)
 
 
 async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
-    run = _Run(payload=payload, profile=get_profile(payload.runtime_profile), task_id=ctx.envelope.task_id)
+    run = ProvisionRun.for_task(sh, payload, ctx)
     async with sh.slot_lock(payload.slot.slot_index):
         try:
-            _check_admissible(sh, run, ctx.store)
+            check_admissible(run)
         except ProvisionRefused as refused:
             if refused.code in ("slot_cleanup_blocked", "provision_interrupted"):  # the slot is (now) blocked
                 ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed,
                                                   {"code": refused.code, **refused.evidence}))
             raise
         try:
-            outputs = await run_pipeline(ctx, _steps(sh, run, ctx))
+            outputs = await run_pipeline(ctx, provision_steps(run))
         except PipelineFailed as failure:
             _report_failure(run, ctx, failure)
             raise
@@ -418,7 +565,7 @@ async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
     }
 
 
-def _report_failure(run: _Run, ctx, failure: PipelineFailed) -> None:
+def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> None:
     detail = {"failed_step": failure.failed_step, "code": failure.code, "message": failure.message,
               "evidence": failure.evidence, "cancelled": failure.cancelled}
     if failure.disk_touched:

@@ -28,7 +28,7 @@ from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.pipeline import PipelineFailed
-from gpuaas_agent.tasks.provision import _Run, _steps, provision
+from gpuaas_agent.tasks.provision import ProvisionRun, provision, provision_steps
 from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import HOSTS
@@ -221,8 +221,9 @@ def test_undo_after_a_define_conflict_leaves_another_slots_domain_running(loop_h
     sh = _slice_host(loop_host, tmp_path, prepared_host)
     store = StateStore.open(tmp_path / "state.db")
     payload = _payload(_approved(loop_host, 1, ovs_bridge=prepared_host.bridge), alloc=alloc)
-    run = _Run(payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-second")
-    steps = {step.name: step for step in _steps(sh, run, _ctx_for(store, "t-second"))}
+    run = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-second",
+                       ctx=_ctx_for(store, "t-second"))
+    steps = {step.name: step for step in provision_steps(run)}
 
     async def scenario():
         try:

@@ -135,7 +135,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, touched):
     from gpuaas_agent.contract.runtime import get_profile
     from gpuaas_agent.contract.slots import HealthState
     from gpuaas_agent.contract.state import SlotRecord
-    from gpuaas_agent.tasks.provision import ProvisionRefused, _check_admissible, _Run
+    from gpuaas_agent.tasks.provision import ProvisionRefused, ProvisionRun, check_admissible
 
     store = StateStore.open(tmp_path / "state.db")
     alloc = str(uuid.uuid4())
@@ -153,19 +153,21 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, touched):
         store.journal("t-crash", step, StepStatus.started)
     sh = SliceHost(host_root=fixture_host("h200-slice-after-transition"), slice=SliceConfig(allow_emulated_domains=True),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
-    run = _Run(payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash")
+    run = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash",
+                       ctx=_ctx_for(store, "t-crash"))
     if touched:
         with pytest.raises(ProvisionRefused) as info:
-            _check_admissible(sh, run, store)
+            check_admissible(run)
         assert info.value.code == "provision_interrupted" and info.value.evidence["disk_touched"] is True
         assert store.slot_state(0).status is SlotStatus.cleanup_blocked
     else:
-        _check_admissible(sh, run, store)  # nothing was written: the fresh run may go ahead
+        check_admissible(run)  # nothing was written: the fresh run may go ahead
         assert store.slot_state(0).status is SlotStatus.provisioning
     # Another task of the same allocation is never let in while the slot is busy or blocked.
-    other = _Run(payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-other")
+    other = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-other",
+                         ctx=_ctx_for(store, "t-other"))
     with pytest.raises(ProvisionRefused) as info:
-        _check_admissible(sh, other, store)
+        check_admissible(other)
     assert info.value.code == ("slot_cleanup_blocked" if touched else "already_provisioned")
     asyncio.run(sh.close())
     store.close()

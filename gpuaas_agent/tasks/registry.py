@@ -1,0 +1,81 @@
+"""Every task type the agent serves, in one table: its payload model, handler factory, concurrency, and needs.
+
+The daemon builds its handlers from :data:`TASKS` (after building the host drivers once,
+the :class:`~gpuaas_agent.tasks.slicehost.SliceHost`), the config and the worker take the
+default concurrency from it. The wire types and payload models stay in
+:mod:`gpuaas_agent.contract.tasks` (contract never imports upward); this table refers to them.
+
+A type in the contract with no row here is answered ``not_implemented`` by the worker; a row
+that ``needs_slice_host`` is served only when the daemon built the slice drivers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuaas_agent.config import AgentConfig
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.tasks import PAYLOADS, TaskType
+from gpuaas_agent.discovery.prereqs import SocketPaths
+from gpuaas_agent.tasks.admission import slice_plan_config
+from gpuaas_agent.tasks.plan import plan_handler
+from gpuaas_agent.tasks.power import power_handler
+from gpuaas_agent.tasks.preflight import preflight_handler
+from gpuaas_agent.tasks.provision import provision_handler
+from gpuaas_agent.tasks.reconcile import reconcile_handler
+from gpuaas_agent.tasks.release import release_handler
+from gpuaas_agent.tasks.slicehost import SliceHost
+from gpuaas_agent.tasks.topology import topology_discover_handler
+
+Handler = Callable[[Any, Any], Awaitable[dict]]  # (validated payload, TaskContext) -> output
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task type: how to build its handler and how many may run at once on this host."""
+
+    type: TaskType
+    make_handler: Callable[[AgentConfig, SliceHost | None], Handler]
+    concurrency: int
+    needs_slice_host: bool = False
+
+    @property
+    def payload_model(self) -> type[WireModel]:
+        return PAYLOADS[self.type]
+
+
+def preflight_sockets(config: AgentConfig) -> SocketPaths:
+    """Preflight probes the daemons the slice pipelines use: the configured ovsdb, not the default one."""
+    remote = config.slice.ovsdb_remote
+    return SocketPaths(ovsdb=remote.removeprefix("unix:")) if remote.startswith("unix:") else SocketPaths()
+
+
+TASKS: tuple[TaskSpec, ...] = (
+    TaskSpec(TaskType.topology_discover,
+             lambda config, sh: topology_discover_handler(config.host_root, config.slice.gateway), concurrency=2),
+    TaskSpec(TaskType.preflight,
+             lambda config, sh: preflight_handler(config.host_root, sockets=preflight_sockets(config),
+                                                  slice_config=config.slice), concurrency=1),
+    TaskSpec(TaskType.plan, lambda config, sh: plan_handler(config.host_root, slice_plan_config(config.slice)),
+             concurrency=1),
+    # One per slot: 8 concurrent provisions take as long as the slowest.
+    TaskSpec(TaskType.vm_provision, lambda config, sh: provision_handler(sh), concurrency=8, needs_slice_host=True),
+    TaskSpec(TaskType.vm_release, lambda config, sh: release_handler(sh), concurrency=8, needs_slice_host=True),
+    TaskSpec(TaskType.reconcile, lambda config, sh: reconcile_handler(sh), concurrency=1, needs_slice_host=True),
+    # One per slot; the slot lock serialises power, provision and release of one slot.
+    TaskSpec(TaskType.vm_power, lambda config, sh: power_handler(sh), concurrency=8, needs_slice_host=True),
+)
+
+
+def default_concurrency() -> dict[TaskType, int]:
+    """How many tasks of each type may run at once unless the config says otherwise."""
+    return {spec.type: spec.concurrency for spec in TASKS}
+
+
+def build_handlers(config: AgentConfig, slice_host: SliceHost | None = None,
+                   tasks: tuple[TaskSpec, ...] = TASKS) -> Mapping[TaskType, Handler]:
+    """The worker's handlers; without ``slice_host`` only the read-only tasks are served."""
+    return {spec.type: spec.make_handler(config, slice_host) for spec in tasks
+            if slice_host is not None or not spec.needs_slice_host}
