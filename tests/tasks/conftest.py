@@ -11,6 +11,7 @@ with real components, not a switch that turns the checks off:
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import tempfile
 import time
@@ -22,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from gpuaas_agent.contract.isolation import GUARD_TABLE
+from gpuaas_agent.tasks.pipeline import PipelineFailed
+from gpuaas_agent.tasks.provision import provision
 from tests.daemons import stop_pid
 from tests.ovsdb_fixture import OvsSwitch, running_ovs
 
@@ -92,3 +95,17 @@ def prepared_host() -> Iterator[PreparedHost]:
             for family in ("inet", "arp"):  # the port isolation's host-side guard, made in the root namespace
                 subprocess.run(["nft", "delete", "table", family, GUARD_TABLE], capture_output=True, timeout=30)
             subprocess.run(["rm", "-rf", "--one-file-system", str(work)], timeout=60)
+
+
+def provision_failure(sh, payload, ctx) -> PipelineFailed:
+    """Run the real provision pipeline to its failure (closing the drivers after) and return that failure."""
+
+    async def scenario():
+        try:
+            await provision(sh, payload, ctx)
+        finally:
+            await sh.close()
+
+    with pytest.raises(PipelineFailed) as info:
+        asyncio.run(scenario())
+    return info.value

@@ -33,6 +33,7 @@ from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import HOSTS
 from tests.realdev import require_root
+from tests.tasks.conftest import provision_failure
 from tests.tasks.test_provision_cancel import KEY, _ctx_for
 
 MiB = 1 << 20
@@ -97,15 +98,7 @@ def _refused_before_lease(host, tmp_path, payload, *, store=None) -> PipelineFai
     disk = host.disks[payload.slot.slot_index].loop
     before = open(disk, "rb").read(MiB)
 
-    async def scenario():
-        try:
-            await provision(sh, payload, ctx)
-        finally:
-            await sh.close()
-
-    with pytest.raises(PipelineFailed) as info:
-        asyncio.run(scenario())
-    failure = info.value
+    failure = provision_failure(sh, payload, ctx)
     assert failure.failed_step == "validate" and failure.disk_touched is False, failure
     assert "\n" not in failure.message
     assert store.leases() == leases_before, "nothing leased"

@@ -33,6 +33,7 @@ from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
+from tests.tasks.conftest import provision_failure
 
 MiB = 1 << 20
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKq5Vd2K8mJ5yVtQ1N0d0m2dQ6Gq6x7o0cXbq3b8s9aF tenant"
@@ -185,16 +186,9 @@ def test_a_missing_relay_key_fails_before_the_disk_is_touched(loop_host, tmp_pat
     ctx = _ctx_for(store, "t-relay")
     before = open(loop_host.disks[0].loop, "rb").read(1 << 20)
 
-    async def scenario():
-        try:
-            await provision(sh, payload, ctx)
-        finally:
-            await sh.close()
-
-    with pytest.raises(PipelineFailed) as info:
-        asyncio.run(scenario())
-    assert info.value.code == "relay_key_missing" and info.value.failed_step == "validate"
-    assert info.value.disk_touched is False
+    failed = provision_failure(sh, payload, ctx)
+    assert failed.code == "relay_key_missing" and failed.failed_step == "validate"
+    assert failed.disk_touched is False
     assert store.leases() == [] and store.slot_state(0) is None
     assert [o.status.value for o in ctx.slot_outcomes] == ["reserved"]
     assert open(loop_host.disks[0].loop, "rb").read(1 << 20) == before

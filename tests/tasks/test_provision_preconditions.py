@@ -9,7 +9,6 @@ leaves no slot record, and the slot disk's bytes are the same (sha256 of the who
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import subprocess
 import uuid
@@ -21,13 +20,11 @@ from gpuaas_agent.contract.tasks import VmProvisionPayload
 from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.pipeline import PipelineFailed
-from gpuaas_agent.tasks.provision import provision
 from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
-from tests.tasks.conftest import GATEWAY, PreparedHost
+from tests.tasks.conftest import provision_failure, GATEWAY, PreparedHost
 from tests.tasks.test_provision_admission import _approved
 from tests.tasks.test_provision_cancel import KEY, _ctx_for
 
@@ -121,15 +118,7 @@ def test_a_broken_host_precondition_refuses_in_validate_with_the_disk_untouched(
     disk = loop_host.disks[0].loop
     before = _disk_sha256(disk)
 
-    async def scenario():
-        try:
-            await provision(sh, payload, ctx)
-        finally:
-            await sh.close()
-
-    with pytest.raises(PipelineFailed) as info:
-        asyncio.run(scenario())
-    failure = info.value
+    failure = provision_failure(sh, payload, ctx)
     assert (failure.failed_step, failure.code) == ("validate", code), failure
     assert failure.disk_touched is False and "\n" not in failure.message
     assert failure.evidence, "a refusal names the evidence it read"
@@ -151,13 +140,6 @@ def test_a_prepared_host_passes_validate_and_takes_the_lease(loop_host, tmp_path
         "hostname": "tenant-vm", "user": "tenant", "ssh_authorized_keys": [KEY]})
     ctx = _ctx_for(store, "t-control")
 
-    async def scenario():
-        try:
-            await provision(sh, payload, ctx)
-        finally:
-            await sh.close()
-
-    with pytest.raises(PipelineFailed) as info:
-        asyncio.run(scenario())
-    assert info.value.failed_step == "image", info.value  # validate (preconditions included) passed
+    failed = provision_failure(sh, payload, ctx)
+    assert failed.failed_step == "image", failed  # validate (preconditions included) passed
     store.close()
