@@ -308,30 +308,6 @@ class LibvirtLifecycle:
 
         return await self._call("list_agent_domains", op)
 
-    async def running_domain_disks(self, *, exclude: str | None = None) -> list[str]:
-        """Block-device sources of every running domain except ``exclude``, for the disk guard (DESIGN.md §4.1).
-
-        All running domains count, ours or not: a disk another VM is using must not be written.
-        """
-
-        def op(conn: libvirt.virConnect) -> list[str]:
-            disks: set[str] = set()
-            for dom in conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE):
-                try:
-                    if dom.name() == exclude:
-                        continue
-                    root = ET.fromstring(dom.XMLDesc(0))
-                except libvirt.libvirtError as exc:
-                    if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
-                        continue  # stopped and undefined between the listing and the read
-                    raise
-                for source in root.findall("devices/disk[@type='block']/source"):
-                    if source.get("dev"):
-                        disks.add(source.get("dev"))
-            return sorted(disks)
-
-        return await self._call("running_domain_disks", op)
-
     async def devices(self, name: str) -> DomainDevices:
         """What an agent domain will use when it starts, read from its persistent XML (the next boot's config)."""
 
