@@ -41,7 +41,19 @@ class OvmfFirmware(WireModel):
     secure_boot: Literal[False] = False
 
 
-class DomainSpec(WireModel):
+class _SlotDomainNames:
+    """The names a slot's domain and vNIC derive from (allocation + slot): one definition for both models."""
+
+    @property
+    def domain_name(self) -> str:
+        return domain_name(self.allocation_id)
+
+    @property
+    def vnic_name(self) -> str:
+        return vnic_name(self.allocation_id, self.slot_index)
+
+
+class DomainSpec(_SlotDomainNames, WireModel):
     """Inputs of one slot's domain; the builder checks how they fit together."""
 
     allocation_id: AllocationId
@@ -66,14 +78,6 @@ class DomainSpec(WireModel):
     serial_log_path: AbsolutePath | None = None
     agent_version: str = Field(min_length=1, max_length=64)
 
-    @property
-    def domain_name(self) -> str:
-        return domain_name(self.allocation_id)
-
-    @property
-    def vnic_name(self) -> str:
-        return vnic_name(self.allocation_id, self.slot_index)
-
     def start_target(self) -> StartTarget:
         return StartTarget(allocation_id=self.allocation_id, slot_index=self.slot_index, profile=self.profile,
                            gpu_pci_address=self.gpu_pci_address, fabric_vf_pci_address=self.fabric_vf_pci_address,
@@ -89,7 +93,7 @@ class DomainSpec(WireModel):
         )
 
 
-class StartTarget(WireModel):
+class StartTarget(_SlotDomainNames, WireModel):
     """What the start guard checks about a domain: the facts of a :class:`DomainSpec` a start depends on.
 
     Provision has the whole spec; a power-on of an existing domain (``slice.vm_power``) rebuilds
@@ -105,13 +109,6 @@ class StartTarget(WireModel):
     ovs_bridge: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,15}$")
     numa_node: int | None = Field(default=None, ge=0)
 
-    @property
-    def domain_name(self) -> str:
-        return domain_name(self.allocation_id)
-
-    @property
-    def vnic_name(self) -> str:
-        return vnic_name(self.allocation_id, self.slot_index)
 
 
 def cpulist_cpus(cpulist: str) -> list[int]:
