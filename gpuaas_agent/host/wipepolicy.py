@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 
-from gpuaas_agent.contract.nvmewipe import WholeDeviceCheck, WipePolicy, WipePolicyMethod
+from gpuaas_agent.contract.nvmewipe import NvmeEraseEvidence, WholeDeviceCheck, WipePolicy, WipePolicyMethod
 from gpuaas_agent.contract.runtime import DEFAULT_PROFILE, PROFILES
 from gpuaas_agent.contract.storage import DiskEvidence, DiskLease, WipeMethod, WipeProof
 from gpuaas_agent.guards.disk import check_disk_writable
@@ -75,6 +75,29 @@ async def wipe_slot_disk(
     await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
     if after_erase is not None:
         await after_erase(dev)
+    return await prove_erased(host, evidence, dev, method=method, policy=policy, nvme=nvme, samples=samples,
+                              seed=seed, started=started, runner=runner)
+
+
+async def prove_erased(
+    host: HostRoot,
+    evidence: DiskEvidence,
+    dev: str,
+    *,
+    method: WipeMethod,
+    policy: WipePolicy,
+    nvme: NvmeEraseEvidence | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    seed: int | None = None,
+    started: float | None = None,
+    runner: Runner = run,
+) -> WipeProof:
+    """Today's proof after an erase, plus a whole-device read where ``nvme`` does not promise zeroes.
+
+    Non-zero data with no signature left (a crypto erase's ciphertext) is zeroed
+    and proved again (``zeroed_after``); a signature left is never papered over.
+    """
+    started = time.monotonic() if started is None else started
     whole = None
     if nvme is not None and not nvme.zeros_guaranteed:
         whole = await asyncio.to_thread(read_whole_device, dev, evidence.size_bytes)
@@ -92,7 +115,7 @@ async def wipe_slot_disk(
                                      "zeroed_after": zeroed, "duration_s": time.monotonic() - started})
     if not proof.verified:
         raise WipeError(
-            f"{by_id} ({evidence.kernel_name}) is not provably empty after the {policy.method.value} wipe",
+            f"{evidence.by_id} ({evidence.kernel_name}) is not provably empty after the {policy.method.value} wipe",
             code="wipe_unverified",
             evidence=proof.model_dump(mode="json"),
         )
