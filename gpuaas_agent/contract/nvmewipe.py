@@ -17,6 +17,7 @@ from typing import Annotated
 from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
+from gpuaas_agent.contract.types import Uuid
 
 NonNegative = Annotated[int, Field(ge=0)]
 U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
@@ -131,7 +132,7 @@ class NvmeNamespaceCaps(WireModel):
     dlfeat: Annotated[int, Field(ge=0, le=0xFF)]
     nguid: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
     eui64: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
-    uuid: str | None = Field(default=None, pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    uuid: Uuid | None = None
 
     @property
     def deallocated_reads_zero(self) -> bool:
