@@ -154,6 +154,7 @@ class SanitizeStatus(WireModel):
     sprog: Annotated[int, Field(ge=0, le=0xFFFF)]  # progress, in 1/65536ths
     status: Annotated[int, Field(ge=0, le=7)]  # SSTAT bits 2:0: 0 never, 1 done, 2 running, 3 failed, 4 done no-dealloc
     estimated_s: U32 | None = None  # the controller's estimate for the action run (None: not reported)
+    cdw10: U32 | None = None  # SCDW10: the Sanitize command's dword 10 the log describes (its action in bits 2:0)
 
 
 class NvmeEraseEvidence(WireModel):

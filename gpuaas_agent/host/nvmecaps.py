@@ -162,7 +162,10 @@ def parse_sanitize_log(doc: dict, *, estimate_key: str | None = None) -> Sanitiz
     estimate = body.get(estimate_key) if estimate_key else None
     if not isinstance(estimate, int) or isinstance(estimate, bool) or estimate in (0, NOT_REPORTED) or estimate < 0:
         estimate = None
-    return SanitizeStatus(sprog=sprog, status=status, estimated_s=estimate)
+    cdw10 = body.get("cdw10_info")
+    if not isinstance(cdw10, int) or isinstance(cdw10, bool) or not 0 <= cdw10 <= 0xFFFFFFFF:
+        cdw10 = None
+    return SanitizeStatus(sprog=sprog, status=status, estimated_s=estimate, cdw10=cdw10)
 
 
 # --- identity ---------------------------------------------------------------------------------------

@@ -226,6 +226,11 @@ async def _poll_sanitize(dev: str, action: NvmeEraseAction, *, by_id: str, runne
         status = await read_sanitize_status(dev, action, runner=runner)
         polls += 1
         if status.status in SSTAT_DONE:
+            if status.cdw10 is not None and status.cdw10 & 0x7 != SANACT[action]:
+                # The log describes another sanitize (an earlier one): ours was not seen to run.
+                raise NvmeEraseError(f"{action.value} on {by_id}: the sanitize status log describes sanitize "
+                                     f"action {status.cdw10 & 0x7}, not {SANACT[action]}",
+                                     evidence={"status": status.model_dump(mode="json"), "polls": polls})
             return status, polls
         if status.status == SSTAT_FAILED:
             raise NvmeEraseError(f"{action.value} on {by_id} failed (sanitize status log)", evidence={

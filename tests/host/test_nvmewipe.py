@@ -217,3 +217,13 @@ def test_sanitize_still_running_at_the_deadline_times_out():
 def test_sanitize_log_without_an_estimate_reports_none():
     status = parse_sanitize_log(_doc(MICRON, "sanitize-log-running.json"), estimate_key="time_over_write")
     assert status.estimated_s is None and status.status == 2 and status.sprog == 21845
+
+
+def test_a_completed_sanitize_log_describing_another_action_is_not_taken_as_ours():
+    done = _doc(MICRON, "sanitize-log-done.json")  # records SANACT 4 (crypto erase) in cdw10_info
+    runner = ReplayRunner(MICRON, sanitize_logs=[done])
+    with pytest.raises(NvmeEraseError, match="describes sanitize action 4, not 2"):
+        asyncio.run(nvme_erase(DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
+                               policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize,
+                                                 sanitize_action=SanitizeAction.block_erase)))
+    assert runner.erases() == [["nvme", "sanitize", DEV, "--sanact=2"]]
