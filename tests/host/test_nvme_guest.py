@@ -19,16 +19,21 @@ from pathlib import Path
 import pytest
 
 from gpuaas_agent.contract.nvmewipe import FormatErase, NvmeEraseAction, WipePolicy, WipePolicyMethod
+from gpuaas_agent.contract.storage import WipeMethod, WipeProof
+from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.host.nvmecaps import parse_capabilities, read_capabilities
 from gpuaas_agent.host.nvmewipe import WipeRefused, nvme_erase
+from gpuaas_agent.host.wipepolicy import prove_erased
+from gpuaas_agent.hostfs import HostRoot
 from lab import nvme_guest
-from tests.realdev import require_root
+from tests.realdev import LoopDisk, RealDevices, require_root, sh
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDED = REPO / "fixtures" / "nvme" / "qemu-7.2-emulated"
 DEV = "/dev/nvme0n1"
 BY_ID = "/dev/disk/by-id/nvme-QEMU_NVMe_Ctrl_GPUAASLABNVME0001"
 PATTERN = b"tenant data \xa5" * 4096  # non-zero everywhere
+LIVE = HostRoot.open("/")
 
 
 class Lab:
@@ -122,7 +127,7 @@ def test_format_of_a_namespace_that_is_not_the_leased_one_is_refused_and_nothing
     assert lab.backing_is_pattern()
 
 
-def test_format_user_data_erase_runs_the_built_argv_on_the_controller_and_the_backing_file_reads_zero(lab):
+def test_format_user_data_erase_runs_the_built_argv_on_the_controller_and_the_backing_file_reads_zero(lab, tmp_path):
     assert lab.backing_is_pattern()
     evidence = lab.call(nvme_erase(DEV, nsid=1, lease_identity=_lease_identity(lab), by_id=BY_ID, runner=lab.run,
                                    policy=WipePolicy(method=WipePolicyMethod.nvme_format)))
@@ -134,3 +139,18 @@ def test_format_user_data_erase_runs_the_built_argv_on_the_controller_and_the_ba
     # The guest sees the same: its namespace is still there, same size, reading zeroes.
     head = lab.sh("sh", "-c", "dd if=/dev/nvme0n1 bs=4096 count=256 2>/dev/null | od -An -tx1 | sort -u")
     assert head.stdout.split() == [b"00"] * 16 or set(head.stdout.split()) == {b"00", b"*"}
+    # The agent's proof over what the controller left (the backing file as a read-only loop disk on this
+    # host): verified, naming the method and the real controller's capability evidence.
+    devices = RealDevices(tmp_path)
+    try:
+        dev = sh("losetup", "--find", "--show", "--read-only", str(lab.guest.backing)).strip()
+        devices._push(f"losetup -d {dev}", lambda: sh("losetup", "-d", dev))
+        disk = LoopDisk(image=lab.guest.backing, dev=dev, by_id=devices.by_id_link(f"../../{os.path.basename(dev)}"))
+        checked = check_disk_writable(LIVE, disk.by_id, lease=disk.lease())
+        proof = lab.call(prove_erased(LIVE, checked, dev, method=WipeMethod.nvme_format, nvme=evidence,
+                                         policy=WipePolicy(method=WipePolicyMethod.nvme_format), samples=8))
+    finally:
+        devices.close()
+    assert proof.verified and proof.method is WipeMethod.nvme_format and not proof.zeroed_after
+    assert proof.nvme.capabilities.controller.serial == nvme_guest.SERIAL and proof.whole_device is None
+    assert WipeProof.model_validate_json(proof.model_dump_json()) == proof
