@@ -20,7 +20,6 @@ import gzip
 import os
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import time
