@@ -179,6 +179,22 @@ async def read_sanitize_status(dev: str, action: NvmeEraseAction, *, runner: Run
     return parse_sanitize_log(doc, estimate_key=ESTIMATE_KEY.get(action))
 
 
+async def plan_nvme_erase(
+    dev: str, *, nsid: int, lease_identity: str, policy: WipePolicy, by_id: str, runner: Runner
+) -> tuple[NvmeCapabilities, str, NvmeEraseAction, list[str]]:
+    """Steps 1-4 without step 5: (capabilities, matched identity, action, argv), or the refusal.
+
+    Reads only (Identify, namespace list): a provision's validate can call it to
+    prove, before a tenant's data is on the disk, that its release will be able to
+    erase it the way the profile asks.
+    """
+    caps = await read_capabilities(dev, nsid, runner=runner)
+    matched = check_identity(caps, lease_identity, by_id=by_id, dev=dev)
+    action = choose_action(policy, caps)
+    check_scope(action, caps)
+    return caps, matched, action, build_argv(action, dev, caps, policy)
+
+
 async def nvme_erase(
     dev: str,
     *,
@@ -196,11 +212,8 @@ async def nvme_erase(
     or not seen to finish).
     """
     started = clock()
-    caps = await read_capabilities(dev, nsid, runner=runner)
-    matched = check_identity(caps, lease_identity, by_id=by_id, dev=dev)
-    action = choose_action(policy, caps)
-    check_scope(action, caps)
-    argv = build_argv(action, dev, caps, policy)
+    caps, matched, action, argv = await plan_nvme_erase(dev, nsid=nsid, lease_identity=lease_identity,
+                                                        policy=policy, by_id=by_id, runner=runner)
     try:
         await runner(argv, timeout=policy.timeout_s + 60)
     except HostError as exc:
@@ -248,4 +261,5 @@ async def _poll_sanitize(dev: str, action: NvmeEraseAction, *, by_id: str, runne
 
 
 __all__ = ["NvmeCapsError", "NvmeEraseError", "WipeRefused", "build_argv", "check_identity",
-           "check_scope", "choose_action", "nvme_erase", "read_sanitize_status"]
+           "check_scope", "choose_action", "nvme_erase", "plan_nvme_erase",
+           "read_sanitize_status"]

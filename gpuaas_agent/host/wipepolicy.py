@@ -26,7 +26,7 @@ from gpuaas_agent.contract.runtime import DEFAULT_PROFILE, PROFILES
 from gpuaas_agent.contract.storage import DiskEvidence, DiskLease, WipeMethod, WipeProof
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.host.disks import DEFAULT_SAMPLES, WipeError, _dev_path, _step, verify_wiped, wipe_disk
-from gpuaas_agent.host.nvmewipe import WipeRefused, nvme_erase
+from gpuaas_agent.host.nvmewipe import WipeRefused, nvme_erase, plan_nvme_erase
 from gpuaas_agent.host.run import Completed, run
 from gpuaas_agent.hostfs import HostRoot
 
@@ -77,6 +77,32 @@ async def wipe_slot_disk(
         await after_erase(dev)
     return await prove_erased(host, evidence, dev, method=method, policy=policy, nvme=nvme, samples=samples,
                               seed=seed, started=started, runner=runner)
+
+
+async def check_wipe_policy(
+    policy: WipePolicy,
+    host: HostRoot,
+    by_id: str,
+    *,
+    lease: DiskLease,
+    runner: Runner = run,
+) -> dict:
+    """Prove, writing nothing, that ``policy`` can wipe the leased disk: NVMe namespace, identity, capability, scope.
+
+    For a provision's validate (DESIGN.md §4.8): a profile asking for an erase the
+    drive does not offer is refused before a tenant's data lands on it, instead of
+    leaving the slot ``cleanup_blocked`` at release. ``discard``/``zeroout`` need nothing.
+    Returns the evidence; raises :class:`WipeRefused` / ``NvmeCapsError``.
+    """
+    if policy.method in (WipePolicyMethod.discard, WipePolicyMethod.zeroout):
+        return {"policy": policy.method.value}
+    evidence = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease)
+    dev = _dev_path(host, evidence)
+    caps, matched, action, argv = await plan_nvme_erase(
+        dev, nsid=_namespace_id(host, evidence, policy), lease_identity=lease.disk_identity, policy=policy,
+        by_id=by_id, runner=runner)
+    return {"policy": policy.method.value, "action": action.value, "argv": argv, "device_identity": matched,
+            "zeros_guaranteed": caps.namespace.deallocated_reads_zero}
 
 
 async def prove_erased(

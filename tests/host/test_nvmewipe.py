@@ -36,6 +36,7 @@ from gpuaas_agent.host.nvmewipe import (
     check_scope,
     choose_action,
     nvme_erase,
+    plan_nvme_erase,
 )
 from gpuaas_agent.host.run import Completed
 
@@ -227,3 +228,12 @@ def test_a_completed_sanitize_log_describing_another_action_is_not_taken_as_ours
                                policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize,
                                                  sanitize_action=SanitizeAction.block_erase)))
     assert runner.erases() == [["nvme", "sanitize", DEV, "--sanact=2"]]
+
+
+def test_planning_an_erase_reads_the_device_and_sends_no_erase():
+    runner = ReplayRunner(MICRON)
+    caps, matched, action, argv = asyncio.run(plan_nvme_erase(
+        DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
+        policy=WipePolicy(method=WipePolicyMethod.nvme_format)))
+    assert action is NvmeEraseAction.format_crypto and argv[:2] == ["nvme", "format"] and matched == SLOT0_NGUID
+    assert runner.erases() == [] and [c[1] for c in runner.calls] == ["id-ctrl", "id-ns", "ns-descs", "list-ns"]

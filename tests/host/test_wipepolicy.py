@@ -17,6 +17,7 @@ from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.host.nvmecaps import parse_capabilities
 from gpuaas_agent.host.nvmewipe import WipeRefused
 from gpuaas_agent.host.wipepolicy import (
+    check_wipe_policy,
     policy_for_profile,
     prove_erased,
     read_whole_device,
@@ -128,3 +129,13 @@ def test_config_takes_wipe_policies_per_known_profile_and_refuses_unknown_ones(t
     worse.write_text('[slice.wipe_policies.h200_1g_24c_64g]\nmethod = "shred"\n')
     with pytest.raises(ConfigError):
         load_config(worse)
+
+
+def test_validate_can_prove_a_policy_before_the_tenant_writes_and_refuses_an_impossible_one(realdev):
+    disk = _used_disk(realdev)
+    assert asyncio.run(check_wipe_policy(WipePolicy(), LIVE, disk.by_id, lease=disk.lease())) == {"policy": "discard"}
+    with pytest.raises(WipeRefused) as refused:
+        asyncio.run(check_wipe_policy(WipePolicy(method=WipePolicyMethod.nvme_sanitize), LIVE, disk.by_id,
+                                      lease=disk.lease()))
+    assert refused.value.code == "wipe_method_unsupported"
+    assert read_bytes(disk.dev, 32 * MiB - 4096, 4096) == b"\x5a" * 4096
