@@ -1,4 +1,4 @@
-"""Wipe cost: ``wipe_disk`` (guard, blkdiscard, wipefs, rereadpt, signature probes, sampled read-back)
+"""Wipe cost: ``wipe_slot_disk`` with a policy (``--policy``; guard, blkdiscard, wipefs, rereadpt, signature probes, sampled read-back)
 vs a bare ``blkdiscard`` of the same target, measured in the same run.
 
 Target: a loop device (``--direct-io=on``) over a sparse file on this machine's
@@ -21,7 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.host.disks import wipe_disk  # noqa: E402
+from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod  # noqa: E402
+from gpuaas_agent.host.wipepolicy import wipe_slot_disk  # noqa: E402
 from gpuaas_agent.host.run import run  # noqa: E402
 from gpuaas_agent.hostfs import HostRoot  # noqa: E402
 from tests.realdev import RealDevices  # noqa: E402
@@ -42,6 +43,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--dir", default="/var/tmp")
+    parser.add_argument("--policy", choices=["discard", "zeroout"], default="discard",
+                        help="wipe policy of the measured wipe (NVMe methods need an NVMe drive)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_wipe needs root (losetup, /dev/disk/by-id)")
@@ -57,7 +60,8 @@ def main() -> None:
                 bare.append(time.perf_counter() - start)
                 _fill(disk.dev, args.size_mib)
                 start = time.perf_counter()
-                proof = asyncio.run(wipe_disk(LIVE, disk.by_id, lease=disk.lease(), samples=args.samples))
+                proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipePolicyMethod(args.policy)), LIVE, disk.by_id,
+                                                   lease=disk.lease(), samples=args.samples))
                 full.append(time.perf_counter() - start)
                 assert proof.verified
                 methods.add(proof.method.value)
@@ -67,7 +71,7 @@ def main() -> None:
     print(f"target: loop device (--direct-io=on) over a sparse file in {args.dir} on this VM's disk; "
           f"{args.size_mib} MiB; medians of {args.runs} interleaved runs")
     print(f"bare blkdiscard:                 {b:7.3f} s")
-    print(f"wipe_disk + verify ({args.samples}+2 samples): {f:7.3f} s  method={','.join(sorted(methods))}")
+    print(f"wipe_slot_disk({args.policy}) + verify ({args.samples}+2 samples): {f:7.3f} s  method={','.join(sorted(methods))}")
     print(f"ratio wipe+verify / blkdiscard:  {f / b:.2f}x  (overhead {f - b:+.3f} s)")
 
 

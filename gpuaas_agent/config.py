@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
+from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN
 from gpuaas_agent.errors import AgentError
@@ -92,6 +93,19 @@ class SliceConfig(BaseModel):
     # from a loopback address (127.0.0.1, ::1, localhost), never from another host.
     allow_emulated_domains: bool = False
     allow_loopback_http: bool = False
+    # Site wipe policy per runtime profile name (overrides the catalog's; host/wipepolicy.py): e.g.
+    # [slice.wipe_policies.h200_1g_24c_64g] method = "nvme_sanitize". Unknown profile names are refused.
+    wipe_policies: dict[str, WipePolicy] = Field(default_factory=dict)
+
+    @field_validator("wipe_policies")
+    @classmethod
+    def _wipe_profiles_known(cls, policies: dict[str, WipePolicy]) -> dict[str, WipePolicy]:
+        from gpuaas_agent.contract.runtime import PROFILES
+
+        unknown = sorted(set(policies) - set(PROFILES))
+        if unknown:
+            raise ValueError(f"no runtime profile called {', '.join(unknown)} (known: {', '.join(sorted(PROFILES))})")
+        return policies
 
     @field_validator("image_https_hosts")
     @classmethod

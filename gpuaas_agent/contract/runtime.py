@@ -15,6 +15,7 @@ from types import MappingProxyType
 from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
+from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.errors import ContractError
 
 HUGEPAGE_1G_MIB = 1024
@@ -51,6 +52,9 @@ class RuntimeProfile(WireModel):
     hostdevs: bool = True
     nic_model: NicModel = NicModel.virtio
     ingress_policing: IngressPolicing | None = None
+    # How the slot's disk is cleared on release (seed 002 tenant-isolation wipe policy); a host's
+    # config may override it per profile (SliceConfig.wipe_policies). Default: today's discard + verify.
+    wipe_policy: WipePolicy = Field(default_factory=WipePolicy)
 
 
 class UnknownProfileError(ContractError):

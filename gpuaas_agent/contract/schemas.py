@@ -20,6 +20,7 @@ from gpuaas_agent.contract.ovs import BridgeEvidence, OvsPort
 from gpuaas_agent.contract.parity import ParityReport, SliceNetworkEvidence
 from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.slots import ApprovedSlot
+from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.storage import CloneResult, WipeProof
 from gpuaas_agent.contract.tasks import PAYLOADS, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
 from gpuaas_agent.contract.topology import TopologyReport
@@ -39,6 +40,7 @@ WIRE_MODELS: tuple[type[WireModel], ...] = (
     # Records reported inside task outputs (plan, cleanup proof, clone, binding, image).
     BundlePlan,
     WipeProof,
+    WipePolicy,  # a slot profile's wipe policy (seed 002 tenant isolation)
     CloneResult,
     VfioBindResult,
     CachedImage,

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.images import ImageFormat
+from gpuaas_agent.contract.nvmewipe import NvmeEraseEvidence, WholeDeviceCheck, WipePolicyMethod
 from gpuaas_agent.contract.types import MAJOR_MINOR_PATTERN, UUID_PATTERN, ByIdPath, DiskIdentity, KernelName
 
 NonNegative = Annotated[int, Field(ge=0)]
@@ -49,6 +50,8 @@ class WipeMethod(WireEnum):
     discard = "discard"  # blkdiscard: the device drops the blocks (reads back zero when it says so)
     zeroout = "zeroout"  # blkdiscard --zeroout: the device writes zeroes (WRITE ZEROES / offload)
     zero_fill = "zero_fill"  # the agent wrote zero buffers itself
+    nvme_format = "nvme_format"  # Format NVM with a secure erase setting (the proof's ``nvme`` says which)
+    nvme_sanitize = "nvme_sanitize"  # Sanitize (block erase / crypto erase / overwrite; see ``nvme``)
 
 
 class WipeSample(WireModel):
@@ -73,6 +76,14 @@ class WipeProof(WireModel):
     partitions_left: list[KernelName]
     duration_s: Annotated[float, Field(ge=0)]
     verified: bool
+    # Wipe policies (all optional: a proof from before them still parses). ``policy``: what the slot
+    # profile asked for; ``nvme``: the NVMe command and the capability evidence it was chosen on;
+    # ``whole_device``: every byte read back (methods that do not promise zeroes); ``zeroed_after``:
+    # the method left non-zero data, so the agent wrote zeroes (``method``) and proved those.
+    policy: WipePolicyMethod | None = None
+    nvme: NvmeEraseEvidence | None = None
+    whole_device: WholeDeviceCheck | None = None
+    zeroed_after: bool = False
 
 
 class CloneProgress(WireModel):

@@ -26,7 +26,7 @@ from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
-from gpuaas_agent.host.disks import wipe_disk
+from gpuaas_agent.host.wipepolicy import release_wipe_policy, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
 from gpuaas_agent.tasks.slicehost import SliceHost
@@ -126,7 +126,8 @@ async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
                 return {"skipped": "this host holds no lease of this allocation on the slot: its disk is not ours to wipe"}
             disk_lease = await held_disk()
             try:
-                result = await wipe_disk(
+                result = await wipe_slot_disk(
+                    release_wipe_policy(sh.slice.wipe_policies, found.get("domain")),
                     sh.host(), disk_lease.nvme_device, lease=disk_lease,
                     domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=alloc,
                                                                        exclude_slot=slot.slot_index))

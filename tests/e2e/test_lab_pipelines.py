@@ -84,6 +84,7 @@ def test_happy_path_provision_then_release_with_cleanup_proof(lab):
         assert [p for p in ovs.list_agent_ports() if p.allocation_id == payload["allocation_id"]] == []
     assert proof["reservation"]["removed"]
     assert proof["wipe"]["verified"] is True and proof["wipe"]["signatures_found"] == []
+    assert proof["wipe"]["policy"] == "discard"  # the domain's profile's wipe policy (catalog default)
     assert (_outcome(released).status.value, _outcome(released).health_state.value) == ("available", "healthy")
     assert out["vm"] not in _domains()
     assert _disk_head(lab, 0) == ZERO_MIB
