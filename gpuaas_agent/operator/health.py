@@ -28,6 +28,8 @@ import json
 import logging
 import posixpath
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -359,12 +361,67 @@ def isolation_check(findings: list) -> HealthCheck:
 # -- one round -----------------------------------------------------------------------------
 
 
-async def _guarded(name: str, work: Callable[[], object]) -> list[HealthCheck]:
-    """One check in a thread under a deadline; what it raises becomes ``unavailable`` with the reason."""
+class CheckThreads:
+    """Blocking checks in daemon threads that nobody has to wait for.
+
+    ``asyncio.to_thread`` runs on the loop's default executor, and ``asyncio.run`` joins that
+    executor's threads before the process may exit: a check blocked on a hung mount, a FIFO or
+    a wedged sysfs attribute would hold SIGTERM for as long as it blocks (CHECK_TIMEOUT_S at
+    best, for ever at worst). Here each check runs in its own daemon thread; the round awaits
+    it under its deadline and shutdown awaits nothing. A check whose previous thread is still
+    blocked is not started again (one stuck thread per check at most, never one per round):
+    it answers ``unavailable`` with the time it has been stuck.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, float] = {}  # check name -> monotonic start of its thread
+
+    def stuck_since(self, name: str) -> float | None:
+        with self._lock:
+            return self._running.get(name)
+
+    async def run(self, name: str, work: Callable[[], object]) -> object:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        with self._lock:
+            self._running[name] = time.monotonic()
+
+        def deliver(ok: bool, value) -> None:
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
+
+        def target() -> None:
+            try:
+                outcome = (True, work())
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting round as it is
+                outcome = (False, exc)
+            finally:
+                with self._lock:
+                    self._running.pop(name, None)
+            try:
+                loop.call_soon_threadsafe(deliver, *outcome)
+            except RuntimeError:  # the loop is closed: the daemon stopped without waiting for us, as meant
+                pass
+
+        threading.Thread(target=target, name=f"health-{name}", daemon=True).start()
+        return await future
+
+
+THREADS = CheckThreads()
+
+
+async def _guarded(name: str, work: Callable[[], object], *, timeout_s: float = CHECK_TIMEOUT_S,
+                   threads: CheckThreads = THREADS) -> list[HealthCheck]:
+    """One check in a daemon thread under a deadline; what it raises becomes ``unavailable`` with the reason."""
+    since = threads.stuck_since(name)
+    if since is not None:
+        return [_check(name, "unavailable",
+                       f"previous run still blocked after {time.monotonic() - since:.0f}s; not started again")]
     try:
-        result = await asyncio.wait_for(asyncio.to_thread(work), CHECK_TIMEOUT_S)
+        result = await asyncio.wait_for(threads.run(name, work), timeout_s)
     except TimeoutError:
-        return [_check(name, "unavailable", f"check did not answer within {CHECK_TIMEOUT_S:g}s")]
+        return [_check(name, "unavailable", f"check did not answer within {timeout_s:g}s")]
     except Exception as exc:  # noqa: BLE001 - a broken check must not take the loop down; it says why
         return [_check(name, "unavailable", f"check raised {type(exc).__name__}: {exc}")]
     return result if isinstance(result, list) else [result]
