@@ -9,7 +9,10 @@ it settle, and measures it over a window while nothing is asked of it:
   cutime + cstime shown apart: health checks that run ``ip``/``iptables`` count there);
 - memory: ``VmRSS`` and ``Pss`` (``smaps_rollup``) at the end of the window;
 - wakeups: context switches of every thread (``/proc/<pid>/task/*/status``) per minute;
-- control-plane traffic: the agent connection's in/out messages per minute (``/connz``).
+- control-plane traffic: the agent connection's in/out messages per minute (``/connz``);
+- device events the daemon rediscovered on in the window (its own ``gpuaas_agent_uevents_total``):
+  on a shared lab machine other work (loop devices, taps, netns) makes them, and each burst is a
+  rediscovery; ``--no-uevents`` measures without the watch.
 
 In the same run and the same window, the baselines: a bare interpreter sleeping
 (``python -c 'import time; time.sleep(N)'``) and the daemon module imported and sleeping
@@ -87,6 +90,15 @@ def switches(pid: int) -> int:
     return total
 
 
+def uevents_seen(metrics_port: int) -> float:
+    """``gpuaas_agent_uevents_total`` from the daemon's own /metrics (device events it rediscovered on)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("gpuaas_agent_uevents_total "):
+                return float(line.split()[1])
+    return 0.0
+
+
 def agent_messages(server: NatsServer, name: str) -> tuple[int, int]:
     """(in_msgs, out_msgs) of the connection named ``name`` as the server counts them."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/connz?limit=1024", timeout=5) as resp:
@@ -119,7 +131,7 @@ class Probe:
                 "threads": mem["Threads"]}
 
 
-async def _enrolled_config(server: NatsServer, work: Path, metrics_port: int) -> tuple[str, Path]:
+async def _enrolled_config(server: NatsServer, work: Path, metrics_port: int, uevent_watch: bool) -> tuple[str, Path]:
     plane = await ControlPlane.connect(server.url)
     try:
         await plane.create_streams()
@@ -130,7 +142,7 @@ async def _enrolled_config(server: NatsServer, work: Path, metrics_port: int) ->
     finally:
         await plane.close()
     config = {"state_dir": str(work / "state"), "host_root": str(fixture_host("h200-slice-after-transition")),
-              "nats_url": server.url, "metrics_listen": f"127.0.0.1:{metrics_port}",
+              "nats_url": server.url, "metrics_listen": f"127.0.0.1:{metrics_port}", "uevent_watch": uevent_watch,
               "slice": {"libvirt_uri": "test:///default"}}
     path = work / "agent.json"
     path.write_text(json.dumps(config))
@@ -154,6 +166,8 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=20.0, help="seconds after READY before measuring")
     parser.add_argument("--fetch-timeout", type=float, default=None,
                         help="run the daemon with this empty-pull expiry (bench-only patch); default: as shipped")
+    parser.add_argument("--no-uevents", action="store_true",
+                        help="uevent_watch off: splits out the rediscoveries that other activity on the host triggers")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = parser.parse_args()
     nats_bin = shutil.which("nats-server")
@@ -166,7 +180,8 @@ def main() -> int:
     env["PYTHONPATH"] = str(REPO)
     try:
         server.start()
-        node_id, config = asyncio.run(_enrolled_config(server, work, free_port()))
+        metrics_port = free_port()
+        node_id, config = asyncio.run(_enrolled_config(server, work, metrics_port, not args.no_uevents))
         log = work / "agent.log"
         if args.fetch_timeout is None:
             argv = [sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)]
@@ -184,12 +199,12 @@ def main() -> int:
         procs += [bare, imported]
         time.sleep(args.settle)  # let the first health round, heartbeat and pull settle: the bench's own timing
         name = f"gpuaas-agent-{node_id}"
-        msgs0 = agent_messages(server, name)
+        msgs0, uevents0 = agent_messages(server, name), uevents_seen(metrics_port)
         probes = [Probe("daemon (idle, connected)", agent.pid), Probe("import gpuaas_agent.daemon; sleep", imported.pid),
                   Probe("bare python; sleep", bare.pid)]
         time.sleep(args.window)  # the measured window itself
         rows = [p.finish() for p in probes]
-        msgs1 = agent_messages(server, name)
+        msgs1, uevents1 = agent_messages(server, name), uevents_seen(metrics_port)
         if agent.poll() is not None:
             raise SystemExit(f"the agent exited during the window:\n{log.read_text()[-3000:]}")
     finally:
@@ -209,6 +224,7 @@ def main() -> int:
         "processes": rows,
         "daemon_msgs_in_per_min": round((msgs1[0] - msgs0[0]) * per_min, 1),
         "daemon_msgs_out_per_min": round((msgs1[1] - msgs0[1]) * per_min, 1),
+        "uevents_in_window": uevents1 - uevents0, "uevent_watch": not args.no_uevents,
         "rss_vs_bare": round(daemon["rss_mib"] / bare_row["rss_mib"], 2),
         "rss_vs_import_only": round(daemon["rss_mib"] / imported_row["rss_mib"], 2),
         "targets": {"cpu_s_per_min": 0.1, "rss_mib": 50},
@@ -224,6 +240,8 @@ def main() -> int:
               f"{r['wakeups_per_min']:11.1f} {r['rss_mib']:8.1f} {r['pss_mib']:8.1f} {r['threads']:4d}")
     print(f"daemon NATS messages/min: {report['daemon_msgs_in_per_min']} in (published by the agent), "
           f"{report['daemon_msgs_out_per_min']} out (delivered to it)")
+    print(f"uevents the daemon rediscovered on during the window: {report['uevents_in_window']:g}"
+          f"{'' if report['uevent_watch'] else ' (uevent_watch off)'}")
     print(f"RSS ratio: {report['rss_vs_bare']}x bare interpreter, {report['rss_vs_import_only']}x import-only")
     print(f"targets: < 0.1 CPU-s/min ({'met' if daemon['cpu_s_per_min'] + daemon['children_cpu_s_per_min'] < 0.1 else 'NOT met'}), "
           f"< 50 MiB RSS ({'met' if daemon['rss_mib'] < 50 else 'NOT met'})")
