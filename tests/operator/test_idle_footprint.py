@@ -26,3 +26,22 @@ def test_a_seed_iso_still_builds_with_its_imports_deferred():
 
     iso = build_seed_iso({"meta-data": b"instance-id: i-1\n", "user-data": b"#cloud-config\n"})
     assert iso[0x8001:0x8006] == b"CD001"  # the primary volume descriptor's identifier
+
+
+def test_the_status_file_is_replaced_atomically_without_an_fsync_per_heartbeat(tmp_path, monkeypatch):
+    import os
+    from datetime import UTC, datetime
+
+    from gpuaas_agent.operator.daemonstatus import DaemonStatus, read_status, status_path, write_status
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    now = datetime.now(UTC)
+    for state in ("healthy", "degraded"):
+        write_status(tmp_path, DaemonStatus(node_id="node-test", agent_version="0.1.0", pid=1, started_at=now,
+                                            written_at=now, heartbeat_interval_s=15, nats_state="connected",
+                                            health_state=state))
+    assert read_status(tmp_path).health_state == "degraded" and synced == []
+    assert os.stat(status_path(tmp_path)).st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == [status_path(tmp_path).name]  # no temp file left behind
