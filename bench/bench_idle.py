@@ -154,7 +154,7 @@ def _wait_ready(proc: subprocess.Popen, log: Path, deadline_s: float = 120.0) ->
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the agent exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        if '"agent_ready"' in log.read_text() or "agent_ready" in log.read_text():
+        if "agent_ready" in log.read_text():
             return
         time.sleep(0.2)  # poll interval of a readiness wait with a deadline
     raise SystemExit(f"the agent was not ready within {deadline_s:g}s:\n{log.read_text()[-3000:]}")
