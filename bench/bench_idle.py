@@ -217,6 +217,7 @@ def main() -> int:
                     proc.kill()
                     proc.wait(10)
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     daemon, imported_row, bare_row = rows
     per_min = 60.0 / daemon["window_s"]
     report = {
