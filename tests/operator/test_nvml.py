@@ -21,6 +21,7 @@ from gpuaas_agent.config import parse_config
 from gpuaas_agent.operator.health import HealthSettings, gpu_nvml_check, run_checks, summarise
 from gpuaas_agent.operator.nvml import NvmlReading, NvmlSource, XidEvent, judge, load_reading
 from tests.conftest import REPO
+from tests.control.test_daemon import AgentProcess, NotifyListener, _enrolled_setup, _env, _run
 
 H200 = REPO / "fixtures/nvml/h200-vm-passthrough.json"
 
@@ -239,3 +240,27 @@ def test_record_without_nvml_is_one_line_and_exit_3(tmp_path):
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 3 and proc.stderr.startswith("gpuaas-agent: nvml_unavailable: nvmlInit failed")
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.json").exists()
+
+
+def test_a_daemon_whose_gpu_fell_off_the_bus_heartbeats_failed_and_status_says_broken(nats_server, tmp_path, short_dir,
+                                                                                       agents):
+    fixture = _write(tmp_path, _reading(xid_events=[_xid(79)]))
+
+    async def body():
+        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, health_nvml_fixture=str(fixture))
+        listener = NotifyListener(short_dir / "notify")
+        try:
+            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
+                                 _env(listener.path), tmp_path / "agent.log")
+            agents.append(agent.start())
+            beats = await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health_state == "failed"], timeout=60)
+            assert beats[-1].health_reason.startswith("gpu_nvml: gpu 0 00000000:00:06.0: XID 79"), beats[-1]
+            status = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "gpuaas_agent", "status", "--config", str(config), "--no-checks"],
+                capture_output=True, text=True, timeout=60, cwd=REPO)
+            assert status.returncode == 3 and "XID 79" in status.stdout, status.stdout + status.stderr
+        finally:
+            listener.close()
+            await plane.close()
+
+    _run(body())
