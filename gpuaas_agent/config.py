@@ -166,6 +166,8 @@ class AgentConfig(BaseModel):
     health_interval_s: float = Field(default=60.0, gt=0)
     # Read the slice network (bridge, NAT, ip_forward) inside this network namespace (lab and tests).
     health_netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    # Judge this recorded NVML reading (operator/nvml.py) instead of the live NVML (lab and tests).
+    health_nvml_fixture: Path | None = None
     # Prometheus: GET /metrics on this loopback host:port ("" disables), and/or this node-exporter
     # textfile (rewritten every heartbeat; None disables).
     metrics_listen: str = "127.0.0.1:9464"

@@ -18,12 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pycdlib
-import pycdlib.dates
-import pycdlib.headervd
-import pycdlib.pycdlib
-import pycdlib.utils
-import yaml
+# pycdlib and PyYAML are imported where a seed is built, not with the module: the daemon imports
+# this through the task registry, and an idle daemon never builds a seed (bench/bench_idle.py).
 
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.cloudinit import (
@@ -88,6 +84,8 @@ _DRIVER_PROFILES: dict[GuestDriverProfile, dict[str, Any]] = {
 
 
 def _dump(document: dict[str, Any]) -> str:
+    import yaml
+
     # width: never fold a long scalar (an ssh-rsa key) over lines, keep files diff-able.
     return yaml.safe_dump(document, sort_keys=False, default_flow_style=False, allow_unicode=False, width=1 << 16)
 
@@ -164,11 +162,19 @@ class _PinnedClock:
         return getattr(time, name)
 
 
-_PYCDLIB_MODULES_WITH_CLOCK = (pycdlib.pycdlib, pycdlib.headervd, pycdlib.dates, pycdlib.utils)
+def _pycdlib_modules_with_clock() -> tuple:
+    import pycdlib.dates
+    import pycdlib.headervd
+    import pycdlib.pycdlib
+    import pycdlib.utils
+
+    return (pycdlib.pycdlib, pycdlib.headervd, pycdlib.dates, pycdlib.utils)
 
 
 def _pin_pycdlib_clock() -> None:
-    for module in _PYCDLIB_MODULES_WITH_CLOCK:
+    import pycdlib
+
+    for module in _pycdlib_modules_with_clock():
         current = getattr(module, "time", None)
         if isinstance(current, _PinnedClock):
             continue
@@ -183,6 +189,8 @@ def _pin_pycdlib_clock() -> None:
 
 def build_seed_iso(files: dict[str, bytes]) -> bytes:
     """ISO 9660 (level 3) + Joliet + Rock Ridge image with volume label ``cidata``."""
+    import pycdlib
+
     _pin_pycdlib_clock()
     iso = pycdlib.PyCdlib()
     iso.new(interchange_level=3, vol_ident=SEED_VOLUME_LABEL, joliet=3, rock_ridge="1.09")

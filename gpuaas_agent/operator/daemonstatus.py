@@ -54,8 +54,12 @@ def status_path(state_dir: str | Path) -> Path:
 
 
 def write_status(state_dir: str | Path, status: DaemonStatus) -> None:
-    """Atomically replace the status file (0600: it names allocations)."""
-    write_atomic(status_path(state_dir), status.model_dump_json(indent=1).encode(), mode=0o600)
+    """Atomically replace the status file (0600: it names allocations).
+
+    Not fsynced: it is rewritten every heartbeat and only says what the daemon is doing now; a
+    power loss that empties it reads as ``daemon_status_invalid`` until the next heartbeat.
+    """
+    write_atomic(status_path(state_dir), status.model_dump_json(indent=1).encode(), mode=0o600, durable=False)
 
 
 def read_status(state_dir: str | Path) -> DaemonStatus | None:

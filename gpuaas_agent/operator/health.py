@@ -13,8 +13,8 @@ checks are what an operator would look at by hand, each one a
 - leased slots: ``slot_disks`` (each leased by-id disk resolves to a block device),
   ``vfio_binding`` (an active slot's GPU and VF are on vfio-pci);
 - hardware where the host exposes it: ``nvme_smart`` (nvme-cli's smart-log),
-  ``pcie_aer`` (AER counters of GPU/NIC/NVMe functions), ``gpu_nvml`` (ECC and
-  retired pages through NVML).
+  ``pcie_aer`` (AER counters of GPU/NIC/NVMe functions), ``gpu_nvml`` (XID events,
+  ECC, retired pages and remapped rows through NVML: :mod:`gpuaas_agent.operator.nvml`).
 
 ``unavailable`` means this host cannot answer (no nvme-cli, no NVML driver, a
 recorded root): it never counts as ``ok`` and never degrades the host either.
@@ -28,6 +28,8 @@ import json
 import logging
 import posixpath
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -62,13 +64,15 @@ class HealthSettings:
     dnsmasq_hosts_file: Path = Path("/var/lib/gpuaas-dnsmasq/hosts")
     dnsmasq_pid_file: Path | None = Path("/run/dnsmasq/dnsmasq.pid")
     libvirt_uri: str = "qemu:///system"
+    nvml_fixture: Path | None = None  # a recorded NVML reading judged instead of the live NVML (tests, lab)
 
     @classmethod
     def from_config(cls, config) -> HealthSettings:
         site = config.slice
         return cls(host_root=config.host_root, subnet=str(site.subnet), ovs_bridge=site.ovs_bridge,
                    netns=config.health_netns, dnsmasq_hosts_file=site.dnsmasq_hosts_file,
-                   dnsmasq_pid_file=site.dnsmasq_pid_file, libvirt_uri=site.libvirt_uri)
+                   dnsmasq_pid_file=site.dnsmasq_pid_file, libvirt_uri=site.libvirt_uri,
+                   nvml_fixture=getattr(config, "health_nvml_fixture", None))
 
 
 def _now() -> datetime:
@@ -297,48 +301,28 @@ async def nvme_smart_check(settings: HealthSettings) -> HealthCheck:
     return _check("nvme_smart", "ok", f"{read} controller(s): no critical warning, no media errors")
 
 
-def gpu_nvml_check(settings: HealthSettings) -> HealthCheck:
-    """Uncorrected ECC errors and pages pending retirement through NVML (live host with the driver only).
+def gpu_nvml_check(settings: HealthSettings, source=None) -> HealthCheck:
+    """XID events, uncorrected ECC, retired pages and remapped rows through NVML (operator/nvml.py).
 
-    XIDs are events, not counters NVML can be polled for: they are out of this check's reach.
+    ``settings.nvml_fixture``: judge a recorded reading instead of the live NVML (tests, lab).
+    A recorded root without one is ``unavailable``; so is a live host without the driver.
     """
-    host = HostRoot.open(settings.host_root)
-    if not host.is_live:
-        return _check("gpu_nvml", "unavailable", "recorded root: NVML not consulted")
-    try:
-        import pynvml  # type: ignore[import-not-found]
-    except ImportError:
-        return _check("gpu_nvml", "unavailable", "pynvml (nvidia-ml-py) is not installed")
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # NVMLError subclasses vary by driver state  # noqa: BLE001
-        return _check("gpu_nvml", "unavailable", f"nvmlInit failed: {exc}")
-    try:
-        bad, count = [], pynvml.nvmlDeviceGetCount()
-        for i in range(count):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            try:
-                ecc = pynvml.nvmlDeviceGetTotalEccErrors(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                                         pynvml.NVML_VOLATILE_ECC)
-                if ecc:
-                    bad.append(f"gpu {i}: uncorrected ECC errors={ecc}")
-            except pynvml.NVMLError:
-                pass  # ECC off or not supported on this board
-            try:
-                if pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle):
-                    bad.append(f"gpu {i}: retired pages pending a reset")
-            except pynvml.NVMLError:
-                pass
-    except Exception as exc:  # noqa: BLE001
-        return _check("gpu_nvml", "unavailable", f"NVML query failed: {exc}")
-    finally:
+    from gpuaas_agent.operator import nvml
+
+    if settings.nvml_fixture is not None:
         try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutdown failure changes nothing we report
-            pass
-    if bad:
-        return _check("gpu_nvml", "degraded", "; ".join(bad))
-    return _check("gpu_nvml", "ok", f"{count} GPU(s) visible to NVML: no uncorrected ECC, no pending retirement")
+            reading = nvml.load_reading(settings.nvml_fixture)
+        except AgentError as exc:
+            return _check("gpu_nvml", "unavailable", f"{exc.code}: {exc.message}")
+        status, detail = nvml.judge(reading, now=reading.recorded_at)
+        return _check("gpu_nvml", status, detail)
+    if not HostRoot.open(settings.host_root).is_live:
+        return _check("gpu_nvml", "unavailable", "recorded root: NVML not consulted")
+    reading = (source or nvml.SOURCE).read()
+    if isinstance(reading, str):
+        return _check("gpu_nvml", "unavailable", reading)
+    status, detail = nvml.judge(reading)
+    return _check("gpu_nvml", status, detail)
 
 
 # -- port isolation (DESIGN.md §4.9) ---------------------------------------------------------
@@ -359,12 +343,67 @@ def isolation_check(findings: list) -> HealthCheck:
 # -- one round -----------------------------------------------------------------------------
 
 
-async def _guarded(name: str, work: Callable[[], object]) -> list[HealthCheck]:
-    """One check in a thread under a deadline; what it raises becomes ``unavailable`` with the reason."""
+class CheckThreads:
+    """Blocking checks in daemon threads that nobody has to wait for.
+
+    ``asyncio.to_thread`` runs on the loop's default executor, and ``asyncio.run`` joins that
+    executor's threads before the process may exit: a check blocked on a hung mount, a FIFO or
+    a wedged sysfs attribute would hold SIGTERM for as long as it blocks (CHECK_TIMEOUT_S at
+    best, for ever at worst). Here each check runs in its own daemon thread; the round awaits
+    it under its deadline and shutdown awaits nothing. A check whose previous thread is still
+    blocked is not started again (one stuck thread per check at most, never one per round):
+    it answers ``unavailable`` with the time it has been stuck.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, float] = {}  # check name -> monotonic start of its thread
+
+    def stuck_since(self, name: str) -> float | None:
+        with self._lock:
+            return self._running.get(name)
+
+    async def run(self, name: str, work: Callable[[], object]) -> object:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        with self._lock:
+            self._running[name] = time.monotonic()
+
+        def deliver(ok: bool, value) -> None:
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
+
+        def target() -> None:
+            try:
+                outcome = (True, work())
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting round as it is
+                outcome = (False, exc)
+            finally:
+                with self._lock:
+                    self._running.pop(name, None)
+            try:
+                loop.call_soon_threadsafe(deliver, *outcome)
+            except RuntimeError:  # the loop is closed: the daemon stopped without waiting for us, as meant
+                pass
+
+        threading.Thread(target=target, name=f"health-{name}", daemon=True).start()
+        return await future
+
+
+THREADS = CheckThreads()
+
+
+async def _guarded(name: str, work: Callable[[], object], *, timeout_s: float = CHECK_TIMEOUT_S,
+                   threads: CheckThreads = THREADS) -> list[HealthCheck]:
+    """One check in a daemon thread under a deadline; what it raises becomes ``unavailable`` with the reason."""
+    since = threads.stuck_since(name)
+    if since is not None:
+        return [_check(name, "unavailable",
+                       f"previous run still blocked after {time.monotonic() - since:.0f}s; not started again")]
     try:
-        result = await asyncio.wait_for(asyncio.to_thread(work), CHECK_TIMEOUT_S)
+        result = await asyncio.wait_for(threads.run(name, work), timeout_s)
     except TimeoutError:
-        return [_check(name, "unavailable", f"check did not answer within {CHECK_TIMEOUT_S:g}s")]
+        return [_check(name, "unavailable", f"check did not answer within {timeout_s:g}s")]
     except Exception as exc:  # noqa: BLE001 - a broken check must not take the loop down; it says why
         return [_check(name, "unavailable", f"check raised {type(exc).__name__}: {exc}")]
     return result if isinstance(result, list) else [result]

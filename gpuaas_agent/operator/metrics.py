@@ -151,8 +151,9 @@ class AgentMetrics:
         return generate_latest(self.registry)
 
     def write_textfile(self, path: Path) -> None:
-        """node-exporter's textfile collector reads ``*.prom`` files whole: write it atomically."""
-        write_atomic(Path(path), self.render(), mode=0o644)
+        """node-exporter's textfile collector reads ``*.prom`` files whole: write it atomically (not durably:
+        it is rewritten every heartbeat)."""
+        write_atomic(Path(path), self.render(), mode=0o644, durable=False)
 
 
 def parse_listen(value: str) -> tuple[str, int]:

@@ -145,3 +145,12 @@ def test_keyboard_interrupt_is_one_line_and_exit_130():
 def test_debug_shows_the_traceback(tmp_path):
     proc = _cli("--debug", "status", "--config", str(tmp_path / "absent.toml"))
     assert proc.returncode == 2 and "Traceback" in proc.stderr and "config_unreadable" in proc.stderr
+
+
+def test_an_enrolled_run_with_a_corrupt_state_db_says_state_unreadable_in_one_line_and_exit_3(tmp_path):
+    # Enrolled, so the refusal is the DB's (the test above stops at "not enrolled" first).
+    _enrolled(tmp_path)
+    (tmp_path / "state" / "state.db").write_bytes(b"junk" * 1000)
+    proc = _cli("run", "--config", _config(tmp_path))
+    line = _one_line(proc)
+    assert proc.returncode == 3 and "state_unreadable" in line, line

@@ -154,6 +154,10 @@ def test_heartbeat_turns_degraded_naming_the_nat_check_when_the_rule_is_deleted(
             assert checks["slice_nat"] == "ok" and checks["slice_gateway"] == "ok" and checks["dnsmasq"] == "ok", \
                 healthy[-1].health
             assert checks["slice_ip_forward"] == "ok" and checks["libvirtd"] == "ok"
+            # Bad input: this host has no NVIDIA driver and no NVMe controller; the daemon runs on, healthy,
+            # and says what it cannot see.
+            assert checks["gpu_nvml"] == "unavailable" and checks["nvme_smart"] == "unavailable", healthy[-1].health
+            assert {c.name: c.detail for c in healthy[-1].health}["gpu_nvml"].startswith("nvmlInit failed")
 
             await asyncio.to_thread(sh, "ip", "netns", "exec", ns, "iptables", "-t", "nat", "-D", *rule)
             degraded = await plane.wait_for(

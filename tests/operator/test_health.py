@@ -117,3 +117,13 @@ def test_port_isolation_is_degraded_by_a_missing_or_altered_flow_and_ok_without_
     assert "flows_missing 2f6a1c0e-0000-4000-8000-000000000001 (0 of 7 rules)" in degraded.detail
     assert "reservation_orphan" not in degraded.detail  # only isolation findings count here
     assert isolation_check([other]).status == "ok"
+
+
+def test_a_live_host_without_nvme_cli_or_nvme_controllers_has_smart_unavailable_saying_which(monkeypatch, tmp_path):
+    live = HealthSettings(host_root=Path("/"))
+    if Path("/sys/class/nvme").is_dir() and any(Path("/sys/class/nvme").iterdir()):
+        raise AssertionError("this test expects a machine without NVMe controllers (the CI machines have none)")
+    assert asyncio.run(nvme_smart_check(live)).detail == "no NVMe controllers"
+    monkeypatch.setenv("PATH", str(tmp_path))  # nvme-cli is nowhere on PATH
+    without_cli = asyncio.run(nvme_smart_check(live))
+    assert without_cli.status == "unavailable" and without_cli.detail == "nvme-cli is not installed"
