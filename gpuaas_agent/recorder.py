@@ -22,7 +22,6 @@ import posixpath
 import re
 import shutil
 import stat
-import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +36,8 @@ from gpuaas_agent.contract.fixture import (
     RecordedCommand,
     SkippedPath,
 )
-from gpuaas_agent.errors import FixtureError
+from gpuaas_agent.errors import FixtureError, HostError
+from gpuaas_agent.host.run import run_sync
 from gpuaas_agent.fixture_archive import ARCHIVE_SUFFIX, pack_tree
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
@@ -739,11 +739,11 @@ def _run_commands(rec: _Recording) -> list[RecordedCommand]:
 def _run_one(rec: _Recording, name: str, argv: list[str]) -> RecordedCommand:
     """Run one read-only command; a missing tool or a failure is recorded, not raised."""
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=COMMAND_TIMEOUT_S, check=False)
-    except FileNotFoundError:
-        return RecordedCommand(name=name, argv=argv, error=f"{argv[0]} is not installed")
-    except subprocess.TimeoutExpired:
-        return RecordedCommand(name=name, argv=argv, error=f"timed out after {COMMAND_TIMEOUT_S} s")
+        done = run_sync(argv, timeout=COMMAND_TIMEOUT_S, check=False)
+    except HostError as exc:
+        error = {"command_not_found": f"{argv[0]} is not installed",
+                 "command_timeout": f"timed out after {COMMAND_TIMEOUT_S} s"}.get(exc.code, exc.message)
+        return RecordedCommand(name=name, argv=argv, error=error)
     except OSError as exc:
         return RecordedCommand(name=name, argv=argv, error=f"cannot run: {exc.strerror or exc}")
     output_file = f"commands/{name}.out"

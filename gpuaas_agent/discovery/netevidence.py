@@ -39,7 +39,8 @@ from gpuaas_agent.contract.parity import (
     SliceNetworkEvidence,
 )
 from gpuaas_agent.contract.topology import Finding
-from gpuaas_agent.errors import AgentError
+from gpuaas_agent.errors import AgentError, HostError
+from gpuaas_agent.host.run import run_sync
 from gpuaas_agent.hostfs import HostRoot
 
 COMMAND_TIMEOUT_S = 10
@@ -317,15 +318,15 @@ def _ns_argv(target: NetTarget, argv: list[str]) -> list[str]:
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str] | str:
-    """A read-only command; returns the completed process, or a sentence why it did not run."""
+    """A read-only command through ``host/run.py``; the completed process, or a sentence why it did not run."""
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
-    except FileNotFoundError:
-        return f"{argv[0]} is not installed"
-    except subprocess.TimeoutExpired:
-        return f"{' '.join(argv[:6])} timed out after {COMMAND_TIMEOUT_S} s"
+        done = run_sync(argv, timeout=COMMAND_TIMEOUT_S, check=False)
+    except HostError as exc:  # command_not_found / command_timeout: the sentence says which
+        return exc.message
     except OSError as exc:
         return f"cannot run {argv[0]}: {exc.strerror or exc}"
+    return subprocess.CompletedProcess(list(done.argv), done.returncode, done.stdout.decode("utf-8", "replace"),
+                                       done.stderr.decode("utf-8", "replace"))
 
 
 def _netlink(target: NetTarget):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -122,3 +123,40 @@ async def run(
             evidence=_evidence(argv, proc.returncode, stderr),
         )
     return Completed(argv=argv, returncode=proc.returncode, stdout=stdout, stderr=stderr)
+
+
+def run_sync(argv: Sequence[str], *, timeout: float, check: bool = True) -> Completed:
+    """:func:`run` for synchronous readers (discovery's network evidence, the fixture recorder).
+
+    Same rules: argv only, own process group killed on timeout, the same error codes.
+    """
+    if isinstance(argv, str) or not argv:
+        raise TypeError("argv must be a non-empty sequence of strings, never a shell string")
+    argv = tuple(str(a) for a in argv)
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    except FileNotFoundError as exc:
+        raise HostError(f"{argv[0]} is not installed", code="command_not_found", evidence={"argv": list(argv)}) from exc
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group_sync(proc)
+        raise HostError(f"{argv[0]} did not finish within {timeout:g}s and was killed", code="command_timeout",
+                        evidence=_evidence(argv, proc.returncode, b"")) from None
+    except BaseException:
+        _kill_group_sync(proc)
+        raise
+    if check and proc.returncode != 0:
+        raise HostError(f"{argv[0]} exited with {proc.returncode}", code="command_failed",
+                        evidence=_evidence(argv, proc.returncode, stderr))
+    return Completed(argv=argv, returncode=proc.returncode, stdout=stdout, stderr=stderr)
+
+
+def _kill_group_sync(proc: subprocess.Popen) -> None:
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate()

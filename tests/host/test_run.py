@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from gpuaas_agent.errors import HostError
-from gpuaas_agent.host.run import run
+from gpuaas_agent.host.run import run, run_sync
 
 
 def _running(pid: int) -> bool:
@@ -83,3 +83,44 @@ def test_a_raising_callback_kills_the_child(tmp_path):
     with pytest.raises(RuntimeError, match="consumer broke"):
         asyncio.run(run(["sh", "-c", f"echo $$ > {pidfile}; echo tick; exec sleep 60"], timeout=30, on_stdout_chunk=explode))
     assert not _running(int(pidfile.read_text()))
+
+
+def test_run_sync_captures_output_and_refuses_like_run(tmp_path):
+    done = run_sync(["sh", "-c", "echo out; echo err >&2; exit 4"], timeout=10, check=False)
+    assert (done.stdout, done.stderr, done.returncode) == (b"out\n", b"err\n", 4)
+    with pytest.raises(HostError) as failed:
+        run_sync(["sh", "-c", "exit 4"], timeout=10)
+    assert failed.value.code == "command_failed"
+    with pytest.raises(HostError) as missing:
+        run_sync(["no-such-tool-gpuaas"], timeout=10)
+    assert missing.value.code == "command_not_found"
+    with pytest.raises(TypeError):
+        run_sync("echo shell string", timeout=10)
+
+
+def test_run_sync_timeout_kills_the_whole_process_group(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    with pytest.raises(HostError) as err:
+        run_sync(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], timeout=0.5)
+    assert err.value.code == "command_timeout"
+    assert not _running(int(pidfile.read_text()))
+
+
+def test_no_module_starts_a_process_outside_host_run():
+    """DESIGN: every subprocess is an argv list with a timeout, through host/run.py only."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "gpuaas_agent"
+    spawners = {("subprocess", n) for n in ("run", "Popen", "call", "check_call", "check_output", "getoutput")}
+    spawners |= {("os", n) for n in ("system", "popen", "execv", "execvp", "spawnv")}
+    spawners |= {("asyncio", "create_subprocess_exec"), ("asyncio", "create_subprocess_shell")}
+    offenders = []
+    for path in package.rglob("*.py"):
+        if path == package / "host" / "run.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and (node.func.value.id, node.func.attr) in spawners):
+                offenders.append(f"{path.relative_to(package)}:{node.lineno} {node.func.value.id}.{node.func.attr}")
+    assert offenders == []
