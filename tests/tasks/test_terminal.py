@@ -244,15 +244,15 @@ async def agent(tmp: Path, nats_url: str, relay_public: Path, port: int, *, stor
 class Gateway:
     """The platform's terminal gateway: subscribes to ``.out`` first, sends ``.in`` frames in seq order."""
 
-    def __init__(self, nc, session_id: str, *, auto_ack: bool = True) -> None:
-        self.nc, self.session_id, self.auto_ack = nc, session_id, auto_ack
+    def __init__(self, nc, session_id: str, *, auto_ack: bool = True, node: str = NODE) -> None:
+        self.nc, self.session_id, self.auto_ack, self.node = nc, session_id, auto_ack, node
         self.frames: list[TerminalOutputFrame] = []
         self.output = bytearray()
         self.seq = 0
         self.changed = asyncio.Condition()
 
     async def start(self) -> "Gateway":
-        self.sub = await self.nc.subscribe(subjects.terminal_out(NODE, self.session_id), cb=self._on_out)
+        self.sub = await self.nc.subscribe(subjects.terminal_out(self.node, self.session_id), cb=self._on_out)
         await self.nc.flush()
         return self
 
@@ -271,7 +271,7 @@ class Gateway:
         self.seq = self.seq + 1 if seq is None else seq
         frame = TerminalInputFrame(session_id=self.session_id, seq=self.seq, data=base64.b64encode(data).decode(),
                                    ack_out=len(self.output) if ack_out is None else ack_out)
-        await self.nc.publish(subjects.terminal_in(NODE, self.session_id), frame.model_dump_json().encode())
+        await self.nc.publish(subjects.terminal_in(self.node, self.session_id), frame.model_dump_json().encode())
 
     async def wait(self, predicate, timeout: float = DEADLINE_S):
         async def waiter():
