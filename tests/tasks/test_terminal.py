@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import logging
 import shutil
 import time
 import uuid
@@ -303,7 +305,10 @@ async def refused(a: Agent, task_type: str, payload: dict) -> AgentError:
 # -- tests -------------------------------------------------------------------------------------------
 
 
-def test_a_session_relays_both_ways_resizes_and_its_close_is_audited(tmp_path, nats_url, relay_key, slice_domain):
+def test_a_session_relays_both_ways_resizes_and_its_close_is_audited(tmp_path, nats_url, relay_key, slice_domain,
+                                                                    caplog):
+    caplog.set_level(logging.INFO, logger="gpuaas_agent.tasks.terminal")
+
     async def scenario():
         async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port) as a:
             sid = str(uuid.uuid4())
@@ -344,8 +349,16 @@ def test_a_session_relays_both_ways_resizes_and_its_close_is_audited(tmp_path, n
             assert gone.code == "session_closed"
             # The guest got exactly what the gateway sent, in order.
             assert bytes(guest.received) == b"size\nsize\nhello\n"
+            return sid, audit
 
-    asyncio.run(scenario())
+    sid, audit = asyncio.run(scenario())
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gpuaas_agent.tasks.terminal"]
+    opened = next(e for e in events if e["event"] == "terminal_opened")
+    closed = next(e for e in events if e["event"] == "terminal_closed")
+    assert (opened["session_id"], opened["requested_by"], opened["host_key_pinned"]) == (
+        sid, "alice@example.com", "first_use")
+    assert (closed["session_id"], closed["reason"], closed["bytes_in"], closed["bytes_out"]) == (
+        sid, "client_closed", audit["bytes_in"], audit["bytes_out"])
 
 
 def test_refusals_open_no_connection(tmp_path, nats_url, relay_key, slice_domain):
@@ -392,6 +405,24 @@ def test_refusals_open_no_connection(tmp_path, nats_url, relay_key, slice_domain
             error = await refused(a, "slice.terminal_close", {"session_id": first["session_id"], "allocation_id": other})
             assert error.code == "session_not_found"
             assert first["session_id"] in a.sh.terminals().sessions
+
+        # A stopped slice, and a node at its session limit.
+        conn = libvirt.open(URI)
+        try:
+            conn.lookupByName(slice_domain.domain_name).destroy()
+            async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port,
+                                                               store=active_store(tmp_path / "stopped.db")) as a:
+                error = await refused(a, "slice.terminal_open", open_payload())
+                assert (error.code, error.evidence["state"]) == ("slice_not_running", "shutoff")
+                assert guest.connections == 0
+        finally:
+            conn.lookupByName(slice_domain.domain_name).create()
+            conn.close()
+        async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port, max_sessions=1,
+                                                           store=active_store(tmp_path / "full.db")) as a:
+            await a.task("slice.terminal_open", open_payload())
+            error = await refused(a, "slice.terminal_open", open_payload())
+            assert error.code == "terminal_capacity" and error.evidence == {"sessions": 1, "max_sessions": 1}
 
         # A slot in cleanup_blocked, and a slot this host does not hold for the allocation.
         for status, code in ((SlotStatus.cleanup_blocked, "slot_cleanup_blocked"),
@@ -443,9 +474,12 @@ def test_output_waits_for_the_gateways_credit_and_the_guest_blocks(tmp_path, nat
             await gw.send(b"flood %d\n" % flood)
             # Without acknowledgements the agent publishes exactly one window, in frames of at most max_frame_bytes.
             await gw.wait(lambda g: len(g.output) >= window)
-            # A round trip through the agent (not a timer) before looking again.
-            await a.task("slice.terminal_resize", {"session_id": sid, "allocation_id": ALLOC, "cols": 100, "rows": 30})
             session = a.sh.terminals().sessions[sid].session
+            # Round trips through the agent (not a timer) before looking again, and the gateway caught up.
+            for _ in range(2):
+                await a.task("slice.terminal_resize", {"session_id": sid, "allocation_id": ALLOC, "cols": 100,
+                                                       "rows": 30})
+                await gw.wait(lambda g: len(g.output) == session.counters.out_sent)
             # (the gateway acknowledged READY with its flood command: one window beyond that)
             assert session.counters.out_sent - session.counters.out_acked == window
             assert len(gw.output) == session.counters.out_sent == len(b"READY\n") + window
@@ -559,10 +593,22 @@ def test_sessions_left_open_by_a_dead_agent_are_closed_as_agent_restarted(tmp_pa
                 orphan = opened["session_id"]
                 assert a.store.terminal_session(orphan).closed_at is None
             store = StateStore.open(tmp_path / "state.db")
+            gateway_nc = await nats.connect(nats_url, connect_timeout=5)
             async with agent(tmp_path, nats_url, relay_key, guest.port, store=store) as b:
-                await b.task("slice.terminal_open", open_payload())
+                live = str(uuid.uuid4())
+                gw = await Gateway(gateway_nc, live).start()
+                await b.task("slice.terminal_open", open_payload(live))
                 row = b.store.terminal_session(orphan)
                 assert row.close_reason.value == "agent_restarted" and row.closed_at is not None
+            # A clean shutdown (SliceHost.close) ends the live session: the gateway is told, the store says why.
+            final = await gw.wait_closed()
+            await gateway_nc.close()
+            assert final.closed.reason.value == "agent_shutdown"
+            store = StateStore.open(tmp_path / "state.db")
+            try:
+                assert store.terminal_session(live).close_reason.value == "agent_shutdown"
+            finally:
+                store.close()
 
     asyncio.run(scenario())
 
