@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from ipaddress import IPv4Address
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from gpuaas_agent.contract.domain import DomainState
 from gpuaas_agent.contract.naming import domain_name
@@ -197,7 +197,7 @@ class TerminalRelay:
                 cols=payload.cols, rows=payload.rows, connect_timeout_s=cfg.connect_timeout_s,
                 keepalive_interval_s=cfg.keepalive_interval_s, window_bytes=cfg.ssh_window_bytes)
             offered = sshrelay.public_line(pty.host_key)
-            pinned = "matched"
+            pinned: Literal["first_use", "matched"] = "matched"
             if pin is None:
                 pinned = "first_use"
                 held = store.pin_host_key(HostKeyPin(

@@ -14,7 +14,7 @@ import sqlite3
 import uuid
 
 from tests.e2e.test_lab_pipelines import _slot, _task
-from tests.tasks.test_terminal import Gateway
+from tests.terminal_gateway import Gateway
 
 SLOT = 6
 

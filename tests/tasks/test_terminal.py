@@ -36,7 +36,6 @@ from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import TaskEnvelope, task_payload
-from gpuaas_agent.contract.terminal import TerminalInputFrame, TerminalOutputFrame
 from gpuaas_agent.control.worker import TaskContext
 from gpuaas_agent.deploy import relaykey
 from gpuaas_agent.errors import AgentError, ContractError
@@ -47,6 +46,7 @@ from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.slicehost import SliceHost
 from gpuaas_agent.tasks.terminal import terminal_handler
 from tests.control.conftest import NatsServer, free_port
+from tests.terminal_gateway import Gateway as _Gateway
 
 URI = "test:///default"
 SUBNET, GATEWAY, GUEST_IP = "127.77.0.0/24", "127.77.0.1", "127.77.0.10"
@@ -243,52 +243,8 @@ async def agent(tmp: Path, nats_url: str, relay_public: Path, port: int, *, stor
         store.close()
 
 
-class Gateway:
-    """The platform's terminal gateway: subscribes to ``.out`` first, sends ``.in`` frames in seq order."""
-
-    def __init__(self, nc, session_id: str, *, auto_ack: bool = True, node: str = NODE) -> None:
-        self.nc, self.session_id, self.auto_ack, self.node = nc, session_id, auto_ack, node
-        self.frames: list[TerminalOutputFrame] = []
-        self.output = bytearray()
-        self.seq = 0
-        self.changed = asyncio.Condition()
-
-    async def start(self) -> "Gateway":
-        self.sub = await self.nc.subscribe(subjects.terminal_out(self.node, self.session_id), cb=self._on_out)
-        await self.nc.flush()
-        return self
-
-    async def _on_out(self, msg) -> None:
-        frame = TerminalOutputFrame.model_validate_json(msg.data)
-        async with self.changed:
-            assert frame.seq == len(self.frames) + 1, "the agent's .out frames come in seq order"
-            assert frame.offset == len(self.output)
-            self.frames.append(frame)
-            self.output.extend(frame.raw)
-            self.changed.notify_all()
-        if self.auto_ack and frame.data:
-            await self.send(b"")
-
-    async def send(self, data: bytes, *, ack_out: int | None = None, seq: int | None = None) -> None:
-        self.seq = self.seq + 1 if seq is None else seq
-        frame = TerminalInputFrame(session_id=self.session_id, seq=self.seq, data=base64.b64encode(data).decode(),
-                                   ack_out=len(self.output) if ack_out is None else ack_out)
-        await self.nc.publish(subjects.terminal_in(self.node, self.session_id), frame.model_dump_json().encode())
-
-    async def wait(self, predicate, timeout: float = DEADLINE_S):
-        async def waiter():
-            async with self.changed:
-                while not (value := predicate(self)):
-                    await self.changed.wait()
-                return value
-
-        return await asyncio.wait_for(waiter(), timeout)
-
-    async def wait_for_output(self, marker: bytes, timeout: float = DEADLINE_S) -> None:
-        await self.wait(lambda g: marker in g.output, timeout)
-
-    async def wait_closed(self, timeout: float = DEADLINE_S) -> TerminalOutputFrame:
-        return await self.wait(lambda g: next((f for f in g.frames if f.closed), None), timeout)
+def gateway(nc, session_id: str, *, auto_ack: bool = True) -> _Gateway:
+    return _Gateway(nc, session_id, node=NODE, auto_ack=auto_ack)
 
 
 def open_payload(session_id: str | None = None, **over) -> dict:
@@ -312,7 +268,7 @@ def test_a_session_relays_both_ways_resizes_and_its_close_is_audited(tmp_path, n
     async def scenario():
         async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port) as a:
             sid = str(uuid.uuid4())
-            gw = await Gateway(a.nc, sid).start()
+            gw = await gateway(a.nc, sid).start()
             opened = await a.task("slice.terminal_open", open_payload(sid, target_host=GUEST_IP))
             assert (opened["target_host"], opened["target_port"]) == (GUEST_IP, guest.port)
             assert opened["host_key_pinned"] == "first_use"
@@ -468,7 +424,7 @@ def test_output_waits_for_the_gateways_credit_and_the_guest_blocks(tmp_path, nat
                 tmp_path, nats_url, relay_key, guest.port, output_window_bytes=window, max_frame_bytes=frame,
                 input_window_bytes=frame, ssh_window_bytes=ssh_window) as a:
             sid = str(uuid.uuid4())
-            gw = await Gateway(a.nc, sid, auto_ack=False).start()
+            gw = await gateway(a.nc, sid, auto_ack=False).start()
             await a.task("slice.terminal_open", open_payload(sid))
             await gw.wait_for_output(b"READY\n")
             await gw.send(b"flood %d\n" % flood)
@@ -509,7 +465,7 @@ def test_a_gateway_ignoring_the_input_window_is_closed(tmp_path, nats_url, relay
         async with guest_server(relay_key, window=4096) as guest, agent(
                 tmp_path, nats_url, relay_key, guest.port, input_window_bytes=8192, max_frame_bytes=4096) as a:
             sid = str(uuid.uuid4())
-            gw = await Gateway(a.nc, sid).start()
+            gw = await gateway(a.nc, sid).start()
             await a.task("slice.terminal_open", open_payload(sid))
             await gw.wait_for_output(b"READY\n")
             await gw.send(b"hold\n")
@@ -535,7 +491,7 @@ def test_out_of_order_or_malformed_input_closes_the_session(tmp_path, nats_url, 
             ]
             for act, reason in cases:
                 sid = str(uuid.uuid4())
-                gw = await Gateway(a.nc, sid, auto_ack=False).start()
+                gw = await gateway(a.nc, sid, auto_ack=False).start()
                 await a.task("slice.terminal_open", open_payload(sid))
                 await gw.wait_for_output(b"READY\n")
                 await act(gw)
@@ -553,7 +509,7 @@ def test_idle_exit_and_a_released_slot_end_sessions_with_their_reason(tmp_path, 
                                                            idle_timeout_s=1.0, recheck_interval_s=0.2) as a:
             # The shell exits: remote_closed with its exit status.
             sid = str(uuid.uuid4())
-            gw = await Gateway(a.nc, sid).start()
+            gw = await gateway(a.nc, sid).start()
             await a.task("slice.terminal_open", open_payload(sid))
             await gw.wait_for_output(b"READY\n")
             await gw.send(b"exit\n")
@@ -562,14 +518,14 @@ def test_idle_exit_and_a_released_slot_end_sessions_with_their_reason(tmp_path, 
 
             # No byte either way: idle_timeout (acks alone are not activity).
             sid = str(uuid.uuid4())
-            gw = await Gateway(a.nc, sid).start()
+            gw = await gateway(a.nc, sid).start()
             await a.task("slice.terminal_open", open_payload(sid))
             final = await gw.wait_closed()
             assert final.closed.reason.value == "idle_timeout"
 
             # The slot leaves active for the allocation (a release began): allocation_inactive.
             sid = str(uuid.uuid4())
-            gw = await Gateway(a.nc, sid).start()
+            gw = await gateway(a.nc, sid).start()
             await a.task("slice.terminal_open", open_payload(sid))
             await gw.wait_for_output(b"READY\n")
             record = a.store.slot_state(0)
@@ -596,7 +552,7 @@ def test_sessions_left_open_by_a_dead_agent_are_closed_as_agent_restarted(tmp_pa
             gateway_nc = await nats.connect(nats_url, connect_timeout=5)
             async with agent(tmp_path, nats_url, relay_key, guest.port, store=store) as b:
                 live = str(uuid.uuid4())
-                gw = await Gateway(gateway_nc, live).start()
+                gw = await gateway(gateway_nc, live).start()
                 await b.task("slice.terminal_open", open_payload(live))
                 row = b.store.terminal_session(orphan)
                 assert row.close_reason.value == "agent_restarted" and row.closed_at is not None
