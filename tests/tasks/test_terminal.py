@@ -360,6 +360,10 @@ def test_refusals_open_no_connection(tmp_path, nats_url, relay_key, slice_domain
             assert error.code == "session_not_found"
             error = await refused(a, "slice.terminal_close", {"session_id": first["session_id"], "allocation_id": other})
             assert error.code == "session_not_found"
+            big = base64.b64encode(b"z" * (a.sh.slice.terminal.max_frame_bytes + 1)).decode()
+            error = await refused(a, "slice.terminal_data", {"session_id": first["session_id"], "allocation_id": ALLOC,
+                                                             "data": big})
+            assert error.code == "terminal_data_too_large"
             assert first["session_id"] in a.sh.terminals().sessions
 
         # A stopped slice, and a node at its session limit.
@@ -535,6 +539,19 @@ def test_idle_exit_and_a_released_slot_end_sessions_with_their_reason(tmp_path, 
             assert "slot_not_active" in final.closed.detail
             reasons = [r.close_reason.value for r in a.store.terminal_sessions()]
             assert reasons == ["remote_closed", "idle_timeout", "allocation_inactive"]
+
+        # However busy, a session ends at max_session_s.
+        async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port,
+                                                           store=active_store(tmp_path / "absolute.db"),
+                                                           max_session_s=1.0, idle_timeout_s=60.0) as a:
+            sid = str(uuid.uuid4())
+            gw = gateway(a.nc, sid)
+            await gw.start()
+            await a.task("slice.terminal_open", open_payload(sid))
+            await gw.send(b"flood 100000000\n")  # the guest prints without pause: never idle
+            final = await gw.wait_closed()
+            assert final.closed.reason.value == "absolute_timeout"
+            assert final.closed.totals.bytes_out > 0
 
     asyncio.run(scenario())
 
