@@ -222,8 +222,14 @@ class TerminalRelay:
                 on_closed=self._closed_callback(store), recheck=self._recheck_callback(store, payload),
                 on_tick=lambda s: store.record_terminal_bytes(s.session_id, s.counters.bytes_in, s.counters.out_sent))
             self.sessions[payload.session_id] = _Live(session=session, audit=audit)
-            pty = None  # the session owns it now
-            await session.start()
+            pty = None  # the session owns it now: a failure from here closes the session (and audits it)
+            try:
+                await session.start()
+            except Exception as exc:
+                await session.close(CloseReason.connection_lost, f"the session's subjects could not be set up: {exc!r}")
+                raise TerminalRefused(f"terminal session {payload.session_id} could not subscribe to "
+                                      f"{session.subject_in}: {exc!r}", code="terminal_subscribe_failed",
+                                      evidence={"session_id": payload.session_id}) from None
         except BaseException:
             if pty is not None:
                 await pty.close()
