@@ -39,6 +39,39 @@ def _default_concurrency() -> dict[TaskType, int]:
     return default_concurrency()
 
 
+class TerminalConfig(BaseModel):
+    """The slice terminal relay (``[slice.terminal]``; ``tasks/terminal.py``): limits every session lives under.
+
+    The agent's memory per session is bounded by ``ssh_window_bytes`` (what the guest may
+    send before the agent reads it), ``output_window_bytes`` is the gateway's credit (published,
+    not yet acknowledged), ``input_window_bytes`` what the gateway may send before the agent
+    acknowledges it; at most ``max_sessions`` of them on the node, ``max_sessions_per_slice``
+    per slice.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ssh_port: int = Field(default=22, ge=1, le=65535)  # the guests' SSH port (the lab's unit tests move it)
+    max_sessions_per_slice: PositiveInt = 4
+    max_sessions: PositiveInt = 64
+    idle_timeout_s: float = Field(default=900.0, gt=0)
+    max_session_s: float = Field(default=28800.0, gt=0)
+    connect_timeout_s: float = Field(default=15.0, gt=0)
+    keepalive_interval_s: float = Field(default=30.0, gt=0)
+    # How often a live session re-checks that its allocation still holds an active slot.
+    recheck_interval_s: float = Field(default=10.0, gt=0)
+    output_window_bytes: int = Field(default=256 << 10, ge=1024, le=16 << 20)
+    input_window_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20)
+    max_frame_bytes: int = Field(default=16 << 10, ge=256, le=64 << 10)
+    ssh_window_bytes: int = Field(default=128 << 10, ge=4096, le=16 << 20)
+
+    @model_validator(mode="after")
+    def _frames_fit_windows(self) -> "TerminalConfig":
+        if self.max_frame_bytes > min(self.output_window_bytes, self.input_window_bytes):
+            raise ValueError("max_frame_bytes must fit in both output_window_bytes and input_window_bytes")
+        return self
+
+
 class SliceConfig(BaseModel):
     """Where this host's slice plumbing lives: the OVS bridge and ovsdb, dnsmasq's files, libvirt, caches.
 
@@ -77,6 +110,7 @@ class SliceConfig(BaseModel):
     seed_dir: Path = Path("/var/lib/libvirt/images/gpuaas-seeds")
     image_cache_dir: Path | None = None  # default: <state_dir>/images
     terminal_relay_key_file: Path = Path("/var/lib/gpuaas/terminal/id_ed25519.pub")
+    terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     nameservers: tuple[IPv4Address, ...] = (IPv4Address("10.100.0.1"),)
     readiness_timeout_s: float = Field(default=900.0, gt=0)
     clone_timeout_s: float = Field(default=3600.0, gt=0)

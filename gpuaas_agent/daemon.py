@@ -413,6 +413,8 @@ async def run_agent(
         worker.stop()
         await asyncio.wait({worker_task}, timeout=config.request_timeout_s * 2)
         await worker.drain(config.shutdown_grace_s)
+        if slice_host is not None:  # while NATS is still up: each gateway gets its session's closing frame
+            await slice_host.close_terminals()
         return EXIT_OK
     finally:
         for task in background:

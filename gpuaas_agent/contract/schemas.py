@@ -23,6 +23,14 @@ from gpuaas_agent.contract.slots import ApprovedSlot
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.storage import CloneResult, WipeProof
 from gpuaas_agent.contract.tasks import PAYLOADS, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
+from gpuaas_agent.contract.terminal import (
+    TerminalAudit,
+    TerminalDataResult,
+    TerminalInputFrame,
+    TerminalOpenResult,
+    TerminalOutputFrame,
+    TerminalResizeResult,
+)
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.contract.vfio import VfioBindResult
 
@@ -61,6 +69,13 @@ WIRE_MODELS: tuple[type[WireModel], ...] = (
     HostsFileJunk,
     LeaseStatus,
     GuestReadiness,
+    # The terminal relay: task outputs, the session's frames on its .in/.out subjects, the audit record.
+    TerminalOpenResult,
+    TerminalDataResult,
+    TerminalResizeResult,
+    TerminalAudit,
+    TerminalInputFrame,
+    TerminalOutputFrame,
 )
 
 

@@ -18,6 +18,12 @@ from gpuaas_agent.errors import ContractError
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel, first_error
 from gpuaas_agent.contract.cloudinit import MAX_SSH_KEYS, GuestDriverProfile, Hostname, LinuxUserName, SshPublicKey
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
+from gpuaas_agent.contract.terminal import (
+    TerminalClosePayload,
+    TerminalDataPayload,
+    TerminalOpenPayload,
+    TerminalResizePayload,
+)
 from gpuaas_agent.contract.types import SHA256_PATTERN, UUID_PATTERN  # noqa: F401 (re-exported for old importers)
 
 NODE_ID_PATTERN = r"^[A-Za-z0-9-]{1,64}$"
@@ -31,6 +37,10 @@ class TaskType(WireEnum):
     vm_release = "slice.vm_release"
     reconcile = "slice.reconcile"
     vm_power = "slice.vm_power"
+    terminal_open = "slice.terminal_open"
+    terminal_data = "slice.terminal_data"
+    terminal_resize = "slice.terminal_resize"
+    terminal_close = "slice.terminal_close"
 
 
 class TaskEnvelope(WireModel):
@@ -118,6 +128,10 @@ PAYLOADS: dict[TaskType, type[WireModel]] = {
     TaskType.vm_release: VmReleasePayload,
     TaskType.reconcile: ReconcilePayload,
     TaskType.vm_power: VmPowerPayload,
+    TaskType.terminal_open: TerminalOpenPayload,
+    TaskType.terminal_data: TerminalDataPayload,
+    TaskType.terminal_resize: TerminalResizePayload,
+    TaskType.terminal_close: TerminalClosePayload,
 }
 
 

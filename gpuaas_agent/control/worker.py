@@ -119,6 +119,11 @@ class TaskContext:
     # Called by the step pipeline per finished step (task type, step, status, duration_s, output): metrics.
     step_observer: Callable[[str, str, str, float, dict], None] | None = None
 
+    @property
+    def nc(self) -> Client:
+        """The NATS connection, for work that outlives the task (a terminal session's subjects)."""
+        return self._nc
+
     async def progress(self, step: str, status: str, *, percent: float | None = None, detail: dict | None = None) -> None:
         """Publish a step event on ``gpuaas.node.<node>.progress`` (core NATS, fire and forget)."""
         event = ProgressEvent(task_id=self.envelope.task_id, node_id=self.node_id, step=step, status=status,

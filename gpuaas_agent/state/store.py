@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gpuaas_agent.contract.state import JournalEntry, SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.storage import WipeProof
+from gpuaas_agent.contract.terminal import HostKeyPin, TerminalAudit
 from gpuaas_agent.errors import AgentError
 
 # Each entry moves the schema from version i to i+1; never edit one that shipped.
@@ -80,6 +81,36 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE slot_lease ADD COLUMN disk_identity TEXT;
     UPDATE slot_lease SET disk_identity = 'path:' || nvme_device WHERE disk_identity IS NULL;
     CREATE UNIQUE INDEX slot_lease_disk_identity ON slot_lease (disk_identity);
+    """,
+    # 4 -> 5: the terminal relay (issue 21): every session audited (who, allocation, when, bytes, why it
+    # ended), and each allocation's guest SSH host key as first seen (pinned: a changed key is refused).
+    """
+    CREATE TABLE terminal_session (
+        session_id TEXT PRIMARY KEY,
+        allocation_id TEXT NOT NULL,
+        slot_index INTEGER NOT NULL,
+        requested_by TEXT NOT NULL,
+        login_user TEXT NOT NULL,
+        target_host TEXT NOT NULL,
+        target_port INTEGER NOT NULL,
+        host_key_fingerprint TEXT NOT NULL,
+        open_task_id TEXT NOT NULL,
+        opened_at REAL NOT NULL,
+        closed_at REAL,
+        close_reason TEXT,
+        close_detail TEXT NOT NULL DEFAULT '',
+        bytes_in INTEGER NOT NULL DEFAULT 0,
+        bytes_out INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX terminal_session_allocation ON terminal_session (allocation_id, opened_at);
+    CREATE TABLE terminal_host_key (
+        allocation_id TEXT PRIMARY KEY,
+        slot_index INTEGER NOT NULL,
+        target_host TEXT NOT NULL,
+        public_key TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        pinned_at REAL NOT NULL
+    );
     """,
 )
 
@@ -345,3 +376,87 @@ class StateStore:
     def _slot_record(row: tuple) -> SlotRecord:
         return SlotRecord(slot_index=row[0], allocation_id=row[1], status=row[2], health_state=row[3],
                           detail=json.loads(row[4]), task_id=row[5], updated_at=row[6])
+
+    # -- terminal sessions (issue 21) -------------------------------------------------
+
+    _TERMINAL_COLUMNS = ("session_id, allocation_id, slot_index, requested_by, login_user, target_host, target_port,"
+                         " host_key_fingerprint, open_task_id, opened_at, closed_at, close_reason, close_detail,"
+                         " bytes_in, bytes_out")
+
+    def record_terminal_open(self, audit: TerminalAudit) -> TerminalAudit:
+        """Audit a session as it opens; a session id already used (open or closed) is ``session_exists``."""
+        with self._transaction():
+            if self._conn.execute("SELECT 1 FROM terminal_session WHERE session_id = ?",
+                                  (audit.session_id,)).fetchone():
+                raise StateError(f"terminal session {audit.session_id} was already used on this host",
+                                 code="session_exists", evidence={"session_id": audit.session_id})
+            self._conn.execute(
+                f"INSERT INTO terminal_session ({self._TERMINAL_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (audit.session_id, audit.allocation_id, audit.slot_index, audit.requested_by, audit.user,
+                 audit.target_host, audit.target_port, audit.host_key_fingerprint, audit.open_task_id,
+                 audit.opened_at, audit.closed_at, audit.close_reason.value if audit.close_reason else None,
+                 audit.close_detail, audit.bytes_in, audit.bytes_out))
+        return audit
+
+    def record_terminal_bytes(self, session_id: str, bytes_in: int, bytes_out: int) -> None:
+        """A live session's counters so far (a crash keeps what was moved until the last update)."""
+        with self._transaction():
+            self._conn.execute("UPDATE terminal_session SET bytes_in = ?, bytes_out = ? WHERE session_id = ?"
+                               " AND closed_at IS NULL", (bytes_in, bytes_out, session_id))
+
+    def record_terminal_close(self, session_id: str, *, reason: str, detail: str, bytes_in: int,
+                              bytes_out: int) -> TerminalAudit | None:
+        """Close a session's audit row once (a second close leaves the first); returns the row."""
+        with self._transaction():
+            self._conn.execute(
+                "UPDATE terminal_session SET closed_at = ?, close_reason = ?, close_detail = ?, bytes_in = ?,"
+                " bytes_out = ? WHERE session_id = ? AND closed_at IS NULL",
+                (self._clock(), reason, detail[:500], bytes_in, bytes_out, session_id))
+        return self.terminal_session(session_id)
+
+    def close_stale_terminal_sessions(self, live: set[str], *, reason: str) -> list[str]:
+        """Rows still open that no live session owns (the agent died under them): closed with ``reason``."""
+        with self._transaction():
+            stale = [r[0] for r in self._conn.execute(
+                "SELECT session_id FROM terminal_session WHERE closed_at IS NULL").fetchall() if r[0] not in live]
+            for session_id in stale:
+                self._conn.execute("UPDATE terminal_session SET closed_at = ?, close_reason = ? WHERE session_id = ?",
+                                   (self._clock(), reason, session_id))
+        return stale
+
+    def terminal_session(self, session_id: str) -> TerminalAudit | None:
+        row = self._conn.execute(f"SELECT {self._TERMINAL_COLUMNS} FROM terminal_session WHERE session_id = ?",
+                                 (session_id,)).fetchone()
+        return None if row is None else self._terminal(row)
+
+    def terminal_sessions(self, allocation_id: str | None = None) -> list[TerminalAudit]:
+        where, params = ("WHERE allocation_id = ?", (allocation_id,)) if allocation_id else ("", ())
+        rows = self._conn.execute(f"SELECT {self._TERMINAL_COLUMNS} FROM terminal_session {where}"
+                                  " ORDER BY opened_at, session_id", params).fetchall()
+        return [self._terminal(r) for r in rows]
+
+    @staticmethod
+    def _terminal(row: tuple) -> TerminalAudit:
+        keys = ("session_id", "allocation_id", "slot_index", "requested_by", "user", "target_host", "target_port",
+                "host_key_fingerprint", "open_task_id", "opened_at", "closed_at", "close_reason", "close_detail",
+                "bytes_in", "bytes_out")
+        return TerminalAudit.from_wire(dict(zip(keys, row)))
+
+    def pin_host_key(self, pin: HostKeyPin) -> HostKeyPin:
+        """Pin an allocation's guest host key unless one is pinned already; returns the pin that holds."""
+        with self._transaction():
+            self._conn.execute(
+                "INSERT OR IGNORE INTO terminal_host_key VALUES (?, ?, ?, ?, ?, ?)",
+                (pin.allocation_id, pin.slot_index, pin.target_host, pin.public_key, pin.fingerprint, pin.pinned_at))
+        held = self.host_key_pin(pin.allocation_id)
+        assert held is not None
+        return held
+
+    def host_key_pin(self, allocation_id: str) -> HostKeyPin | None:
+        row = self._conn.execute(
+            "SELECT allocation_id, slot_index, target_host, public_key, fingerprint, pinned_at FROM terminal_host_key"
+            " WHERE allocation_id = ?", (allocation_id,)).fetchone()
+        if row is None:
+            return None
+        return HostKeyPin(allocation_id=row[0], slot_index=row[1], target_host=row[2], public_key=row[3],
+                          fingerprint=row[4], pinned_at=row[5])

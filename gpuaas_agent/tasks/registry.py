@@ -27,6 +27,7 @@ from gpuaas_agent.tasks.provision import provision_handler
 from gpuaas_agent.tasks.reconcile import reconcile_handler
 from gpuaas_agent.tasks.release import release_handler
 from gpuaas_agent.tasks.slicehost import SliceHost
+from gpuaas_agent.tasks.terminal import terminal_handler
 from gpuaas_agent.tasks.topology import topology_discover_handler
 
 Handler = Callable[[Any, Any], Awaitable[dict]]  # (validated payload, TaskContext) -> output
@@ -66,6 +67,16 @@ TASKS: tuple[TaskSpec, ...] = (
     TaskSpec(TaskType.reconcile, lambda config, sh: reconcile_handler(sh), concurrency=1, needs_slice_host=True),
     # One per slot; the slot lock serialises power, provision and release of one slot.
     TaskSpec(TaskType.vm_power, lambda config, sh: power_handler(sh), concurrency=8, needs_slice_host=True),
+    # The terminal relay: the sessions outlive their open task; these bound the tasks, the config bounds
+    # the sessions ([slice.terminal] max_sessions, max_sessions_per_slice).
+    TaskSpec(TaskType.terminal_open, lambda config, sh: terminal_handler(sh, "open"), concurrency=4,
+             needs_slice_host=True),
+    TaskSpec(TaskType.terminal_data, lambda config, sh: terminal_handler(sh, "data"), concurrency=8,
+             needs_slice_host=True),
+    TaskSpec(TaskType.terminal_resize, lambda config, sh: terminal_handler(sh, "resize"), concurrency=4,
+             needs_slice_host=True),
+    TaskSpec(TaskType.terminal_close, lambda config, sh: terminal_handler(sh, "close"), concurrency=4,
+             needs_slice_host=True),
 )
 
 

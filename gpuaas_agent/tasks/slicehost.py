@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpuaas_agent.config import AgentConfig, SliceConfig
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
@@ -20,6 +21,9 @@ from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.tasks.isolation import unisolate_port
+
+if TYPE_CHECKING:
+    from gpuaas_agent.tasks.terminal import TerminalRelay
 
 # Files QEMU opens (firmware) live on the machine the agent runs on, whatever host_root says:
 # on a recorded fixture (the lab) the sysfs is recorded but OVMF is this machine's.
@@ -34,6 +38,8 @@ class SliceHost:
     libvirt: LibvirtLifecycle
     # One provision per slot runs at a time, whatever the task ids say (two tasks for one slot race otherwise).
     _slot_locks: dict[int, asyncio.Lock] = field(default_factory=dict)
+    # The node's live terminal sessions (slice.terminal_*), made on first use: one relay per daemon.
+    _terminals: "TerminalRelay | None" = None
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> "SliceHost":
@@ -97,5 +103,21 @@ class SliceHost:
         path.unlink(missing_ok=True)
         return {"removed": existed}
 
+    def terminals(self) -> "TerminalRelay":
+        if self._terminals is None:
+            from gpuaas_agent.tasks.terminal import TerminalRelay  # it imports this module
+
+            self._terminals = TerminalRelay(self)
+        return self._terminals
+
+    async def close_terminals(self) -> int:
+        """End every live terminal session (agent shutdown): each is audited and told why."""
+        if self._terminals is None:
+            return 0
+        from gpuaas_agent.contract.terminal import CloseReason
+
+        return await self._terminals.close_all(CloseReason.agent_shutdown)
+
     async def close(self) -> None:
+        await self.close_terminals()
         await self.libvirt.close()

@@ -1,0 +1,62 @@
+"""The NATS subjects of a node, built in one place (DESIGN.md §3).
+
+Every subject of a node lives under ``gpuaas.node.<node>.``: the least-privilege
+permissions of a node (its own subjects only) hold for what is added here too. The
+terminal relay's subjects carry the session id, a UUID, so a session's bytes can be
+neither read nor injected under another session's name by a typo.
+
+(The worker, reporter and drift watcher still spell their own subjects; they match these.)
+"""
+
+from __future__ import annotations
+
+from gpuaas_agent.contract.types import UUID_RE
+
+ENROLL = "gpuaas.enroll"
+
+
+def _node(node_id: str) -> str:
+    if not node_id or any(c in node_id for c in ".*> \t\r\n"):
+        raise ValueError(f"node id {node_id!r} cannot be a subject token")
+    return f"gpuaas.node.{node_id}"
+
+
+def task(node_id: str, task_type: str) -> str:
+    return f"{_node(node_id)}.task.{task_type}"
+
+
+def tasks(node_id: str) -> str:
+    """The agent's consumer filter: every task type of the node."""
+    return f"{_node(node_id)}.task.>"
+
+
+def result(node_id: str) -> str:
+    return f"{_node(node_id)}.result"
+
+
+def progress(node_id: str) -> str:
+    return f"{_node(node_id)}.progress"
+
+
+def heartbeat(node_id: str) -> str:
+    return f"{_node(node_id)}.heartbeat"
+
+
+def drift(node_id: str) -> str:
+    return f"{_node(node_id)}.drift"
+
+
+def _session(session_id: str) -> str:
+    if not UUID_RE.match(session_id):
+        raise ValueError(f"terminal session id {session_id!r} is not a lower-case UUID")
+    return session_id
+
+
+def terminal_in(node_id: str, session_id: str) -> str:
+    """Gateway -> agent: keystrokes and output credit of one terminal session."""
+    return f"{_node(node_id)}.terminal.{_session(session_id)}.in"
+
+
+def terminal_out(node_id: str, session_id: str) -> str:
+    """Agent -> gateway: the guest's PTY output, input acks and the closing frame of one session."""
+    return f"{_node(node_id)}.terminal.{_session(session_id)}.out"
