@@ -202,6 +202,20 @@ def test_the_same_deb_installs_and_runs_on_ubuntu_24_04_without_slice_packages(t
         for absent in SLICE_ONLY:
             status = box.run("dpkg-query", "-W", "-f=${Status}", absent, check=False).stdout
             assert "install ok installed" not in status, absent
+        # The python3 file trigger: a venv built for another interpreter (what a 3.11 -> 3.12 distribution
+        # upgrade leaves) is rebuilt by postinst `triggered`; a current one is left alone.
+        stamp = box.path("/opt/gpuaas-agent/.gpuaas-python")
+        current = stamp.read_text()
+        before = box.path("/opt/gpuaas-agent/bin/python").lstat().st_ino
+        box.run("dpkg-trigger", "--no-await", "/usr/bin/python3")
+        box.run("dpkg", "--triggers-only", "--pending")
+        assert box.path("/opt/gpuaas-agent/bin/python").lstat().st_ino == before and stamp.read_text() == current
+        stamp.write_text("3.11 " + current.split()[1] + "\n")
+        box.run("dpkg-trigger", "--no-await", "/usr/bin/python3")
+        box.run("dpkg", "--triggers-only", "--pending")
+        assert stamp.read_text() == current
+        assert box.path("/opt/gpuaas-agent/bin/python").lstat().st_ino != before  # a new venv
+        assert box.run("gpuaas-agent", "--version").stdout.strip() == f"gpuaas-agent {version}"
         # Remove takes the venv postinst built with it.
         box.run("apt-get", "remove", "-y", "gpuaas-agent", timeout=APT_TIMEOUT_S)
         assert not box.path("/opt/gpuaas-agent").exists()
