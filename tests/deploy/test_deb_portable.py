@@ -12,6 +12,8 @@
   --no-install-recommends``: postinst builds the venv against 3.12, ``--version`` and
   ``discover`` run, and no hypervisor, switch or DHCP server came along. Debian 12 is
   tests/deploy/test_deb.py. The noble root is cached as a tarball beside the bookworm one.
+- Ubuntu 22.04 (python 3.10, below the agent's requires-python) is not supported: in a
+  jammy root apt refuses the package, naming python3's version, and installs nothing.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ import pytest
 from tests.conftest import REPO, fixture_host
 from tests.deploy.test_deb import APT_TIMEOUT_S, BUILD, CACHE, CMD_TIMEOUT_S, Chroot, _mounts_under, _run
 
-NOBLE_TARBALL = CACHE / "noble-minbase.tar"
 NOBLE_ARCHIVES = CACHE / "apt-archives-noble"
+JAMMY_ARCHIVES = CACHE / "apt-archives-jammy"
 UBUNTU_MIRROR = os.environ.get("GPUAAS_UBUNTU_MIRROR", "http://archive.ubuntu.com/ubuntu")
 UBUNTU_KEYRING = Path(__file__).parent / "keys" / "ubuntu-archive-keyring.gpg"
 FIXTURE = "h200-slice-after-transition"
@@ -125,21 +127,23 @@ def test_control_names_the_supported_pythons_and_keeps_slice_packages_recommende
         assert pkg not in depends and pkg in recommends, pkg
 
 
-def _noble_tarball() -> Path:
-    if NOBLE_TARBALL.exists():
-        return NOBLE_TARBALL
+def _ubuntu_tarball(codename: str) -> Path:
+    """A pristine ``--variant=minbase`` root of an Ubuntu release as a tarball; built once, then reused."""
+    tarball = CACHE / f"{codename}-minbase.tar"
+    if tarball.exists():
+        return tarball
     if not Path("/usr/share/debootstrap/scripts/gutsy").exists():
-        pytest.fail("debootstrap has no Ubuntu script (gutsy): cannot build the Ubuntu 24.04 root")
-    work = CACHE / f"debootstrap-noble-{os.getpid()}"
+        pytest.fail("debootstrap has no Ubuntu script (gutsy): cannot build an Ubuntu root")
+    work = CACHE / f"debootstrap-{codename}-{os.getpid()}"
     try:
         _run(["debootstrap", "--variant=minbase", "--components=main,universe", f"--keyring={UBUNTU_KEYRING}",
-              "noble", str(work), UBUNTU_MIRROR, "/usr/share/debootstrap/scripts/gutsy"], timeout=1200)
-        tmp = NOBLE_TARBALL.with_suffix(".tmp")
+              codename, str(work), UBUNTU_MIRROR, "/usr/share/debootstrap/scripts/gutsy"], timeout=1200)
+        tmp = tarball.with_suffix(".tmp")
         _run(["tar", "-C", str(work), "--numeric-owner", "-cf", str(tmp), "."])
-        tmp.rename(NOBLE_TARBALL)
+        tmp.rename(tarball)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return NOBLE_TARBALL
+    return tarball
 
 
 @contextlib.contextmanager
@@ -173,7 +177,7 @@ def _root(tarball: Path, archives: Path) -> Iterator[Chroot]:
 
 def test_the_same_deb_installs_and_runs_on_ubuntu_24_04_without_slice_packages(two_builds):
     deb = two_builds[0]
-    with _root(_noble_tarball(), NOBLE_ARCHIVES) as box:
+    with _root(_ubuntu_tarball("noble"), NOBLE_ARCHIVES) as box:
         assert box.path("/etc/os-release").read_text().count('VERSION_ID="24.04"') == 1
         box.apt_install(deb)
         version = deb.name.split("_")[1]
@@ -218,4 +222,17 @@ def test_the_same_deb_installs_and_runs_on_ubuntu_24_04_without_slice_packages(t
         assert box.run("gpuaas-agent", "--version").stdout.strip() == f"gpuaas-agent {version}"
         # Remove takes the venv postinst built with it.
         box.run("apt-get", "remove", "-y", "gpuaas-agent", timeout=APT_TIMEOUT_S)
+        assert not box.path("/opt/gpuaas-agent").exists()
+
+
+def test_ubuntu_22_04_is_refused_by_apt_naming_its_python_and_nothing_is_installed(two_builds):
+    """Ubuntu 22.04's python3 is 3.10, below requires-python: apt says so and changes nothing."""
+    deb = two_builds[0]
+    with _root(_ubuntu_tarball("jammy"), JAMMY_ARCHIVES) as box:
+        before = box.run("dpkg-query", "-W", "-f=${Package}\n").stdout
+        refused = box.apt_install(deb, check=False)
+        assert refused.returncode != 0
+        said = refused.stdout + refused.stderr
+        assert re.search(r"Depends: python3 \(>= 3\.11\) but 3\.10\.\S+ is to be installed", said), said[-2000:]
+        assert box.run("dpkg-query", "-W", "-f=${Package}\n").stdout == before
         assert not box.path("/opt/gpuaas-agent").exists()
