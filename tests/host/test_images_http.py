@@ -35,6 +35,7 @@ class Origin:
     drops: int = 0  # how many times to cut the body off after ``drop_at`` bytes
     drop_at: int = 1 << 20
     ranges: bool = True  # honour Range (206); otherwise answer 200 with the whole body again
+    unavailable: int = 0  # answer this many requests with 503 first
     requests: list[dict] = field(default_factory=list)
     sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -54,6 +55,14 @@ def _origin_handler(state: Origin):
                 drop = state.drops > 0
                 if drop:
                     state.drops -= 1
+                busy = state.unavailable > 0
+                if busy:
+                    state.unavailable -= 1
+            if busy:
+                self.send_response(503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             if self.path.startswith("/away"):
                 self.send_response(302)
                 self.send_header("Location", "http://10.0.0.1/disk.raw")
@@ -139,6 +148,20 @@ def test_a_connection_that_keeps_dropping_gives_up_after_the_retries(tmp_path, o
     assert err.value.code == "truncated" and err.value.evidence["resumes"] == cache.http_retries
     assert len(state.requests) == cache.http_retries + 1
     assert _leftovers(cache) == []
+
+
+def test_a_503_before_the_body_is_retried_with_backoff_then_given_up(tmp_path, origin):
+    base, state = origin
+    state.unavailable = 2
+    cache = _http_cache(tmp_path)
+    assert _fetch(cache, f"{base}/disk.raw", _sha(BODY)).sha256 == _sha(BODY)
+    assert len(state.requests) == 3 and state.sent == len(BODY)
+
+    state.unavailable = 100
+    with pytest.raises(ImageCacheError) as err:
+        _fetch(_http_cache(tmp_path / "b"), f"{base}/disk.raw", _sha(BODY))
+    assert (err.value.code, err.value.evidence["http_status"]) == ("fetch_failed", 503)
+    assert len(state.requests) == 3 + cache.http_retries + 1
 
 
 # -- proxies ---------------------------------------------------------------------------------
