@@ -120,7 +120,7 @@ class HttpSource:
                 continue
             return response
 
-    def open(self) -> "HttpSource":
+    def open(self) -> HttpSource:
         url = self.url
         for _ in range(MAX_REDIRECTS + 1):
             self.check_hop(url, self.first)

@@ -22,7 +22,6 @@ import contextlib
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -32,7 +31,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, fixture_host
-from tests.deploy.test_deb import APT_TIMEOUT_S, BUILD, CACHE, CMD_TIMEOUT_S, Chroot, _mounts_under, _run
+from tests.deploy.test_deb import (
+    APT_TIMEOUT_S,
+    BUILD,
+    CACHE,
+    CMD_TIMEOUT_S,
+    Chroot,
+    _mounts_under,
+    _run,
+)
 
 NOBLE_ARCHIVES = CACHE / "apt-archives-noble"
 JAMMY_ARCHIVES = CACHE / "apt-archives-jammy"

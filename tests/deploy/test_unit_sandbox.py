@@ -14,6 +14,7 @@ What this does not reproduce: ProtectSystem=, DeviceAllow= and SystemCallFilter=
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -55,7 +56,7 @@ def agent_capabilities() -> list[str]:
 def test_every_capability_of_the_agent_is_documented_with_the_step_that_needs_it():
     readme = (REPO / "systemd" / "README.md").read_text()
     for cap in agent_capabilities():
-        assert re.search(rf"^\| `{cap}` \| .+ \| .+ \|$", readme, re.M), f"{cap} has no row in systemd/README.md"
+        assert re.search(rf"^\| `{cap}` \| .+ \| .+ \|$", readme, re.MULTILINE), f"{cap} has no row in systemd/README.md"
     assert _directive(AGENT_UNIT, "NoNewPrivileges") == ["yes"]
 
 
@@ -98,7 +99,6 @@ def _sandboxed(caps: list[str], netns: str, *args: str) -> dict:
             "--no-new-privs", sys.executable, "-c", OPERATIONS, *args]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    import json
     return json.loads(done.stdout)
 
 

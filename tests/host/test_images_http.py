@@ -22,7 +22,15 @@ import pytest
 from gpuaas_agent.config import ConfigError, load_config
 from gpuaas_agent.host.images import ImageCacheError
 from gpuaas_agent.tasks.slicehost import SliceHost
-from tests.host.test_images import _cache, _fetch, _leftovers, _sha, https_server, raw_image, src_dir  # noqa: F401
+from tests.host.test_images import (  # noqa: F401
+    _cache,
+    _fetch,
+    _leftovers,
+    _sha,
+    https_server,
+    raw_image,
+    src_dir,
+)
 
 BODY = os.urandom((5 << 20) + 777)  # several chunks, not a multiple of the chunk size
 ETAG = '"v1-' + hashlib.sha256(BODY).hexdigest()[:16] + '"'
