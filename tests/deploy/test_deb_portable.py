@@ -213,6 +213,8 @@ def test_the_same_deb_installs_and_runs_on_ubuntu_24_04_without_slice_packages(t
         for absent in SLICE_ONLY:
             status = box.run("dpkg-query", "-W", "-f=${Status}", absent, check=False).stdout
             assert "install ok installed" not in status, absent
+            # ...but a slice host's plain `apt-get install` finds every one of them on this release.
+            assert box.run("apt-cache", "show", "--no-all-versions", absent).stdout.startswith("Package: ")
         # The python3 file trigger: a venv built for another interpreter (what a 3.11 -> 3.12 distribution
         # upgrade leaves) is rebuilt by postinst `triggered`; a current one is left alone.
         stamp = box.path("/opt/gpuaas-agent/.gpuaas-python")
