@@ -119,6 +119,9 @@ class SliceConfig(BaseModel):
     image_file_dir: Path | None = None
     image_max_bytes: int = Field(default=64 << 30, gt=0)
     image_stall_timeout_s: float = Field(default=60.0, gt=0)
+    # PEM file of the CAs trusted for https image sources (issue #22; default: the system store). Proxies
+    # come from the service's environment (https_proxy, no_proxy: a drop-in's Environment=).
+    image_ca_bundle: Path | None = None
     # The image cache's bounds (host/images.py): at most this many bytes of images, and never a download
     # that would leave less than this free on the cache's filesystem (cache_full); LRU eviction first.
     image_cache_max_bytes: int = Field(default=256 << 30, gt=0)
@@ -149,6 +152,17 @@ class SliceConfig(BaseModel):
             if not HTTPS_HOST_RE.match(host) or not 0 < int(host.partition(":")[2] or 443) < 65536:
                 raise ValueError(f"{host!r} is not a host name with an optional :port (no scheme, path or wildcard)")
         return normal
+
+    @field_validator("image_ca_bundle")
+    @classmethod
+    def _ca_bundle_loads(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            from gpuaas_agent.host.httpfetch import tls_context  # the one place a bundle is read
+            try:
+                tls_context(path)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{path} is not a readable PEM file of CA certificates: {exc}") from exc
+        return path
 
     @field_validator("image_file_dir")
     @classmethod

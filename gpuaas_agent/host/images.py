@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -53,7 +53,7 @@ from gpuaas_agent.atomicfile import fsync_dir, write_atomic
 from gpuaas_agent.contract.types import SHA256_RE
 from gpuaas_agent.contract.images import CachedImage, CacheEntryMarker, ImageFormat
 from gpuaas_agent.errors import ContractError
-from gpuaas_agent.host import imagesource
+from gpuaas_agent.host import httpfetch, imagesource
 from gpuaas_agent.host.imagesource import ImageCacheError, SourcePolicy
 from gpuaas_agent.host.run import run
 
@@ -63,7 +63,7 @@ __all__ = ["CHUNK_BYTES", "DEFAULT_MAX_BYTES", "DEFAULT_STALL_TIMEOUT_S", "Image
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # 1 MiB: large enough that hashlib (which drops the GIL) runs at full speed
-MAX_REDIRECTS = 5
+MAX_REDIRECTS = httpfetch.MAX_REDIRECTS
 QEMU_IMG_INFO_TIMEOUT_S = 60.0
 DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_STALL_TIMEOUT_S = 60.0
@@ -187,6 +187,9 @@ class ImageCache:
         self._locks: dict[str, asyncio.Lock] = {}
         self._pins: dict[str, int] = {}  # sha256 -> holders (in-flight fetches, provisions until their clone)
         self.hits = self.misses = self.evictions = 0
+        # A dropped connection or a refused one is retried this many times, backing off from this delay.
+        self.http_retries = httpfetch.DEFAULT_RETRIES
+        self.http_backoff_s = httpfetch.DEFAULT_BACKOFF_S
 
     # -- bounds: pins, LRU, eviction ------------------------------------------------------
 
@@ -495,7 +498,7 @@ class ImageCache:
                   progress: _Progress) -> tuple[str, int]:
         """Runs in the copy thread: open the source, stream it through the digest into ``fd``."""
         try:
-            source = self._open(url, bound, size_bytes)
+            source = self._open(url, bound, size_bytes, cancel)
             try:
                 progress.touch()
                 return self._copy(source, fd, url, bound, size_bytes, cancel, progress)
@@ -572,12 +575,12 @@ class ImageCache:
                                   evidence={"cache": str(self.entries), "errno": exc.errno}) from exc
         return digest, total
 
-    def _open(self, url: str, bound: int, size_bytes: int | None) -> _Source:
+    def _open(self, url: str, bound: int, size_bytes: int | None, cancel: threading.Event | None = None) -> _Source:
         parts = urlsplit(url)
         if parts.scheme == "file":
             source = _open_file(self.policy, imagesource.check_url(self.policy, url) or "", url)
         else:
-            source = self._open_http(url)
+            source = self._open_http(url, cancel)
         if source.length is not None and source.length > bound:
             source.close()
             raise ImageCacheError(
@@ -605,48 +608,18 @@ class ImageCache:
                 exc.evidence["redirected_from"] = first
             raise
 
-    def _open_http(self, url: str) -> _Source:
-        first = url
-        for _ in range(MAX_REDIRECTS + 1):
-            self._check_redirect(url, first)
-            parts = urlsplit(url)
-            if parts.scheme == "https":
-                conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                    parts.hostname, parts.port, timeout=self.stall_timeout_s, context=self.ssl_context
-                )
-            else:
-                conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.stall_timeout_s)
-            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            try:
-                conn.request("GET", target, headers={"Accept-Encoding": "identity", "User-Agent": "gpuaas-agent"})
-                response = conn.getresponse()
-            except TimeoutError as exc:
-                conn.close()
-                raise ImageCacheError(
-                    f"no answer from the image server for {self.stall_timeout_s:g}s",
-                    code="fetch_stalled",
-                    evidence={"url": url, "stall_timeout_s": self.stall_timeout_s},
-                ) from exc
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                raise ImageCacheError(
-                    f"cannot reach the image server: {exc}",
-                    code="fetch_failed",
-                    evidence={"url": url, "error": repr(exc)},
-                ) from exc
-            if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
-                url = urljoin(url, response.getheader("Location"))
-                conn.close()
-                continue
-            if response.status != 200:
-                conn.close()
-                raise ImageCacheError(
-                    f"image server answered HTTP {response.status} {response.reason}",
-                    code="fetch_failed",
-                    evidence={"url": url, "http_status": response.status},
-                )
-            return _Source(response.readinto, response.length, conn.close, {"url": url})
-        raise ImageCacheError("too many redirects", code="fetch_failed", evidence={"url": url})
+    def _open_http(self, url: str, cancel: threading.Event | None = None) -> _Source:
+        """httpx with the environment's proxies and this cache's TLS context (host/httpfetch.py);
+        every redirect hop passes :meth:`_check_redirect`; a dropped body resumes with Range."""
+        source = httpfetch.HttpSource(url, check_hop=self._check_redirect, verify=self.ssl_context,
+                                      stall_timeout_s=self.stall_timeout_s, cancel=cancel,
+                                      retries=self.http_retries, backoff_s=self.http_backoff_s)
+        try:
+            source.open()
+        except BaseException:
+            source.close()
+            raise
+        return _Source(source.read_into, source.length, source.close, source.describe)
 
 
 def _check_final_size(size: int, bound: int, declared: int | None, describe: dict) -> None:

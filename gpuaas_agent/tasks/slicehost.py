@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpuaas_agent.config import AgentConfig, SliceConfig
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.httpfetch import tls_context
 from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
@@ -50,6 +51,7 @@ class SliceHost:
                 config.image_cache_dir, state_dir=config.state_dir,
                 policy=SourcePolicy(https_hosts=config.slice.image_https_hosts, file_dir=config.slice.image_file_dir,
                                     allow_loopback_http=config.slice.allow_loopback_http),
+                ssl_context=tls_context(config.slice.image_ca_bundle),
                 max_bytes=config.slice.image_max_bytes, stall_timeout_s=config.slice.image_stall_timeout_s,
                 cache_max_bytes=config.slice.image_cache_max_bytes,
                 min_free_bytes=config.slice.image_cache_min_free_bytes),

@@ -1,0 +1,247 @@
+"""One .deb for Debian 12 and Ubuntu 24.04: reproducible, hash-pinned, lintian clean, no build paths (issue #22).
+
+- Two builds of the same tree are byte-identical (SOURCE_DATE_EPOCH, no bytecode shipped).
+- Nothing in the package names the build machine: no staging or repository path in any
+  file or in any member of the agent's wheel, and every ELF object inside the shipped
+  wheels has no RUNPATH/RPATH outside ``$ORIGIN`` (``readelf -d``).
+- ``lintian`` reports nothing but the justified overrides.
+- A real ``debootstrap --variant=minbase noble`` root (Ubuntu 24.04, python 3.12; the
+  bookworm debootstrap has no ``noble`` script, so the ``gutsy`` script every Ubuntu
+  release uses is named; the Ubuntu archive key is tests/deploy/keys/, taken from
+  ubuntu-keyring 2023.11.28.1) takes the same .deb with ``apt-get install
+  --no-install-recommends``: postinst builds the venv against 3.12, ``--version`` and
+  ``discover`` run, and no hypervisor, switch or DHCP server came along. Debian 12 is
+  tests/deploy/test_deb.py. The noble root is cached as a tarball beside the bookworm one.
+- Ubuntu 22.04 (python 3.10, below the agent's requires-python) is not supported: in a
+  jammy root apt refuses the package, naming python3's version, and installs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, fixture_host
+from tests.deploy.test_deb import (
+    APT_TIMEOUT_S,
+    BUILD,
+    CACHE,
+    CMD_TIMEOUT_S,
+    Chroot,
+    _mounts_under,
+    _run,
+)
+
+NOBLE_ARCHIVES = CACHE / "apt-archives-noble"
+JAMMY_ARCHIVES = CACHE / "apt-archives-jammy"
+UBUNTU_MIRROR = os.environ.get("GPUAAS_UBUNTU_MIRROR", "http://archive.ubuntu.com/ubuntu")
+UBUNTU_KEYRING = Path(__file__).parent / "keys" / "ubuntu-archive-keyring.gpg"
+FIXTURE = "h200-slice-after-transition"
+SLICE_ONLY = ("libvirt-daemon-system", "qemu-system-x86", "openvswitch-switch", "dnsmasq", "ovmf", "nvme-cli")
+
+
+@pytest.fixture(scope="module")
+def two_builds(tmp_path_factory) -> tuple[Path, Path]:
+    if os.geteuid() != 0:
+        pytest.fail("the packaging test needs root (debootstrap, chroot, mount)", pytrace=False)
+    built = []
+    for label in ("a", "b"):
+        out = tmp_path_factory.mktemp(f"dist-{label}")
+        done = _run([*BUILD, "--out", str(out)], timeout=APT_TIMEOUT_S)
+        built.append(Path(done.stdout.strip().splitlines()[-1]))
+    return built[0], built[1]
+
+
+def test_two_builds_of_one_tree_are_byte_identical(two_builds):
+    a, b = two_builds
+    assert a.name == b.name
+    assert a.read_bytes() == b.read_bytes(), "the .deb differs between two builds of the same tree"
+
+
+def test_package_carries_no_build_machine_path_and_no_foreign_runpath(two_builds, tmp_path):
+    deb = two_builds[0]
+    root = tmp_path / "x"
+    _run(["dpkg-deb", "-R", str(deb), str(root)])
+    members = _run(["dpkg-deb", "-c", str(deb)]).stdout
+    assert ".pyc" not in members and " ./opt/" not in members  # no bytecode; the venv is postinst's
+    assert "./usr/share/doc/gpuaas-agent/changelog.gz" in members and "./usr/share/doc/gpuaas-agent/copyright" in members
+    md5 = (root / "DEBIAN" / "md5sums").read_text()
+    assert "usr/lib/gpuaas-agent/install-venv" in md5 and "lib/systemd/system/gpuaas-agent.service" in md5
+    # The checkout, the build's staging directory, root's home: where a build machine's paths would show.
+    forbidden = [str(REPO).encode(), b"/tmp/gpuaas-deb-", b"/work/", b"/root/"]
+    blobs: dict[str, bytes] = {}
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            blobs[str(path.relative_to(root))] = path.read_bytes()
+    (agent_wheel,) = [p for p in root.rglob("gpuaas_agent-*.whl")]
+    with zipfile.ZipFile(agent_wheel) as whl:
+        for info in whl.infolist():
+            blobs[f"{agent_wheel.name}!{info.filename}"] = whl.read(info)
+            assert info.date_time == (2026, 11, 24, 0, 0, 0), info  # SOURCE_DATE_EPOCH from the changelog
+    leaks = [name for name, data in blobs.items() if any(f in data for f in forbidden)]
+    assert not leaks, f"build-machine paths in: {leaks}"
+
+    # Every ELF object the venv will load from the shipped wheels: no RUNPATH/RPATH outside $ORIGIN.
+    elves = 0
+    extract = tmp_path / "elf"
+    for wheel in root.rglob("*.whl"):
+        with zipfile.ZipFile(wheel) as whl:
+            for name in whl.namelist():
+                if name.endswith(".so") or ".so." in name:
+                    target = Path(whl.extract(name, extract))
+                    dynamic = _run(["readelf", "-d", str(target)]).stdout
+                    elves += 1
+                    for line in dynamic.splitlines():
+                        if "(RUNPATH)" in line or "(RPATH)" in line:
+                            paths = re.search(r"\[(.*)\]", line).group(1).split(":")
+                            assert all(p.startswith("$ORIGIN") for p in paths), f"{wheel.name}!{name}: {line}"
+                    strings = _run(["strings", str(target)]).stdout
+                    assert str(REPO) not in strings
+    assert elves >= 4  # pydantic_core and PyYAML, for cp311 and cp312
+
+
+def test_lintian_reports_nothing_but_the_justified_overrides(two_builds):
+    if shutil.which("lintian") is None:
+        pytest.fail("lintian is not installed (scripts/apt-packages.txt lists it)")
+    done = _run(["lintian", "--tag-display-limit", "0", "-I", "-E", str(two_builds[0])], check=False,
+                timeout=CMD_TIMEOUT_S)
+    tags = [line for line in done.stdout.splitlines() if re.match(r"^[EWIPX]: ", line)]
+    assert tags == [] and done.returncode == 0, done.stdout + done.stderr
+    overrides = (REPO / "packaging" / "debian" / "lintian-overrides").read_text()
+    for line in overrides.splitlines():
+        if line and not line.startswith("#"):
+            # Each override is preceded by a comment that says why.
+            previous = overrides.splitlines()[overrides.splitlines().index(line) - 1]
+            assert previous.startswith("#") or previous.startswith("gpuaas-agent:"), line
+
+
+def test_control_names_the_supported_pythons_and_keeps_slice_packages_recommended(two_builds):
+    deb = two_builds[0]
+    depends = _run(["dpkg-deb", "-f", str(deb), "Depends"]).stdout
+    recommends = _run(["dpkg-deb", "-f", str(deb), "Recommends"]).stdout
+    # 3.11 (Debian 12) and 3.12 (Ubuntu 24.04) have wheels; Ubuntu 22.04's 3.10 is below requires-python.
+    assert "python3 (>= 3.11), python3 (<< 3.13)" in depends
+    for pkg in SLICE_ONLY:
+        assert pkg not in depends and pkg in recommends, pkg
+
+
+def _ubuntu_tarball(codename: str) -> Path:
+    """A pristine ``--variant=minbase`` root of an Ubuntu release as a tarball; built once, then reused."""
+    tarball = CACHE / f"{codename}-minbase.tar"
+    if tarball.exists():
+        return tarball
+    if not Path("/usr/share/debootstrap/scripts/gutsy").exists():
+        pytest.fail("debootstrap has no Ubuntu script (gutsy): cannot build an Ubuntu root")
+    work = CACHE / f"debootstrap-{codename}-{os.getpid()}"
+    try:
+        _run(["debootstrap", "--variant=minbase", "--components=main,universe", f"--keyring={UBUNTU_KEYRING}",
+              codename, str(work), UBUNTU_MIRROR, "/usr/share/debootstrap/scripts/gutsy"], timeout=1200)
+        tmp = tarball.with_suffix(".tmp")
+        _run(["tar", "-C", str(work), "--numeric-owner", "-cf", str(tmp), "."])
+        tmp.rename(tarball)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return tarball
+
+
+@contextlib.contextmanager
+def _root(tarball: Path, archives: Path) -> Iterator[Chroot]:
+    parent = Path(tempfile.mkdtemp(prefix="gpuaas-noble-"))
+    root = parent / "root"
+    root.mkdir()
+    _run(["tar", "-C", str(root), "--numeric-owner", "-xf", str(tarball)])
+    policy = root / "usr/sbin/policy-rc.d"
+    policy.write_text("#!/bin/sh\nexit 101\n")
+    policy.chmod(0o755)
+    shutil.copy2("/etc/resolv.conf", root / "etc/resolv.conf")
+    (archives / "partial").mkdir(parents=True, exist_ok=True)
+    mounted: list[Path] = []
+    try:
+        _run(["mount", "-t", "proc", "proc", str(root / "proc")])
+        mounted.append(root / "proc")
+        _run(["mount", "--bind", str(archives), str(root / "var/cache/apt/archives")])
+        mounted.append(root / "var/cache/apt/archives")
+        box = Chroot(root)
+        box.run("apt-get", "update", timeout=APT_TIMEOUT_S)
+        yield box
+    finally:
+        for point in reversed(mounted):
+            if _run(["umount", str(point)], check=False).returncode != 0:
+                _run(["umount", "-l", str(point)], check=False)
+        left = _mounts_under(root)
+        assert not left, f"mounts left under the chroot: {left}"
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_the_same_deb_installs_and_runs_on_ubuntu_24_04_without_slice_packages(two_builds):
+    deb = two_builds[0]
+    with _root(_ubuntu_tarball("noble"), NOBLE_ARCHIVES) as box:
+        assert box.path("/etc/os-release").read_text().count('VERSION_ID="24.04"') == 1
+        box.apt_install(deb)
+        version = deb.name.split("_")[1]
+        assert box.run("gpuaas-agent", "--version").stdout.strip() == f"gpuaas-agent {version}"
+        assert box.path("/opt/gpuaas-agent/.gpuaas-python").read_text().startswith("3.12 ")
+        assert box.path("/opt/gpuaas-agent/pyvenv.cfg").read_text().startswith("home = /usr/bin\n")
+        # The distro's compiled bindings are the ones the venv imports (never built on the host).
+        where = box.run("/opt/gpuaas-agent/bin/python", "-c",
+                        "import libvirt, systemd.journal, ovs, pydantic_core, gpuaas_agent.host.images; "
+                        "print(libvirt.__file__, systemd.journal.__file__, ovs.__file__, pydantic_core.__file__)")
+        libvirt_file, journal_file, ovs_file, core_file = where.stdout.split()
+        assert libvirt_file.startswith("/usr/lib/python3/dist-packages/")
+        assert journal_file.startswith("/usr/lib/python3/dist-packages/")
+        assert ovs_file.startswith("/usr/lib/python3/dist-packages/")
+        assert core_file.startswith("/opt/gpuaas-agent/lib/python3.12/site-packages/")
+        # Bytecode compiled at install time, checked against its source on every import.
+        flags = box.run("/opt/gpuaas-agent/bin/python", "-c",
+                        "import importlib.util, gpuaas_agent.cli as m; "
+                        "data = open(importlib.util.cache_from_source(m.__file__), 'rb').read(16); "
+                        "print(int.from_bytes(data[4:8], 'little'))").stdout.strip()
+        assert flags == "3"  # PEP 552: hash-based, check_source
+        shutil.copytree(fixture_host(FIXTURE), box.path(f"/tmp/{FIXTURE}"), symlinks=True)
+        inside = box.run("gpuaas-agent", "discover", "--root", f"/tmp/{FIXTURE}")
+        here = _run([sys.executable, "-m", "gpuaas_agent", "discover", "--root", str(fixture_host(FIXTURE))])
+        assert inside.stdout == here.stdout and "gpu_devices=8 " in inside.stdout
+        for absent in SLICE_ONLY:
+            status = box.run("dpkg-query", "-W", "-f=${Status}", absent, check=False).stdout
+            assert "install ok installed" not in status, absent
+            # ...but a slice host's plain `apt-get install` finds every one of them on this release.
+            assert box.run("apt-cache", "show", "--no-all-versions", absent).stdout.startswith("Package: ")
+        # The python3 file trigger: a venv built for another interpreter (what a 3.11 -> 3.12 distribution
+        # upgrade leaves) is rebuilt by postinst `triggered`; a current one is left alone.
+        stamp = box.path("/opt/gpuaas-agent/.gpuaas-python")
+        current = stamp.read_text()
+        before = box.path("/opt/gpuaas-agent/bin/python").lstat().st_ino
+        box.run("dpkg-trigger", "--no-await", "/usr/bin/python3")
+        box.run("dpkg", "--triggers-only", "--pending")
+        assert box.path("/opt/gpuaas-agent/bin/python").lstat().st_ino == before and stamp.read_text() == current
+        stamp.write_text("3.11 " + current.split()[1] + "\n")
+        box.run("dpkg-trigger", "--no-await", "/usr/bin/python3")
+        box.run("dpkg", "--triggers-only", "--pending")
+        assert stamp.read_text() == current
+        assert box.path("/opt/gpuaas-agent/bin/python").lstat().st_ino != before  # a new venv
+        assert box.run("gpuaas-agent", "--version").stdout.strip() == f"gpuaas-agent {version}"
+        # Remove takes the venv postinst built with it.
+        box.run("apt-get", "remove", "-y", "gpuaas-agent", timeout=APT_TIMEOUT_S)
+        assert not box.path("/opt/gpuaas-agent").exists()
+
+
+def test_ubuntu_22_04_is_refused_by_apt_naming_its_python_and_nothing_is_installed(two_builds):
+    """Ubuntu 22.04's python3 is 3.10, below requires-python: apt says so and changes nothing."""
+    deb = two_builds[0]
+    with _root(_ubuntu_tarball("jammy"), JAMMY_ARCHIVES) as box:
+        before = box.run("dpkg-query", "-W", "-f=${Package}\n").stdout
+        refused = box.apt_install(deb, check=False)
+        assert refused.returncode != 0
+        said = refused.stdout + refused.stderr
+        assert re.search(r"Depends: python3 \(>= 3\.11\) but 3\.10\.\S+ is to be installed", said), said[-2000:]
+        assert box.run("dpkg-query", "-W", "-f=${Package}\n").stdout == before
+        assert not box.path("/opt/gpuaas-agent").exists()
