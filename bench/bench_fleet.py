@@ -212,6 +212,7 @@ async def publish_all(plane: ControlPlane, targets: list[str], sent: dict[str, f
 
     async def one(node_id: str) -> None:
         envelope = plane.envelope(node_id, TASK.value)
+        TARGETS[envelope.task_id] = node_id
         async with gate:
             sent[envelope.task_id] = time.time()
             for attempt in range(20):  # a control plane retries a publish the restarting server did not ack
@@ -223,6 +224,13 @@ async def publish_all(plane: ControlPlane, targets: list[str], sent: dict[str, f
             raise RuntimeError(f"could not enqueue {envelope.task_id}")
 
     await asyncio.gather(*(one(n) for n in targets))
+
+
+def plane_targets(plane, sent):
+    return {t: n for t, n in TARGETS.items() if t in sent}
+
+
+TARGETS: dict[str, str] = {}
 
 
 def latencies(sent: dict[str, float], claims: dict[str, float]) -> list[float]:
@@ -287,6 +295,12 @@ async def run_one(n: int, args, root: Path) -> dict:
         out["trickle_tasks"] = len(sent)
         out["trickle_claimed"] = len(lat)
         out["trickle_p50_s"], out["trickle_p99_s"] = round(pct(lat, 50), 3), round(pct(lat, 99), 3)
+        out["trickle_over_1s"] = sum(1 for x in lat if x > 1.0)
+        if os.environ.get("BENCH_DEBUG"):
+            targets = plane_targets(plane, sent)
+            for t, s0 in sorted(sent.items(), key=lambda kv: kv[1]):
+                print("DEBUG", targets.get(t), t, round(s0 - min(sent.values()), 2),
+                      round(events.claims.get(t, 0) - s0, 3), file=sys.stderr)
 
         # One task to every node at once.
         sent = {}
@@ -301,6 +315,13 @@ async def run_one(n: int, args, root: Path) -> dict:
         out["burst_claimed"] = len(lat)
         out["burst_p50_s"], out["burst_p99_s"] = round(pct(lat, 50), 3), round(pct(lat, 99), 3)
         out["burst_server_cpu_s"] = round(server.cpu_s() - cpu0, 2)
+        out["burst_over_1s"] = sum(1 for x in lat if x > 1.0)
+        out["burst_over_5s"] = sum(1 for x in lat if x > 5.0)
+        if os.environ.get("BENCH_DEBUG"):
+            targets = plane_targets(plane, sent)
+            for t, s0 in sent.items():
+                if events.claims.get(t, 1e18) - s0 > 5:
+                    print("SLOW", targets.get(t), t, round(events.claims.get(t, 0) - s0, 3), file=sys.stderr)
 
         # Server restart: reconnect with backoff + jitter; one task per node published at once.
         if args.restart:
@@ -312,6 +333,7 @@ async def run_one(n: int, args, root: Path) -> dict:
             sent = {}
             await events.until(lambda: plane.nc.is_connected, 120)
             await publish_all(plane, nodes, sent)
+            out["restart_all_published_s"] = round(time.time() - up, 2)  # the plane's retries included
             ok_r = await events.until(lambda: len(events.reconnected) >= n, args.burst_deadline)
             ok_c = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
             rec = sorted(v - up for v in events.reconnected.values())
@@ -340,7 +362,7 @@ COLUMNS = [("nodes", "N"), ("streams", "streams"), ("all_bound_s", "bind all s")
            ("idle_server_cores", "idle cores"), ("idle_in_msgs_per_s", "idle msg/s"), ("server_rss_mib", "RSS MiB"),
            ("trickle_p50_s", "trickle p50"), ("trickle_p99_s", "trickle p99"), ("burst_drain_s", "burst drain s"),
            ("burst_p50_s", "burst p50"), ("burst_p99_s", "burst p99"), ("restart_all_reconnected_s", "reconn all s"),
-           ("restart_all_claimed_s", "restart claimed s"), ("loadavg", "load")]
+           ("restart_all_published_s", "restart published s"), ("restart_all_claimed_s", "restart claimed s"), ("loadavg", "load")]
 
 
 def main() -> int:

@@ -257,7 +257,9 @@ class TaskWorker:
                                    return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                msgs = await self._fetch(min(free, 8))
+                # One message per pull: nats.py's batch fetch holds a first message until the batch fills
+                # or the pull expires (measured: up to the whole 30 s expiry); one is handed on at once.
+                msgs = await self._fetch(1)
             except (nats.errors.TimeoutError, TimeoutError):
                 continue
             except nats.js.errors.APIError as exc:  # the consumer is gone (inactive_threshold, deleted): bind again
