@@ -151,7 +151,9 @@ async def _child(url, nodes, root: Path, events, stop, args) -> None:
             nc.reconnect_listeners.append(lambda: events.put(("reconnected", node_id, time.time())))
             worker = TaskWorker(nc, store, node_id, {TASK: handler},
                                 WorkerSettings(fetch_timeout_s=args["pull_expiry"], keepalive_interval_s=10,
-                                               ack_wait_s=60, request_timeout_s=30))
+                                               ack_wait_s=60, request_timeout_s=30,
+                                               consumer_replicas=1 if args["consumer_memory"] else None,
+                                               consumer_memory=args["consumer_memory"]))
             state = root / node_id
             state.mkdir(exist_ok=True)
             reporter = Reporter(ReporterSettings(node_id=node_id, state_dir=state,
@@ -242,7 +244,7 @@ async def run_one(n: int, args, root: Path) -> dict:
     server.start()
     nodes = [f"node-f{i:05d}" for i in range(n)]
     plane = await ControlPlane.connect(server.url)
-    out: dict = {"nodes": n, "layout": args.layout, "pull_expiry_s": args.pull_expiry, "procs": args.procs}
+    out: dict = {"nodes": n, "layout": args.layout, "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs}
     t = time.time()
     if args.layout == "partitioned":
         out["streams"] = len(await plane.create_task_partitions(nodes, per_stream=args.per_stream))
@@ -253,7 +255,7 @@ async def run_one(n: int, args, root: Path) -> dict:
 
     q, stop = mp.Queue(), mp.Event()
     events = Events(q)
-    child_args = {"pull_expiry": args.pull_expiry, "heartbeat": args.heartbeat, "backoff_max": args.backoff_max,
+    child_args = {"consumer_memory": args.consumer_memory, "pull_expiry": args.pull_expiry, "heartbeat": args.heartbeat, "backoff_max": args.backoff_max,
                   "connect_concurrency": args.connect_concurrency}
     procs = []
     t0 = time.time()
@@ -342,6 +344,8 @@ async def run_one(n: int, args, root: Path) -> dict:
             out["restart_reconnect_p50_s"] = round(pct(rec, 50), 2) if rec else None
             last = max((events.claims[t] for t in sent if t in events.claims), default=None)
             out["restart_all_claimed_s"] = round(last - up, 2) if ok_c and last else None
+            out["restart_claimed_after_published_s"] = (round(last - up - out["restart_all_published_s"], 2)
+                                                        if ok_c and last else None)
             out["restart_claimed"] = sum(1 for t in sent if t in events.claims)
     finally:
         stop.set()
@@ -380,6 +384,7 @@ def main() -> int:
     ap.add_argument("--trickle-s", type=float, default=15.0)
     ap.add_argument("--bind-deadline", type=float, default=900.0)
     ap.add_argument("--burst-deadline", type=float, default=300.0)
+    ap.add_argument("--consumer-memory", action="store_true", help="R1 memory-storage consumers")
     ap.add_argument("--no-restart", dest="restart", action="store_false")
     ap.add_argument("--root", default="/dev/shm")
     args = ap.parse_args()

@@ -391,7 +391,8 @@ async def run_agent(
                                   ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
                                   max_task_deadline_s=config.max_task_deadline_s,
                                   max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,
-                                  fetch_timeout_s=config.pull_expiry_s)
+                                  fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
+                                  consumer_memory=config.task_consumer_memory)
         if reconcile is None and slice_host is not None:
             reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
         worker = TaskWorker(nc, store, record.node_id, handlers, settings, observer=metrics)
@@ -486,7 +487,7 @@ def enroll_main(config_path: str | Path, token_file: str | Path | None = None) -
         identity = identity_from_host(config.host_root)
         record = asyncio.run(enroll(config.nats_url, token_file or config.token_file, config.state_dir, identity,
                                     timeout=config.request_timeout_s, connect_timeout=config.connect_timeout_s,
-                                    security=TransportSecurity.from_config(config)))
+                                    security=TransportSecurity.from_config(config, enroll=True)))
     except AgentError as exc:
         if not isinstance(handler, logging.StreamHandler):
             # journald keeps the structured event; on stderr the line below is the record (one line, not two).

@@ -154,13 +154,9 @@ async def enroll(
                           evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
 
     # Bounded: connect_timeout + timeout in all, so ExecStartPre ends well inside the unit's start timeout.
-    # No creds file yet (that is what we enroll for): the bootstrap connection is TLS (+ client cert) only.
-    security = security or TransportSecurity()
-    bootstrap = TransportSecurity(ca_file=security.ca_file, server_name=security.server_name,
-                                  cert_file=security.cert_file, key_file=security.key_file,
-                                  insecure=security.insecure)
+    # ``security``: TLS settings and the bootstrap login (TransportSecurity.from_config(config, enroll=True)).
     nc = await connect_nats([nats_url], timeout_s=connect_timeout or timeout, name="gpuaas-agent-enroll",
-                            security=bootstrap, inbox_prefix=f"{ENROLL_INBOX_PREFIX}.{secrets.token_hex(16)}")
+                            security=security, inbox_prefix=f"{ENROLL_INBOX_PREFIX}.{secrets.token_hex(16)}")
     try:
         msg = await nc.request(ENROLL_SUBJECT, request.model_dump_json().encode(), timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:

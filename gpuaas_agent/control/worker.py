@@ -219,8 +219,11 @@ class TaskWorker:
     async def _fetch(self, batch: int) -> list[Msg] | None:
         """One pull of up to ``batch``; None when :meth:`stop` or :meth:`kick` ended it first."""
         assert self._sub is not None
+        # The server sends idle heartbeats every third of the pull (at most half the expiry, or it refuses): a pull that hears nothing at all
+        # (plain TimeoutError) means the consumer is gone (see run()), not that there was no task.
         fetching = self._fetching = asyncio.ensure_future(
-            self._sub.fetch(batch=batch, timeout=self.settings.fetch_timeout_s))
+            self._sub.fetch(batch=batch, timeout=self.settings.fetch_timeout_s,
+                            heartbeat=self.settings.fetch_timeout_s / 3 if self.settings.fetch_timeout_s >= 2 else None))
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({fetching, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -260,11 +263,20 @@ class TaskWorker:
                 # One message per pull: nats.py's batch fetch holds a first message until the batch fills
                 # or the pull expires (measured: up to the whole 30 s expiry); one is handed on at once.
                 msgs = await self._fetch(1)
-            except (nats.errors.TimeoutError, TimeoutError):
+            except nats.errors.TimeoutError:  # the server answered (heartbeat, 408): the consumer is alive
                 continue
-            except nats.js.errors.APIError as exc:  # the consumer is gone (inactive_threshold, deleted): bind again
+            except TimeoutError:
+                if self.settings.fetch_timeout_s >= 2:
+                    # Not even the idle heartbeat: a deleted consumer (inactive_threshold, an operator, a memory
+                    # consumer after a server restart) answers nothing. Creating it again is idempotent.
+                    _warn("pull_unanswered", rebind=True, consumer=self.settings.durable_name(self.node_id))
+                    await self._unbind()
+                continue
+            except (nats.js.errors.APIError, nats.errors.NoRespondersError) as exc:
+                # The consumer is gone (inactive_threshold, deleted, a memory consumer after a server
+                # restart): create it again; the work queue kept its tasks.
                 _warn("fetch_failed", error=repr(exc), retry_in_s=backoff, rebind=True)
-                self._sub = None
+                await self._unbind()
                 await self._pause(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
@@ -280,6 +292,12 @@ class TaskWorker:
                 task = asyncio.create_task(self._process(msg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _unbind(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
+                await asyncio.wait_for(sub.unsubscribe(), self.settings.request_timeout_s)
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -23,12 +23,28 @@ import nats
 import pytest
 
 from gpuaas_agent.config import parse_config
-from gpuaas_agent.contract.enrollment import CredsRotation, CredsRotationReply, NatsCredentials
+from gpuaas_agent.contract.enrollment import (
+    CredsRotation,
+    CredsRotationReply,
+    EnrollReply,
+    EnrollRequest,
+    NatsCredentials,
+)
 from gpuaas_agent.control.connection import NatsConnectError, connect_nats
-from gpuaas_agent.control.enroll import EnrollmentRecord, creds_path, login_options, store_creds
+from gpuaas_agent.control.enroll import (
+    ENROLL_SUBJECT,
+    EnrollmentRecord,
+    creds_path,
+    enroll,
+    login_options,
+    record_path,
+    store_creds,
+)
+from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS
 from gpuaas_agent.control.rotation import CredsRotator, rotation_subject
 from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
 from tests.control.conftest import NatsServer
+from tests.control.test_enroll import IDENTITY
 from tests.natsauth.natsjwt import Operator
 from tests.natsauth.pki import CA
 
@@ -58,6 +74,8 @@ class TlsLab:
         self.revoked_creds, revoked = self.operator.user("revoked", issued_at=revoked_at - 60)
         self.operator.revoke(revoked, at=revoked_at)
         self.plane_creds, _ = self.operator.user("control-plane")
+        self.bootstrap_creds, _ = self.operator.user("bootstrap", pub=ENROLL_PERMISSIONS["publish"],
+                                                     sub=ENROLL_PERMISSIONS["subscribe"])
         config = root / "nats.conf"
         config.write_text(
             self.operator.server_config()
@@ -264,3 +282,48 @@ async def test_rotation_swaps_the_creds_and_reconnects_without_touching_subscrip
         await rotator.stop()
         await nc.close()
         await plane.close()
+
+
+@sync
+async def test_enrollment_over_tls_stores_the_returned_creds_0600_and_hears_on_an_unguessable_inbox(lab, tmp_path):
+    plane = await nats.connect(lab.url, tls=lab.security().ssl_context(),
+                               user_credentials=str(lab.creds_file("plane-enroll", lab.plane_creds)))
+    node_creds, node_user = lab.operator.user("node-enrolled")
+    replies_to: list[str] = []
+
+    async def answer(msg):
+        replies_to.append(msg.reply)
+        request = EnrollRequest.model_validate_json(msg.data)
+        assert request.bootstrap_token == "bootstrap-token-0123456789"
+        await msg.respond(EnrollReply(accepted=True, node_id="node-enrolled",
+                                      credentials=NatsCredentials(creds=node_creds, servers=[lab.url]))
+                          .model_dump_json().encode())
+    sub = await plane.subscribe(ENROLL_SUBJECT, cb=answer)
+    await plane.flush()
+    token = tmp_path / "token"
+    token.write_text("bootstrap-token-0123456789\n")
+    state = tmp_path / "state"
+    try:
+        # The bootstrap login: TLS + client certificate + a bootstrap user allowed only to enroll.
+        record = await enroll(lab.url, token, state, IDENTITY, timeout=DEADLINE_S, connect_timeout=5.0,
+                              security=lab.security(creds_file=lab.creds_file("bootstrap", lab.bootstrap_creds)))
+    finally:
+        await sub.unsubscribe()
+        await plane.close()
+    assert record.node_id == "node-enrolled"
+    [reply] = replies_to
+    assert reply.startswith("_INBOX.enroll.") and len(reply.split(".")[2]) == 32
+    path = creds_path(state)
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    assert check_creds_file(path).user_key == node_user.public
+    assert oct(record_path(state).stat().st_mode & 0o777) == oct(0o600)
+    assert not token.exists()
+    # ... and the daemon's login now uses that file over TLS.
+    config = parse_config({"state_dir": str(state), "nats_tls_ca_file": str(lab.ca.path),
+                           "nats_tls_cert_file": str(lab.client.cert), "nats_tls_key_file": str(lab.client.key)})
+    login = login_options(config, record)
+    nc = await connect_nats([lab.url], timeout_s=5.0, name="enrolled", **login)
+    try:
+        assert any(c.get("authorized_user") == node_user.public for c in lab.connz())
+    finally:
+        await nc.close()
