@@ -106,6 +106,7 @@ class WorkerSettings:
     fetch_timeout_s: float = 30.0  # pull expiry: how long one pull request waits on the server
     inactive_threshold_s: float | None = 86400.0  # the server deletes the consumer of a node gone this long
     consumer_replicas: int | None = None  # None: the stream's; 1 keeps a 5,000-node cluster off per-node Raft groups
+    consumer_check_s: float = 300.0  # after this long of empty pulls, check that the consumer still exists
     consumer_memory: bool = False  # consumer state in memory (with R1 on a replicated stream: README "Fleet layout")
     request_timeout_s: float = 5.0  # one JetStream API call / PubAck / ack confirmation
     publish_deadline_s: float = 60.0  # retrying a result publish across a reconnect, then give up (redelivery retries)
@@ -172,6 +173,7 @@ class TaskWorker:
         self._inflight: dict[str, asyncio.Future] = {}
         self._sub = None
         self._fetching: asyncio.Future | None = None
+        self._checked_at = 0.0
         self.stream: str | None = None
         self.ready = asyncio.Event()
         listeners = getattr(nc, "reconnect_listeners", None)
@@ -219,11 +221,8 @@ class TaskWorker:
     async def _fetch(self, batch: int) -> list[Msg] | None:
         """One pull of up to ``batch``; None when :meth:`stop` or :meth:`kick` ended it first."""
         assert self._sub is not None
-        # The server sends idle heartbeats every third of the pull (at most half the expiry, or it refuses): a pull that hears nothing at all
-        # (plain TimeoutError) means the consumer is gone (see run()), not that there was no task.
         fetching = self._fetching = asyncio.ensure_future(
-            self._sub.fetch(batch=batch, timeout=self.settings.fetch_timeout_s,
-                            heartbeat=self.settings.fetch_timeout_s / 3 if self.settings.fetch_timeout_s >= 2 else None))
+            self._sub.fetch(batch=batch, timeout=self.settings.fetch_timeout_s))
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({fetching, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -246,6 +245,7 @@ class TaskWorker:
             if self._sub is None:
                 try:
                     self._sub = await self._bind()
+                    self._checked_at = asyncio.get_running_loop().time()
                     self.ready.set()
                     _event("worker_ready", node_id=self.node_id, consumer=self.settings.durable_name(self.node_id))
                     backoff = 0.2
@@ -263,14 +263,8 @@ class TaskWorker:
                 # One message per pull: nats.py's batch fetch holds a first message until the batch fills
                 # or the pull expires (measured: up to the whole 30 s expiry); one is handed on at once.
                 msgs = await self._fetch(1)
-            except nats.errors.TimeoutError:  # the server answered (heartbeat, 408): the consumer is alive
-                continue
-            except TimeoutError:
-                if self.settings.fetch_timeout_s >= 2:
-                    # Not even the idle heartbeat: a deleted consumer (inactive_threshold, an operator, a memory
-                    # consumer after a server restart) answers nothing. Creating it again is idempotent.
-                    _warn("pull_unanswered", rebind=True, consumer=self.settings.durable_name(self.node_id))
-                    await self._unbind()
+            except (nats.errors.TimeoutError, TimeoutError):
+                await self._check_consumer()
                 continue
             except (nats.js.errors.APIError, nats.errors.NoRespondersError) as exc:
                 # The consumer is gone (inactive_threshold, deleted, a memory consumer after a server
@@ -292,6 +286,25 @@ class TaskWorker:
                 task = asyncio.create_task(self._process(msg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _check_consumer(self) -> None:
+        """Every ``consumer_check_s`` of empty pulls: does our consumer still exist? If not, bind again.
+
+        A pull on a deleted consumer (inactive_threshold, an operator, a memory consumer after a
+        server restart) is simply never answered, which looks exactly like "no task".
+        """
+        loop = asyncio.get_running_loop()
+        if self._sub is None or loop.time() - self._checked_at < self.settings.consumer_check_s:
+            return
+        self._checked_at = loop.time()
+        try:
+            await self.js.consumer_info(self.stream, self.settings.durable_name(self.node_id),
+                                        timeout=self.settings.request_timeout_s)
+        except nats.js.errors.NotFoundError:
+            _warn("consumer_missing", consumer=self.settings.durable_name(self.node_id), stream=self.stream, rebind=True)
+            await self._unbind()
+        except (nats.errors.Error, TimeoutError):
+            pass  # the server is busy or away: the connection's own PINGs and reconnects deal with that
 
     async def _unbind(self) -> None:
         sub, self._sub = self._sub, None

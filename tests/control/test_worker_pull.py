@@ -67,12 +67,14 @@ def test_after_a_server_restart_the_pull_is_renewed_at_once(nats_server, tmp_pat
 
 
 def test_a_consumer_deleted_under_the_worker_is_created_again(nats_server, tmp_path):
+    # A pull on a deleted consumer is never answered: the periodic consumer check finds it gone.
     async def body():
-        async with _long(nats_server, tmp_path, Counting()) as h:
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: Counting()}, fetch_timeout_s=2.0,
+                           consumer_check_s=1.0) as h:
             await h.plane.js.delete_consumer(TASK_STREAM, h.settings.durable_name(NODE))
             envelope = h.plane.envelope(NODE, DISCOVER)
             await h.plane.enqueue(envelope)
-            result = await h.plane.wait_result(envelope.task_id, timeout=LONG_PULL_S + 15)
+            result = await h.plane.wait_result(envelope.task_id, timeout=30)
             assert result.status == ResultStatus.succeeded
             info = await h.plane.js.consumer_info(TASK_STREAM, h.settings.durable_name(NODE))
             assert info.config.filter_subject == f"gpuaas.node.{NODE}.task.>"
