@@ -33,7 +33,6 @@ import random
 import resource
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile

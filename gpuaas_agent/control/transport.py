@@ -72,7 +72,7 @@ class TransportSecurity:
     insecure: bool = False
 
     @classmethod
-    def from_config(cls, config, *, enroll: bool = False) -> "TransportSecurity":
+    def from_config(cls, config, *, enroll: bool = False) -> TransportSecurity:
         """The daemon's settings; ``enroll``: the bootstrap login (``nats_enroll_creds_file``, if any)."""
         return cls(ca_file=config.nats_tls_ca_file, server_name=config.nats_tls_server_name,
                    cert_file=config.nats_tls_cert_file, key_file=config.nats_tls_key_file,

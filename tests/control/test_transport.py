@@ -12,11 +12,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import shutil
 import time
 import urllib.request
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nats
@@ -232,7 +231,7 @@ def test_config_refuses_half_a_client_certificate(tmp_path):
 
 def test_enrolled_creds_are_stored_0600_and_used_for_login(lab, tmp_path):
     state = tmp_path / "state"
-    record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(timezone.utc),
+    record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
                               credentials=NatsCredentials(creds=lab.creds, servers=[lab.url]))
     config = parse_config({"state_dir": str(state), "nats_tls_ca_file": str(lab.ca.path),
                            "nats_tls_cert_file": str(lab.client.cert), "nats_tls_key_file": str(lab.client.key)})

@@ -28,7 +28,7 @@ class Key:
     public: str
 
     @classmethod
-    def new(cls, prefix: int) -> "Key":
+    def new(cls, prefix: int) -> Key:
         seed = nkeys.encode_seed(os.urandom(32), prefix)
         return cls(seed=seed, public=nkeys.from_seed(bytearray(seed)).public_key.decode())
 
