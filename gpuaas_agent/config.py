@@ -222,7 +222,33 @@ class AgentConfig(BaseModel):
     metrics_textfile: Path | None = None
     # Stored task results and their journal rows older than this are pruned (at start and daily).
     task_retention_days: float = Field(default=30.0, gt=0)
+    # Transport security (control/transport.py). TLS: the server is verified against this CA bundle
+    # (default: the system's) and this name (default: the URL's host); cert + key add mutual TLS.
+    nats_tls_ca_file: Path | None = None
+    nats_tls_server_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]{1,253}$")
+    nats_tls_cert_file: Path | None = None
+    nats_tls_key_file: Path | None = None
+    # Decentralized auth (recommended): a user .creds file (JWT + NKEY seed), 0600. Default: the one
+    # enrollment stored (<state_dir>/nats.creds), else the enrollment's user/password.
+    nats_creds_file: Path | None = None
+    # The bootstrap identity `enroll` logs in with (a server in operator mode has no anonymous users):
+    # a .creds allowed only gpuaas.enroll and _INBOX.enroll.*.> (README "Control channel").
+    nats_enroll_creds_file: Path | None = None
+    # Plaintext nats:// to a non-loopback server is refused unless this is true (lab only).
+    insecure: bool = False
+    # A pull request waits this long on the server for a task (liveness is the heartbeat, not the poll).
+    pull_expiry_s: float = Field(default=30.0, gt=0, le=300)
+    # The task consumer's replicas (None: the stream's) and storage: README "Fleet layout" (R1 + memory
+    # on a replicated stream keeps a 5,000-node cluster off 5,000 replicated consumer Raft groups).
+    task_consumer_replicas: int | None = Field(default=None, ge=1, le=5)
+    task_consumer_memory: bool = False
     slice: SliceConfig = Field(default_factory=SliceConfig)
+
+    @model_validator(mode="after")
+    def _mutual_tls_pair(self) -> "AgentConfig":
+        if (self.nats_tls_cert_file is None) != (self.nats_tls_key_file is None):
+            raise ValueError("nats_tls_cert_file and nats_tls_key_file go together (mutual TLS)")
+        return self
 
     @model_validator(mode="after")
     def _keepalive_below_ack_wait(self) -> "AgentConfig":

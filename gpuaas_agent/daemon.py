@@ -52,8 +52,12 @@ from gpuaas_agent.control.enroll import (
     EnrollIdentity,
     EnrollmentRecord,
     enroll,
+    creds_path,
     load_enrollment,
+    login_options,
 )
+from gpuaas_agent.control.rotation import CredsRotator
+from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.uevent_watch import DriftWatcher, drift_subject
 from gpuaas_agent.control.worker import Handler, TaskWorker, WorkerSettings
 from gpuaas_agent.discovery.drift import topology_drift
@@ -179,6 +183,11 @@ def identity_from_host(host_root: Path) -> EnrollIdentity:
 # -- NATS --------------------------------------------------------------------------
 
 
+# Connect refusals no retry can fix; creds_expired is retried: a rotation may replace the file meanwhile.
+FATAL_CONNECT_CODES = frozenset({"plaintext_refused", "creds_insecure", "creds_invalid", "creds_unreadable",
+                                 "tls_config_invalid"})
+
+
 async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.Event,
                   *, rng: random.Random | None = None,
                   on_attempt: Callable[[int], None] | None = None) -> Client | None:
@@ -198,9 +207,13 @@ async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.E
     while not stop.is_set():
         if on_attempt is not None:
             on_attempt(attempt + 1)
+        try:
+            login = login_options(config, record)  # TLS + creds + per-node inbox (control/transport.py)
+        except AgentError as exc:
+            raise NatsConnectError(exc.message, code=exc.code, evidence=exc.evidence) from None
         connecting = asyncio.ensure_future(connect_nats(
             record.credentials.servers, timeout_s=config.connect_timeout_s, name=label,
-            user=record.credentials.user, password=record.credentials.password, reconnect=backoff, rng=rng))
+            reconnect=backoff, rng=rng, **login))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
@@ -212,6 +225,8 @@ async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.E
         try:
             nc = connecting.result()
         except NatsConnectError as exc:
+            if exc.code in FATAL_CONNECT_CODES:
+                raise  # retrying cannot help: the config or the files must change (the message says which)
             delay = backoff.delay(attempt, rng)
             attempt += 1
             _event("nats_connect_failed", logging.WARNING, attempt=attempt, code=exc.code, retry_in_s=round(delay, 3),
@@ -375,10 +390,16 @@ async def run_agent(
         settings = WorkerSettings(concurrency=config.concurrency, keepalive_interval_s=config.keepalive_interval_s,
                                   ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
                                   max_task_deadline_s=config.max_task_deadline_s,
-                                  max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s)
+                                  max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,
+                                  fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
+                                  consumer_memory=config.task_consumer_memory)
         if reconcile is None and slice_host is not None:
             reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
         worker = TaskWorker(nc, store, record.node_id, handlers, settings, observer=metrics)
+        if config.nats_creds_file is None and record.credentials.creds is not None:
+            # Enrolled with a .creds: the control plane may rotate it (control/rotation.py).
+            await CredsRotator(nc, record.node_id, creds_path(config.state_dir),
+                               timeout_s=config.request_timeout_s).start()
         reporter.attach(nc, worker)
         reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
         worker_task = asyncio.create_task(worker.run(), name="worker")
@@ -467,7 +488,8 @@ def enroll_main(config_path: str | Path, token_file: str | Path | None = None) -
         config = load_config(config_path)
         identity = identity_from_host(config.host_root)
         record = asyncio.run(enroll(config.nats_url, token_file or config.token_file, config.state_dir, identity,
-                                    timeout=config.request_timeout_s, connect_timeout=config.connect_timeout_s))
+                                    timeout=config.request_timeout_s, connect_timeout=config.connect_timeout_s,
+                                    security=TransportSecurity.from_config(config, enroll=True)))
     except AgentError as exc:
         if not isinstance(handler, logging.StreamHandler):
             # journald keeps the structured event; on stderr the line below is the record (one line, not two).

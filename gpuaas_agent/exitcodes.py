@@ -14,6 +14,9 @@ USAGE_CODES = frozenset({"root_missing", "config_invalid", "config_unreadable", 
 ENVIRONMENT_CODES = frozenset({"nats_unreachable", "nats_auth_refused", "enroll_unreachable", "not_enrolled",
                                "state_unreadable", "state_schema_newer", "state_error", "enrollment_record_invalid",
                                "daemon_status_unreadable", "daemon_status_invalid", "command_not_found", "os_error"})
+# The control channel's security refusals (control/transport.py): the host's setup, not a failed job.
+ENVIRONMENT_CODES |= frozenset({"plaintext_refused", "creds_insecure", "creds_expired", "creds_invalid",
+                                "creds_unreadable", "nats_tls_failed", "tls_config_invalid"})
 
 
 def exit_code_for(code: str) -> int:

@@ -6,6 +6,10 @@ uses (``gpuaas_agent.contract``), so a test exercises the wire, not a mock:
 * :meth:`ControlPlane.create_streams` — the task stream (``gpuaas.node.*.task.>``,
   work-queue retention) and the result stream (``gpuaas.node.*.result``, limits
   retention with a duplicate window so ``Nats-Msg-Id`` dedupes republished results).
+* :meth:`ControlPlane.create_task_partitions` — the fleet layout (README "Fleet layout"):
+  instead of one task stream for every node, streams of ``per_stream`` nodes each
+  (``GPUAAS_TASKS_<k>``, one ``gpuaas.node.<node>.task.>`` subject per member). The
+  agent finds its stream by subject, so nothing changes on the node.
 * :meth:`ControlPlane.serve_enrollment` answers ``gpuaas.enroll``: one-time tokens
   from :meth:`issue_token`, refusals with the contract's codes.
 * :meth:`enqueue` / :meth:`enqueue_raw` put tasks on the queue; :meth:`wait_result`
@@ -67,6 +71,7 @@ class ControlPlane:
         self.seen = _Seen()
         self._clock = clock
         self._subs: list = []
+        self.partitioned = False  # tasks go to whichever stream holds their subject
 
     @classmethod
     async def connect(cls, url: str) -> "ControlPlane":
@@ -94,6 +99,25 @@ class ControlPlane:
             name=RESULT_STREAM, subjects=["gpuaas.node.*.result"],
             retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, duplicate_window=120,
         ))
+
+    async def create_task_partitions(self, node_ids: list[str], *, per_stream: int = 100,
+                                     storage: StorageType = StorageType.FILE, replicas: int = 1) -> list[str]:
+        """Task streams of at most ``per_stream`` nodes each; returns their names. Idempotent per layout.
+
+        Why: an empty pull on a filtered consumer scans its stream's backlog for other
+        subjects, so one stream for N nodes makes a fleet-wide burst cost O(N²); a stream of
+        G nodes bounds that scan at G.
+        """
+        names = []
+        for k in range(0, len(node_ids), per_stream):
+            name = f"{TASK_STREAM}_{k // per_stream:04d}"
+            await self.js.add_stream(StreamConfig(
+                name=name, subjects=[f"gpuaas.node.{n}.task.>" for n in node_ids[k:k + per_stream]],
+                retention=RetentionPolicy.WORK_QUEUE, storage=storage, num_replicas=replicas,
+            ))
+            names.append(name)
+        self.partitioned = True
+        return names
 
     # -- enrollment ---------------------------------------------------------------
 
@@ -148,7 +172,8 @@ class ControlPlane:
 
     async def enqueue_raw(self, subject: str, data: bytes, *, msg_id: str | None = None) -> int:
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        ack = await self.js.publish(subject, data, timeout=REQUEST_TIMEOUT_S, stream=TASK_STREAM, headers=headers)
+        ack = await self.js.publish(subject, data, timeout=REQUEST_TIMEOUT_S,
+                                    stream=None if self.partitioned else TASK_STREAM, headers=headers)
         return ack.seq
 
     async def pending_tasks(self) -> int:

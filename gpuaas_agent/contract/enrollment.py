@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
@@ -22,9 +22,36 @@ class EnrollRequest(WireModel):
 
 
 class NatsCredentials(WireModel):
-    user: str = Field(min_length=1)
-    password: str = Field(min_length=1, repr=False)
+    """How the node logs in: a NATS user ``.creds`` (JWT + NKEY seed; recommended) or user + password."""
+
+    user: str | None = Field(default=None, min_length=1)
+    password: str | None = Field(default=None, min_length=1, repr=False)
+    # The text of a NATS user .creds file; the agent stores it as <state_dir>/nats.creds (0600).
+    creds: str | None = Field(default=None, min_length=1, max_length=16384, repr=False)
     servers: list[str] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_login(self) -> "NatsCredentials":
+        if (self.creds is None) == (self.user is None or self.password is None):
+            raise ValueError("either creds or user + password, not both and not neither")
+        if (self.user is None) != (self.password is None):
+            raise ValueError("user and password go together")
+        return self
+
+
+class CredsRotation(WireModel):
+    """``gpuaas.node.<node>.creds``: the control plane's new ``.creds`` for this node (request/reply)."""
+
+    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    node_id: str = Field(pattern=NODE_ID_PATTERN)
+    creds: str = Field(min_length=1, max_length=16384, repr=False)
+
+
+class CredsRotationReply(WireModel):
+    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    accepted: bool
+    error: str | None = None
+    message: str | None = None
 
 
 class EnrollReply(WireModel):

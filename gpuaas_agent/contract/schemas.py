@@ -14,7 +14,7 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.dhcp import GuestReadiness, HostsFileJunk, LeaseStatus, Reservation
 from gpuaas_agent.contract.domain import DefineOutcome, DomainInfo, ShutdownOutcome, UndefineOutcome, VmStartEvidence
 from gpuaas_agent.contract.drift import DriftReport
-from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest
+from gpuaas_agent.contract.enrollment import CredsRotation, CredsRotationReply, EnrollReply, EnrollRequest
 from gpuaas_agent.contract.images import CachedImage
 from gpuaas_agent.contract.ovs import BridgeEvidence, OvsPort
 from gpuaas_agent.contract.parity import ParityReport, SliceNetworkEvidence
@@ -37,6 +37,8 @@ from gpuaas_agent.contract.vfio import VfioBindResult
 WIRE_MODELS: tuple[type[WireModel], ...] = (
     EnrollRequest,
     EnrollReply,
+    CredsRotation,
+    CredsRotationReply,
     TaskEnvelope,
     *PAYLOADS.values(),
     TaskResult,

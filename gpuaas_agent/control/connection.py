@@ -27,12 +27,14 @@ import errno
 import logging
 import os
 import random
+import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 import nats.errors
 from nats.aio.client import Client
 
+from gpuaas_agent.control.transport import TlsEnforcingClient, TransportError, TransportSecurity
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 
@@ -75,13 +77,23 @@ def safe_url(url: str) -> str:
 
 
 def _is_auth_refusal(exc: BaseException | None) -> bool:
-    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower()
+    text = str(exc).lower()
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text \
+        or "authentication expired" in text or "authentication revoked" in text
+
+
+def _is_tls_failure(exc: BaseException | None) -> bool:
+    return isinstance(exc, ssl.SSLError) or "offered no tls" in str(exc).lower()
 
 
 def _reason(exc: BaseException | None) -> str:
     """A short human reason: 'connection refused', 'Authorization Violation', 'no answer'."""
     if exc is None or isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return "no answer"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate verify failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or str(exc)
     if isinstance(exc, OSError) and exc.errno:
         return os.strerror(exc.errno).lower() if exc.errno != errno.ECONNREFUSED else "connection refused"
     text = str(exc).removeprefix("nats: ").strip("'\"") or type(exc).__name__
@@ -118,6 +130,8 @@ class _Callbacks:
         url = self.client.connected_url if self.client is not None else None
         log_event(log, "nats_reconnected", connection=self.label, server=safe_url(url.geturl()) if url else None,
                   message=f"{self.label}: NATS connection restored")
+        for listener in list(getattr(self.client, "reconnect_listeners", ())):
+            listener()
 
     def next_server(self, servers, server_info) -> tuple[None, float]:
         """``reconnect_to_server_handler``: nats.py's round robin picks the server, we pick the delay."""
@@ -140,15 +154,29 @@ async def connect_nats(
     reconnect: Backoff | None = None,
     rng: random.Random | None = None,
     ping_interval_s: int = 10,
+    security: TransportSecurity | None = None,
+    inbox_prefix: str | None = None,
 ) -> Client:
     """Connect within ``timeout_s`` or raise :class:`NatsConnectError`; the client is closed on every failure.
 
     ``reconnect``: after this first connect, reconnect forever with that backoff (the
     daemon); None: a broken connection stays broken (enrollment's one request).
+    ``security``: TLS and credentials (``control/transport.py``); the default allows only
+    loopback plaintext. Its refusals (``plaintext_refused``, ``creds_insecure``,
+    ``creds_expired``...) are raised as :class:`NatsConnectError` before anything is dialled.
+    ``inbox_prefix``: replies come on ``<prefix>.>`` (a per-node prefix lets permissions
+    keep every other node's replies away from this one).
     """
     shown = ", ".join(safe_url(s) for s in servers)
+    security = security or TransportSecurity()
+    try:
+        servers = security.check_servers(servers)
+        secure_options = security.connect_options(servers)
+    except TransportError as exc:
+        raise NatsConnectError(exc.message, code=exc.code, evidence=exc.evidence) from None
     callbacks = _Callbacks(label=name, backoff=reconnect, rng=rng or random.Random())
-    nc = Client()
+    nc = TlsEnforcingClient()
+    nc.require_tls = "tls" in secure_options
     callbacks.client = nc
     options: dict = {
         "servers": servers, "name": name, "connect_timeout": timeout_s,
@@ -160,6 +188,9 @@ async def connect_nats(
         options["reconnect_to_server_handler"] = callbacks.next_server
     if user is not None:
         options.update(user=user, password=password)
+    options.update(secure_options)
+    if inbox_prefix is not None:
+        options["inbox_prefix"] = inbox_prefix
     try:
         await asyncio.wait_for(nc.connect(**options), timeout_s)
     except BaseException as exc:
@@ -173,6 +204,9 @@ async def connect_nats(
         if _is_auth_refusal(cause):
             raise NatsConnectError(f"{shown} refused the credentials ({_reason(cause)})", code="nats_auth_refused",
                                    evidence=evidence) from None
+        if _is_tls_failure(cause):
+            raise NatsConnectError(f"TLS to {shown} failed: {_reason(cause)}; nothing was sent",
+                                   code="nats_tls_failed", evidence=evidence) from None
         if isinstance(cause, (TimeoutError, asyncio.TimeoutError)) or cause is None:
             raise NatsConnectError(f"cannot reach {shown} within {timeout_s:g}s", evidence=evidence) from None
         raise NatsConnectError(f"cannot reach {shown}: {_reason(cause)}", evidence=evidence) from None

@@ -5,6 +5,12 @@ of the directory) so a crash leaves either no record or a whole one; the token
 file is removed only after the record is on disk. Enrolling when a record
 exists sends nothing: the token was spent already and a second request would
 be refused as ``token_reused``.
+
+The exchange runs over the configured transport (TLS unless ``insecure``, see
+``control/transport.py``), and the reply comes on an inbox no one can guess
+(``_INBOX.enroll.<128 random bits>.``), not on the account-wide default ``_INBOX.``.
+Credentials that arrive as a ``.creds`` (JWT + NKEY seed) are also written, 0600 and
+atomically, to ``<state_dir>/nats.creds``, the file nats.py reads on every connect.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,6 +30,7 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.control.connection import connect_nats, safe_url
+from gpuaas_agent.control.transport import TransportError, TransportSecurity, parse_creds
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 
@@ -31,6 +39,8 @@ log = logging.getLogger(__name__)
 ENROLL_SUBJECT = "gpuaas.enroll"
 RECORD_NAME = "enrollment.json"
 RECORD_VERSION = "gpuaas.agent.enrollment/v1"
+CREDS_NAME = "nats.creds"
+ENROLL_INBOX_PREFIX = "_INBOX.enroll"
 
 
 class EnrollError(AgentError):
@@ -62,6 +72,19 @@ class EnrollmentRecord(WireModel):
 
 def record_path(state_dir: str | Path) -> Path:
     return Path(state_dir) / RECORD_NAME
+
+
+def creds_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / CREDS_NAME
+
+
+def store_creds(state_dir: str | Path, creds: str) -> Path:
+    """Write a ``.creds`` 0600 atomically (a reader sees the old file or the new one); ``creds_invalid`` first."""
+    parse_creds(creds, source="the received credentials")
+    path = creds_path(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_atomic(path, creds.encode() if creds.endswith("\n") else (creds + "\n").encode(), mode=0o600)
+    return path
 
 
 def load_enrollment(state_dir: str | Path) -> EnrollmentRecord | None:
@@ -110,6 +133,7 @@ async def enroll(
     *,
     timeout: float = 10.0,
     connect_timeout: float | None = None,
+    security: TransportSecurity | None = None,
 ) -> EnrollmentRecord:
     """Enroll this host once; returns the stored record (the existing one when already enrolled).
 
@@ -130,7 +154,9 @@ async def enroll(
                           evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
 
     # Bounded: connect_timeout + timeout in all, so ExecStartPre ends well inside the unit's start timeout.
-    nc = await connect_nats([nats_url], timeout_s=connect_timeout or timeout, name="gpuaas-agent-enroll")
+    # ``security``: TLS settings and the bootstrap login (TransportSecurity.from_config(config, enroll=True)).
+    nc = await connect_nats([nats_url], timeout_s=connect_timeout or timeout, name="gpuaas-agent-enroll",
+                            security=security, inbox_prefix=f"{ENROLL_INBOX_PREFIX}.{secrets.token_hex(16)}")
     try:
         msg = await nc.request(ENROLL_SUBJECT, request.model_dump_json().encode(), timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
@@ -159,6 +185,12 @@ async def enroll(
     # repr=False hides the password from logs only; the record on disk must carry it (hence 0600).
     path = record_path(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if reply.credentials.creds is not None:
+        try:
+            store_creds(state_dir, reply.credentials.creds)
+        except TransportError as exc:
+            raise EnrollError(f"enrollment reply carries unusable credentials: {exc.message}", code=exc.code,
+                              evidence=exc.evidence) from None
     write_atomic(path, record.model_dump_json(indent=2).encode(), mode=0o600)
     try:
         token_file.unlink(missing_ok=True)
@@ -167,3 +199,32 @@ async def enroll(
         log_event(log, "token_remove_failed", logging.WARNING, token_file=str(token_file), error=exc.strerror)
     log_event(log, "enrolled", node_id=record.node_id)
     return record
+
+
+def node_inbox_prefix(node_id: str) -> str:
+    """``_INBOX.<node>``: this node's replies (JetStream API, PubAcks, pulled tasks) and no one else's."""
+    return f"_INBOX.{node_id}"
+
+
+def login_options(config, record: EnrollmentRecord) -> dict:
+    """``connect_nats`` keyword arguments for the daemon: transport security, credentials, per-node inbox.
+
+    The ``.creds`` used is ``nats_creds_file`` from the config, else ``<state_dir>/nats.creds``
+    (written by enrollment or a rotation; restored from the record if it was lost), else the
+    record's user + password.
+    """
+    security = TransportSecurity.from_config(config)
+    options: dict = {"inbox_prefix": node_inbox_prefix(record.node_id)}
+    creds_file = config.nats_creds_file
+    if creds_file is None and record.credentials.creds is not None:
+        creds_file = creds_path(config.state_dir)
+        if not creds_file.exists():
+            store_creds(config.state_dir, record.credentials.creds)
+    if creds_file is not None:
+        security = TransportSecurity(ca_file=security.ca_file, server_name=security.server_name,
+                                     cert_file=security.cert_file, key_file=security.key_file,
+                                     creds_file=creds_file, insecure=security.insecure)
+    else:
+        options.update(user=record.credentials.user, password=record.credentials.password)
+    options["security"] = security
+    return options

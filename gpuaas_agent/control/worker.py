@@ -29,6 +29,16 @@ The consumer keeps ``max_deliver=-1``: JetStream's own bound would drop a task s
 no start at all (a shutdown's unacked tasks, a lost ack). The journal's start count above
 is the bound instead, and it also holds across agent restarts.
 
+The consumer is created on the filtered-subject API
+(``$JS.API.CONSUMER.CREATE.<stream>.gpuaas-agent-<node>.gpuaas.node.<node>.task.>``, nats.py
+does so when ``name`` is set): the server refuses a filter that differs from the subject
+(10131), so a per-node permission on that subject pins each node to its own tasks. The
+stream is found by subject (``$JS.API.STREAM.NAMES``), so the control plane may split the
+fleet over several task streams (README "Fleet layout"). A pull request waits
+``fetch_timeout_s`` (30 s) on the server; liveness is the connection's PING and the
+heartbeat, not a 1 s poll. :meth:`kick` (called on every reconnect) and :meth:`stop` end
+the wait at once.
+
 A crash anywhere before the ack means redelivery; the stored result makes that
 redelivery a republish, never a second run. A crash before the result is stored
 means the handler runs again: the journal's ``unfinished_steps`` are handed to it
@@ -87,13 +97,17 @@ _warn = functools.partial(log_event, log, level=logging.WARNING)
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    task_stream: str = TASK_STREAM
+    task_stream: str | None = None  # None: the stream that holds gpuaas.node.<node>.task.> (asked by subject)
     result_stream: str = RESULT_STREAM
     concurrency: Mapping[TaskType, int] = field(default_factory=default_concurrency)  # the registry's
     keepalive_interval_s: float = 10.0
     ack_wait_s: float = 60.0  # must be well above keepalive_interval_s
     max_deliver: int = -1  # a task is never dropped for having been redelivered; its deadline ends it
-    fetch_timeout_s: float = 1.0  # also how quickly stop() stops pulling
+    fetch_timeout_s: float = 30.0  # pull expiry: how long one pull request waits on the server
+    inactive_threshold_s: float | None = 86400.0  # the server deletes the consumer of a node gone this long
+    consumer_replicas: int | None = None  # None: the stream's; 1 keeps a 5,000-node cluster off per-node Raft groups
+    consumer_check_s: float = 300.0  # after this long of empty pulls, check that the consumer still exists
+    consumer_memory: bool = False  # consumer state in memory (with R1 on a replicated stream: README "Fleet layout")
     request_timeout_s: float = 5.0  # one JetStream API call / PubAck / ack confirmation
     publish_deadline_s: float = 60.0  # retrying a result publish across a reconnect, then give up (redelivery retries)
     max_task_deadline_s: float = 86400.0  # a deadline further ahead is refused: invalid_deadline
@@ -163,7 +177,13 @@ class TaskWorker:
         self._tasks: set[asyncio.Task] = set()
         self._inflight: dict[str, asyncio.Future] = {}
         self._sub = None
+        self._fetching: asyncio.Future | None = None
+        self._checked_at = 0.0
+        self.stream: str | None = None
         self.ready = asyncio.Event()
+        listeners = getattr(nc, "reconnect_listeners", None)
+        if listeners is not None:  # control/connection.py's client: a reconnect ends the current pull
+            listeners.append(self.kick)
 
     @property
     def subject_filter(self) -> str:
@@ -176,19 +196,52 @@ class TaskWorker:
     # -- lifecycle ----------------------------------------------------------------
 
     async def _bind(self):
+        name = self.settings.durable_name(self.node_id)
         config = ConsumerConfig(
-            durable_name=self.settings.durable_name(self.node_id),
+            name=name,  # with name set, nats.py creates on $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>
+            durable_name=name,
             filter_subject=self.subject_filter,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=self.settings.ack_wait_s,
             max_deliver=self.settings.max_deliver,
             max_ack_pending=self._max_inflight * 4,
+            inactive_threshold=self.settings.inactive_threshold_s,
+            num_replicas=self.settings.consumer_replicas,
+            mem_storage=self.settings.consumer_memory or None,
         )
+        stream = self.settings.task_stream
+        if stream is None:
+            stream = await self.js.find_stream_name_by_subject(self.subject_filter)
         # Idempotent for an identical config; an edited one (ack_wait) is updated in place.
-        await self.js.add_consumer(self.settings.task_stream, config, timeout=self.settings.request_timeout_s)
-        return await self.js.pull_subscribe_bind(self.settings.durable_name(self.node_id),
-                                                 stream=self.settings.task_stream)
+        await self.js.add_consumer(stream, config, timeout=self.settings.request_timeout_s)
+        self.stream = stream
+        return await self.js.pull_subscribe_bind(name, stream=stream)
+
+    def kick(self) -> None:
+        """End the pull that is waiting now (a reconnect lost it on the server): the next one starts at once."""
+        if self._fetching is not None and not self._fetching.done():
+            self._fetching.cancel()
+
+    async def _fetch(self, batch: int) -> list[Msg] | None:
+        """One pull of up to ``batch``; None when :meth:`stop` or :meth:`kick` ended it first."""
+        assert self._sub is not None
+        fetching = self._fetching = asyncio.ensure_future(
+            self._sub.fetch(batch=batch, timeout=self.settings.fetch_timeout_s))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({fetching, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not fetching.done():
+                fetching.cancel()
+            self._fetching = None
+        if fetching.cancelled():
+            return None
+        if not fetching.done():  # cancelled just now: let it unwind (an outer cancel still reaches us)
+            await asyncio.wait({fetching})
+            return None
+        return fetching.result()
 
     async def run(self) -> None:
         """Pull and dispatch until :meth:`stop`. Connection trouble is logged and retried, never fatal."""
@@ -197,6 +250,7 @@ class TaskWorker:
             if self._sub is None:
                 try:
                     self._sub = await self._bind()
+                    self._checked_at = asyncio.get_running_loop().time()
                     self.ready.set()
                     _event("worker_ready", node_id=self.node_id, consumer=self.settings.durable_name(self.node_id))
                     backoff = 0.2
@@ -211,19 +265,57 @@ class TaskWorker:
                                    return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                msgs = await self._sub.fetch(batch=min(free, 8), timeout=self.settings.fetch_timeout_s)
+                # One message per pull: nats.py's batch fetch holds a first message until the batch fills
+                # or the pull expires (measured: up to the whole 30 s expiry); one is handed on at once.
+                msgs = await self._fetch(1)
             except (nats.errors.TimeoutError, TimeoutError):
+                await self._check_consumer()
+                continue
+            except (nats.js.errors.APIError, nats.errors.NoRespondersError) as exc:
+                # The consumer is gone (inactive_threshold, deleted, a memory consumer after a server
+                # restart): create it again; the work queue kept its tasks.
+                _warn("fetch_failed", error=repr(exc), retry_in_s=backoff, rebind=True)
+                await self._unbind()
+                await self._pause(backoff)
+                backoff = min(backoff * 2, 5.0)
                 continue
             except nats.errors.Error as exc:
                 _warn("fetch_failed", error=repr(exc), retry_in_s=backoff)
                 await self._pause(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
+            if msgs is None:
+                continue
             backoff = 0.2
             for msg in msgs:
                 task = asyncio.create_task(self._process(msg))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _check_consumer(self) -> None:
+        """Every ``consumer_check_s`` of empty pulls: does our consumer still exist? If not, bind again.
+
+        A pull on a deleted consumer (inactive_threshold, an operator, a memory consumer after a
+        server restart) is simply never answered, which looks exactly like "no task".
+        """
+        loop = asyncio.get_running_loop()
+        if self._sub is None or loop.time() - self._checked_at < self.settings.consumer_check_s:
+            return
+        self._checked_at = loop.time()
+        try:
+            await self.js.consumer_info(self.stream, self.settings.durable_name(self.node_id),
+                                        timeout=self.settings.request_timeout_s)
+        except nats.js.errors.NotFoundError:
+            _warn("consumer_missing", consumer=self.settings.durable_name(self.node_id), stream=self.stream, rebind=True)
+            await self._unbind()
+        except (nats.errors.Error, TimeoutError):
+            pass  # the server is busy or away: the connection's own PINGs and reconnects deal with that
+
+    async def _unbind(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
+                await asyncio.wait_for(sub.unsubscribe(), self.settings.request_timeout_s)
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -1,0 +1,407 @@
+"""Fleet scale of the control channel: N simulated nodes against one real ``nats-server -js``.
+
+Each simulated node is the agent's real code on its own NATS connection: ``connect_nats``
+(per-node inbox, backoff with full jitter), ``TaskWorker`` (consumer created on the
+filtered API, pull expiry ``--pull-expiry``), the operator ``Reporter`` heartbeat loop,
+and a real ``StateStore`` (SQLite on /dev/shm, one per process). Many nodes per process
+(asyncio), ``--procs`` processes. The control plane is ``tests/controlplane.py``.
+
+Per N it reports: consumer creation (all nodes bound, and per-node bind p50/p99),
+nats-server VmRSS and CPU (cores, from /proc/<pid>/stat) and messages/s while idle, a
+steady trickle of tasks (publish→claim p50/p99), one task to every node at once (drain
+time, publish→claim p50/p99), and a server restart (time until all N reconnected, and until
+one task per node published at restart is claimed). "Claim" is the handler starting.
+
+Layouts (``--layout``): ``shared`` — one work-queue stream ``gpuaas.node.*.task.>`` for
+every node; ``partitioned`` — streams of ``--per-stream`` nodes each
+(``ControlPlane.create_task_partitions``). Prints one JSON line per N and a table; never
+asserts. Needs root only for a large ``ulimit -n``.
+
+    .venv/bin/python bench/bench_fleet.py --nodes 100,500,1000 --layout partitioned
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import random
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import nats.errors  # noqa: E402
+
+from gpuaas_agent.contract.tasks import TaskType  # noqa: E402
+from gpuaas_agent.control.connection import Backoff, connect_nats  # noqa: E402
+from gpuaas_agent.control.enroll import node_inbox_prefix  # noqa: E402
+from gpuaas_agent.control.transport import TransportSecurity  # noqa: E402
+from gpuaas_agent.control.worker import TaskWorker, WorkerSettings  # noqa: E402
+from gpuaas_agent.operator.health import HealthSettings  # noqa: E402
+from gpuaas_agent.operator.reporter import Reporter, ReporterSettings  # noqa: E402
+from gpuaas_agent.state.store import StateStore  # noqa: E402
+from tests.controlplane import ControlPlane  # noqa: E402
+
+TASK = TaskType.topology_discover
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- the server -------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, root: Path) -> None:
+        self.root, self.port, self.http = root, free_port(), free_port()
+        self.store = root / "store"
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> float:
+        argv = [shutil.which("nats-server") or "nats-server", "-js", "-a", "127.0.0.1", "-p", str(self.port),
+                "-m", str(self.http), "-sd", str(self.store)]
+        log = (self.root / "nats.log").open("ab")
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/healthz", timeout=1) as resp:
+                    if resp.status == 200:
+                        return time.time()
+            except OSError:
+                pass
+            time.sleep(0.05)  # readiness poll
+        raise RuntimeError("nats-server not ready")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+        self.proc = None
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def varz(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/varz", timeout=10) as resp:
+            return json.load(resp)
+
+
+# -- simulated nodes (child processes) --------------------------------------------------
+
+
+def child_main(url: str, nodes: list[str], root: str, events, stop, args: dict) -> None:
+    logging.basicConfig(level=logging.ERROR)
+    asyncio.run(_child(url, nodes, Path(root), events, stop, args))
+
+
+async def _child(url, nodes, root: Path, events, stop, args) -> None:
+    store = StateStore.open(root / "state.db")
+    gate = asyncio.Semaphore(args["connect_concurrency"])
+    running: list = []
+
+    async def handler(payload, ctx):
+        events.put(("claim", ctx.envelope.task_id, time.time()))
+        return {}
+
+    async def node(node_id: str) -> None:
+        async with gate:
+            started = time.time()
+            nc = await connect_nats([url], timeout_s=60, name=node_id, reconnect=Backoff(0.5, args["backoff_max"]),
+                                    inbox_prefix=node_inbox_prefix(node_id), security=TransportSecurity(insecure=True))
+            nc.reconnect_listeners.append(lambda: events.put(("reconnected", node_id, time.time())))
+            worker = TaskWorker(nc, store, node_id, {TASK: handler},
+                                WorkerSettings(fetch_timeout_s=args["pull_expiry"], keepalive_interval_s=10,
+                                               ack_wait_s=60, request_timeout_s=30,
+                                               consumer_replicas=1 if args["consumer_memory"] else None,
+                                               consumer_memory=args["consumer_memory"]))
+            state = root / node_id
+            state.mkdir(exist_ok=True)
+            reporter = Reporter(ReporterSettings(node_id=node_id, state_dir=state,
+                                                 heartbeat_interval_s=args["heartbeat"], health_interval_s=3600,
+                                                 request_timeout_s=30), store, HealthSettings(host_root=Path("/")),
+                                None, lambda **_: True)
+            reporter.attach(nc, worker)
+            run = asyncio.create_task(worker.run())
+            await worker.ready.wait()
+            events.put(("ready", node_id, time.time() - started))
+        await asyncio.sleep(random.uniform(0, args["heartbeat"]))  # spread the heartbeat phase
+        running.append((nc, worker, run, asyncio.create_task(reporter.loop())))
+
+    await asyncio.gather(*(node(n) for n in nodes))
+    await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+    for nc, worker, run, beat in running:
+        beat.cancel()
+        worker.stop()
+    await asyncio.gather(*(w.drain(1) for _, w, _, _ in running), return_exceptions=True)
+    await asyncio.gather(*(nc.close() for nc, _, _, _ in running), return_exceptions=True)
+    store.close()
+
+
+# -- the run ----------------------------------------------------------------------------
+
+
+class Events:
+    """Child events drained by a thread into dicts; async waits poll them with a deadline."""
+
+    def __init__(self, q) -> None:
+        self.q = q
+        self.claims: dict[str, float] = {}
+        self.ready: dict[str, float] = {}
+        self.reconnected: dict[str, float] = {}
+        self._stop = False
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while not self._stop:
+            try:
+                kind, key, value = self.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            {"claim": self.claims, "ready": self.ready, "reconnected": self.reconnected}[kind].setdefault(key, value)
+
+    async def until(self, predicate, deadline_s: float) -> bool:
+        end = time.monotonic() + deadline_s
+        while not predicate():
+            if time.monotonic() > end:
+                return False
+            await asyncio.sleep(0.02)  # poll interval of a bench wait with a deadline
+        return True
+
+
+async def publish_all(plane: ControlPlane, targets: list[str], sent: dict[str, float], concurrency: int = 256) -> None:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(node_id: str) -> None:
+        envelope = plane.envelope(node_id, TASK.value)
+        TARGETS[envelope.task_id] = node_id
+        async with gate:
+            sent[envelope.task_id] = time.time()
+            for attempt in range(20):  # a control plane retries a publish the restarting server did not ack
+                try:
+                    await plane.enqueue(envelope, msg_id=envelope.task_id)
+                    return
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
+                    await asyncio.sleep(0.2)  # retry pacing
+            raise RuntimeError(f"could not enqueue {envelope.task_id}")
+
+    await asyncio.gather(*(one(n) for n in targets))
+
+
+def plane_targets(plane, sent):
+    return {t: n for t, n in TARGETS.items() if t in sent}
+
+
+TARGETS: dict[str, str] = {}
+
+
+def latencies(sent: dict[str, float], claims: dict[str, float]) -> list[float]:
+    return [claims[t] - s for t, s in sent.items() if t in claims]
+
+
+async def run_one(n: int, args, root: Path) -> dict:
+    server = Server(root / f"n{n}")
+    server.start()
+    nodes = [f"node-f{i:05d}" for i in range(n)]
+    plane = await ControlPlane.connect(server.url)
+    out: dict = {"nodes": n, "layout": args.layout, "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs}
+    t = time.time()
+    if args.layout == "partitioned":
+        out["streams"] = len(await plane.create_task_partitions(nodes, per_stream=args.per_stream))
+    else:
+        await plane.create_streams()
+        out["streams"] = 1
+    out["stream_create_s"] = round(time.time() - t, 2)
+
+    q, stop = mp.Queue(), mp.Event()
+    events = Events(q)
+    child_args = {"consumer_memory": args.consumer_memory, "pull_expiry": args.pull_expiry, "heartbeat": args.heartbeat, "backoff_max": args.backoff_max,
+                  "connect_concurrency": args.connect_concurrency}
+    procs = []
+    t0 = time.time()
+    for p in range(args.procs):
+        part = nodes[p::args.procs]
+        pdir = root / f"n{n}-p{p}"
+        pdir.mkdir(parents=True, exist_ok=True)
+        proc = mp.Process(target=child_main, args=(server.url, part, str(pdir), q, stop, child_args))
+        proc.start()
+        procs.append(proc)
+    try:
+        ok = await events.until(lambda: len(events.ready) >= n, args.bind_deadline)
+        out["all_bound_s"] = round(time.time() - t0, 1) if ok else None
+        out["bound"] = len(events.ready)
+        out["bind_p50_s"] = round(pct(list(events.ready.values()), 50), 3)
+        out["bind_p99_s"] = round(pct(list(events.ready.values()), 99), 3)
+        await asyncio.sleep(args.heartbeat)  # let the heartbeat phases spread before measuring idle
+
+        # Idle: server CPU, memory and message rate with every node connected and pulling.
+        cpu0, v0, w0 = server.cpu_s(), server.varz(), time.time()
+        await asyncio.sleep(args.idle_s)
+        cpu1, v1, w1 = server.cpu_s(), server.varz(), time.time()
+        out["idle_server_cores"] = round((cpu1 - cpu0) / (w1 - w0), 3)
+        out["idle_server_cpu_ms_per_node_s"] = round((cpu1 - cpu0) / (w1 - w0) / n * 1000, 4)
+        out["idle_in_msgs_per_s"] = round((v1["in_msgs"] - v0["in_msgs"]) / (w1 - w0), 1)
+        out["server_rss_mib"] = round(server.rss_mib(), 1)
+        out["server_kib_per_node"] = round(server.rss_mib() * 1024 / n, 1)
+        out["loadavg"] = os.getloadavg()[0]
+
+        # Steady trickle.
+        sent: dict[str, float] = {}
+        interval = 1.0 / args.trickle_rate
+        end = time.monotonic() + args.trickle_s
+        while time.monotonic() < end:
+            await publish_all(plane, [random.choice(nodes)], sent)
+            await asyncio.sleep(interval)  # the trickle's pacing
+        await events.until(lambda: all(t in events.claims for t in sent), 60)
+        lat = latencies(sent, events.claims)
+        out["trickle_tasks"] = len(sent)
+        out["trickle_claimed"] = len(lat)
+        out["trickle_p50_s"], out["trickle_p99_s"] = round(pct(lat, 50), 3), round(pct(lat, 99), 3)
+        out["trickle_over_1s"] = sum(1 for x in lat if x > 1.0)
+        if os.environ.get("BENCH_DEBUG"):
+            targets = plane_targets(plane, sent)
+            for t, s0 in sorted(sent.items(), key=lambda kv: kv[1]):
+                print("DEBUG", targets.get(t), t, round(s0 - min(sent.values()), 2),
+                      round(events.claims.get(t, 0) - s0, 3), file=sys.stderr)
+
+        # One task to every node at once.
+        sent = {}
+        cpu0, b0 = server.cpu_s(), time.time()
+        await publish_all(plane, nodes, sent)
+        published = time.time()
+        ok = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
+        lat = latencies(sent, events.claims)
+        last = max((events.claims[t] for t in sent if t in events.claims), default=None)
+        out["burst_publish_s"] = round(published - b0, 2)
+        out["burst_drain_s"] = round(last - b0, 2) if ok and last else None
+        out["burst_claimed"] = len(lat)
+        out["burst_p50_s"], out["burst_p99_s"] = round(pct(lat, 50), 3), round(pct(lat, 99), 3)
+        out["burst_server_cpu_s"] = round(server.cpu_s() - cpu0, 2)
+        out["burst_over_1s"] = sum(1 for x in lat if x > 1.0)
+        out["burst_over_5s"] = sum(1 for x in lat if x > 5.0)
+        if os.environ.get("BENCH_DEBUG"):
+            targets = plane_targets(plane, sent)
+            for t, s0 in sent.items():
+                if events.claims.get(t, 1e18) - s0 > 5:
+                    print("SLOW", targets.get(t), t, round(events.claims.get(t, 0) - s0, 3), file=sys.stderr)
+
+        # Server restart: reconnect with backoff + jitter; one task per node published at once.
+        if args.restart:
+            events.reconnected.clear()
+            server.stop()
+            down = time.time()
+            up = server.start()
+            out["restart_server_down_s"] = round(up - down, 2)
+            sent = {}
+            await events.until(lambda: plane.nc.is_connected, 120)
+            await publish_all(plane, nodes, sent)
+            out["restart_all_published_s"] = round(time.time() - up, 2)  # the plane's retries included
+            ok_r = await events.until(lambda: len(events.reconnected) >= n, args.burst_deadline)
+            ok_c = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
+            rec = sorted(v - up for v in events.reconnected.values())
+            out["restart_reconnected"] = len(rec)
+            out["restart_all_reconnected_s"] = round(rec[-1], 2) if ok_r and rec else None
+            out["restart_reconnect_p50_s"] = round(pct(rec, 50), 2) if rec else None
+            last = max((events.claims[t] for t in sent if t in events.claims), default=None)
+            out["restart_all_claimed_s"] = round(last - up, 2) if ok_c and last else None
+            out["restart_claimed_after_published_s"] = (round(last - up - out["restart_all_published_s"], 2)
+                                                        if ok_c and last else None)
+            out["restart_claimed"] = sum(1 for t in sent if t in events.claims)
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(timeout=120)
+            if proc.is_alive():
+                proc.kill()
+        events._stop = True
+        try:
+            await plane.close()
+        except Exception:  # noqa: BLE001 - the server may already be gone
+            pass
+        server.stop()
+    return out
+
+
+COLUMNS = [("nodes", "N"), ("streams", "streams"), ("all_bound_s", "bind all s"), ("bind_p99_s", "bind p99"),
+           ("idle_server_cores", "idle cores"), ("idle_in_msgs_per_s", "idle msg/s"), ("server_rss_mib", "RSS MiB"),
+           ("trickle_p50_s", "trickle p50"), ("trickle_p99_s", "trickle p99"), ("burst_drain_s", "burst drain s"),
+           ("burst_p50_s", "burst p50"), ("burst_p99_s", "burst p99"), ("restart_all_reconnected_s", "reconn all s"),
+           ("restart_all_published_s", "restart published s"), ("restart_all_claimed_s", "restart claimed s"), ("loadavg", "load")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", default="100,500,1000")
+    ap.add_argument("--layout", choices=("shared", "partitioned"), default="partitioned")
+    ap.add_argument("--per-stream", type=int, default=100)
+    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--pull-expiry", type=float, default=30.0)
+    ap.add_argument("--heartbeat", type=float, default=15.0)
+    ap.add_argument("--backoff-max", type=float, default=10.0)
+    ap.add_argument("--connect-concurrency", type=int, default=50)
+    ap.add_argument("--idle-s", type=float, default=30.0)
+    ap.add_argument("--trickle-rate", type=float, default=20.0)
+    ap.add_argument("--trickle-s", type=float, default=15.0)
+    ap.add_argument("--bind-deadline", type=float, default=900.0)
+    ap.add_argument("--burst-deadline", type=float, default=300.0)
+    ap.add_argument("--consumer-memory", action="store_true", help="R1 memory-storage consumers")
+    ap.add_argument("--no-restart", dest="restart", action="store_false")
+    ap.add_argument("--root", default="/dev/shm")
+    args = ap.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 200000)), hard))
+    logging.basicConfig(level=logging.ERROR)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-", dir=args.root) as tmp:
+        for n in (int(x) for x in args.nodes.split(",")):
+            row = asyncio.run(run_one(n, args, Path(tmp)))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print()
+    print(" | ".join(h for _, h in COLUMNS))
+    for row in rows:
+        print(" | ".join(str(row.get(k)) for k, _ in COLUMNS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""The control channel's transport and identity against a real nats-server: TLS, mutual TLS, `.creds`, rotation.
+
+One server for the module: TLS with a throwaway CA (server cert for 127.0.0.1 and
+``nats.test``), client certificates required (``verify: true``), and decentralized auth
+(operator → account → users, memory resolver; one user revoked). Each refusal must be a
+clear, typed error, raised before anything is executed (for local refusals: before
+anything is dialled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import shutil
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+import nats
+import pytest
+
+from gpuaas_agent.config import parse_config
+from gpuaas_agent.contract.enrollment import (
+    CredsRotation,
+    CredsRotationReply,
+    EnrollReply,
+    EnrollRequest,
+    NatsCredentials,
+)
+from gpuaas_agent.control.connection import NatsConnectError, connect_nats
+from gpuaas_agent.control.enroll import (
+    ENROLL_SUBJECT,
+    EnrollmentRecord,
+    creds_path,
+    enroll,
+    login_options,
+    record_path,
+    store_creds,
+)
+from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS
+from gpuaas_agent.control.rotation import CredsRotator, rotation_subject
+from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
+from tests.control.conftest import NatsServer
+from tests.control.test_enroll import IDENTITY
+from tests.natsauth.natsjwt import Operator
+from tests.natsauth.pki import CA
+
+NODE = "node-tls01"
+DEADLINE_S = 20.0
+TEST_DEADLINE_S = 60.0
+
+
+def sync(test):
+    """Run an async test body under asyncio.run with a deadline (the suite has no asyncio plugin)."""
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(asyncio.wait_for(test(*args, **kwargs), TEST_DEADLINE_S))
+    return wrapper
+
+
+class TlsLab:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ca = CA(root / "pki")
+        self.other_ca = CA(root / "pki-other", name="other-ca")
+        self.server_cert = self.ca.issue("nats-server", dns=("nats.test",), ips=("127.0.0.1",))
+        self.client = self.ca.issue("node-client", client=True)
+        self.operator = Operator()
+        self.creds, self.user = self.operator.user(NODE)
+        revoked_at = time.time()
+        self.revoked_creds, revoked = self.operator.user("revoked", issued_at=revoked_at - 60)
+        self.operator.revoke(revoked, at=revoked_at)
+        self.plane_creds, _ = self.operator.user("control-plane")
+        self.bootstrap_creds, _ = self.operator.user("bootstrap", pub=ENROLL_PERMISSIONS["publish"],
+                                                     sub=ENROLL_PERMISSIONS["subscribe"])
+        config = root / "nats.conf"
+        config.write_text(
+            self.operator.server_config()
+            + f'tls {{\n  cert_file: "{self.server_cert.cert}"\n  key_file: "{self.server_cert.key}"\n'
+              f'  ca_file: "{self.ca.path}"\n  verify: true\n  timeout: 5\n}}\n')
+        store = root / "store"
+        store.mkdir()
+        self.server = NatsServer(shutil.which("nats-server") or "nats-server", store, root / "nats.log",
+                                 extra_args=("-c", str(config)))
+
+    @property
+    def url(self) -> str:
+        return f"tls://127.0.0.1:{self.server.port}"
+
+    def creds_file(self, name: str, text: str, mode: int = 0o600) -> Path:
+        path = self.root / f"{name}.creds"
+        path.write_text(text)
+        path.chmod(mode)
+        return path
+
+    def security(self, **overrides) -> TransportSecurity:
+        values = {"ca_file": self.ca.path, "cert_file": self.client.cert, "key_file": self.client.key,
+                  "creds_file": self.creds_file("node", self.creds)}
+        values.update(overrides)
+        return TransportSecurity(**values)
+
+    def connz(self) -> list[dict]:
+        url = f"http://127.0.0.1:{self.server.http_port}/connz?auth=1"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return json.load(resp).get("connections") or []
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    lab = TlsLab(tmp_path_factory.mktemp("tls"))
+    lab.server.start()
+    try:
+        yield lab
+    finally:
+        lab.server.stop()
+
+
+async def _connect(lab: TlsLab, security: TransportSecurity, **kw):
+    return await connect_nats([lab.url], timeout_s=5.0, name="test-node", security=security, **kw)
+
+
+async def _refused(lab: TlsLab, security: TransportSecurity, url: str | None = None) -> NatsConnectError:
+    with pytest.raises(NatsConnectError) as caught:
+        await connect_nats([url or lab.url], timeout_s=5.0, name="test-node", security=security)
+    assert lab.connz() == [], "a refused connection must not stay connected"
+    return caught.value
+
+
+@sync
+async def test_tls_with_client_certificate_and_creds_connects_and_round_trips(lab):
+    nc = await _connect(lab, lab.security())
+    try:
+        assert nc.connected_url.scheme == "tls"
+        sub = await nc.subscribe("gpuaas.node.tls01.echo")
+        await nc.publish("gpuaas.node.tls01.echo", b"hello")
+        msg = await sub.next_msg(timeout=DEADLINE_S)
+        assert msg.data == b"hello"
+        [conn] = lab.connz()
+        assert conn["tls_version"].startswith("1.")
+        assert conn["authorized_user"] == lab.user.public
+    finally:
+        await nc.close()
+
+
+@sync
+async def test_a_server_certificate_from_another_ca_is_refused_before_connect(lab):
+    err = await _refused(lab, lab.security(ca_file=lab.other_ca.path))
+    assert err.code == "nats_tls_failed"
+    assert "certificate verify failed" in err.message and "nothing was sent" in err.message
+
+
+@sync
+async def test_a_server_name_the_certificate_does_not_hold_is_refused(lab):
+    err = await _refused(lab, lab.security(server_name="not-the-server.test"))
+    assert err.code == "nats_tls_failed"
+    assert "mismatch" in err.message  # "Hostname mismatch, certificate is not valid for 'not-the-server.test'"
+
+
+@sync
+async def test_the_server_name_can_differ_from_the_dialled_address(lab):
+    nc = await _connect(lab, lab.security(server_name="nats.test"))
+    await nc.close()
+
+
+@sync
+async def test_without_a_client_certificate_the_server_refuses_the_handshake(lab):
+    with pytest.raises(NatsConnectError) as caught:
+        await _connect(lab, lab.security(cert_file=None, key_file=None))
+    assert caught.value.code in ("nats_tls_failed", "nats_unreachable")
+    assert lab.connz() == []
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+@sync
+async def test_a_creds_file_readable_by_others_is_refused_before_dialling(lab, mode):
+    path = lab.creds_file(f"loose-{mode:o}", lab.creds, mode=mode)
+    err = await _refused(lab, lab.security(creds_file=path), url="tls://192.0.2.1:4222")  # never dialled
+    assert err.code == "creds_insecure"
+    assert f"{mode:04o}" in err.message and "0600" in err.message
+
+
+@sync
+async def test_expired_creds_are_refused_with_their_expiry(lab):
+    creds, _ = lab.operator.user("expired", issued_at=time.time() - 7200, expires_at=time.time() - 60)
+    err = await _refused(lab, lab.security(creds_file=lab.creds_file("expired", creds)), url="tls://192.0.2.1:4222")
+    assert err.code == "creds_expired"
+    assert "expired at" in err.message
+
+
+@sync
+async def test_revoked_creds_are_refused_by_the_server(lab):
+    err = await _refused(lab, lab.security(creds_file=lab.creds_file("revoked", lab.revoked_creds)))
+    assert err.code == "nats_auth_refused"
+    assert "Authorization Violation" in err.message
+
+
+@sync
+async def test_a_file_that_is_not_creds_is_refused(lab):
+    err = await _refused(lab, lab.security(creds_file=lab.creds_file("junk", "user=root\npassword=x\n")),
+                         url="tls://192.0.2.1:4222")
+    assert err.code == "creds_invalid"
+
+
+@sync
+async def test_plaintext_to_a_remote_server_is_refused_unless_insecure():
+    with pytest.raises(NatsConnectError) as caught:
+        await connect_nats(["nats://192.0.2.1:4222"], timeout_s=1.0, name="t", security=TransportSecurity())
+    assert caught.value.code == "plaintext_refused"
+    assert "insecure = true" in caught.value.message
+    with pytest.raises(NatsConnectError) as caught:  # allowed, so it is dialled (and nobody answers)
+        await connect_nats(["nats://192.0.2.1:4222"], timeout_s=1.0, name="t", security=TransportSecurity(insecure=True))
+    assert caught.value.code == "nats_unreachable"
+
+
+@sync
+async def test_a_plaintext_server_behind_a_tls_url_gets_no_connect(nats_server):
+    url = nats_server.url.replace("nats://", "tls://")
+    with pytest.raises(NatsConnectError) as caught:
+        await connect_nats([url], timeout_s=5.0, name="t", security=TransportSecurity())
+    assert caught.value.code == "nats_tls_failed"
+    assert "offered no TLS" in caught.value.message
+
+
+def test_config_refuses_half_a_client_certificate(tmp_path):
+    with pytest.raises(Exception) as caught:
+        parse_config({"nats_tls_cert_file": str(tmp_path / "c.pem")})
+    assert "nats_tls_cert_file and nats_tls_key_file go together" in str(caught.value)
+
+
+def test_enrolled_creds_are_stored_0600_and_used_for_login(lab, tmp_path):
+    state = tmp_path / "state"
+    record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
+                              credentials=NatsCredentials(creds=lab.creds, servers=[lab.url]))
+    config = parse_config({"state_dir": str(state), "nats_tls_ca_file": str(lab.ca.path),
+                           "nats_tls_cert_file": str(lab.client.cert), "nats_tls_key_file": str(lab.client.key)})
+    options = login_options(config, record)
+    path = creds_path(state)
+    assert options["security"].creds_file == path
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    assert check_creds_file(path).user_key == lab.user.public
+    assert options["inbox_prefix"] == f"_INBOX.{NODE}"
+    assert "password" not in options
+
+
+@sync
+async def test_rotation_swaps_the_creds_and_reconnects_without_touching_subscriptions(lab, tmp_path):
+    state = tmp_path / "state"
+    path = store_creds(state, lab.creds)
+    nc = await _connect(lab, lab.security(creds_file=path), reconnect=None)
+    nc.options["allow_reconnect"] = True  # force_reconnect needs it (the daemon connects with reconnect=Backoff)
+    plane = await nats.connect(lab.url, tls=lab.security().ssl_context(),
+                               user_credentials=str(lab.creds_file("plane", lab.plane_creds)))
+    rotator = CredsRotator(nc, NODE, path)
+    try:
+        await rotator.start()
+        work = await nc.subscribe("gpuaas.node.tls01.work")  # stands in for the running task consumer
+        await nc.flush()
+        new_creds, new_user = lab.operator.user(NODE + "-rotated")
+
+        refused = await plane.request(rotation_subject(NODE), CredsRotation(node_id="node-other", creds=new_creds)
+                                      .model_dump_json().encode(), timeout=DEADLINE_S)
+        assert CredsRotationReply.model_validate_json(refused.data).error == "wrong_node"
+        assert check_creds_file(path).user_key == lab.user.public  # the old file stays
+
+        reply = await plane.request(rotation_subject(NODE), CredsRotation(node_id=NODE, creds=new_creds)
+                                    .model_dump_json().encode(), timeout=DEADLINE_S)
+        assert CredsRotationReply.model_validate_json(reply.data).accepted
+        assert check_creds_file(path).user_key == new_user.public
+        assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+
+        async def logged_in_as_new_user():
+            while not any(c.get("authorized_user") == new_user.public for c in lab.connz()):
+                await asyncio.sleep(0.05)  # poll interval of a condition with a deadline
+        await asyncio.wait_for(logged_in_as_new_user(), DEADLINE_S)
+        assert nc.stats["reconnects"] >= 1
+        await plane.publish("gpuaas.node.tls01.work", b"still-here")
+        assert (await work.next_msg(timeout=DEADLINE_S)).data == b"still-here"
+    finally:
+        await rotator.stop()
+        await nc.close()
+        await plane.close()
+
+
+@sync
+async def test_enrollment_over_tls_stores_the_returned_creds_0600_and_hears_on_an_unguessable_inbox(lab, tmp_path):
+    plane = await nats.connect(lab.url, tls=lab.security().ssl_context(),
+                               user_credentials=str(lab.creds_file("plane-enroll", lab.plane_creds)))
+    node_creds, node_user = lab.operator.user("node-enrolled")
+    replies_to: list[str] = []
+
+    async def answer(msg):
+        replies_to.append(msg.reply)
+        request = EnrollRequest.model_validate_json(msg.data)
+        assert request.bootstrap_token == "bootstrap-token-0123456789"
+        await msg.respond(EnrollReply(accepted=True, node_id="node-enrolled",
+                                      credentials=NatsCredentials(creds=node_creds, servers=[lab.url]))
+                          .model_dump_json().encode())
+    sub = await plane.subscribe(ENROLL_SUBJECT, cb=answer)
+    await plane.flush()
+    token = tmp_path / "token"
+    token.write_text("bootstrap-token-0123456789\n")
+    state = tmp_path / "state"
+    try:
+        # The bootstrap login: TLS + client certificate + a bootstrap user allowed only to enroll.
+        record = await enroll(lab.url, token, state, IDENTITY, timeout=DEADLINE_S, connect_timeout=5.0,
+                              security=lab.security(creds_file=lab.creds_file("bootstrap", lab.bootstrap_creds)))
+    finally:
+        await sub.unsubscribe()
+        await plane.close()
+    assert record.node_id == "node-enrolled"
+    [reply] = replies_to
+    assert reply.startswith("_INBOX.enroll.") and len(reply.split(".")[2]) == 32
+    path = creds_path(state)
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    assert check_creds_file(path).user_key == node_user.public
+    assert oct(record_path(state).stat().st_mode & 0o777) == oct(0o600)
+    assert not token.exists()
+    # ... and the daemon's login now uses that file over TLS.
+    config = parse_config({"state_dir": str(state), "nats_tls_ca_file": str(lab.ca.path),
+                           "nats_tls_cert_file": str(lab.client.cert), "nats_tls_key_file": str(lab.client.key)})
+    login = login_options(config, record)
+    nc = await connect_nats([lab.url], timeout_s=5.0, name="enrolled", **login)
+    try:
+        assert any(c.get("authorized_user") == node_user.public for c in lab.connz())
+    finally:
+        await nc.close()
