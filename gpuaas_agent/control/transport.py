@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 import nats.errors
 from nats.aio.client import Client
 
+from gpuaas_agent.control.nkeyseed import sign_nonce
 from gpuaas_agent.errors import AgentError
 
 CREDS_JWT_BEGIN = "-----BEGIN NATS USER JWT-----"
@@ -147,6 +148,19 @@ class TlsEnforcingClient(Client):
         if initial_connection and self.require_tls and not info.get("tls_required"):
             raise nats.errors.Error("nats: server offered no TLS on a tls:// connection (refused before CONNECT)")
         await super()._process_info(info, initial_connection=initial_connection)
+
+    def _setup_nkeys_jwt_connect(self) -> None:
+        """Sign with :mod:`nkeyseed` (cryptography's Ed25519) instead of the ``nkeys`` package.
+
+        The agent passes ``user_credentials`` as a path: the JWT and the seed are read from the
+        file at each (re)connect, so a rotated ``.creds`` is what the next handshake uses.
+        """
+        creds = self._user_credentials
+        if not isinstance(creds, (str, Path)):  # a (jwt, seed) pair of paths or raw bytes: nats.py's own way
+            super()._setup_nkeys_jwt_connect()
+            return
+        self._user_jwt_cb = lambda: self._read_creds_user_jwt(creds)
+        self._signature_cb = lambda nonce: sign_nonce(bytes(self._read_creds_user_nkey(creds)), nonce)
 
 
 def check_secret_file(path: Path | None, *, what: str) -> os.stat_result:

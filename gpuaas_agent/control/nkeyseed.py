@@ -1,0 +1,59 @@
+"""Sign the NATS server's nonce with the user seed of a `.creds` file, without the ``nkeys`` package.
+
+Why: nats.py signs through ``nkeys`` (and PyNaCl), which exist on PyPI only as a source
+tarball and an extra native library; the agent already ships ``cryptography`` (asyncssh
+needs it), whose Ed25519 is the same signature. An NKEY seed is base32 (no padding) of
+two prefix bytes, the 32-byte Ed25519 seed and a CRC-16/XMODEM (little endian) over the rest;
+a user seed starts ``SU``. The seed is read from the file for each signature, so a rotated
+``.creds`` is used at the next (re)connect.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+PREFIX_BYTE_SEED = 18 << 3  # 'S'
+PREFIX_BYTE_USER = 20 << 3  # 'U'
+
+
+class NkeySeedError(ValueError):
+    """The text is not a valid NKEY user seed (the message never contains the seed)."""
+
+
+def _crc16_xmodem(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else (crc << 1)
+            crc &= 0xFFFF
+    return crc
+
+
+def user_private_key(seed: str | bytes) -> Ed25519PrivateKey:
+    """The Ed25519 key of a user seed (``SU...``); :class:`NkeySeedError` for anything else."""
+    text = seed.decode("ascii", "replace") if isinstance(seed, (bytes, bytearray)) else seed
+    text = text.strip()
+    try:
+        raw = base64.b32decode(text + "=" * (-len(text) % 8))
+    except (binascii.Error, ValueError):
+        raise NkeySeedError("not base32") from None
+    if len(raw) != 36:
+        raise NkeySeedError(f"decodes to {len(raw)} bytes, a seed is 36")
+    body, crc = raw[:-2], int.from_bytes(raw[-2:], "little")
+    if _crc16_xmodem(body) != crc:
+        raise NkeySeedError("checksum mismatch")
+    if body[0] & 0xF8 != PREFIX_BYTE_SEED:
+        raise NkeySeedError("not a seed")
+    prefix = ((body[0] & 0x07) << 5) | ((body[1] & 0xF8) >> 3)
+    if prefix != PREFIX_BYTE_USER:
+        raise NkeySeedError("not a user seed")
+    return Ed25519PrivateKey.from_private_bytes(bytes(body[2:34]))
+
+
+def sign_nonce(seed: str | bytes, nonce: str) -> bytes:
+    """What nats.py sends as ``sig``: base64 (standard alphabet) of the Ed25519 signature of the nonce."""
+    return base64.b64encode(user_private_key(seed).sign(nonce.encode()))
