@@ -36,7 +36,7 @@ def crash_lab() -> Iterator[tuple[Lab, LoopThread]]:
         config["shutdown_grace_s"] = 1.0
         # A killed agent acks nothing: JetStream redelivers after ack_wait. Short, so each point is cheap
         # (keepalives every second keep a running task from being redelivered meanwhile).
-        config["ack_wait_s"] = 3.0
+        config["ack_wait_s"] = 2.0
         config["keepalive_interval_s"] = 1.0
         lab.config_path.write_text(json.dumps(config, indent=2) + "\n")
         yield lab, runner
