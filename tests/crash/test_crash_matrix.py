@@ -189,7 +189,8 @@ def boots(point) -> bool:
     A provision interrupted up to its clone runs again; for the ``before`` points it boots and ends
     ``active`` (so the release points that act on a found domain meet a live one); for the ``after``
     points dnsmasq is frozen while it runs again, so it goes forward through ``start`` and stops at
-    ``readiness`` (lease_timeout, 5 s) — resumed forward all the same, at a third of the cost.
+    ``readiness`` (``lease_timeout``, or ``ssh_timeout`` when an earlier guest's lease of the slot's MAC
+    is still in the lease file; 5 s) — resumed forward all the same, at a third of the cost.
     """
     return point is not None and point[1] in RESTARTABLE and point[2] == "before"
 
@@ -235,9 +236,10 @@ def _provision_point(h: Harness, point, alloc: str, task_id: str, next_arm) -> l
     if restartable and boots(point):
         if result.status.value != "succeeded" or outcomes != [("active", "healthy")]:
             bad.append(f"resumed provision: {result.status.value} {result.error} {outcomes}")
-    elif restartable:  # resumed forward through start, then readiness found no lease
-        if (result.status.value, result.error and result.error.code, evidence.get("failed_step")) \
-                != ("failed", "lease_timeout", "readiness") or outcomes != [("cleanup_blocked", "failed")]:
+    elif restartable:  # resumed forward through start; readiness got no (new) lease, so no SSH either
+        code = result.error.code if result.error else None
+        if result.status.value != "failed" or code not in ("lease_timeout", "ssh_timeout") \
+                or evidence.get("failed_step") != "readiness" or outcomes != [("cleanup_blocked", "failed")]:
             bad.append(f"resumed provision (dnsmasq frozen): {result.status.value} {result.error} {outcomes}")
     else:
         code = result.error.code if result.error else None
