@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 TASK_STREAM = "GPUAAS_TASKS"
 RESULT_STREAM = "GPUAAS_RESULTS"
 TASK_STEP = "task"  # the worker's own journal step around a handler run
+RECOVER_STEP = "recover"  # the worker's own journal step around a handler's recover hook
 CRASH_CODE = "internal_error"  # what _run_handler reports for an exception that is not an AgentError
 
 
@@ -334,6 +335,8 @@ class TaskWorker:
 
         Returns (its evidence, the slot outcomes it reported); (None, []) when the type has no hook.
         A failing hook is reported in the evidence, never raised: the task must still get its answer.
+        Its starts are journaled and bounded like the handler's: a hook that kills the agent every
+        time is not run again after ``max_task_starts`` (no crash loop on recovery either).
         """
         try:
             task_type, payload = task_payload(envelope)
@@ -342,9 +345,16 @@ class TaskWorker:
         recover = getattr(self.handlers.get(task_type), "recover", None)
         if recover is None:
             return None, []
-        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store, resumed_steps=interrupted,
+        tries = sum(1 for e in self.store.journal_of(envelope.task_id)
+                    if e.step == RECOVER_STEP and e.status == StepStatus.started)
+        if tries >= self.settings.max_task_starts:
+            return {"ok": False, "code": "recovery_poison", "message": f"recovery started {tries} times without "
+                    "finishing: not run again; the slot is left to reconcile and a release"}, []
+        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store,
+                          resumed_steps=[s for s in interrupted if s != RECOVER_STEP],
                           _nc=self.nc, agent_stopping=self._stopping)
         _warn("task_recovering", task_id=envelope.task_id, unfinished_steps=interrupted)
+        self.store.journal(envelope.task_id, RECOVER_STEP, StepStatus.started)
 
         async def guarded() -> dict:
             async with self._semaphores[task_type], asyncio.timeout(self.settings.recovery_timeout_s):
@@ -357,6 +367,7 @@ class TaskWorker:
         except Exception as exc:
             log.exception(json.dumps({"event": "task_recovery_crashed", "task_id": envelope.task_id}))
             evidence = {"ok": False, "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
+        self.store.journal(envelope.task_id, RECOVER_STEP, StepStatus.succeeded)
         return evidence, list(ctx.slot_outcomes)
 
     async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:

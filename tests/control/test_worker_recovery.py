@@ -98,3 +98,21 @@ def test_a_failing_recover_hook_is_reported_and_the_task_still_gets_its_answer(n
             assert "libvirt went away" in recovery["message"]
 
     _run(body())
+
+
+def test_a_recover_hook_that_killed_the_agent_each_time_is_not_run_again(nats_server, tmp_path):
+    """The recovery's own starts are bounded like the handler's: no crash loop on recovery either."""
+    handler = Recovering()
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}, max_task_starts=2) as h:
+            envelope = h.plane.envelope(NODE, DISCOVER, deadline_s=-5)
+            h.store.journal(envelope.task_id, TASK_STEP, StepStatus.started, {"attempt": 1})
+            for _ in (1, 2):  # the recovery was started twice and the agent died under it
+                h.store.journal(envelope.task_id, "recover", StepStatus.started)
+            result = await h.run_task_to_result(envelope)
+            assert (result.status, result.error.code) == (ResultStatus.failed, "expired")
+            assert result.error.evidence["recovery"]["code"] == "recovery_poison"
+            assert handler.recovered == []
+
+    _run(body())
