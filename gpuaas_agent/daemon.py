@@ -81,6 +81,7 @@ from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
 from gpuaas_agent.tasks.registry import build_handlers
+from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
 from gpuaas_agent.tasks.slicehost import SliceHost
 
 log = logging.getLogger("gpuaas_agent.daemon")
@@ -350,6 +351,8 @@ async def run_agent(
     try:
         _event("agent_starting", node_id=record.node_id, version=__version__,
                servers=[safe_url(s) for s in record.credentials.servers])
+        if crash_point_armed():  # tests only (tasks/crashpoint.py): say so loudly if it is ever set in production
+            _event("crash_point_armed", level=logging.WARNING, spec=crash_point_armed())
         if handlers is None:
             slice_host = SliceHost.from_config(config)
             removed = slice_host.images.remove_stale_partials()  # downloads a crashed agent left behind

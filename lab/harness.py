@@ -106,6 +106,8 @@ class Lab:
     tenant_key_file: Path | None = None
     config_path: Path | None = None
     approved: list[ApprovedSlot] = field(default_factory=list)
+    switch: object = None  # tests/ovsdb_fixture.py's OvsSwitch
+    libvirtd: object = None  # tests/libvirtd_fixture.py's LibvirtDaemon
 
     @property
     def work(self) -> Path:
@@ -160,8 +162,8 @@ class Lab:
         await self._enroll()
         self.start_agent()
 
-    def _start_nats(self) -> None:
-        port = _free_port()
+    def _start_nats(self, port: int | None = None) -> None:
+        port = port or _free_port()
         store = self.work / "nats"
         store.mkdir(exist_ok=True)
         log = self.work / "nats.log"
@@ -188,6 +190,7 @@ class Lab:
         from tests.ovsdb_fixture import running_ovs
 
         sw = self.stack.enter_context(running_ovs(root_netns=True))
+        self.switch = sw
         self.bridge, self.ovs_env, self.ovs_remote = sw.bridge, sw.env, sw.remote
         prefix = self.settings.subnet.prefixlen
         _sh("ip", "addr", "add", f"{self.gateway}/{prefix}", "dev", self.bridge)
@@ -215,6 +218,7 @@ class Lab:
         from tests.libvirtd_fixture import running_libvirtd
 
         d = self.stack.enter_context(running_libvirtd(self.work / "libvirtd", extra_env=self.ovs_env))
+        self.libvirtd = d
         self.say(f"lab: libvirtd (pid {d.pid}) on {d.uri}, OVS_RUNDIR -> the lab ovsdb")
 
     def _make_host(self) -> None:
@@ -314,10 +318,10 @@ class Lab:
         self.node_id = record["node_id"]
         self.say(f"lab: agent enrolled as node {self.node_id}")
 
-    def start_agent(self) -> None:
+    def start_agent(self, extra_env: dict[str, str] | None = None) -> None:
         log = self.work / "agent.log"
         out = open(log, "ab")
-        env = {**os.environ, **self.ovs_env}
+        env = {**os.environ, **self.ovs_env, **(extra_env or {})}
         self.procs["agent"] = subprocess.Popen([str(self.settings.agent_binary), "run", "--config", str(self.config_path)], env=env,
                                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         out.close()
@@ -391,6 +395,28 @@ class Lab:
                     if d.name().startswith(DOMAIN_PREFIX)}
         finally:
             conn.close()
+
+    # -- outages (the crash harness restarts each service under the node) --------------------
+
+    def restart_nats(self) -> None:
+        """Stop nats-server and start it again on the same port and JetStream store."""
+        stop_pid(self.procs.pop("nats", None))
+        self._start_nats(int(self.nats_url.rsplit(":", 1)[1]))
+
+    def restart_dnsmasq(self) -> None:
+        stop_pid(self.procs.pop("dnsmasq", None))
+        (self.work / "dnsmasq" / "dnsmasq.pid").unlink(missing_ok=True)
+        self._start_dnsmasq()
+
+    def restart_vswitchd(self) -> None:
+        """SIGKILL ovs-vswitchd and start it on the same db (its OpenFlow rules are gone, as after a crash)."""
+        self.switch.restart_vswitchd()
+
+    def restart_libvirtd(self) -> None:
+        """Stop libvirtd (running domains keep running) and start it again; returns once it answers."""
+        from tests.libvirtd_fixture import restart_libvirtd
+
+        restart_libvirtd(self.libvirtd)
 
     # -- stop --------------------------------------------------------------------------------
 

@@ -234,6 +234,13 @@ def running_libvirtd(workdir: Path | None = None, *, extra_env: Mapping[str, str
                 shutil.rmtree(workdir, ignore_errors=True)
 
 
+def restart_libvirtd(daemon: LibvirtDaemon) -> None:
+    """Stop libvirtd by PID and start it again (virtlogd stays); running domains survive it."""
+    _stop(daemon.procs.get("libvirtd"))
+    _popen(daemon, "libvirtd", ["libvirtd"])
+    _wait_for(_libvirtd_answers, f"the restarted libvirtd answering on {URI}", daemon, START_TIMEOUT_S)
+
+
 @pytest.fixture
 def libvirtd(tmp_path: Path) -> Iterator[LibvirtDaemon]:
     """virtlogd + libvirtd on ``qemu:///system``; fails without root or when a foreign libvirtd runs."""

@@ -12,11 +12,16 @@ Order per message is the contract's (docs/contract.md "Tasks"):
    result stream keeps it once) and ack; nothing runs. Whatever the redelivery's
    ``attempt``: the stored result (with its own attempt) is the answer.
 3. ``deadline`` passed → ``failed``/``expired``; a deadline further ahead than
-   ``max_task_deadline_s`` → ``failed``/``invalid_deadline``.
+   ``max_task_deadline_s`` → ``failed``/``invalid_deadline``. When the journal shows the
+   task was interrupted mid-run (the agent was killed or stopped under it), the handler's
+   ``recover`` hook (an attribute of the handler, e.g. provision's) runs first —
+   compensation only, no new side effect — and its evidence and slot outcomes go into
+   the ``expired`` result: an interrupted provision is never left half built.
 4./5. ``task_payload`` errors → ``failed`` with its code (``unsupported_task``, ``invalid_payload``).
 6. Poison bound: the journal counts the handler's starts for ``task_id``; at
    ``max_task_starts`` starts without a finish (the handler crashed, or the agent died
-   under it each time) → ``failed``/``poison_task`` without running it again.
+   under it each time) → ``failed``/``poison_task`` without running it again (its
+   ``recover`` hook runs, as for 3.).
 7. The handler runs under its type's semaphore; ``in_progress`` keepalives every
    ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile. A crash (an
    exception that is not an ``AgentError``) below the bound is nak'ed with a delay
@@ -87,6 +92,7 @@ log = logging.getLogger(__name__)
 TASK_STREAM = "GPUAAS_TASKS"
 RESULT_STREAM = "GPUAAS_RESULTS"
 TASK_STEP = "task"  # the worker's own journal step around a handler run
+RECOVER_STEP = "recover"  # the worker's own journal step around a handler's recover hook
 CRASH_CODE = "internal_error"  # what _run_handler reports for an exception that is not an AgentError
 
 
@@ -113,6 +119,7 @@ class WorkerSettings:
     max_task_deadline_s: float = 86400.0  # a deadline further ahead is refused: invalid_deadline
     max_task_starts: int = 3  # handler starts without a finish before a task is poison_task
     retry_backoff_s: float = 5.0  # nak delay after a crash: doubled per start, at most ack_wait_s
+    recovery_timeout_s: float = 600.0  # a handler's recover hook (compensations of an interrupted run)
 
     def durable_name(self, node_id: str) -> str:
         return f"gpuaas-agent-{node_id}"
@@ -132,6 +139,9 @@ class TaskContext:
     slot_outcomes: list[SlotOutcome] = field(default_factory=list)
     # Called by the step pipeline per finished step (task type, step, status, duration_s, output): metrics.
     step_observer: Callable[[str, str, str, float, dict], None] | None = None
+    # Set when the agent is stopping (SIGTERM): a pipeline cancelled then leaves its step journaled for the
+    # next agent instead of compensating it (tasks/pipeline.py).
+    agent_stopping: asyncio.Event | None = None
 
     @property
     def nc(self) -> Client:
@@ -401,13 +411,61 @@ class TaskWorker:
     async def _poison(self, msg: Msg, envelope: TaskEnvelope, starts: int, last_error: TaskErrorBody | None) -> None:
         last = f"{last_error.message}" if last_error is not None else "the agent stopped while it ran"
         _warn("task_poisoned", task_id=envelope.task_id, starts=starts, last_error=last)
+        evidence = {"starts": starts, "max_task_starts": self.settings.max_task_starts,
+                    "last_error": last_error.model_dump() if last_error is not None else None}
+        outcomes: list[SlotOutcome] = []
+        interrupted = self.store.unfinished_steps(envelope.task_id)
+        if interrupted:
+            recovery, outcomes = await self._recover(msg, envelope, interrupted)
+            if recovery is not None:
+                evidence.update(unfinished_steps=interrupted, recovery=recovery)
         error = TaskErrorBody(
             code="poison_task", retryable=False,
             message=f"handler started {starts} times without finishing (bound {self.settings.max_task_starts}); "
                     f"last: {last}",
-            evidence={"starts": starts, "max_task_starts": self.settings.max_task_starts,
-                      "last_error": last_error.model_dump() if last_error is not None else None})
-        await self._finish(msg, envelope, ResultStatus.failed, error=error)
+            evidence=evidence)
+        await self._finish(msg, envelope, ResultStatus.failed, error=error, slot_outcomes=outcomes)
+
+    async def _recover(self, msg: Msg, envelope: TaskEnvelope,
+                       interrupted: list[str]) -> tuple[dict | None, list[SlotOutcome]]:
+        """Run the handler's ``recover`` hook for a task interrupted mid-run that will not run again.
+
+        Returns (its evidence, the slot outcomes it reported); (None, []) when the type has no hook.
+        A failing hook is reported in the evidence, never raised: the task must still get its answer.
+        Its starts are journaled and bounded like the handler's: a hook that kills the agent every
+        time is not run again after ``max_task_starts`` (no crash loop on recovery either).
+        """
+        try:
+            task_type, payload = task_payload(envelope)
+        except ContractError:
+            return None, []
+        recover = getattr(self.handlers.get(task_type), "recover", None)
+        if recover is None:
+            return None, []
+        tries = sum(1 for e in self.store.journal_of(envelope.task_id)
+                    if e.step == RECOVER_STEP and e.status == StepStatus.started)
+        if tries >= self.settings.max_task_starts:
+            return {"ok": False, "code": "recovery_poison", "message": f"recovery started {tries} times without "
+                    "finishing: not run again; the slot is left to reconcile and a release"}, []
+        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store,
+                          resumed_steps=[s for s in interrupted if s != RECOVER_STEP],
+                          _nc=self.nc, agent_stopping=self._stopping)
+        _warn("task_recovering", task_id=envelope.task_id, unfinished_steps=interrupted)
+        self.store.journal(envelope.task_id, RECOVER_STEP, StepStatus.started)
+
+        async def guarded() -> dict:
+            async with self._semaphores[task_type], asyncio.timeout(self.settings.recovery_timeout_s):
+                return await recover(payload, ctx)
+
+        try:
+            evidence = await self._keepalive_while(msg, guarded())
+        except AgentError as exc:
+            evidence = {"ok": False, "code": exc.code, "message": exc.message, "evidence": exc.evidence}
+        except Exception as exc:
+            log.exception(json.dumps({"event": "task_recovery_crashed", "task_id": envelope.task_id}))
+            evidence = {"ok": False, "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
+        self.store.journal(envelope.task_id, RECOVER_STEP, StepStatus.succeeded)
+        return evidence, list(ctx.slot_outcomes)
 
     async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:
         stored = self.store.result_of(envelope.task_id)
@@ -421,18 +479,18 @@ class TaskWorker:
         if now >= deadline:
             evidence: dict = {"deadline": deadline.isoformat()}
             interrupted = self.store.unfinished_steps(envelope.task_id)
+            outcomes: list[SlotOutcome] = []
             if interrupted:
-                # TODO(issue 17): a redelivered task that was interrupted mid-pipeline (agent killed, journal
-                # shows started steps) and whose deadline passed meanwhile is answered `expired` here and its
-                # handler never runs, so nothing resumes or compensates those steps: a provision's slot can
-                # stay half-built (lease held, disk possibly written) until the periodic reconcile or a release
-                # task deals with it. The fix is to let the handler's recovery (compensation only, no new
-                # side effect) run before answering; until then the result names the steps as evidence.
+                # Interrupted mid-run (the agent was killed or stopped under it) and not to run again: the
+                # handler's recovery undoes what the interrupted run left (compensation only), then expired.
                 evidence["unfinished_steps"] = interrupted
                 _warn("expired_task_interrupted", task_id=envelope.task_id, unfinished_steps=interrupted)
+                recovery, outcomes = await self._recover(msg, envelope, interrupted)
+                if recovery is not None:
+                    evidence["recovery"] = recovery
             error = TaskErrorBody(code="expired", message=f"deadline {deadline.isoformat()} passed before the task ran",
                                   retryable=False, evidence=evidence)
-            await self._finish(msg, envelope, ResultStatus.failed, error=error)
+            await self._finish(msg, envelope, ResultStatus.failed, error=error, slot_outcomes=outcomes)
             return
         horizon = self.settings.max_task_deadline_s
         if (deadline - now).total_seconds() > horizon:
@@ -463,12 +521,14 @@ class TaskWorker:
         if resumed:
             _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
         ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store, resumed_steps=resumed, _nc=self.nc,
-                          step_observer=getattr(self.observer, "step_finished", None))
+                          step_observer=getattr(self.observer, "step_finished", None), agent_stopping=self._stopping)
         run = asyncio.ensure_future(self._run_handler(task_type, handler, payload, ctx))
         try:
             status, output, error = await self._keepalive_while(msg, run)
         except asyncio.CancelledError:
             run.cancel()
+            # Let the handler see its cancellation through (a clone kills qemu-img) before the agent exits.
+            await asyncio.wait({run}, timeout=self.settings.request_timeout_s)
             raise
         if _is_handler_crash(error):
             starts += 1

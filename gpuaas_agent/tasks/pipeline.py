@@ -43,6 +43,7 @@ from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import invalid_payload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.tasks.crashpoint import crash_point
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +134,15 @@ def journal_detail(output: Any) -> dict[str, Any]:
     return dict(output)
 
 
-def bind_steps(defs: tuple[StepDef[C], ...] | list[StepDef[C]], context: C) -> list[Step]:
-    """Today's :class:`Step` objects for one run of ``defs``; the typed outputs stay in this binding.
+def bind_steps(defs: tuple[StepDef[C], ...] | list[StepDef[C]], context: C,
+               outputs: dict[str, Any] | None = None) -> list[Step]:
+    """Today's :class:`Step` objects for one run of ``defs``; the typed outputs stay in this binding
+    (or in ``outputs``, when the caller passes a dict to read them from after the run).
 
     A step may only take outputs of steps declared before it (checked here, so a bad
     declaration fails at bind time, before anything runs).
     """
-    outputs: dict[str, Any] = {}
+    outputs = {} if outputs is None else outputs
     started: set[str] = set()
     names = [d.name for d in defs]
     for index, d in enumerate(defs):
@@ -212,6 +215,12 @@ class PipelineFailed(AgentError):
         self.retryable = bool(getattr(cause, "retryable", False))
 
 
+def _agent_stopping(ctx: PipelineContext) -> bool:
+    """Whether the agent is stopping (the worker's drain cancelled the task): see :func:`run_pipeline`."""
+    stopping = getattr(ctx, "agent_stopping", None)
+    return bool(stopping is not None and stopping.is_set())
+
+
 def _is_cancel(exc: BaseException) -> bool:
     return isinstance(exc, asyncio.CancelledError) or (isinstance(exc, AgentError) and exc.code in CANCELLED_CODES)
 
@@ -250,7 +259,15 @@ async def _compensate(ctx: PipelineContext, steps: list[Step]) -> list[Compensat
 
 
 async def run_pipeline(ctx: PipelineContext, steps: list[Step]) -> dict[str, dict[str, Any]]:
-    """Run ``steps`` in order; return each step's output by name, or raise :class:`PipelineFailed`."""
+    """Run ``steps`` in order; return each step's output by name, or raise :class:`PipelineFailed`.
+
+    A cancellation while the agent is stopping (``ctx.agent_stopping`` set: the worker's drain
+    at SIGTERM, e.g. a package upgrade) is not a failure: nothing is compensated, the step stays
+    journaled ``started`` and :class:`asyncio.CancelledError` goes up, so no result is stored and
+    the redelivered task is resumed or compensated by the next agent (issue 17 item 5). A
+    ``GPUAAS_AGENT_CRASH_AT`` crash point (tests only, :mod:`~gpuaas_agent.tasks.crashpoint`)
+    sits before and after each step's side effect.
+    """
     outputs: dict[str, dict[str, Any]] = {}
     done: list[Step] = []
     disk_touched = False
@@ -261,8 +278,16 @@ async def run_pipeline(ctx: PipelineContext, steps: list[Step]) -> dict[str, dic
                   step=step.name)
         started = time.monotonic()
         try:
+            crash_point(ctx, step.name, "before")
             output = await step.run() or {}
+            crash_point(ctx, step.name, "after")
         except (Exception, asyncio.CancelledError) as exc:
+            if _is_cancel(exc) and _agent_stopping(ctx):
+                # An upgrade or a stop, not a failure: leave the step journaled ``started`` and undo
+                # nothing, exactly as a kill would; the next agent resumes or compensates it.
+                log_event(log, "pipeline_interrupted_by_stop", logging.WARNING, task_id=ctx.envelope.task_id,
+                          step=step.name, disk_touched=disk_touched)
+                raise asyncio.CancelledError(f"agent stopping during step {step.name}") from exc
             if isinstance(exc, ValidationError):  # a model refused a value from the task: a refusal, not a bug
                 exc = invalid_payload(f"step {step.name}", exc)
             cancelled = _is_cancel(exc)

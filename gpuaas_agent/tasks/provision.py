@@ -18,6 +18,7 @@ Outcomes (issue 7, DESIGN.md §3/§4):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.plan import PlannedSlot
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
 from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
-from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
 from gpuaas_agent.discovery.numa import node_cpulist
@@ -90,6 +91,9 @@ class ProvisionRun:
     profile: RuntimeProfile
     task_id: str
     ctx: Any
+    # An earlier run of this very task started the clone (the agent was killed or stopped under it):
+    # the disk is dirty whatever this run does, and the old wipe proof no longer says it is zero.
+    disk_written_before: bool = False
 
     @classmethod
     def for_task(cls, sh: SliceHost, payload: VmProvisionPayload, ctx) -> ProvisionRun:
@@ -148,18 +152,9 @@ def check_admissible(run: ProvisionRun) -> None:
             evidence={"slot_index": slot.slot_index, "control_plane_status": slot.status.value,
                       "host_record": record.model_dump(mode="json") if record else None})
     if record and record.status is SlotStatus.provisioning and record.task_id == run.task_id:
-        # This very task was running when the agent stopped (redelivered after a crash or a kill).
-        steps = [(e.step, e.status.value) for e in store.journal_of(run.task_id)]
-        if any(step == "clone" for step, _ in steps):
-            # The disk may hold half an image and a domain may be half set up: only a release may
-            # decide what to tear down, and only a verified wipe makes the disk clean again.
-            detail = {"code": "provision_interrupted", "journal": steps[-12:], "disk_touched": True}
-            store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
-            raise ProvisionRefused(
-                f"provision {run.task_id} of slot {slot.slot_index} was interrupted after the disk was written; "
-                "the slot is cleanup_blocked until a release wipes it",
-                code="provision_interrupted", evidence={"slot_index": slot.slot_index, **detail})
-        return  # interrupted before the disk: nothing was written that a fresh run does not redo
+        # This very task was running when the agent stopped (redelivered after a crash or a kill), and
+        # got only as far as the restartable steps (see resume_or_compensate): it runs again from the start.
+        return
     if record and record.status in BUSY:
         same = record.allocation_id == run.payload.allocation_id
         raise ProvisionRefused(
@@ -270,7 +265,7 @@ async def validate(run: ProvisionRun) -> Validated:
 
 
 async def unlease(run: ProvisionRun, undo: Undo) -> dict:
-    if undo.disk_touched:
+    if undo.disk_touched or run.disk_written_before:
         return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
     store, alloc, index = run.store, run.payload.allocation_id, run.slot.slot_index
     store.release_slot_lease(alloc, index)  # the allocation's other slots keep theirs
@@ -355,7 +350,7 @@ async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage):
         return await clone_image(
             sh.host(), image.path, slot.nvme_device,
             lease=run.disk_lease(validated), domain_disks=others,
-            wipe_proof=run.store.latest_wipe_proof(slot.slot_index),
+            wipe_proof=None if run.disk_written_before else run.store.latest_wipe_proof(slot.slot_index),
             on_progress=on_progress, timeout=sh.slice.clone_timeout_s)
     finally:
         image.pin.release()
@@ -530,9 +525,95 @@ def provision_steps(run: ProvisionRun) -> list[Step]:
     return bind_steps(PROVISION_STEPS, run)
 
 
+# -- a provision the agent was killed or stopped under (issue 17) ------------------------------------------
+
+# Steps an interrupted run may simply run again from the start: checks, the lease (taken again is a
+# no-op), vfio, the image, and the clone itself (the disk is this allocation's; it is written whole
+# again, without --target-is-zero). A run that got further has a seed, port, reservation or domain
+# out there: those are compensated, as an in-process failure compensates them.
+RESTARTABLE = ("validate", "bind_vfio", "image", "clone")
+
+
+def reached_steps(store, task_id: str) -> list[str]:
+    """The pipeline steps an earlier run of ``task_id`` started, in declaration order."""
+    started = {e.step for e in store.journal_of(task_id) if e.status is StepStatus.started}
+    return [d.name for d in PROVISION_STEPS if d.name in started]
+
+
+def interrupted_run(run: ProvisionRun) -> list[str] | None:
+    """The steps an earlier run of this very task reached, when it was interrupted (the slot's record is
+    still this task's ``provisioning``); None when this is not a redelivery of an interrupted run."""
+    record = run.store.slot_state(run.slot.slot_index)
+    if record is None or record.status is not SlotStatus.provisioning or record.task_id != run.task_id:
+        return None
+    return reached_steps(run.store, run.task_id)
+
+
+async def compensate_interrupted(run: ProvisionRun, reached: list[str]) -> tuple[bool, list[dict[str, Any]]]:
+    """Undo what the steps of an interrupted run may have left, in reverse: the same compensations an
+    in-process failure runs (each looks first, so a step that never acted costs a lookup).
+
+    Returns (disk_touched, the compensation records). The lease is kept when the clone had started.
+    """
+    defs = [d for d in PROVISION_STEPS if d.name in reached]
+    disk_touched = run.disk_written_before or any(d.touches_disk for d in defs)
+    undo = Undo(outputs={}, disk_touched=disk_touched)
+    records: list[dict[str, Any]] = []
+    for d in reversed(defs):
+        if d.compensate is None:
+            continue
+        try:
+            detail = await d.compensate(run, undo) or {}
+        except AgentError as exc:
+            records.append({"step": d.name, "ok": False, "code": exc.code, "message": exc.message})
+            run.store.journal(run.task_id, d.name, StepStatus.failed, {"compensation": exc.code})
+            continue
+        records.append({"step": d.name, "ok": True, **detail})
+        run.store.journal(run.task_id, d.name, StepStatus.compensated, detail)
+    return disk_touched, records
+
+
+async def close_interrupted(run: ProvisionRun, reached: list[str], *, why: str) -> dict[str, Any]:
+    """Compensate an interrupted run and record the slot as an in-process failure would leave it:
+    ``cleanup_blocked`` with the lease kept once the disk was written, else lease released and free."""
+    disk_touched, compensations = await compensate_interrupted(run, reached)
+    detail = {"code": why, "steps_reached": reached, "disk_touched": disk_touched, "compensations": compensations}
+    if disk_touched:
+        run.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
+        run.ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
+    else:
+        run.ctx.slot_outcomes.append(_outcome(run, SlotStatus.reserved, HealthState.unknown,
+                                              {**detail, "lease_released": True}))
+    log_event(log, "provision_interrupted_closed", logging.WARNING, task_id=run.task_id,
+              slot_index=run.slot.slot_index, steps_reached=reached, disk_touched=disk_touched)
+    return detail
+
+
+async def recover_provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict[str, Any]:
+    """The worker's recovery of an interrupted provision it will not run again (its deadline passed, or it
+    is poison): compensation only, no new side effect. Returns the evidence for the result."""
+    run = ProvisionRun.for_task(sh, payload, ctx)
+    async with sh.slot_lock(payload.slot.slot_index):
+        reached = interrupted_run(run)
+        if reached is None:
+            return {"interrupted": False}
+        return await close_interrupted(run, reached, why="provision_interrupted")
+
+
 async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
     run = ProvisionRun.for_task(sh, payload, ctx)
     async with sh.slot_lock(payload.slot.slot_index):
+        reached = interrupted_run(run)
+        if reached:
+            if any(step not in RESTARTABLE for step in reached):
+                detail = await close_interrupted(run, reached, why="provision_interrupted")
+                raise ProvisionRefused(
+                    f"provision {run.task_id} of slot {run.slot.slot_index} was interrupted at step {reached[-1]}; "
+                    f"what it set up was undone{'; the slot is cleanup_blocked until a release wipes it' if detail['disk_touched'] else ''}",
+                    code="provision_interrupted", evidence={"slot_index": run.slot.slot_index, **detail})
+            run = dataclasses.replace(run, disk_written_before="clone" in reached)
+            log_event(log, "provision_restarted", logging.WARNING, task_id=run.task_id, steps_reached=reached,
+                      disk_written_before=run.disk_written_before)
         try:
             check_admissible(run)
         except ProvisionRefused as refused:
@@ -568,7 +649,7 @@ async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
 def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> None:
     detail = {"failed_step": failure.failed_step, "code": failure.code, "message": failure.message,
               "evidence": failure.evidence, "cancelled": failure.cancelled}
-    if failure.disk_touched:
+    if failure.disk_touched or run.disk_written_before:
         ctx.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
         ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
         log_event(log, "slot_cleanup_blocked", logging.WARNING, task_id=run.task_id,
@@ -583,4 +664,8 @@ def provision_handler(sh: SliceHost):
     async def handle(payload: VmProvisionPayload, ctx) -> dict:
         return await provision(sh, payload, ctx)
 
+    async def recover(payload: VmProvisionPayload, ctx) -> dict:
+        return await recover_provision(sh, payload, ctx)
+
+    handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
     return handle

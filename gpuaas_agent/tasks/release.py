@@ -6,6 +6,13 @@ release the lease. Every step looks first and acts only on what it finds, so a
 release after an agent restart, after a half-finished provision, or of an
 allocation that is already gone succeeds and says what it found.
 
+The pipeline is the declared sequence :data:`RELEASE_STEPS` (like provision's
+``PROVISION_STEPS``): each step a named function of the read-only
+:class:`ReleaseRun` and the typed outputs it ``takes``, with its safety rule beside
+it. Release steps have no compensation: each one *is* the undo of a provision
+step and is idempotent, so a release interrupted anywhere is finished by running
+it again (a restarted agent does exactly that on redelivery).
+
 The disk is wiped only when this host holds the slot's lease (or its
 ``cleanup_blocked`` record) *for this allocation*: a release naming a slot
 that another allocation holds is refused with nothing touched. A wipe whose
@@ -18,17 +25,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
-from gpuaas_agent.contract.state import SlotRecord
+from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
 from gpuaas_agent.host.wipepolicy import release_wipe_policy, wipe_slot_disk
 from gpuaas_agent.logs import log_event
-from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
+from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
 from gpuaas_agent.tasks.slicehost import SliceHost
 
 log = logging.getLogger(__name__)
@@ -42,16 +51,50 @@ def _outcome(slot_index: int, status: SlotStatus, health: HealthState, detail: d
     return SlotOutcome(slot_index=slot_index, status=status, health_state=health, health_detail=detail)
 
 
-async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
-    store = ctx.store
-    slot = payload.slot
-    alloc = payload.allocation_id
-    name = domain_name(alloc)
-    port = vnic_name(alloc, slot.slot_index)
-    found: dict = {}
-    proof: dict = {}
+@dataclass(frozen=True)
+class ReleaseRun:
+    """What every step of one release reads and none may change.
 
-    async with sh.slot_lock(slot.slot_index):
+    ``holders`` (this allocation's lease of the slot) and ``record`` (the slot's record) are
+    read once, under the slot lock, before the first step; ``owns_disk`` follows from them:
+    the disk is this release's to wipe only when this host holds it for this allocation.
+    """
+
+    sh: SliceHost
+    payload: VmReleasePayload
+    task_id: str
+    ctx: Any
+    holders: tuple[SlotLease, ...]
+    record: SlotRecord | None
+
+    @property
+    def store(self):
+        return self.ctx.store
+
+    @property
+    def slot(self):
+        return self.payload.slot
+
+    @property
+    def alloc(self) -> str:
+        return self.payload.allocation_id
+
+    @property
+    def name(self) -> str:
+        return domain_name(self.alloc)
+
+    @property
+    def port(self) -> str:
+        return vnic_name(self.alloc, self.slot.slot_index)
+
+    @property
+    def owns_disk(self) -> bool:
+        return bool(self.holders) or (self.record is not None and self.record.allocation_id == self.alloc)
+
+    @classmethod
+    def for_task(cls, sh: SliceHost, payload: VmReleasePayload, ctx) -> ReleaseRun:
+        """Read the slot's lease and record; refuse (nothing touched) a slot another allocation holds."""
+        store, slot, alloc = ctx.store, payload.slot, payload.allocation_id
         # The disk this release may wipe is the one its lease holds (by identity), whatever the
         # payload calls it: another alias, or another slot's disk, in the payload is never wiped.
         leases = store.leases()
@@ -62,116 +105,216 @@ async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
             raise ReleaseRefused(
                 f"slot {slot.slot_index} is leased by allocation {foreign[0].allocation_id}, not {alloc}: nothing touched",
                 code="lease_conflict", evidence={"held": [lease.model_dump() for lease in foreign]})
-        record = store.slot_state(slot.slot_index)
-        owns_disk = bool(holders) or (record is not None and record.allocation_id == alloc)
+        return cls(sh=sh, payload=payload, task_id=ctx.envelope.task_id, ctx=ctx, holders=tuple(holders),
+                   record=store.slot_state(slot.slot_index))
+
+
+# -- the steps: each a named function of the run and the typed outputs it takes, its safety rule beside it ----
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the release found of the allocation before touching anything (the result's ``found``)."""
+
+    domain: dict[str, Any] | None
+    ports: list[str]
+    reservations: list[dict[str, Any]]
+    lease: list[dict[str, Any]]
+    slot_record: dict[str, Any] | None
+
+    def journal(self) -> dict[str, Any]:
+        return {"domain": self.domain, "ports": self.ports, "reservations": self.reservations,
+                "lease": self.lease, "slot_record": self.slot_record}
+
+    @property
+    def nothing(self) -> bool:
+        return not any([self.domain, self.ports, self.reservations, self.lease, self.slot_record])
+
+
+@dataclass(frozen=True)
+class Skipped:
+    reason: str
+
+    def journal(self) -> dict[str, Any]:
+        return {"skipped": self.reason}
+
+
+async def find(run: ReleaseRun) -> Found:
+    """Look at the domain, ports, reservations, lease and record; refuse a domain of that name not ours."""
+    sh, alloc = run.sh, run.alloc
+    info = await sh.libvirt.lookup(run.name)
+    async with sh.ovs() as ovs:
+        ports = await asyncio.to_thread(ovs.list_agent_ports)
+    reservations = await asyncio.to_thread(sh.reservations().reservations)
+    found = Found(
+        domain=info.model_dump(mode="json") if info else None,
+        ports=[p.name for p in ports if p.allocation_id == alloc],
+        reservations=[r.model_dump(mode="json") for r in reservations if r.allocation_id == alloc],
+        lease=[lease.model_dump() for lease in run.holders],
+        slot_record=run.record.model_dump(mode="json") if run.record else None)
+    if info is not None and (info.metadata is None or info.metadata.allocation_id != alloc):
+        raise ReleaseRefused(f"domain {run.name} exists but is not this agent's domain of {alloc}",
+                             code="domain_not_ours", evidence={"domain": found.domain})
+    return found
+
+
+async def shutdown(run: ReleaseRun, found: Found):
+    """Graceful power-off up to the payload's deadline, then destroy; only the domain ``find`` proved ours."""
+    if found.domain is None:
+        return Skipped("no domain")
+    return await run.sh.libvirt.shutdown(run.name, deadline_s=run.payload.graceful_timeout_s)
+
+
+async def undefine(run: ReleaseRun, found: Found):
+    """Undefine with its NVRAM: the domain no longer names the disk, so the wipe's guard lets it go."""
+    if found.domain is None:
+        return Skipped("no domain")
+    return await run.sh.libvirt.undefine(run.name)
+
+
+async def ovs_unplug(run: ReleaseRun) -> dict:
+    """The allocation's port on the slot's bridge, its isolation flows and guard element (if there)."""
+    return await run.sh.unplug(run.slot.ovs_bridge, run.port, run.alloc)
+
+
+async def reservation_remove(run: ReleaseRun) -> dict:
+    return await run.sh.unreserve(run.alloc, run.slot.slot_index)
+
+
+async def seed_remove(run: ReleaseRun) -> dict:
+    return run.sh.remove_seed(run.alloc, run.slot.slot_index)
+
+
+async def held_disk(run: ReleaseRun) -> DiskLease:
+    """The lease's disk; without a lease (a cleanup_blocked record only), the payload's disk as it is
+    now, provided no other lease holds that disk by identity."""
+    slot, alloc = run.slot, run.alloc
+    if run.holders:
+        held = run.holders[0]
+        return DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=held.nvme_device,
+                         disk_identity=held.disk_identity)
+    identity = await asyncio.to_thread(read_disk_identity, run.sh.host(), slot.nvme_device)
+    other = [lease for lease in run.store.leases() if lease.disk_identity == identity]
+    if other:
+        raise ReleaseRefused(
+            f"{slot.nvme_device} is the disk leased by allocation {other[0].allocation_id}: not wiped",
+            code="lease_conflict", evidence={"field": "nvme_device", "held": other[0].model_dump()})
+    return DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=slot.nvme_device,
+                     disk_identity=identity)
+
+
+@dataclass(frozen=True)
+class Wiped:
+    proof: WipeProof | None  # None: skipped (not this host's disk to wipe)
+    skipped: str | None = None
+
+    def journal(self) -> dict[str, Any]:
+        if self.proof is None:
+            return {"skipped": self.skipped}
+        return {"verified": self.proof.verified, "method": self.proof.method.value, "bytes": self.proof.bytes}
+
+
+async def wipe_leased_disk(run: ReleaseRun, found: Found, disk_lease: DiskLease) -> WipeProof:
+    """The one call that wipes and verifies the leased disk with the policy of the slot's runtime profile
+    (guards: the lease, the NVMe identity, no other domain's disk)."""
+    sh = run.sh
+    return await wipe_slot_disk(
+        release_wipe_policy(sh.slice.wipe_policies, found.domain),
+        sh.host(), disk_lease.nvme_device, lease=disk_lease,
+        domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=run.alloc,
+                                                           exclude_slot=run.slot.slot_index))
+
+
+async def wipe(run: ReleaseRun, found: Found) -> Wiped:
+    """Wipe + verify; every proof is kept with the slot, a failed one as the evidence of cleanup_blocked."""
+    if not run.owns_disk:
+        return Wiped(None, "this host holds no lease of this allocation on the slot: its disk is not ours to wipe")
+    disk_lease = await held_disk(run)
+    try:
+        proof = await wipe_leased_disk(run, found, disk_lease)
+    except AgentError as exc:
+        if exc.code == "wipe_unverified":
+            run.store.record_wipe_proof(run.slot.slot_index, WipeProof.from_wire(exc.evidence))
+        raise
+    run.store.record_wipe_proof(run.slot.slot_index, proof)
+    return Wiped(proof)
+
+
+async def lease_release(run: ReleaseRun) -> dict:
+    """Only after a verified wipe (the step before raised otherwise); only this slot's lease."""
+    if not run.owns_disk:
+        return {"skipped": "no lease"}
+    # Only this slot: the allocation's other slots keep their leases until their own disks are wiped.
+    released = run.store.release_slot_lease(run.alloc, run.slot.slot_index)
+    run.store.clear_slot_state(run.slot.slot_index)
+    return {"released": [released.slot_index] if released else []}
+
+
+_TEARDOWN = "a teardown step that looks first: running the release again finishes it"
+
+# The release pipeline, in order (README and DESIGN.md §2 name the same steps).
+RELEASE_STEPS: tuple[StepDef[ReleaseRun], ...] = (
+    StepDef("find", find, no_compensation="a read; refuses a domain of that name that is not ours"),
+    StepDef("shutdown", shutdown, takes=("find",), no_compensation=_TEARDOWN),
+    StepDef("undefine", undefine, takes=("find",), no_compensation=_TEARDOWN),
+    StepDef("ovs_unplug", ovs_unplug, no_compensation=_TEARDOWN),
+    StepDef("reservation_remove", reservation_remove, no_compensation=_TEARDOWN),
+    StepDef("seed_remove", seed_remove, no_compensation=_TEARDOWN),
+    StepDef("wipe", wipe, takes=("find",), touches_disk=True,
+            no_compensation="a wipe is not undone; an unverified or interrupted one leaves the slot cleanup_blocked"),
+    StepDef("lease_release", lease_release,
+            no_compensation="the last step, after a verified wipe: nothing after it can fail"),
+)
+
+
+def release_steps(run: ReleaseRun, outputs: dict[str, Any] | None = None) -> list[Step]:
+    """:data:`RELEASE_STEPS` bound to one run, as the runner takes them (typed outputs into ``outputs``)."""
+    return bind_steps(RELEASE_STEPS, run, outputs=outputs)
+
+
+async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
+    store = ctx.store
+    slot = payload.slot
+    alloc = payload.allocation_id
+
+    async with sh.slot_lock(slot.slot_index):
+        run = ReleaseRun.for_task(sh, payload, ctx)
+        record = run.record
         if record is not None and record.allocation_id == alloc:
-            store.set_slot_state(record.model_copy(update={"status": SlotStatus.releasing, "task_id": ctx.envelope.task_id,
+            store.set_slot_state(record.model_copy(update={"status": SlotStatus.releasing, "task_id": run.task_id,
                                                            "updated_at": time.time()}))
-
-        async def look() -> dict:
-            info = await sh.libvirt.lookup(name)
-            async with sh.ovs() as ovs:
-                ports = await asyncio.to_thread(ovs.list_agent_ports)
-            reservations = await asyncio.to_thread(sh.reservations().reservations)
-            found.update({
-                "domain": info.model_dump(mode="json") if info else None,
-                "ports": [p.name for p in ports if p.allocation_id == alloc],
-                "reservations": [r.model_dump(mode="json") for r in reservations if r.allocation_id == alloc],
-                "lease": [lease.model_dump() for lease in holders],
-                "slot_record": record.model_dump(mode="json") if record else None,
-            })
-            if info is not None and (info.metadata is None or info.metadata.allocation_id != alloc):
-                raise ReleaseRefused(f"domain {name} exists but is not this agent's domain of {alloc}",
-                                     code="domain_not_ours", evidence={"domain": found["domain"]})
-            return found
-
-        async def stop() -> dict:
-            if found.get("domain") is None:
-                return {"skipped": "no domain"}
-            outcome = await sh.libvirt.shutdown(name, deadline_s=payload.graceful_timeout_s)
-            return outcome.model_dump(mode="json")
-
-        async def undefine() -> dict:
-            if found.get("domain") is None:
-                return {"skipped": "no domain"}
-            return (await sh.libvirt.undefine(name)).model_dump(mode="json")
-
-        async def unplug() -> dict:
-            return await sh.unplug(slot.ovs_bridge, port, alloc)
-
-        async def unreserve() -> dict:
-            return await sh.unreserve(alloc, slot.slot_index)
-
-        async def unseed() -> dict:
-            return sh.remove_seed(alloc, slot.slot_index)
-
-        async def held_disk() -> DiskLease:
-            """The lease's disk; without a lease (a cleanup_blocked record only), the payload's disk as it is
-            now, provided no other lease holds that disk by identity."""
-            if holders:
-                held = holders[0]
-                return DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=held.nvme_device,
-                                 disk_identity=held.disk_identity)
-            identity = await asyncio.to_thread(read_disk_identity, sh.host(), slot.nvme_device)
-            other = [lease for lease in store.leases() if lease.disk_identity == identity]
-            if other:
-                raise ReleaseRefused(
-                    f"{slot.nvme_device} is the disk leased by allocation {other[0].allocation_id}: not wiped",
-                    code="lease_conflict", evidence={"field": "nvme_device", "held": other[0].model_dump()})
-            return DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=slot.nvme_device,
-                             disk_identity=identity)
-
-        async def wipe() -> dict:
-            if not owns_disk:
-                return {"skipped": "this host holds no lease of this allocation on the slot: its disk is not ours to wipe"}
-            disk_lease = await held_disk()
-            try:
-                result = await wipe_slot_disk(
-                    release_wipe_policy(sh.slice.wipe_policies, found.get("domain")),
-                    sh.host(), disk_lease.nvme_device, lease=disk_lease,
-                    domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=alloc,
-                                                                       exclude_slot=slot.slot_index))
-            except AgentError as exc:
-                if exc.code == "wipe_unverified":
-                    store.record_wipe_proof(slot.slot_index, WipeProof.from_wire(exc.evidence))
-                raise
-            store.record_wipe_proof(slot.slot_index, result)
-            proof.update(result.model_dump(mode="json"))
-            return {"verified": result.verified, "method": result.method.value, "bytes": result.bytes}
-
-        async def unlease() -> dict:
-            if not owns_disk:
-                return {"skipped": "no lease"}
-            # Only this slot: the allocation's other slots keep their leases until their own disks are wiped.
-            released = store.release_slot_lease(alloc, slot.slot_index)
-            store.clear_slot_state(slot.slot_index)
-            return {"released": [released.slot_index] if released else []}
-
-        steps = [Step("find", look), Step("shutdown", stop), Step("undefine", undefine), Step("ovs_unplug", unplug),
-                 Step("reservation_remove", unreserve), Step("seed_remove", unseed), Step("wipe", wipe),
-                 Step("lease_release", unlease)]
+        earlier_release = released_before(store, run.task_id)  # this task's own earlier run, before this one journals
+        typed: dict[str, Any] = {}
         try:
-            outputs = await run_pipeline(ctx, steps)
+            outputs = await run_pipeline(ctx, release_steps(run, typed))
         except PipelineFailed as failure:
             # Past "find" the slot is half torn down and its disk not proven empty: blocked, never available.
-            if owns_disk and failure.failed_step != "find":
+            if run.owns_disk and failure.failed_step != "find":
                 detail = {"failed_step": failure.failed_step, "code": failure.code, "evidence": failure.evidence}
                 store.set_slot_state(SlotRecord(slot_index=slot.slot_index, allocation_id=alloc,
                                                 status=SlotStatus.cleanup_blocked, health_state=HealthState.failed,
-                                                detail=detail, task_id=ctx.envelope.task_id, updated_at=time.time()))
+                                                detail=detail, task_id=run.task_id, updated_at=time.time()))
                 ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.cleanup_blocked, HealthState.failed, detail))
             raise
-    nothing = not any([found.get("domain"), found.get("ports"), found.get("reservations"), found.get("lease"),
-                       found.get("slot_record")])
-    if owns_disk:
+    found: Found = typed["find"]
+    wiped: Wiped = typed["wipe"]
+    proof = wiped.proof.model_dump(mode="json") if wiped.proof is not None else {}
+    if run.owns_disk:
         ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.available, HealthState.healthy,
                                           {"wipe_proof": proof}))
-    log_event(log, "slice_released", task_id=ctx.envelope.task_id, allocation_id=alloc, slot_index=slot.slot_index,
-              wiped=bool(proof), already_gone=nothing)
+    elif earlier_release:
+        # An earlier run of this very task wiped, verified and released the slot, then the agent died
+        # before its result was stored: the answer is still "available", with that run's proof.
+        earlier = store.latest_wipe_proof(slot.slot_index)
+        proof = earlier.model_dump(mode="json") if earlier is not None else {}
+        ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.available, HealthState.healthy,
+                                          {"wipe_proof": proof, "released_by_earlier_run": True}))
+    log_event(log, "slice_released", task_id=run.task_id, allocation_id=alloc, slot_index=slot.slot_index,
+              wiped=bool(proof), already_gone=found.nothing)
     return {
-        "vm": name,
-        "already_gone": nothing,
-        "found": found,
+        "vm": run.name,
+        "already_gone": found.nothing,
+        "found": found.journal(),
         "cleanup_proof": {
             "domain": {"shutdown": outputs["shutdown"], "undefine": outputs["undefine"]},
             "ovs_port": outputs["ovs_unplug"],
@@ -183,8 +326,35 @@ async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
     }
 
 
+def released_before(store, task_id: str) -> bool:
+    """Whether an earlier run of ``task_id`` reached ``lease_release`` (which runs only after a verified wipe)."""
+    return any(e.step == "lease_release" for e in store.journal_of(task_id))
+
+
+async def recover_release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict[str, Any]:
+    """The worker's recovery of an interrupted release it will not run again (deadline passed, or poison):
+    no new side effect; a slot this allocation still holds is recorded ``cleanup_blocked`` (its disk is
+    not proven empty), so reconcile names it and the next release finishes it."""
+    store, slot, alloc = ctx.store, payload.slot, payload.allocation_id
+    async with sh.slot_lock(slot.slot_index):
+        holds = any(lease.allocation_id == alloc and lease.slot_index == slot.slot_index for lease in store.leases())
+        record = store.slot_state(slot.slot_index)
+        if not holds and (record is None or record.allocation_id != alloc):
+            return {"interrupted": True, "slot": "not held by this allocation"}
+        detail = {"code": "release_interrupted", "unfinished_steps": ctx.resumed_steps}
+        store.set_slot_state(SlotRecord(slot_index=slot.slot_index, allocation_id=alloc,
+                                        status=SlotStatus.cleanup_blocked, health_state=HealthState.failed,
+                                        detail=detail, task_id=ctx.envelope.task_id, updated_at=time.time()))
+        ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.cleanup_blocked, HealthState.failed, detail))
+        return {"interrupted": True, "slot": "cleanup_blocked"}
+
+
 def release_handler(sh: SliceHost):
     async def handle(payload: VmReleasePayload, ctx) -> dict:
         return await release(sh, payload, ctx)
 
+    async def recover(payload: VmReleasePayload, ctx) -> dict:
+        return await recover_release(sh, payload, ctx)
+
+    handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
     return handle

@@ -130,13 +130,23 @@ def _ctx_for(store, task_id):
     return Ctx(store=store, envelope=envelope)
 
 
-@pytest.mark.parametrize("touched", [True, False])
-def test_a_provision_redelivered_after_an_agent_crash(tmp_path, touched):
-    """The same task comes back with the slot still 'provisioning': blocked if the clone had started."""
+@pytest.mark.parametrize("reached", ["image", "clone", "seed"])
+def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
+    """The same task comes back with the slot still 'provisioning' (issue 17): up to the clone it runs again
+    (a clone that had started is redone whole, never with --target-is-zero); past it, what it set up is
+    undone as an in-process failure would, and the slot is blocked with its lease kept."""
     from gpuaas_agent.contract.runtime import get_profile
     from gpuaas_agent.contract.slots import HealthState
     from gpuaas_agent.contract.state import SlotRecord
-    from gpuaas_agent.tasks.provision import ProvisionRefused, ProvisionRun, check_admissible
+    from gpuaas_agent.tasks.provision import (
+        PROVISION_STEPS,
+        RESTARTABLE,
+        ProvisionRefused,
+        ProvisionRun,
+        check_admissible,
+        close_interrupted,
+        interrupted_run,
+    )
 
     store = StateStore.open(tmp_path / "state.db")
     alloc = str(uuid.uuid4())
@@ -150,26 +160,34 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, touched):
                                  ssh_authorized_keys=[KEY])
     store.set_slot_state(SlotRecord(slot_index=0, allocation_id=alloc, status=SlotStatus.provisioning,
                                     health_state=HealthState.unknown, task_id="t-crash", updated_at=1.0))
-    for step in ["validate", "bind_vfio", "image"] + (["clone"] if touched else []):
+    names = [d.name for d in PROVISION_STEPS]
+    for step in names[:names.index(reached) + 1]:
         store.journal("t-crash", step, StepStatus.started)
-    sh = SliceHost(host_root=fixture_host("h200-slice-after-transition"), slice=SliceConfig(allow_emulated_domains=True),
+    sh = SliceHost(host_root=fixture_host("h200-slice-after-transition"),
+                   slice=SliceConfig(allow_emulated_domains=True, seed_dir=tmp_path / "seeds"),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
-    run = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash",
-                       ctx=_ctx_for(store, "t-crash"))
-    if touched:
-        with pytest.raises(ProvisionRefused) as info:
-            check_admissible(run)
-        assert info.value.code == "provision_interrupted" and info.value.evidence["disk_touched"] is True
-        assert store.slot_state(0).status is SlotStatus.cleanup_blocked
-    else:
-        check_admissible(run)  # nothing was written: the fresh run may go ahead
+    ctx = _ctx_for(store, "t-crash")
+    run = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash", ctx=ctx)
+    steps = interrupted_run(run)
+    assert steps == names[:names.index(reached) + 1]
+    if reached in RESTARTABLE:
+        check_admissible(run)  # the fresh run may go ahead (provision() marks a started clone disk_written_before)
         assert store.slot_state(0).status is SlotStatus.provisioning
+    else:
+        (tmp_path / "seeds").mkdir()
+        seed_iso = sh.seed_path(alloc, 0)
+        seed_iso.write_bytes(b"iso")
+        detail = asyncio.run(close_interrupted(run, steps, why="provision_interrupted"))
+        assert detail["disk_touched"] is True and not seed_iso.exists()  # the seed step was undone
+        assert {c["step"] for c in detail["compensations"]} == {"validate", "image", "seed"}
+        assert store.slot_state(0).status is SlotStatus.cleanup_blocked
+        assert [(o.status.value, o.health_state.value) for o in ctx.slot_outcomes] == [("cleanup_blocked", "failed")]
     # Another task of the same allocation is never let in while the slot is busy or blocked.
     other = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-other",
                          ctx=_ctx_for(store, "t-other"))
     with pytest.raises(ProvisionRefused) as info:
         check_admissible(other)
-    assert info.value.code == ("slot_cleanup_blocked" if touched else "already_provisioned")
+    assert info.value.code == ("already_provisioned" if reached in RESTARTABLE else "slot_cleanup_blocked")
     asyncio.run(sh.close())
     store.close()
 
