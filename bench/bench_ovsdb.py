@@ -10,7 +10,12 @@ Decides issue 15 item 4 (keep the IDL or adopt ovsdbapp) on numbers, printed as 
    op waiting until vswitchd applied it (``cur_cfg``), like ``ovs-vsctl`` —
    ``OvsDriver.add_vm_port``/``remove_vm_port`` vs ovsdbapp's own ``add_port`` +
    ``db_set`` external_ids / ``del_port`` in one ``OvsVsctlTransaction``
-   (its commands verify what they read, as ours do). Interleaved rounds, medians.
+   (its commands verify what they read, as ours do). Blocks of each variant in
+   turn (only that variant's connection open), medians. ``idl_nosync`` is OvsDriver
+   without its pre-decision sync round trip, to show what that round trip costs;
+3. semantics the decision rests on: whether a second ovsdbapp backend for another
+   remote gets its own connection, and whether ovsdbapp's schema fetch returns
+   from a server that accepts and never answers.
 
 Needs root (the fixture's network namespace). Prints; never asserts a time.
     .venv/bin/python bench/bench_ovsdb.py [--iterations 100]
@@ -21,8 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -105,6 +113,45 @@ def ovsdbapp_round(api, bridge: str) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
+def semantics(remote_a: str, bridge_a: str) -> None:
+    """Two facts the decision rests on, shown rather than asserted."""
+    from ovsdbapp.backend.ovs_idl import connection, idlutils
+    from ovsdbapp.schema.open_vswitch import impl_idl
+
+    with running_ovs() as b:
+        impl_idl.OvsdbIdl._ovsdb_connection = None
+        apis = [impl_idl.OvsdbIdl(connection.Connection(
+            connection.OvsdbIdl.from_server(remote, "Open_vSwitch", helper_tables=list(_COLUMNS)), timeout=10))
+            for remote in (remote_a, b.remote)]
+        seen = apis[1].list_br().execute(check_error=True)
+        print(f"semantics: a backend made for {b.remote} (bridge {b.bridge}) lists {seen}: "
+              f"{'its own server' if b.bridge in seen else 'the FIRST server (' + bridge_a + ')'}")
+        apis[0].ovsdb_connection.stop()
+        impl_idl.OvsdbIdl._ovsdb_connection = None
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        silent = socket.socket(socket.AF_UNIX)
+        silent.bind(f"{d}/db.sock")
+        silent.listen(4)
+        def fetch() -> None:
+            try:
+                idlutils.fetch_schema_json(f"unix:{d}/db.sock", "Open_vSwitch")
+            except Exception:  # noqa: BLE001 - it fails once the silent server closes; only the wait matters
+                pass
+
+        t = threading.Thread(target=fetch, daemon=True)
+        started = time.monotonic()
+        t.start()
+        t.join(8)
+        print(f"semantics: ovsdbapp fetch_schema_json on a silent server: "
+              f"{'still blocked' if t.is_alive() else 'returned'} after {time.monotonic() - started:.1f} s")
+        try:
+            OvsDriver(f"unix:{d}/db.sock", timeout_s=2.0)
+        except Exception as exc:  # noqa: BLE001 - printed
+            print(f"semantics: OvsDriver on the same server: {getattr(exc, 'code', exc)} "
+                  f"after {time.monotonic() - started - 8:.1f} s (timeout_s=2)")
+        silent.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=100)
@@ -117,27 +164,38 @@ def main() -> None:
         for mode, f in fp.items():
             print(f"footprint {mode:18} +RSS {f['rss_mib']:5.2f} MiB  threads {f['threads']:.0f}  "
                   f"+modules {f['modules']:.0f}  import {f['import_s'] * 1000:.0f} ms")
-        idl = connection.OvsdbIdl.from_server(sw.remote, "Open_vSwitch", helper_tables=list(_COLUMNS))
-        api = impl_idl.OvsdbIdl(connection.Connection(idl, timeout=10))
         times: dict[str, list[tuple[float, float]]] = {"idl": [], "ovsdbapp": [], "idl_nosync": []}
-        with OvsDriver(sw.remote) as driver, _NoSyncDriver(sw.remote) as nosync:
-            for _ in range(3):  # warm all
-                idl_round(driver, sw.bridge), ovsdbapp_round(api, sw.bridge), idl_round(nosync, sw.bridge)
-            for _ in range(args.iterations):
-                times["idl"].append(idl_round(driver, sw.bridge))
-                times["ovsdbapp"].append(ovsdbapp_round(api, sw.bridge))
-                times["idl_nosync"].append(idl_round(nosync, sw.bridge))
-        api.ovsdb_connection.stop()
+        # Blocks of one variant at a time with only its own connection open: an idle
+        # ovsdbapp connection's thread wakes for every update the other variant makes.
+        for block in range(4):
+            for variant in times:
+                if variant == "ovsdbapp":
+                    idl = connection.OvsdbIdl.from_server(sw.remote, "Open_vSwitch", helper_tables=list(_COLUMNS))
+                    conn = connection.Connection(idl, timeout=10)
+                    impl_idl.OvsdbIdl._ovsdb_connection = None  # a class attribute: else the first one wins
+                    api = impl_idl.OvsdbIdl(conn)
+                    run = lambda: ovsdbapp_round(api, sw.bridge)  # noqa: E731
+                else:
+                    driver = (OvsDriver if variant == "idl" else _NoSyncDriver)(sw.remote)
+                    run = lambda: idl_round(driver, sw.bridge)  # noqa: E731
+                for _ in range(3):
+                    run()
+                times[variant] += [run() for _ in range(max(1, args.iterations // 4))]
+                if variant == "ovsdbapp":
+                    conn.stop()
+                else:
+                    driver.close()
         med = {k: (statistics.median(a for a, _ in v) * 1000, statistics.median(r for _, r in v) * 1000)
                for k, v in times.items()}
         for k, (a, r) in med.items():
-            print(f"latency {k:10} add {a:6.2f} ms  remove {r:6.2f} ms  (median of {args.iterations})")
-        print(f"ratio ovsdbapp/idl_nosync (same round trips): add {med['ovsdbapp'][0] / med['idl_nosync'][0]:.2f}x  "
+            print(f"latency {k:10} add {a:6.2f} ms  remove {r:6.2f} ms  (median of {len(times[k])})")
+        print(f"ratio ovsdbapp/idl_nosync (neither syncs first): add {med['ovsdbapp'][0] / med['idl_nosync'][0]:.2f}x  "
               f"remove {med['ovsdbapp'][1] / med['idl_nosync'][1]:.2f}x")
         print(f"ratio ovsdbapp/idl: add {med['ovsdbapp'][0] / med['idl'][0]:.2f}x  "
               f"remove {med['ovsdbapp'][1] / med['idl'][1]:.2f}x  "
               f"RSS +{fp['ovsdbapp_selected']['rss_mib'] - fp['idl']['rss_mib']:.2f} MiB  "
               f"threads +{fp['ovsdbapp_selected']['threads'] - fp['idl']['threads']:.0f} per connection")
+        semantics(sw.remote, sw.bridge)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,11 @@ bench/bench_ovsdb.py against ovsdbapp 3.0 on a real ovsdb-server + vswitchd):
   remote silently talks to the first one's server — measured in the bench — and
   runs one more thread per connection).
 
-Footprint and speed were not the reason: ovsdbapp adds ~0.4 MiB RSS, 23 modules,
-~8 ms of import and one thread per connection, and its plain add_port/del_port is
-faster (see the bench's ratios) while doing less (no sync, no ownership checks).
+Footprint and speed were not the reason, they are close (bench, 2026-11-24, 2
+shared cores): ovsdbapp adds ~0.4 MiB RSS, 23 modules, 8-18 ms of import and one
+thread per connection; its own add_port+db_set / del_port took 1.14-1.29x / 1.09-1.18x the
+time of OvsDriver's add_vm_port / remove_vm_port (medians of 100, waiting for
+vswitchd both; two runs), and our sync round trip costs well under a millisecond.
 Blocking, not thread-safe: the caller serialises (OvsDriver holds a lock).
 """
 
