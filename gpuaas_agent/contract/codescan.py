@@ -14,7 +14,9 @@ What counts as "emitting" a code (every shape the package uses today):
   * a comparison ``x.code == "..."`` / ``x.code in (...)`` (a code the caller acts on);
   * a module constant ``*_CODES = frozenset({...})`` (exit classes, cancel codes);
   * ``code = "..."`` (or a conditional expression of constants) assigned to a name.
-Each of these may be a conditional expression; both branches are read.
+Each of these may be a conditional expression; both branches are read. An f-string
+is reported as a template with ``{}`` for each hole (``nvme_{}``); errorcodes.TEMPLATES
+says which members each template can produce.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 CODE_SHAPE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)*$")
+TEMPLATE_HOLE = "{}"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ def _constants(node: ast.expr | None) -> Iterator[tuple[str, int]]:
         return
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         yield node.value, node.lineno
+    elif isinstance(node, ast.JoinedStr):  # f"nvme_{r.code}" -> the template "nvme_{}"
+        yield "".join(str(v.value) if isinstance(v, ast.Constant) else TEMPLATE_HOLE for v in node.values), node.lineno
     elif isinstance(node, ast.IfExp):
         yield from _constants(node.body)
         yield from _constants(node.orelse)

@@ -13,7 +13,7 @@ breaks every dashboard and runbook keyed on it. Call sites may keep string liter
     python -m gpuaas_agent.contract.errorcodes --missing  # enum lines for codes the package emits but lacks
 
 A test scans the package's source (contract/codescan.py) and fails on a code that is
-not a member here, and on a member nothing emits unless it is marked CONTROL_PLANE
+not a member here (or an f-string template not in TEMPLATES), and on a member nothing emits unless it is marked CONTROL_PLANE
 (relayed from the control plane, never raised by agent code).
 """
 
@@ -24,7 +24,7 @@ import sys
 from enum import StrEnum
 from pathlib import Path
 
-from gpuaas_agent.contract.codescan import PACKAGE_ROOT, scan
+from gpuaas_agent.contract.codescan import PACKAGE_ROOT, TEMPLATE_HOLE, scan
 
 CONTROL_PLANE = True  # marks a member only the control plane emits (the agent relays it)
 
@@ -54,6 +54,15 @@ ROOMS: dict[str, str] = {
     "unsorted": "Not yet sorted into a room (pasted from --missing; move it)",
 }
 
+
+# Codes built as f-strings (codescan reports "nvme_{}"): the template -> every code it can produce.
+# "nvme_{}" prefixes a disk's ineligibility reason (discovery/nvme.py ineligible_reasons) in a slot blocker.
+NVME_REASONS = ("os_disk", "no_stable_by_id", "mounted", "mounted_child", "holders", "swap", "not_raw",
+                "read_only", "empty", "not_local_pcie")
+TEMPLATES: dict[str, tuple[str, ...]] = {
+    "nvme_{}": tuple(f"nvme_{reason}" for reason in NVME_REASONS),
+    "{}_remote_numa": ("nvme_remote_numa", "fabric_remote_numa"),
+}
 
 class ErrorCode(StrEnum):
     """A stable error code; ``.room`` groups it, ``.meaning`` says what happened and what to do."""
@@ -200,6 +209,19 @@ class ErrorCode(StrEnum):
     DNSMASQ_CONF_UNREADABLE = "dnsmasq_conf_unreadable", "discovery", "A dnsmasq conf file of a running dnsmasq cannot be read; check permissions."
     DNSMASQ_CONF_DIR_UNREADABLE = "dnsmasq_conf_dir_unreadable", "discovery", "A dnsmasq conf-dir cannot be listed; check permissions."
     TMFIFO_WITHOUT_IPV4 = "tmfifo_without_ipv4", "discovery", "The BlueField tmfifo interface has no /30 IPv4 address; configure it."
+    # slot blockers/warnings built as f-strings in discovery/slots.py (see TEMPLATES)
+    NVME_OS_DISK = "nvme_os_disk", "discovery", "The slot's only candidate disk holds the host OS; the slot is blocked, add a disk."
+    NVME_NO_STABLE_BY_ID = "nvme_no_stable_by_id", "discovery", "The slot's disk has no /dev/disk/by-id link; fix udev, the slot is blocked."
+    NVME_MOUNTED = "nvme_mounted", "discovery", "The slot's disk is mounted; unmount it to unblock the slot."
+    NVME_MOUNTED_CHILD = "nvme_mounted_child", "discovery", "A partition or holder of the slot's disk is mounted; unmount it to unblock the slot."
+    NVME_HOLDERS = "nvme_holders", "discovery", "The slot's disk is held by dm/md/LVM; remove the holder to unblock the slot."
+    NVME_SWAP = "nvme_swap", "discovery", "The slot's disk is active swap; swapoff it to unblock the slot."
+    NVME_NOT_RAW = "nvme_not_raw", "discovery", "The slot's disk has partitions or signatures; wipe it deliberately to unblock the slot."
+    NVME_READ_ONLY = "nvme_read_only", "discovery", "The slot's disk is read-only; the slot is blocked."
+    NVME_EMPTY = "nvme_empty", "discovery", "The slot's disk reports size 0; check the device."
+    NVME_NOT_LOCAL_PCIE = "nvme_not_local_pcie", "discovery", "The slot's disk is not a local PCIe NVMe namespace; the slot is blocked."
+    NVME_REMOTE_NUMA = "nvme_remote_numa", "discovery", "The slot's disk is on another NUMA node than its GPU; it works, slower: rebalance if it matters."
+    FABRIC_REMOTE_NUMA = "fabric_remote_numa", "discovery", "The slot's fabric VF is on another NUMA node than its GPU; it works, slower: rebalance if it matters."
 
     # --- Safety guards (each refusal changed nothing)
     DISK_GUARD_REFUSED = "disk_guard_refused", "guards", "The disk guard refused a disk; read the evidence."
@@ -415,13 +437,20 @@ def render() -> str:
 
 def missing_lines(root: Path | None = None) -> list[str]:
     """Ready-to-paste enum lines for codes the package emits that are not members (after a merge)."""
-    known = {m.value for m in ErrorCode}
+    known = {m.value for m in ErrorCode} | set(TEMPLATES)
     places: dict[str, list[str]] = {}
     for site in scan(root or PACKAGE_ROOT):
         if site.code not in known:
             places.setdefault(site.code, []).append(f"{site.path}:{site.line}")
-    return [f'    {code.upper()} = "{code}", "unsorted", "TODO: what happened; what the operator does."'
-            f"  # {', '.join(where[:3])}" for code, where in sorted(places.items())]
+    lines = []
+    for code, where in sorted(places.items()):
+        if TEMPLATE_HOLE in code:
+            lines.append(f"    # TODO template {code!r}: add it to TEMPLATES with every code it can produce, and those "
+                         f"codes as members  # {', '.join(where[:3])}")
+        else:
+            lines.append(f'    {code.upper()} = "{code}", "unsorted", "TODO: what happened; what the operator does."'
+                         f"  # {', '.join(where[:3])}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

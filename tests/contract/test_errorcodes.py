@@ -3,6 +3,7 @@ the generated doc is current, no member is dead, and the scanner sees every shap
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import pytest
 from gpuaas_agent.contract import errorcodes
 from gpuaas_agent.contract.codescan import CODE_SHAPE, scan
 from gpuaas_agent.contract.enrollment import EnrollReply
-from gpuaas_agent.contract.errorcodes import ROOMS, ErrorCode, missing_lines, render
+from gpuaas_agent.contract.errorcodes import NVME_REASONS, ROOMS, TEMPLATES, ErrorCode, missing_lines, render
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +26,7 @@ def sites():
 
 
 def test_every_code_the_package_emits_is_a_member(sites):
-    known = {m.value for m in ErrorCode}
+    known = {m.value for m in ErrorCode} | set(TEMPLATES)
     unknown = sorted({f"{s.code} ({s.path}:{s.line})" for s in sites if s.code not in known})
     assert not unknown, "add to ErrorCode (python -m gpuaas_agent.contract.errorcodes --missing):\n" + "\n".join(unknown)
     assert missing_lines() == []
@@ -38,12 +41,25 @@ def test_the_scan_finds_the_codes_of_known_call_sites(sites):
                  "provision_interrupted",   # {"code": "..."} dict
                  "wipe_cancelled",          # *_CODES frozenset
                  "usage",                   # exit-class set
-                 "busy"):                   # code = "..." if ... else "..."
+                 "busy",                    # code = "..." if ... else "..."
+                 "nvme_{}", "{}_remote_numa"):  # f-strings, as templates
         assert code in found, code
 
 
+def test_templates_expand_to_members_and_nvme_blockers_follow_every_ineligibility_reason():
+    members = {m.value for m in ErrorCode}
+    for template, codes in TEMPLATES.items():
+        assert codes and all(c in members for c in codes), template
+    # slots.py makes f"nvme_{r.code}" from each reason discovery/nvme.py's ineligible_reasons() can add
+    tree = ast.parse((REPO / "gpuaas_agent" / "discovery" / "nvme.py").read_text(encoding="utf-8"))
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "ineligible_reasons")
+    added = {c.args[0].value for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+             and c.func.id == "add" and c.args and isinstance(c.args[0], ast.Constant)}
+    assert added == set(NVME_REASONS)
+
+
 def test_no_member_is_dead_unless_the_control_plane_sends_it(sites):
-    emitted = {s.code for s in sites}
+    emitted = {s.code for s in sites} | {c for codes in TEMPLATES.values() for c in codes}
     dead = [m.value for m in ErrorCode if m.value not in emitted and not m.control_plane]
     assert not dead, f"members nothing emits (remove them or mark CONTROL_PLANE): {dead}"
     relayed = {m.value for m in ErrorCode if m.control_plane}
@@ -61,10 +77,10 @@ def test_members_are_snake_case_one_line_meanings_in_a_known_room():
 
 
 def test_error_codes_doc_is_generated_from_the_enum_and_current():
-    doc = (Path(errorcodes.__file__).resolve().parents[2] / "docs" / "error-codes.md").read_text(encoding="utf-8")
+    doc = (REPO / "docs" / "error-codes.md").read_text(encoding="utf-8")
     assert doc == render(), "docs/error-codes.md is stale: run python -m gpuaas_agent.contract.errorcodes"
     assert all(f"| `{m.value}` |" in doc for m in ErrorCode)
-    contract = (Path(errorcodes.__file__).resolve().parents[2] / "docs" / "contract.md").read_text(encoding="utf-8")
+    contract = (REPO / "docs" / "contract.md").read_text(encoding="utf-8")
     assert "(error-codes.md)" in contract
 
 
@@ -94,8 +110,13 @@ def f(flag, exc):
     detail = {"code": "new_in_dict"}
     raise HostError("m", code="new_keyword" if flag else "new_other_branch")
 RETRY_CODES = frozenset({"new_in_set"})
+def g(kind):
+    raise HostError("m", code=f"{kind}_new_template")
 ''', encoding="utf-8")
     lines = missing_lines(tmp_path / "gpuaas_agent")
+    templates = [line for line in lines if line.startswith("    # TODO template")]
+    assert len(templates) == 1 and templates[0].startswith("    # TODO template '{}_new_template': add it to TEMPLATES")
+    lines = [line for line in lines if line not in templates]
     codes = [re.match(r' {4}([A-Z_]+) = "([a-z_]+)", "unsorted", "TODO', line).group(2) for line in lines]
     assert codes == sorted(["new_default", "new_compared", "new_positional", "new_in_dict", "new_keyword",
                             "new_other_branch", "new_in_set"])
