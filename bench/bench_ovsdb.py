@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,9 +38,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.contract.naming import vnic_name  # noqa: E402
-from gpuaas_agent.host.ovs import _COLUMNS, OvsDriver  # noqa: E402
-from tests.ovsdb_fixture import running_ovs  # noqa: E402
+from gpuaas_agent.contract.naming import vnic_name
+from gpuaas_agent.host.ovs import _COLUMNS, OvsDriver
+from tests.ovsdb_fixture import running_ovs
 
 FOOTPRINT = r"""
 import json, sys, threading, time
@@ -135,8 +135,8 @@ def semantics(remote_a: str, bridge_a: str) -> None:
         def fetch() -> None:
             try:
                 idlutils.fetch_schema_json(f"unix:{d}/db.sock", "Open_vSwitch")
-            except Exception:  # noqa: BLE001 - it fails once the silent server closes; only the wait matters
-                pass
+            except Exception as exc:  # noqa: BLE001 - it fails once the silent server closes; only the wait matters
+                print(f"semantics: (ovsdbapp's fetch ended with {exc})")
 
         t = threading.Thread(target=fetch, daemon=True)
         started = time.monotonic()
@@ -174,10 +174,12 @@ def main() -> None:
                     conn = connection.Connection(idl, timeout=10)
                     impl_idl.OvsdbIdl._ovsdb_connection = None  # a class attribute: else the first one wins
                     api = impl_idl.OvsdbIdl(conn)
-                    run = lambda: ovsdbapp_round(api, sw.bridge)  # noqa: E731
+                    def run(api=api) -> tuple[float, float]:
+                        return ovsdbapp_round(api, sw.bridge)
                 else:
                     driver = (OvsDriver if variant == "idl" else _NoSyncDriver)(sw.remote)
-                    run = lambda: idl_round(driver, sw.bridge)  # noqa: E731
+                    def run(driver=driver) -> tuple[float, float]:
+                        return idl_round(driver, sw.bridge)
                 for _ in range(3):
                     run()
                 times[variant] += [run() for _ in range(max(1, args.iterations // 4))]

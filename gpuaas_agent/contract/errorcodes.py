@@ -23,6 +23,7 @@ import argparse
 import sys
 from enum import StrEnum
 from pathlib import Path
+from typing import Self
 
 from gpuaas_agent.contract.codescan import PACKAGE_ROOT, TEMPLATE_HOLE, scan
 
@@ -71,7 +72,7 @@ class ErrorCode(StrEnum):
     meaning: str
     control_plane: bool
 
-    def __new__(cls, value: str, room: str, meaning: str, control_plane: bool = False) -> ErrorCode:
+    def __new__(cls, value: str, room: str, meaning: str, control_plane: bool = False) -> Self:
         member = str.__new__(cls, value)
         member._value_ = value
         member.room = room
