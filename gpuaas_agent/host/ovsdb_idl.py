@@ -26,9 +26,9 @@ bench/bench_ovsdb.py against ovsdbapp 3.0 on a real ovsdb-server + vswitchd):
 
 Footprint and speed were not the reason, they are close (bench, 2026-11-24, 2
 shared cores): ovsdbapp adds ~0.4 MiB RSS, 23 modules, 8-18 ms of import and one
-thread per connection; its own add_port+db_set / del_port took 1.14-1.29x / 1.09-1.18x the
+thread per connection; its own add_port+db_set / del_port took 1.14-1.29x / 1.08-1.18x the
 time of OvsDriver's add_vm_port / remove_vm_port (medians of 100, waiting for
-vswitchd both; two runs), and our sync round trip costs well under a millisecond.
+vswitchd both; three runs), and our sync round trip costs well under a millisecond.
 Blocking, not thread-safe: the caller serialises (OvsDriver holds a lock).
 """
 
