@@ -5,7 +5,8 @@ permissions of a node (its own subjects only) hold for what is added here too. T
 terminal relay's subjects carry the session id, a UUID, so a session's bytes can be
 neither read nor injected under another session's name by a typo.
 
-(The worker, reporter and drift watcher still spell their own subjects; they match these.)
+Every module that publishes, subscribes or grants a permission asks here (a test scans the
+package for subjects spelled anywhere else).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from gpuaas_agent.contract.types import UUID_RE
 
 ENROLL = "gpuaas.enroll"
+ENROLL_INBOX_PREFIX = "_INBOX.enroll"  # + one random token per enrollment: no other host can guess the reply
 
 
 def _node(node_id: str) -> str:
@@ -60,3 +62,28 @@ def terminal_in(node_id: str, session_id: str) -> str:
 def terminal_out(node_id: str, session_id: str) -> str:
     """Agent -> gateway: the guest's PTY output, input acks and the closing frame of one session."""
     return f"{_node(node_id)}.terminal.{_session(session_id)}.out"
+
+
+def terminal_in_any(node_id: str) -> str:
+    """Every terminal session's input subject of the node (a permission, never a subscription)."""
+    return f"{_node(node_id)}.terminal.*.in"
+
+
+def terminal_out_any(node_id: str) -> str:
+    """Every terminal session's output subject of the node (a permission)."""
+    return f"{_node(node_id)}.terminal.*.out"
+
+
+def creds(node_id: str) -> str:
+    """Control plane -> agent: a credential rotation (request/reply)."""
+    return f"{_node(node_id)}.creds"
+
+
+def inbox_prefix(node_id: str) -> str:
+    """``_INBOX.<node>``: this node's replies (JetStream API, PubAcks, pulled tasks) and no one else's."""
+    _node(node_id)
+    return f"_INBOX.{node_id}"
+
+
+def enroll_inbox_prefix(token: str) -> str:
+    return f"{ENROLL_INBOX_PREFIX}.{token}"

@@ -34,7 +34,11 @@ from urllib.parse import urlsplit, urlunsplit
 import nats.errors
 from nats.aio.client import Client
 
-from gpuaas_agent.control.transport import TlsEnforcingClient, TransportError, TransportSecurity
+from gpuaas_agent.control.transport import (
+    TlsEnforcingClient,
+    TransportError,
+    TransportSecurity,
+)
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 

@@ -26,21 +26,26 @@ import nats.errors
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuaas_agent.atomicfile import write_atomic
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.control.connection import connect_nats, safe_url
-from gpuaas_agent.control.transport import TransportError, TransportSecurity, parse_creds
+from gpuaas_agent.control.transport import (
+    TransportError,
+    TransportSecurity,
+    parse_creds,
+)
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 
 log = logging.getLogger(__name__)
 
-ENROLL_SUBJECT = "gpuaas.enroll"
+ENROLL_SUBJECT = subjects.ENROLL
 RECORD_NAME = "enrollment.json"
 RECORD_VERSION = "gpuaas.agent.enrollment/v1"
 CREDS_NAME = "nats.creds"
-ENROLL_INBOX_PREFIX = "_INBOX.enroll"
+ENROLL_INBOX_PREFIX = subjects.ENROLL_INBOX_PREFIX
 
 
 class EnrollError(AgentError):
@@ -156,7 +161,7 @@ async def enroll(
     # Bounded: connect_timeout + timeout in all, so ExecStartPre ends well inside the unit's start timeout.
     # ``security``: TLS settings and the bootstrap login (TransportSecurity.from_config(config, enroll=True)).
     nc = await connect_nats([nats_url], timeout_s=connect_timeout or timeout, name="gpuaas-agent-enroll",
-                            security=security, inbox_prefix=f"{ENROLL_INBOX_PREFIX}.{secrets.token_hex(16)}")
+                            security=security, inbox_prefix=subjects.enroll_inbox_prefix(secrets.token_hex(16)))
     try:
         msg = await nc.request(ENROLL_SUBJECT, request.model_dump_json().encode(), timeout=timeout)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
@@ -203,7 +208,7 @@ async def enroll(
 
 def node_inbox_prefix(node_id: str) -> str:
     """``_INBOX.<node>``: this node's replies (JetStream API, PubAcks, pulled tasks) and no one else's."""
-    return f"_INBOX.{node_id}"
+    return subjects.inbox_prefix(node_id)
 
 
 def login_options(config, record: EnrollmentRecord) -> dict:

@@ -13,6 +13,8 @@ request on the reply subject that request carried (one reply, never a wildcard).
 
 from __future__ import annotations
 
+from gpuaas_agent.contract import subjects
+
 
 def consumer_name(node_id: str) -> str:
     return f"gpuaas-agent-{node_id}"
@@ -23,21 +25,21 @@ def node_permissions(node_id: str) -> dict[str, list[str]]:
     consumer = consumer_name(node_id)
     return {
         "publish": [
-            f"gpuaas.node.{node_id}.result",
-            f"gpuaas.node.{node_id}.progress",
-            f"gpuaas.node.{node_id}.heartbeat",
-            f"gpuaas.node.{node_id}.drift",
-            f"gpuaas.node.{node_id}.terminal.*.out",  # a terminal session's guest output (slice.terminal_*)
+            subjects.result(node_id),
+            subjects.progress(node_id),
+            subjects.heartbeat(node_id),
+            subjects.drift(node_id),
+            subjects.terminal_out_any(node_id),  # a terminal session's guest output (slice.terminal_*)
             "$JS.API.STREAM.NAMES",  # which task stream holds gpuaas.node.<node>.task.> (names only)
-            f"$JS.API.CONSUMER.CREATE.*.{consumer}.gpuaas.node.{node_id}.task.>",
+            f"$JS.API.CONSUMER.CREATE.*.{consumer}.{subjects.tasks(node_id)}",
             f"$JS.API.CONSUMER.INFO.*.{consumer}",
             f"$JS.API.CONSUMER.MSG.NEXT.*.{consumer}",
             f"$JS.ACK.*.{consumer}.>",
         ],
         "subscribe": [
-            f"_INBOX.{node_id}.>",
-            f"gpuaas.node.{node_id}.creds",
-            f"gpuaas.node.{node_id}.terminal.*.in",  # a terminal session's keystrokes and acks from the gateway
+            f"{subjects.inbox_prefix(node_id)}.>",
+            subjects.creds(node_id),
+            subjects.terminal_in_any(node_id),  # a terminal session's keystrokes and acks from the gateway
         ],
     }
 
@@ -52,6 +54,6 @@ def nats_server_user(node_id: str, password: str) -> dict:
 
 ENROLL_PERMISSIONS = {
     # The bootstrap identity: ask on gpuaas.enroll, hear the answer on an enrollment inbox.
-    "publish": ["gpuaas.enroll"],
-    "subscribe": ["_INBOX.enroll.*.>"],
+    "publish": [subjects.ENROLL],
+    "subscribe": [f"{subjects.ENROLL_INBOX_PREFIX}.*.>"],
 }

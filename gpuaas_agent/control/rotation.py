@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from gpuaas_agent.atomicfile import write_atomic
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.enrollment import CredsRotation, CredsRotationReply
 from gpuaas_agent.control.transport import TransportError, parse_creds
 from gpuaas_agent.logs import log_event
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def rotation_subject(node_id: str) -> str:
-    return f"gpuaas.node.{node_id}.creds"
+    return subjects.creds(node_id)
 
 
 class CredsRotator:

@@ -24,6 +24,7 @@ from typing import Protocol
 import nats.errors
 from nats.aio.client import Client
 
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.drift import DriftFinding, DriftReport, DriftTrigger, Uevent
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.errors import AgentError
@@ -40,7 +41,7 @@ Drift = Callable[[TopologyReport, TopologyReport], list[DriftFinding]]
 
 
 def drift_subject(node_id: str) -> str:
-    return f"gpuaas.node.{node_id}.drift"
+    return subjects.drift(node_id)
 
 
 class Burst(Protocol):

@@ -68,6 +68,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.slots import SlotOutcome
 from gpuaas_agent.contract.state import StepStatus
@@ -153,7 +154,7 @@ class TaskContext:
         event = ProgressEvent(task_id=self.envelope.task_id, node_id=self.node_id, step=step, status=status,
                               percent=percent, detail=detail or {}, at=datetime.now(timezone.utc))
         try:
-            await self._nc.publish(f"gpuaas.node.{self.node_id}.progress", event.model_dump_json().encode())
+            await self._nc.publish(subjects.progress(self.node_id), event.model_dump_json().encode())
         except nats.errors.Error as exc:  # progress is advisory: losing one must not fail the task
             _warn("progress_publish_failed", task_id=self.envelope.task_id, error=repr(exc))
 
@@ -197,7 +198,7 @@ class TaskWorker:
 
     @property
     def subject_filter(self) -> str:
-        return f"gpuaas.node.{self.node_id}.task.>"
+        return subjects.tasks(self.node_id)
 
     @property
     def running_task_ids(self) -> list[str]:
@@ -395,7 +396,7 @@ class TaskWorker:
             raise ContractError(f"task {envelope.task_id} names node {envelope.node_id}, this is {self.node_id}",
                                 code="wrong_node", evidence={"task_id": envelope.task_id, "node_id": envelope.node_id,
                                                              "subject": subject})
-        expected = f"gpuaas.node.{self.node_id}.task.{envelope.type}"
+        expected = subjects.task(self.node_id, envelope.type)
         if subject != expected:
             raise ContractError(f"task {envelope.task_id} of type {envelope.type} arrived on {subject}",
                                 code="wrong_subject", evidence={"task_id": envelope.task_id, "subject": subject,
@@ -608,7 +609,7 @@ class TaskWorker:
 
     async def _publish_and_ack(self, msg: Msg, result: TaskResult) -> None:
         """PubAck first, then ack; a failure leaves the task unacked so redelivery replays the stored result."""
-        subject = f"gpuaas.node.{self.node_id}.result"
+        subject = subjects.result(self.node_id)
         msg_id = f"{result.task_id}-{result.attempt}"
         data = result.model_dump_json().encode()
         loop = asyncio.get_running_loop()

@@ -20,11 +20,17 @@ from pathlib import Path
 import nats.errors
 
 from gpuaas_agent import __version__
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, write_status
-from gpuaas_agent.operator.health import CHECK_TIMEOUT_S, HealthSettings, run_checks, summarise
+from gpuaas_agent.operator.health import (
+    CHECK_TIMEOUT_S,
+    HealthSettings,
+    run_checks,
+    summarise,
+)
 from gpuaas_agent.operator.metrics import AgentMetrics
 from gpuaas_agent.state.store import StateStore
 
@@ -198,7 +204,7 @@ class Reporter:
             leased_slots=[lease.slot_index for lease in self.store.leases()],
             at=datetime.now(UTC))
         try:
-            await self.nc.publish(f"gpuaas.node.{self.settings.node_id}.heartbeat", beat.model_dump_json().encode())
+            await self.nc.publish(subjects.heartbeat(self.settings.node_id), beat.model_dump_json().encode())
             await self.nc.flush(timeout=self.settings.request_timeout_s)
         except (nats.errors.Error, TimeoutError) as exc:
             log_event(log, "heartbeat_failed", logging.WARNING, error=repr(exc))

@@ -23,3 +23,25 @@ def test_a_session_id_that_is_not_a_uuid_is_refused(session_id):
 def test_a_node_id_that_is_not_one_token_is_refused(node_id):
     with pytest.raises(ValueError):
         subjects.result(node_id)
+
+
+def test_no_module_spells_a_subject_outside_contract_subjects():
+    """One home for NATS subjects: a subject spelled elsewhere drifts from the permissions a node is granted."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "gpuaas_agent"
+    offenders = []
+    for path in package.rglob("*.py"):
+        if path == package / "contract" / "subjects.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and any(mark in node.value for mark in ("gpuaas.node.", "gpuaas.enroll", "_INBOX."))):
+                offenders.append(f"{path.relative_to(package)}:{node.lineno} {node.value[:60]!r}")
+    assert offenders == []
