@@ -160,6 +160,11 @@ async def find(run: ReleaseRun) -> Found:
 
 async def shutdown(run: ReleaseRun, found: Found):
     """Graceful power-off up to the payload's deadline, then destroy; only the domain ``find`` proved ours."""
+    # A browser terminal into the slice ends now, audited as allocation_inactive, not when the guest dies.
+    closed = await run.sh.close_slot_terminals(run.alloc, run.slot.slot_index)
+    if closed:
+        log_event(log, "release_closed_terminals", task_id=run.task_id, allocation_id=run.alloc,
+                  slot_index=run.slot.slot_index, sessions=closed)
     if found.domain is None:
         return Skipped("no domain")
     return await run.sh.libvirt.shutdown(run.name, deadline_s=run.payload.graceful_timeout_s)

@@ -120,6 +120,14 @@ class SliceHost:
 
         return await self._terminals.close_all(CloseReason.agent_shutdown)
 
+    async def close_slot_terminals(self, allocation_id: str, slot_index: int) -> int:
+        """End the terminal sessions into a slot that is being released (before its VM stops)."""
+        if self._terminals is None:
+            return 0
+        from gpuaas_agent.contract.terminal import CloseReason
+
+        return await self._terminals.close_slot(allocation_id, slot_index, CloseReason.allocation_inactive)
+
     async def close(self) -> None:
         await self.close_terminals()
         await self.libvirt.close()

@@ -322,6 +322,13 @@ class TerminalRelay:
         assert row is not None
         return row.model_dump(mode="json")
 
+    async def close_slot(self, allocation_id: str, slot_index: int, reason: CloseReason) -> int:
+        """Close the live sessions into one slot of one allocation (its release); returns how many."""
+        lives = [lv for lv in self.sessions.values()
+                 if (lv.audit.allocation_id, lv.audit.slot_index) == (allocation_id, slot_index)]
+        await asyncio.gather(*(lv.session.close(reason) for lv in lives), return_exceptions=True)
+        return len(lives)
+
     async def close_all(self, reason: CloseReason) -> int:
         """Close every live session (agent shutdown); returns how many."""
         lives = list(self.sessions.values())

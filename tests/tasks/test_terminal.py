@@ -593,3 +593,23 @@ async def _audit_closed(a: Agent, sid: str):
         assert asyncio.get_running_loop().time() < deadline, f"session {sid} never closed in the store"
         await asyncio.sleep(0.02)  # poll step of a deadline wait
     return row
+
+
+def test_a_release_closes_the_slots_sessions_at_once_and_no_others(tmp_path, nats_url, relay_key, slice_domain):
+    """Release's shutdown step ends the slot's terminals itself; it does not wait for the periodic recheck."""
+    async def scenario():
+        async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port,
+                                                           recheck_interval_s=3600.0) as a:
+            sid = str(uuid.uuid4())
+            gw = await gateway(a.nc, sid).start()
+            await a.task("slice.terminal_open", open_payload(sid))
+            await gw.wait_for_output(b"READY\n")
+            assert await a.sh.close_slot_terminals("another-allocation", 0) == 0
+            assert await a.sh.close_slot_terminals(ALLOC, 1) == 0
+            assert a.store.terminal_session(sid).closed_at is None
+            assert await a.sh.close_slot_terminals(ALLOC, 0) == 1
+            final = await gw.wait_closed()
+            assert final.closed.reason.value == "allocation_inactive"
+            assert (await _audit_closed(a, sid)).close_reason.value == "allocation_inactive"
+
+    asyncio.run(scenario())
