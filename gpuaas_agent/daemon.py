@@ -461,8 +461,14 @@ async def run_agent(
 async def _run_with_signals(config: AgentConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():  # the log says why the agent stopped (systemctl stop, ^C, a stray kill)
+            _event("signal_received", signal=sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     return await run_agent(config, stop)
 
 

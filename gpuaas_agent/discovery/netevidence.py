@@ -330,20 +330,44 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str] | str:
 
 
 def _netlink(target: NetTarget):
-    """An IPRoute for the host, or a NetNS for an *existing* namespace (pyroute2 would create a missing one)."""
-    from pyroute2 import IPRoute, NetNS
+    """An IPRoute for the host's own namespace (a socket in this process: no child, no fork)."""
+    from pyroute2 import IPRoute
 
-    if target.netns is None:
-        return IPRoute()
+    return IPRoute()
+
+
+def _read_netns_ip_json(target: NetTarget, snap: NetSnapshot) -> None:
+    """Links, addresses and routes of *another* namespace through ``ip -n NS -j``.
+
+    Not pyroute2's NetNS: it forks this process, and the child shares asyncio's signal
+    wake-up socket, so the SIGTERM that NetNS.close() sends its child woke the daemon's
+    loop as if the daemon had been told to stop (seen as a daemon stopping 0.1 s after start).
+    """
     if not Path("/run/netns", target.netns).exists():
         raise NetEvidenceError(f"network namespace {target.netns!r} does not exist", code="netns_missing",
                                evidence={"netns": target.netns, "path": f"/run/netns/{target.netns}"})
-    return NetNS(target.netns, flags=0)
+    for what, argv in (("addr", ["addr", "show"]), ("route", ["route", "show", "table", "main"])):
+        done = _run(["ip", "-n", target.netns, "-j", *argv])
+        if isinstance(done, str) or done.returncode != 0:
+            why = done if isinstance(done, str) else done.stderr.strip()[:200]
+            snap.cannot("netlink_unreadable", f"ip -n {target.netns} -j {' '.join(argv)}: {why}",
+                        f"netns:{target.netns}")
+            continue
+        try:
+            if what == "addr":
+                snap.links, snap.addresses = parse_ip_addr(done.stdout)
+            else:
+                snap.routes = parse_ip_route(done.stdout)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            snap.cannot("command_output_invalid", f"ip -j {what} output is not JSON: {exc}", f"netns:{target.netns}")
 
 
 def _read_netlink(target: NetTarget, snap: NetSnapshot) -> None:
     from pyroute2.netlink.exceptions import NetlinkError
 
+    if target.netns is not None:
+        _read_netns_ip_json(target, snap)
+        return
     try:
         with _netlink(target) as nl:
             names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in nl.get_links()}
