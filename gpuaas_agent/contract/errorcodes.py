@@ -52,6 +52,7 @@ ROOMS: dict[str, str] = {
     "deploy": "Deploy: prepare-host and the terminal relay key",
     "fixtures": "Fixtures: recorder and archives",
     "operator": "Operator: status and health",
+    "terminal": "Terminal relay: slice.terminal_* sessions into a slice (SSH PTY relayed over NATS)",
     "unsorted": "Not yet sorted into a room (pasted from --missing; move it)",
 }
 
@@ -131,6 +132,16 @@ class ErrorCode(StrEnum):
     WRONG_SUBJECT = "wrong_subject", "control", "A task arrived on a subject that does not match its type; fix the control plane's publisher."
     DISCOVERY_TIMEOUT = "discovery_timeout", "control", "Re-discovery after a hardware event did not finish in time; check sysfs/host load, the next event retries."
     RECONCILE_TIMEOUT = "reconcile_timeout", "control", "Startup reconcile did not finish in time; check libvirt and the state DB, the daemon keeps running."
+
+    CREDS_EXPIRED = "creds_expired", "control", "The NATS .creds JWT has expired; enroll again or have the control plane rotate the credentials."
+    CREDS_INSECURE = "creds_insecure", "control", "A credentials/key file is group/world readable or not owned by the agent; chmod 0600 it (nothing was dialled)."
+    CREDS_INVALID = "creds_invalid", "control", "The file is not a NATS user .creds (JWT + user seed); reinstall the file the control plane issued."
+    CREDS_UNREADABLE = "creds_unreadable", "control", "The credentials or TLS key file cannot be read; check the path in agent.toml and its permissions."
+    NATS_TLS_FAILED = "nats_tls_failed", "control", "The TLS handshake with NATS failed (unknown CA, name mismatch, or the server offered no TLS); check nats_tls_ca_file and nats_tls_server_name."
+    PLAINTEXT_REFUSED = "plaintext_refused", "control", "A non-loopback NATS URL without TLS; use tls:// with a CA bundle, or set insecure = true in a lab."
+    TLS_CONFIG_INVALID = "tls_config_invalid", "control", "The TLS settings cannot be used (a cert without its key, an unreadable or invalid PEM); fix agent.toml's nats_tls_* keys."
+    TRANSPORT_REFUSED = "transport_refused", "control", "The NATS transport settings were refused before connecting; the message names the setting."
+    RECOVERY_POISON = "recovery_poison", "control", "Recovering an interrupted task crashed the agent repeatedly; the slot is left for reconcile and an operator (see the journal)."
 
     # --- Relayed from the control plane (never raised by agent code; sent in an enrollment reply)
     TOKEN_INVALID = "token_invalid", "control_plane", "The control plane did not recognise the bootstrap token; issue a new token.", CONTROL_PLANE
@@ -383,6 +394,8 @@ class ErrorCode(StrEnum):
     NOT_THIS_ALLOCATION = "not_this_allocation", "tasks", "The slot is held by another allocation; fix the task."
     SLOT_NOT_ACTIVE = "slot_not_active", "tasks", "The slot is not active; provision it first."
 
+    RELEASE_INTERRUPTED = "release_interrupted", "tasks", "A release was interrupted (agent killed) and its redelivery came after its deadline; the slot is cleanup_blocked: send a new release."
+
     # --- Deploy: prepare-host and the terminal relay key
     HOST_PATH_REFUSED = "host_path_refused", "deploy", "prepare-host refused a host path; read the evidence."
     HOST_PATH_MISSING = "host_path_missing", "deploy", "A required host path does not exist; run prepare-host."
@@ -409,6 +422,25 @@ class ErrorCode(StrEnum):
     UNSUPPORTED_ENTRY = "unsupported_entry", "fixtures", "An archive entry is of an unsupported type; re-record the fixture."
     OUTPUT_INSIDE_SOURCE = "output_inside_source", "fixtures", "The output is inside the recorded tree; choose another output path."
     UNSAFE_DESTINATION = "unsafe_destination", "fixtures", "A recorded path would land outside the output; the recording is refused."
+
+    # --- Terminal relay: slice.terminal_* sessions into a slice (SSH PTY relayed over NATS)
+    HOST_KEY_CHANGED = "host_key_changed", "terminal", "The slice's SSH host key differs from the one pinned at its first session; refused (possible interception). Check the guest."
+    RESERVATION_INVALID = "reservation_invalid", "terminal", "The slot's DHCP reservation on this host is missing or malformed, so the relay has no address to trust; run slice.reconcile."
+    SESSION_CLOSED = "session_closed", "terminal", "The terminal session has already ended; open a new one."
+    SESSION_EXISTS = "session_exists", "terminal", "A terminal session with this id was already opened on this node; use a fresh session id."
+    SESSION_NOT_FOUND = "session_not_found", "terminal", "No live terminal session with this id for this allocation on this node."
+    SLICE_NOT_RUNNING = "slice_not_running", "terminal", "The slice's domain is missing, not this allocation's, or not running; start it (slice.vm_power) first."
+    TARGET_NOT_SLICE_IP = "target_not_slice_ip", "terminal", "The task named an address that is not the slot's reserved IP; the relay only connects to the slice itself."
+    TARGET_PORT_REFUSED = "target_port_refused", "terminal", "The task named an SSH port other than the configured one; refused."
+    TERMINAL_AUTH_REFUSED = "terminal_auth_refused", "terminal", "The guest refused the relay key for that user; check the user's authorized_keys holds the node's relay public key."
+    TERMINAL_CAPACITY = "terminal_capacity", "terminal", "This node already runs its maximum number of terminal sessions ([slice.terminal] max_sessions)."
+    TERMINAL_CONNECT_FAILED = "terminal_connect_failed", "terminal", "The SSH connection to the slice failed or timed out; check the guest is up and sshd listens."
+    TERMINAL_DATA_TOO_LARGE = "terminal_data_too_large", "terminal", "A terminal data task carried more bytes than one frame allows; send keystrokes on the session's .in subject."
+    TERMINAL_PTY_REFUSED = "terminal_pty_refused", "terminal", "The guest's SSH server refused the PTY or shell request."
+    TERMINAL_PUBLISH_FAILED = "terminal_publish_failed", "terminal", "Publishing the session's output to NATS failed; the session was closed."
+    TERMINAL_REFUSED = "terminal_refused", "terminal", "The terminal task was refused before any connection; the message and evidence name why."
+    TERMINAL_SUBSCRIBE_FAILED = "terminal_subscribe_failed", "terminal", "Subscribing to the session's input subject failed (NATS permissions or connection); nothing was opened."
+    TOO_MANY_SESSIONS = "too_many_sessions", "terminal", "The slice already has its maximum of terminal sessions ([slice.terminal] max_sessions_per_slice)."
 
     # --- Operator: status and health
     DAEMON_STATUS_UNREADABLE = "daemon_status_unreadable", "operator", "The daemon status file cannot be read; check the daemon runs and the path."
