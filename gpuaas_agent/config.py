@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
+from gpuaas_agent.contract.egress import EgressTarget
 from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN
 from gpuaas_agent.errors import AgentError
@@ -78,6 +79,8 @@ class SliceConfig(BaseModel):
     terminal_relay_key_file: Path = Path("/var/lib/gpuaas/terminal/id_ed25519.pub")
     nameservers: tuple[IPv4Address, ...] = (IPv4Address("10.100.0.1"),)
     readiness_timeout_s: float = Field(default=900.0, gt=0)
+    # The TCP target beyond the NAT that guests of a readiness_egress profile must reach (issue 16).
+    readiness_egress_target: EgressTarget | None = None
     clone_timeout_s: float = Field(default=3600.0, gt=0)
     # Where images may come from: see the class docstring. Nothing is allowed by default.
     image_https_hosts: tuple[str, ...] = ()
@@ -152,6 +155,9 @@ class AgentConfig(BaseModel):
     health_interval_s: float = Field(default=60.0, gt=0)
     # Read the slice network (bridge, NAT, ip_forward) inside this network namespace (lab and tests).
     health_netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    # The slice network watch (operator/netwatch.py): gateway, NAT, ip_forward, dnsmasq and port isolation are
+    # re-checked this often and on every netlink change of links/addresses/routes/nftables (0 disables it).
+    netwatch_interval_s: float = Field(default=10.0, ge=0, le=15.0)
     # Prometheus: GET /metrics on this loopback host:port ("" disables), and/or this node-exporter
     # textfile (rewritten every heartbeat; None disables).
     metrics_listen: str = "127.0.0.1:9464"

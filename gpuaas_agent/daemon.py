@@ -72,6 +72,7 @@ from gpuaas_agent.host.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.operator.health import HealthSettings, isolation_check
+from gpuaas_agent.operator.netwatch import start_netwatch
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
@@ -382,6 +383,9 @@ async def run_agent(
         reporter.attach(nc, worker)
         reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
         worker_task = asyncio.create_task(worker.run(), name="worker")
+        if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events (issue 16)
+            background.append(start_netwatch(config, reporter, nc, record.node_id,
+                                             port_isolation_probe(slice_host, store) if slice_host else None))
         if config.uevent_watch:
             background.append(uevent_watch_task(config, nc, record.node_id, uevents))
         else:

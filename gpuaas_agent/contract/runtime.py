@@ -51,6 +51,9 @@ class RuntimeProfile(WireModel):
     hostdevs: bool = True
     nic_model: NicModel = NicModel.virtio
     ingress_policing: IngressPolicing | None = None
+    # Readiness also proves egress (issue 16): the guest's first boot reaches the host's configured
+    # target beyond the NAT (SliceConfig.readiness_egress_target) and conntrack shows it source-NATed.
+    readiness_egress: bool = False
 
 
 class UnknownProfileError(ContractError):
@@ -78,6 +81,15 @@ PROFILES: MappingProxyType[str, RuntimeProfile] = MappingProxyType(
                 memory_mib=512,
                 hugepages_1g=False,
                 hostdevs=False,
+            ),
+            RuntimeProfile(
+                name="lab_tcg_1c_512m_egress",
+                domain_type=DomainType.qemu,
+                vcpus=1,
+                memory_mib=512,
+                hugepages_1g=False,
+                hostdevs=False,
+                readiness_egress=True,
             ),
         )
     }
