@@ -13,7 +13,15 @@ import tomllib
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from gpuaas_agent.contract.egress import EgressTarget
 from gpuaas_agent.contract.tasks import TaskType
@@ -81,6 +89,8 @@ class SliceConfig(BaseModel):
     readiness_timeout_s: float = Field(default=900.0, gt=0)
     # The TCP target beyond the NAT that guests of a readiness_egress profile must reach (issue 16).
     readiness_egress_target: EgressTarget | None = None
+    # How long readiness waits for that proof once SSH answers (within readiness_timeout_s overall).
+    readiness_egress_timeout_s: float = Field(default=120.0, gt=0)
     clone_timeout_s: float = Field(default=3600.0, gt=0)
     # Where images may come from: see the class docstring. Nothing is allowed by default.
     image_https_hosts: tuple[str, ...] = ()
@@ -113,7 +123,7 @@ class SliceConfig(BaseModel):
         return path
 
     @model_validator(mode="after")
-    def _gateway_in_subnet(self) -> "SliceConfig":
+    def _gateway_in_subnet(self) -> SliceConfig:
         if self.gateway not in self.subnet or self.gateway in (self.subnet.network_address,
                                                                  self.subnet.broadcast_address):
             raise ValueError(f"gateway {self.gateway} is not a host address of {self.subnet}")
@@ -167,13 +177,13 @@ class AgentConfig(BaseModel):
     slice: SliceConfig = Field(default_factory=SliceConfig)
 
     @model_validator(mode="after")
-    def _keepalive_below_ack_wait(self) -> "AgentConfig":
+    def _keepalive_below_ack_wait(self) -> AgentConfig:
         if self.keepalive_interval_s * 2 > self.ack_wait_s:
             raise ValueError("keepalive_interval_s must be at most half of ack_wait_s, or JetStream redelivers running tasks")
         return self
 
     @model_validator(mode="after")
-    def _enroll_fits_unit_start_timeout(self) -> "AgentConfig":
+    def _enroll_fits_unit_start_timeout(self) -> AgentConfig:
         # `enroll` (ExecStartPre) takes at most connect + request timeouts; the unit's start timeout is 90 s.
         if self.connect_timeout_s + self.request_timeout_s > ENROLL_BOUND_S:
             raise ValueError(f"connect_timeout_s + request_timeout_s must be at most {ENROLL_BOUND_S:g}s, "

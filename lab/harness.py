@@ -106,6 +106,7 @@ class Lab:
     tenant_key_file: Path | None = None
     config_path: Path | None = None
     approved: list[ApprovedSlot] = field(default_factory=list)
+    upstream: object = None  # lab/upstream.py: the NAT and the network beyond it (issue 16)
 
     @property
     def work(self) -> Path:
@@ -148,6 +149,7 @@ class Lab:
         self._start_ovs()
         self._start_dnsmasq()
         self._start_libvirtd()
+        self._start_upstream()
         self._make_host()
         self._make_image()
 
@@ -217,6 +219,14 @@ class Lab:
         d = self.stack.enter_context(running_libvirtd(self.work / "libvirtd", extra_env=self.ovs_env))
         self.say(f"lab: libvirtd (pid {d.pid}) on {d.uri}, OVS_RUNDIR -> the lab ovsdb")
 
+    def _start_upstream(self) -> None:
+        from lab.upstream import Upstream
+
+        self.upstream = Upstream(self.settings.subnet, self.work).start()
+        self.stack.callback(self.upstream.close)
+        self.say(f"lab: NAT MASQUERADE for {self.settings.subnet}, ip_forward=1; upstream netns {self.upstream.netns} "
+                 f"listens on {self.upstream.peer_ip}:{self.upstream.port} (host end {self.upstream.host_ip})")
+
     def _make_host(self) -> None:
         self.host = materialize(self.settings.fixture, self.work / "host", disk_bytes=self.settings.disk_bytes,
                                 slots=self.settings.slots)
@@ -279,6 +289,8 @@ class Lab:
                 "nameservers": [self.gateway],
                 "readiness_timeout_s": self.settings.readiness_timeout_s,
                 "allow_emulated_domains": True,
+                "readiness_egress_target": {"ip": self.upstream.peer_ip, "port": self.upstream.port},
+                "readiness_egress_timeout_s": 60,
             },
         }
         if self.settings.use_package_paths:

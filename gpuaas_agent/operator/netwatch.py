@@ -35,10 +35,22 @@ import socket
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
-from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftReport, DriftSeverity, DriftTrigger
+from gpuaas_agent.contract.drift import (
+    DriftFinding,
+    DriftKind,
+    DriftReport,
+    DriftSeverity,
+    DriftTrigger,
+)
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.logs import log_event
-from gpuaas_agent.operator.health import CHECK_TIMEOUT_S, HealthSettings, _guarded, dnsmasq_check, network_checks
+from gpuaas_agent.operator.health import (
+    CHECK_TIMEOUT_S,
+    HealthSettings,
+    _guarded,
+    dnsmasq_check,
+    network_checks,
+)
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,10 @@ from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError, HostError
-from gpuaas_agent.guards.preconditions import check_provision_preconditions, parse_ed25519
+from gpuaas_agent.guards.preconditions import (
+    check_provision_preconditions,
+    parse_ed25519,
+)
 from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
 from gpuaas_agent.host.dnsmasq import make_reservation
@@ -513,7 +516,8 @@ async def readiness(run: ProvisionRun) -> GuestReadiness:
     if (target := egress_target(run.profile, run.sh.slice)) is None:
         return ready
     await progress("egress_wait", {"target": target.model_dump(mode="json")})
-    proof = await wait_for_egress(slot.private_ip, target, deadline=deadline)
+    proof = await wait_for_egress(slot.private_ip, target,
+                                  deadline=min(deadline, loop.time() + run.sh.slice.readiness_egress_timeout_s))
     return ready.model_copy(update={"egress": proof})
 
 

@@ -8,10 +8,17 @@ import threading
 
 import pytest
 
+from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.egress import EgressTarget
 from gpuaas_agent.contract.runtime import get_profile
-from gpuaas_agent.config import SliceConfig
-from gpuaas_agent.host.egress import EgressUnproven, Tracked, egress_target, judge, read_conntrack, wait_for_egress
+from gpuaas_agent.host.egress import (
+    EgressUnproven,
+    Tracked,
+    egress_target,
+    judge,
+    read_conntrack,
+    wait_for_egress,
+)
 
 TARGET = EgressTarget(ip="192.0.2.2", port=7777)
 GUEST = "10.100.0.13"
