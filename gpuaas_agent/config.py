@@ -168,6 +168,8 @@ class AgentConfig(BaseModel):
     # The slice network watch (operator/netwatch.py): gateway, NAT, ip_forward, dnsmasq and port isolation are
     # re-checked this often and on every netlink change of links/addresses/routes/nftables (0 disables it).
     netwatch_interval_s: float = Field(default=10.0, ge=0, le=15.0)
+    # Read the slice network on the live host ("/") even when host_root is a recorded fixture (the lab).
+    health_network_live: bool = False
     # Prometheus: GET /metrics on this loopback host:port ("" disables), and/or this node-exporter
     # textfile (rewritten every heartbeat; None disables).
     metrics_listen: str = "127.0.0.1:9464"

@@ -272,6 +272,7 @@ class Lab:
             "token_file": str(state / "bootstrap-token"),
             "heartbeat_interval_s": self.settings.heartbeat_interval_s,
             "reconcile_interval_s": 120.0,
+            "health_network_live": True,  # recorded hardware, real slice network: the checks read it live
             "shutdown_grace_s": 30.0,
             "slice": {
                 "subnet": str(self.settings.subnet),

@@ -170,7 +170,7 @@ async def run_probes(lab, a: Guest, b: Guest) -> list[Probe]:
             return bool(ok), f"guest read {out.strip()!r}; listener saw {seen}"
 
         async def reach_b_icmp():
-            control = _host("ping", "-c", "1", "-W", "3", b.ip).returncode == 0
+            control = _host("busybox", "ping", "-c", "1", "-W", "3", b.ip).returncode == 0
             rc, _ = await shell_a.run(f"ping -c 2 -W 2 {b.ip}")
             return control and rc != 0, f"host->B ping ok={control}; A->B ping rc={rc}"
 
@@ -200,7 +200,7 @@ async def run_probes(lab, a: Guest, b: Guest) -> list[Probe]:
                 f"listener {gw}:{port} accepted {seen}; A read {out.strip()[:80]!r}"
 
         async def take_b_ip():
-            _host("ping", "-c", "1", "-W", "3", b.ip)  # the host's entry of B exists and is B's
+            _host("busybox", "ping", "-c", "1", "-W", "3", b.ip)  # the host's entry of B exists and is B's
             _, out = await shell_a.run(
                 f"ip addr add {b.ip}/32 dev {ifname}; ping -c 3 -W 2 -I {b.ip} {gw}; echo rc=$?; "
                 f"ip addr del {b.ip}/32 dev {ifname}")
@@ -209,7 +209,7 @@ async def run_probes(lab, a: Guest, b: Guest) -> list[Probe]:
                 f"A ping from B's IP rc={_rc(out)}; host neigh {b.ip} -> {mac} (B is {b.mac})"
 
         async def arp_spoof_b():
-            _host("ping", "-c", "1", "-W", "3", b.ip)
+            _host("busybox", "ping", "-c", "1", "-W", "3", b.ip)
             _, out = await shell_a.run(
                 f"ip addr add {b.ip}/32 dev {ifname}; arping -U -c 3 -w 4 -I {ifname} {b.ip}; echo rc=$?; "
                 f"ip addr del {b.ip}/32 dev {ifname}")

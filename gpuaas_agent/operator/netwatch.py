@@ -20,7 +20,10 @@ Each round's checks replace the same-named ones in the reporter (every check car
 ``checked_at``). When the set of failing checks changes, a :class:`DriftReport`
 (``slice_network_degraded`` / ``slice_network_restored``) goes out on the drift subject and a
 heartbeat is sent at once, so the control plane sees ``degraded`` with the reason within
-seconds of the break, not one health period later.
+seconds of the break, not one health period later. When ``port_isolation`` starts failing
+(a vswitchd restart loses every OpenFlow rule), the daemon's repairing reconcile runs at once
+(serialized with its timer): it reinstalls the rules of known active ports and publishes its
+``flows_missing`` findings; the next round reports the check restored.
 
 The sockets are opened in the agent's own network namespace; with ``health_netns`` set
 (the checks read another namespace) the watch runs on its timer only.
@@ -111,7 +114,8 @@ class NetWatch:
 
     def __init__(self, settings: HealthSettings, reporter, *, interval_s: float, node_id: str | None = None,
                  isolation: Probe | None = None, publish: Callable[[str, bytes], Awaitable[None]] | None = None,
-                 subject: str | None = None, debounce_s: float = 0.5, min_gap_s: float = 2.0) -> None:
+                 subject: str | None = None, debounce_s: float = 0.5, min_gap_s: float = 2.0,
+                 repair: Callable[[], Awaitable[object]] | None = None) -> None:
         self.settings = settings
         self.reporter = reporter
         self.interval_s = interval_s
@@ -123,6 +127,10 @@ class NetWatch:
         self.min_gap_s = min_gap_s  # rounds at most this often, however busy netlink is (other tenants' taps)
         self.failing: dict[str, HealthCheck] = {}
         self.rounds = 0
+        # The daemon's repairing reconcile: run at once when port_isolation starts failing (a vswitchd that
+        # restarted lost every OpenFlow rule; waiting for the reconcile timer would leave slices open).
+        self.repair = repair
+        self.repairs = 0
         self.last_round_at: datetime | None = None
         self._wake = asyncio.Event()
 
@@ -151,6 +159,7 @@ class NetWatch:
             self.reporter.checks = sorted(merged.values(), key=lambda c: c.name)
         now_failing = failing(checks)
         findings = drift_findings(self.failing, now_failing)
+        newly_open = "port_isolation" in now_failing and "port_isolation" not in self.failing
         self.failing = now_failing
         self.rounds += 1
         self.last_round_at = datetime.now(UTC)
@@ -164,7 +173,20 @@ class NetWatch:
                     await self.publish(self.subject, report.model_dump_json().encode())
             if self.reporter.checks is not None:
                 await self.reporter.tick()  # the heartbeat now, not one interval later
+        if newly_open and self.repair is not None:
+            await self._repair(now_failing["port_isolation"])
         return findings
+
+    async def _repair(self, check: HealthCheck) -> None:
+        self.repairs += 1
+        try:
+            outcome = await self.repair()
+        except Exception as exc:  # noqa: BLE001 - the next round reports what is still broken
+            log_event(log, "netwatch_repair_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}",
+                      reason=check.detail)
+        else:
+            log_event(log, "netwatch_repaired", logging.WARNING, reason=check.detail, outcome=outcome)
+        self._wake.set()  # look again at once: the restored rules make the next round report "restored"
 
     def _readable(self, sock: socket.socket) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):
@@ -206,10 +228,23 @@ class NetWatch:
                 sock.close()
 
 
-def start_netwatch(config, reporter, nc, node_id: str, isolation: Probe | None) -> asyncio.Task:
+def serialized(fn: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
+    """``fn`` with one run at a time: the reconcile timer and the watch's repair share it."""
+    lock = asyncio.Lock()
+
+    async def run():
+        async with lock:
+            return await fn()
+
+    return run
+
+
+def start_netwatch(config, reporter, nc, node_id: str, isolation: Probe | None,
+                   repair: Callable[[], Awaitable[object]] | None = None) -> asyncio.Task:
     """The daemon's hook: the watch as a background task publishing on the node's drift subject."""
     from gpuaas_agent.control.uevent_watch import drift_subject
 
     watch = NetWatch(HealthSettings.from_config(config), reporter, interval_s=config.netwatch_interval_s,
-                     node_id=node_id, isolation=isolation, publish=nc.publish, subject=drift_subject(node_id))
+                     node_id=node_id, isolation=isolation, publish=nc.publish, subject=drift_subject(node_id),
+                     repair=repair)
     return asyncio.create_task(watch.run(), name="netwatch")

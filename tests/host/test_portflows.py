@@ -626,3 +626,60 @@ def test_port_flows_rejects_a_cookie_without_the_agent_tag():
     with pytest.raises(IsolationInputError):
         asyncio.run(PortFlows(Path("/nonexistent")).remove("ovsbr0", 0x1234))
 
+
+
+def test_after_a_vswitchd_restart_the_network_watch_degrades_port_isolation_repairs_at_once_and_reports_it(
+        lab: IsoLab, tmp_path: Path):
+    """The daemon's watch (operator/netwatch.py) with its real probe and repair: no wait for the reconcile timer."""
+    from gpuaas_agent.contract.drift import DriftReport, DriftTrigger
+    from gpuaas_agent.operator.health import HealthSettings, isolation_check
+    from gpuaas_agent.operator.netwatch import NetWatch
+
+    store = _store_with_active(lab, tmp_path)
+    lab.isolate(lab.a)
+    lab.isolate(lab.b)
+    ours = sorted((r for r in lab.all_flows() if r.cookie >> 48 == 0x6773), key=repr)
+    lab.sw.restart_vswitchd()
+    assert ip_spoof_reaches_gateway(lab)
+
+    class Heartbeats:  # the reporter's side the watch uses: its checks, and a heartbeat sent now
+        checks: list = []
+        sent = 0
+
+        async def tick(self) -> None:
+            self.sent += 1
+
+    published: list[DriftReport] = []
+    repairs: list[int] = []
+
+    async def publish(subject: str, data: bytes) -> None:
+        published.append(DriftReport.model_validate_json(data))
+
+    async def probe():
+        return [isolation_check((await reconcile(lab.sh, store, repair=False)).findings)]
+
+    async def repair():
+        report = await reconcile(lab.sh, store, repair=True)
+        repairs.append(sum(f.repaired for f in report.findings))
+        return repairs[-1]
+
+    beats = Heartbeats()
+    watch = NetWatch(HealthSettings(host_root=Path("/"), subnet=str(SUBNET), ovs_bridge=lab.sw.bridge, netns=lab.host),
+                     beats, interval_s=1, isolation=probe, publish=publish, subject="gpuaas.node.test.drift",
+                     repair=repair)
+
+    async def two_rounds():
+        return await watch.round(DriftTrigger.timer), await watch.round(DriftTrigger.netlink)
+
+    first, second = lab.agent(two_rounds)
+    opened = [f for f in first if f.subject == "port_isolation"]
+    assert [f.kind for f in opened] == [DriftKind.slice_network_degraded] and "flows_missing" in opened[0].actual
+    assert repairs == [2]  # both ports' rules reinstalled by the repairing reconcile, at once
+    assert sorted((r for r in lab.all_flows() if r.cookie >> 48 == 0x6773), key=repr) == ours
+    assert not ip_spoof_reaches_gateway(lab)
+    assert [f.kind for f in second if f.subject == "port_isolation"] == [DriftKind.slice_network_restored]
+    kinds = [(f.kind, f.subject) for r in published for f in r.findings if f.subject == "port_isolation"]
+    assert kinds == [(DriftKind.slice_network_degraded, "port_isolation"),
+                     (DriftKind.slice_network_restored, "port_isolation")]
+    assert beats.sent == 2 and watch.repairs == 1
+    assert next(c for c in beats.checks if c.name == "port_isolation").status == "ok"

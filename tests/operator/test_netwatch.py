@@ -123,3 +123,15 @@ def test_deleting_the_masquerade_rule_degrades_the_heartbeat_within_seconds_and_
             await plane.close()
 
     _run(body())
+
+
+def test_health_network_live_reads_the_slice_network_on_the_live_host_whatever_host_root_is(tmp_path):
+    from pathlib import Path
+
+    from gpuaas_agent.config import AgentConfig
+    from gpuaas_agent.operator.health import HealthSettings
+
+    base = {"state_dir": str(tmp_path), "host_root": str(tmp_path / "recorded"), "nats_url": "nats://127.0.0.1:4222"}
+    assert HealthSettings.from_config(AgentConfig.model_validate(base)).network_root is None
+    live = HealthSettings.from_config(AgentConfig.model_validate({**base, "health_network_live": True}))
+    assert live.network_root == Path("/") and live.host_root == tmp_path / "recorded"
