@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
+import time
 
 import pytest
 
@@ -16,9 +15,9 @@ from gpuaas_agent.host.egress import (
     Tracked,
     egress_target,
     judge,
-    read_conntrack,
     wait_for_egress,
 )
+from tests.dnsmasq_fixture import net_lab  # noqa: F401  (pytest fixture)
 
 TARGET = EgressTarget(ip="192.0.2.2", port=7777)
 GUEST = "10.100.0.13"
@@ -61,16 +60,48 @@ def test_a_profile_that_asks_for_egress_on_a_host_without_a_target_is_refused_be
     assert egress_target(egress, SliceConfig(readiness_egress_target=TARGET)) == TARGET
 
 
-def test_the_live_conntrack_table_is_read_through_netlink():
-    """A loopback connection of this test shows up with both directions seen (the reader's real source)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    port = server.getsockname()[1]
-    accepted = threading.Thread(target=lambda: server.accept()[0].close(), daemon=True)
-    accepted.start()
-    with socket.create_connection(("127.0.0.1", port), timeout=5):
-        accepted.join(5)
-        mine = [e for e in read_conntrack() if e.dport == port and e.src == "127.0.0.1"]
-    server.close()
-    assert mine and mine[0].status & 0x2, mine  # SEEN_REPLY
+def test_real_nat_in_namespaces_without_masquerade_is_unproven_and_with_it_proven(net_lab, tmp_path):  # noqa: F811
+    """guest ns -> host ns (routes, NATs) -> upstream ns with the lab's listener; conntrack read in the host ns."""
+    import sys
+
+    from tests.conftest import REPO
+    from tests.dnsmasq_fixture import run_in_netns, sh
+
+    guest, host, up = net_lab.netns("eg-guest"), net_lab.netns("eg-host"), net_lab.netns("eg-up")
+    net_lab.veth("g0", guest, "h0", host)
+    net_lab.veth("h1", host, "u0", up)
+    net_lab.up(guest, "g0", address=f"{GUEST}/24")
+    net_lab.up(host, "h0", address="10.100.0.1/24")
+    net_lab.up(host, "h1", address="192.0.2.1/30")
+    net_lab.up(up, "u0", address="192.0.2.2/30")
+    sh("ip", "-n", guest, "route", "add", "default", "via", "10.100.0.1")
+    sh("ip", "netns", "exec", host, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    # Another subnet's NAT (conntrack is on in this namespace, as on any NAT host); not the slices'.
+    sh("ip", "netns", "exec", host, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", "198.18.0.0/24",
+       "-j", "MASQUERADE")
+    log = tmp_path / "peers.log"
+    listener = net_lab.popen(up, [sys.executable, str(REPO / "lab/upstream.py"), "--serve", "--bind", "192.0.2.2",
+                                  "--port", "7777", "--log", str(log)], tmp_path / "listener.out")
+    deadline = time.monotonic() + 30
+    while "listening" not in (tmp_path / "listener.out").read_text():
+        assert listener.poll() is None and time.monotonic() < deadline, (tmp_path / "listener.out").read_text()
+        time.sleep(0.05)  # poll step of a deadline wait
+
+    def guest_connects() -> str:
+        return sh("ip", "netns", "exec", guest, "busybox", "nc", "-w", "3", "192.0.2.2", "7777", check=False).stdout
+
+    async def prove(within: float):
+        return await wait_for_egress(GUEST, TARGET, deadline=asyncio.get_running_loop().time() + within, poll_s=0.2)
+
+    assert guest_connects() == ""  # no NAT: the upstream cannot answer a private source
+    with pytest.raises(EgressUnproven) as err:
+        run_in_netns(host, lambda: prove(1.0))
+    assert "without source NAT" in err.value.evidence["reason"], err.value.evidence
+    assert all(not t["source_nat"] and not t["answered"] for t in err.value.evidence["tracked"])
+
+    sh("ip", "netns", "exec", host, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", "10.100.0.0/24",
+       "-j", "MASQUERADE")
+    assert "GPUAAS-UPSTREAM peer=192.0.2.1" in guest_connects()
+    proof = run_in_netns(host, lambda: prove(10.0))
+    assert proof.connection.source_nat and proof.connection.answered and proof.connection.nat_source == "192.0.2.1"
+    assert log.read_text().split() == ["192.0.2.1"]
