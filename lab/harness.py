@@ -291,7 +291,7 @@ class Lab:
                 "readiness_timeout_s": self.settings.readiness_timeout_s,
                 "allow_emulated_domains": True,
                 "readiness_egress_target": {"ip": self.upstream.peer_ip, "port": self.upstream.port},
-                "readiness_egress_timeout_s": 60,
+                "readiness_egress_timeout_s": 30,
             },
         }
         if self.settings.use_package_paths:
