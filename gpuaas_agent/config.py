@@ -13,15 +13,7 @@ import tomllib
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PositiveInt,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from gpuaas_agent.contract.egress import EgressTarget
 from gpuaas_agent.contract.tasks import TaskType
@@ -123,7 +115,7 @@ class SliceConfig(BaseModel):
         return path
 
     @model_validator(mode="after")
-    def _gateway_in_subnet(self) -> SliceConfig:
+    def _gateway_in_subnet(self) -> "SliceConfig":
         if self.gateway not in self.subnet or self.gateway in (self.subnet.network_address,
                                                                  self.subnet.broadcast_address):
             raise ValueError(f"gateway {self.gateway} is not a host address of {self.subnet}")
@@ -179,13 +171,13 @@ class AgentConfig(BaseModel):
     slice: SliceConfig = Field(default_factory=SliceConfig)
 
     @model_validator(mode="after")
-    def _keepalive_below_ack_wait(self) -> AgentConfig:
+    def _keepalive_below_ack_wait(self) -> "AgentConfig":
         if self.keepalive_interval_s * 2 > self.ack_wait_s:
             raise ValueError("keepalive_interval_s must be at most half of ack_wait_s, or JetStream redelivers running tasks")
         return self
 
     @model_validator(mode="after")
-    def _enroll_fits_unit_start_timeout(self) -> AgentConfig:
+    def _enroll_fits_unit_start_timeout(self) -> "AgentConfig":
         # `enroll` (ExecStartPre) takes at most connect + request timeouts; the unit's start timeout is 90 s.
         if self.connect_timeout_s + self.request_timeout_s > ENROLL_BOUND_S:
             raise ValueError(f"connect_timeout_s + request_timeout_s must be at most {ENROLL_BOUND_S:g}s, "

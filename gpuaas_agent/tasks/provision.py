@@ -38,10 +38,7 @@ from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError, HostError
-from gpuaas_agent.guards.preconditions import (
-    check_provision_preconditions,
-    parse_ed25519,
-)
+from gpuaas_agent.guards.preconditions import check_provision_preconditions, parse_ed25519
 from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
 from gpuaas_agent.host.dnsmasq import make_reservation
