@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import posixpath
 import socket
 import subprocess
@@ -329,18 +330,59 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str] | str:
 
 
 def _netlink(target: NetTarget):
-    """An IPRoute for the host, or a NetNS for an *existing* namespace (pyroute2 would create a missing one)."""
-    from pyroute2 import IPRoute, NetNS
+    """An IPRoute of the calling thread's namespace (see :func:`_read_netlink` for a named one)."""
+    from pyroute2 import IPRoute
 
-    if target.netns is None:
-        return IPRoute()
-    if not Path("/run/netns", target.netns).exists():
-        raise NetEvidenceError(f"network namespace {target.netns!r} does not exist", code="netns_missing",
-                               evidence={"netns": target.netns, "path": f"/run/netns/{target.netns}"})
-    return NetNS(target.netns, flags=0)
+    return IPRoute()
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def _in_netns(name: str, work):
+    """``work()`` in a short-lived thread moved into the *existing* namespace ``name`` (setns is per thread).
+
+    Not pyroute2's ``NetNS``: it forks a child to open the socket, and a fork of the daemon inherits
+    its asyncio signal wakeup fd, so the SIGTERM pyroute2 sends that child at cleanup reached the
+    daemon's loop as its own and stopped the agent (health_netns set).
+    """
+    import ctypes
+    import threading
+
+    path = Path("/run/netns", name)
+    if not path.exists():  # never create one: a typo must not make an empty namespace that reads "missing"
+        raise NetEvidenceError(f"network namespace {name!r} does not exist", code="netns_missing",
+                               evidence={"netns": name, "path": str(path)})
+    box: dict = {}
+
+    def body() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns({path}) failed")
+            finally:
+                os.close(fd)
+            box["value"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=body, name=f"netns-{name}", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def _read_netlink(target: NetTarget, snap: NetSnapshot) -> None:
+    if target.netns is not None:
+        try:
+            _in_netns(target.netns, lambda: _read_netlink(NetTarget(subnet=target.subnet,
+                                                                    ovs_bridge=target.ovs_bridge), snap))
+        except OSError as exc:
+            snap.cannot("netlink_unreadable", f"cannot enter netns: {exc}", f"netns:{target.netns}")
+        return
     from pyroute2.netlink.exceptions import NetlinkError
 
     try:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from gpuaas_agent.contract.drift import DriftKind, DriftReport
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.operator.netwatch import drift_findings, open_netlink_sockets
-from tests.control.test_daemon import AgentProcess, _enrolled_setup, _env, _run
+from tests.control.test_daemon import AgentProcess, NotifyListener, _enrolled_setup, _env, _run
 from tests.dnsmasq_fixture import sh
 
 
@@ -85,9 +85,10 @@ def test_deleting_the_masquerade_rule_degrades_the_heartbeat_within_seconds_and_
             drift.append(DriftReport.model_validate_json(msg.data))
 
         sub = await plane.nc.subscribe(f"gpuaas.node.{node_id}.drift", cb=on_drift)
+        listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(), tmp_path / "agent.log")
+                                 _env(listener.path), tmp_path / "agent.log")
             agents.append(agent.start())
             healthy = await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health_state == "healthy"],
                                            timeout=60)
@@ -119,6 +120,7 @@ def test_deleting_the_masquerade_rule_degrades_the_heartbeat_within_seconds_and_
             assert kinds.index((DriftKind.slice_network_degraded, "slice_nat")) < \
                 kinds.index((DriftKind.slice_network_restored, "slice_nat"))
         finally:
+            listener.close()
             await sub.unsubscribe()
             await plane.close()
 
