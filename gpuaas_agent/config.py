@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from gpuaas_agent.contract.nvmewipe import WipePolicy
+from gpuaas_agent.contract.egress import EgressTarget
 from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN
 from gpuaas_agent.errors import AgentError
@@ -113,6 +114,10 @@ class SliceConfig(BaseModel):
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     nameservers: tuple[IPv4Address, ...] = (IPv4Address("10.100.0.1"),)
     readiness_timeout_s: float = Field(default=900.0, gt=0)
+    # The TCP target beyond the NAT that guests of a readiness_egress profile must reach (issue 16).
+    readiness_egress_target: EgressTarget | None = None
+    # How long readiness waits for that proof once SSH answers (within readiness_timeout_s overall).
+    readiness_egress_timeout_s: float = Field(default=120.0, gt=0)
     clone_timeout_s: float = Field(default=3600.0, gt=0)
     # Where images may come from: see the class docstring. Nothing is allowed by default.
     image_https_hosts: tuple[str, ...] = ()
@@ -216,6 +221,11 @@ class AgentConfig(BaseModel):
     health_netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     # Judge this recorded NVML reading (operator/nvml.py) instead of the live NVML (lab and tests).
     health_nvml_fixture: Path | None = None
+    # The slice network watch (operator/netwatch.py): gateway, NAT, ip_forward, dnsmasq and port isolation are
+    # re-checked this often and on every netlink change of links/addresses/routes/nftables (0 disables it).
+    netwatch_interval_s: float = Field(default=10.0, ge=0, le=15.0)
+    # Read the slice network on the live host ("/") even when host_root is a recorded fixture (the lab).
+    health_network_live: bool = False
     # Prometheus: GET /metrics on this loopback host:port ("" disables), and/or this node-exporter
     # textfile (rewritten every heartbeat; None disables).
     metrics_listen: str = "127.0.0.1:9464"

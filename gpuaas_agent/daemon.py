@@ -77,6 +77,7 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.operator.health import HealthSettings, isolation_check
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
+from gpuaas_agent.operator.netwatch import serialized, start_netwatch
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
@@ -398,6 +399,8 @@ async def run_agent(
                                   consumer_memory=config.task_consumer_memory)
         if reconcile is None and slice_host is not None:
             reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
+        if reconcile is not None:
+            reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
         worker = TaskWorker(nc, store, record.node_id, handlers, settings, observer=metrics)
         if config.nats_creds_file is None and record.credentials.creds is not None:
             # Enrolled with a .creds: the control plane may rotate it (control/rotation.py).
@@ -406,6 +409,10 @@ async def run_agent(
         reporter.attach(nc, worker)
         reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
         worker_task = asyncio.create_task(worker.run(), name="worker")
+        if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events (issue 16)
+            background.append(start_netwatch(config, reporter, nc, record.node_id,
+                                             port_isolation_probe(slice_host, store) if slice_host else None,
+                                             repair=reconcile))
         if config.uevent_watch:
             background.append(uevent_watch_task(config, nc, record.node_id, uevents))
         else:

@@ -108,6 +108,7 @@ class Lab:
     approved: list[ApprovedSlot] = field(default_factory=list)
     switch: object = None  # tests/ovsdb_fixture.py's OvsSwitch
     libvirtd: object = None  # tests/libvirtd_fixture.py's LibvirtDaemon
+    upstream: object = None  # lab/upstream.py: the NAT and the network beyond it (issue 16)
 
     @property
     def work(self) -> Path:
@@ -150,6 +151,7 @@ class Lab:
         self._start_ovs()
         self._start_dnsmasq()
         self._start_libvirtd()
+        self._start_upstream()
         self._make_host()
         self._make_image()
 
@@ -221,6 +223,14 @@ class Lab:
         self.libvirtd = d
         self.say(f"lab: libvirtd (pid {d.pid}) on {d.uri}, OVS_RUNDIR -> the lab ovsdb")
 
+    def _start_upstream(self) -> None:
+        from lab.upstream import Upstream
+
+        self.upstream = Upstream(self.settings.subnet, self.work).start()
+        self.stack.callback(self.upstream.close)
+        self.say(f"lab: NAT MASQUERADE for {self.settings.subnet}, ip_forward=1; upstream netns {self.upstream.netns} "
+                 f"listens on {self.upstream.peer_ip}:{self.upstream.port} (host end {self.upstream.host_ip})")
+
     def _make_host(self) -> None:
         self.host = materialize(self.settings.fixture, self.work / "host", disk_bytes=self.settings.disk_bytes,
                                 slots=self.settings.slots)
@@ -266,6 +276,7 @@ class Lab:
             "token_file": str(state / "bootstrap-token"),
             "heartbeat_interval_s": self.settings.heartbeat_interval_s,
             "reconcile_interval_s": 120.0,
+            "health_network_live": True,  # recorded hardware, real slice network: the checks read it live
             "shutdown_grace_s": 30.0,
             "slice": {
                 "subnet": str(self.settings.subnet),
@@ -283,6 +294,8 @@ class Lab:
                 "nameservers": [self.gateway],
                 "readiness_timeout_s": self.settings.readiness_timeout_s,
                 "allow_emulated_domains": True,
+                "readiness_egress_target": {"ip": self.upstream.peer_ip, "port": self.upstream.port},
+                "readiness_egress_timeout_s": 30,
             },
         }
         if self.settings.use_package_paths:

@@ -74,6 +74,7 @@ async def scenario(lab: Lab) -> list[str]:
         print("\n== slice.vm_provision x2 (concurrently)", flush=True)
         started = time.monotonic()
         payloads = [lab.provision_payload(slot) for slot in slots[:2]]
+        payloads[0]["runtime_profile"] = "lab_tcg_1c_512m_egress"  # readiness proves its NAT'd egress (issue 16)
         results = await asyncio.gather(*(lab.task("slice.vm_provision", p, timeout=900) for p in payloads))
         took = time.monotonic() - started
         for payload, result in zip(payloads, results):
@@ -90,6 +91,9 @@ async def scenario(lab: Lab) -> list[str]:
         print(f"   heartbeat: health={beat[-1].health_state} leased_slots={beat[-1].leased_slots}", flush=True)
         for name, state in sorted(lab.domains().items()):
             print(f"   domain {name}: {state}", flush=True)
+
+        if all(r.status.value == "succeeded" for r in results):
+            failures += await network_scenario(lab, slots[:2])
 
         print("\n== slice.reconcile (read-only): the host agrees with the agent's records", flush=True)
         rec = await lab.task("slice.reconcile", {"repair": False}, timeout=120)
@@ -119,6 +123,48 @@ async def scenario(lab: Lab) -> list[str]:
         async with lab.cp.seen.changed:
             lab.cp.seen.changed.notify_all()
         await asyncio.wait({printer}, timeout=5)
+    return failures
+
+
+async def network_scenario(lab: Lab, slots) -> list[str]:
+    """Issue 16: the isolation probes from slice A against slice B, then a NAT break under the running slices."""
+    from lab.probes import Guest, run_probes
+    from lab.upstream import set_masquerade
+
+    failures: list[str] = []
+    print("\n== network isolation: probes from slice A (root over SSH) against slice B, the host and the NAT", flush=True)
+    a, b = slots
+    for probe in await run_probes(lab, Guest(a.private_ip, a.mac), Guest(b.private_ip, b.mac)):
+        if not probe.ok:
+            failures.append(f"probe {probe.name}")
+
+    print("\n== network watch: delete the NAT MASQUERADE rule under the running slices", flush=True)
+    seen = len(lab.cp.seen.heartbeats)
+
+    def nat(beat):
+        return next((c for c in beat.health if c.name == "slice_nat"), None)
+
+    started = time.monotonic()
+    set_masquerade(lab.settings.subnet, False)
+    try:
+        beats = await lab.cp.wait_for(lambda s: [h for h in s.heartbeats[seen:] if (c := nat(h))
+                                                 and c.status == "degraded"], timeout=30)
+        took = time.monotonic() - started
+        print(f"GPUAAS_LAB netwatch event=nat_deleted heartbeat=degraded after_s={took:.2f} "
+              f"reason={json.dumps(beats[0].health_reason)}", flush=True)
+    except TimeoutError:
+        failures.append("netwatch: no degraded heartbeat within 30 s of the NAT rule's deletion")
+        print("GPUAAS_LAB netwatch event=nat_deleted heartbeat=none within_s=30 result=FAIL", flush=True)
+    finally:
+        set_masquerade(lab.settings.subnet, True)
+    seen, started = len(lab.cp.seen.heartbeats), time.monotonic()
+    try:
+        await lab.cp.wait_for(lambda s: [h for h in s.heartbeats[seen:] if (c := nat(h)) and c.status == "ok"],
+                              timeout=30)
+        print(f"GPUAAS_LAB netwatch event=nat_restored heartbeat=ok after_s={time.monotonic() - started:.2f}",
+              flush=True)
+    except TimeoutError:
+        failures.append("netwatch: slice_nat not ok again within 30 s of the rule's return")
     return failures
 
 

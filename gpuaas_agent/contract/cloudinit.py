@@ -20,6 +20,7 @@ from uuid import UUID
 from pydantic import AfterValidator, Field, Strict, model_validator
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
+from gpuaas_agent.contract.egress import EgressTarget
 from gpuaas_agent.contract.types import MacAddress, Sha256Hex
 
 SEED_VOLUME_LABEL = "cidata"  # the NoCloud datasource looks for this label (or CIDATA)
@@ -292,6 +293,8 @@ class SeedSpec(WireModel):
     )
     network: GuestNetwork
     guest_driver_profile: GuestDriverProfile | None = None
+    # Set when the runtime profile asks readiness to prove egress: first boot connects to it (runcmd).
+    egress_probe: EgressTarget | None = None
 
 
 class SeedFile(WireModel):

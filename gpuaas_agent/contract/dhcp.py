@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import Field, StringConstraints
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
+from gpuaas_agent.contract.egress import EgressEvidence
 from gpuaas_agent.contract.types import UUID_PATTERN, MacAddress
 
 # One DNS label (RFC 1123): 1-63 letters, digits and hyphens, no hyphen at either end.
@@ -74,3 +75,5 @@ class GuestReadiness(WireModel):
     lease: LeaseStatus
     ssh_port: Annotated[int, Field(ge=1, le=65535)]
     ssh_banner: Annotated[str, StringConstraints(pattern=r"^SSH-2\.0-")]
+    # Only when the runtime profile asks for it (readiness_egress): the guest's NAT'd connection beyond the host.
+    egress: EgressEvidence | None = None

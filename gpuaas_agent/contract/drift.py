@@ -54,6 +54,9 @@ class DriftKind(WireEnum):
     nft_guard_missing = "nft_guard_missing"  # the guard table is absent, or an active port's tap is not in its set
     nft_guard_altered = "nft_guard_altered"  # the guard table's chains or rules differ from the spec
     nft_guard_orphan = "nft_guard_orphan"  # the guard's set names a port that no longer exists
+    # slice network watch (operator/netwatch.py): a check of the slice network changed verdict
+    slice_network_degraded = "slice_network_degraded"  # subject: the check (slice_nat, dnsmasq, ...)
+    slice_network_restored = "slice_network_restored"
 
 
 class DriftSeverity(WireEnum):
@@ -66,6 +69,7 @@ class DriftTrigger(WireEnum):
     uevent = "uevent"
     timer = "timer"
     task = "task"
+    netlink = "netlink"  # a link, address, route, forwarding or nftables change
 
 
 class DriftFinding(WireModel):

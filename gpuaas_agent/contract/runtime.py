@@ -55,6 +55,9 @@ class RuntimeProfile(WireModel):
     # How the slot's disk is cleared on release (seed 002 tenant-isolation wipe policy); a host's
     # config may override it per profile (SliceConfig.wipe_policies). Default: today's discard + verify.
     wipe_policy: WipePolicy = Field(default_factory=WipePolicy)
+    # Readiness also proves egress (issue 16): the guest's first boot reaches the host's configured
+    # target beyond the NAT (SliceConfig.readiness_egress_target) and conntrack shows it source-NATed.
+    readiness_egress: bool = False
 
 
 class UnknownProfileError(ContractError):
@@ -82,6 +85,15 @@ PROFILES: MappingProxyType[str, RuntimeProfile] = MappingProxyType(
                 memory_mib=512,
                 hugepages_1g=False,
                 hostdevs=False,
+            ),
+            RuntimeProfile(
+                name="lab_tcg_1c_512m_egress",
+                domain_type=DomainType.qemu,
+                vcpus=1,
+                memory_mib=512,
+                hugepages_1g=False,
+                hostdevs=False,
+                readiness_egress=True,
             ),
         )
     }

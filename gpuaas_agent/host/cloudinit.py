@@ -31,6 +31,7 @@ from gpuaas_agent.contract.cloudinit import (
     SeedSpec,
     SudoPolicy,
 )
+from gpuaas_agent.contract.egress import EGRESS_PROBE_TAG
 from gpuaas_agent.errors import HostError
 
 # Every timestamp inside the ISO: 2000-01-01T00:00:00Z. A constant, not "now", so
@@ -111,7 +112,25 @@ def _user_data(spec: SeedSpec) -> dict[str, Any]:
     }
     if spec.guest_driver_profile is not None:
         document.update(copy.deepcopy(_DRIVER_PROFILES[spec.guest_driver_profile]))  # never share the table
+    if spec.egress_probe is not None:
+        document["runcmd"] = [egress_probe_command(spec.egress_probe), *document.get("runcmd", [])]
     return document
+
+
+# The egress probe (issue 16): first boot connects to the target beyond the NAT, retrying in the background
+# (a NAT repaired later still lets readiness see it), with nc or bash's /dev/tcp, whichever the image has.
+# Readiness reads the proof from the host's conntrack (host/egress.py), never from the guest.
+EGRESS_PROBE_SCRIPT = (
+    '( i=0; while [ "$i" -lt 120 ]; do i=$((i+1)); '
+    'if command -v nc >/dev/null 2>&1 && nc -w 3 "$1" "$2" </dev/null >/dev/null 2>&1; then exit 0; fi; '
+    'if command -v bash >/dev/null 2>&1 && timeout 3 bash -c \'exec 3<>/dev/tcp/$0/$1\' "$1" "$2" 2>/dev/null; '
+    'then exit 0; fi; sleep 5; done ) >/dev/null 2>&1 &'
+)
+
+
+def egress_probe_command(target) -> list[str]:
+    """The runcmd entry (argv form: cloud-init execs it, no shell quoting of our values)."""
+    return ["sh", "-c", EGRESS_PROBE_SCRIPT, EGRESS_PROBE_TAG, str(target.ip), str(target.port)]
 
 
 def _network_config(spec: SeedSpec) -> dict[str, Any]:

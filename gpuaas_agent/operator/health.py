@@ -65,6 +65,9 @@ class HealthSettings:
     dnsmasq_pid_file: Path | None = Path("/run/dnsmasq/dnsmasq.pid")
     libvirt_uri: str = "qemu:///system"
     nvml_fixture: Path | None = None  # a recorded NVML reading judged instead of the live NVML (tests, lab)
+    # Where the slice network (bridge, NAT, ip_forward, dnsmasq) is read; None: host_root. The lab runs a
+    # recorded host (host_root) with a real network: health_network_live reads that one on "/".
+    network_root: Path | None = None
 
     @classmethod
     def from_config(cls, config) -> HealthSettings:
@@ -72,7 +75,8 @@ class HealthSettings:
         return cls(host_root=config.host_root, subnet=str(site.subnet), ovs_bridge=site.ovs_bridge,
                    netns=config.health_netns, dnsmasq_hosts_file=site.dnsmasq_hosts_file,
                    dnsmasq_pid_file=site.dnsmasq_pid_file, libvirt_uri=site.libvirt_uri,
-                   nvml_fixture=getattr(config, "health_nvml_fixture", None))
+                   nvml_fixture=getattr(config, "health_nvml_fixture", None),
+                   network_root=Path("/") if getattr(config, "health_network_live", False) else None)
 
 
 def _now() -> datetime:
@@ -92,7 +96,7 @@ def network_checks(settings: HealthSettings) -> list[HealthCheck]:
 
     from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
 
-    host = HostRoot.open(settings.host_root)
+    host = HostRoot.open(settings.network_root or settings.host_root)
     target = NetTarget(subnet=ipaddress.IPv4Network(settings.subnet), ovs_bridge=settings.ovs_bridge,
                        netns=settings.netns)
     try:
@@ -125,7 +129,7 @@ def dnsmasq_check(settings: HealthSettings) -> HealthCheck:
     """A running dnsmasq reads the agent's hosts file and is the pid a reload signals (blocking)."""
     from gpuaas_agent.discovery.netevidence import judge_dnsmasq, read_dnsmasq_evidence
 
-    host = HostRoot.open(settings.host_root)
+    host = HostRoot.open(settings.network_root or settings.host_root)
     ev = read_dnsmasq_evidence(host, settings.dnsmasq_hosts_file, settings.dnsmasq_pid_file)
     finding = judge_dnsmasq(ev)
     if finding is None:

@@ -30,7 +30,7 @@ from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.vfio import check_vfio_bindable
 from gpuaas_agent.guards.vmstart import check_vm_start
 from gpuaas_agent.host.ovs import OvsDriver
-from gpuaas_agent.tasks.isolation import isolate_port
+from gpuaas_agent.tasks.isolation import isolate_port, opened_port
 from gpuaas_agent.tasks.slicehost import SliceHost
 
 
@@ -80,6 +80,7 @@ async def guarded_start(sh: SliceHost, target: StartTarget, *, disk_lease: DiskL
         info = await sh.libvirt.start(name, preconditions=evidence)
         # libvirt re-creates the port at start with only its own external_ids: put ours back.
         ovs_port = await put_port(ovs, port, info.uuid)
+    ovs_port = await opened_port(sh, ovs_port)  # the tap's ofport, so the in_port rules go in now
     isolation = await isolate_port(sh, ovs_port, mac=port.mac, ip=port.ip)
     out = {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
            "ofport": ovs_port.ofport, "isolation": isolation}

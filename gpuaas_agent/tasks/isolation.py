@@ -73,6 +73,29 @@ async def isolate_port(sh: "SliceHost", port: OvsPort, *, mac: str, ip: str | IP
             "nft_guarded": port.name in guard.guest_ports}
 
 
+OFPORT_WAIT_S = 10.0
+
+
+async def opened_port(sh: SliceHost, port: OvsPort, *, within_s: float = OFPORT_WAIT_S) -> OvsPort:
+    """The port as ovsdb shows it once vswitchd has opened its tap (``ofport`` set), or as it is after ``within_s``.
+
+    Why: libvirt creates the tap at domain start and vswitchd opens it a moment later. Isolating
+    the port before that installs only the MAC rules (the guest's DHCP offers are dropped until the
+    in_port rules arrive), and reconcile repairs only *active* ports: a slow vswitchd left a
+    provisioning guest without a lease. ``ofport=-1`` (vswitchd could not open it) ends the wait.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    current = port
+    while current.ofport is None and loop.time() < deadline:
+        await asyncio.sleep(0.2)  # poll step of a deadline wait (vswitchd writes ofport asynchronously)
+        async with sh.ovs() as ovs:
+            found = [p for p in await asyncio.to_thread(ovs.list_agent_ports, port.bridge) if p.name == port.name]
+        if found:
+            current = found[0]
+    return current
+
+
 async def unisolate_port(sh: "SliceHost", bridge: str, port_name: str) -> dict:
     """Remove the port's flows (by its cookie only) and its nft set element; idempotent."""
     cookie = cookie_of_port_name(port_name)

@@ -43,6 +43,7 @@ from gpuaas_agent.guards.preconditions import check_provision_preconditions, par
 from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
 from gpuaas_agent.host.dnsmasq import make_reservation
+from gpuaas_agent.host.egress import egress_target, wait_for_egress
 from gpuaas_agent.host.readiness import wait_for_guest
 from gpuaas_agent.host.vfio import bind_to_vfio
 from gpuaas_agent.logs import log_event
@@ -245,6 +246,8 @@ async def validate(run: ProvisionRun) -> Validated:
     relay_key = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
     check_guest_address(slot.private_ip, sh.slice)
     seed_spec = build_seed_spec(payload, relay_key, sh.slice)
+    if (egress := egress_target(run.profile, sh.slice)) is not None:  # issue 16: readiness proves egress
+        seed_spec = seed_spec.model_copy(update={"egress_probe": egress})
     check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
     report = await asyncio.to_thread(lambda: discover(sh.host(), slice_plan_config(sh.slice)))
     # The approved record must be exactly the host's candidate slot of its index, as slice.plan checks.
@@ -499,8 +502,15 @@ async def readiness(run: ProvisionRun) -> GuestReadiness:
 
     slot = run.slot
     timeout = run.payload.readiness_timeout_s or run.sh.slice.readiness_timeout_s
-    return await wait_for_guest(run.sh.slice.dnsmasq_lease_file, slot.mac, slot.private_ip,
-                                deadline=loop.time() + timeout, progress=progress)
+    deadline = loop.time() + timeout
+    ready = await wait_for_guest(run.sh.slice.dnsmasq_lease_file, slot.mac, slot.private_ip,
+                                 deadline=deadline, progress=progress)
+    if (target := egress_target(run.profile, run.sh.slice)) is None:
+        return ready
+    await progress("egress_wait", {"target": target.model_dump(mode="json")})
+    proof = await wait_for_egress(slot.private_ip, target,
+                                  deadline=min(deadline, loop.time() + run.sh.slice.readiness_egress_timeout_s))
+    return ready.model_copy(update={"egress": proof})
 
 
 # The provision pipeline, in order (README and DESIGN.md §2 name the same steps).
@@ -640,6 +650,7 @@ async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
         "lease_state": lease["lease_state"],
         "ssh_ready": outputs["readiness"]["ssh_banner"].startswith("SSH-2.0-"),
         "ssh_banner": outputs["readiness"]["ssh_banner"],
+        "egress": outputs["readiness"].get("egress"),  # None unless the profile asks readiness to prove it
         "steps": {name: out.get("duration_s") for name, out in outputs.items()},
         "clone": outputs["clone"],
         "image": outputs["image"],

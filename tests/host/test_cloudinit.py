@@ -531,3 +531,15 @@ def test_cloud_init_renders_the_network_config_for_the_mac(seed, tmp_path):
     assert slice0["match"] == {"macaddress": MAC}
     assert slice0["addresses"] == ["10.100.0.10/24"]
     assert slice0["routes"] == [{"to": "0.0.0.0/0", "via": "10.100.0.1"}]
+
+
+def test_an_egress_probe_runs_first_in_runcmd_as_argv_with_the_target_as_arguments(tmp_path):
+    user_data = yaml.safe_load(render_seed_files(_spec(egress_probe={"ip": "192.0.2.2", "port": 7777}))["user-data"])
+    probe = user_data["runcmd"][0]
+    assert probe[:2] == ["sh", "-c"] and probe[3:] == ["gpuaas-egress-probe", "192.0.2.2", "7777"]
+    assert "192.0.2.2" not in probe[2]  # the target travels as arguments, never spliced into the script
+    # The script is valid sh (the lab guest's busybox and the real guests' dash/bash both parse it).
+    assert asyncio.run(run(["sh", "-n", "-c", probe[2]], timeout=30)).returncode == 0
+    assert probe[2].rstrip().endswith("&")  # backgrounded: a guest without egress still finishes booting
+    with pytest.raises(ValidationError):
+        _spec(egress_probe={"ip": "192.0.2.2; reboot", "port": 7777})

@@ -460,6 +460,46 @@ def test_a_port_claiming_another_ports_mac_or_ip_is_refused_before_any_flow_is_w
     assert lab.nft("-j", "list", "ruleset") == guard_before
 
 
+def test_a_port_claiming_another_ports_ofport_is_refused_before_any_flow_is_written(lab: IsoLab):
+    lab.isolate(lab.a)
+    before = lab.all_flows()
+    port = lab.ports()[lab.b.port].model_copy(update={"ofport": lab.ports()[lab.a.port].ofport})
+    with pytest.raises(IsolationRefused) as refused:
+        lab.agent(lambda: isolate_port(lab.sh, port, mac=lab.b.mac, ip=lab.b.ip))
+    assert refused.value.code == "port_isolation_conflict"
+    assert refused.value.evidence["field"] == "ofport" and refused.value.evidence["other_port"] == lab.a.port
+    assert lab.all_flows() == before
+
+
+def test_foreign_rules_naming_a_guests_mac_are_no_conflict_and_survive_install_remove_and_repair(lab: IsoLab,
+                                                                                             tmp_path: Path):
+    """An operator's own flows (no agent tag in the cookie) are never read as a claim, changed or deleted."""
+    mgmt = _mgmt(lab.sw)
+    foreign = [f"cookie=0x77,priority=200,dl_src={lab.a.mac},actions=drop",
+               f"cookie=0x0,priority=5,ip,nw_dst={lab.b.ip},actions=NORMAL"]
+    for flow in foreign:
+        sh("ovs-ofctl", "add-flow", mgmt, flow)
+    try:
+        def theirs():
+            return sorted((r for r in lab.all_flows() if r.cookie >> 48 != 0x6773), key=repr)
+
+        before = theirs()
+        assert len(before) >= 3  # the two above and the lab's FOREIGN_FLOW
+        store = _store_with_active(lab, tmp_path)
+        lab.isolate(lab.a)  # the foreign dl_src rule is not another port's claim on A's MAC
+        lab.isolate(lab.b)
+        lab.sw.restart_vswitchd()
+        for flow in (*foreign, FOREIGN_FLOW):  # an operator's own flows come back by the operator's hand
+            sh("ovs-ofctl", "add-flow", mgmt, flow)
+        report = lab.agent(lambda: reconcile(lab.sh, store, repair=True))
+        assert {f.kind for f in report.findings if f.kind.value.startswith("flows")} == {DriftKind.flows_missing}
+        run_in_netns(lab.host, lambda: lab.sh.unplug(lab.sw.bridge, lab.a.port, lab.a.allocation_id))
+        assert theirs() == before
+    finally:
+        sh("ovs-ofctl", "del-flows", mgmt, "cookie=0x77/-1")
+        sh("ovs-ofctl", "--strict", "del-flows", mgmt, f"priority=5,ip,nw_dst={lab.b.ip}")
+
+
 def _store_with_active(lab: IsoLab, tmp: Path) -> StateStore:
     store = StateStore.open(tmp / "state.db")
     for i, g in enumerate((lab.a, lab.b)):
@@ -586,3 +626,60 @@ def test_port_flows_rejects_a_cookie_without_the_agent_tag():
     with pytest.raises(IsolationInputError):
         asyncio.run(PortFlows(Path("/nonexistent")).remove("ovsbr0", 0x1234))
 
+
+
+def test_after_a_vswitchd_restart_the_network_watch_degrades_port_isolation_repairs_at_once_and_reports_it(
+        lab: IsoLab, tmp_path: Path):
+    """The daemon's watch (operator/netwatch.py) with its real probe and repair: no wait for the reconcile timer."""
+    from gpuaas_agent.contract.drift import DriftReport, DriftTrigger
+    from gpuaas_agent.operator.health import HealthSettings, isolation_check
+    from gpuaas_agent.operator.netwatch import NetWatch
+
+    store = _store_with_active(lab, tmp_path)
+    lab.isolate(lab.a)
+    lab.isolate(lab.b)
+    ours = sorted((r for r in lab.all_flows() if r.cookie >> 48 == 0x6773), key=repr)
+    lab.sw.restart_vswitchd()
+    assert ip_spoof_reaches_gateway(lab)
+
+    class Heartbeats:  # the reporter's side the watch uses: its checks, and a heartbeat sent now
+        checks: list = []
+        sent = 0
+
+        async def tick(self) -> None:
+            self.sent += 1
+
+    published: list[DriftReport] = []
+    repairs: list[int] = []
+
+    async def publish(subject: str, data: bytes) -> None:
+        published.append(DriftReport.model_validate_json(data))
+
+    async def probe():
+        return [isolation_check((await reconcile(lab.sh, store, repair=False)).findings)]
+
+    async def repair():
+        report = await reconcile(lab.sh, store, repair=True)
+        repairs.append(sum(f.repaired for f in report.findings))
+        return repairs[-1]
+
+    beats = Heartbeats()
+    watch = NetWatch(HealthSettings(host_root=Path("/"), subnet=str(SUBNET), ovs_bridge=lab.sw.bridge, netns=lab.host),
+                     beats, interval_s=1, isolation=probe, publish=publish, subject="gpuaas.node.test.drift",
+                     repair=repair)
+
+    async def two_rounds():
+        return await watch.round(DriftTrigger.timer), await watch.round(DriftTrigger.netlink)
+
+    first, second = lab.agent(two_rounds)
+    opened = [f for f in first if f.subject == "port_isolation"]
+    assert [f.kind for f in opened] == [DriftKind.slice_network_degraded] and "flows_missing" in opened[0].actual
+    assert repairs == [2]  # both ports' rules reinstalled by the repairing reconcile, at once
+    assert sorted((r for r in lab.all_flows() if r.cookie >> 48 == 0x6773), key=repr) == ours
+    assert not ip_spoof_reaches_gateway(lab)
+    assert [f.kind for f in second if f.subject == "port_isolation"] == [DriftKind.slice_network_restored]
+    kinds = [(f.kind, f.subject) for r in published for f in r.findings if f.subject == "port_isolation"]
+    assert kinds == [(DriftKind.slice_network_degraded, "port_isolation"),
+                     (DriftKind.slice_network_restored, "port_isolation")]
+    assert beats.sent == 2 and watch.repairs == 1
+    assert next(c for c in beats.checks if c.name == "port_isolation").status == "ok"
