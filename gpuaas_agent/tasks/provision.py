@@ -34,6 +34,7 @@ from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
+from gpuaas_agent.discovery.bars import function_bars
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.discovery.report import discover
@@ -450,9 +451,16 @@ async def define(run: ProvisionRun, validated: Validated) -> Defined:
         fabric_vf_pci_address=slot.fabric_vf_pci_address if profile.hostdevs else None,
         nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
         seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
-        numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__)
+        numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__,
+        **(await asyncio.to_thread(_passthrough_bars, sh.host(), slot) if profile.hostdevs else {}))
     outcome = await sh.libvirt.define(spec)
     return Defined(spec=spec, domain=outcome.domain.name, uuid=outcome.domain.uuid, action=outcome.action)
+
+
+def _passthrough_bars(host: Any, slot: Any) -> dict[str, Any]:
+    """The GPU's and VF's BAR sizes from sysfs: they size the guest's 64-bit MMIO window (host/guest_topology.py)."""
+    return {"gpu_bars": function_bars(host, slot.gpu_pci_address),
+            "fabric_vf_bars": function_bars(host, slot.fabric_vf_pci_address)}
 
 
 async def _ours(run: ProvisionRun, undo: Undo) -> tuple[Any, str | None]:
