@@ -18,6 +18,7 @@ Outcomes (issue 7, DESIGN.md §3/§4):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -26,13 +27,14 @@ from typing import Any
 from gpuaas_agent import __version__
 from gpuaas_agent.contract.cloudinit import SeedSpec
 from gpuaas_agent.contract.dhcp import GuestReadiness
-from gpuaas_agent.contract.domain import DomainSpec
+from gpuaas_agent.contract.domain import DomainSpec, GuestSlot
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.plan import PlannedSlot
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
 from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease
+from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
 from gpuaas_agent.discovery.bars import function_bars
 from gpuaas_agent.discovery.numa import node_cpulist
@@ -65,6 +67,13 @@ from gpuaas_agent.tasks.pipeline import (
 )
 from gpuaas_agent.tasks.plan import plan_bundle
 from gpuaas_agent.tasks.slicehost import SliceHost
+from gpuaas_agent.tasks.slotset import (
+    check_allocation_holds_only,
+    check_enough_free,
+    check_slot_set,
+    slot_set,
+    touched_slots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +112,17 @@ class ProvisionRun:
 
     @property
     def slot(self):
+        """The boot slot (the only slot of a single-slot provision)."""
         return self.payload.slot
+
+    @property
+    def slots(self) -> list:
+        """Every slot of the allocation, boot slot first (issue 20; validate refuses a bad set)."""
+        return slot_set(self.payload.slot, self.payload.slots)
+
+    @property
+    def data_slots(self) -> list:
+        return self.slots[1:]
 
     @property
     def name(self) -> str:
@@ -125,22 +144,36 @@ class ProvisionRun:
                          nvme_device=self.slot.nvme_device, disk_identity=validated.lease.disk_identity)
 
 
-def _outcome(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict) -> SlotOutcome:
-    return SlotOutcome(slot_index=run.slot.slot_index, status=status, health_state=health, health_detail=detail)
+def _outcome(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict,
+             slot_index: int | None = None) -> SlotOutcome:
+    index = run.slot.slot_index if slot_index is None else slot_index
+    return SlotOutcome(slot_index=index, status=status, health_state=health, health_detail=detail)
 
 
-def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict) -> SlotRecord:
-    return SlotRecord(slot_index=run.slot.slot_index, allocation_id=run.payload.allocation_id, status=status,
+def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict,
+            slot_index: int | None = None) -> SlotRecord:
+    index = run.slot.slot_index if slot_index is None else slot_index
+    if index != run.slot.slot_index:
+        detail = {**detail, "boot_slot_index": run.slot.slot_index}  # a data slot: reconcile expects no vNIC
+    return SlotRecord(slot_index=index, allocation_id=run.payload.allocation_id, status=status,
                       health_state=health, detail=detail, task_id=run.task_id, updated_at=time.time())
 
 
 def check_admissible(run: ProvisionRun) -> None:
-    """Refusals that need no host access: profile, slot state, a second provision of the allocation."""
-    sh, store, slot = run.sh, run.store, run.slot
-    if run.profile.domain_type is DomainType.qemu and not sh.slice.allow_emulated_domains:
+    """Refusals that need no host access: profile, slot state, a second provision of the allocation.
+
+    A multi-slot provision asks them of every slot of its set (any cleanup_blocked slot refuses the set).
+    """
+    if run.profile.domain_type is DomainType.qemu and not run.sh.slice.allow_emulated_domains:
         raise ProvisionRefused(
             f"runtime profile {run.profile.name} runs under emulation (TCG); this host only runs KVM slices",
             code="emulated_domain_not_allowed", evidence={"profile": run.profile.name})
+    for slot in run.slots:
+        _check_admissible_slot(run, slot)
+
+
+def _check_admissible_slot(run: ProvisionRun, slot) -> None:
+    store = run.store
     record = store.slot_state(slot.slot_index)
     if slot.status is SlotStatus.cleanup_blocked or (record and record.status is SlotStatus.cleanup_blocked):
         raise ProvisionRefused(
@@ -151,11 +184,13 @@ def check_admissible(run: ProvisionRun) -> None:
     if record and record.status is SlotStatus.provisioning and record.task_id == run.task_id:
         # This very task was running when the agent stopped (redelivered after a crash or a kill).
         steps = [(e.step, e.status.value) for e in store.journal_of(run.task_id)]
-        if any(step == "clone" for step, _ in steps):
+        started = {step for step, _ in steps}
+        if slot.slot_index in touched_slots(run.slot.slot_index, [slot.slot_index], started, "clone" in started):
             # The disk may hold half an image and a domain may be half set up: only a release may
             # decide what to tear down, and only a verified wipe makes the disk clean again.
             detail = {"code": "provision_interrupted", "journal": steps[-12:], "disk_touched": True}
-            store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
+            store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail,
+                                         slot.slot_index))
             raise ProvisionRefused(
                 f"provision {run.task_id} of slot {slot.slot_index} was interrupted after the disk was written; "
                 "the slot is cleanup_blocked until a release wipes it",
@@ -219,12 +254,19 @@ class Validated:
     relay_key: str
     seed_spec: SeedSpec
     preconditions: dict[str, Any]
+    # The other slots of a multi-slot allocation (data disks), in set order; empty for one slot.
+    data_planned: tuple[PlannedSlot, ...] = ()
+    data_leases: tuple[SlotLease, ...] = ()
 
     def journal(self) -> dict[str, Any]:
-        return {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
-                "disk_identity": self.planned.disk_identity,
-                "lease": "held_before" if self.lease_was_held else "taken",
-                "preconditions": self.preconditions}
+        out = {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
+               "disk_identity": self.planned.disk_identity,
+               "lease": "held_before" if self.lease_was_held else "taken",
+               "preconditions": self.preconditions}
+        if self.data_planned:
+            out["data_slots"] = [{"slot_index": p.slot_index, "numa_node": p.gpu_numa_node,
+                                  "disk_identity": p.disk_identity} for p in self.data_planned]
+        return out
 
 
 async def _preconditions(run: ProvisionRun, planned: PlannedSlot) -> dict[str, Any]:
@@ -248,37 +290,59 @@ async def validate(run: ProvisionRun) -> Validated:
     # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
     # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
     sh, payload, slot, store = run.sh, run.payload, run.slot, run.store
+    slots = check_slot_set(slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot
     relay_key = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
     check_guest_address(slot.private_ip, sh.slice)
     seed_spec = build_seed_spec(payload, relay_key, sh.slice)
-    check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
+    if len(slots) == 1:
+        check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
+    else:
+        check_allocation_holds_only(store, payload.allocation_id, {s.slot_index for s in slots})
     report = await asyncio.to_thread(lambda: discover(sh.host(), slice_plan_config(sh.slice)))
-    # The approved record must be exactly the host's candidate slot of its index, as slice.plan checks.
-    plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[slot.slot_id],
-                                   slots=[slot.model_copy(update={"status": SlotStatus.reserved})]), report)
+    if len(slots) > 1:
+        check_enough_free(report, store, payload.allocation_id, slots)  # not_enough_free_slots
+    # Each approved record must be exactly the host's candidate slot of its index, as slice.plan checks
+    # (a slot of another host has bindings this host lacks: not_approved).
+    plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[s.slot_id for s in slots],
+                                   slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots]),
+                       report)
     planned = plan.slots[0]
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
     preconditions = await _preconditions(run, planned)
-    wanted = SlotLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
-                       gpu_pci_address=slot.gpu_pci_address, nvme_device=slot.nvme_device,
-                       disk_identity=planned.disk_identity,
-                       fabric_vf_pci_address=slot.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
+    wanted = [SlotLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
+                        gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
+                        disk_identity=p.disk_identity,
+                        fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
+              for s, p in zip(slots, plan.slots)]
     lease_was_held = any(held.slot_index == slot.slot_index for held in store.leases_of(payload.allocation_id))
-    lease = store.take_lease(wanted)  # lease_conflict: another allocation holds a device of this slot
-    store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}))
-    return Validated(planned=planned, lease=lease, lease_was_held=lease_was_held, relay_key=relay_key,
-                     seed_spec=seed_spec, preconditions=preconditions)
+    # One transaction for the whole set: lease_conflict on any slot takes none.
+    leases = store.take_leases(wanted)
+    for s in slots:
+        store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}, s.slot_index))
+    return Validated(planned=planned, lease=leases[0], lease_was_held=lease_was_held, relay_key=relay_key,
+                     seed_spec=seed_spec, preconditions=preconditions, data_planned=tuple(plan.slots[1:]),
+                     data_leases=tuple(leases[1:]))
 
 
 async def unlease(run: ProvisionRun, undo: Undo) -> dict:
-    if undo.disk_touched:
-        return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
-    store, alloc, index = run.store, run.payload.allocation_id, run.slot.slot_index
-    store.release_slot_lease(alloc, index)  # the allocation's other slots keep theirs
-    record = store.slot_state(index)
-    if record is not None and record.allocation_id == alloc:  # never another allocation's
-        store.clear_slot_state(index)
-    return {"lease": "released"}
+    store, alloc = run.store, run.payload.allocation_id
+    touched = touched_slots(run.slot.slot_index, [s.slot_index for s in run.slots], undo.started, undo.disk_touched)
+    released, kept = [], []
+    for slot in run.slots:
+        if slot.slot_index in touched:
+            kept.append(slot.slot_index)
+            continue
+        store.release_slot_lease(alloc, slot.slot_index)  # only this allocation's lease of the slot
+        record = store.slot_state(slot.slot_index)
+        if record is not None and record.allocation_id == alloc:  # never another allocation's
+            store.clear_slot_state(slot.slot_index)
+        released.append(slot.slot_index)
+    if len(run.slots) == 1:
+        if kept:
+            return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
+        return {"lease": "released"}
+    return {"lease": {"released": released, "kept": kept},
+            **({"reason": "a written disk is freed only by a verified wipe"} if kept else {})}
 
 
 @dataclass(frozen=True)
@@ -295,8 +359,36 @@ class VfioBound:
 async def bind_vfio(run: ProvisionRun) -> VfioBound:
     if not run.profile.hostdevs:
         return VfioBound(skipped=f"profile {run.profile.name} passes no PCI devices through")
-    approved = [run.slot.gpu_pci_address, run.slot.fabric_vf_pci_address]
+    approved = [a for s in run.slots for a in (s.gpu_pci_address, s.fabric_vf_pci_address)]
     return VfioBound(results=tuple([await bind_to_vfio(run.sh.host(), address, approved) for address in approved]))
+
+
+@dataclass(frozen=True)
+class DataDisks:
+    """The data disks of a multi-slot allocation, each proven writable under its own slot's lease."""
+
+    evidence: tuple[Any, ...] = ()
+
+    def journal(self) -> dict[str, Any]:
+        return {"data_disks": [e.model_dump(mode="json") for e in self.evidence]}
+
+
+async def guard_data_disks(run: ProvisionRun, validated: Validated) -> DataDisks:
+    """Each data disk gets the boot disk's guard (lease by identity, not mounted, no other domain's), unwritten.
+
+    Nothing is written here: the disk reaches the guest raw; a release wipes and verifies it like a boot disk.
+    """
+    if not validated.data_leases:
+        return DataDisks()
+    others = await run.sh.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
+                                                       exclude_slot=run.slot.slot_index)
+    evidence = []
+    for lease in validated.data_leases:
+        disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
+                               nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
+        evidence.append(await asyncio.to_thread(check_disk_writable, run.sh.host(), lease.nvme_device,
+                                                lease=disk_lease, domain_disks=others))
+    return DataDisks(evidence=tuple(evidence))
 
 
 class ImagePin:
@@ -452,9 +544,21 @@ async def define(run: ProvisionRun, validated: Validated) -> Defined:
         nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
         seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
         numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__,
-        **(await asyncio.to_thread(_passthrough_bars, sh.host(), slot) if profile.hostdevs else {}))
+        **(await asyncio.to_thread(_passthrough_bars, sh.host(), slot) if profile.hostdevs else {}),
+        extra_slots=[await _guest_slot(run, s, p) for s, p in zip(run.data_slots, validated.data_planned)])
     outcome = await sh.libvirt.define(spec)
     return Defined(spec=spec, domain=outcome.domain.name, uuid=outcome.domain.uuid, action=outcome.action)
+
+
+async def _guest_slot(run: ProvisionRun, slot: Any, planned: PlannedSlot) -> GuestSlot:
+    """A data slot of the domain: its devices, NUMA node and BARs, resolved on this host now."""
+    hostdevs = run.profile.hostdevs
+    numa = planned.gpu_numa_node if hostdevs else None
+    cpulist = await asyncio.to_thread(node_cpulist, run.sh.host(), numa) if numa is not None else None
+    bars = await asyncio.to_thread(_passthrough_bars, run.sh.host(), slot) if hostdevs else {}
+    return GuestSlot(slot_index=slot.slot_index, gpu_pci_address=slot.gpu_pci_address if hostdevs else None,
+                     fabric_vf_pci_address=slot.fabric_vf_pci_address if hostdevs else None,
+                     nvme_device=slot.nvme_device, numa_node=numa, numa_cpulist=cpulist, **bars)
 
 
 def _passthrough_bars(host: Any, slot: Any) -> dict[str, Any]:
@@ -522,6 +626,8 @@ PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("bind_vfio", bind_vfio,
             no_compensation="a GPU left on vfio-pci is the slice host's steady state: nothing to undo"),
     StepDef("image", fetch_image, unpin_image),  # the shared cache keeps the image; only this run's pin goes
+    StepDef("data_disks", guard_data_disks, takes=("validate",),
+            no_compensation="a check of the other slots' disks: nothing written"),
     StepDef("clone", clone, takes=("validate", "image"), touches_disk=True,
             no_compensation="a written disk cannot be un-written: only a verified wipe by release makes it clean"),
     StepDef("seed", seed, unseed, takes=("validate",)),
@@ -540,13 +646,17 @@ def provision_steps(run: ProvisionRun) -> list[Step]:
 
 async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
     run = ProvisionRun.for_task(sh, payload, ctx)
-    async with sh.slot_lock(payload.slot.slot_index):
+    async with contextlib.AsyncExitStack() as locks:
+        # Every slot of the set, in index order (two sets sharing slots never wait on each other in a cycle).
+        for index in sorted({s.slot_index for s in run.slots}):
+            await locks.enter_async_context(sh.slot_lock(index))
         try:
             check_admissible(run)
         except ProvisionRefused as refused:
             if refused.code in ("slot_cleanup_blocked", "provision_interrupted"):  # the slot is (now) blocked
                 ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed,
-                                                  {"code": refused.code, **refused.evidence}))
+                                                  {"code": refused.code, **refused.evidence},
+                                                  refused.evidence.get("slot_index")))
             raise
         try:
             outputs = await run_pipeline(ctx, provision_steps(run))
@@ -555,11 +665,12 @@ async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
             raise
     lease = outputs["readiness"]["lease"]
     detail = {"readiness": outputs["readiness"], "domain": run.name}
-    ctx.store.set_slot_state(_record(run, SlotStatus.active, HealthState.healthy, detail))
-    ctx.slot_outcomes.append(_outcome(run, SlotStatus.active, HealthState.healthy, detail))
+    for slot in run.slots:
+        ctx.store.set_slot_state(_record(run, SlotStatus.active, HealthState.healthy, detail, slot.slot_index))
+        ctx.slot_outcomes.append(_outcome(run, SlotStatus.active, HealthState.healthy, detail, slot.slot_index))
     log_event(log, "slice_provisioned", task_id=run.task_id, allocation_id=payload.allocation_id,
-              slot_index=payload.slot.slot_index, domain=run.name, ip=lease["actual_ip"])
-    return {
+              slot_index=payload.slot.slot_index, slots=len(run.slots), domain=run.name, ip=lease["actual_ip"])
+    result = {
         "vm": run.name,
         "mac": payload.slot.mac,
         "expected_ip": lease["expected_ip"],
@@ -571,20 +682,32 @@ async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
         "clone": outputs["clone"],
         "image": outputs["image"],
     }
+    if len(run.slots) > 1:
+        result["slots"] = [s.slot_index for s in run.slots]
+    return result
 
 
 def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> None:
+    """Every slot of the set: cleanup_blocked if its disk may hold data (its own evidence), else released."""
     detail = {"failed_step": failure.failed_step, "code": failure.code, "message": failure.message,
               "evidence": failure.evidence, "cancelled": failure.cancelled}
-    if failure.disk_touched:
-        ctx.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
-        ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
-        log_event(log, "slot_cleanup_blocked", logging.WARNING, task_id=run.task_id,
-                  slot_index=run.slot.slot_index, failed_step=failure.failed_step, code=failure.code)
-    else:
-        # The validate step's compensation released the lease and cleared the record; the disk is as it was.
-        ctx.slot_outcomes.append(_outcome(run, SlotStatus.reserved, HealthState.unknown,
-                                          {**detail, "lease_released": True, "disk_touched": False}))
+    started = [*failure.evidence.get("steps_done", []), failure.failed_step]
+    touched = touched_slots(run.slot.slot_index, [s.slot_index for s in run.slots], started, failure.disk_touched)
+    for slot in run.slots:
+        if slot.slot_index in touched:
+            own = {**detail, "nvme_device": slot.nvme_device,
+                   "disk_role": "boot" if slot is run.slots[0] else "data"} if len(run.slots) > 1 else detail
+            ctx.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, own,
+                                             slot.slot_index))
+            ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, own,
+                                              slot.slot_index))
+            log_event(log, "slot_cleanup_blocked", logging.WARNING, task_id=run.task_id,
+                      slot_index=slot.slot_index, failed_step=failure.failed_step, code=failure.code)
+        else:
+            # The validate step's compensation released the lease and cleared the record; the disk is as it was.
+            ctx.slot_outcomes.append(_outcome(run, SlotStatus.reserved, HealthState.unknown,
+                                              {**detail, "lease_released": True, "disk_touched": False},
+                                              slot.slot_index))
 
 
 def provision_handler(sh: SliceHost):
