@@ -58,6 +58,8 @@ class PlanPayload(WireModel):
     allocation_id: str = Field(pattern=UUID_PATTERN)
     approved_slot_ids: list[str] = Field(min_length=1)
     slots: list[ApprovedSlot] = Field(min_length=1)
+    # v1.1: the profile the slots are for; its placement constraint is enforced on a multi-slot set.
+    runtime_profile: str | None = None
 
 
 class ImageRef(WireModel):

@@ -112,6 +112,16 @@ class GpuDevice(WireModel):
     uuid: str | None = None
 
 
+class NvSwitchDevice(WireModel):
+    """An NVSwitch (NVIDIA, PCI class 0x0680): the HGX NVLink fabric between the node's GPUs."""
+
+    pci_address: PciAddress
+    device_id: PciId | None
+    class_code: str
+    numa_node: int | None = None
+    driver: str | None = None
+
+
 class MountedChild(WireModel):
     """A partition (or a holder on top of one) of a disk that is mounted somewhere."""
 
@@ -247,3 +257,5 @@ class TopologyReport(WireModel):
     blockers: list[Finding]
     warnings: list[Finding]
     gpu_enrichment: GpuEnrichment
+    # HGX fabric (issue 20): multi-GPU guests need a Fabric Manager partition for NVLink (tasks/placement.py).
+    nvswitches: list[NvSwitchDevice] = Field(default_factory=list)

@@ -34,13 +34,13 @@ from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profil
 from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease
-from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
 from gpuaas_agent.discovery.bars import function_bars
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError, HostError
+from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.preconditions import check_provision_preconditions, parse_ed25519
 from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
@@ -257,6 +257,7 @@ class Validated:
     # The other slots of a multi-slot allocation (data disks), in set order; empty for one slot.
     data_planned: tuple[PlannedSlot, ...] = ()
     data_leases: tuple[SlotLease, ...] = ()
+    placement: Any = None  # PlacementReport of a multi-slot set
 
     def journal(self) -> dict[str, Any]:
         out = {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
@@ -266,6 +267,8 @@ class Validated:
         if self.data_planned:
             out["data_slots"] = [{"slot_index": p.slot_index, "numa_node": p.gpu_numa_node,
                                   "disk_identity": p.disk_identity} for p in self.data_planned]
+        if self.placement is not None:
+            out["placement"] = self.placement.model_dump(mode="json")
         return out
 
 
@@ -299,13 +302,13 @@ async def validate(run: ProvisionRun) -> Validated:
     else:
         check_allocation_holds_only(store, payload.allocation_id, {s.slot_index for s in slots})
     report = await asyncio.to_thread(lambda: discover(sh.host(), slice_plan_config(sh.slice)))
-    if len(slots) > 1:
-        check_enough_free(report, store, payload.allocation_id, slots)  # not_enough_free_slots
+    free = check_enough_free(report, store, payload.allocation_id, slots) if len(slots) > 1 else []
     # Each approved record must be exactly the host's candidate slot of its index, as slice.plan checks
-    # (a slot of another host has bindings this host lacks: not_approved).
+    # (a slot of another host has bindings this host lacks: not_approved); a set that crosses the profile's
+    # placement constraint is placement_violated.
     plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[s.slot_id for s in slots],
                                    slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots]),
-                       report)
+                       report, placement=run.profile.placement, free_slots=free)
     planned = plan.slots[0]
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
     preconditions = await _preconditions(run, planned)
@@ -321,7 +324,7 @@ async def validate(run: ProvisionRun) -> Validated:
         store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}, s.slot_index))
     return Validated(planned=planned, lease=leases[0], lease_was_held=lease_was_held, relay_key=relay_key,
                      seed_spec=seed_spec, preconditions=preconditions, data_planned=tuple(plan.slots[1:]),
-                     data_leases=tuple(leases[1:]))
+                     data_leases=tuple(leases[1:]), placement=plan.placement)
 
 
 async def unlease(run: ProvisionRun, undo: Undo) -> dict:

@@ -225,3 +225,12 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
                 dom.undefine()
         keep.close()
         store.close()
+
+
+def test_a_set_crossing_the_profiles_placement_is_refused_in_validate(loop_host, tmp_path):
+    store = StateStore.open(tmp_path / "state.db")
+    slots = [_approved(loop_host, 3), _approved(loop_host, 4)]  # NUMA node 0 and node 1
+    failure = _refused(loop_host, tmp_path, _payload(slots[0], slots=slots, runtime_profile="h200_1g_24c_64g_numa"),
+                       store)
+    assert failure.code == "placement_violated" and failure.evidence["required"] == "same_numa"
+    assert failure.evidence["achieved"] == "cross_numa" and failure.evidence["slot_indexes"] == [3, 4]
