@@ -272,9 +272,30 @@ class Validated:
         return out
 
 
-async def _preconditions(run: ProvisionRun, planned: PlannedSlot) -> dict[str, Any]:
-    """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8)."""
-    sh, payload, slot, profile = run.sh, run.payload, run.slot, run.profile
+async def _preconditions(run: ProvisionRun, planned: PlannedSlot,
+                         data_planned: tuple[PlannedSlot, ...] = ()) -> dict[str, Any]:
+    """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8).
+
+    A multi-slot set is checked slot by slot (each GPU and VF), with the profile's memory scaled by the
+    number of the set's slots on that slot's NUMA node: the 1 GiB pages a node must have free are its
+    cells' total, not one slot's.
+    """
+    if not data_planned:
+        return await _slot_preconditions(run, run.slot, planned, run.profile)
+    everything = [planned, *data_planned]
+    per_node: dict[int | None, int] = {}
+    for p in everything:
+        per_node[p.gpu_numa_node] = per_node.get(p.gpu_numa_node, 0) + 1
+    out = {}
+    for slot, p in zip(run.slots, everything):
+        profile = run.profile.model_copy(update={"memory_mib": run.profile.memory_mib * per_node[p.gpu_numa_node]})
+        out[str(slot.slot_index)] = await _slot_preconditions(run, slot, p, profile)
+    return {"slots": out}
+
+
+async def _slot_preconditions(run: ProvisionRun, slot: Any, planned: PlannedSlot,
+                              profile: RuntimeProfile) -> dict[str, Any]:
+    sh, payload = run.sh, run.payload
     async with sh.ovs() as ovs:
         bridge_exists = await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge)
     cached = sh.images.lookup(payload.image.sha256)
@@ -311,7 +332,7 @@ async def validate(run: ProvisionRun) -> Validated:
                        report, placement=run.profile.placement, free_slots=free)
     planned = plan.slots[0]
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
-    preconditions = await _preconditions(run, planned)
+    preconditions = await _preconditions(run, planned, tuple(plan.slots[1:]))
     wanted = [SlotLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
                         gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
                         disk_identity=p.disk_identity,
