@@ -62,6 +62,7 @@ PCI_ATTRS = (
     "numa_node", "local_cpulist", "enable", "driver_override",
     "sriov_totalvfs", "sriov_numvfs", "sriov_offset", "sriov_stride", "sriov_vf_device",
     "current_link_speed", "current_link_width", "max_link_speed", "max_link_width",
+    "resource",  # BAR sizes: the guest's 64-bit MMIO window is computed from them (discovery/bars.py)
 )
 PCI_LINKS = ("driver", "iommu_group", "physfn", "subsystem")
 NET_ATTRS = ("address", "operstate", "type", "mtu", "ifindex", "phys_port_name", "phys_switch_id")

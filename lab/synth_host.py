@@ -403,6 +403,43 @@ class PciFunc:
         return self.physfn is not None
 
 
+# sysfs ``resource`` flags (include/linux/ioport.h): what a BAR is, as the kernel prints it.
+IORESOURCE_MEM = 0x00000200
+IORESOURCE_PREFETCH = 0x00002000
+IORESOURCE_MEM_64 = 0x00100000
+IORESOURCE_SIZEALIGN = 0x00040000
+BAR_MEM32 = IORESOURCE_MEM | IORESOURCE_SIZEALIGN
+BAR_MEM64_PREFETCH = IORESOURCE_MEM | IORESOURCE_PREFETCH | IORESOURCE_MEM_64 | IORESOURCE_SIZEALIGN | 0xC
+H200_BAR1_BYTES = 256 << 30  # the framebuffer BAR of an H200 SXM (resizable BAR at its maximum)
+
+
+def resource_text(bars: dict[int, tuple[int, int, int]]) -> str:
+    """A function's ``resource`` file: 13 lines (6 BARs, ROM, 6 SR-IOV BARs), ``start end flags`` each.
+
+    ``bars`` maps a line index to (start, size, flags); every other line is the kernel's all-zero line.
+    """
+    lines = []
+    for index in range(13):
+        start, size, flags = bars.get(index, (0, 0, 0))
+        end = start + size - 1 if size else 0
+        lines.append(f"0x{start:016x} 0x{end:016x} 0x{flags:016x}")
+    return "\n".join(lines)
+
+
+def h200_resource(island_index: int) -> str:
+    """An H200's BARs: BAR0 16 MiB registers (32-bit), BAR1 256 GiB framebuffer, BAR3 32 MiB (64-bit prefetchable)."""
+    mmio32 = 0x9A000000 + island_index * 0x02000000
+    mmio64 = 0x200000000000 + island_index * 0x8000000000  # 512 GiB apart, naturally aligned
+    return resource_text({0: (mmio32, 16 << 20, BAR_MEM32), 1: (mmio64, H200_BAR1_BYTES, BAR_MEM64_PREFETCH),
+                          3: (mmio64 + H200_BAR1_BYTES, 32 << 20, BAR_MEM64_PREFETCH)})
+
+
+def cx7_vf_resource(island_index: int, vf: int) -> str:
+    """A ConnectX-7 VF: BAR0 2 MiB, 64-bit prefetchable (carved from the PF's SR-IOV BAR)."""
+    start = 0x300000000000 + island_index * 0x100000000 + vf * (2 << 20)
+    return resource_text({0: (start, 2 << 20, BAR_MEM64_PREFETCH)})
+
+
 class PciTree:
     """All PCI functions of the host; writes their directories and the bus/driver/IOMMU links."""
 
@@ -1232,7 +1269,8 @@ class HostBuilder:
             for dev in range(3)
         ]
         pci.add(PciFunc(island.gpu, downs[0].path, 0x10DE, 0x2335, 0x030200, 0x10DE, 0x18BE, numa,
-                        revision=0xA1, driver=self.state.gpu_driver, link=("32.0 GT/s PCIe", 16)))
+                        revision=0xA1, driver=self.state.gpu_driver, link=("32.0 GT/s PCIe", 16),
+                        extra={"resource": h200_resource(island.index)}))
         vfs = [vf_address(island.nic, k) for k in range(self.numvfs)]
         pf = pci.add(PciFunc(island.nic, downs[1].path, 0x15B3, 0x1021, 0x020700, 0x15B3, 0x0041, numa,
                              driver="mlx5_core", link=("32.0 GT/s PCIe", 16), virtfns=vfs,
@@ -1245,7 +1283,8 @@ class HostBuilder:
                                         lid=0x101 + island.index))
         for k, vf in enumerate(vfs):
             vfunc = pci.add(PciFunc(vf, downs[1].path, 0x15B3, 0x101E, 0x020700, 0x15B3, 0x0041, numa,
-                                    driver=self.state.vf_driver, physfn=island.nic))
+                                    driver=self.state.vf_driver, physfn=island.nic,
+                                    extra={"resource": cx7_vf_resource(island.index, k)}))
             if self.state.vf_driver == "mlx5_core":
                 vf_guid = guid_bytes(f"cx7-vf-{island.index}-{k}")
                 serial = island.index * self.numvfs + k

@@ -21,6 +21,9 @@ from pydantic_core import to_json
 
 # Bumped when a wire model changes shape; carried by every top-level message.
 SCHEMA_VERSION = "gpuaas.agent/v1"
+# Compatible bump (issue 20): slice.vm_provision / slice.vm_release may carry ``slots`` (one allocation, N slots).
+# Every v1 message is a valid v1.1 message; an envelope may name either, the agent accepts both.
+SCHEMA_VERSION_MULTI_SLOT = "gpuaas.agent/v1.1"
 
 
 class WireEnum(str, Enum):

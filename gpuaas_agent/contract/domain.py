@@ -17,6 +17,7 @@ from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile
 from gpuaas_agent.contract.storage import DiskEvidence
+from gpuaas_agent.contract.topology import PciBar
 from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN, UUID_PATTERN, ByIdPath, MacAddress, PciAddress
 from gpuaas_agent.errors import ContractError
 
@@ -53,6 +54,25 @@ class _SlotDomainNames:
         return vnic_name(self.allocation_id, self.slot_index)
 
 
+class GuestSlot(WireModel):
+    """One slot's devices inside a (possibly multi-GPU) domain: GPU, fabric VF, raw NVMe and their host node.
+
+    A multi-slot allocation is one domain: the spec's own fields are its first slot (the one that boots the
+    image); :attr:`DomainSpec.extra_slots` are the others, whose NVMe is a raw data disk.
+    """
+
+    slot_index: int = Field(ge=0, le=255)
+    gpu_pci_address: PciAddress | None = None
+    fabric_vf_pci_address: PciAddress | None = None
+    nvme_device: ByIdPath
+    nvme_numa_node: int | None = Field(default=None, ge=0)
+    numa_node: int | None = Field(default=None, ge=0)
+    numa_cpulist: CpuList | None = None
+    # Memory BARs read by discovery (sysfs resource): they size the guest's 64-bit MMIO window.
+    gpu_bars: list[PciBar] = Field(default_factory=list, max_length=6)
+    fabric_vf_bars: list[PciBar] = Field(default_factory=list, max_length=6)
+
+
 class DomainSpec(_SlotDomainNames, WireModel):
     """Inputs of one slot's domain; the builder checks how they fit together."""
 
@@ -77,6 +97,18 @@ class DomainSpec(_SlotDomainNames, WireModel):
     # Where libvirt also writes the serial console (lab debugging); None: pty only.
     serial_log_path: AbsolutePath | None = None
     agent_version: str = Field(min_length=1, max_length=64)
+    # Multi-GPU guests (issue 20): the first slot's BARs, and every further slot of the same allocation.
+    gpu_bars: list[PciBar] = Field(default_factory=list, max_length=6)
+    fabric_vf_bars: list[PciBar] = Field(default_factory=list, max_length=6)
+    extra_slots: list[GuestSlot] = Field(default_factory=list, max_length=15)
+
+    def guest_slots(self) -> list[GuestSlot]:
+        """Every slot of the domain, the boot slot first."""
+        first = GuestSlot(slot_index=self.slot_index, gpu_pci_address=self.gpu_pci_address,
+                          fabric_vf_pci_address=self.fabric_vf_pci_address, nvme_device=self.nvme_device,
+                          nvme_numa_node=self.nvme_numa_node, numa_node=self.numa_node,
+                          numa_cpulist=self.numa_cpulist, gpu_bars=self.gpu_bars, fabric_vf_bars=self.fabric_vf_bars)
+        return [first, *self.extra_slots]
 
     def start_target(self) -> StartTarget:
         return StartTarget(allocation_id=self.allocation_id, slot_index=self.slot_index, profile=self.profile,
@@ -127,7 +159,8 @@ class DomainSpecError(ContractError):
     """A domain spec that cannot describe a VM on this host; nothing was defined.
 
     Codes: ``invalid_domain_spec``, ``vcpus_exceed_numa_node``, ``memory_not_hugepage_multiple``,
-    ``numa_unknown``, ``disk_numa_mismatch``, ``hostdev_missing``, ``hostdevs_not_allowed``.
+    ``numa_unknown``, ``disk_numa_mismatch``, ``hostdev_missing``, ``hostdevs_not_allowed``,
+    ``duplicate_slot_device``, ``gpu_bars_unknown``, ``too_many_numa_nodes``, ``too_many_devices_on_node``.
     """
 
     default_code = "invalid_domain_spec"

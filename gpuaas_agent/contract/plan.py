@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.placement import PlacementReport
 from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName, MacAddress, PciAddress
 
 
@@ -28,3 +29,5 @@ class PlannedSlot(WireModel):
 class BundlePlan(WireModel):
     allocation_id: str
     slots: list[PlannedSlot]
+    # v1.1, multi-slot sets only: the locality the set gets, the constraint that decided, a better free set.
+    placement: PlacementReport | None = None

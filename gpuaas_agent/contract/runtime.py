@@ -16,6 +16,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.nvmewipe import WipePolicy
+from gpuaas_agent.contract.placement import Placement
 from gpuaas_agent.errors import ContractError
 
 HUGEPAGE_1G_MIB = 1024
@@ -58,6 +59,8 @@ class RuntimeProfile(WireModel):
     # Readiness also proves egress (issue 16): the guest's first boot reaches the host's configured
     # target beyond the NAT (SliceConfig.readiness_egress_target) and conntrack shows it source-NATed.
     readiness_egress: bool = False
+    # The weakest locality a multi-slot allocation of this profile accepts (tasks/placement.py).
+    placement: Placement = Placement.any
 
 
 class UnknownProfileError(ContractError):
@@ -77,6 +80,17 @@ PROFILES: MappingProxyType[str, RuntimeProfile] = MappingProxyType(
                 memory_mib=64 * 1024,
                 hugepages_1g=True,
                 hostdevs=True,
+            ),
+            # The tuned shape for NUMA-bound multi-GPU work: a set of its slots must sit on one NUMA node
+            # (a 2- or 4-GPU slice on an HGX node; an 8-GPU slice spans both nodes and takes the plain profile).
+            RuntimeProfile(
+                name="h200_1g_24c_64g_numa",
+                domain_type=DomainType.kvm,
+                vcpus=24,
+                memory_mib=64 * 1024,
+                hugepages_1g=True,
+                hostdevs=True,
+                placement=Placement.same_numa,
             ),
             RuntimeProfile(
                 name="lab_tcg_1c_512m",

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError
 
 from gpuaas_agent.errors import ContractError
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel, first_error
+from gpuaas_agent.contract.base import SCHEMA_VERSION, SCHEMA_VERSION_MULTI_SLOT, WireEnum, WireModel, first_error
 from gpuaas_agent.contract.cloudinit import MAX_SSH_KEYS, GuestDriverProfile, Hostname, LinuxUserName, SshPublicKey
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
 from gpuaas_agent.contract.terminal import (
@@ -44,7 +44,7 @@ class TaskType(WireEnum):
 
 
 class TaskEnvelope(WireModel):
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: Literal[SCHEMA_VERSION, SCHEMA_VERSION_MULTI_SLOT] = SCHEMA_VERSION
     task_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
     type: str = Field(min_length=1, max_length=100)
     node_id: str = Field(pattern=NODE_ID_PATTERN)
@@ -68,6 +68,8 @@ class PlanPayload(WireModel):
     allocation_id: str = Field(pattern=UUID_PATTERN)
     approved_slot_ids: list[str] = Field(min_length=1)
     slots: list[ApprovedSlot] = Field(min_length=1)
+    # v1.1: the profile the slots are for; its placement constraint is enforced on a multi-slot set.
+    runtime_profile: str | None = None
 
 
 class ImageRef(WireModel):
@@ -80,9 +82,16 @@ class ImageRef(WireModel):
     size_bytes: int | None = Field(default=None, gt=0)
 
 
+MAX_SLOTS_PER_ALLOCATION = 16  # an 8-GPU node today; the bound keeps a hostile list small
+
+
 class VmProvisionPayload(WireModel):
     allocation_id: str = Field(pattern=UUID_PATTERN)
+    # The boot slot: its NVMe gets the image, its MAC/IP are the guest's vNIC.
     slot: ApprovedSlot
+    # v1.1: every slot of a multi-GPU allocation, the boot slot included (empty: just ``slot``). One domain
+    # gets every GPU, VF and NVMe; the other slots' disks are raw data disks (tasks/slotset.py).
+    slots: list[ApprovedSlot] = Field(default_factory=list, max_length=MAX_SLOTS_PER_ALLOCATION)
     image: ImageRef
     runtime_profile: str = "h200_1g_24c_64g"
     # The tenant's input is checked here, at the edge (``invalid_payload`` naming the field), with the
@@ -98,6 +107,8 @@ class VmProvisionPayload(WireModel):
 class VmReleasePayload(WireModel):
     allocation_id: str = Field(pattern=UUID_PATTERN)
     slot: ApprovedSlot
+    # v1.1: every slot of the allocation to release (boot slot included); empty: just ``slot``.
+    slots: list[ApprovedSlot] = Field(default_factory=list, max_length=MAX_SLOTS_PER_ALLOCATION)
     graceful_timeout_s: int = Field(default=120, ge=1, le=3600)
 
 

@@ -82,6 +82,15 @@ class Finding(WireModel):
     path: str | None = None
 
 
+class PciBar(WireModel):
+    """One memory BAR of a PCI function, from sysfs ``resource`` (sizes decide the guest's MMIO window)."""
+
+    index: int = Field(ge=0, le=5)
+    size_bytes: int = Field(gt=0)
+    is_64bit: bool
+    prefetchable: bool
+
+
 class GpuDevice(WireModel):
     pci_address: PciAddress
     vendor_id: PciId
@@ -96,10 +105,21 @@ class GpuDevice(WireModel):
     iommu_group_members: list[PciAddress] = Field(default_factory=list)
     driver: str | None = None
     pci_path: list[PciAddress] = Field(default_factory=list, description="upstream bridges, root port first")
+    bars: list[PciBar] = Field(default_factory=list, description="memory BARs from sysfs resource; empty: unknown")
     # pynvml enrichment, live hosts only.
     model: str | None = None
     memory_total_bytes: int | None = None
     uuid: str | None = None
+
+
+class NvSwitchDevice(WireModel):
+    """An NVSwitch (NVIDIA, PCI class 0x0680): the HGX NVLink fabric between the node's GPUs."""
+
+    pci_address: PciAddress
+    device_id: PciId | None
+    class_code: str
+    numa_node: int | None = None
+    driver: str | None = None
 
 
 class MountedChild(WireModel):
@@ -237,3 +257,5 @@ class TopologyReport(WireModel):
     blockers: list[Finding]
     warnings: list[Finding]
     gpu_enrichment: GpuEnrichment
+    # HGX fabric (issue 20): multi-GPU guests need a Fabric Manager partition for NVLink (tasks/placement.py).
+    nvswitches: list[NvSwitchDevice] = Field(default_factory=list)

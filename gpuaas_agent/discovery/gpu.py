@@ -7,6 +7,7 @@ NVSwitch bridges (0x0680) are NVIDIA functions but not GPUs, and a BMC's VGA
 from __future__ import annotations
 
 from gpuaas_agent.contract.topology import GpuDevice
+from gpuaas_agent.discovery.bars import read_bars
 from gpuaas_agent.discovery.pci import PciIndex, iommu_group_members
 
 NVIDIA_VENDOR = 0x10DE
@@ -52,6 +53,7 @@ def read_gpus(index: PciIndex) -> list[GpuDevice]:
                 iommu_group_members=iommu_group_members(index.reader, fn.iommu_group),
                 driver=fn.driver,
                 pci_path=list(fn.pci_path),
+                bars=read_bars(index.reader, fn.address),
             )
         )
     return gpus

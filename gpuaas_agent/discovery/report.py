@@ -8,6 +8,7 @@ from gpuaas_agent.discovery.gpu import read_gpus
 from gpuaas_agent.discovery.identity import identity_key, read_identity
 from gpuaas_agent.discovery.nvme import read_nvme_devices
 from gpuaas_agent.discovery.nvml import enrich
+from gpuaas_agent.discovery.nvswitch import read_nvswitches
 from gpuaas_agent.discovery.pci import iommu_enabled, read_pci_index
 from gpuaas_agent.discovery.slots import PlanConfig, plan_slots
 from gpuaas_agent.discovery.sysread import SysReader
@@ -53,4 +54,5 @@ def discover(host: HostRoot, config: PlanConfig | None = None) -> TopologyReport
         blockers=blockers,
         warnings=reader.findings.items,
         gpu_enrichment=enrichment,
+        nvswitches=read_nvswitches(index),
     )

@@ -101,6 +101,8 @@ class Undo:
 
     outputs: Mapping[str, Any]
     disk_touched: bool
+    # Steps that started (finished or not): a multi-slot provision's data disks are touched from "start" on.
+    started: frozenset[str] = frozenset()
 
     def output(self, name: str) -> Any | None:
         return self.outputs.get(name)
@@ -152,7 +154,7 @@ def bind_steps(defs: tuple[StepDef[C], ...] | list[StepDef[C]], context: C,
     touching = {d.name for d in defs if d.touches_disk}
 
     def undo_view() -> Undo:
-        return Undo(outputs=dict(outputs), disk_touched=bool(started & touching))
+        return Undo(outputs=dict(outputs), disk_touched=bool(started & touching), started=frozenset(started))
 
     def bound(d: StepDef[C]) -> Step:
         async def run() -> dict[str, Any]:

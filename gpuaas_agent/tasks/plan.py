@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from gpuaas_agent.contract.placement import Placement
 from gpuaas_agent.contract.plan import BundlePlan, PlannedSlot
+from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.tasks import PlanPayload
@@ -24,6 +27,8 @@ from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.slot_binding import check_slot_binding, disks_by_name
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.placement import assess_placement, enforce_placement
+from gpuaas_agent.tasks.slotset import free_slot_indexes
 
 # A slot the control plane has not handed to this allocation cannot be planned.
 PLANNABLE = frozenset({SlotStatus.available, SlotStatus.reserved})
@@ -58,8 +63,13 @@ def _not_on_this_node(slot: ApprovedSlot, what: str, detail: str, **evidence) ->
                      evidence={"slot_id": slot.slot_id, "binding": what, **evidence})
 
 
-def plan_bundle(payload: PlanPayload, report: TopologyReport) -> BundlePlan:
-    """Pure: approved records + live discovery -> bundle plan, or a typed refusal naming the evidence."""
+def plan_bundle(payload: PlanPayload, report: TopologyReport, *, placement: Placement = Placement.any,
+                free_slots: Sequence[int] = ()) -> BundlePlan:
+    """Pure: approved records + live discovery -> bundle plan, or a typed refusal naming the evidence.
+
+    A set of more than one slot also gets its placement verdict (``tasks/placement.py``); one that crosses
+    ``placement`` is refused (``placement_violated``). ``free_slots``: where to look for a better set.
+    """
     slots = _slot_records(payload)
     _no_shared_devices(slots)
     gpus = {g.pci_address: g for g in report.gpus}
@@ -98,7 +108,10 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport) -> BundlePlan:
             nvme_size_bytes=disk.size_bytes,
             mac=slot.mac, private_ip=slot.private_ip, ovs_bridge=slot.ovs_bridge,
         ))
-    return BundlePlan(allocation_id=payload.allocation_id, slots=planned)
+    if len(planned) == 1:
+        return BundlePlan(allocation_id=payload.allocation_id, slots=planned)
+    verdict = enforce_placement(assess_placement(report, planned, placement, free_slots))
+    return BundlePlan(allocation_id=payload.allocation_id, slots=planned, placement=verdict)
 
 
 def lease_bundle(store: StateStore, plan: BundlePlan, task_id: str, *, now: float | None = None) -> list[SlotLease]:
@@ -126,7 +139,9 @@ def plan_handler(host_root: Path, plan_config: PlanConfig | None = None):
 
         await ctx.progress("validate", "started")
         report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan_config))
-        plan = plan_bundle(payload, report)
+        placement = get_profile(payload.runtime_profile).placement if payload.runtime_profile else Placement.any
+        free = free_slot_indexes(report, ctx.store, payload.allocation_id)
+        plan = plan_bundle(payload, report, placement=placement, free_slots=free)
         await ctx.progress("validate", "succeeded")
         lease_bundle(ctx.store, plan, ctx.envelope.task_id)
         await ctx.progress("lease", "succeeded", detail={"slots": [s.slot_index for s in plan.slots]})

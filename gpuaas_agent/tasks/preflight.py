@@ -25,6 +25,7 @@ from gpuaas_agent.contract.tasks import PreflightPayload
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.discovery import prereqs
 from gpuaas_agent.discovery.netevidence import NetTarget, read_dnsmasq_evidence, read_network_evidence
+from gpuaas_agent.discovery.nvswitch import check_nvswitch_partition
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import GuardError
@@ -110,6 +111,7 @@ def build_parity_report(host: HostRoot, target: NetTarget | None = None, sockets
         prereqs.check_slot_candidates(report),
         prereqs.check_gpu_driver(report),
         prereqs.check_gpu_host_services(host, report),
+        check_nvswitch_partition(report),
         prereqs.check_ovmf(host),
         prereqs.check_hugepages(host, profiles, [s.numa_node for s in report.candidate_slots if not s.blockers]
                                 or [s.numa_node for s in report.candidate_slots]),

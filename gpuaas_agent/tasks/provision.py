@@ -18,6 +18,7 @@ Outcomes (issue 7, DESIGN.md §3/§4):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -27,7 +28,7 @@ from typing import Any
 from gpuaas_agent import __version__
 from gpuaas_agent.contract.cloudinit import SeedSpec
 from gpuaas_agent.contract.dhcp import GuestReadiness
-from gpuaas_agent.contract.domain import DomainSpec
+from gpuaas_agent.contract.domain import DomainSpec, GuestSlot
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.plan import PlannedSlot
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
@@ -35,10 +36,12 @@ from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
+from gpuaas_agent.discovery.bars import function_bars
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError, HostError
+from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.preconditions import check_provision_preconditions, parse_ed25519
 from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
@@ -66,6 +69,13 @@ from gpuaas_agent.tasks.pipeline import (
 )
 from gpuaas_agent.tasks.plan import plan_bundle
 from gpuaas_agent.tasks.slicehost import SliceHost
+from gpuaas_agent.tasks.slotset import (
+    check_allocation_holds_only,
+    check_enough_free,
+    check_slot_set,
+    slot_set,
+    touched_slots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +117,17 @@ class ProvisionRun:
 
     @property
     def slot(self):
+        """The boot slot (the only slot of a single-slot provision)."""
         return self.payload.slot
+
+    @property
+    def slots(self) -> list:
+        """Every slot of the allocation, boot slot first (issue 20; validate refuses a bad set)."""
+        return slot_set(self.payload.slot, self.payload.slots)
+
+    @property
+    def data_slots(self) -> list:
+        return self.slots[1:]
 
     @property
     def name(self) -> str:
@@ -129,22 +149,36 @@ class ProvisionRun:
                          nvme_device=self.slot.nvme_device, disk_identity=validated.lease.disk_identity)
 
 
-def _outcome(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict) -> SlotOutcome:
-    return SlotOutcome(slot_index=run.slot.slot_index, status=status, health_state=health, health_detail=detail)
+def _outcome(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict,
+             slot_index: int | None = None) -> SlotOutcome:
+    index = run.slot.slot_index if slot_index is None else slot_index
+    return SlotOutcome(slot_index=index, status=status, health_state=health, health_detail=detail)
 
 
-def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict) -> SlotRecord:
-    return SlotRecord(slot_index=run.slot.slot_index, allocation_id=run.payload.allocation_id, status=status,
+def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict,
+            slot_index: int | None = None) -> SlotRecord:
+    index = run.slot.slot_index if slot_index is None else slot_index
+    if index != run.slot.slot_index:
+        detail = {**detail, "boot_slot_index": run.slot.slot_index}  # a data slot: reconcile expects no vNIC
+    return SlotRecord(slot_index=index, allocation_id=run.payload.allocation_id, status=status,
                       health_state=health, detail=detail, task_id=run.task_id, updated_at=time.time())
 
 
 def check_admissible(run: ProvisionRun) -> None:
-    """Refusals that need no host access: profile, slot state, a second provision of the allocation."""
-    sh, store, slot = run.sh, run.store, run.slot
-    if run.profile.domain_type is DomainType.qemu and not sh.slice.allow_emulated_domains:
+    """Refusals that need no host access: profile, slot state, a second provision of the allocation.
+
+    A multi-slot provision asks them of every slot of its set (any cleanup_blocked slot refuses the set).
+    """
+    if run.profile.domain_type is DomainType.qemu and not run.sh.slice.allow_emulated_domains:
         raise ProvisionRefused(
             f"runtime profile {run.profile.name} runs under emulation (TCG); this host only runs KVM slices",
             code="emulated_domain_not_allowed", evidence={"profile": run.profile.name})
+    for slot in run.slots:
+        _check_admissible_slot(run, slot)
+
+
+def _check_admissible_slot(run: ProvisionRun, slot) -> None:
+    store = run.store
     record = store.slot_state(slot.slot_index)
     if slot.status is SlotStatus.cleanup_blocked or (record and record.status is SlotStatus.cleanup_blocked):
         raise ProvisionRefused(
@@ -214,17 +248,48 @@ class Validated:
     relay_key: str
     seed_spec: SeedSpec
     preconditions: dict[str, Any]
+    # The other slots of a multi-slot allocation (data disks), in set order; empty for one slot.
+    data_planned: tuple[PlannedSlot, ...] = ()
+    data_leases: tuple[SlotLease, ...] = ()
+    placement: Any = None  # PlacementReport of a multi-slot set
 
     def journal(self) -> dict[str, Any]:
-        return {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
-                "disk_identity": self.planned.disk_identity,
-                "lease": "held_before" if self.lease_was_held else "taken",
-                "preconditions": self.preconditions}
+        out = {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
+               "disk_identity": self.planned.disk_identity,
+               "lease": "held_before" if self.lease_was_held else "taken",
+               "preconditions": self.preconditions}
+        if self.data_planned:
+            out["data_slots"] = [{"slot_index": p.slot_index, "numa_node": p.gpu_numa_node,
+                                  "disk_identity": p.disk_identity} for p in self.data_planned]
+        if self.placement is not None:
+            out["placement"] = self.placement.model_dump(mode="json")
+        return out
 
 
-async def _preconditions(run: ProvisionRun, planned: PlannedSlot) -> dict[str, Any]:
-    """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8)."""
-    sh, payload, slot, profile = run.sh, run.payload, run.slot, run.profile
+async def _preconditions(run: ProvisionRun, planned: PlannedSlot,
+                         data_planned: tuple[PlannedSlot, ...] = ()) -> dict[str, Any]:
+    """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8).
+
+    A multi-slot set is checked slot by slot (each GPU and VF), with the profile's memory scaled by the
+    number of the set's slots on that slot's NUMA node: the 1 GiB pages a node must have free are its
+    cells' total, not one slot's.
+    """
+    if not data_planned:
+        return await _slot_preconditions(run, run.slot, planned, run.profile)
+    everything = [planned, *data_planned]
+    per_node: dict[int | None, int] = {}
+    for p in everything:
+        per_node[p.gpu_numa_node] = per_node.get(p.gpu_numa_node, 0) + 1
+    out = {}
+    for slot, p in zip(run.slots, everything):
+        profile = run.profile.model_copy(update={"memory_mib": run.profile.memory_mib * per_node[p.gpu_numa_node]})
+        out[str(slot.slot_index)] = await _slot_preconditions(run, slot, p, profile)
+    return {"slots": out}
+
+
+async def _slot_preconditions(run: ProvisionRun, slot: Any, planned: PlannedSlot,
+                              profile: RuntimeProfile) -> dict[str, Any]:
+    sh, payload = run.sh, run.payload
     async with sh.ovs() as ovs:
         bridge_exists = await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge)
     cached = sh.images.lookup(payload.image.sha256)
@@ -243,39 +308,62 @@ async def validate(run: ProvisionRun) -> Validated:
     # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
     # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
     sh, payload, slot, store = run.sh, run.payload, run.slot, run.store
+    slots = check_slot_set(slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot
     relay_key = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
     check_guest_address(slot.private_ip, sh.slice)
     seed_spec = build_seed_spec(payload, relay_key, sh.slice)
     if (egress := egress_target(run.profile, sh.slice)) is not None:  # issue 16: readiness proves egress
         seed_spec = seed_spec.model_copy(update={"egress_probe": egress})
-    check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
+    if len(slots) == 1:
+        check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
+    else:
+        check_allocation_holds_only(store, payload.allocation_id, {s.slot_index for s in slots})
     report = await asyncio.to_thread(lambda: discover(sh.host(), slice_plan_config(sh.slice)))
-    # The approved record must be exactly the host's candidate slot of its index, as slice.plan checks.
-    plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[slot.slot_id],
-                                   slots=[slot.model_copy(update={"status": SlotStatus.reserved})]), report)
+    free = check_enough_free(report, store, payload.allocation_id, slots) if len(slots) > 1 else []
+    # Each approved record must be exactly the host's candidate slot of its index, as slice.plan checks
+    # (a slot of another host has bindings this host lacks: not_approved); a set that crosses the profile's
+    # placement constraint is placement_violated.
+    plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[s.slot_id for s in slots],
+                                   slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots]),
+                       report, placement=run.profile.placement, free_slots=free)
     planned = plan.slots[0]
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
-    preconditions = await _preconditions(run, planned)
-    wanted = SlotLease(allocation_id=payload.allocation_id, slot_index=slot.slot_index,
-                       gpu_pci_address=slot.gpu_pci_address, nvme_device=slot.nvme_device,
-                       disk_identity=planned.disk_identity,
-                       fabric_vf_pci_address=slot.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
+    preconditions = await _preconditions(run, planned, tuple(plan.slots[1:]))
+    wanted = [SlotLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
+                        gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
+                        disk_identity=p.disk_identity,
+                        fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
+              for s, p in zip(slots, plan.slots)]
     lease_was_held = any(held.slot_index == slot.slot_index for held in store.leases_of(payload.allocation_id))
-    lease = store.take_lease(wanted)  # lease_conflict: another allocation holds a device of this slot
-    store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}))
-    return Validated(planned=planned, lease=lease, lease_was_held=lease_was_held, relay_key=relay_key,
-                     seed_spec=seed_spec, preconditions=preconditions)
+    # One transaction for the whole set: lease_conflict on any slot takes none.
+    leases = store.take_leases(wanted)
+    for s in slots:
+        store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}, s.slot_index))
+    return Validated(planned=planned, lease=leases[0], lease_was_held=lease_was_held, relay_key=relay_key,
+                     seed_spec=seed_spec, preconditions=preconditions, data_planned=tuple(plan.slots[1:]),
+                     data_leases=tuple(leases[1:]), placement=plan.placement)
 
 
 async def unlease(run: ProvisionRun, undo: Undo) -> dict:
-    if undo.disk_touched or run.disk_written_before:
-        return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
-    store, alloc, index = run.store, run.payload.allocation_id, run.slot.slot_index
-    store.release_slot_lease(alloc, index)  # the allocation's other slots keep theirs
-    record = store.slot_state(index)
-    if record is not None and record.allocation_id == alloc:  # never another allocation's
-        store.clear_slot_state(index)
-    return {"lease": "released"}
+    store, alloc = run.store, run.payload.allocation_id
+    touched = touched_slots(run.slot.slot_index, [s.slot_index for s in run.slots], undo.started,
+                           undo.disk_touched or run.disk_written_before)
+    released, kept = [], []
+    for slot in run.slots:
+        if slot.slot_index in touched:
+            kept.append(slot.slot_index)
+            continue
+        store.release_slot_lease(alloc, slot.slot_index)  # only this allocation's lease of the slot
+        record = store.slot_state(slot.slot_index)
+        if record is not None and record.allocation_id == alloc:  # never another allocation's
+            store.clear_slot_state(slot.slot_index)
+        released.append(slot.slot_index)
+    if len(run.slots) == 1:
+        if kept:
+            return {"lease": "kept", "reason": "the disk was written; only a verified wipe frees the slot"}
+        return {"lease": "released"}
+    return {"lease": {"released": released, "kept": kept},
+            **({"reason": "a written disk is freed only by a verified wipe"} if kept else {})}
 
 
 @dataclass(frozen=True)
@@ -292,8 +380,36 @@ class VfioBound:
 async def bind_vfio(run: ProvisionRun) -> VfioBound:
     if not run.profile.hostdevs:
         return VfioBound(skipped=f"profile {run.profile.name} passes no PCI devices through")
-    approved = [run.slot.gpu_pci_address, run.slot.fabric_vf_pci_address]
+    approved = [a for s in run.slots for a in (s.gpu_pci_address, s.fabric_vf_pci_address)]
     return VfioBound(results=tuple([await bind_to_vfio(run.sh.host(), address, approved) for address in approved]))
+
+
+@dataclass(frozen=True)
+class DataDisks:
+    """The data disks of a multi-slot allocation, each proven writable under its own slot's lease."""
+
+    evidence: tuple[Any, ...] = ()
+
+    def journal(self) -> dict[str, Any]:
+        return {"data_disks": [e.model_dump(mode="json") for e in self.evidence]}
+
+
+async def guard_data_disks(run: ProvisionRun, validated: Validated) -> DataDisks:
+    """Each data disk gets the boot disk's guard (lease by identity, not mounted, no other domain's), unwritten.
+
+    Nothing is written here: the disk reaches the guest raw; a release wipes and verifies it like a boot disk.
+    """
+    if not validated.data_leases:
+        return DataDisks()
+    others = await run.sh.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
+                                                       exclude_slot=run.slot.slot_index)
+    evidence = []
+    for lease in validated.data_leases:
+        disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
+                               nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
+        evidence.append(await asyncio.to_thread(check_disk_writable, run.sh.host(), lease.nvme_device,
+                                                lease=disk_lease, domain_disks=others))
+    return DataDisks(evidence=tuple(evidence))
 
 
 class ImagePin:
@@ -448,9 +564,28 @@ async def define(run: ProvisionRun, validated: Validated) -> Defined:
         fabric_vf_pci_address=slot.fabric_vf_pci_address if profile.hostdevs else None,
         nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
         seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
-        numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__)
+        numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__,
+        **(await asyncio.to_thread(_passthrough_bars, sh.host(), slot) if profile.hostdevs else {}),
+        extra_slots=[await _guest_slot(run, s, p) for s, p in zip(run.data_slots, validated.data_planned)])
     outcome = await sh.libvirt.define(spec)
     return Defined(spec=spec, domain=outcome.domain.name, uuid=outcome.domain.uuid, action=outcome.action)
+
+
+async def _guest_slot(run: ProvisionRun, slot: Any, planned: PlannedSlot) -> GuestSlot:
+    """A data slot of the domain: its devices, NUMA node and BARs, resolved on this host now."""
+    hostdevs = run.profile.hostdevs
+    numa = planned.gpu_numa_node if hostdevs else None
+    cpulist = await asyncio.to_thread(node_cpulist, run.sh.host(), numa) if numa is not None else None
+    bars = await asyncio.to_thread(_passthrough_bars, run.sh.host(), slot) if hostdevs else {}
+    return GuestSlot(slot_index=slot.slot_index, gpu_pci_address=slot.gpu_pci_address if hostdevs else None,
+                     fabric_vf_pci_address=slot.fabric_vf_pci_address if hostdevs else None,
+                     nvme_device=slot.nvme_device, numa_node=numa, numa_cpulist=cpulist, **bars)
+
+
+def _passthrough_bars(host: Any, slot: Any) -> dict[str, Any]:
+    """The GPU's and VF's BAR sizes from sysfs: they size the guest's 64-bit MMIO window (host/guest_topology.py)."""
+    return {"gpu_bars": function_bars(host, slot.gpu_pci_address),
+            "fabric_vf_bars": function_bars(host, slot.fabric_vf_pci_address)}
 
 
 async def _ours(run: ProvisionRun, undo: Undo) -> tuple[Any, str | None]:
@@ -519,6 +654,8 @@ PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("bind_vfio", bind_vfio,
             no_compensation="a GPU left on vfio-pci is the slice host's steady state: nothing to undo"),
     StepDef("image", fetch_image, unpin_image),  # the shared cache keeps the image; only this run's pin goes
+    StepDef("data_disks", guard_data_disks, takes=("validate",),
+            no_compensation="a check of the other slots' disks: nothing written"),
     StepDef("clone", clone, takes=("validate", "image"), touches_disk=True,
             no_compensation="a written disk cannot be un-written: only a verified wipe by release makes it clean"),
     StepDef("seed", seed, unseed, takes=("validate",)),
@@ -567,7 +704,7 @@ async def compensate_interrupted(run: ProvisionRun, reached: list[str]) -> tuple
     """
     defs = [d for d in PROVISION_STEPS if d.name in reached]
     disk_touched = run.disk_written_before or any(d.touches_disk for d in defs)
-    undo = Undo(outputs={}, disk_touched=disk_touched)
+    undo = Undo(outputs={}, disk_touched=disk_touched, started=frozenset(reached))
     records: list[dict[str, Any]] = []
     for d in reversed(defs):
         if d.compensate is None:
@@ -588,12 +725,17 @@ async def close_interrupted(run: ProvisionRun, reached: list[str], *, why: str) 
     ``cleanup_blocked`` with the lease kept once the disk was written, else lease released and free."""
     disk_touched, compensations = await compensate_interrupted(run, reached)
     detail = {"code": why, "steps_reached": reached, "disk_touched": disk_touched, "compensations": compensations}
-    if disk_touched:
-        run.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
-        run.ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
-    else:
-        run.ctx.slot_outcomes.append(_outcome(run, SlotStatus.reserved, HealthState.unknown,
-                                              {**detail, "lease_released": True}))
+    # A slot set: the boot disk is touched from clone on, the data disks from start on (tasks/slotset.py).
+    touched = touched_slots(run.slot.slot_index, [s.slot_index for s in run.slots], reached, disk_touched)
+    for slot in run.slots:
+        if slot.slot_index in touched:
+            run.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail,
+                                             slot.slot_index))
+            run.ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, detail,
+                                                  slot.slot_index))
+        else:
+            run.ctx.slot_outcomes.append(_outcome(run, SlotStatus.reserved, HealthState.unknown,
+                                                  {**detail, "lease_released": True}, slot.slot_index))
     log_event(log, "provision_interrupted_closed", logging.WARNING, task_id=run.task_id,
               slot_index=run.slot.slot_index, steps_reached=reached, disk_touched=disk_touched)
     return detail
@@ -603,7 +745,9 @@ async def recover_provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> 
     """The worker's recovery of an interrupted provision it will not run again (its deadline passed, or it
     is poison): compensation only, no new side effect. Returns the evidence for the result."""
     run = ProvisionRun.for_task(sh, payload, ctx)
-    async with sh.slot_lock(payload.slot.slot_index):
+    async with contextlib.AsyncExitStack() as locks:
+        for index in sorted({s.slot_index for s in run.slots}):
+            await locks.enter_async_context(sh.slot_lock(index))
         reached = interrupted_run(run)
         if reached is None:
             return {"interrupted": False}
@@ -612,7 +756,10 @@ async def recover_provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> 
 
 async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
     run = ProvisionRun.for_task(sh, payload, ctx)
-    async with sh.slot_lock(payload.slot.slot_index):
+    async with contextlib.AsyncExitStack() as locks:
+        # Every slot of the set, in index order (two sets sharing slots never wait on each other in a cycle).
+        for index in sorted({s.slot_index for s in run.slots}):
+            await locks.enter_async_context(sh.slot_lock(index))
         reached = interrupted_run(run)
         if reached:
             if any(step not in RESTARTABLE for step in reached):
@@ -629,7 +776,8 @@ async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
         except ProvisionRefused as refused:
             if refused.code in ("slot_cleanup_blocked", "provision_interrupted"):  # the slot is (now) blocked
                 ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed,
-                                                  {"code": refused.code, **refused.evidence}))
+                                                  {"code": refused.code, **refused.evidence},
+                                                  refused.evidence.get("slot_index")))
             raise
         try:
             outputs = await run_pipeline(ctx, provision_steps(run))
@@ -638,11 +786,12 @@ async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
             raise
     lease = outputs["readiness"]["lease"]
     detail = {"readiness": outputs["readiness"], "domain": run.name}
-    ctx.store.set_slot_state(_record(run, SlotStatus.active, HealthState.healthy, detail))
-    ctx.slot_outcomes.append(_outcome(run, SlotStatus.active, HealthState.healthy, detail))
+    for slot in run.slots:
+        ctx.store.set_slot_state(_record(run, SlotStatus.active, HealthState.healthy, detail, slot.slot_index))
+        ctx.slot_outcomes.append(_outcome(run, SlotStatus.active, HealthState.healthy, detail, slot.slot_index))
     log_event(log, "slice_provisioned", task_id=run.task_id, allocation_id=payload.allocation_id,
-              slot_index=payload.slot.slot_index, domain=run.name, ip=lease["actual_ip"])
-    return {
+              slot_index=payload.slot.slot_index, slots=len(run.slots), domain=run.name, ip=lease["actual_ip"])
+    result = {
         "vm": run.name,
         "mac": payload.slot.mac,
         "expected_ip": lease["expected_ip"],
@@ -655,20 +804,32 @@ async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
         "clone": outputs["clone"],
         "image": outputs["image"],
     }
+    if len(run.slots) > 1:
+        result["slots"] = [s.slot_index for s in run.slots]
+    return result
 
 
 def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> None:
+    """Every slot of the set: cleanup_blocked if its disk may hold data (its own evidence), else released."""
     detail = {"failed_step": failure.failed_step, "code": failure.code, "message": failure.message,
               "evidence": failure.evidence, "cancelled": failure.cancelled}
-    if failure.disk_touched or run.disk_written_before:
-        ctx.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
-        ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, detail))
-        log_event(log, "slot_cleanup_blocked", logging.WARNING, task_id=run.task_id,
-                  slot_index=run.slot.slot_index, failed_step=failure.failed_step, code=failure.code)
-    else:
-        # The validate step's compensation released the lease and cleared the record; the disk is as it was.
-        ctx.slot_outcomes.append(_outcome(run, SlotStatus.reserved, HealthState.unknown,
-                                          {**detail, "lease_released": True, "disk_touched": False}))
+    started = [*failure.evidence.get("steps_done", []), failure.failed_step]
+    touched = touched_slots(run.slot.slot_index, [s.slot_index for s in run.slots], started, failure.disk_touched or run.disk_written_before)
+    for slot in run.slots:
+        if slot.slot_index in touched:
+            own = {**detail, "nvme_device": slot.nvme_device,
+                   "disk_role": "boot" if slot is run.slots[0] else "data"} if len(run.slots) > 1 else detail
+            ctx.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, own,
+                                             slot.slot_index))
+            ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, own,
+                                              slot.slot_index))
+            log_event(log, "slot_cleanup_blocked", logging.WARNING, task_id=run.task_id,
+                      slot_index=slot.slot_index, failed_step=failure.failed_step, code=failure.code)
+        else:
+            # The validate step's compensation released the lease and cleared the record; the disk is as it was.
+            ctx.slot_outcomes.append(_outcome(run, SlotStatus.reserved, HealthState.unknown,
+                                              {**detail, "lease_released": True, "disk_touched": False},
+                                              slot.slot_index))
 
 
 def provision_handler(sh: SliceHost):

@@ -86,7 +86,9 @@ async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger
                                      expected="a domain for the leased slot", actual="no domain",
                                      slot_index=lease.slot_index, slot_status=status.value if status else None))
         mine = [r for r in reservations if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
-        if status is SlotStatus.active and not mine:
+        # A data slot of a multi-slot allocation (issue 20) has no vNIC and no reservation of its own.
+        data_slot = record is not None and record.detail.get("boot_slot_index") not in (None, lease.slot_index)
+        if status is SlotStatus.active and not mine and not data_slot:
             findings.append(_finding(DriftKind.reservation_missing, lease.allocation_id, DriftSeverity.error,
                                      expected="a dnsmasq reservation", actual="none",
                                      slot_index=lease.slot_index))

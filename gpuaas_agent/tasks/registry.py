@@ -25,7 +25,7 @@ from gpuaas_agent.tasks.power import power_handler
 from gpuaas_agent.tasks.preflight import preflight_handler
 from gpuaas_agent.tasks.provision import provision_handler
 from gpuaas_agent.tasks.reconcile import reconcile_handler
-from gpuaas_agent.tasks.release import release_handler
+from gpuaas_agent.tasks.release_set import release_set_handler
 from gpuaas_agent.tasks.slicehost import SliceHost
 from gpuaas_agent.tasks.terminal import terminal_handler
 from gpuaas_agent.tasks.topology import topology_discover_handler
@@ -63,7 +63,8 @@ TASKS: tuple[TaskSpec, ...] = (
              concurrency=1),
     # One per slot: 8 concurrent provisions take as long as the slowest.
     TaskSpec(TaskType.vm_provision, lambda config, sh: provision_handler(sh), concurrency=8, needs_slice_host=True),
-    TaskSpec(TaskType.vm_release, lambda config, sh: release_handler(sh), concurrency=8, needs_slice_host=True),
+    # A multi-slot payload (v1.1 ``slots``) releases every slot of the set; one slot: tasks/release.py as before.
+    TaskSpec(TaskType.vm_release, lambda config, sh: release_set_handler(sh), concurrency=8, needs_slice_host=True),
     TaskSpec(TaskType.reconcile, lambda config, sh: reconcile_handler(sh), concurrency=1, needs_slice_host=True),
     # One per slot; the slot lock serialises power, provision and release of one slot.
     TaskSpec(TaskType.vm_power, lambda config, sh: power_handler(sh), concurrency=8, needs_slice_host=True),

@@ -21,8 +21,16 @@ import libvirt
 import pytest
 
 from gpuaas_agent import __version__
-from gpuaas_agent.contract.domain import METADATA_NS, DomainSpec, DomainSpecError, OvmfFirmware, parse_domain_spec
+from gpuaas_agent.contract.domain import (
+    METADATA_NS,
+    DomainSpec,
+    DomainSpecError,
+    GuestSlot,
+    OvmfFirmware,
+    parse_domain_spec,
+)
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
+from gpuaas_agent.discovery.bars import function_bars
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.discovery.report import discover
@@ -69,9 +77,23 @@ def production_spec(slot_index: int, **update) -> DomainSpec:
         numa_cpulist=node_cpulist(H200, slot["numa_node"]),
         firmware=DEBIAN_OVMF,
         agent_version="0.1.0",
+        gpu_bars=function_bars(H200, slot["gpu_pci_address"]),
+        fabric_vf_bars=function_bars(H200, slot["fabric_vf_pci_address"]),
     )
     fields.update(update)
     return DomainSpec(**fields)
+
+
+def guest_slot(slot_index: int) -> GuestSlot:
+    """Slot ``slot_index`` of the recorded host as a further slot of a multi-GPU domain."""
+    spec = production_spec(slot_index)
+    return spec.guest_slots()[0]
+
+
+def multi_spec(slot_indexes: tuple[int, ...], **update) -> DomainSpec:
+    """One allocation holding ``slot_indexes`` (the first boots the image)."""
+    first, *rest = slot_indexes
+    return production_spec(first, extra_slots=[guest_slot(i) for i in rest], **update)
 
 
 def lab_spec(**update) -> DomainSpec:
@@ -95,6 +117,10 @@ def lab_spec(**update) -> DomainSpec:
 GOLDEN_SPECS = {
     "h200-slot0-numa0": lambda: production_spec(0),
     "h200-slot5-numa1": lambda: production_spec(5),
+    # Multi-GPU guests of one allocation on the 8xH200 host (issue 20): 1 GPU is h200-slot0-numa0.
+    "h200-2gpu-numa0": lambda: multi_spec((0, 1)),
+    "h200-4gpu-2numa": lambda: multi_spec((2, 3, 4, 5)),
+    "h200-8gpu": lambda: multi_spec(tuple(range(8))),
     "lab-tcg": lab_spec,
 }
 

@@ -11,7 +11,7 @@ from gpuaas_agent.tasks.provision import PROVISION_STEPS
 from tests.tasks.test_pipeline import ctx, journal, sync  # noqa: F401 (ctx is a fixture)
 
 # The order README's task table states for slice.vm_provision.
-DOCUMENTED = ["validate", "bind_vfio", "image", "clone", "seed", "ovs_port", "reservation", "define", "start",
+DOCUMENTED = ["validate", "bind_vfio", "image", "data_disks", "clone", "seed", "ovs_port", "reservation", "define", "start",
               "readiness"]
 # Steps that change the host (state store, sysfs, cache pins, disk, files, OVS, dnsmasq, libvirt).
 WRITES = {"validate", "bind_vfio", "image", "clone", "seed", "ovs_port", "reservation", "define", "start"}

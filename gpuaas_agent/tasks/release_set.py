@@ -1,0 +1,46 @@
+"""``slice.vm_release`` of a multi-slot allocation (issue 20): release every slot of the set, boot slot first.
+
+The boot slot's release stops and undefines the allocation's one domain (and its vNIC,
+reservation and seed); each slot's release then wipes and verifies its own disk and frees
+its own lease, exactly as a single-slot release does (``tasks/release.py``, unchanged).
+One slot's failure does not stop the others from being wiped: every slot that can be
+proven clean is freed, each failed one is ``cleanup_blocked`` with its own evidence, and
+the task fails with the first failure (naming the slots released and failed).
+"""
+
+from __future__ import annotations
+
+from gpuaas_agent.contract.tasks import VmReleasePayload
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.tasks.release import release
+from gpuaas_agent.tasks.slicehost import SliceHost
+from gpuaas_agent.tasks.slotset import check_slot_set
+
+
+async def release_set(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
+    slots = check_slot_set(payload.slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot: nothing touched
+    if len(slots) == 1:
+        return await release(sh, payload.model_copy(update={"slots": []}), ctx)
+    results: dict[int, dict] = {}
+    failures: list[tuple[int, AgentError]] = []
+    for slot in slots:
+        try:
+            results[slot.slot_index] = await release(sh, payload.model_copy(update={"slot": slot, "slots": []}), ctx)
+        except AgentError as exc:
+            failures.append((slot.slot_index, exc))
+    if failures:
+        index, first = failures[0]
+        first.evidence.update({"slot_index": index, "released_slots": sorted(results),
+                               "failed_slots": [i for i, _ in failures]})
+        raise first
+    boot = results[slots[0].slot_index]
+    return {"vm": boot["vm"], "already_gone": all(r["already_gone"] for r in results.values()),
+            "slots": [s.slot_index for s in slots],
+            "releases": {str(index): result for index, result in results.items()}}
+
+
+def release_set_handler(sh: SliceHost):
+    async def handle(payload: VmReleasePayload, ctx) -> dict:
+        return await release_set(sh, payload, ctx)
+
+    return handle
