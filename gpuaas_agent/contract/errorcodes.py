@@ -235,6 +235,8 @@ class ErrorCode(StrEnum):
     NVME_REMOTE_NUMA = "nvme_remote_numa", "discovery", "The slot's disk is on another NUMA node than its GPU; it works, slower: rebalance if it matters."
     FABRIC_REMOTE_NUMA = "fabric_remote_numa", "discovery", "The slot's fabric VF is on another NUMA node than its GPU; it works, slower: rebalance if it matters."
 
+    PCI_RESOURCE_MALFORMED = "pci_resource_malformed", "discovery", "A device's sysfs resource file could not be parsed into BARs; the device's BAR sizes are unknown."
+
     # --- Safety guards (each refusal changed nothing)
     DISK_GUARD_REFUSED = "disk_guard_refused", "guards", "The disk guard refused a disk; read the evidence."
     NOT_BY_ID = "not_by_id", "guards", "A disk path is not under /dev/disk/by-id; use the stable by-id path."
@@ -330,6 +332,11 @@ class ErrorCode(StrEnum):
     SEED_ISO_BUILD_FAILED = "seed_iso_build_failed", "host_libvirt", "Building the cloud-init seed ISO failed; check the ISO tool named in the evidence."
     SEED_ISO_WRITE_FAILED = "seed_iso_write_failed", "host_libvirt", "Writing the seed ISO failed; check the path and free space."
 
+    DUPLICATE_SLOT_DEVICE = "duplicate_slot_device", "host_libvirt", "Two slots of one domain name the same PCI function or disk; the domain XML was not built."
+    GPU_BARS_UNKNOWN = "gpu_bars_unknown", "host_libvirt", "Discovery read no 64-bit BAR sizes for a GPU, so the guest's MMIO window cannot be sized; re-run discovery (sysfs resource)."
+    TOO_MANY_DEVICES_ON_NODE = "too_many_devices_on_node", "host_libvirt", "More devices on one NUMA node than the guest topology has root ports for; split the slot set."
+    TOO_MANY_NUMA_NODES = "too_many_numa_nodes", "host_libvirt", "The slot set spans more host NUMA nodes than the guest topology supports."
+
     # --- Host: image cache and disk clone
     IMAGE_CACHE_ERROR = "image_cache_error", "host_images", "The image cache failed; read the evidence."
     IMAGE_URL_REFUSED = "image_url_refused", "host_images", "The image URL is not allowed by policy; use an allowed URL."
@@ -395,6 +402,14 @@ class ErrorCode(StrEnum):
     SLOT_NOT_ACTIVE = "slot_not_active", "tasks", "The slot is not active; provision it first."
 
     RELEASE_INTERRUPTED = "release_interrupted", "tasks", "A release was interrupted (agent killed) and its redelivery came after its deadline; the slot is cleanup_blocked: send a new release."
+
+    BOOT_SLOT_NOT_IN_SET = "boot_slot_not_in_set", "tasks", "A multi-slot provision's slot set does not contain its boot slot; the control plane must send the boot slot in slots."
+    DUPLICATE_SLOT = "duplicate_slot", "tasks", "A slot (or one of its devices) appears twice in a provision's slot set; nothing was leased."
+    NOT_ENOUGH_FREE_SLOTS = "not_enough_free_slots", "tasks", "The slot set is larger than the host's free slots; nothing was leased. Plan on a host with enough free slots."
+    PLACEMENT_VIOLATED = "placement_violated", "tasks", "The slot set crosses a NUMA node or PCIe switch the runtime profile's placement forbids; the evidence names a set that fits."
+    READINESS_EGRESS_UNCONFIGURED = "readiness_egress_unconfigured", "tasks", "The profile asks readiness to prove egress but the host has no [slice] readiness_egress_target; refused before the lease."
+    READINESS_EGRESS_UNPROVEN = "readiness_egress_unproven", "tasks", "The guest's first boot never reached the egress target through the NAT (conntrack shows no source-NATed, answered connection); check MASQUERADE and the uplink."
+    CONNTRACK_UNREADABLE = "conntrack_unreadable", "tasks", "The host's connection tracking table could not be read to prove egress (nf_conntrack missing or no permission)."
 
     # --- Deploy: prepare-host and the terminal relay key
     HOST_PATH_REFUSED = "host_path_refused", "deploy", "prepare-host refused a host path; read the evidence."
