@@ -42,13 +42,17 @@ from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError, HostError
 from gpuaas_agent.guards.disk import check_disk_writable
-from gpuaas_agent.guards.preconditions import check_provision_preconditions, parse_ed25519
+from gpuaas_agent.guards.preconditions import (
+    check_provision_preconditions,
+    parse_ed25519,
+)
 from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
 from gpuaas_agent.host.dnsmasq import make_reservation
 from gpuaas_agent.host.egress import egress_target, wait_for_egress
 from gpuaas_agent.host.readiness import wait_for_guest
 from gpuaas_agent.host.vfio import bind_to_vfio
+from gpuaas_agent.host.wipepolicy import check_wipe_policy, policy_for_profile
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.tasks.admission import (
     build_seed_spec,
@@ -329,6 +333,14 @@ async def validate(run: ProvisionRun) -> Validated:
     planned = plan.slots[0]
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
     preconditions = await _preconditions(run, planned, tuple(plan.slots[1:]))
+    # The release's wipe policy must be one each disk can carry out: an nvme_format/nvme_sanitize profile
+    # on a drive without that capability is refused now, not found at release as cleanup_blocked.
+    policy = policy_for_profile(run.profile.name, sh.slice.wipe_policies)
+    preconditions = {**preconditions, "wipe_policy": [
+        await check_wipe_policy(policy, sh.host(), s.nvme_device,
+                                lease=DiskLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
+                                                nvme_device=s.nvme_device, disk_identity=p.disk_identity))
+        for s, p in zip(slots, plan.slots)]}
     wanted = [SlotLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
                         gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
                         disk_identity=p.disk_identity,

@@ -84,6 +84,11 @@ def _gateway_not_on_the_bridge(h: PreparedHost) -> dict:
     return {}
 
 
+def _wipe_policy_the_disk_cannot_carry_out(h: PreparedHost) -> dict:
+    # The profile's release would nvme-format the disk: a loop device has no NVMe controller to ask.
+    return {"wipe_policies": {"lab_tcg_1c_512m": {"method": "nvme_format"}}}
+
+
 def _no_room_for_the_image(h: PreparedHost) -> dict:
     return {"image_size_bytes": 1 << 50}  # a declared 1 PiB image cannot fit in the cache
 
@@ -97,6 +102,7 @@ CASES = [
     (_dnsmasq_reads_another_hosts_file, "dnsmasq_not_reading_hosts"),
     (_gateway_not_on_the_bridge, "bridge_gateway_missing"),
     (_no_room_for_the_image, "cache_space_insufficient"),
+    (_wipe_policy_the_disk_cannot_carry_out, "nvme_caps_unreadable"),
 ]
 
 
