@@ -74,6 +74,7 @@ from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.operator.health import HealthSettings, isolation_check
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
+from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
 from gpuaas_agent.tasks.registry import build_handlers
@@ -261,11 +262,12 @@ async def watchdog_loop(notifier: SdNotifier, interval_s: float) -> None:
         await asyncio.sleep(interval_s)  # the watchdog period
 
 
-async def prune_loop(store: StateStore, retention_s: float, interval_s: float = 86400.0) -> None:
+async def prune_loop(store: StateStore | StoreThread, retention_s: float, interval_s: float = 86400.0) -> None:
     """Forget stored results (and their journal rows) older than the retention: at start, then daily."""
+    state = as_store_thread(store)
     while True:
         try:
-            results, rows = store.prune_finished(time.time() - retention_s)
+            results, rows = await state.prune_finished(time.time() - retention_s)
             if results or rows:
                 _event("state_pruned", results=results, journal_rows=rows, retention_days=round(retention_s / 86400, 2))
         except AgentError as exc:
@@ -326,7 +328,9 @@ async def run_agent(
     if record is None:
         raise AgentError(f"not enrolled: no enrollment record in {config.state_dir}; run `gpuaas-agent enroll` first",
                          code="not_enrolled", evidence={"state_dir": str(config.state_dir)})
-    store = StateStore.open(config.state_db)
+    # Every SQLite call of the daemon runs on this one thread, off the event loop (state/aio.py).
+    state = StoreThread(StateStore.open(config.state_db))
+    store = state.sync
     background: list[asyncio.Task] = []
     nc: Client | None = None
     slice_host = None
@@ -349,7 +353,7 @@ async def run_agent(
                              heartbeat_interval_s=config.heartbeat_interval_s,
                              health_interval_s=config.health_interval_s, request_timeout_s=config.request_timeout_s,
                              metrics_textfile=config.metrics_textfile),
-            store, HealthSettings.from_config(config), None, notifier.notify)
+            state, HealthSettings.from_config(config), None, notifier.notify)
         if slice_host is not None:
             reporter.extra_checks.append(port_isolation_probe(slice_host, store))
         metrics = AgentMetrics(live_state(store, reporter, slice_host, uevents))
@@ -365,7 +369,7 @@ async def run_agent(
         background.append(asyncio.create_task(reporter.loop(), name="report"))
         background.append(asyncio.create_task(reporter.health_loop(), name="health"))
         background.append(asyncio.create_task(
-            prune_loop(store, config.task_retention_days * 86400), name="prune"))
+            prune_loop(state, config.task_retention_days * 86400), name="prune"))
 
         nc = await connect(config, record, stop, on_attempt=reporter.connect_attempt)
         if nc is None:
@@ -378,7 +382,7 @@ async def run_agent(
                                   max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s)
         if reconcile is None and slice_host is not None:
             reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
-        worker = TaskWorker(nc, store, record.node_id, handlers, settings, observer=metrics)
+        worker = TaskWorker(nc, state, record.node_id, handlers, settings, observer=metrics)
         reporter.attach(nc, worker)
         reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
         worker_task = asyncio.create_task(worker.run(), name="worker")
@@ -428,7 +432,7 @@ async def run_agent(
         if slice_host is not None:
             with contextlib.suppress(Exception):  # closing the libvirt connection must not mask the exit
                 await slice_host.close()
-        store.close()
+        await state.aclose()
         _event("agent_stopped")
 
 

@@ -69,6 +69,7 @@ from gpuaas_agent.contract.tasks import (
 )
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.registry import default_concurrency
 
@@ -110,7 +111,7 @@ class TaskContext:
 
     envelope: TaskEnvelope
     node_id: str
-    store: StateStore
+    store: StateStore | BlockingStore  # synchronous, run on the daemon's store thread (state/aio.py)
     resumed_steps: list[str]
     _nc: Client
     # What the task did to slots; reported with the result whether it succeeded or not
@@ -140,7 +141,7 @@ def _not_implemented(task_type: TaskType) -> AgentError:
 class TaskWorker:
     """Build once in the daemon; :meth:`run` until :meth:`stop`; then :meth:`drain`."""
 
-    def __init__(self, nc: Client, store: StateStore, node_id: str, handlers: Mapping[TaskType, Handler],
+    def __init__(self, nc: Client, store: StateStore | StoreThread, node_id: str, handlers: Mapping[TaskType, Handler],
                  settings: WorkerSettings | None = None, *, observer=None) -> None:
         self.nc = nc
         # Optional (the daemon's metrics): observer.task_finished(type, status, duration_s) per result
@@ -148,7 +149,10 @@ class TaskWorker:
         self.observer = observer
         self._received: dict[str, float] = {}
         self.js = nc.jetstream(timeout=(settings or WorkerSettings()).request_timeout_s)
-        self.store = store
+        # Every SQLite call of the worker runs on the one store thread, off the event loop (state/aio.py):
+        # a commit waiting for another process's write lock must not stop keepalives and heartbeats.
+        self.state = as_store_thread(store)
+        self.store = self.state.sync  # what handlers get as ctx.store
         self.node_id = node_id
         self.handlers = dict(handlers)
         self.settings = settings or WorkerSettings()
@@ -294,9 +298,9 @@ class TaskWorker:
                                 code="wrong_subject", evidence={"task_id": envelope.task_id, "subject": subject,
                                                                 "expected": expected})
 
-    def _starts(self, task_id: str) -> int:
+    async def _starts(self, task_id: str) -> int:
         """How many times a handler was started for ``task_id`` (journaled before it runs, so a kill counts)."""
-        return sum(1 for e in self.store.journal_of(task_id) if e.step == TASK_STEP and e.status == StepStatus.started)
+        return sum(1 for e in await self.state.journal_of(task_id) if e.step == TASK_STEP and e.status == StepStatus.started)
 
     def _retry_delay(self, starts: int) -> float:
         return min(self.settings.ack_wait_s, self.settings.retry_backoff_s * 2 ** max(starts - 1, 0))
@@ -313,7 +317,7 @@ class TaskWorker:
         await self._finish(msg, envelope, ResultStatus.failed, error=error)
 
     async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:
-        stored = self.store.result_of(envelope.task_id)
+        stored = await self.state.result_of(envelope.task_id)
         if stored is not None:
             _event("task_result_replayed", task_id=envelope.task_id)
             await self._publish_and_ack(msg, TaskResult.from_wire(stored))
@@ -323,7 +327,7 @@ class TaskWorker:
         now = datetime.now(timezone.utc)
         if now >= deadline:
             evidence: dict = {"deadline": deadline.isoformat()}
-            interrupted = self.store.unfinished_steps(envelope.task_id)
+            interrupted = await self.state.unfinished_steps(envelope.task_id)
             if interrupted:
                 # TODO(issue 17): a redelivered task that was interrupted mid-pipeline (agent killed, journal
                 # shows started steps) and whose deadline passed meanwhile is answered `expired` here and its
@@ -357,12 +361,12 @@ class TaskWorker:
                                error=_error_body(_not_implemented(task_type), retryable=False))
             return
 
-        starts = self._starts(envelope.task_id)
+        starts = await self._starts(envelope.task_id)
         if starts >= self.settings.max_task_starts:
             await self._poison(msg, envelope, starts, None)
             return
 
-        resumed = self.store.unfinished_steps(envelope.task_id)
+        resumed = await self.state.unfinished_steps(envelope.task_id)
         if resumed:
             _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
         ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store, resumed_steps=resumed, _nc=self.nc,
@@ -392,7 +396,7 @@ class TaskWorker:
                            ctx: TaskContext) -> tuple[ResultStatus, dict, TaskErrorBody | None]:
         task_id = ctx.envelope.task_id
         async with self._semaphores[task_type]:
-            self.store.journal(task_id, TASK_STEP, StepStatus.started,
+            await self.state.journal(task_id, TASK_STEP, StepStatus.started,
                                {"type": task_type.value, "attempt": ctx.envelope.attempt})
             _event("task_started", task_id=task_id, type=task_type.value, attempt=ctx.envelope.attempt)
             try:
@@ -400,7 +404,7 @@ class TaskWorker:
                     output = await handler(payload, ctx)
             except TimeoutError:
                 # The deadline passed and the handler let the cancellation through (nothing to undo).
-                self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "deadline_exceeded"})
+                await self.state.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "deadline_exceeded"})
                 _warn("task_cancelled", task_id=task_id, code="deadline_exceeded")
                 return ResultStatus.cancelled, {}, TaskErrorBody(
                     code="deadline_exceeded", message="the task's deadline passed while it ran", retryable=False,
@@ -410,17 +414,17 @@ class TaskWorker:
                     exc = invalid_payload(task_type.value, exc)
                 # A pipeline that was cancelled (deadline) has compensated and says so: the task is cancelled.
                 status = ResultStatus.cancelled if getattr(exc, "cancelled", False) else ResultStatus.failed
-                self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": exc.code})
+                await self.state.journal(task_id, TASK_STEP, StepStatus.failed, {"code": exc.code})
                 _warn("task_failed" if status is ResultStatus.failed else "task_cancelled", task_id=task_id,
                       code=exc.code, message=exc.message)
                 return status, {}, _error_body(exc, retryable=bool(getattr(exc, "retryable", False)))
             except Exception as exc:  # a bug, not a refusal: report it with a code, keep the agent alive
                 log.exception(json.dumps({"event": "task_crashed", "task_id": task_id}))
-                self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "internal_error"})
+                await self.state.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "internal_error"})
                 return ResultStatus.failed, {}, TaskErrorBody(
                     code="internal_error", message=f"{type(exc).__name__}: {exc}", retryable=True,
                     evidence={"exception": type(exc).__name__})
-            self.store.journal(task_id, TASK_STEP, StepStatus.succeeded)
+            await self.state.journal(task_id, TASK_STEP, StepStatus.succeeded)
             _event("task_succeeded", task_id=task_id, type=task_type.value)
             return ResultStatus.succeeded, dict(output), None
 
@@ -442,7 +446,7 @@ class TaskWorker:
         result = TaskResult(task_id=envelope.task_id, node_id=self.node_id, type=envelope.type,
                             attempt=envelope.attempt, status=status, output=output or {}, error=error,
                             slot_outcomes=slot_outcomes or [], finished_at=datetime.now(timezone.utc))
-        stored = self.store.store_result(envelope.task_id, result.model_dump(mode="json"))
+        stored = await self.state.store_result(envelope.task_id, result.model_dump(mode="json"))
         if self.observer is not None:
             received = self._received.get(envelope.task_id)
             self.observer.task_finished(envelope.type, status.value,
