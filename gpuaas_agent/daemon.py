@@ -329,7 +329,7 @@ async def run_agent(
         raise AgentError(f"not enrolled: no enrollment record in {config.state_dir}; run `gpuaas-agent enroll` first",
                          code="not_enrolled", evidence={"state_dir": str(config.state_dir)})
     # Every SQLite call of the daemon runs on this one thread, off the event loop (state/aio.py).
-    state = StoreThread(StateStore.open(config.state_db))
+    state = StoreThread.open(config.state_db)
     store = state.sync
     background: list[asyncio.Task] = []
     nc: Client | None = None

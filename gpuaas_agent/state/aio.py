@@ -8,11 +8,13 @@ task) and the systemd watchdog. So the daemon never touches its connection from
 the loop: :class:`StoreThread` owns the :class:`StateStore` and a single-thread
 executor, and each call is a coroutine that waits for that thread.
 
-One thread, not a pool: the store's transactions (``BEGIN IMMEDIATE`` ...
+One writer thread, not a pool: the store's transactions (``BEGIN IMMEDIATE`` ...
 ``COMMIT``) share one connection, and two threads interleaving statements on
-it would run one's statements inside the other's transaction. The same thread
-also serves reads (WAL readers never wait for the writer lock, so reads are
-cheap there).
+it would run one's statements inside the other's transaction. Reads
+(:data:`READS`) go to a second connection on a second thread when the daemon
+gives one (``reader``): WAL readers never wait for the write lock, so a heartbeat
+that lists the leases is never queued behind a commit that waits for it.
+Without a reader (tests, a plain store) reads share the writer thread.
 
 * ``await state.journal(...)`` / ``await state.leases()``: any public
   :class:`StateStore` method, as a coroutine run on the store thread.
@@ -42,59 +44,84 @@ from gpuaas_agent.state.store import StateStore
 T = TypeVar("T")
 
 THREAD_NAME = "gpuaas-state"
+# StateStore methods that only read: served by the reader connection when there is one.
+READS = frozenset({"leases", "leases_of", "journal_of", "unfinished_steps", "result_of", "latest_wipe_proof",
+                   "slot_state", "slot_states"})
 
 
 class StoreThread:
     """A :class:`StateStore` whose every call runs on its own single thread; see the module docstring."""
 
-    def __init__(self, store: StateStore) -> None:
+    def __init__(self, store: StateStore, reader: StateStore | None = None) -> None:
         self.store = store
+        self.reader = reader
         self.path = store.path
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
-        self._thread_id: int | None = None
+        self._read_executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{THREAD_NAME}-read")
+                               if reader is not None else self._executor)
+        self._thread_ids: set[int] = set()
         self.sync = BlockingStore(self)
 
+    @classmethod
+    def open(cls, path) -> "StoreThread":
+        """The daemon's store: the writer connection (runs the migrations) and a reader connection."""
+        store = StateStore.open(path)
+        try:
+            reader = StateStore.open(path)
+        except BaseException:
+            store.close()
+            raise
+        return cls(store, reader)
+
     def _in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        self._thread_id = threading.get_ident()
+        self._thread_ids.add(threading.get_ident())
         return fn(*args, **kwargs)
 
     def on_store_thread(self) -> bool:
-        return threading.get_ident() == self._thread_id
+        return threading.get_ident() in self._thread_ids
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(store, *args)`` on the store thread; the loop goes on meanwhile."""
+    def _route(self, name: str) -> tuple[Callable[..., Any], ThreadPoolExecutor]:
+        if name in READS and self.reader is not None:
+            return getattr(self.reader, name), self._read_executor
+        return getattr(self.store, name), self._executor
+
+    async def run(self, fn: Callable[..., T], *args: Any, write: bool = False) -> T:
+        """``fn(store, *args)`` on the reader's thread (``write=True``: the writer's); the loop goes on."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(self._in_thread, fn, self.store, *args))
+        store, executor = (self.store, self._executor) if write or self.reader is None else (
+            self.reader, self._read_executor)
+        return await loop.run_in_executor(executor, functools.partial(self._in_thread, fn, store, *args))
 
     def call_blocking(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """``store.name(*args)`` on the store thread; blocks the caller (not the store thread) until done."""
-        method = getattr(self.store, name)
+        method, executor = self._route(name)
         if self.on_store_thread():  # re-entered from a function already running there
             return method(*args, **kwargs)
-        return self._executor.submit(self._in_thread, method, *args, **kwargs).result()
+        return executor.submit(self._in_thread, method, *args, **kwargs).result()
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_") or not callable(getattr(StateStore, name, None)):
             raise AttributeError(name)
-        method = getattr(self.store, name)
+        method, executor = self._route(name)
 
         async def call(*args: Any, **kwargs: Any) -> Any:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._executor, functools.partial(self._in_thread, method, *args, **kwargs))
+            return await loop.run_in_executor(executor, functools.partial(self._in_thread, method, *args, **kwargs))
 
         call.__name__ = name
         return call
 
     async def aclose(self) -> None:
-        """Close the connection on its thread, then end the thread."""
-        await self.run(lambda store: store.close())
-        self._executor.shutdown(wait=True)
+        """Close the connections on their threads, then end the threads."""
+        await asyncio.to_thread(self.close)
 
     def close(self) -> None:
         """Synchronous close (outside a loop): the same, waiting here."""
         self._executor.submit(self.store.close).result()
         self._executor.shutdown(wait=True)
+        if self.reader is not None:
+            self._read_executor.submit(self.reader.close).result()
+            self._read_executor.shutdown(wait=True)
 
 
 class BlockingStore:
@@ -106,7 +133,7 @@ class BlockingStore:
 
     @property
     def schema_version(self) -> int:
-        return self._owner.call_blocking("__getattribute__", "schema_version")
+        return self._owner.store.schema_version
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_") or not callable(getattr(StateStore, name, None)):
