@@ -76,6 +76,7 @@ from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
 from gpuaas_agent.tasks.registry import build_handlers
 from gpuaas_agent.tasks.slicehost import SliceHost
@@ -371,6 +372,9 @@ async def run_agent(
         background.append(asyncio.create_task(
             prune_loop(state, config.task_retention_days * 86400), name="prune"))
 
+        # After a host reboot: re-validate and restore the active slices before any task runs
+        # (after READY and with the watchdog going: a restart of several slices takes a while).
+        boot_report = await boot_recovery_at_start(slice_host, state) if slice_host is not None else None
         nc = await connect(config, record, stop, on_attempt=reporter.connect_attempt)
         if nc is None:
             reporter.stopping = True
@@ -382,6 +386,7 @@ async def run_agent(
                                   max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s)
         if reconcile is None and slice_host is not None:
             reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
+        await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
         worker = TaskWorker(nc, state, record.node_id, handlers, settings, observer=metrics)
         reporter.attach(nc, worker)
         reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")

@@ -45,7 +45,7 @@ T = TypeVar("T")
 
 THREAD_NAME = "gpuaas-state"
 # StateStore methods that only read: served by the reader connection when there is one.
-READS = frozenset({"leases", "leases_of", "journal_of", "unfinished_steps", "result_of", "latest_wipe_proof",
+READS = frozenset({"meta", "leases", "leases_of", "journal_of", "unfinished_steps", "result_of", "latest_wipe_proof",
                    "slot_state", "slot_states"})
 
 

@@ -81,6 +81,15 @@ MIGRATIONS: tuple[str, ...] = (
     UPDATE slot_lease SET disk_identity = 'path:' || nvme_device WHERE disk_identity IS NULL;
     CREATE UNIQUE INDEX slot_lease_disk_identity ON slot_lease (disk_identity);
     """,
+    # 4 -> 5: small facts about the host the agent must remember across its restarts; first the kernel's
+    # boot_id, so the first start after a host reboot re-validates and restores the active slices (issue 17).
+    """
+    CREATE TABLE agent_meta (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    """,
 )
 
 
@@ -311,6 +320,17 @@ class StateStore:
             (slot_index,),
         ).fetchone()
         return None if row is None else WipeProof.model_validate_json(row[0])
+
+    # -- host facts ----------------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        """A remembered host fact (``boot_id``...), or None when never stored."""
+        row = self._conn.execute("SELECT value FROM agent_meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._transaction():
+            self._conn.execute("INSERT OR REPLACE INTO agent_meta VALUES (?, ?, ?)", (key, value, self._clock()))
 
     # -- slot states ---------------------------------------------------------------
 
