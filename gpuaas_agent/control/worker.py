@@ -70,7 +70,7 @@ from gpuaas_agent.contract.tasks import (
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
-from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.state.store import StateError, StateStore
 from gpuaas_agent.tasks.registry import default_concurrency
 
 log = logging.getLogger(__name__)
@@ -327,7 +327,10 @@ class TaskWorker:
         now = datetime.now(timezone.utc)
         if now >= deadline:
             evidence: dict = {"deadline": deadline.isoformat()}
-            interrupted = await self.state.unfinished_steps(envelope.task_id)
+            try:
+                interrupted = await self.state.unfinished_steps(envelope.task_id)
+            except StateError as exc:  # journal_unreadable: still expired; the result names the journal's problem
+                interrupted, evidence["journal_error"] = [], _error_body(exc, retryable=False).model_dump()
             if interrupted:
                 # TODO(issue 17): a redelivered task that was interrupted mid-pipeline (agent killed, journal
                 # shows started steps) and whose deadline passed meanwhile is answered `expired` here and its
@@ -361,12 +364,19 @@ class TaskWorker:
                                error=_error_body(_not_implemented(task_type), retryable=False))
             return
 
-        starts = await self._starts(envelope.task_id)
+        try:
+            starts = await self._starts(envelope.task_id)
+            resumed = await self.state.unfinished_steps(envelope.task_id)
+        except StateError as exc:
+            # journal_unreadable (a row an older version wrote): the handler cannot know what was done, so it
+            # does not run; the answer names the row. A redelivery answers the same from the stored result.
+            _warn("task_journal_unreadable", task_id=envelope.task_id, code=exc.code, evidence=exc.evidence)
+            await self._finish(msg, envelope, ResultStatus.failed, error=_error_body(exc, retryable=False))
+            return
         if starts >= self.settings.max_task_starts:
             await self._poison(msg, envelope, starts, None)
             return
 
-        resumed = await self.state.unfinished_steps(envelope.task_id)
         if resumed:
             _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
         ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store, resumed_steps=resumed, _nc=self.nc,
