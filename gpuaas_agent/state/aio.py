@@ -63,7 +63,7 @@ class StoreThread:
         self.sync = BlockingStore(self)
 
     @classmethod
-    def open(cls, path) -> "StoreThread":
+    def open(cls, path) -> StoreThread:
         """The daemon's store: the writer connection (runs the migrations) and a reader connection."""
         store = StateStore.open(path)
         try:
@@ -141,7 +141,7 @@ class BlockingStore:
         return functools.partial(self._owner.call_blocking, name)
 
 
-_WRAPPED: "weakref.WeakKeyDictionary[StateStore, StoreThread]" = weakref.WeakKeyDictionary()
+_WRAPPED: weakref.WeakKeyDictionary[StateStore, StoreThread] = weakref.WeakKeyDictionary()
 _WRAPPED_LOCK = threading.Lock()
 
 

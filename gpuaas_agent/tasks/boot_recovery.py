@@ -43,9 +43,20 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from gpuaas_agent.contract.domain import DomainInfo
-from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftReport, DriftSeverity, DriftTrigger
+from gpuaas_agent.contract.drift import (
+    DriftFinding,
+    DriftKind,
+    DriftReport,
+    DriftSeverity,
+    DriftTrigger,
+)
 from gpuaas_agent.contract.naming import allocation_from_domain_name
-from gpuaas_agent.contract.runtime import OnHostBoot, RuntimeProfile, UnknownProfileError, get_profile
+from gpuaas_agent.contract.runtime import (
+    OnHostBoot,
+    RuntimeProfile,
+    UnknownProfileError,
+    get_profile,
+)
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease

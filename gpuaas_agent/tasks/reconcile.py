@@ -4,7 +4,10 @@ Sources: the state store (leases, slot records), libvirt (agent-owned domains,
 read back from their metadata), OVS (ports carrying ``gpuaas-allocation``),
 dnsmasq (the agent's reservations and the lease file), sysfs (drivers of the
 leased PCI functions), the bridge's flows and the nft guard (``tasks/isolation.py``).
-Every difference is a typed :class:`DriftFinding`.
+Every difference is a typed :class:`DriftFinding`. Each lease's devices are also compared
+with the live host (``tasks/slot_topology.py``: ``slot_device_missing``/``slot_device_moved``),
+and an active slot's shut-off domain is always reported (``domain_shutoff``; ``info`` when the
+tenant stopped it). Store reads go through the store thread (``state/aio.py``), off the loop.
 
 Repairs are limited to what cannot hurt a tenant: an OVS port or a dnsmasq
 reservation of an allocation this host no longer knows at all (no lease, no

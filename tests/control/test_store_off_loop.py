@@ -12,6 +12,7 @@ at their interval and the tasks finish once the lock is released.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sqlite3
 import sys
 import threading
@@ -78,8 +79,8 @@ class LockHolder:
         self.join()
 
 
-def test_heartbeats_keep_their_interval_while_another_process_holds_the_state_write_lock(nats_server, tmp_path,
-                                                                                         agents):
+def test_heartbeats_keep_their_interval_while_another_process_holds_the_state_write_lock(
+        nats_server, tmp_path, agents):  # noqa: F811  (the fixture imported above)
     async def body():
         plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, heartbeat_interval_s=INTERVAL_S)
         holder = None
@@ -104,7 +105,7 @@ def test_heartbeats_keep_their_interval_while_another_process_holds_the_state_wr
 
             beats = sorted(h.at.timestamp() for h in plane.seen.heartbeats)
             window = [t for t in beats if held_at - INTERVAL_S <= t <= released_at + INTERVAL_S]
-            gaps = [b - a for a, b in zip(window, window[1:])]
+            gaps = [b - a for a, b in itertools.pairwise(window)]
             assert len(window) >= HOLD_S / INTERVAL_S / 2, f"heartbeats during the hold: {window}"
             assert max(gaps) < INTERVAL_S + SLACK_S, (
                 f"the event loop stalled: largest heartbeat gap {max(gaps):.2f}s while the write lock was held "
