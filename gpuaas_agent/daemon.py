@@ -79,7 +79,9 @@ from gpuaas_agent.operator.health import HealthSettings, isolation_check
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.netwatch import serialized, start_netwatch
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
+from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
 from gpuaas_agent.tasks.registry import build_handlers
 from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
@@ -278,11 +280,12 @@ async def watchdog_loop(notifier: SdNotifier, interval_s: float) -> None:
         await asyncio.sleep(interval_s)  # the watchdog period
 
 
-async def prune_loop(store: StateStore, retention_s: float, interval_s: float = 86400.0) -> None:
+async def prune_loop(store: StateStore | StoreThread, retention_s: float, interval_s: float = 86400.0) -> None:
     """Forget stored results (and their journal rows) older than the retention: at start, then daily."""
+    state = as_store_thread(store)
     while True:
         try:
-            results, rows = store.prune_finished(time.time() - retention_s)
+            results, rows = await state.prune_finished(time.time() - retention_s)
             if results or rows:
                 _event("state_pruned", results=results, journal_rows=rows, retention_days=round(retention_s / 86400, 2))
         except AgentError as exc:
@@ -343,7 +346,9 @@ async def run_agent(
     if record is None:
         raise AgentError(f"not enrolled: no enrollment record in {config.state_dir}; run `gpuaas-agent enroll` first",
                          code="not_enrolled", evidence={"state_dir": str(config.state_dir)})
-    store = StateStore.open(config.state_db)
+    # Every SQLite call of the daemon runs on this one thread, off the event loop (state/aio.py).
+    state = StoreThread.open(config.state_db)
+    store = state.sync
     background: list[asyncio.Task] = []
     nc: Client | None = None
     slice_host = None
@@ -368,7 +373,7 @@ async def run_agent(
                              heartbeat_interval_s=config.heartbeat_interval_s,
                              health_interval_s=config.health_interval_s, request_timeout_s=config.request_timeout_s,
                              metrics_textfile=config.metrics_textfile),
-            store, HealthSettings.from_config(config), None, notifier.notify)
+            state, HealthSettings.from_config(config), None, notifier.notify)
         if slice_host is not None:
             reporter.extra_checks.append(port_isolation_probe(slice_host, store))
         metrics = AgentMetrics(live_state(store, reporter, slice_host, uevents))
@@ -384,8 +389,11 @@ async def run_agent(
         background.append(asyncio.create_task(reporter.loop(), name="report"))
         background.append(asyncio.create_task(reporter.health_loop(), name="health"))
         background.append(asyncio.create_task(
-            prune_loop(store, config.task_retention_days * 86400), name="prune"))
+            prune_loop(state, config.task_retention_days * 86400), name="prune"))
 
+        # After a host reboot: re-validate and restore the active slices before any task runs
+        # (after READY and with the watchdog going: a restart of several slices takes a while).
+        boot_report = await boot_recovery_at_start(slice_host, state) if slice_host is not None else None
         nc = await connect(config, record, stop, on_attempt=reporter.connect_attempt)
         if nc is None:
             reporter.stopping = True
@@ -401,7 +409,8 @@ async def run_agent(
             reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
         if reconcile is not None:
             reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
-        worker = TaskWorker(nc, store, record.node_id, handlers, settings, observer=metrics)
+        await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
+        worker = TaskWorker(nc, state, record.node_id, handlers, settings, observer=metrics)
         if config.nats_creds_file is None and record.credentials.creds is not None:
             # Enrolled with a .creds: the control plane may rotate it (control/rotation.py).
             await CredsRotator(nc, record.node_id, creds_path(config.state_dir),
@@ -461,7 +470,7 @@ async def run_agent(
         if slice_host is not None:
             with contextlib.suppress(Exception):  # closing the libvirt connection must not mask the exit
                 await slice_host.close()
-        store.close()
+        await state.aclose()
         _event("agent_stopped")
 
 

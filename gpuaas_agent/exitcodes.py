@@ -12,7 +12,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 
 USAGE_CODES = frozenset({"root_missing", "config_invalid", "config_unreadable", "netns_missing", "netns_on_fixture",
                          "unknown_profile", "output_exists", "usage"})
 ENVIRONMENT_CODES = frozenset({"nats_unreachable", "nats_auth_refused", "enroll_unreachable", "not_enrolled",
-                               "state_unreadable", "state_schema_newer", "state_error", "enrollment_record_invalid",
+                               "state_unreadable", "state_schema_newer", "state_error", "state_locked", "enrollment_record_invalid",
                                "daemon_status_unreadable", "daemon_status_invalid", "command_not_found", "os_error"})
 # The control channel's security refusals (control/transport.py): the host's setup, not a failed job.
 ENVIRONMENT_CODES |= frozenset({"plaintext_refused", "creds_insecure", "creds_expired", "creds_invalid",

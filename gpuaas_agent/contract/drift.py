@@ -57,6 +57,15 @@ class DriftKind(WireEnum):
     # slice network watch (operator/netwatch.py): a check of the slice network changed verdict
     slice_network_degraded = "slice_network_degraded"  # subject: the check (slice_nat, dnsmasq, ...)
     slice_network_restored = "slice_network_restored"
+    # a held slot's devices vs. the live host (tasks/slot_topology.py, issue 17)
+    slot_device_missing = "slot_device_missing"  # the leased GPU/VF address or by-id disk is gone
+    slot_device_moved = "slot_device_moved"  # by-id names another disk, other hostdevs, GPU on another NUMA node
+    domain_shutoff = "domain_shutoff"  # an active slot's domain is shut off (info when the tenant stopped it)
+    # boot recovery (tasks/boot_recovery.py): what the agent could not restore after a host reboot
+    slot_rebind_failed = "slot_rebind_failed"  # a leased GPU/VF could not be put back on vfio-pci
+    boot_restart_refused = "boot_restart_refused"  # the guarded start of an active slice refused after boot
+    boot_restart_held = "boot_restart_held"  # not restarted by policy (on_host_boot) or the tenant's stop
+    boot_restarted = "boot_restarted"  # restarted after the boot (info: what recovery did)
 
 
 class DriftSeverity(WireEnum):
@@ -70,6 +79,7 @@ class DriftTrigger(WireEnum):
     timer = "timer"
     task = "task"
     netlink = "netlink"  # a link, address, route, forwarding or nftables change
+    boot = "boot"  # the first start of the agent after the host rebooted (boot_id changed)
 
 
 class DriftFinding(WireModel):

@@ -34,6 +34,18 @@ class NicModel(WireEnum):
     e1000e = "e1000e"
 
 
+class OnHostBoot(WireEnum):
+    """What the agent does with an active slice whose domain is shut off after the host rebooted.
+
+    ``restart``: re-validate the slot's devices (disk identity, vfio-pci, hugepages) and start the domain
+    through the guarded start; ``leave_stopped``: re-validate and report (``boot_restart_held``), the control
+    plane or the tenant starts it. Either way a slice the tenant had stopped stays stopped.
+    """
+
+    restart = "restart"
+    leave_stopped = "leave_stopped"
+
+
 class IngressPolicing(WireModel):
     """OVS ``ingress_policing_rate``/``_burst`` for the slot's vNIC (applied by the OVS driver, not libvirt)."""
 
@@ -61,6 +73,7 @@ class RuntimeProfile(WireModel):
     readiness_egress: bool = False
     # The weakest locality a multi-slot allocation of this profile accepts (tasks/placement.py).
     placement: Placement = Placement.any
+    on_host_boot: OnHostBoot = OnHostBoot.restart  # boot recovery's policy (tasks/boot_recovery.py)
 
 
 class UnknownProfileError(ContractError):

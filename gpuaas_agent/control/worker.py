@@ -85,7 +85,8 @@ from gpuaas_agent.contract.tasks import (
 )
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
-from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
+from gpuaas_agent.state.store import StateError, StateStore
 from gpuaas_agent.tasks.registry import default_concurrency
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class TaskContext:
 
     envelope: TaskEnvelope
     node_id: str
-    store: StateStore
+    store: StateStore | BlockingStore  # synchronous, run on the daemon's store thread (state/aio.py)
     resumed_steps: list[str]
     _nc: Client
     # What the task did to slots; reported with the result whether it succeeded or not
@@ -170,7 +171,7 @@ def _not_implemented(task_type: TaskType) -> AgentError:
 class TaskWorker:
     """Build once in the daemon; :meth:`run` until :meth:`stop`; then :meth:`drain`."""
 
-    def __init__(self, nc: Client, store: StateStore, node_id: str, handlers: Mapping[TaskType, Handler],
+    def __init__(self, nc: Client, store: StateStore | StoreThread, node_id: str, handlers: Mapping[TaskType, Handler],
                  settings: WorkerSettings | None = None, *, observer=None) -> None:
         self.nc = nc
         # Optional (the daemon's metrics): observer.task_finished(type, status, duration_s) per result
@@ -178,7 +179,10 @@ class TaskWorker:
         self.observer = observer
         self._received: dict[str, float] = {}
         self.js = nc.jetstream(timeout=(settings or WorkerSettings()).request_timeout_s)
-        self.store = store
+        # Every SQLite call of the worker runs on the one store thread, off the event loop (state/aio.py):
+        # a commit waiting for another process's write lock must not stop keepalives and heartbeats.
+        self.state = as_store_thread(store)
+        self.store = self.state.sync  # what handlers get as ctx.store
         self.node_id = node_id
         self.handlers = dict(handlers)
         self.settings = settings or WorkerSettings()
@@ -402,9 +406,9 @@ class TaskWorker:
                                 code="wrong_subject", evidence={"task_id": envelope.task_id, "subject": subject,
                                                                 "expected": expected})
 
-    def _starts(self, task_id: str) -> int:
+    async def _starts(self, task_id: str) -> int:
         """How many times a handler was started for ``task_id`` (journaled before it runs, so a kill counts)."""
-        return sum(1 for e in self.store.journal_of(task_id) if e.step == TASK_STEP and e.status == StepStatus.started)
+        return sum(1 for e in await self.state.journal_of(task_id) if e.step == TASK_STEP and e.status == StepStatus.started)
 
     def _retry_delay(self, starts: int) -> float:
         return min(self.settings.ack_wait_s, self.settings.retry_backoff_s * 2 ** max(starts - 1, 0))
@@ -415,7 +419,7 @@ class TaskWorker:
         evidence = {"starts": starts, "max_task_starts": self.settings.max_task_starts,
                     "last_error": last_error.model_dump() if last_error is not None else None}
         outcomes: list[SlotOutcome] = []
-        interrupted = self.store.unfinished_steps(envelope.task_id)
+        interrupted = await self.state.unfinished_steps(envelope.task_id)
         if interrupted:
             recovery, outcomes = await self._recover(msg, envelope, interrupted)
             if recovery is not None:
@@ -443,7 +447,7 @@ class TaskWorker:
         recover = getattr(self.handlers.get(task_type), "recover", None)
         if recover is None:
             return None, []
-        tries = sum(1 for e in self.store.journal_of(envelope.task_id)
+        tries = sum(1 for e in await self.state.journal_of(envelope.task_id)
                     if e.step == RECOVER_STEP and e.status == StepStatus.started)
         if tries >= self.settings.max_task_starts:
             return {"ok": False, "code": "recovery_poison", "message": f"recovery started {tries} times without "
@@ -452,7 +456,7 @@ class TaskWorker:
                           resumed_steps=[s for s in interrupted if s != RECOVER_STEP],
                           _nc=self.nc, agent_stopping=self._stopping)
         _warn("task_recovering", task_id=envelope.task_id, unfinished_steps=interrupted)
-        self.store.journal(envelope.task_id, RECOVER_STEP, StepStatus.started)
+        await self.state.journal(envelope.task_id, RECOVER_STEP, StepStatus.started)
 
         async def guarded() -> dict:
             async with self._semaphores[task_type], asyncio.timeout(self.settings.recovery_timeout_s):
@@ -465,11 +469,11 @@ class TaskWorker:
         except Exception as exc:
             log.exception(json.dumps({"event": "task_recovery_crashed", "task_id": envelope.task_id}))
             evidence = {"ok": False, "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
-        self.store.journal(envelope.task_id, RECOVER_STEP, StepStatus.succeeded)
+        await self.state.journal(envelope.task_id, RECOVER_STEP, StepStatus.succeeded)
         return evidence, list(ctx.slot_outcomes)
 
     async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:
-        stored = self.store.result_of(envelope.task_id)
+        stored = await self.state.result_of(envelope.task_id)
         if stored is not None:
             _event("task_result_replayed", task_id=envelope.task_id)
             await self._publish_and_ack(msg, TaskResult.from_wire(stored))
@@ -479,8 +483,11 @@ class TaskWorker:
         now = datetime.now(timezone.utc)
         if now >= deadline:
             evidence: dict = {"deadline": deadline.isoformat()}
-            interrupted = self.store.unfinished_steps(envelope.task_id)
             outcomes: list[SlotOutcome] = []
+            try:
+                interrupted = await self.state.unfinished_steps(envelope.task_id)
+            except StateError as exc:  # journal_unreadable: still expired; the result names the journal's problem
+                interrupted, evidence["journal_error"] = [], _error_body(exc, retryable=False).model_dump()
             if interrupted:
                 # Interrupted mid-run (the agent was killed or stopped under it) and not to run again: the
                 # handler's recovery undoes what the interrupted run left (compensation only), then expired.
@@ -513,12 +520,19 @@ class TaskWorker:
                                error=_error_body(_not_implemented(task_type), retryable=False))
             return
 
-        starts = self._starts(envelope.task_id)
+        try:
+            starts = await self._starts(envelope.task_id)
+            resumed = await self.state.unfinished_steps(envelope.task_id)
+        except StateError as exc:
+            # journal_unreadable (a row an older version wrote): the handler cannot know what was done, so it
+            # does not run; the answer names the row. A redelivery answers the same from the stored result.
+            _warn("task_journal_unreadable", task_id=envelope.task_id, code=exc.code, evidence=exc.evidence)
+            await self._finish(msg, envelope, ResultStatus.failed, error=_error_body(exc, retryable=False))
+            return
         if starts >= self.settings.max_task_starts:
             await self._poison(msg, envelope, starts, None)
             return
 
-        resumed = self.store.unfinished_steps(envelope.task_id)
         if resumed:
             _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
         ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store, resumed_steps=resumed, _nc=self.nc,
@@ -550,7 +564,7 @@ class TaskWorker:
                            ctx: TaskContext) -> tuple[ResultStatus, dict, TaskErrorBody | None]:
         task_id = ctx.envelope.task_id
         async with self._semaphores[task_type]:
-            self.store.journal(task_id, TASK_STEP, StepStatus.started,
+            await self.state.journal(task_id, TASK_STEP, StepStatus.started,
                                {"type": task_type.value, "attempt": ctx.envelope.attempt})
             _event("task_started", task_id=task_id, type=task_type.value, attempt=ctx.envelope.attempt)
             try:
@@ -558,7 +572,7 @@ class TaskWorker:
                     output = await handler(payload, ctx)
             except TimeoutError:
                 # The deadline passed and the handler let the cancellation through (nothing to undo).
-                self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "deadline_exceeded"})
+                await self.state.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "deadline_exceeded"})
                 _warn("task_cancelled", task_id=task_id, code="deadline_exceeded")
                 return ResultStatus.cancelled, {}, TaskErrorBody(
                     code="deadline_exceeded", message="the task's deadline passed while it ran", retryable=False,
@@ -568,17 +582,17 @@ class TaskWorker:
                     exc = invalid_payload(task_type.value, exc)
                 # A pipeline that was cancelled (deadline) has compensated and says so: the task is cancelled.
                 status = ResultStatus.cancelled if getattr(exc, "cancelled", False) else ResultStatus.failed
-                self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": exc.code})
+                await self.state.journal(task_id, TASK_STEP, StepStatus.failed, {"code": exc.code})
                 _warn("task_failed" if status is ResultStatus.failed else "task_cancelled", task_id=task_id,
                       code=exc.code, message=exc.message)
                 return status, {}, _error_body(exc, retryable=bool(getattr(exc, "retryable", False)))
             except Exception as exc:  # a bug, not a refusal: report it with a code, keep the agent alive
                 log.exception(json.dumps({"event": "task_crashed", "task_id": task_id}))
-                self.store.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "internal_error"})
+                await self.state.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "internal_error"})
                 return ResultStatus.failed, {}, TaskErrorBody(
                     code="internal_error", message=f"{type(exc).__name__}: {exc}", retryable=True,
                     evidence={"exception": type(exc).__name__})
-            self.store.journal(task_id, TASK_STEP, StepStatus.succeeded)
+            await self.state.journal(task_id, TASK_STEP, StepStatus.succeeded)
             _event("task_succeeded", task_id=task_id, type=task_type.value)
             return ResultStatus.succeeded, dict(output), None
 
@@ -600,7 +614,7 @@ class TaskWorker:
         result = TaskResult(task_id=envelope.task_id, node_id=self.node_id, type=envelope.type,
                             attempt=envelope.attempt, status=status, output=output or {}, error=error,
                             slot_outcomes=slot_outcomes or [], finished_at=datetime.now(timezone.utc))
-        stored = self.store.store_result(envelope.task_id, result.model_dump(mode="json"))
+        stored = await self.state.store_result(envelope.task_id, result.model_dump(mode="json"))
         if self.observer is not None:
             received = self._received.get(envelope.task_id)
             self.observer.task_finished(envelope.type, status.value,

@@ -32,6 +32,7 @@ from gpuaas_agent.operator.health import (
     summarise,
 )
 from gpuaas_agent.operator.metrics import AgentMetrics
+from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class ReporterSettings:
 
 
 class Reporter:
-    def __init__(self, settings: ReporterSettings, store: StateStore, health: HealthSettings,
+    def __init__(self, settings: ReporterSettings, store: StateStore | StoreThread, health: HealthSettings,
                  metrics: AgentMetrics | None, notify: Callable[..., bool]) -> None:
         self.settings = settings
-        self.store = store
+        # Reads go through the daemon's store thread (state/aio.py): the heartbeat never waits on SQLite.
+        self.state = as_store_thread(store)
+        self.store = self.state.sync
         self.health_settings = health
         self.metrics = metrics
         self._notify = notify
@@ -134,20 +137,23 @@ class Reporter:
             state, reason = "unknown", "task consumer not bound yet"
         return state, reason
 
-    def daemon_status(self) -> DaemonStatus:
+    def daemon_status(self, flights: list[InFlightTask] | None = None) -> DaemonStatus:
+        """``flights``: the in-flight view read off the loop (:meth:`tick`); else read here, blocking."""
         state, reason = self.health()
         running = self.worker.running_task_ids if self.worker is not None else []
+        if flights is None:
+            flights = in_flight(self.store, running)
         return DaemonStatus(
             node_id=self.settings.node_id, agent_version=__version__, pid=os.getpid(), started_at=self.started_at,
             written_at=datetime.now(UTC), heartbeat_interval_s=self.settings.heartbeat_interval_s,
             nats_state=self.nats_state, nats_connect_attempts=self.connect_attempts, nats_reconnects=self.reconnects,
             last_heartbeat_at=self.last_heartbeat_at, health_state=state, health_reason=reason,
-            health=self.checks or [], in_flight=in_flight(self.store, running))
+            health=self.checks or [], in_flight=flights)
 
     # -- loops --------------------------------------------------------------------------------
 
     async def check_health(self) -> None:
-        leases, records = self.store.leases(), self.store.slot_states()
+        leases, records = await self.state.leases(), await self.state.slot_states()
         checks = await run_checks(self.health_settings, leases, records)
         for extra in self.extra_checks:
             try:
@@ -186,7 +192,9 @@ class Reporter:
         if self.metrics is not None and self.checks is not None:
             self.metrics.health(state, self.checks)
         try:
-            write_status(self.settings.state_dir, self.daemon_status())
+            running = self.worker.running_task_ids if self.worker is not None else []
+            flights = await self.state.run(in_flight, running)
+            write_status(self.settings.state_dir, self.daemon_status(flights))
         except OSError as exc:
             log_event(log, "status_file_failed", logging.WARNING, error=exc.strerror or str(exc))
         if self.metrics is not None and self.settings.metrics_textfile is not None:
@@ -197,11 +205,12 @@ class Reporter:
                           error=exc.strerror or str(exc))
 
     async def _publish(self, state: str, reason: str | None) -> None:
+        leased = [lease.slot_index for lease in await self.state.leases()]
         beat = Heartbeat(
             node_id=self.settings.node_id, agent_version=__version__, health_state=state, health_reason=reason,
             health=self.checks or [],
             running_tasks=self.worker.running_task_ids if self.worker is not None else [],
-            leased_slots=[lease.slot_index for lease in self.store.leases()],
+            leased_slots=leased,
             at=datetime.now(UTC))
         try:
             await self.nc.publish(subjects.heartbeat(self.settings.node_id), beat.model_dump_json().encode())

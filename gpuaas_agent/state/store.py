@@ -112,6 +112,15 @@ MIGRATIONS: tuple[str, ...] = (
         pinned_at REAL NOT NULL
     );
     """,
+    # 5 -> 6: small facts about the host the agent must remember across its restarts; first the kernel's
+    # boot_id, so the first start after a host reboot re-validates and restores the active slices (issue 17).
+    """
+    CREATE TABLE agent_meta (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    """,
 )
 
 
@@ -130,24 +139,59 @@ class LeaseConflict(StateError):
     default_code = "lease_conflict"
 
 
+def state_db_error(exc: sqlite3.Error, path: Path, *, timeout_s: float | None = None) -> StateError:
+    """A typed error for what SQLite said about the state file (issue 17, bad input).
+
+    ``state_locked``: another process holds the lock longer than the busy timeout (retryable: nothing
+    was written); ``state_unreadable``: the file is not a database, truncated or malformed.
+    """
+    text = str(exc)
+    size = path.stat().st_size if path.exists() else None
+    evidence = {"path": str(path), "sqlite_error": text, "size_bytes": size}
+    if isinstance(exc, sqlite3.OperationalError) and ("locked" in text or "busy" in text):
+        err = StateError(f"state file {path} is locked by another process (waited {timeout_s}s); nothing was written",
+                         code="state_locked", evidence={**evidence, "timeout_s": timeout_s})
+        err.retryable = True
+        return err
+    return StateError(f"state file {path} cannot be used: {text}", code="state_unreadable", evidence=evidence)
+
+
 class StateStore:
     """Open with :meth:`open`; one connection per store, used from one thread at a time."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path, clock: Callable[[], float]) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: Path, clock: Callable[[], float],
+                 timeout_s: float = 10.0) -> None:
         self._conn = conn
         self.path = path
         self._clock = clock
+        self.timeout_s = timeout_s
 
     @classmethod
-    def open(cls, path: str | Path, *, clock: Callable[[], float] = time.time) -> "StateStore":
+    def open(cls, path: str | Path, *, clock: Callable[[], float] = time.time,
+             timeout_s: float = 10.0) -> "StateStore":
+        """Open (create, migrate) the state file; a file that is no usable database or stays locked longer
+        than ``timeout_s`` is a :class:`StateError` (``state_unreadable`` / ``state_locked``), never a traceback."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        conn = sqlite3.connect(path, timeout=10, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")  # a lease or result must survive power loss
-        conn.execute("PRAGMA foreign_keys=ON")
-        store = cls(conn, path, clock)
-        store._migrate()
+        conn = sqlite3.connect(path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")  # a lease or result must survive power loss
+            conn.execute("PRAGMA foreign_keys=ON")
+            store = cls(conn, path, clock, timeout_s)
+            store._migrate()
+            # A truncated file can still have a valid header: prove every page is there before trusting it.
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
+            if problems != ["ok"]:
+                raise StateError(f"state file {path} is damaged: {problems[0]}", code="state_unreadable",
+                                 evidence={"path": str(path), "quick_check": problems[:10],
+                                           "size_bytes": path.stat().st_size})
+        except sqlite3.Error as exc:
+            conn.close()
+            raise state_db_error(exc, path, timeout_s=timeout_s) from exc
+        except BaseException:
+            conn.close()
+            raise
         path.chmod(0o600)
         return store
 
@@ -174,8 +218,14 @@ class StateStore:
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
-        """BEGIN IMMEDIATE ... COMMIT: take the write lock up front so racing writers queue, not fail late."""
-        self._conn.execute("BEGIN IMMEDIATE")
+        """BEGIN IMMEDIATE ... COMMIT: take the write lock up front so racing writers queue, not fail late.
+
+        A lock another process holds past the busy timeout is ``state_locked`` (nothing written).
+        """
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            raise state_db_error(exc, self.path, timeout_s=self.timeout_s) from exc
         try:
             yield
         except BaseException:
@@ -276,10 +326,18 @@ class StateStore:
         rows = self._conn.execute(
             "SELECT task_id, seq, step, status, detail, at FROM task_journal WHERE task_id = ? ORDER BY seq", (task_id,)
         ).fetchall()
-        return [
-            JournalEntry(task_id=r[0], seq=r[1], step=r[2], status=StepStatus(r[3]), detail=json.loads(r[4]), at=r[5])
-            for r in rows
-        ]
+        entries = []
+        for r in rows:
+            try:
+                entries.append(JournalEntry(task_id=r[0], seq=r[1], step=r[2], status=StepStatus(r[3]),
+                                            detail=json.loads(r[4]), at=r[5]))
+            except (ValueError, TypeError) as exc:  # a row an older/other version wrote: say which, never guess
+                raise StateError(
+                    f"journal row {r[1]} of task {task_id} is not one this agent can read: {exc}",
+                    code="journal_unreadable",
+                    evidence={"task_id": task_id, "seq": r[1], "step": r[2], "status": r[3],
+                              "known_statuses": [s.value for s in StepStatus]}) from exc
+        return entries
 
     def unfinished_steps(self, task_id: str) -> list[str]:
         """Steps whose last event is ``started``: what a restart must resume or compensate."""
@@ -342,6 +400,17 @@ class StateStore:
             (slot_index,),
         ).fetchone()
         return None if row is None else WipeProof.model_validate_json(row[0])
+
+    # -- host facts ----------------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        """A remembered host fact (``boot_id``...), or None when never stored."""
+        row = self._conn.execute("SELECT value FROM agent_meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._transaction():
+            self._conn.execute("INSERT OR REPLACE INTO agent_meta VALUES (?, ?, ?)", (key, value, self._clock()))
 
     # -- slot states ---------------------------------------------------------------
 

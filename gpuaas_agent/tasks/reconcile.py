@@ -4,7 +4,10 @@ Sources: the state store (leases, slot records), libvirt (agent-owned domains,
 read back from their metadata), OVS (ports carrying ``gpuaas-allocation``),
 dnsmasq (the agent's reservations and the lease file), sysfs (drivers of the
 leased PCI functions), the bridge's flows and the nft guard (``tasks/isolation.py``).
-Every difference is a typed :class:`DriftFinding`.
+Every difference is a typed :class:`DriftFinding`. Each lease's devices are also compared
+with the live host (``tasks/slot_topology.py``: ``slot_device_missing``/``slot_device_moved``),
+and an active slot's shut-off domain is always reported (``domain_shutoff``; ``info`` when the
+tenant stopped it). Store reads go through the store thread (``state/aio.py``), off the loop.
 
 Repairs are limited to what cannot hurt a tenant: an OVS port or a dnsmasq
 reservation of an allocation this host no longer knows at all (no lease, no
@@ -36,9 +39,12 @@ from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.tasks import ReconcilePayload
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.host.dnsmasq import parse_leases, status_of
+from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.tasks.isolation import ActivePort, isolation_drift
 from gpuaas_agent.tasks.slicehost import SliceHost
+from gpuaas_agent.tasks.slot_topology import slot_topology_findings
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +58,9 @@ def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected
 async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger = DriftTrigger.task,
                     node_id: str | None = None) -> DriftReport:
     started = time.monotonic()
-    leases = store.leases()
-    records = {r.slot_index: r for r in store.slot_states()}
+    state = as_store_thread(store)  # SQLite off the loop (state/aio.py)
+    leases = await state.leases()
+    records = {r.slot_index: r for r in await state.slot_states()}
     domains = await sh.libvirt.list_agent_domains()
     reservations_file = sh.reservations()
     reservations = await asyncio.to_thread(reservations_file.reservations)
@@ -85,6 +92,9 @@ async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger
             findings.append(_finding(DriftKind.lease_without_domain, lease.allocation_id, DriftSeverity.warn,
                                      expected="a domain for the leased slot", actual="no domain",
                                      slot_index=lease.slot_index, slot_status=status.value if status else None))
+        if domain is not None and status is SlotStatus.active and domain.state.value == "shutoff":
+            findings.append(shutoff_finding(lease, record, domain))
+        findings += await topology_findings(sh, lease, domain)
         mine = [r for r in reservations if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
         # A data slot of a multi-slot allocation (issue 20) has no vNIC and no reservation of its own.
         data_slot = record is not None and record.detail.get("boot_slot_index") not in (None, lease.slot_index)
@@ -167,6 +177,37 @@ async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger
               leases=len(leases), domains=len(domains), ports=len(ports), reservations=len(reservations),
               dhcp_leases=len(dhcp))
     return report
+
+
+def tenant_stopped(record) -> bool:
+    """The slot record says the tenant's own ``slice.vm_power stop`` (or a reboot whose start failed) left it off."""
+    return record is not None and record.detail.get("power_state") == "stopped"
+
+
+def shutoff_finding(lease, record, domain) -> DriftFinding:
+    """An active slot's shut-off domain is always reported; ``info`` when the tenant stopped it, else ``error``."""
+    stopped = tenant_stopped(record)
+    return _finding(DriftKind.domain_shutoff, lease.allocation_id, DriftSeverity.info if stopped else DriftSeverity.error,
+                    expected="running" if not stopped else "stopped by the tenant", actual=domain.state.value,
+                    slot_index=lease.slot_index, domain=domain.name,
+                    power_state=record.detail.get("power_state") if record else None,
+                    last_power_operation=record.detail.get("last_power_operation") if record else None)
+
+
+async def topology_findings(sh: SliceHost, lease, domain) -> list[DriftFinding]:
+    """The lease's devices against live sysfs and the domain's XML (``tasks/slot_topology.py``)."""
+    devices, hostdevs = None, True
+    if domain is not None and domain.metadata is not None:
+        try:
+            devices = await sh.libvirt.devices(domain.name)
+        except AgentError:  # gone between list and read: the domain findings above say so
+            devices = None
+        try:
+            hostdevs = get_profile(domain.metadata.profile).hostdevs
+        except UnknownProfileError:
+            hostdevs = True
+    host = sh.host()
+    return await asyncio.to_thread(slot_topology_findings, host, lease, devices, hostdevs=hostdevs)
 
 
 def store_disk(leases, record) -> str | None:

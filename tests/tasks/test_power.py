@@ -230,8 +230,10 @@ def test_stop_start_reset_reboot_keep_the_slice_active_and_leased(active_slice, 
     assert s.store.leases() == [s.lease]
 
 
-def test_reconcile_does_not_report_a_slice_the_tenant_stopped(active_slice, test_driver, tmp_path):
-    """Reconcile looks at running domains only for DHCP and vfio, and at missing domains: a stopped one is fine."""
+def test_reconcile_reports_a_slice_the_tenant_stopped_as_info_and_a_dead_one_as_error(active_slice, test_driver,
+                                                                                       tmp_path):
+    """A shut-off domain of an active slot is always a finding (issue 17): ``info`` when the slot record says the
+    tenant stopped it, ``error`` when nobody did (a crash, a host reboot); nothing else about the slice is reported."""
     from gpuaas_agent.host.dnsmasq import make_reservation
     from gpuaas_agent.tasks.reconcile import reconcile
 
@@ -250,8 +252,18 @@ def test_reconcile_does_not_report_a_slice_the_tenant_stopped(active_slice, test
         finally:
             await s.sh.libvirt.close()
 
-    report = asyncio.run(go())
-    assert [f for f in report.findings if s.alloc in (f.subject, f.detail.get("allocation_id"))] == []
+    def mine(report):
+        return [f for f in report.findings if s.alloc in (f.subject, f.detail.get("allocation_id"))]
+
+    (finding,) = mine(asyncio.run(go()))
+    assert (finding.kind.value, finding.severity.value, finding.actual) == ("domain_shutoff", "info", "shutoff")
+    assert finding.detail["power_state"] == "stopped" and finding.detail["last_power_operation"]["operation"] == "stop"
+
+    # The record says running (as after a host reboot): the same shut-off domain is an error.
+    record = s.store.slot_state(0)
+    s.store.set_slot_state(record.model_copy(update={"detail": {**record.detail, "power_state": "running"}}))
+    (finding,) = mine(asyncio.run(go()))
+    assert (finding.kind.value, finding.severity.value) == ("domain_shutoff", "error")
 
 
 def test_a_stopped_slice_started_by_reboot_just_starts(active_slice, test_driver):
