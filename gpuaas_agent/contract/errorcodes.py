@@ -157,6 +157,9 @@ class ErrorCode(StrEnum):
     LEASE_CONFLICT = "lease_conflict", "state", "The slot is leased by another allocation; release that allocation first."
     LEASE_REQUEST_INVALID = "lease_request_invalid", "state", "One lease call covered slots of several allocations (a bug in the caller); file it."
 
+    JOURNAL_UNREADABLE = "journal_unreadable", "state", "A journal row of this task was written by another agent version and cannot be read; the task is answered failed without running. Reconcile the slot."
+    STATE_LOCKED = "state_locked", "state", "Another process holds the state DB's write lock past the busy timeout; nothing was written. Find the other process (sqlite3 shell, a second agent)."
+
     # --- Discovery findings (blockers and warnings in the host report)
     NUMA_UNREADABLE = "numa_unreadable", "discovery", "NUMA topology cannot be read from sysfs; check the kernel and the host root."
     NUMA_NODE_UNKNOWN = "numa_node_unknown", "discovery", "A device reports no NUMA node; firmware gives no affinity, pinning is planned without it."
@@ -410,6 +413,8 @@ class ErrorCode(StrEnum):
     READINESS_EGRESS_UNCONFIGURED = "readiness_egress_unconfigured", "tasks", "The profile asks readiness to prove egress but the host has no [slice] readiness_egress_target; refused before the lease."
     READINESS_EGRESS_UNPROVEN = "readiness_egress_unproven", "tasks", "The guest's first boot never reached the egress target through the NAT (conntrack shows no source-NATed, answered connection); check MASQUERADE and the uplink."
     CONNTRACK_UNREADABLE = "conntrack_unreadable", "tasks", "The host's connection tracking table could not be read to prove egress (nf_conntrack missing or no permission)."
+
+    SLOT_DEVICES_CHANGED = "slot_devices_changed", "tasks", "After a host reboot an active slot's GPU, VF or disk is not what its lease names; the domain is not started and the slot is failed. Check the hardware."
 
     # --- Deploy: prepare-host and the terminal relay key
     HOST_PATH_REFUSED = "host_path_refused", "deploy", "prepare-host refused a host path; read the evidence."
