@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -60,6 +59,7 @@ from gpuaas_agent.contract.runtime import (
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease
+from gpuaas_agent.contract.types import UUID_RE
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.vfio import AfterWrite, bind_to_vfio
@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 BOOT_ID_KEY = "boot_id"
-_BOOT_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+_BOOT_ID_RE = UUID_RE  # the kernel prints boot_id as a lower-case UUID
 
 
 def read_boot_id(host: HostRoot) -> str | None:
