@@ -27,11 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.host.clone import clone_image  # noqa: E402
-from gpuaas_agent.host.disks import wipe_disk  # noqa: E402
-from gpuaas_agent.host.run import run  # noqa: E402
-from gpuaas_agent.hostfs import HostRoot  # noqa: E402
-from tests.realdev import MiB, RealDevices  # noqa: E402
+from gpuaas_agent.host.clone import clone_image
+from gpuaas_agent.host.disks import wipe_disk
+from gpuaas_agent.host.run import run
+from gpuaas_agent.hostfs import HostRoot
+from tests.realdev import MiB, RealDevices
 
 LIVE = HostRoot.open("/")
 

@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.host.images import CHUNK_BYTES, ImageCache, SourcePolicy, sha256_file  # noqa: E402
-from gpuaas_agent.host.run import run  # noqa: E402
+from gpuaas_agent.host.images import CHUNK_BYTES, ImageCache, SourcePolicy, sha256_file
+from gpuaas_agent.host.run import run
 
 
 def _median_s(fn, runs: int) -> tuple[float, object]:

@@ -21,9 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.discovery.report import discover  # noqa: E402
-from gpuaas_agent.hostfs import HostRoot  # noqa: E402
-from lab.fixture_hosts import H200, fixture_host  # noqa: E402
+from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.hostfs import HostRoot
+from lab.fixture_hosts import H200, fixture_host
 
 
 def _median_ms(fn, runs: int) -> float:

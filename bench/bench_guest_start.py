@@ -35,10 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import libvirt  # noqa: E402
-import libvirt_qemu  # noqa: E402  (the QEMU monitor passthrough)
+import libvirt
+import libvirt_qemu
 
-from tests.libvirtd_fixture import running_libvirtd  # noqa: E402
+from tests.libvirtd_fixture import running_libvirtd
 
 HUGEPAGES = Path("/sys/kernel/mm/hugepages")
 QUERY_DEADLINE_S = 120.0

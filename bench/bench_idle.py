@@ -42,10 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.control.enroll import EnrollIdentity, enroll  # noqa: E402
-from lab.fixture_hosts import fixture_host  # noqa: E402
-from tests.control.conftest import NatsServer, free_port  # noqa: E402
-from tests.controlplane import ControlPlane  # noqa: E402
+from gpuaas_agent.control.enroll import EnrollIdentity, enroll
+from lab.fixture_hosts import fixture_host
+from tests.control.conftest import NatsServer, free_port
+from tests.controlplane import ControlPlane
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 IDENTITY = EnrollIdentity(machine_id="1221a371a78ea21b24acbc2cf895b074", hostname="j22u05", agent_version="0.1.0")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lab.harness import Lab, LabSettings  # noqa: E402
+from lab.harness import Lab, LabSettings
 
 NOT_OVERHEAD = ("clone", "readiness")
 

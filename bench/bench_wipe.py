@@ -21,11 +21,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod  # noqa: E402
-from gpuaas_agent.host.wipepolicy import wipe_slot_disk  # noqa: E402
-from gpuaas_agent.host.run import run  # noqa: E402
-from gpuaas_agent.hostfs import HostRoot  # noqa: E402
-from tests.realdev import RealDevices  # noqa: E402
+from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod
+from gpuaas_agent.host.run import run
+from gpuaas_agent.host.wipepolicy import wipe_slot_disk
+from gpuaas_agent.hostfs import HostRoot
+from tests.realdev import RealDevices
 
 LIVE = HostRoot.open("/")
 

@@ -327,6 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     except sqlite3.Error as exc:
         _error("state_unreadable", f"state DB: {exc}", debug)
         return EXIT_ENVIRONMENT
-    except Exception as exc:  # noqa: BLE001 - a bug: still one line, the traceback behind --debug
+    except Exception as exc:
         _error("internal_error", f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", debug)
         return EXIT_ENVIRONMENT

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
-from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.egress import EgressTarget
+from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN
 from gpuaas_agent.errors import AgentError
@@ -67,7 +67,7 @@ class TerminalConfig(BaseModel):
     ssh_window_bytes: int = Field(default=128 << 10, ge=4096, le=16 << 20)
 
     @model_validator(mode="after")
-    def _frames_fit_windows(self) -> "TerminalConfig":
+    def _frames_fit_windows(self) -> TerminalConfig:
         if self.max_frame_bytes > min(self.output_window_bytes, self.input_window_bytes):
             raise ValueError("max_frame_bytes must fit in both output_window_bytes and input_window_bytes")
         return self
@@ -177,7 +177,7 @@ class SliceConfig(BaseModel):
         return path
 
     @model_validator(mode="after")
-    def _gateway_in_subnet(self) -> "SliceConfig":
+    def _gateway_in_subnet(self) -> SliceConfig:
         if self.gateway not in self.subnet or self.gateway in (self.subnet.network_address,
                                                                  self.subnet.broadcast_address):
             raise ValueError(f"gateway {self.gateway} is not a host address of {self.subnet}")
@@ -255,19 +255,19 @@ class AgentConfig(BaseModel):
     slice: SliceConfig = Field(default_factory=SliceConfig)
 
     @model_validator(mode="after")
-    def _mutual_tls_pair(self) -> "AgentConfig":
+    def _mutual_tls_pair(self) -> AgentConfig:
         if (self.nats_tls_cert_file is None) != (self.nats_tls_key_file is None):
             raise ValueError("nats_tls_cert_file and nats_tls_key_file go together (mutual TLS)")
         return self
 
     @model_validator(mode="after")
-    def _keepalive_below_ack_wait(self) -> "AgentConfig":
+    def _keepalive_below_ack_wait(self) -> AgentConfig:
         if self.keepalive_interval_s * 2 > self.ack_wait_s:
             raise ValueError("keepalive_interval_s must be at most half of ack_wait_s, or JetStream redelivers running tasks")
         return self
 
     @model_validator(mode="after")
-    def _enroll_fits_unit_start_timeout(self) -> "AgentConfig":
+    def _enroll_fits_unit_start_timeout(self) -> AgentConfig:
         # `enroll` (ExecStartPre) takes at most connect + request timeouts; the unit's start timeout is 90 s.
         if self.connect_timeout_s + self.request_timeout_s > ENROLL_BOUND_S:
             raise ValueError(f"connect_timeout_s + request_timeout_s must be at most {ENROLL_BOUND_S:g}s, "

@@ -51,8 +51,8 @@ from gpuaas_agent.control.connection import (
 from gpuaas_agent.control.enroll import (
     EnrollIdentity,
     EnrollmentRecord,
-    enroll,
     creds_path,
+    enroll,
     load_enrollment,
     login_options,
 )
@@ -82,9 +82,9 @@ from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
+from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
 from gpuaas_agent.tasks.registry import build_handlers
-from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
 from gpuaas_agent.tasks.slicehost import SliceHost
 
 log = logging.getLogger("gpuaas_agent.daemon")

@@ -40,7 +40,7 @@ class HostRoot:
     _steps: dict[tuple[str, str], str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, root: str | os.PathLike[str]) -> "HostRoot":
+    def open(cls, root: str | os.PathLike[str]) -> HostRoot:
         """Open a root directory, refusing one that does not exist."""
         path = Path(root)
         if not path.is_dir():
@@ -51,7 +51,7 @@ class HostRoot:
             )
         return cls(root=path.resolve())
 
-    def fresh(self) -> "HostRoot":
+    def fresh(self) -> HostRoot:
         """The same root with no cached links: for re-reading a host that changes under us.
 
         Link resolutions are cached per instance (one discovery reads a host

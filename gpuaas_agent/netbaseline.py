@@ -66,7 +66,7 @@ class BaselineSpec(WireModel):
     command_timeout_s: float = Field(default=30.0, gt=0)
 
     @model_validator(mode="after")
-    def _range_inside_subnet(self) -> "BaselineSpec":
+    def _range_inside_subnet(self) -> BaselineSpec:
         net = self.gateway.network
         if not self.dhcp_first_offset <= self.dhcp_last_offset < net.num_addresses - 1:
             raise ValueError(f"DHCP offsets {self.dhcp_first_offset}-{self.dhcp_last_offset} do not fit {net}")

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuaas_agent import __version__
-from gpuaas_agent.contract.types import MAJOR_MINOR_RE, PCI_ADDRESS_RE
 from gpuaas_agent.contract.fixture import (
     FIXTURE_META_DIR,
     MANIFEST_NAME,
@@ -36,9 +35,10 @@ from gpuaas_agent.contract.fixture import (
     RecordedCommand,
     SkippedPath,
 )
+from gpuaas_agent.contract.types import MAJOR_MINOR_RE, PCI_ADDRESS_RE
 from gpuaas_agent.errors import FixtureError, HostError
-from gpuaas_agent.host.run import run_sync
 from gpuaas_agent.fixture_archive import ARCHIVE_SUFFIX, pack_tree
+from gpuaas_agent.host.run import run_sync
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
 # sysfs files report a size of 4096 whatever they hold: read, never copy by size.
@@ -257,7 +257,7 @@ class _Recording:
         except FileExistsError:
             if stat.S_ISREG(os.lstat(path).st_mode):
                 return  # reached twice (two routes to one directory): already recorded
-            raise FixtureError(f"cannot record {host_path!r}: a non-file is already there", code="unsafe_destination")
+            raise FixtureError(f"cannot record {host_path!r}: a non-file is already there", code="unsafe_destination") from None
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         self.files += 1
@@ -272,7 +272,7 @@ class _Recording:
                 return
             raise FixtureError(
                 f"cannot record link {host_path!r}: something else is already there", code="unsafe_destination"
-            )
+            ) from None
         self.links += 1
 
     def write_meta(self, name: str, data: bytes) -> None:

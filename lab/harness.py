@@ -131,7 +131,7 @@ class Lab:
 
     # -- start -------------------------------------------------------------------------------
 
-    async def start(self) -> "Lab":
+    async def start(self) -> Lab:
         if os.geteuid() != 0:
             raise SystemExit("the lab needs root: loop devices, OVS, dnsmasq, libvirtd")
         try:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lab.fixture_hosts import fixture_host  # noqa: E402
-from lab.harness import DEFAULT_FIXTURE_NAME, Lab, LabSettings  # noqa: E402
+from lab.fixture_hosts import fixture_host
+from lab.harness import DEFAULT_FIXTURE_NAME, Lab, LabSettings
 
 
 def _line(event) -> str:

@@ -117,7 +117,7 @@ class Upstream:
         while self._undo:
             try:
                 self._undo.pop()()
-            except Exception:  # noqa: BLE001 - keep undoing the rest
+            except Exception:
                 pass
         if self._forward_before is not None:
             Path("/proc/sys/net/ipv4/ip_forward").write_text(self._forward_before + "\n")

@@ -20,6 +20,10 @@ if str(REPO) not in sys.path:
 
 from lab.fixture_hosts import fixture_host, host_names, link_hosts, recorded_names  # noqa: E402
 
+# The real-component fixtures every test module may ask for by name, without importing them (an imported
+# fixture is a redefinition to linters and hides which module a test really uses).
+pytest_plugins = ["tests.realdev", "tests.ovsdb_fixture", "tests.dnsmasq_fixture"]
+
 H200_FIXTURES = (
     "h200-slice-after-transition",
     "h200-slice-before-transition",

@@ -24,7 +24,7 @@ import hashlib
 import secrets
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import nats
 from nats.aio.client import Client
@@ -74,7 +74,7 @@ class ControlPlane:
         self.partitioned = False  # tasks go to whichever stream holds their subject
 
     @classmethod
-    async def connect(cls, url: str) -> "ControlPlane":
+    async def connect(cls, url: str) -> ControlPlane:
         nc = await nats.connect(url, connect_timeout=REQUEST_TIMEOUT_S, name="test-control-plane",
                                 reconnect_time_wait=0.2, max_reconnect_attempts=-1)
         plane = cls(nc, url)
@@ -161,7 +161,7 @@ class ControlPlane:
             type=task_type,
             node_id=node_id,
             attempt=attempt,
-            deadline=datetime.now(timezone.utc) + timedelta(seconds=deadline_s),
+            deadline=datetime.now(UTC) + timedelta(seconds=deadline_s),
             payload=payload or {},
         )
 

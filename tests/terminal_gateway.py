@@ -21,7 +21,7 @@ class Gateway:
         self.seq = 0
         self.changed = asyncio.Condition()
 
-    async def start(self) -> "Gateway":
+    async def start(self) -> Gateway:
         self.sub = await self.nc.subscribe(subjects.terminal_out(self.node, self.session_id), cb=self._on_out)
         await self.nc.flush()
         return self

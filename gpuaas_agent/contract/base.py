@@ -14,16 +14,21 @@ IPv4 string are the legitimate spellings and still parse.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Final, Literal, Self, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import to_json
 
 # Bumped when a wire model changes shape; carried by every top-level message.
-SCHEMA_VERSION = "gpuaas.agent/v1"
+SCHEMA_VERSION: Final = "gpuaas.agent/v1"
 # Compatible bump (issue 20): slice.vm_provision / slice.vm_release may carry ``slots`` (one allocation, N slots).
 # Every v1 message is a valid v1.1 message; an envelope may name either, the agent accepts both.
-SCHEMA_VERSION_MULTI_SLOT = "gpuaas.agent/v1.1"
+SCHEMA_VERSION_MULTI_SLOT: Final = "gpuaas.agent/v1.1"
+# The same versions as types for the models' schema_version fields (a Literal takes literal strings only).
+SchemaVersion = Literal["gpuaas.agent/v1"]
+SchemaVersionOrMultiSlot = Literal["gpuaas.agent/v1", "gpuaas.agent/v1.1"]
+assert get_args(SchemaVersion) == (SCHEMA_VERSION,)
+assert get_args(SchemaVersionOrMultiSlot) == (SCHEMA_VERSION, SCHEMA_VERSION_MULTI_SLOT)
 
 
 class WireEnum(str, Enum):
@@ -35,7 +40,7 @@ class WireEnum(str, Enum):
     """
 
     @classmethod
-    def __get_pydantic_core_schema__(cls, source, handler):
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
         schema = handler(source)
         schema["strict"] = False
         return schema
@@ -47,7 +52,7 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False, strict=True)
 
     @classmethod
-    def from_wire(cls, data: Any):
+    def from_wire(cls, data: Any) -> Self:
         """Validate JSON-decoded data (a dict from a message, a file or the store) with JSON's strict rules."""
         return cls.model_validate_json(to_json(data))
 

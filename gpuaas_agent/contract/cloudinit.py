@@ -14,7 +14,7 @@ import base64
 import binascii
 import re
 from ipaddress import IPv4Address, IPv4Interface
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 from uuid import UUID
 
 from pydantic import AfterValidator, Field, Strict, model_validator
@@ -23,7 +23,7 @@ from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.egress import EgressTarget
 from gpuaas_agent.contract.types import MacAddress, Sha256Hex
 
-SEED_VOLUME_LABEL = "cidata"  # the NoCloud datasource looks for this label (or CIDATA)
+SEED_VOLUME_LABEL: Final = "cidata"  # the NoCloud datasource looks for this label (or CIDATA)
 
 # Addresses, UUIDs and tuples are spelled as strings and lists wherever they come from (JSON has
 # no other way): these fields take them in Python too, while ints and bools stay strict.

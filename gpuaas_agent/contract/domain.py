@@ -9,7 +9,7 @@ into task outputs and the journal.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
@@ -44,6 +44,10 @@ class OvmfFirmware(WireModel):
 
 class _SlotDomainNames:
     """The names a slot's domain and vNIC derive from (allocation + slot): one definition for both models."""
+
+    if TYPE_CHECKING:  # fields of the models that mix this in (never pydantic fields of the mixin)
+        allocation_id: str
+        slot_index: int
 
     @property
     def domain_name(self) -> str:
@@ -115,7 +119,7 @@ class DomainSpec(_SlotDomainNames, WireModel):
                            gpu_pci_address=self.gpu_pci_address, fabric_vf_pci_address=self.fabric_vf_pci_address,
                            nvme_device=self.nvme_device, ovs_bridge=self.ovs_bridge, numa_node=self.numa_node)
 
-    def metadata(self) -> "DomainMetadata":
+    def metadata(self) -> DomainMetadata:
         return DomainMetadata(
             allocation_id=self.allocation_id,
             slot_index=self.slot_index,
@@ -186,7 +190,7 @@ class DomainMetadata(WireModel):
     profile: str
     agent_version: str
 
-    def same_owner(self, other: "DomainMetadata") -> bool:
+    def same_owner(self, other: DomainMetadata) -> bool:
         """Same allocation, slot, task and profile: redefining would change nothing (agent version may differ)."""
         return (self.allocation_id, self.slot_index, self.task_id, self.profile) == (
             other.allocation_id,

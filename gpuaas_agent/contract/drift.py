@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
+from gpuaas_agent.contract.base import SCHEMA_VERSION, SchemaVersion, WireEnum, WireModel
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 
 
@@ -110,7 +110,7 @@ class Uevent(WireModel):
 class DriftReport(WireModel):
     """Published on ``gpuaas.node.<node>.drift``."""
 
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     node_id: str | None = Field(default=None, pattern=NODE_ID_PATTERN)
     trigger: DriftTrigger
     findings: list[DriftFinding]

@@ -6,12 +6,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.base import SCHEMA_VERSION, SchemaVersion, WireModel
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 
 
 class EnrollRequest(WireModel):
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     # repr=False keeps secrets out of logs and tracebacks; they still serialise onto the wire.
     bootstrap_token: str = Field(min_length=16, max_length=512, repr=False)
     machine_id: str = Field(pattern=r"^[0-9a-f]{32}$")
@@ -31,7 +31,7 @@ class NatsCredentials(WireModel):
     servers: list[str] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _one_login(self) -> "NatsCredentials":
+    def _one_login(self) -> NatsCredentials:
         if (self.creds is None) == (self.user is None or self.password is None):
             raise ValueError("either creds or user + password, not both and not neither")
         if (self.user is None) != (self.password is None):
@@ -42,13 +42,13 @@ class NatsCredentials(WireModel):
 class CredsRotation(WireModel):
     """``gpuaas.node.<node>.creds``: the control plane's new ``.creds`` for this node (request/reply)."""
 
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     node_id: str = Field(pattern=NODE_ID_PATTERN)
     creds: str = Field(min_length=1, max_length=16384, repr=False)
 
 
 class CredsRotationReply(WireModel):
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     accepted: bool
     error: str | None = None
     message: str | None = None
@@ -57,7 +57,7 @@ class CredsRotationReply(WireModel):
 class EnrollReply(WireModel):
     """Either ``node_id`` + ``credentials`` (accepted) or an ``error`` code (refused)."""
 
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     accepted: bool
     node_id: str | None = Field(default=None, pattern=NODE_ID_PATTERN)
     credentials: NatsCredentials | None = None

@@ -76,7 +76,7 @@ class PortIsolation(WireModel):
     ip: IPv4Address
 
     @model_validator(mode="after")
-    def _consistent(self) -> "PortIsolation":
+    def _consistent(self) -> PortIsolation:
         if self.port != vnic_name(self.allocation_id, self.slot_index):
             raise ValueError(f"port {self.port!r} is not the vNIC of allocation {self.allocation_id} "
                              f"slot {self.slot_index}")
@@ -130,7 +130,7 @@ class GuardSpec(WireModel):
     table: str = Field(default=GUARD_TABLE, pattern=r"^[a-z][a-z0-9_]{0,31}$")
 
     @model_validator(mode="after")
-    def _gateway_in_subnet(self) -> "GuardSpec":
+    def _gateway_in_subnet(self) -> GuardSpec:
         if self.gateway not in self.subnet:
             raise ValueError(f"gateway {self.gateway} is not in {self.subnet}")
         return self

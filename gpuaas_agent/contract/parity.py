@@ -22,7 +22,7 @@ never a PASS (DESIGN.md §4.7).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -127,7 +127,7 @@ class ParityReport(WireModel):
     lines: list[str] = Field(description="the GPUAAS_SLICE_PARITY lines, summary last")
 
     @classmethod
-    def from_checks(cls, checks: list[ParityCheck], **fields) -> ParityReport:
+    def from_checks(cls, checks: list[ParityCheck], **fields: Any) -> ParityReport:
         counts = _counts(checks)
         return cls(checks=checks, **counts, lines=_lines(checks, counts), **fields)
 
@@ -142,14 +142,14 @@ class ParityReport(WireModel):
         return self.lines[-1]
 
 
-def _counts(checks: list[ParityCheck]) -> dict:
+def _counts(checks: list[ParityCheck]) -> dict[str, Any]:
     n = {s: sum(c.status is s for c in checks) for s in ParityStatus}
     status = ParityStatus.FAIL if n[ParityStatus.FAIL] else ParityStatus.WARN if n[ParityStatus.WARN] else ParityStatus.PASS
     return {"status": status, "passed": n[ParityStatus.PASS], "warnings": n[ParityStatus.WARN],
             "failures": n[ParityStatus.FAIL]}
 
 
-def _lines(checks: list[ParityCheck], counts: dict) -> list[str]:
+def _lines(checks: list[ParityCheck], counts: dict[str, Any]) -> list[str]:
     summary = (f"{SUMMARY_PREFIX} status={counts['status'].value} checks={len(checks)} passed={counts['passed']} "
                f"warnings={counts['warnings']} failures={counts['failures']}")
     return [c.as_line() for c in checks] + [summary]

@@ -16,11 +16,11 @@ from gpuaas_agent.contract.domain import DefineOutcome, DomainInfo, ShutdownOutc
 from gpuaas_agent.contract.drift import DriftReport
 from gpuaas_agent.contract.enrollment import CredsRotation, CredsRotationReply, EnrollReply, EnrollRequest
 from gpuaas_agent.contract.images import CachedImage
+from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.ovs import BridgeEvidence, OvsPort
 from gpuaas_agent.contract.parity import ParityReport, SliceNetworkEvidence
 from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.slots import ApprovedSlot
-from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.storage import CloneResult, WipeProof
 from gpuaas_agent.contract.tasks import PAYLOADS, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
 from gpuaas_agent.contract.terminal import (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any
 
 from pydantic import Field, field_validator
 
@@ -65,4 +66,4 @@ class SlotOutcome(WireModel):
     slot_index: int
     status: SlotStatus
     health_state: HealthState
-    health_detail: dict = Field(default_factory=dict)
+    health_detail: dict[str, Any] = Field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any
 
 from pydantic import Field
 
@@ -41,7 +42,7 @@ class JournalEntry(WireModel):
     seq: int
     step: str
     status: StepStatus
-    detail: dict = Field(default_factory=dict)
+    detail: dict[str, Any] = Field(default_factory=dict)
     at: float
 
 
@@ -56,6 +57,6 @@ class SlotRecord(WireModel):
     allocation_id: str
     status: SlotStatus
     health_state: HealthState
-    detail: dict = Field(default_factory=dict)
+    detail: dict[str, Any] = Field(default_factory=dict)
     task_id: str
     updated_at: float

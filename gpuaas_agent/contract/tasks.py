@@ -9,13 +9,18 @@ model of its type before any handler runs.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from gpuaas_agent.errors import ContractError
-
-from gpuaas_agent.contract.base import SCHEMA_VERSION, SCHEMA_VERSION_MULTI_SLOT, WireEnum, WireModel, first_error
+from gpuaas_agent.contract.base import (
+    SCHEMA_VERSION,
+    SchemaVersion,
+    SchemaVersionOrMultiSlot,
+    WireEnum,
+    WireModel,
+    first_error,
+)
 from gpuaas_agent.contract.cloudinit import MAX_SSH_KEYS, GuestDriverProfile, Hostname, LinuxUserName, SshPublicKey
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
 from gpuaas_agent.contract.terminal import (
@@ -24,7 +29,8 @@ from gpuaas_agent.contract.terminal import (
     TerminalOpenPayload,
     TerminalResizePayload,
 )
-from gpuaas_agent.contract.types import SHA256_PATTERN, UUID_PATTERN  # noqa: F401 (re-exported for old importers)
+from gpuaas_agent.contract.types import SHA256_PATTERN, UUID_PATTERN
+from gpuaas_agent.errors import ContractError
 
 NODE_ID_PATTERN = r"^[A-Za-z0-9-]{1,64}$"
 
@@ -44,13 +50,13 @@ class TaskType(WireEnum):
 
 
 class TaskEnvelope(WireModel):
-    schema_version: Literal[SCHEMA_VERSION, SCHEMA_VERSION_MULTI_SLOT] = SCHEMA_VERSION
+    schema_version: SchemaVersionOrMultiSlot = SCHEMA_VERSION
     task_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
     type: str = Field(min_length=1, max_length=100)
     node_id: str = Field(pattern=NODE_ID_PATTERN)
     attempt: int = Field(ge=1)
     deadline: datetime
-    payload: dict
+    payload: dict[str, Any]
 
 
 class TopologyDiscoverPayload(WireModel):
@@ -158,19 +164,19 @@ class TaskErrorBody(WireModel):
     code: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     message: str
     retryable: bool
-    evidence: dict = Field(default_factory=dict)
+    evidence: dict[str, Any] = Field(default_factory=dict)
 
 
 class TaskResult(WireModel):
     """Published to ``gpuaas.node.<node>.result``; the task is acked only after this is stored."""
 
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     task_id: str
     node_id: str = Field(pattern=NODE_ID_PATTERN)
     type: str
     attempt: int = Field(ge=1)
     status: ResultStatus
-    output: dict = Field(default_factory=dict)
+    output: dict[str, Any] = Field(default_factory=dict)
     error: TaskErrorBody | None = None
     slot_outcomes: list[SlotOutcome] = Field(default_factory=list)
     finished_at: datetime
@@ -179,13 +185,13 @@ class TaskResult(WireModel):
 class ProgressEvent(WireModel):
     """``gpuaas.node.<node>.progress``: one pipeline step starting, advancing or ending."""
 
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     task_id: str
     node_id: str = Field(pattern=NODE_ID_PATTERN)
     step: str
     status: Literal["started", "progress", "succeeded", "failed", "compensated"]
     percent: float | None = Field(default=None, ge=0, le=100)
-    detail: dict = Field(default_factory=dict)
+    detail: dict[str, Any] = Field(default_factory=dict)
     at: datetime
 
 
@@ -207,7 +213,7 @@ class Heartbeat(WireModel):
     ``health`` and ``health_reason`` are optional: a control plane that predates them ignores nothing.
     """
 
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     node_id: str = Field(pattern=NODE_ID_PATTERN)
     agent_version: str
     health_state: Literal["unknown", "healthy", "degraded", "failed"]

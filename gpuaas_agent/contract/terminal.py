@@ -34,7 +34,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, StringConstraints
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
+from gpuaas_agent.contract.base import SCHEMA_VERSION, SchemaVersion, WireEnum, WireModel
 from gpuaas_agent.contract.cloudinit import LinuxUserName
 from gpuaas_agent.contract.types import UUID_PATTERN, IPv4String
 
@@ -130,7 +130,7 @@ class TerminalClosePayload(WireModel):
 class TerminalInputFrame(WireModel):
     """Gateway -> agent on ``.in``: ``seq`` 1, 2, 3...; ``ack_out``: output bytes the gateway consumed in all."""
 
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     session_id: str = Field(pattern=UUID_PATTERN)
     seq: int = Field(ge=1)
     data: Base64Data = ""
@@ -158,7 +158,7 @@ class TerminalClosed(WireModel):
 class TerminalOutputFrame(WireModel):
     """Agent -> gateway on ``.out``: ``seq`` 1, 2, 3...; ``offset``: output bytes sent before this frame."""
 
-    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    schema_version: SchemaVersion = SCHEMA_VERSION
     session_id: str = Field(pattern=UUID_PATTERN)
     seq: int = Field(ge=1)
     offset: int = Field(ge=0)

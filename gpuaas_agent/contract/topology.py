@@ -6,7 +6,6 @@ Field names are the control plane's vocabulary (seed 002 Phase 2, seed 004
 
 from __future__ import annotations
 
-
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nats.errors
@@ -186,7 +186,7 @@ async def enroll(
                           evidence={"nats_url": safe_url(nats_url), "hostname": identity.hostname})
 
     record = EnrollmentRecord(node_id=reply.node_id, credentials=reply.credentials,
-                              enrolled_at=datetime.now(timezone.utc))
+                              enrolled_at=datetime.now(UTC))
     # repr=False hides the password from logs only; the record on disk must carry it (hence 0600).
     path = record_path(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

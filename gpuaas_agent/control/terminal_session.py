@@ -95,9 +95,9 @@ class TerminalSession:
     """Start with :meth:`start`; ends by itself or with :meth:`close`; :attr:`closed` is set when done."""
 
     def __init__(self, nc: Client, node_id: str, session_id: str, pty: Pty, flow: FlowSettings, *,
-                 on_closed: Callable[["TerminalSession"], Awaitable[None]],
+                 on_closed: Callable[[TerminalSession], Awaitable[None]],
                  recheck: Callable[[], Awaitable[str | None]] | None = None,
-                 on_tick: Callable[["TerminalSession"], None] | None = None) -> None:
+                 on_tick: Callable[[TerminalSession], None] | None = None) -> None:
         self.nc = nc
         self.session_id = session_id
         self.pty = pty

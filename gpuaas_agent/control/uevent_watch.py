@@ -18,7 +18,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Protocol
 
 import nats.errors
@@ -124,7 +124,7 @@ class DriftWatcher:
             findings = self._drift(before, after)
             events = list(burst.events) if burst is not None else []
             report = DriftReport(node_id=self.node_id, trigger=trigger, findings=findings,
-                                 at=datetime.now(timezone.utc), events=events,
+                                 at=datetime.now(UTC), events=events,
                                  events_dropped=burst.dropped if burst is not None else 0)
             self.last_drift = report
             _event("drift_checked", logging.WARNING if findings else logging.INFO, trigger=trigger.value,
@@ -166,7 +166,7 @@ class DriftWatcher:
                 await self.check(DriftTrigger.uevent, burst)
         except AgentError as exc:
             _event("uevent_watch_failed", logging.ERROR, code=exc.code, message=exc.message, evidence=exc.evidence)
-        except Exception:  # noqa: BLE001 -- a bug here must not take the task worker down; nobody awaits this task
+        except Exception:
             _event("uevent_watch_failed", logging.ERROR, code="internal_error", exc_info=True)
         finally:
             source.close()

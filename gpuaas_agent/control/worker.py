@@ -59,7 +59,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import nats.errors
 import nats.js.errors
@@ -153,7 +153,7 @@ class TaskContext:
     async def progress(self, step: str, status: str, *, percent: float | None = None, detail: dict | None = None) -> None:
         """Publish a step event on ``gpuaas.node.<node>.progress`` (core NATS, fire and forget)."""
         event = ProgressEvent(task_id=self.envelope.task_id, node_id=self.node_id, step=step, status=status,
-                              percent=percent, detail=detail or {}, at=datetime.now(timezone.utc))
+                              percent=percent, detail=detail or {}, at=datetime.now(UTC))
         try:
             await self._nc.publish(subjects.progress(self.node_id), event.model_dump_json().encode())
         except nats.errors.Error as exc:  # progress is advisory: losing one must not fail the task
@@ -479,8 +479,8 @@ class TaskWorker:
             await self._publish_and_ack(msg, TaskResult.from_wire(stored))
             return
 
-        deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=timezone.utc)
-        now = datetime.now(timezone.utc)
+        deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=UTC)
+        now = datetime.now(UTC)
         if now >= deadline:
             evidence: dict = {"deadline": deadline.isoformat()}
             outcomes: list[SlotOutcome] = []
@@ -613,7 +613,7 @@ class TaskWorker:
                       slot_outcomes: list[SlotOutcome] | None = None) -> None:
         result = TaskResult(task_id=envelope.task_id, node_id=self.node_id, type=envelope.type,
                             attempt=envelope.attempt, status=status, output=output or {}, error=error,
-                            slot_outcomes=slot_outcomes or [], finished_at=datetime.now(timezone.utc))
+                            slot_outcomes=slot_outcomes or [], finished_at=datetime.now(UTC))
         stored = await self.state.store_result(envelope.task_id, result.model_dump(mode="json"))
         if self.observer is not None:
             received = self._received.get(envelope.task_id)
@@ -663,8 +663,8 @@ def _is_handler_crash(error: TaskErrorBody | None) -> bool:
 
 def _seconds_left(envelope: TaskEnvelope) -> float:
     """Seconds until the task's deadline (a naive deadline is UTC); the handler is cancelled then."""
-    deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=timezone.utc)
-    return max(0.0, (deadline - datetime.now(timezone.utc)).total_seconds())
+    deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=UTC)
+    return max(0.0, (deadline - datetime.now(UTC)).total_seconds())
 
 
 def _error_body(exc: AgentError, *, retryable: bool) -> TaskErrorBody:

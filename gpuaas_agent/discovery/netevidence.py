@@ -626,7 +626,7 @@ def dnsmasq_process(host: HostRoot, pid: int, argv: list[str]) -> DnsmasqProcess
 
     i = 1
     while i < len(argv):
-        for long, short, optional, kind in (("conf-file", "C", True, "conf"), ("conf-dir", "7", False, "dir"),
+        for long, short, optional, kind in (("conf-file", "C", True, "conf"), ("conf-dir", "7", False, "dir"),  # noqa: B007 - kind is read after the break
                                             ("dhcp-hostsfile", None, False, "file"),
                                             ("dhcp-hostsdir", None, False, "hostsdir")):
             value, used = _opt_value(argv, i, long, short, optional=optional)

@@ -28,7 +28,7 @@ def enrich(gpus: list[GpuDevice], live: bool) -> tuple[list[GpuDevice], GpuEnric
         return gpus, GpuEnrichment(status="unavailable", detail="pynvml (nvidia-ml-py) is not installed")
     try:
         pynvml.nvmlInit()
-    except Exception as exc:  # NVMLError subclasses vary by driver state  # noqa: BLE001
+    except Exception as exc:  # NVMLError subclasses vary by driver state
         return gpus, GpuEnrichment(status="unavailable", detail=f"nvmlInit failed: {exc}")
     try:
         found = {}
@@ -42,12 +42,12 @@ def enrich(gpus: list[GpuDevice], live: bool) -> tuple[list[GpuDevice], GpuEnric
                 memory_total_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
                 uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
             )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return gpus, GpuEnrichment(status="unavailable", detail=f"NVML query failed: {exc}")
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutdown failure changes nothing we report
+        except Exception:
             pass
     enriched = [g.model_copy(update=found[g.pci_address]) if g.pci_address in found else g for g in gpus]
     missing = [g.pci_address for g in gpus if g.pci_address not in found]

@@ -29,7 +29,6 @@ from gpuaas_agent.errors import GuardError
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
 
-
 class DiskGuardError(GuardError):
     """A disk write was refused; ``code`` says why, ``evidence`` shows what was seen. Nothing was written."""
 
@@ -76,7 +75,7 @@ def check_disk_writable(
     blocks = BlockTable(reader)
     name = _resolve_by_id(fresh, blocks, by_id)
     node = blocks.nodes[name]
-    base = {"by_id": by_id, "kernel_name": name, "dev": node.dev}
+    base: dict[str, Any] = {"by_id": by_id, "kernel_name": name, "dev": node.dev}
     if node.is_partition:
         raise _refuse("not_whole_disk", f"{by_id} resolves to partition {name}, not a whole disk", **base)
     if node.dev is None:

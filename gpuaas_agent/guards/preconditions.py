@@ -144,7 +144,7 @@ class QemuUser(WireModel):
 
 
 def _passwd(host: HostRoot) -> dict[str, tuple[int, int]]:
-    users = {}
+    users: dict[str, tuple[int, int]] = {}
     try:
         text = host.read_text(PASSWD)
     except OSError:
@@ -157,7 +157,8 @@ def _passwd(host: HostRoot) -> dict[str, tuple[int, int]]:
 
 
 def _groups_of(host: HostRoot, name: str) -> tuple[dict[str, int], list[int]]:
-    by_name, member_of = {}, []
+    by_name: dict[str, int] = {}
+    member_of: list[int] = []
     try:
         text = host.read_text(GROUP)
     except OSError:
@@ -173,7 +174,7 @@ def _groups_of(host: HostRoot, name: str) -> tuple[dict[str, int], list[int]]:
 
 def _qemu_conf(host: HostRoot) -> dict[str, str]:
     """``user``/``group`` set (uncommented) in libvirt's qemu.conf; values unquoted."""
-    out = {}
+    out: dict[str, str] = {}
     try:
         text = host.read_text(QEMU_CONF)
     except OSError:
@@ -254,7 +255,7 @@ def check_seed_dir(system: HostRoot, seed_dir: str | Path, refusal: type[GuardEr
     try:
         resolved = system.resolve(seed_dir)
     except OSError as exc:
-        raise _refuse(refusal, "seed_dir_missing", f"seed dir {seed_dir} cannot be resolved: {exc}", seed_dir=seed_dir)
+        raise _refuse(refusal, "seed_dir_missing", f"seed dir {seed_dir} cannot be resolved: {exc}", seed_dir=seed_dir) from exc
     if not system.is_dir(resolved):
         raise _refuse(refusal, "seed_dir_missing", f"seed dir {seed_dir} does not exist", seed_dir=seed_dir,
                       resolved=resolved, root=str(system.root))
@@ -322,7 +323,7 @@ def check_relay_key(system: HostRoot, public_key_file: str | Path,
         text = system.read_text(pub)
     except OSError as exc:
         raise _refuse(refusal, "relay_key_missing", f"terminal relay key {pub} cannot be read: {exc.strerror or exc}",
-                      path=pub)
+                      path=pub) from exc
     lines = [line for line in text.splitlines() if line.strip()]
     parsed = parse_ed25519(lines[0].strip()) if len(lines) == 1 else None
     if parsed is None:
@@ -332,7 +333,7 @@ def check_relay_key(system: HostRoot, public_key_file: str | Path,
         st = os.stat(system.real(system.resolve(private)))
     except OSError as exc:
         raise _refuse(refusal, "relay_key_missing", f"terminal relay private key {private} is missing: {exc.strerror or exc}",
-                      path=private, public_key_file=pub)
+                      path=private, public_key_file=pub) from exc
     mode = stat.S_IMODE(st.st_mode)
     # 0600 (0400 also satisfies ssh): no bit for group or others, and root's.
     if not stat.S_ISREG(st.st_mode) or mode & 0o177 or st.st_uid != 0:
@@ -430,7 +431,7 @@ def check_provision_preconditions(
     vfio: list[VfioGuardEvidence] = []
     if profile.hostdevs:
         approved = [a for a in (gpu_pci_address, fabric_vf_pci_address) if a]
-        for address in (gpu_pci_address, fabric_vf_pci_address):
+        for address in approved:  # the slot's GPU and, when it has one, its VF
             try:
                 vfio.append(check_vfio_bindable(host.fresh(), address, approved))
             except VfioGuardError as exc:

@@ -15,7 +15,7 @@ before the disk is touched; here they are asked again because time has passed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from gpuaas_agent.contract.domain import DomainSpec, StartTarget, VmStartEvidence
 from gpuaas_agent.contract.runtime import DomainType
@@ -75,11 +75,11 @@ def check_vm_start(
     passed: list[str] = []
     base = {"domain": spec.domain_name, "profile": profile.name}
 
+    kvm: Literal["usable", "not_required"] = "not_required"
     if profile.domain_type is DomainType.kvm:
-        kvm = check_kvm(fresh)
+        check_kvm(fresh)  # raises unless /dev/kvm is usable
+        kvm = "usable"
         passed.append("kvm_usable")
-    else:
-        kvm = "not_required"
 
     present = bridge_exists(spec.ovs_bridge) if callable(bridge_exists) else bridge_exists
     if present is not True:
@@ -103,7 +103,7 @@ def check_vm_start(
                     f"{address} is bound to {driver or 'no driver'}, not {VFIO_DRIVER}",
                     **base, address=address, driver=driver, present=fresh.exists(entry), path=f"{entry}/driver",
                 )
-            bound.append(address)
+            bound.append(str(address))  # refused above when it is None (no such device)
         passed.append("hostdevs_on_vfio")
 
     missing_checks = [c for c in REQUIRED_DISK_CHECKS if c not in disk.checks_passed]

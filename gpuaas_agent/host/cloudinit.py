@@ -20,7 +20,6 @@ from typing import Any
 
 # pycdlib and PyYAML are imported where a seed is built, not with the module: the daemon imports
 # this through the task registry, and an idle daemon never builds a seed (bench/bench_idle.py).
-
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.cloudinit import (
     SEED_VOLUME_LABEL,

@@ -50,8 +50,8 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from gpuaas_agent.atomicfile import fsync_dir, write_atomic
-from gpuaas_agent.contract.types import SHA256_RE
 from gpuaas_agent.contract.images import CachedImage, CacheEntryMarker, ImageFormat
+from gpuaas_agent.contract.types import SHA256_RE
 from gpuaas_agent.errors import ContractError
 from gpuaas_agent.host import httpfetch, imagesource
 from gpuaas_agent.host.imagesource import ImageCacheError, SourcePolicy
@@ -457,7 +457,7 @@ class ImageCache:
         def work() -> None:
             try:
                 value, error = self._download(url, fd, bound, size_bytes, cancel, progress), None
-            except BaseException as exc:  # noqa: BLE001 - handed to the coroutine
+            except BaseException as exc:
                 value, error = None, exc
             try:
                 loop.call_soon_threadsafe(settle, value, error)

@@ -132,7 +132,7 @@ class LibvirtLifecycle:
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="libvirt")
         libvirt.registerErrorHandler(_quiet_libvirt_errors, None)
 
-    async def __aenter__(self) -> "LibvirtLifecycle":
+    async def __aenter__(self) -> LibvirtLifecycle:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -139,7 +139,7 @@ class UeventMonitor:
     _overflowed: bool = field(default=False, init=False)
     _failure: UeventMonitorError | None = field(default=None, init=False, repr=False)
 
-    def start(self) -> "UeventMonitor":
+    def start(self) -> UeventMonitor:
         """Open the netlink socket, install the subsystem filter, register the fd with the running loop."""
         if self._monitor is not None:
             return self
@@ -179,7 +179,7 @@ class UeventMonitor:
             self._errsock.close()
         self._monitor, self._fd, self._errsock = None, None, None
 
-    async def __aenter__(self) -> "UeventMonitor":
+    async def __aenter__(self) -> UeventMonitor:
         return self.start()
 
     async def __aexit__(self, *exc_info) -> None:

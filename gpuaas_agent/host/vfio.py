@@ -240,7 +240,7 @@ async def _write_with_deadline(host: HostRoot, host_path: str, value: str, timeo
                 os.close(fd)
             if written != len(data):
                 raise OSError(0, f"short write: {written} of {len(data)} bytes", str(real))
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+        except BaseException as exc:
             deliver(exc)
         else:
             deliver(None)

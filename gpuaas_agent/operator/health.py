@@ -380,7 +380,7 @@ class CheckThreads:
         def target() -> None:
             try:
                 outcome = (True, work())
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting round as it is
+            except BaseException as exc:
                 outcome = (False, exc)
             finally:
                 with self._lock:
@@ -408,7 +408,7 @@ async def _guarded(name: str, work: Callable[[], object], *, timeout_s: float = 
         result = await asyncio.wait_for(threads.run(name, work), timeout_s)
     except TimeoutError:
         return [_check(name, "unavailable", f"check did not answer within {timeout_s:g}s")]
-    except Exception as exc:  # noqa: BLE001 - a broken check must not take the loop down; it says why
+    except Exception as exc:
         return [_check(name, "unavailable", f"check raised {type(exc).__name__}: {exc}")]
     return result if isinstance(result, list) else [result]
 
@@ -418,7 +418,7 @@ async def run_checks(settings: HealthSettings, leases: list[SlotLease], records:
     async def nvme() -> list[HealthCheck]:
         try:
             return [await asyncio.wait_for(nvme_smart_check(settings), CHECK_TIMEOUT_S)]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return [_check("nvme_smart", "unavailable", f"check raised {type(exc).__name__}: {exc}")]
 
     rounds = await asyncio.gather(

@@ -62,7 +62,7 @@ class _LiveCollector:
     def collect(self):
         try:
             live = self._sample()
-        except Exception as exc:  # noqa: BLE001 - a scrape must answer even when a source broke
+        except Exception as exc:
             log_event(log, "metrics_sample_failed", logging.WARNING, error=repr(exc))
             return
         yield GaugeMetricFamily("gpuaas_agent_nats_connected", "1 while the NATS connection is up",

@@ -145,7 +145,7 @@ class NetWatch:
     async def _isolation(self) -> list[HealthCheck]:
         try:
             return await asyncio.wait_for(self.isolation(), CHECK_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - a broken probe says why, it does not stop the watch
+        except Exception as exc:
             return [HealthCheck(name="port_isolation", status="unavailable",
                                 detail=f"check raised {type(exc).__name__}: {exc}"[:4000], checked_at=datetime.now(UTC))]
 
@@ -181,7 +181,7 @@ class NetWatch:
         self.repairs += 1
         try:
             outcome = await self.repair()
-        except Exception as exc:  # noqa: BLE001 - the next round reports what is still broken
+        except Exception as exc:
             log_event(log, "netwatch_repair_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}",
                       reason=check.detail)
         else:
@@ -213,7 +213,7 @@ class NetWatch:
                 started = loop.time()
                 try:
                     await self.round(trigger)
-                except Exception:  # noqa: BLE001 - the watch outlives one broken round; the log says why
+                except Exception:
                     log_event(log, "netwatch_round_failed", logging.ERROR, exc_info=True)
                 trigger = DriftTrigger.timer
                 with contextlib.suppress(TimeoutError):

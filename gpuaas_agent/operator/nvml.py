@@ -213,7 +213,7 @@ class NvmlSource:
         self.init_calls += 1
         try:
             nvml.nvmlInit()
-        except Exception as exc:  # NVMLError subclasses differ with the driver's state  # noqa: BLE001
+        except Exception as exc:  # NVMLError subclasses differ with the driver's state
             self._failed_at, self._reason = self._clock(), f"nvmlInit failed: {exc}"
             return self._reason
         self._ready, self._failed_at = True, None
@@ -294,7 +294,7 @@ class NvmlSource:
                 gpus = [self._gpu(nvml, i) for i in range(nvml.nvmlDeviceGetCount())]
                 driver = _text(nvml.nvmlSystemGetDriverVersion())
                 version = _text(nvml.nvmlSystemGetNVMLVersion())
-            except Exception as exc:  # a GPU lost mid-read, the driver unloaded: start over next round  # noqa: BLE001
+            except Exception as exc:  # a GPU lost mid-read, the driver unloaded: start over next round
                 self.close()
                 self._failed_at, self._reason = None, ""
                 return f"NVML query failed: {exc}"
@@ -309,7 +309,7 @@ class NvmlSource:
             if self._events is not None:
                 nvml.nvmlEventSetFree(self._events)
             nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - nothing to report about a session we are leaving
+        except Exception:
             pass
         self._events = None
 

@@ -158,7 +158,7 @@ class Reporter:
         for extra in self.extra_checks:
             try:
                 checks += await asyncio.wait_for(extra(), CHECK_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - a broken check says why, it does not stop the round
+            except Exception as exc:
                 checks.append(HealthCheck(name=getattr(extra, "__name__", "extra"), status="unavailable",
                                           detail=f"check raised {type(exc).__name__}: {exc}"[:4000],
                                           checked_at=datetime.now(UTC)))
@@ -175,7 +175,7 @@ class Reporter:
         while True:
             try:
                 await self.check_health()
-            except Exception:  # noqa: BLE001 - the loop outlives one broken round; the log says why
+            except Exception:
                 log_event(log, "health_check_failed", logging.ERROR, exc_info=True)
             await asyncio.sleep(self.settings.health_interval_s)  # the period of the checks
 
@@ -226,6 +226,6 @@ class Reporter:
         while True:
             try:
                 await self.tick()
-            except Exception:  # noqa: BLE001 - a broken tick is logged; the next one tries again
+            except Exception:
                 log_event(log, "report_tick_failed", logging.ERROR, exc_info=True)
             await asyncio.sleep(self.settings.heartbeat_interval_s)  # the period of the heartbeat itself

@@ -168,7 +168,7 @@ class StateStore:
 
     @classmethod
     def open(cls, path: str | Path, *, clock: Callable[[], float] = time.time,
-             timeout_s: float = 10.0) -> "StateStore":
+             timeout_s: float = 10.0) -> StateStore:
         """Open (create, migrate) the state file; a file that is no usable database or stays locked longer
         than ``timeout_s`` is a :class:`StateError` (``state_unreadable`` / ``state_locked``), never a traceback."""
         path = Path(path)

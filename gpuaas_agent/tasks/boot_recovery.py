@@ -39,7 +39,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from gpuaas_agent.contract.domain import DomainInfo
 from gpuaas_agent.contract.drift import (
@@ -219,7 +219,7 @@ async def recover_after_boot(sh: SliceHost, store, *, boot_id: str | None = None
             await state.set_slot_state(record.model_copy(update=update))
     log_event(log, "boot_recovered", logging.WARNING if outcomes.get("refused") else logging.INFO,
               boot_id=boot_id, previous_boot_id=previous_boot_id, outcomes=outcomes, findings=len(findings))
-    return DriftReport(node_id=node_id, trigger=DriftTrigger.boot, findings=findings, at=datetime.now(timezone.utc))
+    return DriftReport(node_id=node_id, trigger=DriftTrigger.boot, findings=findings, at=datetime.now(UTC))
 
 
 async def check_boot(sh: SliceHost, store, *, node_id: str | None = None,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from gpuaas_agent.contract.dhcp import LeaseState
 from gpuaas_agent.contract.drift import (
@@ -38,8 +38,8 @@ from gpuaas_agent.contract.runtime import UnknownProfileError, get_profile
 from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.tasks import ReconcilePayload
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
-from gpuaas_agent.host.dnsmasq import parse_leases, status_of
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.tasks.isolation import ActivePort, isolation_drift
@@ -171,7 +171,7 @@ async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger
                                                                                    lease.slot_index)]
     findings += await isolation_drift(sh, ports=ports, active=active, known=known, repair=repair)
 
-    report = DriftReport(node_id=node_id, trigger=trigger, findings=findings, at=datetime.now(timezone.utc))
+    report = DriftReport(node_id=node_id, trigger=trigger, findings=findings, at=datetime.now(UTC))
     log_event(log, "reconciled", trigger=trigger.value, findings=len(findings),
               repaired=sum(f.repaired for f in findings), duration_s=round(time.monotonic() - started, 3),
               leases=len(leases), domains=len(domains), ports=len(ports), reservations=len(reservations),

@@ -40,10 +40,10 @@ class SliceHost:
     # One provision per slot runs at a time, whatever the task ids say (two tasks for one slot race otherwise).
     _slot_locks: dict[int, asyncio.Lock] = field(default_factory=dict)
     # The node's live terminal sessions (slice.terminal_*), made on first use: one relay per daemon.
-    _terminals: "TerminalRelay | None" = None
+    _terminals: TerminalRelay | None = None
 
     @classmethod
-    def from_config(cls, config: AgentConfig) -> "SliceHost":
+    def from_config(cls, config: AgentConfig) -> SliceHost:
         return cls(
             host_root=config.host_root,
             slice=config.slice,
@@ -105,7 +105,7 @@ class SliceHost:
         path.unlink(missing_ok=True)
         return {"removed": existed}
 
-    def terminals(self) -> "TerminalRelay":
+    def terminals(self) -> TerminalRelay:
         if self._terminals is None:
             from gpuaas_agent.tasks.terminal import TerminalRelay  # it imports this module
 

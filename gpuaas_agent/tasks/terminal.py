@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from ipaddress import IPv4Address
 from typing import TYPE_CHECKING, Literal
 
@@ -83,7 +83,7 @@ def _refused(exc: PowerRefused) -> TerminalRefused:
 class TerminalRelay:
     """The node's terminal sessions; one per daemon (``SliceHost.terminals()``)."""
 
-    def __init__(self, sh: "SliceHost") -> None:
+    def __init__(self, sh: SliceHost) -> None:
         self.sh = sh
         self.config = sh.slice.terminal
         self.sessions: dict[str, _Live] = {}
@@ -246,7 +246,7 @@ class TerminalRelay:
             subject_out=session.subject_out, host_key_fingerprint=audit.host_key_fingerprint, host_key_pinned=pinned,
             output_window_bytes=cfg.output_window_bytes, input_window_bytes=cfg.input_window_bytes,
             max_frame_bytes=cfg.max_frame_bytes, idle_timeout_s=cfg.idle_timeout_s, max_session_s=cfg.max_session_s,
-            opened_at=datetime.fromtimestamp(now, timezone.utc)).model_dump(mode="json")
+            opened_at=datetime.fromtimestamp(now, UTC)).model_dump(mode="json")
 
     def _closed_callback(self, store: StateStore):
         async def closed(session: TerminalSession) -> None:
@@ -340,7 +340,7 @@ _ORDINARY = frozenset({CloseReason.client_closed, CloseReason.remote_closed, Clo
                        CloseReason.absolute_timeout, CloseReason.agent_shutdown})
 
 
-def terminal_handler(sh: "SliceHost", operation: str):
+def terminal_handler(sh: SliceHost, operation: str):
     """The handler of one of the four task types, all served by the node's one :class:`TerminalRelay`."""
     async def handle(payload, ctx) -> dict:
         relay = sh.terminals()

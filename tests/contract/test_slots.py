@@ -14,7 +14,6 @@ from tests.conftest import HOSTS
 from tests.contract.test_tasks import ALLOC, SLOT
 
 
-
 def _release(slot: dict) -> bytes:
     return json.dumps({
         "schema_version": "gpuaas.agent/v1", "task_id": "t-1", "type": "slice.vm_release", "node_id": "node-1",

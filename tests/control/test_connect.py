@@ -18,7 +18,7 @@ import signal
 import socket
 import subprocess
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -67,7 +67,7 @@ def _config(tmp_path: Path, nats_url: str, **overrides) -> Path:
 
 def _enrolled_record(tmp_path: Path, server_url: str) -> None:
     """The record `enroll` would have written: this node logs in to ``server_url``."""
-    record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(timezone.utc),
+    record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
                               credentials=NatsCredentials(user=NODE, password=secrets.token_urlsafe(16),
                                                           servers=[server_url]))
     path = record_path(tmp_path / "state")

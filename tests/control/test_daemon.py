@@ -151,7 +151,7 @@ class AgentProcess:
         self.argv, self.env, self.log_path = argv, env, log_path
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "AgentProcess":
+    def start(self) -> AgentProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=log)

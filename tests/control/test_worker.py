@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -13,8 +13,8 @@ from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.enrollment import NatsCredentials
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from gpuaas_agent.control.worker import TASK_STEP, TaskWorker, WorkerSettings
 from gpuaas_agent.control.enroll import EnrollmentRecord
+from gpuaas_agent.control.worker import TASK_STEP, TaskWorker, WorkerSettings
 from gpuaas_agent.daemon import connect, default_handlers
 from gpuaas_agent.errors import GuardError
 from gpuaas_agent.state.store import StateStore
@@ -47,7 +47,7 @@ class Harness:
         self.plane = await ControlPlane.connect(self.server.url)
         await self.plane.create_streams()
         # The daemon's own connect (its reconnect options are what the restart test exercises).
-        record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(timezone.utc),
+        record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
                                   credentials=NatsCredentials(user=NODE, password="unused-by-test-server",
                                                               servers=[self.server.url]))
         self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state"), record, asyncio.Event())

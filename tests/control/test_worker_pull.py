@@ -56,7 +56,7 @@ def test_after_a_server_restart_the_pull_is_renewed_at_once(nats_server, tmp_pat
                 while True:
                     try:
                         return await h.plane.enqueue(envelope)
-                    except Exception:  # noqa: BLE001 - JetStream still starting: retry until the deadline
+                    except Exception:
                         await asyncio.sleep(0.1)  # retry pacing inside a deadline
             await asyncio.wait_for(enqueue_when_up(), 30)
             published = time.monotonic()

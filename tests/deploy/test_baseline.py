@@ -18,7 +18,6 @@ import pytest
 
 from gpuaas_agent.netbaseline import BaselineSpec, dnsmasq_config
 from tests.conftest import REPO
-from tests.ovsdb_fixture import ovs_switch  # noqa: F401  (pytest fixture)
 
 TIMEOUT_S = 60
 

@@ -14,8 +14,14 @@ import yaml
 
 from gpuaas_agent.config import parse_config
 from gpuaas_agent.errors import ContractError
-from gpuaas_agent.userdata import (SLICE_PROFILE_TAG, STEP_PATH, STEP_SCRIPT, UserDataInputs, load_inputs,
-                                   render_userdata)
+from gpuaas_agent.userdata import (
+    SLICE_PROFILE_TAG,
+    STEP_PATH,
+    STEP_SCRIPT,
+    UserDataInputs,
+    load_inputs,
+    render_userdata,
+)
 from tests.conftest import REPO
 
 EXAMPLE_INPUTS = REPO / "cloud-init" / "inputs.example.json"

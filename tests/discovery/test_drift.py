@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from gpuaas_agent.contract.drift import DriftKind, DriftReport, DriftSeverity, DriftTrigger
@@ -146,5 +146,5 @@ def test_link_that_vanished_under_an_unchanged_driver_is_link_vanished(host_copy
 
 def test_findings_travel_in_a_drift_report():
     findings = topology_drift(_discover(fixture_host(AFTER)), _discover(fixture_host(REBOOT)))
-    report = DriftReport(node_id="node-1", trigger=DriftTrigger.timer, findings=findings, at=datetime.now(timezone.utc))
+    report = DriftReport(node_id="node-1", trigger=DriftTrigger.timer, findings=findings, at=datetime.now(UTC))
     assert DriftReport.model_validate_json(report.model_dump_json()) == report

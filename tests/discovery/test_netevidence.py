@@ -236,7 +236,6 @@ def test_the_live_root_namespace_is_read_without_a_netns():
 from gpuaas_agent.contract.parity import ParityStatus  # noqa: E402
 from gpuaas_agent.discovery.netevidence import judge_dnsmasq, read_dnsmasq_evidence  # noqa: E402
 from gpuaas_agent.discovery.prereqs import check_dnsmasq  # noqa: E402
-from tests.dnsmasq_fixture import dhcp_lab, net_lab  # noqa: E402,F401  (fixtures)
 
 
 def _dnsmasq_proc(root: Path, pid: int, argv: list[str]) -> None:

@@ -14,7 +14,7 @@ from gpuaas_agent.guards.disk import DiskGuardError, check_disk_writable, check_
 from gpuaas_agent.host.run import run
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import fixture_host
-from tests.realdev import MiB, read_bytes, realdev  # noqa: F401  (fixture)
+from tests.realdev import MiB, read_bytes
 
 LIVE = HostRoot.open("/")
 ALLOC = str(uuid.uuid4())

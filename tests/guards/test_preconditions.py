@@ -29,7 +29,7 @@ from gpuaas_agent.guards.preconditions import (
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import HOSTS
 from tests.discovery.test_netevidence import slice_namespace
-from tests.dnsmasq_fixture import DhcpLab, dhcp_lab, net_lab  # noqa: F401  (fixtures)
+from tests.dnsmasq_fixture import DhcpLab
 
 PROFILE = get_profile("h200_1g_24c_64g")
 GPU, VF, NODE = "0000:18:00.0", "0000:19:00.1", 0

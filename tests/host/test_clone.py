@@ -8,14 +8,14 @@ import os
 
 import pytest
 
+from gpuaas_agent.contract.images import ImageFormat
 from gpuaas_agent.contract.storage import CloneProgress
 from gpuaas_agent.errors import HostError
 from gpuaas_agent.guards.disk import DiskGuardError
 from gpuaas_agent.host.clone import CloneError, ProgressParser, clone_image, convert_argv
-from gpuaas_agent.contract.images import ImageFormat
 from gpuaas_agent.host.disks import wipe_disk
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import MiB, read_bytes, realdev, sh  # noqa: F401  (fixture)
+from tests.realdev import MiB, read_bytes, sh
 
 LIVE = HostRoot.open("/")
 

@@ -5,8 +5,8 @@ for an input that does not validate."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import base64
+import functools
 import hashlib
 import io
 import os

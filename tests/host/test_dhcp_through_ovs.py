@@ -17,7 +17,7 @@ import subprocess
 
 from gpuaas_agent.contract.dhcp import LeaseState
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations, lease_status, make_reservation
-from tests.dnsmasq_fixture import (  # noqa: F401  (net_lab is a pytest fixture)
+from tests.dnsmasq_fixture import (
     GATEWAY,
     SUBNET,
     DhcpLab,
@@ -25,9 +25,8 @@ from tests.dnsmasq_fixture import (  # noqa: F401  (net_lab is a pytest fixture)
     NetLab,
     disable_tx_checksum,
     net_dnsmasq_start,
-    net_lab,
 )
-from tests.ovsdb_fixture import OvsSwitch, ovs_switch  # noqa: F401  (pytest fixture)
+from tests.ovsdb_fixture import OvsSwitch
 
 A1 = "1111aaaa-2222-4333-8444-555555555555"
 A2 = "2222bbbb-3333-4444-8555-666666666666"

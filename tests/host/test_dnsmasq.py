@@ -20,7 +20,7 @@ from gpuaas_agent.host.dnsmasq import (
     parse_leases,
     stale_reservations,
 )
-from tests.dnsmasq_fixture import DhcpLab, dhcp_lab, net_lab  # noqa: F401  (pytest fixtures)
+from tests.dnsmasq_fixture import DhcpLab
 
 SUBNET = IPv4Network("10.100.0.0/24")
 GATEWAY = IPv4Address("10.100.0.1")

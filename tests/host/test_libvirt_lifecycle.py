@@ -27,13 +27,12 @@ from gpuaas_agent.host.domain_xml import build_domain_xml
 from gpuaas_agent.host.libvirt_lifecycle import (
     DomainNotFoundError,
     DomainRefused,
-    LibvirtError,
     LibvirtConnectionError,
+    LibvirtError,
     LibvirtLifecycle,
 )
 from gpuaas_agent.hostfs import HostRoot
 from tests.host.test_domain_xml import production_spec
-from tests.realdev import realdev  # noqa: F401  (fixture)
 
 URI = "test:///default"
 LIVE = HostRoot.open("/")

@@ -31,7 +31,6 @@ from gpuaas_agent.host.domain_xml import build_domain
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from tests.libvirtd_fixture import running_libvirtd
-from tests.realdev import realdev  # noqa: F401  (fixture)
 
 LIVE = HostRoot.open("/")
 DEADLINE_S = 4.0

@@ -9,7 +9,7 @@ import pytest
 
 from gpuaas_agent.contract.isolation import GuardSpec
 from gpuaas_agent.host.nftguard import NftGuard, NftGuardInputError, ensure_document
-from tests.dnsmasq_fixture import NetLab, net_lab, run_in_netns, sh  # noqa: F401  (net_lab is a pytest fixture)
+from tests.dnsmasq_fixture import NetLab, run_in_netns, sh
 
 SPEC = GuardSpec(subnet=IPv4Network("10.100.0.0/24"), gateway=IPv4Address("10.100.0.1"))
 FOREIGN = ("add table inet foreign { set s { type ifname; elements = { \"gs0-1111aaaa22\" }; }; "

@@ -48,13 +48,12 @@ from tests.dnsmasq_fixture import (  # noqa: F401  (net_lab is a pytest fixture)
     call_in_netns,
     disable_tx_checksum,
     net_dnsmasq_start,
-    net_lab,
     run_in_netns,
     sh,
     udhcpc,
     wait_until,
 )
-from tests.ovsdb_fixture import OvsSwitch, ovs_switch  # noqa: F401  (pytest fixture)
+from tests.ovsdb_fixture import OvsSwitch
 
 SUBNET = IPv4Network("10.100.0.0/24")
 GATEWAY = "10.100.0.1"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+
 import pytest
 
 from gpuaas_agent.contract.dhcp import LeaseState
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations, make_reservation
 from gpuaas_agent.host.readiness import ReadinessTimeout, wait_for_guest, wait_for_lease, wait_for_ssh
-from tests.dnsmasq_fixture import DhcpLab, dhcp_lab, net_lab, run_in_netns  # noqa: F401  (pytest fixtures)
+from tests.dnsmasq_fixture import DhcpLab, run_in_netns
 
 ALLOC = "1111aaaa-2222-4333-8444-555555555555"
 MAC = "52:54:00:12:34:56"

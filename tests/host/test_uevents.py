@@ -272,7 +272,7 @@ def test_socket_overflow_is_reported_and_the_monitor_keeps_reading():
         # The smallest buffer the kernel allows, and a loop that does not read while 24 events arrive.
         async with UeventMonitor(subsystems=("net",), receive_buffer_bytes=4096) as monitor:
             batch = "".join(f"link add {n} type veth peer name {n}p\n" for n in names)
-            subprocess.run(["ip", "-batch", "-"], input=batch.encode(), timeout=30, check=True)  # noqa: ASYNC221 (blocks the loop on purpose)
+            subprocess.run(["ip", "-batch", "-"], input=batch.encode(), timeout=30, check=True)
             bursts = monitor.bursts(debounce_s=0.5, max_burst_s=10.0)
             first = await asyncio.wait_for(anext(bursts), DEADLINE_S)
             assert first.overflowed and len(first.events) < 2 * len(names)

@@ -25,7 +25,7 @@ from gpuaas_agent.host.wipepolicy import (
     wipe_slot_disk,
 )
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import MiB, read_bytes, realdev, sh, write_bytes  # noqa: F401  (fixture)
+from tests.realdev import MiB, read_bytes, sh, write_bytes
 
 LIVE = HostRoot.open("/")
 MICRON = Path(__file__).resolve().parents[2] / "fixtures" / "nvme" / "h200-slot0-micron-7450.synth"

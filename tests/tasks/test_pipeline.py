@@ -3,7 +3,7 @@
 import asyncio
 import functools
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -28,7 +28,7 @@ class Ctx:
 def ctx(tmp_path):
     store = StateStore.open(tmp_path / "state.db")
     env = TaskEnvelope(task_id="t-1", type="slice.vm_provision", node_id="node-1", attempt=1,
-                       deadline=datetime.now(timezone.utc) + timedelta(minutes=5), payload={})
+                       deadline=datetime.now(UTC) + timedelta(minutes=5), payload={})
     yield Ctx(store=store, envelope=env)
     store.close()
 

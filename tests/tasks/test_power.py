@@ -14,13 +14,14 @@ import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import libvirt
 import pytest
 
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.domain import DomainSpec, DomainState, OvmfFirmware
+from gpuaas_agent.contract.isolation import GUARD_TABLE
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
@@ -28,7 +29,6 @@ from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import TaskEnvelope, TaskType, VmPowerPayload, task_payload
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import ContractError
-from gpuaas_agent.contract.isolation import GUARD_TABLE
 from gpuaas_agent.host.dnsmasq import make_reservation
 from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle, parse_domain_devices
@@ -162,7 +162,7 @@ def active_slice(root_nft_guard, loop_host, ovs_switch: OvsSwitch, tmp_path, tes
 
 def _ctx(store, task_id="t-power") -> Ctx:
     envelope = TaskEnvelope(task_id=task_id, type="slice.vm_power", node_id="node-1", attempt=1,
-                            deadline=datetime.now(timezone.utc) + timedelta(minutes=10), payload={})
+                            deadline=datetime.now(UTC) + timedelta(minutes=10), payload={})
     return Ctx(store=store, envelope=envelope)
 
 
@@ -402,7 +402,7 @@ def test_parse_domain_devices_reads_hostdev_addresses_and_the_numa_node():
 def test_a_bad_power_payload_is_an_invalid_payload(bad):
     payload = {"allocation_id": str(uuid.uuid4()), "slot_index": 0, "operation": "stop", **bad}
     envelope = TaskEnvelope(task_id="t", type=TaskType.vm_power.value, node_id="n", attempt=1,
-                            deadline=datetime.now(timezone.utc), payload=payload)
+                            deadline=datetime.now(UTC), payload=payload)
     with pytest.raises(ContractError) as info:
         task_payload(envelope)
     assert info.value.code == "invalid_payload"

@@ -14,7 +14,7 @@ import hashlib
 import os
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -86,7 +86,7 @@ def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loo
                                  runtime_profile="lab_tcg_1c_512m", hostname="cancelled", user="tenant",
                                  ssh_authorized_keys=[KEY])
     envelope = TaskEnvelope(task_id="t-cancel", type="slice.vm_provision", node_id="node-1", attempt=1,
-                            deadline=datetime.now(timezone.utc) + timedelta(minutes=10), payload={})
+                            deadline=datetime.now(UTC) + timedelta(minutes=10), payload={})
     ctx = Ctx(store=store, envelope=envelope)
     seen: list[float] = []
 
@@ -126,7 +126,7 @@ def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loo
 
 def _ctx_for(store, task_id):
     envelope = TaskEnvelope(task_id=task_id, type="slice.vm_provision", node_id="node-1", attempt=2,
-                            deadline=datetime.now(timezone.utc) + timedelta(minutes=10), payload={})
+                            deadline=datetime.now(UTC) + timedelta(minutes=10), payload={})
     return Ctx(store=store, envelope=envelope)
 
 

@@ -16,7 +16,7 @@ import pytest
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
-from gpuaas_agent.contract.tasks import VmProvisionPayload, VmReleasePayload
+from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
@@ -30,7 +30,7 @@ from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
 from tests.tasks.test_provision_admission import _approved, _payload, _slice_host
-from tests.tasks.test_provision_cancel import KEY, _ctx_for
+from tests.tasks.test_provision_cancel import _ctx_for
 
 MiB = 1 << 20
 URI = "test:///default"

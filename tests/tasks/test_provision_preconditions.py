@@ -24,7 +24,7 @@ from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
-from tests.tasks.conftest import provision_failure, GATEWAY, PreparedHost
+from tests.tasks.conftest import GATEWAY, PreparedHost, provision_failure
 from tests.tasks.test_provision_admission import _approved
 from tests.tasks.test_provision_cancel import KEY, _ctx_for
 

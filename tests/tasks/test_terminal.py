@@ -21,7 +21,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncssh
@@ -222,7 +222,7 @@ class Agent:
     async def task(self, task_type: str, payload: dict) -> dict:
         """Validate the payload as the worker does, then run the registry's handler."""
         envelope = TaskEnvelope(task_id=f"t-{uuid.uuid4().hex[:8]}", type=task_type, node_id=NODE, attempt=1,
-                                deadline=datetime.now(timezone.utc) + timedelta(minutes=5), payload=payload)
+                                deadline=datetime.now(UTC) + timedelta(minutes=5), payload=payload)
         _, model = task_payload(envelope)
         ctx = TaskContext(envelope=envelope, node_id=NODE, store=self.store, resumed_steps=[], _nc=self.nc)
         operation = task_type.rsplit("_", 1)[1]

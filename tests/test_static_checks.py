@@ -1,0 +1,32 @@
+"""ruff over the whole tree and ``mypy --strict`` over contract/ and guards/ (configured in pyproject.toml).
+
+The contract is what crosses the wire and the guards are what every write trusts: a type error
+there is a refusal that never fires. Both tools come with the ``test`` extra; a missing one
+fails here loudly instead of skipping.
+"""
+
+import shutil
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+VENV_BIN = REPO / ".venv" / "bin"
+
+
+def _tool(name: str) -> str:
+    path = VENV_BIN / name if (VENV_BIN / name).exists() else shutil.which(name)
+    assert path, f"{name} is not installed (pip install -e '.[test]')"
+    return str(path)
+
+
+def test_ruff_finds_nothing():
+    done = subprocess.run([_tool("ruff"), "check", "gpuaas_agent", "tests", "lab", "bench"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_mypy_strict_on_contract_and_guards():
+    done = subprocess.run([sys.executable, "-m", "mypy", "gpuaas_agent/contract", "gpuaas_agent/guards"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
