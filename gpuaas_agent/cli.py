@@ -195,8 +195,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_record_fixture(args: argparse.Namespace) -> int:
+    from gpuaas_agent.discovery.record import record_fixture, record_fixture_archive
     from gpuaas_agent.hostfs import HostRoot
-    from gpuaas_agent.recorder import record_fixture, record_fixture_archive
 
     record = record_fixture_archive if args.archive else record_fixture
     manifest = record(HostRoot.open(args.root), args.out)
@@ -218,7 +218,7 @@ def _cmd_enroll(args: argparse.Namespace) -> int:
 
 def _cmd_cloud_init(args: argparse.Namespace) -> int:
     from gpuaas_agent.atomicfile import write_atomic
-    from gpuaas_agent.userdata import load_inputs, render_userdata
+    from gpuaas_agent.deploy.userdata import load_inputs, render_userdata
 
     text = render_userdata(load_inputs(args.inputs))
     if args.out is None:
@@ -246,7 +246,7 @@ def _cmd_network_baseline(args: argparse.Namespace) -> int:
 
     from gpuaas_agent.config import AgentConfig, load_config
     from gpuaas_agent.daemon import SdNotifier
-    from gpuaas_agent.netbaseline import BaselineSpec, converge
+    from gpuaas_agent.deploy.netbaseline import BaselineSpec, converge
 
     notifier = SdNotifier.from_env()
     try:

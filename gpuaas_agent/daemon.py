@@ -83,9 +83,9 @@ from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
 from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
 from gpuaas_agent.tasks.registry import build_handlers
-from gpuaas_agent.tasks.slicehost import SliceHost
 
 log = logging.getLogger("gpuaas_agent.daemon")
 
@@ -138,7 +138,7 @@ def watchdog_interval_s(environ: dict[str, str] | None = None) -> float | None:
 # -- task handlers ------------------------------------------------------------------
 
 
-def default_handlers(config: AgentConfig, slice_host: SliceHost | None = None) -> dict[TaskType, Handler]:
+def default_handlers(config: AgentConfig, slice_host: SliceDrivers | None = None) -> dict[TaskType, Handler]:
     """The handlers of :data:`~gpuaas_agent.tasks.registry.TASKS`; every type not there gets
     ``failed``/``not_implemented`` from the worker.
 
@@ -148,7 +148,7 @@ def default_handlers(config: AgentConfig, slice_host: SliceHost | None = None) -
     return dict(build_handlers(config, slice_host))
 
 
-def port_isolation_probe(slice_host: SliceHost, store):
+def port_isolation_probe(slice_host: SliceDrivers, store):
     """The health round's ``port_isolation`` check: a read-only reconcile, its isolation findings only."""
 
     async def port_isolation():
@@ -360,7 +360,7 @@ async def run_agent(
         if crash_point_armed():  # tests only (tasks/crashpoint.py): say so loudly if it is ever set in production
             _event("crash_point_armed", level=logging.WARNING, spec=crash_point_armed())
         if handlers is None:
-            slice_host = SliceHost.from_config(config)
+            slice_host = SliceDrivers.from_config(config)
             removed = slice_host.images.remove_stale_partials()  # downloads a crashed agent left behind
             if removed:
                 _event("image_partials_removed", files=removed)

@@ -4,7 +4,7 @@ Tests, the lab, the benchmarks and the deploy tests all call this; nothing
 else reads ``fixtures/hosts/``. That directory holds one small file per host:
 
 * ``<name>.tar.xz``: a real recording (``gpuaas-agent record-fixture --archive``),
-  unpacked by :func:`gpuaas_agent.fixture_archive.unpack_tree`;
+  unpacked by :func:`gpuaas_agent.discovery.fixture_archive.unpack_tree`;
 * ``<name>.synth.json``: the description of a synthetic host (generator
   variant and options, and the pinned digest of the tree it must give);
   ``lab/synth_host.py`` builds the tree in code, as NVIDIA go-nvlib's
@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:
 
 from gpuaas_agent.contract.base import WireModel  # noqa: E402
 from gpuaas_agent.contract.types import Sha256Hex  # noqa: E402
-from gpuaas_agent.fixture_archive import ARCHIVE_SUFFIX, tree_digest, unpack_tree  # noqa: E402
+from gpuaas_agent.discovery.fixture_archive import ARCHIVE_SUFFIX, tree_digest, unpack_tree  # noqa: E402
 
 FIXTURES_DIR = REPO / "fixtures" / "hosts"
 GENERATOR = Path(__file__).resolve().with_name("synth_host.py")

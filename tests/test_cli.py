@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from gpuaas_agent.fixture_archive import unpack_tree
+from gpuaas_agent.discovery.fixture_archive import unpack_tree
 from tests.conftest import REPO, fixture_host
 
 AFTER = str(fixture_host("h200-slice-after-transition"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuaas_agent.fixture_archive import tree_digest
+from gpuaas_agent.discovery.fixture_archive import tree_digest
 from lab.fixture_hosts import built_in_this_process, description, synthetic_names
 from tests.conftest import H200_FIXTURES, fixture_host, load_synth_host
 
@@ -208,7 +208,7 @@ def test_materialised_tree_is_the_pinned_one(name):
 def test_a_tree_built_by_this_generator_now_has_the_pinned_digest(tmp_path):
     """Not a tree from an earlier session's cache: the generator is deterministic and the pin is not stale.
 
-    (That the digest sees a changed byte or link target: tests/test_fixture_archive.py.)
+    (That the digest sees a changed byte or link target: tests/discovery/test_fixture_archive.py.)
     """
     name = "h200-slice-after-reboot"  # the variant that differs most from the others (boot "b")
     root = fixture_host(name)

@@ -67,8 +67,8 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.tasks.domain_start import guarded_start
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.power import ON, start_plan
-from gpuaas_agent.tasks.slicehost import SliceHost
 from gpuaas_agent.tasks.slot_topology import slot_topology_findings
 
 log = logging.getLogger(__name__)
@@ -118,12 +118,12 @@ def _refused(rec: SlotRecovery, kind: DriftKind, exc: AgentError, **detail) -> N
             code=exc.code, evidence=exc.evidence, **detail)
 
 
-async def rebind(sh: SliceHost, lease: SlotLease, rec: SlotRecovery, after_write: AfterWrite | None) -> bool:
+async def rebind(sh: SliceDrivers, lease: SlotLease, rec: SlotRecovery, after_write: AfterWrite | None) -> bool:
     """Put the slot's GPU and VF back on vfio-pci (guarded, idempotent); False after a refusal (finding made)."""
     approved = [lease.gpu_pci_address, lease.fabric_vf_pci_address]
     for address in approved:
         try:
-            result = await bind_to_vfio(sh.host(), address, approved, after_write=after_write)
+            result = await bind_to_vfio(sh.discovered_root(), address, approved, after_write=after_write)
         except AgentError as exc:
             _refused(rec, DriftKind.slot_rebind_failed, exc, address=address)
             rec.findings[-1] = rec.findings[-1].model_copy(update={"subject": address, "expected": VFIO_DRIVER})
@@ -134,7 +134,7 @@ async def rebind(sh: SliceHost, lease: SlotLease, rec: SlotRecovery, after_write
     return True
 
 
-async def recover_slot(sh: SliceHost, lease: SlotLease, record: SlotRecord, domain: DomainInfo | None,
+async def recover_slot(sh: SliceDrivers, lease: SlotLease, record: SlotRecord, domain: DomainInfo | None,
                        *, after_write: AfterWrite | None = None) -> SlotRecovery:
     rec = SlotRecovery(lease)
     if domain is None or domain.metadata is None:
@@ -153,7 +153,7 @@ async def recover_slot(sh: SliceHost, lease: SlotLease, record: SlotRecord, doma
         _refused(rec, DriftKind.boot_restart_refused, exc, domain=domain.name)
         return rec
     # Devices first, whatever the domain's state: a disk that is not the leased one is never started.
-    topology = await asyncio.to_thread(slot_topology_findings, sh.host(), lease, devices, hostdevs=profile.hostdevs)
+    topology = await asyncio.to_thread(slot_topology_findings, sh.discovered_root(), lease, devices, hostdevs=profile.hostdevs)
     if topology:
         rec.findings += topology
         rec.outcome = "refused"
@@ -186,7 +186,7 @@ async def recover_slot(sh: SliceHost, lease: SlotLease, record: SlotRecord, doma
     return rec
 
 
-async def recover_after_boot(sh: SliceHost, store, *, boot_id: str | None = None, previous_boot_id: str | None = None,
+async def recover_after_boot(sh: SliceDrivers, store, *, boot_id: str | None = None, previous_boot_id: str | None = None,
                              node_id: str | None = None, after_write: AfterWrite | None = None) -> DriftReport:
     """One pass over the active slots (see the module docstring); the slot records get the outcome."""
     state = as_store_thread(store)
@@ -222,7 +222,7 @@ async def recover_after_boot(sh: SliceHost, store, *, boot_id: str | None = None
     return DriftReport(node_id=node_id, trigger=DriftTrigger.boot, findings=findings, at=datetime.now(UTC))
 
 
-async def check_boot(sh: SliceHost, store, *, node_id: str | None = None,
+async def check_boot(sh: SliceDrivers, store, *, node_id: str | None = None,
                      after_write: AfterWrite | None = None) -> DriftReport | None:
     """Run :func:`recover_after_boot` when the host booted since the boot_id was stored; None when it did not.
 
@@ -230,7 +230,7 @@ async def check_boot(sh: SliceHost, store, *, node_id: str | None = None,
     pass too: it restarts nothing that is running and re-validates what is held.
     """
     state = as_store_thread(store)
-    current = await asyncio.to_thread(read_boot_id, sh.host())
+    current = await asyncio.to_thread(read_boot_id, sh.discovered_root())
     if current is None:
         log_event(log, "boot_id_unreadable", logging.WARNING, path=BOOT_ID_PATH,
                   message="cannot tell whether the host rebooted: boot recovery skipped; reconcile still reports")
@@ -244,7 +244,7 @@ async def check_boot(sh: SliceHost, store, *, node_id: str | None = None,
     return report
 
 
-async def boot_recovery_at_start(sh: SliceHost, store) -> DriftReport | None:
+async def boot_recovery_at_start(sh: SliceDrivers, store) -> DriftReport | None:
     """The daemon's call before it pulls tasks: :func:`check_boot`, a failure logged (the reconcile timer and the
     next start try again: the boot_id is stored only after a pass ran), never fatal."""
     try:

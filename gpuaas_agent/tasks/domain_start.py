@@ -30,8 +30,8 @@ from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.vfio import check_vfio_bindable
 from gpuaas_agent.guards.vmstart import check_vm_start
 from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import isolate_port, opened_port
-from gpuaas_agent.tasks.slicehost import SliceHost
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ async def put_port(ovs: OvsDriver, port: SlicePort, vm_uuid: str) -> OvsPort:
         ingress_policing_burst_kb=port.policing.burst_kb if port.policing else None)
 
 
-async def guarded_start(sh: SliceHost, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort) -> dict:
+async def guarded_start(sh: SliceDrivers, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort) -> dict:
     """Run the guards of a start, start the domain, put the port's ids back; returns the evidence.
 
     A running domain is returned as it is by the lifecycle driver (after the guards held).
@@ -67,15 +67,15 @@ async def guarded_start(sh: SliceHost, target: StartTarget, *, disk_lease: DiskL
     if target.profile.hostdevs:
         approved = [a for a in (target.gpu_pci_address, target.fabric_vf_pci_address) if a is not None]
         for address in approved:
-            evidence = await asyncio.to_thread(check_vfio_bindable, sh.host().fresh(), address, approved)
+            evidence = await asyncio.to_thread(check_vfio_bindable, sh.discovered_root().fresh(), address, approved)
             groups.append(evidence.model_dump(mode="json"))
     disk = await asyncio.to_thread(
-        check_disk_writable, sh.host(), target.nvme_device, lease=disk_lease,
+        check_disk_writable, sh.discovered_root(), target.nvme_device, lease=disk_lease,
         domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=disk_lease.allocation_id,
                                                            exclude_slot=disk_lease.slot_index))
     async with sh.ovs() as ovs:
         evidence = await asyncio.to_thread(
-            check_vm_start, sh.host() if target.profile.hostdevs else sh.system(), target,
+            check_vm_start, sh.discovered_root() if target.profile.hostdevs else sh.local_root(), target,
             bridge_exists=await asyncio.to_thread(ovs.bridge_exists, target.ovs_bridge), disk=disk)
         info = await sh.libvirt.start(name, preconditions=evidence)
         # libvirt re-creates the port at start with only its own external_ids: put ours back.

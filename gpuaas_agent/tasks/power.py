@@ -42,8 +42,8 @@ from gpuaas_agent.contract.tasks import VmPowerPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
-from gpuaas_agent.tasks.slicehost import SliceHost
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def check_domain(info: DomainInfo | None, payload: VmPowerPayload) -> DomainInfo
     return info
 
 
-async def start_plan(sh: SliceHost, info: DomainInfo, lease: SlotLease) -> tuple[StartTarget, SlicePort]:
+async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease) -> tuple[StartTarget, SlicePort]:
     """What the guarded start checks, from the lease and the domain's own XML; the two must agree."""
     devices = await sh.libvirt.devices(info.name)
     profile = get_profile(info.metadata.profile)  # unknown_profile: refused, nothing started
@@ -143,7 +143,7 @@ async def start_plan(sh: SliceHost, info: DomainInfo, lease: SlotLease) -> tuple
     return target, port
 
 
-async def power(sh: SliceHost, payload: VmPowerPayload, ctx) -> dict:
+async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
     store = ctx.store
     op = payload.operation
     name = domain_name(payload.allocation_id)
@@ -218,7 +218,7 @@ async def power(sh: SliceHost, payload: VmPowerPayload, ctx) -> dict:
     }
 
 
-def power_handler(sh: SliceHost):
+def power_handler(sh: SliceDrivers):
     async def handle(payload: VmPowerPayload, ctx) -> dict:
         return await power(sh, payload, ctx)
 

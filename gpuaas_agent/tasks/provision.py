@@ -62,6 +62,7 @@ from gpuaas_agent.tasks.admission import (
     slice_plan_config,
 )
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import isolate_port
 from gpuaas_agent.tasks.pipeline import (
     PipelineFailed,
@@ -72,7 +73,6 @@ from gpuaas_agent.tasks.pipeline import (
     run_pipeline,
 )
 from gpuaas_agent.tasks.plan import plan_bundle
-from gpuaas_agent.tasks.slicehost import SliceHost
 from gpuaas_agent.tasks.slotset import (
     check_allocation_holds_only,
     check_enough_free,
@@ -101,7 +101,7 @@ class ProvisionRun:
     produces is its typed output, handed to the steps that declare they take it.
     """
 
-    sh: SliceHost
+    sh: SliceDrivers
     payload: VmProvisionPayload
     profile: RuntimeProfile
     task_id: str
@@ -111,7 +111,7 @@ class ProvisionRun:
     disk_written_before: bool = False
 
     @classmethod
-    def for_task(cls, sh: SliceHost, payload: VmProvisionPayload, ctx) -> ProvisionRun:
+    def for_task(cls, sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> ProvisionRun:
         return cls(sh=sh, payload=payload, profile=get_profile(payload.runtime_profile),
                    task_id=ctx.envelope.task_id, ctx=ctx)
 
@@ -298,7 +298,7 @@ async def _slot_preconditions(run: ProvisionRun, slot: Any, planned: PlannedSlot
         bridge_exists = await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge)
     cached = sh.images.lookup(payload.image.sha256)
     proven = await asyncio.to_thread(
-        check_provision_preconditions, sh.host(), sh.system(),
+        check_provision_preconditions, sh.discovered_root(), sh.local_root(),
         sh.slice.model_copy(update={"ovs_bridge": slot.ovs_bridge}), profile,
         numa_node=planned.gpu_numa_node if profile.hostdevs else None,
         gpu_pci_address=slot.gpu_pci_address if profile.hostdevs else None,
@@ -322,7 +322,7 @@ async def validate(run: ProvisionRun) -> Validated:
         check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
     else:
         check_allocation_holds_only(store, payload.allocation_id, {s.slot_index for s in slots})
-    report = await asyncio.to_thread(lambda: discover(sh.host(), slice_plan_config(sh.slice)))
+    report = await asyncio.to_thread(lambda: discover(sh.discovered_root(), slice_plan_config(sh.slice)))
     free = check_enough_free(report, store, payload.allocation_id, slots) if len(slots) > 1 else []
     # Each approved record must be exactly the host's candidate slot of its index, as slice.plan checks
     # (a slot of another host has bindings this host lacks: not_approved); a set that crosses the profile's
@@ -337,7 +337,7 @@ async def validate(run: ProvisionRun) -> Validated:
     # on a drive without that capability is refused now, not found at release as cleanup_blocked.
     policy = policy_for_profile(run.profile.name, sh.slice.wipe_policies)
     preconditions = {**preconditions, "wipe_policy": [
-        await check_wipe_policy(policy, sh.host(), s.nvme_device,
+        await check_wipe_policy(policy, sh.discovered_root(), s.nvme_device,
                                 lease=DiskLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
                                                 nvme_device=s.nvme_device, disk_identity=p.disk_identity))
         for s, p in zip(slots, plan.slots)]}
@@ -393,7 +393,7 @@ async def bind_vfio(run: ProvisionRun) -> VfioBound:
     if not run.profile.hostdevs:
         return VfioBound(skipped=f"profile {run.profile.name} passes no PCI devices through")
     approved = [a for s in run.slots for a in (s.gpu_pci_address, s.fabric_vf_pci_address)]
-    return VfioBound(results=tuple([await bind_to_vfio(run.sh.host(), address, approved) for address in approved]))
+    return VfioBound(results=tuple([await bind_to_vfio(run.sh.discovered_root(), address, approved) for address in approved]))
 
 
 @dataclass(frozen=True)
@@ -419,7 +419,7 @@ async def guard_data_disks(run: ProvisionRun, validated: Validated) -> DataDisks
     for lease in validated.data_leases:
         disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                                nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
-        evidence.append(await asyncio.to_thread(check_disk_writable, run.sh.host(), lease.nvme_device,
+        evidence.append(await asyncio.to_thread(check_disk_writable, run.sh.discovered_root(), lease.nvme_device,
                                                 lease=disk_lease, domain_disks=others))
     return DataDisks(evidence=tuple(evidence))
 
@@ -479,7 +479,7 @@ async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage):
             await run.ctx.progress("clone", "progress", percent=p.percent)
 
         return await clone_image(
-            sh.host(), image.path, slot.nvme_device,
+            sh.discovered_root(), image.path, slot.nvme_device,
             lease=run.disk_lease(validated), domain_disks=others,
             wipe_proof=None if run.disk_written_before else run.store.latest_wipe_proof(slot.slot_index),
             on_progress=on_progress, timeout=sh.slice.clone_timeout_s)
@@ -566,9 +566,9 @@ class Defined:
 
 async def define(run: ProvisionRun, validated: Validated) -> Defined:
     sh, payload, slot, profile = run.sh, run.payload, run.slot, run.profile
-    firmware = await asyncio.to_thread(find_ovmf, sh.system())
+    firmware = await asyncio.to_thread(find_ovmf, sh.local_root())
     numa = validated.planned.gpu_numa_node if profile.hostdevs else None
-    cpulist = await asyncio.to_thread(node_cpulist, sh.host(), numa) if numa is not None else None
+    cpulist = await asyncio.to_thread(node_cpulist, sh.discovered_root(), numa) if numa is not None else None
     spec = DomainSpec(
         allocation_id=payload.allocation_id, slot_index=slot.slot_index, task_id=run.task_id,
         profile=profile,
@@ -577,7 +577,7 @@ async def define(run: ProvisionRun, validated: Validated) -> Defined:
         nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
         seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
         numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__,
-        **(await asyncio.to_thread(_passthrough_bars, sh.host(), slot) if profile.hostdevs else {}),
+        **(await asyncio.to_thread(_passthrough_bars, sh.discovered_root(), slot) if profile.hostdevs else {}),
         extra_slots=[await _guest_slot(run, s, p) for s, p in zip(run.data_slots, validated.data_planned)])
     outcome = await sh.libvirt.define(spec)
     return Defined(spec=spec, domain=outcome.domain.name, uuid=outcome.domain.uuid, action=outcome.action)
@@ -587,8 +587,8 @@ async def _guest_slot(run: ProvisionRun, slot: Any, planned: PlannedSlot) -> Gue
     """A data slot of the domain: its devices, NUMA node and BARs, resolved on this host now."""
     hostdevs = run.profile.hostdevs
     numa = planned.gpu_numa_node if hostdevs else None
-    cpulist = await asyncio.to_thread(node_cpulist, run.sh.host(), numa) if numa is not None else None
-    bars = await asyncio.to_thread(_passthrough_bars, run.sh.host(), slot) if hostdevs else {}
+    cpulist = await asyncio.to_thread(node_cpulist, run.sh.discovered_root(), numa) if numa is not None else None
+    bars = await asyncio.to_thread(_passthrough_bars, run.sh.discovered_root(), slot) if hostdevs else {}
     return GuestSlot(slot_index=slot.slot_index, gpu_pci_address=slot.gpu_pci_address if hostdevs else None,
                      fabric_vf_pci_address=slot.fabric_vf_pci_address if hostdevs else None,
                      nvme_device=slot.nvme_device, numa_node=numa, numa_cpulist=cpulist, **bars)
@@ -753,7 +753,7 @@ async def close_interrupted(run: ProvisionRun, reached: list[str], *, why: str) 
     return detail
 
 
-async def recover_provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict[str, Any]:
+async def recover_provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> dict[str, Any]:
     """The worker's recovery of an interrupted provision it will not run again (its deadline passed, or it
     is poison): compensation only, no new side effect. Returns the evidence for the result."""
     run = ProvisionRun.for_task(sh, payload, ctx)
@@ -766,7 +766,7 @@ async def recover_provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> 
         return await close_interrupted(run, reached, why="provision_interrupted")
 
 
-async def provision(sh: SliceHost, payload: VmProvisionPayload, ctx) -> dict:
+async def provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> dict:
     run = ProvisionRun.for_task(sh, payload, ctx)
     async with contextlib.AsyncExitStack() as locks:
         # Every slot of the set, in index order (two sets sharing slots never wait on each other in a cycle).
@@ -844,7 +844,7 @@ def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> None:
                                               slot.slot_index))
 
 
-def provision_handler(sh: SliceHost):
+def provision_handler(sh: SliceDrivers):
     async def handle(payload: VmProvisionPayload, ctx) -> dict:
         return await provision(sh, payload, ctx)
 

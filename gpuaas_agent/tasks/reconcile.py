@@ -42,8 +42,8 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import ActivePort, isolation_drift
-from gpuaas_agent.tasks.slicehost import SliceHost
 from gpuaas_agent.tasks.slot_topology import slot_topology_findings
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected
                         repaired=repaired, detail=detail)
 
 
-async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger = DriftTrigger.task,
+async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrigger = DriftTrigger.task,
                     node_id: str | None = None) -> DriftReport:
     started = time.monotonic()
     state = as_store_thread(store)  # SQLite off the loop (state/aio.py)
@@ -67,7 +67,7 @@ async def reconcile(sh: SliceHost, store, *, repair: bool, trigger: DriftTrigger
     async with sh.ovs() as ovs:
         ports = await asyncio.to_thread(ovs.list_agent_ports)
     dhcp = await asyncio.to_thread(parse_leases, sh.slice.dnsmasq_lease_file)
-    host = sh.host().fresh()
+    host = sh.discovered_root().fresh()
 
     leased = {lease.allocation_id for lease in leases}
     recorded = {r.allocation_id for r in records.values()}
@@ -194,7 +194,7 @@ def shutoff_finding(lease, record, domain) -> DriftFinding:
                     last_power_operation=record.detail.get("last_power_operation") if record else None)
 
 
-async def topology_findings(sh: SliceHost, lease, domain) -> list[DriftFinding]:
+async def topology_findings(sh: SliceDrivers, lease, domain) -> list[DriftFinding]:
     """The lease's devices against live sysfs and the domain's XML (``tasks/slot_topology.py``)."""
     devices, hostdevs = None, True
     if domain is not None and domain.metadata is not None:
@@ -206,7 +206,7 @@ async def topology_findings(sh: SliceHost, lease, domain) -> list[DriftFinding]:
             hostdevs = get_profile(domain.metadata.profile).hostdevs
         except UnknownProfileError:
             hostdevs = True
-    host = sh.host()
+    host = sh.discovered_root()
     return await asyncio.to_thread(slot_topology_findings, host, lease, devices, hostdevs=hostdevs)
 
 
@@ -214,7 +214,7 @@ def store_disk(leases, record) -> str | None:
     return next((lease.nvme_device for lease in leases if lease.slot_index == record.slot_index), None)
 
 
-def reconcile_handler(sh: SliceHost):
+def reconcile_handler(sh: SliceDrivers):
     async def handle(payload: ReconcilePayload, ctx) -> dict:
         await ctx.progress("reconcile", "started")
         report = await reconcile(sh, ctx.store, repair=payload.repair, node_id=ctx.node_id)

@@ -1,7 +1,7 @@
 """Every task type the agent serves, in one table: its payload model, handler factory, concurrency, and needs.
 
 The daemon builds its handlers from :data:`TASKS` (after building the host drivers once,
-the :class:`~gpuaas_agent.tasks.slicehost.SliceHost`), the config and the worker take the
+the :class:`~gpuaas_agent.tasks.drivers.SliceDrivers`), the config and the worker take the
 default concurrency from it. The wire types and payload models stay in
 :mod:`gpuaas_agent.contract.tasks` (contract never imports upward); this table refers to them.
 
@@ -20,13 +20,13 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.tasks import PAYLOADS, TaskType
 from gpuaas_agent.discovery.prereqs import SocketPaths
 from gpuaas_agent.tasks.admission import slice_plan_config
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.plan import plan_handler
 from gpuaas_agent.tasks.power import power_handler
 from gpuaas_agent.tasks.preflight import preflight_handler
 from gpuaas_agent.tasks.provision import provision_handler
 from gpuaas_agent.tasks.reconcile import reconcile_handler
 from gpuaas_agent.tasks.release_set import release_set_handler
-from gpuaas_agent.tasks.slicehost import SliceHost
 from gpuaas_agent.tasks.terminal import terminal_handler
 from gpuaas_agent.tasks.topology import topology_discover_handler
 
@@ -38,7 +38,7 @@ class TaskSpec:
     """One task type: how to build its handler and how many may run at once on this host."""
 
     type: TaskType
-    make_handler: Callable[[AgentConfig, SliceHost | None], Handler]
+    make_handler: Callable[[AgentConfig, SliceDrivers | None], Handler]
     concurrency: int
     needs_slice_host: bool = False
 
@@ -86,7 +86,7 @@ def default_concurrency() -> dict[TaskType, int]:
     return {spec.type: spec.concurrency for spec in TASKS}
 
 
-def build_handlers(config: AgentConfig, slice_host: SliceHost | None = None,
+def build_handlers(config: AgentConfig, slice_host: SliceDrivers | None = None,
                    tasks: tuple[TaskSpec, ...] = TASKS) -> Mapping[TaskType, Handler]:
     """The worker's handlers; without ``slice_host`` only the read-only tasks are served."""
     return {spec.type: spec.make_handler(config, slice_host) for spec in tasks

@@ -37,8 +37,8 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
 from gpuaas_agent.host.wipepolicy import release_wipe_policy, wipe_slot_disk
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
-from gpuaas_agent.tasks.slicehost import SliceHost
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class ReleaseRun:
     the disk is this release's to wipe only when this host holds it for this allocation.
     """
 
-    sh: SliceHost
+    sh: SliceDrivers
     payload: VmReleasePayload
     task_id: str
     ctx: Any
@@ -92,7 +92,7 @@ class ReleaseRun:
         return bool(self.holders) or (self.record is not None and self.record.allocation_id == self.alloc)
 
     @classmethod
-    def for_task(cls, sh: SliceHost, payload: VmReleasePayload, ctx) -> ReleaseRun:
+    def for_task(cls, sh: SliceDrivers, payload: VmReleasePayload, ctx) -> ReleaseRun:
         """Read the slot's lease and record; refuse (nothing touched) a slot another allocation holds."""
         store, slot, alloc = ctx.store, payload.slot, payload.allocation_id
         # The disk this release may wipe is the one its lease holds (by identity), whatever the
@@ -198,7 +198,7 @@ async def held_disk(run: ReleaseRun) -> DiskLease:
         held = run.holders[0]
         return DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=held.nvme_device,
                          disk_identity=held.disk_identity)
-    identity = await asyncio.to_thread(read_disk_identity, run.sh.host(), slot.nvme_device)
+    identity = await asyncio.to_thread(read_disk_identity, run.sh.discovered_root(), slot.nvme_device)
     other = [lease for lease in run.store.leases() if lease.disk_identity == identity]
     if other:
         raise ReleaseRefused(
@@ -225,7 +225,7 @@ async def wipe_leased_disk(run: ReleaseRun, found: Found, disk_lease: DiskLease)
     sh = run.sh
     return await wipe_slot_disk(
         release_wipe_policy(sh.slice.wipe_policies, found.domain),
-        sh.host(), disk_lease.nvme_device, lease=disk_lease,
+        sh.discovered_root(), disk_lease.nvme_device, lease=disk_lease,
         domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=run.alloc,
                                                            exclude_slot=run.slot.slot_index))
 
@@ -277,7 +277,7 @@ def release_steps(run: ReleaseRun, outputs: dict[str, Any] | None = None) -> lis
     return bind_steps(RELEASE_STEPS, run, outputs=outputs)
 
 
-async def release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
+async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
     store = ctx.store
     slot = payload.slot
     alloc = payload.allocation_id
@@ -336,7 +336,7 @@ def released_before(store, task_id: str) -> bool:
     return any(e.step == "lease_release" for e in store.journal_of(task_id))
 
 
-async def recover_release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict[str, Any]:
+async def recover_release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict[str, Any]:
     """The worker's recovery of an interrupted release it will not run again (deadline passed, or poison):
     no new side effect; a slot this allocation still holds is recorded ``cleanup_blocked`` (its disk is
     not proven empty), so reconcile names it and the next release finishes it."""
@@ -354,7 +354,7 @@ async def recover_release(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict
         return {"interrupted": True, "slot": "cleanup_blocked"}
 
 
-def release_handler(sh: SliceHost):
+def release_handler(sh: SliceDrivers):
     async def handle(payload: VmReleasePayload, ctx) -> dict:
         return await release(sh, payload, ctx)
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.release import release
-from gpuaas_agent.tasks.slicehost import SliceHost
 from gpuaas_agent.tasks.slotset import check_slot_set
 
 
-async def release_set(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
+async def release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
     slots = check_slot_set(payload.slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot: nothing touched
     if len(slots) == 1:
         return await release(sh, payload.model_copy(update={"slots": []}), ctx)
@@ -39,7 +39,7 @@ async def release_set(sh: SliceHost, payload: VmReleasePayload, ctx) -> dict:
             "releases": {str(index): result for index, result in results.items()}}
 
 
-def release_set_handler(sh: SliceHost):
+def release_set_handler(sh: SliceDrivers):
     async def handle(payload: VmReleasePayload, ctx) -> dict:
         return await release_set(sh, payload, ctx)
 

@@ -58,7 +58,7 @@ from gpuaas_agent.state.store import StateError, StateStore
 from gpuaas_agent.tasks.power import PowerRefused, admit, check_domain
 
 if TYPE_CHECKING:
-    from gpuaas_agent.tasks.slicehost import SliceHost
+    from gpuaas_agent.tasks.drivers import SliceDrivers
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ def _refused(exc: PowerRefused) -> TerminalRefused:
 
 
 class TerminalRelay:
-    """The node's terminal sessions; one per daemon (``SliceHost.terminals()``)."""
+    """The node's terminal sessions; one per daemon (``SliceDrivers.terminals()``)."""
 
-    def __init__(self, sh: SliceHost) -> None:
+    def __init__(self, sh: SliceDrivers) -> None:
         self.sh = sh
         self.config = sh.slice.terminal
         self.sessions: dict[str, _Live] = {}
@@ -340,7 +340,7 @@ _ORDINARY = frozenset({CloseReason.client_closed, CloseReason.remote_closed, Clo
                        CloseReason.absolute_timeout, CloseReason.agent_shutdown})
 
 
-def terminal_handler(sh: SliceHost, operation: str):
+def terminal_handler(sh: SliceDrivers, operation: str):
     """The handler of one of the four task types, all served by the node's one :class:`TerminalRelay`."""
     async def handle(payload, ctx) -> dict:
         relay = sh.terminals()

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 from gpuaas_agent.contract import types
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.discovery.pci import BDF_RE
-from gpuaas_agent.recorder import BDF_RE as RECORDER_BDF_RE
+from gpuaas_agent.discovery.record import BDF_RE as RECORDER_BDF_RE
 from tests.conftest import REPO
 
 CASES = {

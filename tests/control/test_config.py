@@ -122,7 +122,7 @@ def test_slice_host_wires_the_image_policy_and_forbids_the_state_dir(tmp_path):
 
     from gpuaas_agent.config import SliceConfig
     from gpuaas_agent.host.images import ImageCacheError
-    from gpuaas_agent.tasks.slicehost import SliceHost
+    from gpuaas_agent.tasks.drivers import SliceDrivers
 
     state = tmp_path / "state"
     state.mkdir()
@@ -132,7 +132,7 @@ def test_slice_host_wires_the_image_policy_and_forbids_the_state_dir(tmp_path):
     config = AgentConfig(state_dir=state, slice=SliceConfig(
         image_file_dir=tmp_path, image_https_hosts=("images.example.com",), image_max_bytes=1 << 20,
         image_stall_timeout_s=5, libvirt_uri="test:///default"))
-    sh = SliceHost.from_config(config)
+    sh = SliceDrivers.from_config(config)
     assert sh.images.policy.https_hosts == ("images.example.com",) and sh.images.policy.file_dir == tmp_path
     assert (sh.images.max_bytes, sh.images.stall_timeout_s, sh.images.root) == (1 << 20, 5, state / "images")
 

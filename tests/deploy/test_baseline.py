@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuaas_agent.netbaseline import BaselineSpec, dnsmasq_config
+from gpuaas_agent.deploy.netbaseline import BaselineSpec, dnsmasq_config
 from tests.conftest import REPO
 
 TIMEOUT_S = 60

@@ -40,8 +40,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuaas_agent.deploy.userdata import UserDataInputs, render_userdata
 from gpuaas_agent.host.run import run
-from gpuaas_agent.userdata import UserDataInputs, render_userdata
 from tests.conftest import REPO, fixture_host
 from tests.control.conftest import free_port, nats_server  # noqa: F401  (pytest fixture)
 from tests.controlplane import ControlPlane

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuaas_agent.userdata import BOOTSTRAP_DIR, DEB_PATH, UserDataInputs, render_userdata
+from gpuaas_agent.deploy.userdata import BOOTSTRAP_DIR, DEB_PATH, UserDataInputs, render_userdata
 from lab.harness import Lab, LabSettings
 from tests.conftest import REPO
 from tests.deploy.test_deb import APT_TIMEOUT_S, _run

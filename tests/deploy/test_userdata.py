@@ -13,8 +13,7 @@ import pytest
 import yaml
 
 from gpuaas_agent.config import parse_config
-from gpuaas_agent.errors import ContractError
-from gpuaas_agent.userdata import (
+from gpuaas_agent.deploy.userdata import (
     SLICE_PROFILE_TAG,
     STEP_PATH,
     STEP_SCRIPT,
@@ -22,6 +21,7 @@ from gpuaas_agent.userdata import (
     load_inputs,
     render_userdata,
 )
+from gpuaas_agent.errors import ContractError
 from tests.conftest import REPO
 
 EXAMPLE_INPUTS = REPO / "cloud-init" / "inputs.example.json"

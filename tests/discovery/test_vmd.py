@@ -3,10 +3,10 @@
 import os
 from pathlib import Path
 
+from gpuaas_agent.discovery.fixture_archive import unpack_tree
+from gpuaas_agent.discovery.record import record_fixture, record_fixture_archive
 from gpuaas_agent.discovery.report import discover
-from gpuaas_agent.fixture_archive import unpack_tree
 from gpuaas_agent.hostfs import HostRoot
-from gpuaas_agent.recorder import record_fixture, record_fixture_archive
 
 VMD = "sys/devices/pci0000:00/0000:00:0e.0"
 PORT = f"{VMD}/pci10000:e0/10000:e0:1d.0"

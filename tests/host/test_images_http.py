@@ -21,7 +21,7 @@ import pytest
 
 from gpuaas_agent.config import ConfigError, load_config
 from gpuaas_agent.host.images import ImageCacheError
-from gpuaas_agent.tasks.slicehost import SliceHost
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from tests.host.test_images import (  # noqa: F401
     _cache,
     _fetch,
@@ -310,10 +310,10 @@ def test_the_configured_ca_bundle_is_what_https_image_fetches_trust(tmp_path, ra
     base, _, host = https_server
     path, data = raw_image
     cert = tmp_path / "tls" / "cert.pem"  # the throwaway CA of the https_server fixture
-    with_ca = SliceHost.from_config(load_config(_config(tmp_path, host, cert)))
+    with_ca = SliceDrivers.from_config(load_config(_config(tmp_path, host, cert)))
     assert _fetch(with_ca.images, f"{base}/files/{path.name}", _sha(data)).sha256 == _sha(data)
 
-    system_only = SliceHost.from_config(load_config(_config(tmp_path / "other", host, None)))
+    system_only = SliceDrivers.from_config(load_config(_config(tmp_path / "other", host, None)))
     with pytest.raises(ImageCacheError) as err:
         _fetch(system_only.images, f"{base}/files/{path.name}", _sha(data))
     assert "CERTIFICATE_VERIFY_FAILED" in err.value.evidence["error"]

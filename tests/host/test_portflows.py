@@ -39,9 +39,9 @@ from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.host.portflows import IsolationRefused, PortFlows, expected_flows, parse_dump, port_isolation
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import isolate_port, nft_guard
 from gpuaas_agent.tasks.reconcile import reconcile
-from gpuaas_agent.tasks.slicehost import SliceHost
 from tests.dnsmasq_fixture import (  # noqa: F401  (net_lab is a pytest fixture)
     Dnsmasq,
     NetLab,
@@ -84,7 +84,7 @@ class IsoLab:
     a: Guest
     b: Guest
     upstream: str
-    sh: SliceHost
+    sh: SliceDrivers
     dnsmasq: Dnsmasq
     listeners: dict
 
@@ -302,7 +302,7 @@ def build_lab(net: NetLab, sw: OvsSwitch, tmp: Path) -> IsoLab:
     slice_cfg = SliceConfig(subnet=SUBNET, gateway=IPv4Address(GATEWAY), ovs_bridge=sw.bridge, ovsdb_remote=sw.remote,
                             dnsmasq_hosts_file=dnsmasq.hosts_file, dnsmasq_lease_file=dnsmasq.lease_file,
                             dnsmasq_pid_file=dnsmasq.pid_file, seed_dir=tmp / "seeds")
-    slicehost = SliceHost(host_root=Path("/"), slice=slice_cfg, images=ImageCache(tmp / "images"),
+    slicehost = SliceDrivers(host_root=Path("/"), slice=slice_cfg, images=ImageCache(tmp / "images"),
                           libvirt=LibvirtLifecycle("test:///default"))
     return IsoLab(net=net, sw=sw, a=a, b=b, upstream=upstream, sh=slicehost, dnsmasq=dnsmasq, listeners=listeners)
 

@@ -49,8 +49,8 @@ from gpuaas_agent.tasks.boot_recovery import (
     check_boot,
     rebind,
 )
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.reconcile import reconcile
-from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import HOSTS, fixture_host
 from tests.ovsdb_fixture import running_ovs
@@ -91,7 +91,7 @@ def lab(tmp_path_factory, test_driver):
 
 @dataclass
 class Slice:
-    sh: SliceHost
+    sh: SliceDrivers
     store: StateStore
     lease: SlotLease
     root: Path
@@ -134,7 +134,7 @@ def shut_off_slice(lab, tmp_path, test_driver):
     spec = DomainSpec(allocation_id=alloc, slot_index=0, task_id="t-provision", profile=get_profile("lab_tcg_1c_512m"),
                       nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=sw.bridge,
                       seed_iso_path=str(tmp_path / "seed.iso"), firmware=FIRMWARE, agent_version="0.1.0")
-    sh = SliceHost(host_root=host.root,
+    sh = SliceDrivers(host_root=host.root,
                    slice=SliceConfig(allow_emulated_domains=True, ovsdb_remote=sw.remote,
                                      dnsmasq_hosts_file=tmp_path / "dnsmasq-hosts",
                                      dnsmasq_pid_file=tmp_path / "dnsmasq.pid",
@@ -276,8 +276,8 @@ def _rebind_lease(root: Path) -> SlotLease:
                      fabric_vf_pci_address=slot.fabric_vf_pci_address, task_id="t", taken_at=0)
 
 
-def _sh(root: Path, tmp_path: Path) -> SliceHost:
-    return SliceHost(host_root=root, slice=SliceConfig(), images=ImageCache(tmp_path / "cache"),
+def _sh(root: Path, tmp_path: Path) -> SliceDrivers:
+    return SliceDrivers(host_root=root, slice=SliceConfig(), images=ImageCache(tmp_path / "cache"),
                      libvirt=LibvirtLifecycle(URI))
 
 

@@ -1,4 +1,4 @@
-"""``slice.vm_power`` driven with a store and a SliceHost over real pieces.
+"""``slice.vm_power`` driven with a store and a SliceDrivers over real pieces.
 
 Real: libvirt's test driver (``test:///default``: it rejects the ACPI shutdown flag, so
 ``stop`` takes the plain-shutdown fallback, DESIGN.md §5), a private ovsdb-server and
@@ -35,9 +35,9 @@ from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle, parse_domain_d
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.power import PowerRefused, power
-from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import HOSTS
 from tests.ovsdb_fixture import OvsSwitch, ovs_switch  # noqa: F401  (pytest fixture)
@@ -81,7 +81,7 @@ def loop_host(tmp_path):
 
 @dataclass
 class Slice:
-    sh: SliceHost
+    sh: SliceDrivers
     store: StateStore
     alloc: str
     lease: SlotLease
@@ -123,7 +123,7 @@ def active_slice(root_nft_guard, loop_host, ovs_switch: OvsSwitch, tmp_path, tes
     spec = DomainSpec(allocation_id=alloc, slot_index=0, task_id="t-provision", profile=get_profile("lab_tcg_1c_512m"),
                       nvme_device=candidate.nvme_device, mac=candidate.mac, ovs_bridge=ovs_switch.bridge,
                       seed_iso_path=str(tmp_path / "seed.iso"), firmware=FIRMWARE, agent_version="0.1.0")
-    sh = SliceHost(host_root=loop_host.root,
+    sh = SliceDrivers(host_root=loop_host.root,
                    slice=SliceConfig(allow_emulated_domains=True, ovsdb_remote=ovs_switch.remote,
                                      dnsmasq_hosts_file=tmp_path / "dnsmasq-hosts",
                                      dnsmasq_pid_file=tmp_path / "dnsmasq.pid"),

@@ -27,9 +27,9 @@ from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import ProvisionRun, provision, provision_steps
-from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import HOSTS
 from tests.realdev import require_root
@@ -67,7 +67,7 @@ def _approved(host, index: int, **over) -> ApprovedSlot:
     return ApprovedSlot(**fields)
 
 
-def _slice_host(host, tmp_path, prepared=None) -> SliceHost:
+def _slice_host(host, tmp_path, prepared=None) -> SliceDrivers:
     """Refusals before validate's host preconditions need no prepared host; a run past them does."""
     if prepared is not None:
         config = SliceConfig(**prepared.slice_config())
@@ -76,7 +76,7 @@ def _slice_host(host, tmp_path, prepared=None) -> SliceHost:
         relay.write_text(KEY + "\n")
         config = SliceConfig(allow_emulated_domains=True, terminal_relay_key_file=relay,
                              dnsmasq_hosts_file=tmp_path / "hosts", seed_dir=tmp_path / "seeds")
-    return SliceHost(host_root=host.root, slice=config, images=ImageCache(tmp_path / "cache"),
+    return SliceDrivers(host_root=host.root, slice=config, images=ImageCache(tmp_path / "cache"),
                      libvirt=LibvirtLifecycle(URI))
 
 

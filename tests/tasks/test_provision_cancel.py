@@ -27,9 +27,9 @@ from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import provision
-from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
@@ -76,7 +76,7 @@ def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loo
         for _ in range(384):
             fh.write(os.urandom(MiB))
     digest = hashlib.sha256(image.read_bytes()).hexdigest()
-    sh = SliceHost(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config()),
+    sh = SliceDrivers(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config()),
                    images=ImageCache(tmp_path / "cache", policy=SourcePolicy(file_dir=tmp_path)),
                    libvirt=LibvirtLifecycle("test:///default"))
     store = StateStore.open(tmp_path / "state.db")
@@ -163,7 +163,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
     names = [d.name for d in PROVISION_STEPS]
     for step in names[:names.index(reached) + 1]:
         store.journal("t-crash", step, StepStatus.started)
-    sh = SliceHost(host_root=fixture_host("h200-slice-after-transition"),
+    sh = SliceDrivers(host_root=fixture_host("h200-slice-after-transition"),
                    slice=SliceConfig(allow_emulated_domains=True, seed_dir=tmp_path / "seeds"),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
     ctx = _ctx_for(store, "t-crash")
@@ -193,7 +193,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
 
 
 def test_a_missing_relay_key_fails_before_the_disk_is_touched(loop_host, tmp_path):
-    sh = SliceHost(host_root=loop_host.root,
+    sh = SliceDrivers(host_root=loop_host.root,
                    slice=SliceConfig(allow_emulated_domains=True, terminal_relay_key_file=tmp_path / "absent.pub"),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
     store = StateStore.open(tmp_path / "state.db")

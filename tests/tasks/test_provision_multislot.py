@@ -22,10 +22,10 @@ from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import ProvisionRefused, provision
 from gpuaas_agent.tasks.release_set import release_set
-from gpuaas_agent.tasks.slicehost import SliceHost
 from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
@@ -137,7 +137,7 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
     keep = libvirt.open(URI)  # the test driver forgets its domains when its last connection closes
 
     def sh():
-        return SliceHost(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config()),
+        return SliceDrivers(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config()),
                          images=ImageCache(tmp_path / "cache", policy=SourcePolicy(file_dir=tmp_path)),
                          libvirt=LibvirtLifecycle(URI))
 

@@ -20,7 +20,7 @@ from gpuaas_agent.contract.tasks import VmProvisionPayload
 from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.slicehost import SliceHost
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
@@ -111,7 +111,7 @@ def test_a_broken_host_precondition_refuses_in_validate_with_the_disk_untouched(
         loop_host, tmp_path, prepared_host, breakage, code):
     over = breakage(prepared_host)
     size = over.pop("image_size_bytes", None)
-    sh = SliceHost(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config(**over)),
+    sh = SliceDrivers(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config(**over)),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
     store = StateStore.open(tmp_path / "state.db")
     image = {"url": "file:///nonexistent", "sha256": "0" * 64, **({"size_bytes": size} if size else {})}
@@ -136,7 +136,7 @@ def test_a_broken_host_precondition_refuses_in_validate_with_the_disk_untouched(
 
 def test_a_prepared_host_passes_validate_and_takes_the_lease(loop_host, tmp_path, prepared_host):
     """The control case: the same host, nothing broken, gets past validate (the run stops at the image)."""
-    sh = SliceHost(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config()),
+    sh = SliceDrivers(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config()),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
     store = StateStore.open(tmp_path / "state.db")
     payload = VmProvisionPayload.from_wire({

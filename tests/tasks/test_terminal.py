@@ -43,7 +43,7 @@ from gpuaas_agent.host.dnsmasq import make_reservation
 from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.slicehost import SliceHost
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.terminal import terminal_handler
 from tests.control.conftest import NatsServer, free_port
 from tests.terminal_gateway import Gateway as _Gateway
@@ -193,11 +193,11 @@ async def guest_server(relay_public: Path, *, port: int | None = None, host_key:
 # -- the agent's side ----------------------------------------------------------------------------------
 
 
-def make_slice_host(tmp: Path, relay_public: Path, port: int, **terminal) -> SliceHost:
+def make_slice_host(tmp: Path, relay_public: Path, port: int, **terminal) -> SliceDrivers:
     cfg = SliceConfig(subnet=SUBNET, gateway=GATEWAY, dnsmasq_hosts_file=tmp / "dnsmasq-hosts",
                       dnsmasq_pid_file=tmp / "dnsmasq.pid", terminal_relay_key_file=relay_public,
                       terminal=TerminalConfig(ssh_port=port, **terminal))
-    sh = SliceHost(host_root=tmp, slice=cfg, images=ImageCache(tmp / "cache"), libvirt=LibvirtLifecycle(URI))
+    sh = SliceDrivers(host_root=tmp, slice=cfg, images=ImageCache(tmp / "cache"), libvirt=LibvirtLifecycle(URI))
     if not cfg.dnsmasq_hosts_file.exists():
         sh.reservations().add(make_reservation(ALLOC, 0, "02:00:00:77:00:10", GUEST_IP, "slice-0"))
     return sh
@@ -215,7 +215,7 @@ def active_store(path: Path, status: SlotStatus = SlotStatus.active) -> StateSto
 
 @dataclass
 class Agent:
-    sh: SliceHost
+    sh: SliceDrivers
     store: StateStore
     nc: nats.aio.client.Client
 
@@ -573,7 +573,7 @@ def test_sessions_left_open_by_a_dead_agent_are_closed_as_agent_restarted(tmp_pa
                 await b.task("slice.terminal_open", open_payload(live))
                 row = b.store.terminal_session(orphan)
                 assert row.close_reason.value == "agent_restarted" and row.closed_at is not None
-            # A clean shutdown (SliceHost.close) ends the live session: the gateway is told, the store says why.
+            # A clean shutdown (SliceDrivers.close) ends the live session: the gateway is told, the store says why.
             final = await gw.wait_closed()
             await gateway_nc.close()
             assert final.closed.reason.value == "agent_shutdown"

@@ -32,7 +32,7 @@ SYSTEM_ROOT = Path("/")
 
 
 @dataclass
-class SliceHost:
+class SliceDrivers:
     host_root: Path
     slice: SliceConfig
     images: ImageCache
@@ -43,7 +43,7 @@ class SliceHost:
     _terminals: TerminalRelay | None = None
 
     @classmethod
-    def from_config(cls, config: AgentConfig) -> SliceHost:
+    def from_config(cls, config: AgentConfig) -> SliceDrivers:
         return cls(
             host_root=config.host_root,
             slice=config.slice,
@@ -58,10 +58,12 @@ class SliceHost:
             libvirt=LibvirtLifecycle(config.slice.libvirt_uri),
         )
 
-    def host(self) -> HostRoot:
+    def discovered_root(self) -> HostRoot:
+        """The host as discovery reads it: the live host's /sys, /dev, /run, or a recorded fixture (the lab)."""
         return HostRoot.open(self.host_root)
 
-    def system(self) -> HostRoot:
+    def local_root(self) -> HostRoot:
+        """This machine's own / (where QEMU opens firmware and seeds), whatever host_root says."""
         return HostRoot.open(SYSTEM_ROOT)
 
     def reservations(self) -> DnsmasqReservations:

@@ -20,11 +20,8 @@ from gpuaas_agent.contract.fixture import (
     FixtureManifest,
 )
 from gpuaas_agent.contract.types import PCI_ADDRESS_RE
-from gpuaas_agent.discovery.report import discover
-from gpuaas_agent.errors import FixtureError
-from gpuaas_agent.fixture_archive import tree_digest, unpack_tree
-from gpuaas_agent.hostfs import HostRoot
-from gpuaas_agent.recorder import (
+from gpuaas_agent.discovery.fixture_archive import tree_digest, unpack_tree
+from gpuaas_agent.discovery.record import (
     ATTR_CAP,
     BLOCK_ATTRS,
     COMMANDS,
@@ -37,6 +34,9 @@ from gpuaas_agent.recorder import (
     record_fixture,
     record_fixture_archive,
 )
+from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.errors import FixtureError
+from gpuaas_agent.hostfs import HostRoot
 from lab.fixture_hosts import fixture_host, host_names, recorded_names
 
 REPO = Path(__file__).resolve().parents[1]

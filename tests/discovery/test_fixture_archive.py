@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from gpuaas_agent.discovery.fixture_archive import pack_tree, tree_digest, unpack_tree
 from gpuaas_agent.errors import FixtureError
-from gpuaas_agent.fixture_archive import pack_tree, tree_digest, unpack_tree
 
 
 def _tree(root: Path) -> Path:

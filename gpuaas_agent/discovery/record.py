@@ -11,7 +11,7 @@ fixture back. Nothing is ever written outside OUT, and no device node is ever
 opened.
 
 :func:`record_fixture_archive` writes the same recording as one deterministic
-``.tar.xz`` (:mod:`gpuaas_agent.fixture_archive`), the form ``fixtures/hosts/``
+``.tar.xz`` (:mod:`gpuaas_agent.discovery.fixture_archive`), the form ``fixtures/hosts/``
 keeps: it records into a staging directory beside OUT, packs it and removes it.
 """
 
@@ -36,8 +36,8 @@ from gpuaas_agent.contract.fixture import (
     SkippedPath,
 )
 from gpuaas_agent.contract.types import MAJOR_MINOR_RE, PCI_ADDRESS_RE
+from gpuaas_agent.discovery.fixture_archive import ARCHIVE_SUFFIX, pack_tree
 from gpuaas_agent.errors import FixtureError, HostError
-from gpuaas_agent.fixture_archive import ARCHIVE_SUFFIX, pack_tree
 from gpuaas_agent.host.run import run_sync
 from gpuaas_agent.hostfs import HostRoot, SymlinkLoopError
 
