@@ -135,7 +135,9 @@ async def rebind(sh: SliceDrivers, lease: SlotLease, rec: SlotRecovery, after_wr
 
 
 async def recover_slot(sh: SliceDrivers, lease: SlotLease, record: SlotRecord, domain: DomainInfo | None,
-                       *, after_write: AfterWrite | None = None) -> SlotRecovery:
+                       *, after_write: AfterWrite | None = None, data_slots: tuple[SlotLease, ...] = ()) -> SlotRecovery:
+    """One active slice after a boot: ``lease`` is its boot slot; ``data_slots`` the other slots of a
+    multi-GPU allocation (one domain), re-bound and guarded with it, never started on their own."""
     rec = SlotRecovery(lease)
     if domain is None or domain.metadata is None:
         rec.outcome = "refused"
@@ -170,13 +172,15 @@ async def recover_slot(sh: SliceDrivers, lease: SlotLease, record: SlotRecord, d
                 expected="stopped" if action == "tenant_stopped" else f"on_host_boot={profile.on_host_boot.value}",
                 actual=domain.state.value, reason=action, domain=domain.name)
         return rec
-    if profile.hostdevs and not await rebind(sh, lease, rec, after_write):
-        return rec
+    if profile.hostdevs:
+        for held in (lease, *data_slots):
+            if not await rebind(sh, held, rec, after_write):
+                return rec
     disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                            nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
     try:
         target, port = await start_plan(sh, domain, lease)
-        started = await guarded_start(sh, target, disk_lease=disk_lease, port=port)
+        started = await guarded_start(sh, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
     except AgentError as exc:
         _refused(rec, DriftKind.boot_restart_refused, exc, domain=domain.name)
         return rec
@@ -201,10 +205,18 @@ async def recover_after_boot(sh: SliceDrivers, store, *, boot_id: str | None = N
             by_alloc[alloc] = d
     findings: list[DriftFinding] = []
     outcomes: dict[str, int] = {}
+    # A data slot of a multi-GPU allocation (its record names its boot slot) is recovered with its boot slot.
+    data_of: dict[str, list[SlotLease]] = {}
+    for lease in active:
+        if records[lease.slot_index].detail.get("boot_slot_index") is not None:
+            data_of.setdefault(lease.allocation_id, []).append(lease)
     for lease in active:
         record = records[lease.slot_index]
+        if record.detail.get("boot_slot_index") is not None:
+            continue
         async with sh.slot_lock(lease.slot_index):
-            rec = await recover_slot(sh, lease, record, by_alloc.get(lease.allocation_id), after_write=after_write)
+            rec = await recover_slot(sh, lease, record, by_alloc.get(lease.allocation_id), after_write=after_write,
+                                     data_slots=tuple(data_of.get(lease.allocation_id, ())))
             findings += rec.findings
             outcomes[rec.outcome] = outcomes.get(rec.outcome, 0) + 1
             detail = {**record.detail, "boot_recovery": {

@@ -4,9 +4,11 @@ A start is the moment a guest gets the GPU, the VF and the raw disk, so every
 start goes through the same sequence, whoever asks for it:
 
 1. the PCI functions the profile passes through are still isolated (every member
-   of their IOMMU groups approved, on vfio-pci, or a bridge: DESIGN.md §4.3);
+   of their IOMMU groups approved, on vfio-pci, or a bridge: DESIGN.md §4.3) — for a
+   multi-slot allocation every slot's GPU and VF, not only the boot slot's;
 2. the disk guard, with the slot's :class:`DiskLease` and the block disks of every
-   *other* running domain (§4.1);
+   *other* running domain (§4.1) — and the same guard for every data disk of the
+   allocation, each under its own slot's lease;
 3. the start guard: ``/dev/kvm``, the OVS bridge, hugepages on the node, devices on
    vfio-pci, the disk evidence (§4.4);
 4. ``LibvirtLifecycle.start`` with that evidence;
@@ -20,11 +22,13 @@ start goes through the same sequence, whoever asks for it:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpuaas_agent.contract.domain import StartTarget
 from gpuaas_agent.contract.ovs import OvsPort
 from gpuaas_agent.contract.runtime import IngressPolicing
+from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.vfio import check_vfio_bindable
@@ -56,8 +60,12 @@ async def put_port(ovs: OvsDriver, port: SlicePort, vm_uuid: str) -> OvsPort:
         ingress_policing_burst_kb=port.policing.burst_kb if port.policing else None)
 
 
-async def guarded_start(sh: SliceDrivers, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort) -> dict:
+async def guarded_start(sh: SliceDrivers, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort,
+                        data_slots: Sequence[SlotLease] = ()) -> dict:
     """Run the guards of a start, start the domain, put the port's ids back; returns the evidence.
+
+    ``data_slots``: the allocation's other leased slots (a multi-GPU domain): their GPUs/VFs and data
+    disks are guarded exactly like the boot slot's before the domain gets them.
 
     A running domain is returned as it is by the lifecycle driver (after the guards held).
     Raises the first guard's typed refusal with nothing started.
@@ -65,14 +73,24 @@ async def guarded_start(sh: SliceDrivers, target: StartTarget, *, disk_lease: Di
     name = target.domain_name
     groups = []
     if target.profile.hostdevs:
-        approved = [a for a in (target.gpu_pci_address, target.fabric_vf_pci_address) if a is not None]
+        approved = [a for a in (target.gpu_pci_address, target.fabric_vf_pci_address,
+                                *(f for s in data_slots for f in (s.gpu_pci_address, s.fabric_vf_pci_address)))
+                    if a is not None]
         for address in approved:
             evidence = await asyncio.to_thread(check_vfio_bindable, sh.discovered_root().fresh(), address, approved)
             groups.append(evidence.model_dump(mode="json"))
-    disk = await asyncio.to_thread(
-        check_disk_writable, sh.discovered_root(), target.nvme_device, lease=disk_lease,
-        domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=disk_lease.allocation_id,
-                                                           exclude_slot=disk_lease.slot_index))
+    # Every defined domain's disks but this allocation's own domain (it holds the boot and the data disks).
+    others = await sh.libvirt.defined_domain_disks(exclude_allocation=disk_lease.allocation_id,
+                                                   exclude_slot=disk_lease.slot_index)
+    disk = await asyncio.to_thread(check_disk_writable, sh.discovered_root(), target.nvme_device, lease=disk_lease,
+                                   domain_disks=others)
+    data_disks = []
+    for held in data_slots:  # each data disk under its own slot's lease, never another domain's disk
+        data_disks.append((await asyncio.to_thread(
+            check_disk_writable, sh.discovered_root(), held.nvme_device,
+            lease=DiskLease(allocation_id=held.allocation_id, slot_index=held.slot_index,
+                            nvme_device=held.nvme_device, disk_identity=held.disk_identity),
+            domain_disks=others)).model_dump(mode="json"))
     async with sh.ovs() as ovs:
         evidence = await asyncio.to_thread(
             check_vm_start, sh.discovered_root() if target.profile.hostdevs else sh.local_root(), target,
@@ -86,4 +104,6 @@ async def guarded_start(sh: SliceDrivers, target: StartTarget, *, disk_lease: Di
            "ofport": ovs_port.ofport, "isolation": isolation}
     if groups:
         out["iommu_groups"] = groups
+    if data_disks:
+        out["data_disks"] = data_disks
     return out

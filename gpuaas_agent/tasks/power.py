@@ -165,7 +165,8 @@ async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
 
         async def start() -> dict:
             target, port = await start_plan(sh, info, lease)
-            return await guarded_start(sh, target, disk_lease=disk_lease, port=port)
+            others = [held for held in store.leases_of(lease.allocation_id) if held.slot_index != lease.slot_index]
+            return await guarded_start(sh, target, disk_lease=disk_lease, port=port, data_slots=others)
 
         async def reset() -> dict:
             return (await sh.libvirt.reset(name)).model_dump(mode="json")

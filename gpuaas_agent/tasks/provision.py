@@ -630,7 +630,7 @@ class Started:
 async def start(run: ProvisionRun, validated: Validated, defined: Defined) -> Started:
     # The guards, the start, our port ids back, and the full isolation rules for the tap's ofport.
     return Started(await guarded_start(run.sh, defined.spec.start_target(), disk_lease=run.disk_lease(validated),
-                                       port=run.port))
+                                       port=run.port, data_slots=validated.data_leases))
 
 
 async def stop(run: ProvisionRun, undo: Undo) -> dict:
@@ -690,7 +690,7 @@ def provision_steps(run: ProvisionRun) -> list[Step]:
 # no-op), vfio, the image, and the clone itself (the disk is this allocation's; it is written whole
 # again, without --target-is-zero). A run that got further has a seed, port, reservation or domain
 # out there: those are compensated, as an in-process failure compensates them.
-RESTARTABLE = ("validate", "bind_vfio", "image", "clone")
+RESTARTABLE = ("validate", "bind_vfio", "image", "data_disks", "clone")
 
 
 def reached_steps(store, task_id: str) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.tasks.drivers import SliceDrivers
-from gpuaas_agent.tasks.release import release
+from gpuaas_agent.tasks.release import recover_release, release
 from gpuaas_agent.tasks.slotset import check_slot_set
 
 
@@ -39,8 +39,20 @@ async def release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
             "releases": {str(index): result for index, result in results.items()}}
 
 
+async def recover_release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
+    """The worker's recovery of an interrupted release it will not run again: each slot's, as release.py does."""
+    slots = check_slot_set(payload.slot, payload.slots)
+    out = {s.slot_index: await recover_release(sh, payload.model_copy(update={"slot": s, "slots": []}), ctx)
+           for s in slots}
+    return out[slots[0].slot_index] if len(slots) == 1 else {str(i): r for i, r in out.items()}
+
+
 def release_set_handler(sh: SliceDrivers):
     async def handle(payload: VmReleasePayload, ctx) -> dict:
         return await release_set(sh, payload, ctx)
 
+    async def recover(payload: VmReleasePayload, ctx) -> dict:
+        return await recover_release_set(sh, payload, ctx)
+
+    handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
     return handle

@@ -193,6 +193,11 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
         failure, ctx = run(_payload(c[0], alloc=alloc_c, slots=c, readiness_timeout_s=5,
                                     image={"url": f"file://{image}", "sha256": digest}), "t-c")
         assert failure.failed_step in ("start", "readiness"), failure
+        # The start guarded the data slot's disk too, under its own lease (not only the boot slot's).
+        started = [e for e in store.journal_of("t-c") if e.step == "start" and e.status is StepStatus.succeeded]
+        assert failure.failed_step == "readiness", failure  # the guards of start passed, then no lease came
+        assert [d["by_id"] for d in started[0].detail["data_disks"]] == [
+            c[1].nvme_device]
         outcomes = {o.slot_index: o for o in ctx.slot_outcomes}
         assert {i: o.status.value for i, o in outcomes.items()} == {1: "cleanup_blocked", 2: "cleanup_blocked"}
         assert outcomes[1].health_detail["disk_role"] == "boot" and outcomes[2].health_detail["disk_role"] == "data"
