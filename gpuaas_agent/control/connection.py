@@ -43,6 +43,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 
 log = logging.getLogger(__name__)
+CLOSE_ON_CANCEL_S = 2.0
 
 
 class NatsConnectError(AgentError):
@@ -198,8 +199,11 @@ async def connect_nats(
     try:
         await asyncio.wait_for(nc.connect(**options), timeout_s)
     except BaseException as exc:
+        # Cancelled (SIGTERM while connecting): a half-open client has nothing worth waiting for, and a
+        # close racing its own connect could hold the stop for the whole connect deadline.
+        close_s = CLOSE_ON_CANCEL_S if isinstance(exc, asyncio.CancelledError) else timeout_s
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), timeout_s)
+            await asyncio.wait_for(nc.close(), close_s)
         if not isinstance(exc, (OSError, nats.errors.Error, TimeoutError, asyncio.TimeoutError)):
             raise  # cancelled (SIGTERM while connecting) or a bug: not ours to rename
         cause = exc if not isinstance(exc, nats.errors.NoServersError) else callbacks.last_error
