@@ -50,6 +50,9 @@ from tests.deploy.chroot import APT_TIMEOUT_S, CACHE, Chroot, bookworm_tarball, 
 APT_ARCHIVES = CACHE / "apt-archives"
 BUILD = ["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py")]
 FIXTURE = "h200-slice-after-transition"
+# The old name, for tests written before tests/deploy/chroot.py (test_deb_upgrade_during_clone.py); new code
+# imports run_checked from tests.deploy.chroot.
+_run = run_checked
 
 
 def assert_prepared(box: Chroot) -> None:
