@@ -52,10 +52,10 @@ else:  # pragma: no cover - exercised by the Ubuntu 22.04 package test and the 3
     import tomli as tomllib
     from typing_extensions import Self
 
-    asyncio.TimeoutError = TimeoutError  # type: ignore[misc]
-    asyncio.exceptions.TimeoutError = TimeoutError  # type: ignore[misc]
-    concurrent.futures.TimeoutError = TimeoutError  # type: ignore[misc]
-    concurrent.futures._base.TimeoutError = TimeoutError  # type: ignore[misc]
+    asyncio.TimeoutError = TimeoutError  # type: ignore[misc, assignment]
+    asyncio.exceptions.TimeoutError = TimeoutError  # type: ignore[misc, assignment]
+    concurrent.futures.TimeoutError = TimeoutError  # type: ignore[misc, assignment]
+    concurrent.futures._base.TimeoutError = TimeoutError  # type: ignore[misc, assignment]
 
     class StrEnum(str, Enum):
         """3.11's ``enum.StrEnum``: members are strings; ``str()`` and ``format()`` give the value."""
