@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
+from gpuaas_agent.compat import tomllib
 from gpuaas_agent.contract.egress import EgressTarget
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.tasks import TaskType

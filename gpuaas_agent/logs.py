@@ -26,8 +26,10 @@ import logging
 import re
 import socket
 import sys
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, TextIO
+
+from gpuaas_agent.compat import UTC
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"  # libsystemd's own, fixed path
 SYSLOG_IDENTIFIER = "gpuaas-agent"

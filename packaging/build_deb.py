@@ -1,12 +1,12 @@
 #!/usr/bin/python3
-"""Build ``dist/gpuaas-agent_<version>_amd64.deb``: one package for Debian 12 and Ubuntu 24.04.
+"""Build ``dist/gpuaas-agent_<version>_amd64.deb``: one package for Debian 12, Ubuntu 22.04 and 24.04.
 
 Run with ``/usr/bin/python3`` (standard library only: it runs before any venv
 exists). ``make deb`` calls it; tests/deploy/test_deb*.py too.
 
 What the package carries is data, never a built environment: the agent's own wheel
 and the dependency wheels pinned by ``packaging/requirements.lock`` (sha256 per file,
-binary wheels for cp311 and cp312), in /usr/lib/gpuaas-agent/wheels. postinst runs
+binary wheels for cp310, cp311 and cp312), in /usr/lib/gpuaas-agent/wheels. postinst runs
 /usr/lib/gpuaas-agent/install-venv (packaging/install_venv.py), which builds
 /opt/gpuaas-agent against the host's own ``/usr/bin/python3`` with
 ``pip install --no-index --no-deps --require-hashes``. So nothing in the package
@@ -47,8 +47,8 @@ DOC = "/usr/share/doc/gpuaas-agent"
 SYSTEM_PYTHON = "/usr/bin/python3"
 DEFAULT_WHEEL_CACHE = Path("/var/cache/gpuaas-agent-ci/pypi-wheels")
 UNITS = ("gpuaas-agent.service", "gpuaas-slice-network-baseline.service")
-# The ABIs the package ships binary wheels for (Debian 12: 3.11, Ubuntu 24.04: 3.12).
-ABIS = ("3.11", "3.12")
+# The ABIs the package ships binary wheels for (Ubuntu 22.04: 3.10, Debian 12: 3.11, Ubuntu 24.04: 3.12).
+ABIS = ("3.10", "3.11", "3.12")
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 PIP_TIMEOUT_S = 900
 STEP_TIMEOUT_S = 600
@@ -111,10 +111,27 @@ def _build_agent_wheel(src: Path, wheels: Path, epoch: int) -> Path:
     return agent_wheel
 
 
+def _without_markers(lock: Path, dest: Path) -> Path:
+    """The lock with its ``; python_version ...`` markers dropped, for ``pip download``.
+
+    pip download evaluates a marker against the interpreter it runs on, not ``--python-version``,
+    so ``tomli ; python_version < "3.11"`` would never be fetched by a 3.11 build machine. The
+    package ships every locked wheel; postinst's pip evaluates the markers on the host.
+    """
+    lines = []
+    for line in lock.read_text().splitlines():
+        if "==" in line and not line.startswith((" ", "#")) and ";" in line:
+            line = line.split(";", 1)[0].rstrip() + " \\"
+        lines.append(line)
+    dest.write_text("\n".join(lines) + "\n")
+    return dest
+
+
 def _download_locked(lock: Path, dest: Path, cache: Path, epoch: int) -> list[Path]:
     """The lock's wheels for every ABI, hash-checked by pip, into ``dest`` (from ``cache`` when there)."""
     cache.mkdir(parents=True, exist_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
+    lock = _without_markers(lock, dest.parent / "download.lock")
     for abi in ABIS:
         tag = abi.replace(".", "")
         common = ["--no-deps", "--require-hashes", "--only-binary=:all:", "--implementation", "cp",

@@ -5,7 +5,7 @@ Why at install time: a venv built on the build machine links that machine's inte
 (``python3.11``), so the package could only install where the same minor version is.
 Built here against the distro's ``/usr/bin/python3`` from the hash-pinned wheels the
 package ships (/usr/lib/gpuaas-agent/wheels, one binary wheel per supported ABI), the
-one ``.deb`` installs on Debian 12 (3.11) and Ubuntu 24.04 (3.12).
+one ``.deb`` installs on Ubuntu 22.04 (3.10), Debian 12 (3.11) and Ubuntu 24.04 (3.12).
 
 - ``--system-site-packages``: libvirt, systemd and ovs come from the distro
   (python3-libvirt, python3-systemd, python3-openvswitch); they link libvirt0 and
@@ -54,16 +54,21 @@ def _run(argv: list[str]) -> str:
 
 
 def parse_lock(text: str) -> dict[str, tuple[str, set[str]]]:
-    """``name -> (pin, {sha256...})`` from a pip requirements file with ``--hash`` continuation lines."""
+    """``name -> (requirement, {sha256...})`` from a pip requirements file with ``--hash`` continuation lines.
+
+    The requirement keeps its environment marker (``tomli==2.5.0 ; python_version < "3.11"``):
+    pip evaluates it against this host's interpreter.
+    """
     entries: dict[str, tuple[str, set[str]]] = {}
     logical = text.replace("\\\n", " ")
     for line in logical.splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        pin, *opts = line.split()
-        hashes = {o.split(":", 1)[1] for o in opts if o.startswith("--hash=sha256:")}
-        entries[pin.split("==")[0].lower().replace("_", "-")] = (pin, hashes)
+        requirement, _, opts = line.partition(" --")
+        hashes = {o.split(":", 1)[1] for o in f"--{opts}".split() if o.startswith("--hash=sha256:")}
+        requirement = " ".join(requirement.split())
+        entries[requirement.split("==")[0].strip().lower().replace("_", "-")] = (requirement, hashes)
     return entries
 
 

@@ -24,7 +24,7 @@ import hashlib
 import secrets
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 import nats
 from nats.aio.client import Client
@@ -33,6 +33,7 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
 from gpuaas_agent.contract.tasks import Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
 

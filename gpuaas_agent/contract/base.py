@@ -14,10 +14,12 @@ IPv4 string are the legitimate spellings and still parse.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Final, Literal, Self, get_args
+from typing import Any, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import to_json
+
+from gpuaas_agent.compat import Self
 
 # Bumped when a wire model changes shape; carried by every top-level message.
 SCHEMA_VERSION: Final = "gpuaas.agent/v1"

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from enum import StrEnum
 from pathlib import Path
-from typing import Self
 
+from gpuaas_agent.compat import Self, StrEnum
 from gpuaas_agent.contract.codescan import PACKAGE_ROOT, TEMPLATE_HOLE, scan
 
 CONTROL_PLANE = True  # marks a member only the control plane emits (the agent relays it)

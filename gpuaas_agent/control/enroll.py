@@ -19,13 +19,14 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import nats.errors
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuaas_agent.atomicfile import write_atomic
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials

@@ -18,12 +18,13 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Protocol
 
 import nats.errors
 from nats.aio.client import Client
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.drift import DriftFinding, DriftReport, DriftTrigger, Uevent
 from gpuaas_agent.contract.topology import TopologyReport

@@ -59,7 +59,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 
 import nats.errors
 import nats.js.errors
@@ -68,6 +68,8 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
+from gpuaas_agent import compat
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.slots import SlotOutcome
@@ -459,7 +461,7 @@ class TaskWorker:
         await self.state.journal(envelope.task_id, RECOVER_STEP, StepStatus.started)
 
         async def guarded() -> dict:
-            async with self._semaphores[task_type], asyncio.timeout(self.settings.recovery_timeout_s):
+            async with self._semaphores[task_type], compat.timeout(self.settings.recovery_timeout_s):
                 return await recover(payload, ctx)
 
         try:
@@ -568,7 +570,7 @@ class TaskWorker:
                                {"type": task_type.value, "attempt": ctx.envelope.attempt})
             _event("task_started", task_id=task_id, type=task_type.value, attempt=ctx.envelope.attempt)
             try:
-                async with asyncio.timeout(_seconds_left(ctx.envelope)):
+                async with compat.timeout(_seconds_left(ctx.envelope)):
                     output = await handler(payload, ctx)
             except TimeoutError:
                 # The deadline passed and the handler let the cancellation through (nothing to undo).

@@ -43,13 +43,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
 from gpuaas_agent.atomicfile import fsync_dir, write_atomic
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.images import CachedImage, CacheEntryMarker, ImageFormat
 from gpuaas_agent.contract.types import SHA256_RE
 from gpuaas_agent.errors import ContractError

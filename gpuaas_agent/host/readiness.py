@@ -18,6 +18,7 @@ from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any
 
+from gpuaas_agent import compat
 from gpuaas_agent.contract.dhcp import GuestReadiness, LeaseState, LeaseStatus
 from gpuaas_agent.errors import HostError
 from gpuaas_agent.host.dnsmasq import lease_status
@@ -107,7 +108,7 @@ async def wait_for_ssh(ip: IPv4Address | str, port: int = 22, *, deadline: float
         budget = max(0.0, min(attempt_timeout_s, deadline - loop.time()))
         writer = None
         try:
-            async with asyncio.timeout(budget):
+            async with compat.timeout(budget):
                 reader, writer = await asyncio.open_connection(host, port, limit=4096)
                 return await _read_banner(reader)
         except TimeoutError:

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from gpuaas_agent import compat
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.tasks import HealthCheck, TaskType
 from gpuaas_agent.logs import log_event
@@ -194,7 +195,7 @@ class MetricsServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            async with compat.timeout(REQUEST_TIMEOUT_S):
                 request = await reader.readline()
                 while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
                     if len(line) > 8192:

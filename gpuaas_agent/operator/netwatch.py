@@ -36,8 +36,9 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import datetime
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.drift import (
     DriftFinding,
     DriftKind,

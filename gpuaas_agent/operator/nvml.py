@@ -27,12 +27,13 @@ import argparse
 import sys
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.base import WireModel, first_error
 from gpuaas_agent.errors import AgentError
 

@@ -14,12 +14,13 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import nats.errors
 
 from gpuaas_agent import __version__
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat

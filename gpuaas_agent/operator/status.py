@@ -21,12 +21,13 @@ import json
 import sqlite3
 import time
 import urllib.parse
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 from pydantic import Field
 
 from gpuaas_agent import __version__
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.errors import AgentError

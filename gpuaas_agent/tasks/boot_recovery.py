@@ -39,8 +39,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.domain import DomainInfo
 from gpuaas_agent.contract.drift import (
     DriftFinding,

@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.dhcp import LeaseState
 from gpuaas_agent.contract.drift import (
     DriftFinding,

@@ -31,10 +31,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from ipaddress import IPv4Address
 from typing import TYPE_CHECKING, Literal
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.domain import DomainState
 from gpuaas_agent.contract.naming import domain_name
 from gpuaas_agent.contract.terminal import (

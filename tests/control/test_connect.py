@@ -18,12 +18,13 @@ import signal
 import socket
 import subprocess
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from gpuaas_agent.atomicfile import write_atomic
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.enrollment import NatsCredentials
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.connection import Backoff

@@ -15,12 +15,13 @@ import json
 import shutil
 import time
 import urllib.request
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import nats
 import pytest
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import parse_config
 from gpuaas_agent.contract.enrollment import (
     CredsRotation,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from datetime import UTC, datetime
+from datetime import datetime
 
 import pytest
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.enrollment import NatsCredentials
 from gpuaas_agent.contract.state import StepStatus

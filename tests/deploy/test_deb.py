@@ -45,89 +45,14 @@ from gpuaas_agent.host.run import run
 from tests.conftest import REPO, fixture_host
 from tests.control.conftest import free_port, nats_server  # noqa: F401  (pytest fixture)
 from tests.controlplane import ControlPlane
+from tests.deploy.chroot import APT_TIMEOUT_S, CACHE, Chroot, bookworm_tarball, distro_root, run_checked
 
-CACHE = Path("/var/cache/gpuaas-agent-ci")
-BASE_TARBALL = CACHE / "bookworm-minbase.tar"
 APT_ARCHIVES = CACHE / "apt-archives"
 BUILD = ["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py")]
 FIXTURE = "h200-slice-after-transition"
-DEBOOTSTRAP_TIMEOUT_S = 1200
-APT_TIMEOUT_S = 1800
-CMD_TIMEOUT_S = 300
-
-
-def _run(argv: list[str], *, timeout: float = CMD_TIMEOUT_S, env: dict | None = None,
-         check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
-                          stdin=subprocess.DEVNULL)
-    if check and done.returncode != 0:
-        raise AssertionError(f"{argv} exited {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-3000:]}")
-    return done
-
-
-def host_mirror() -> str:
-    """The Debian mirror this host's apt uses for bookworm (deb822 sources first, then sources.list)."""
-    sources = Path("/etc/apt/sources.list.d/debian.sources")
-    if sources.exists():
-        for para in sources.read_text().split("\n\n"):
-            fields = dict(line.split(":", 1) for line in para.splitlines() if ":" in line and not line.startswith("#"))
-            fields = {k.strip(): v.split() for k, v in fields.items()}
-            if "deb" in fields.get("Types", []) and "bookworm" in fields.get("Suites", []) and fields.get("URIs"):
-                return fields["URIs"][0]
-    listed = Path("/etc/apt/sources.list")
-    if listed.exists():
-        for line in listed.read_text().splitlines():
-            parts = line.split()
-            if len(parts) >= 3 and parts[0] == "deb" and parts[2] == "bookworm":
-                return parts[1]
-    pytest.fail("no bookworm mirror in the host's apt sources: cannot debootstrap a clean Debian 12 root")
-
-
-def _base_tarball() -> Path:
-    """A pristine minbase bookworm root as a tarball; built once, reused by every later run."""
-    if BASE_TARBALL.exists():
-        return BASE_TARBALL
-    if shutil.which("debootstrap") is None:
-        pytest.fail("debootstrap is not installed (scripts/apt-packages.txt lists it)")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    work = CACHE / f"debootstrap-{os.getpid()}"
-    try:
-        _run(["debootstrap", "--variant=minbase", "bookworm", str(work), host_mirror()], timeout=DEBOOTSTRAP_TIMEOUT_S)
-        tmp = BASE_TARBALL.with_suffix(".tmp")
-        _run(["tar", "-C", str(work), "--numeric-owner", "-cf", str(tmp), "."], timeout=CMD_TIMEOUT_S)
-        tmp.rename(BASE_TARBALL)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return BASE_TARBALL
-
-
-def _mounts_under(root: Path) -> list[str]:
-    prefix = str(root.resolve())
-    mounts = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4].replace("\\040", " ")
-        if point == prefix or point.startswith(prefix + "/"):
-            mounts.append(point)
-    return mounts
-
-
-@dataclass
-class Chroot:
-    root: Path
-
-    def run(self, *argv: str, timeout: float = CMD_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
-        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-               "DEBIAN_FRONTEND": "noninteractive", "HOME": "/root"}
-        return _run(["chroot", str(self.root), *argv], timeout=timeout, env=env, check=check)
-
-    def apt_install(self, deb: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-        inside = Path("/tmp") / deb.name
-        shutil.copy2(deb, self.root / inside.relative_to("/"))
-        return self.run("apt-get", "install", "-y", "--no-install-recommends", *extra, str(inside),
-                        timeout=APT_TIMEOUT_S, check=check)
-
-    def path(self, inside: str) -> Path:
-        return self.root / inside.lstrip("/")
+# The old name, for tests written before tests/deploy/chroot.py (test_deb_upgrade_during_clone.py); new code
+# imports run_checked from tests.deploy.chroot.
+_run = run_checked
 
 
 def assert_prepared(box: Chroot) -> None:
@@ -155,7 +80,7 @@ def debs(tmp_path_factory) -> dict[str, Path]:
     built = {}
     for label, ver in (("v1", version), ("v2", f"{version}+ci2")):
         started = time.monotonic()
-        done = _run([*BUILD, "--version", ver, "--out", str(out)], timeout=APT_TIMEOUT_S)
+        done = run_checked([*BUILD, "--version", ver, "--out", str(out)], timeout=APT_TIMEOUT_S)
         built[label] = Path(done.stdout.strip().splitlines()[-1])
         assert built[label].name == f"gpuaas-agent_{ver}_amd64.deb" and built[label].exists()
         print(f"build {label} {ver}: {time.monotonic() - started:.1f}s", file=sys.stderr)
@@ -163,35 +88,10 @@ def debs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def chroot(tmp_path_factory) -> Iterator[Chroot]:
+def chroot() -> Iterator[Chroot]:
     """A clean bookworm root with /proc and the apt archive cache mounted; torn down even on failure."""
-    root = tmp_path_factory.mktemp("bookworm") / "root"
-    root.mkdir()
-    _run(["tar", "-C", str(root), "--numeric-owner", "-xf", str(_base_tarball())], timeout=CMD_TIMEOUT_S)
-    # Nothing a package installs may start here (no systemd, and not the host's services).
-    policy = root / "usr/sbin/policy-rc.d"
-    policy.write_text("#!/bin/sh\nexit 101\n")
-    policy.chmod(0o755)
-    shutil.copy2("/etc/resolv.conf", root / "etc/resolv.conf")
-    APT_ARCHIVES.mkdir(parents=True, exist_ok=True)
-    (APT_ARCHIVES / "partial").mkdir(exist_ok=True)
-    mounted: list[Path] = []
-    try:
-        _run(["mount", "-t", "proc", "proc", str(root / "proc")])
-        mounted.append(root / "proc")
-        _run(["mount", "--bind", str(APT_ARCHIVES), str(root / "var/cache/apt/archives")])
-        mounted.append(root / "var/cache/apt/archives")
-        box = Chroot(root)
-        box.run("apt-get", "update", timeout=APT_TIMEOUT_S)
+    with distro_root(bookworm_tarball(), APT_ARCHIVES) as box:
         yield box
-    finally:
-        for point in reversed(mounted):
-            if _run(["umount", str(point)], check=False).returncode != 0:
-                _run(["umount", "-l", str(point)], check=False)
-        left = _mounts_under(root)
-        # Never rm -rf through a mount that is still there (the apt cache is a bind mount).
-        assert not left, f"mounts left under the chroot: {left}"
-        shutil.rmtree(root.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +121,7 @@ def test_installed_package_runs_version_and_discover(installed, debs):
     # discover over a recorded host, from the installed package, matches the source tree's answer.
     shutil.copytree(fixture_host(FIXTURE), box.path(f"/tmp/{FIXTURE}"), symlinks=True)
     inside = box.run("gpuaas-agent", "discover", "--root", f"/tmp/{FIXTURE}")
-    here = _run([sys.executable, "-m", "gpuaas_agent", "discover", "--root", str(fixture_host(FIXTURE))], env=None)
+    here = run_checked([sys.executable, "-m", "gpuaas_agent", "discover", "--root", str(fixture_host(FIXTURE))], env=None)
     assert inside.stdout == here.stdout and "gpu_devices=8 " in inside.stdout
 
     state = box.path("/var/lib/gpuaas-agent").stat()

@@ -38,7 +38,7 @@ import yaml
 from gpuaas_agent.deploy.userdata import BOOTSTRAP_DIR, DEB_PATH, UserDataInputs, render_userdata
 from lab.harness import Lab, LabSettings
 from tests.conftest import REPO
-from tests.deploy.test_deb import APT_TIMEOUT_S, _run
+from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
 from tests.deploy.test_userdata import cloud_init_runcmd_script
 
 INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")
@@ -52,7 +52,7 @@ echo "systemctl $*" >> "$(dirname "$0")/calls.log"
 
 
 def _installed_packages() -> set[str]:
-    out = _run(["dpkg-query", "-W", "-f=${binary:Package} ${db:Status-Status}\n"]).stdout
+    out = run_checked(["dpkg-query", "-W", "-f=${binary:Package} ${db:Status-Status}\n"]).stdout
     return {line.split()[0].split(":")[0] for line in out.splitlines() if line.endswith(" installed")}
 
 
@@ -68,8 +68,8 @@ def clean_machine() -> set[str]:
     yield before
     added = sorted(_installed_packages() - before)
     if added:
-        _run(["apt-get", "purge", "-y", *added], timeout=APT_TIMEOUT_S,
-             env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        run_checked(["apt-get", "purge", "-y", *added], timeout=APT_TIMEOUT_S,
+                    env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
     for path in LEFTOVERS:
         if path.is_dir():
             shutil.rmtree(path)
@@ -84,8 +84,8 @@ def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(cl
     timings: dict[str, float] = {}
     started = time.monotonic()
     out = tmp_path / "dist"
-    built = _run(["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py"), "--out", str(out)],
-                 timeout=APT_TIMEOUT_S)
+    built = run_checked(["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py"), "--out", str(out)],
+                        timeout=APT_TIMEOUT_S)
     deb = Path(built.stdout.strip().splitlines()[-1])
     timings["build"] = time.monotonic() - started
 

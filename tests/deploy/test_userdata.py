@@ -6,12 +6,12 @@ import json
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from gpuaas_agent.compat import tomllib
 from gpuaas_agent.config import parse_config
 from gpuaas_agent.deploy.userdata import (
     SLICE_PROFILE_TAG,

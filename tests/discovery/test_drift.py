@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import shutil
 from collections import Counter
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.drift import DriftKind, DriftReport, DriftSeverity, DriftTrigger
 from gpuaas_agent.discovery.drift import nvme_identity, topology_drift
 from gpuaas_agent.discovery.report import discover

@@ -38,7 +38,7 @@ class CA:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.UTC)
+        now = dt.datetime.now(dt.timezone.utc)
         self.cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
                      .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
                      .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
@@ -53,7 +53,7 @@ class CA:
 
     def issue(self, cn: str, *, dns: tuple[str, ...] = (), ips: tuple[str, ...] = (), client: bool = False) -> Issued:
         key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.UTC)
+        now = dt.datetime.now(dt.timezone.utc)
         sans = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
         usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
         builder = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)

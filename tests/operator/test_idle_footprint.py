@@ -30,8 +30,9 @@ def test_a_seed_iso_still_builds_with_its_imports_deferred():
 
 def test_the_status_file_is_replaced_atomically_without_an_fsync_per_heartbeat(tmp_path, monkeypatch):
     import os
-    from datetime import UTC, datetime
+    from datetime import datetime
 
+    from gpuaas_agent.compat import UTC
     from gpuaas_agent.operator.daemonstatus import DaemonStatus, read_status, status_path, write_status
 
     synced = []

@@ -9,8 +9,9 @@ import select
 import sys
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.drift import DriftKind, DriftReport
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.operator.netwatch import drift_findings, open_netlink_sockets

@@ -3,10 +3,11 @@
 import asyncio
 import functools
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import TaskEnvelope
 from gpuaas_agent.errors import AgentError, HostError

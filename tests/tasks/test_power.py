@@ -14,11 +14,12 @@ import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 import libvirt
 import pytest
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.domain import DomainSpec, DomainState, OvmfFirmware
 from gpuaas_agent.contract.isolation import GUARD_TABLE

@@ -14,10 +14,11 @@ import hashlib
 import os
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.state import StepStatus

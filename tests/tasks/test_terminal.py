@@ -21,7 +21,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import asyncssh
@@ -29,6 +29,7 @@ import libvirt
 import nats
 import pytest
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import SliceConfig, TerminalConfig
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.domain import DomainSpec, OvmfFirmware
