@@ -49,3 +49,15 @@ def test_the_deb_lock_pins_every_runtime_dependency_and_theirs():
             except metadata.PackageNotFoundError:  # needed only on another Python (tomli on 3.10): no metadata here
                 assert python != f"{sys.version_info[0]}.{sys.version_info[1]}", req.name
     assert sorted(wanted - lock) == []
+
+
+def test_debian_copyright_names_every_bundled_wheel():
+    """Every wheel the .deb ships has a Files stanza in debian/copyright (a wheel without one is unlicensed to ship)."""
+    lock = {line.split("==", 1)[0] for line in (REPO / "packaging/requirements.lock").read_text().splitlines()
+            if "==" in line and not line.startswith((" ", "#"))}
+    copyright_text = (REPO / "packaging/debian/copyright").read_text()
+    # Wheel file names use the normalised project name with "_" (PEP 427), lower-cased by pip.
+    covered = {name for name in lock
+               if f"wheels/{name.lower().replace('-', '_')}-*" in copyright_text
+               or f"wheels/{name.lower()}-*" in copyright_text}
+    assert sorted(lock - covered) == []
