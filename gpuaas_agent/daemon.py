@@ -158,7 +158,7 @@ def port_isolation_probe(slice_host: SliceDrivers, store):
     return port_isolation
 
 
-def timer_reconcile(slice_host, store: StateStore, nc: Client, node_id: str) -> Callable[[], Awaitable[dict]]:
+def timer_reconcile(slice_host, store: StateStore | StoreThread, nc: Client, node_id: str) -> Callable[[], Awaitable[dict]]:
     """The periodic reconcile: repairs what is safe, publishes its findings on the drift subject."""
     async def run() -> dict:
         report = await reconcile_host(slice_host, store, repair=True, trigger=DriftTrigger.timer, node_id=node_id)
@@ -348,7 +348,6 @@ async def run_agent(
                          code="not_enrolled", evidence={"state_dir": str(config.state_dir)})
     # Every SQLite call of the daemon runs on this one thread, off the event loop (state/aio.py).
     state = StoreThread.open(config.state_db)
-    store = state.sync
     background: list[asyncio.Task] = []
     nc: Client | None = None
     slice_host = None
@@ -375,8 +374,9 @@ async def run_agent(
                              metrics_textfile=config.metrics_textfile),
             state, HealthSettings.from_config(config), None, notifier.notify)
         if slice_host is not None:
-            reporter.extra_checks.append(port_isolation_probe(slice_host, store))
-        metrics = AgentMetrics(live_state(store, reporter, slice_host, uevents))
+            reporter.extra_checks.append(port_isolation_probe(slice_host, state))
+        # state.sync: a scrape renders on a worker thread (operator/metrics.py), never on the loop
+        metrics = AgentMetrics(live_state(state.sync, reporter, slice_host, uevents))
         reporter.metrics = metrics
         # Config and state are loaded: tell systemd we are up, whatever NATS does (see the module docstring).
         notifier.notify(READY=1, STATUS=f"node {record.node_id}: waiting for NATS (attempt 1)")
@@ -406,7 +406,7 @@ async def run_agent(
                                   fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
                                   consumer_memory=config.task_consumer_memory)
         if reconcile is None and slice_host is not None:
-            reconcile = timer_reconcile(slice_host, store, nc, record.node_id)
+            reconcile = timer_reconcile(slice_host, state, nc, record.node_id)
         if reconcile is not None:
             reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
         await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
@@ -420,7 +420,7 @@ async def run_agent(
         worker_task = asyncio.create_task(worker.run(), name="worker")
         if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events (issue 16)
             background.append(start_netwatch(config, reporter, nc, record.node_id,
-                                             port_isolation_probe(slice_host, store) if slice_host else None,
+                                             port_isolation_probe(slice_host, state) if slice_host else None,
                                              repair=reconcile))
         if config.uevent_watch:
             background.append(uevent_watch_task(config, nc, record.node_id, uevents))

@@ -97,7 +97,7 @@ class TerminalSession:
     def __init__(self, nc: Client, node_id: str, session_id: str, pty: Pty, flow: FlowSettings, *,
                  on_closed: Callable[[TerminalSession], Awaitable[None]],
                  recheck: Callable[[], Awaitable[str | None]] | None = None,
-                 on_tick: Callable[[TerminalSession], None] | None = None) -> None:
+                 on_tick: Callable[[TerminalSession], Awaitable[None]] | None = None) -> None:
         self.nc = nc
         self.session_id = session_id
         self.pty = pty
@@ -319,7 +319,7 @@ class TerminalSession:
             if now >= next_recheck:
                 next_recheck = now + flow.recheck_interval_s
                 if self._on_tick is not None:
-                    self._on_tick(self)
+                    await self._on_tick(self)  # e.g. the byte counters to the store, awaited off the loop
                 if self._recheck is not None:
                     why = await self._recheck()
                     if why is not None:

@@ -87,7 +87,7 @@ from gpuaas_agent.contract.tasks import (
 )
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
-from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
+from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateError, StateStore
 from gpuaas_agent.tasks.registry import default_concurrency
 
@@ -135,7 +135,9 @@ class TaskContext:
 
     envelope: TaskEnvelope
     node_id: str
-    store: StateStore | BlockingStore  # synchronous, run on the daemon's store thread (state/aio.py)
+    # The daemon's store thread (state/aio.py): handlers ``await ctx.store.journal(...)``, never block the loop.
+    # A plain StateStore or its blocking view (tests) is wrapped into its StoreThread.
+    store: StoreThread
     resumed_steps: list[str]
     _nc: Client
     # What the task did to slots; reported with the result whether it succeeded or not
@@ -146,6 +148,9 @@ class TaskContext:
     # Set when the agent is stopping (SIGTERM): a pipeline cancelled then leaves its step journaled for the
     # next agent instead of compensating it (tasks/pipeline.py).
     agent_stopping: asyncio.Event | None = None
+
+    def __post_init__(self) -> None:
+        self.store = as_store_thread(self.store)
 
     @property
     def nc(self) -> Client:
@@ -183,8 +188,7 @@ class TaskWorker:
         self.js = nc.jetstream(timeout=(settings or WorkerSettings()).request_timeout_s)
         # Every SQLite call of the worker runs on the one store thread, off the event loop (state/aio.py):
         # a commit waiting for another process's write lock must not stop keepalives and heartbeats.
-        self.state = as_store_thread(store)
-        self.store = self.state.sync  # what handlers get as ctx.store
+        self.state = as_store_thread(store)  # also what handlers get as ctx.store (they await it)
         self.node_id = node_id
         self.handlers = dict(handlers)
         self.settings = settings or WorkerSettings()
@@ -454,7 +458,7 @@ class TaskWorker:
         if tries >= self.settings.max_task_starts:
             return {"ok": False, "code": "recovery_poison", "message": f"recovery started {tries} times without "
                     "finishing: not run again; the slot is left to reconcile and a release"}, []
-        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store,
+        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.state,
                           resumed_steps=[s for s in interrupted if s != RECOVER_STEP],
                           _nc=self.nc, agent_stopping=self._stopping)
         _warn("task_recovering", task_id=envelope.task_id, unfinished_steps=interrupted)
@@ -537,7 +541,7 @@ class TaskWorker:
 
         if resumed:
             _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
-        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.store, resumed_steps=resumed, _nc=self.nc,
+        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.state, resumed_steps=resumed, _nc=self.nc,
                           step_observer=getattr(self.observer, "step_finished", None), agent_stopping=self._stopping)
         run = asyncio.ensure_future(self._run_handler(task_type, handler, payload, ctx))
         try:

@@ -203,7 +203,8 @@ class MetricsServer:
                 method, _, rest = request.decode("latin-1").partition(" ")
                 path = rest.split(" ", 1)[0].split("?", 1)[0]
                 if method == "GET" and path in ("/metrics", "/"):
-                    body, status, ctype = self.metrics.render(), "200 OK", CONTENT_TYPE_LATEST
+                    # Rendered on a worker thread: the live state reads the slot records (SQLite), never on the loop.
+                    body, status, ctype = await asyncio.to_thread(self.metrics.render), "200 OK", CONTENT_TYPE_LATEST
                 else:
                     body, status, ctype = b"not found: GET /metrics\n", "404 Not Found", "text/plain"
                 writer.write(f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"

@@ -200,7 +200,8 @@ class Reporter:
             log_event(log, "status_file_failed", logging.WARNING, error=exc.strerror or str(exc))
         if self.metrics is not None and self.settings.metrics_textfile is not None:
             try:
-                self.metrics.write_textfile(self.settings.metrics_textfile)
+                # off the loop: rendering reads the slot records (SQLite, through the store thread)
+                await asyncio.to_thread(self.metrics.write_textfile, self.settings.metrics_textfile)
             except OSError as exc:
                 log_event(log, "metrics_textfile_failed", logging.WARNING, path=str(self.settings.metrics_textfile),
                           error=exc.strerror or str(exc))

@@ -21,10 +21,17 @@ Without a reader (tests, a plain store) reads share the writer thread.
 * ``await state.run(fn, *args)``: ``fn(store, *args)`` on the store thread (a read
   made of several calls, e.g. the reporter's in-flight view).
 * ``state.sync``: the same methods, synchronous, still executed on the store
-  thread (the caller blocks until it is done). For code that has not been made
-  async yet (the task handlers' ``ctx.store``): serialised with the daemon's
-  other store work, but the waiting caller is blocked — on the loop that is the
-  old behaviour, so convert such callers to ``await``.
+  thread (the caller blocks until it is done). Only for code that already runs
+  off the loop (inside ``asyncio.to_thread``, e.g. a metrics scrape rendered on
+  a worker thread): called from a thread that runs an event loop it raises
+  :class:`StoreCallOnLoop`, so a handler that blocks the loop on SQLite again
+  fails its tests instead of stalling heartbeats in production.
+
+Task handlers get the :class:`StoreThread` itself as ``ctx.store`` and ``await``
+every call (``await ctx.store.journal(...)``); a read made of several calls is
+one ``await ctx.store.run(fn, ...)``. Writes are shielded from cancellation: a
+task cancelled while its journal write waits for the store thread still gets
+that write, in order (the thread runs them first in, first out).
 
 The CLI keeps using :class:`StateStore` directly (no loop to protect).
 """
@@ -47,6 +54,24 @@ THREAD_NAME = "gpuaas-state"
 # StateStore methods that only read: served by the reader connection when there is one.
 READS = frozenset({"meta", "leases", "leases_of", "journal_of", "unfinished_steps", "result_of", "latest_wipe_proof",
                    "slot_state", "slot_states"})
+
+
+class StoreCallOnLoop(RuntimeError):
+    """A synchronous store call from a thread that runs an event loop: it would stall that loop (a bug)."""
+
+
+def _on_loop_thread() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+async def _submit(executor: ThreadPoolExecutor, fn: Callable[..., T], *, shield: bool) -> T:
+    """``fn()`` on ``executor``'s thread; with ``shield``, a cancelled caller does not cancel the call."""
+    future = asyncio.wrap_future(executor.submit(fn))
+    return await (asyncio.shield(future) if shield else future)
 
 
 class StoreThread:
@@ -87,29 +112,41 @@ class StoreThread:
 
     async def run(self, fn: Callable[..., T], *args: Any, write: bool = False) -> T:
         """``fn(store, *args)`` on the reader's thread (``write=True``: the writer's); the loop goes on."""
-        loop = asyncio.get_running_loop()
         store, executor = (self.store, self._executor) if write or self.reader is None else (
             self.reader, self._read_executor)
-        return await loop.run_in_executor(executor, functools.partial(self._in_thread, fn, store, *args))
+        return await _submit(executor, functools.partial(self._in_thread, fn, store, *args), shield=write)
 
     def call_blocking(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """``store.name(*args)`` on the store thread; blocks the caller (not the store thread) until done."""
         method, executor = self._route(name)
         if self.on_store_thread():  # re-entered from a function already running there
             return method(*args, **kwargs)
+        if _on_loop_thread():
+            raise StoreCallOnLoop(f"StateStore.{name} called synchronously on the event loop's thread: it would "
+                                  f"stall the loop while SQLite waits; await it (state/aio.py)")
         return executor.submit(self._in_thread, method, *args, **kwargs).result()
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_") or not callable(getattr(StateStore, name, None)):
             raise AttributeError(name)
         method, executor = self._route(name)
+        write = name not in READS
 
         async def call(*args: Any, **kwargs: Any) -> Any:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(executor, functools.partial(self._in_thread, method, *args, **kwargs))
+            return await _submit(executor, functools.partial(self._in_thread, method, *args, **kwargs), shield=write)
 
         call.__name__ = name
         return call
+
+    def drain(self) -> None:
+        """Wait until every call queued so far has run (a no-op on the store thread itself or once shut down)."""
+        if self.on_store_thread():
+            return
+        for executor in {self._executor, self._read_executor}:
+            try:
+                executor.submit(lambda: None).result()
+            except RuntimeError:  # shut down: nothing more runs there
+                pass
 
     async def aclose(self) -> None:
         """Close the connections on their threads, then end the threads."""
@@ -159,4 +196,6 @@ def as_store_thread(store: StateStore | StoreThread | BlockingStore) -> StoreThr
         thread = _WRAPPED.get(store)
         if thread is None:
             thread = _WRAPPED[store] = StoreThread(store)
+            # The plain store's owner closes it directly: let the calls queued on its thread finish first.
+            store.before_close(thread.drain)
         return thread

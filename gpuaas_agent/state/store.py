@@ -165,6 +165,7 @@ class StateStore:
         self.path = path
         self._clock = clock
         self.timeout_s = timeout_s
+        self._close_hooks: list[Callable[[], None]] = []
 
     @classmethod
     def open(cls, path: str | Path, *, clock: Callable[[], float] = time.time,
@@ -196,7 +197,15 @@ class StateStore:
         return store
 
     def close(self) -> None:
+        """Close the connection; first the hooks (:meth:`before_close`): closing under a statement that a
+        store thread (state/aio.py) is still running would crash the process, not raise."""
+        for hook in self._close_hooks:
+            hook()
         self._conn.close()
+
+    def before_close(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` at :meth:`close`, before the connection goes (a store thread's drain)."""
+        self._close_hooks.append(hook)
 
     @property
     def schema_version(self) -> int:

@@ -43,6 +43,7 @@ from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import invalid_payload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.tasks.crashpoint import crash_point
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,11 @@ CANCELLED_CODES = frozenset({"clone_cancelled", "wipe_cancelled", "cancelled"})
 
 
 class PipelineContext(Protocol):
-    """What the pipeline needs from the worker's TaskContext: a journal and progress events."""
+    """What the pipeline needs from the worker's TaskContext: a journal and progress events.
+
+    ``store``: the daemon's StoreThread (or a plain StateStore, wrapped into one): every journal
+    write is awaited on the store thread, never run on the loop (issue 17 item 6).
+    """
 
     store: Any
     envelope: Any
@@ -228,7 +233,7 @@ def _is_cancel(exc: BaseException) -> bool:
 
 
 async def _journal(ctx: PipelineContext, step: str, status: StepStatus, detail: dict[str, Any] | None = None) -> None:
-    ctx.store.journal(ctx.envelope.task_id, step, status, detail or {})
+    await as_store_thread(ctx.store).journal(ctx.envelope.task_id, step, status, detail or {})
     await ctx.progress(step, status.value, detail=detail or {})
 
 
@@ -252,7 +257,8 @@ async def _compensate(ctx: PipelineContext, steps: list[Step]) -> list[Compensat
             records.append(CompensationRecord(step.name, False, {"code": code, "message": str(exc), "evidence": evidence}))
             log_event(log, "compensation_failed", logging.WARNING, task_id=ctx.envelope.task_id, step=step.name,
                       code=code, error=str(exc))
-            ctx.store.journal(ctx.envelope.task_id, step.name, StepStatus.failed, {"compensation": code})
+            await as_store_thread(ctx.store).journal(ctx.envelope.task_id, step.name, StepStatus.failed,
+                                                     {"compensation": code})
             continue
         detail = {**detail, "duration_s": round(time.monotonic() - started, 3)}
         records.append(CompensationRecord(step.name, True, detail))
@@ -294,7 +300,7 @@ async def run_pipeline(ctx: PipelineContext, steps: list[Step]) -> dict[str, dic
                 exc = invalid_payload(f"step {step.name}", exc)
             cancelled = _is_cancel(exc)
             code = exc.code if isinstance(exc, AgentError) else ("cancelled" if cancelled else "internal_error")
-            ctx.store.journal(ctx.envelope.task_id, step.name, StepStatus.failed, {"code": code})
+            await as_store_thread(ctx.store).journal(ctx.envelope.task_id, step.name, StepStatus.failed, {"code": code})
             duration = _observe(ctx, step.name, StepStatus.failed.value, started, {"code": code}, log_it=False)
             if not isinstance(exc, asyncio.CancelledError):  # a cancelled task publishes nothing more
                 await ctx.progress(step.name, StepStatus.failed.value, detail={"code": code})

@@ -26,6 +26,7 @@ from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.slot_binding import check_slot_binding, disks_by_name
+from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.placement import assess_placement, enforce_placement
 from gpuaas_agent.tasks.slotset import free_slot_indexes
@@ -140,10 +141,11 @@ def plan_handler(host_root: Path, plan_config: PlanConfig | None = None):
         await ctx.progress("validate", "started")
         report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan_config))
         placement = get_profile(payload.runtime_profile).placement if payload.runtime_profile else Placement.any
-        free = free_slot_indexes(report, ctx.store, payload.allocation_id)
+        state = as_store_thread(ctx.store)  # SQLite on the store thread, never on the loop (state/aio.py)
+        free = await state.run(lambda store: free_slot_indexes(report, store, payload.allocation_id))
         plan = plan_bundle(payload, report, placement=placement, free_slots=free)
         await ctx.progress("validate", "succeeded")
-        lease_bundle(ctx.store, plan, ctx.envelope.task_id)
+        await state.run(lease_bundle, plan, ctx.envelope.task_id, write=True)
         await ctx.progress("lease", "succeeded", detail={"slots": [s.slot_index for s in plan.slots]})
         return plan.model_dump(mode="json")
 

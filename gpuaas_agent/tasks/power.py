@@ -41,6 +41,7 @@ from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.tasks import VmPowerPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
@@ -144,13 +145,13 @@ async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease) -> tu
 
 
 async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
-    store = ctx.store
+    store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
     op = payload.operation
     name = domain_name(payload.allocation_id)
     task_id = ctx.envelope.task_id
 
     async with sh.slot_lock(payload.slot_index):
-        lease, record = admit(store, payload)
+        lease, record = await store.run(admit, payload)
         info = check_domain(await sh.libvirt.lookup(name), payload)
         before = info.state
         if op == "reset" and before not in ON:
@@ -165,7 +166,7 @@ async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
 
         async def start() -> dict:
             target, port = await start_plan(sh, info, lease)
-            others = [held for held in store.leases_of(lease.allocation_id) if held.slot_index != lease.slot_index]
+            others = [held for held in await store.leases_of(lease.allocation_id) if held.slot_index != lease.slot_index]
             return await guarded_start(sh, target, disk_lease=disk_lease, port=port, data_slots=others)
 
         async def reset() -> dict:
@@ -195,8 +196,8 @@ async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
                 "succeeded": failure is None, "code": failure.code if failure else None}
         detail = {**record.detail, "power_state": power_state(state), "last_power_operation": last}
         # Status stays active whatever happened: a stopped slice keeps its lease and its disk.
-        store.set_slot_state(record.model_copy(update={"detail": detail, "task_id": task_id,
-                                                       "updated_at": time.time()}))
+        await store.set_slot_state(record.model_copy(update={"detail": detail, "task_id": task_id,
+                                                             "updated_at": time.time()}))
         ctx.slot_outcomes.append(SlotOutcome(slot_index=payload.slot_index, status=SlotStatus.active,
                                              health_state=record.health_state,
                                              health_detail={"power_state": detail["power_state"],

@@ -54,6 +54,7 @@ from gpuaas_agent.host.readiness import wait_for_guest
 from gpuaas_agent.host.vfio import bind_to_vfio
 from gpuaas_agent.host.wipepolicy import check_wipe_policy, policy_for_profile
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks.admission import (
     build_seed_spec,
     check_guest_address,
@@ -116,8 +117,9 @@ class ProvisionRun:
                    task_id=ctx.envelope.task_id, ctx=ctx)
 
     @property
-    def store(self):
-        return self.ctx.store
+    def store(self) -> StoreThread:
+        """The store, awaited on its thread (never a blocking call on the loop: state/aio.py)."""
+        return as_store_thread(self.ctx.store)
 
     @property
     def slot(self):
@@ -168,7 +170,7 @@ def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: 
                       health_state=health, detail=detail, task_id=run.task_id, updated_at=time.time())
 
 
-def check_admissible(run: ProvisionRun) -> None:
+async def check_admissible(run: ProvisionRun) -> None:
     """Refusals that need no host access: profile, slot state, a second provision of the allocation.
 
     A multi-slot provision asks them of every slot of its set (any cleanup_blocked slot refuses the set).
@@ -178,12 +180,10 @@ def check_admissible(run: ProvisionRun) -> None:
             f"runtime profile {run.profile.name} runs under emulation (TCG); this host only runs KVM slices",
             code="emulated_domain_not_allowed", evidence={"profile": run.profile.name})
     for slot in run.slots:
-        _check_admissible_slot(run, slot)
+        _check_admissible_slot(run, slot, await run.store.slot_state(slot.slot_index))
 
 
-def _check_admissible_slot(run: ProvisionRun, slot) -> None:
-    store = run.store
-    record = store.slot_state(slot.slot_index)
+def _check_admissible_slot(run: ProvisionRun, slot, record: SlotRecord | None) -> None:
     if slot.status is SlotStatus.cleanup_blocked or (record and record.status is SlotStatus.cleanup_blocked):
         raise ProvisionRefused(
             f"slot {slot.slot_index} is cleanup_blocked: its disk must be wiped and verified by a release first",
@@ -308,6 +308,11 @@ async def _slot_preconditions(run: ProvisionRun, slot: Any, planned: PlannedSlot
     return proven.model_dump(mode="json")
 
 
+def _enough_free(store, report, allocation_id: str, slots: list) -> list[int]:
+    """:func:`check_enough_free` with the store first, as ``StoreThread.run`` calls it (on the store thread)."""
+    return check_enough_free(report, store, allocation_id, slots)
+
+
 async def validate(run: ProvisionRun) -> Validated:
     # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
     # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
@@ -319,11 +324,11 @@ async def validate(run: ProvisionRun) -> Validated:
     if (egress := egress_target(run.profile, sh.slice)) is not None:  # issue 16: readiness proves egress
         seed_spec = seed_spec.model_copy(update={"egress_probe": egress})
     if len(slots) == 1:
-        check_one_slot_per_allocation(store, payload.allocation_id, slot.slot_index)
+        await store.run(check_one_slot_per_allocation, payload.allocation_id, slot.slot_index)
     else:
-        check_allocation_holds_only(store, payload.allocation_id, {s.slot_index for s in slots})
+        await store.run(check_allocation_holds_only, payload.allocation_id, {s.slot_index for s in slots})
     report = await asyncio.to_thread(lambda: discover(sh.discovered_root(), slice_plan_config(sh.slice)))
-    free = check_enough_free(report, store, payload.allocation_id, slots) if len(slots) > 1 else []
+    free = await store.run(_enough_free, report, payload.allocation_id, slots) if len(slots) > 1 else []
     # Each approved record must be exactly the host's candidate slot of its index, as slice.plan checks
     # (a slot of another host has bindings this host lacks: not_approved); a set that crosses the profile's
     # placement constraint is placement_violated.
@@ -346,11 +351,11 @@ async def validate(run: ProvisionRun) -> Validated:
                         disk_identity=p.disk_identity,
                         fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
               for s, p in zip(slots, plan.slots)]
-    lease_was_held = any(held.slot_index == slot.slot_index for held in store.leases_of(payload.allocation_id))
+    lease_was_held = any(held.slot_index == slot.slot_index for held in await store.leases_of(payload.allocation_id))
     # One transaction for the whole set: lease_conflict on any slot takes none.
-    leases = store.take_leases(wanted)
+    leases = await store.take_leases(wanted)
     for s in slots:
-        store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}, s.slot_index))
+        await store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}, s.slot_index))
     return Validated(planned=planned, lease=leases[0], lease_was_held=lease_was_held, relay_key=relay_key,
                      seed_spec=seed_spec, preconditions=preconditions, data_planned=tuple(plan.slots[1:]),
                      data_leases=tuple(leases[1:]), placement=plan.placement)
@@ -365,10 +370,10 @@ async def unlease(run: ProvisionRun, undo: Undo) -> dict:
         if slot.slot_index in touched:
             kept.append(slot.slot_index)
             continue
-        store.release_slot_lease(alloc, slot.slot_index)  # only this allocation's lease of the slot
-        record = store.slot_state(slot.slot_index)
+        await store.release_slot_lease(alloc, slot.slot_index)  # only this allocation's lease of the slot
+        record = await store.slot_state(slot.slot_index)
         if record is not None and record.allocation_id == alloc:  # never another allocation's
-            store.clear_slot_state(slot.slot_index)
+            await store.clear_slot_state(slot.slot_index)
         released.append(slot.slot_index)
     if len(run.slots) == 1:
         if kept:
@@ -481,7 +486,7 @@ async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage):
         return await clone_image(
             sh.discovered_root(), image.path, slot.nvme_device,
             lease=run.disk_lease(validated), domain_disks=others,
-            wipe_proof=None if run.disk_written_before else run.store.latest_wipe_proof(slot.slot_index),
+            wipe_proof=None if run.disk_written_before else await run.store.latest_wipe_proof(slot.slot_index),
             on_progress=on_progress, timeout=sh.slice.clone_timeout_s)
     finally:
         image.pin.release()
@@ -699,13 +704,13 @@ def reached_steps(store, task_id: str) -> list[str]:
     return [d.name for d in PROVISION_STEPS if d.name in started]
 
 
-def interrupted_run(run: ProvisionRun) -> list[str] | None:
+async def interrupted_run(run: ProvisionRun) -> list[str] | None:
     """The steps an earlier run of this very task reached, when it was interrupted (the slot's record is
     still this task's ``provisioning``); None when this is not a redelivery of an interrupted run."""
-    record = run.store.slot_state(run.slot.slot_index)
+    record = await run.store.slot_state(run.slot.slot_index)
     if record is None or record.status is not SlotStatus.provisioning or record.task_id != run.task_id:
         return None
-    return reached_steps(run.store, run.task_id)
+    return await run.store.run(reached_steps, run.task_id)
 
 
 async def compensate_interrupted(run: ProvisionRun, reached: list[str]) -> tuple[bool, list[dict[str, Any]]]:
@@ -725,10 +730,10 @@ async def compensate_interrupted(run: ProvisionRun, reached: list[str]) -> tuple
             detail = await d.compensate(run, undo) or {}
         except AgentError as exc:
             records.append({"step": d.name, "ok": False, "code": exc.code, "message": exc.message})
-            run.store.journal(run.task_id, d.name, StepStatus.failed, {"compensation": exc.code})
+            await run.store.journal(run.task_id, d.name, StepStatus.failed, {"compensation": exc.code})
             continue
         records.append({"step": d.name, "ok": True, **detail})
-        run.store.journal(run.task_id, d.name, StepStatus.compensated, detail)
+        await run.store.journal(run.task_id, d.name, StepStatus.compensated, detail)
     return disk_touched, records
 
 
@@ -741,8 +746,8 @@ async def close_interrupted(run: ProvisionRun, reached: list[str], *, why: str) 
     touched = touched_slots(run.slot.slot_index, [s.slot_index for s in run.slots], reached, disk_touched)
     for slot in run.slots:
         if slot.slot_index in touched:
-            run.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail,
-                                             slot.slot_index))
+            await run.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, detail,
+                                                   slot.slot_index))
             run.ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, detail,
                                                   slot.slot_index))
         else:
@@ -760,7 +765,7 @@ async def recover_provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) 
     async with contextlib.AsyncExitStack() as locks:
         for index in sorted({s.slot_index for s in run.slots}):
             await locks.enter_async_context(sh.slot_lock(index))
-        reached = interrupted_run(run)
+        reached = await interrupted_run(run)
         if reached is None:
             return {"interrupted": False}
         return await close_interrupted(run, reached, why="provision_interrupted")
@@ -772,7 +777,7 @@ async def provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> dict:
         # Every slot of the set, in index order (two sets sharing slots never wait on each other in a cycle).
         for index in sorted({s.slot_index for s in run.slots}):
             await locks.enter_async_context(sh.slot_lock(index))
-        reached = interrupted_run(run)
+        reached = await interrupted_run(run)
         if reached:
             if any(step not in RESTARTABLE for step in reached):
                 detail = await close_interrupted(run, reached, why="provision_interrupted")
@@ -784,7 +789,7 @@ async def provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> dict:
             log_event(log, "provision_restarted", logging.WARNING, task_id=run.task_id, steps_reached=reached,
                       disk_written_before=run.disk_written_before)
         try:
-            check_admissible(run)
+            await check_admissible(run)
         except ProvisionRefused as refused:
             if refused.code in ("slot_cleanup_blocked", "provision_interrupted"):  # the slot is (now) blocked
                 ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed,
@@ -794,12 +799,12 @@ async def provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> dict:
         try:
             outputs = await run_pipeline(ctx, provision_steps(run))
         except PipelineFailed as failure:
-            _report_failure(run, ctx, failure)
+            await _report_failure(run, ctx, failure)
             raise
     lease = outputs["readiness"]["lease"]
     detail = {"readiness": outputs["readiness"], "domain": run.name}
     for slot in run.slots:
-        ctx.store.set_slot_state(_record(run, SlotStatus.active, HealthState.healthy, detail, slot.slot_index))
+        await run.store.set_slot_state(_record(run, SlotStatus.active, HealthState.healthy, detail, slot.slot_index))
         ctx.slot_outcomes.append(_outcome(run, SlotStatus.active, HealthState.healthy, detail, slot.slot_index))
     log_event(log, "slice_provisioned", task_id=run.task_id, allocation_id=payload.allocation_id,
               slot_index=payload.slot.slot_index, slots=len(run.slots), domain=run.name, ip=lease["actual_ip"])
@@ -821,7 +826,7 @@ async def provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> dict:
     return result
 
 
-def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> None:
+async def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> None:
     """Every slot of the set: cleanup_blocked if its disk may hold data (its own evidence), else released."""
     detail = {"failed_step": failure.failed_step, "code": failure.code, "message": failure.message,
               "evidence": failure.evidence, "cancelled": failure.cancelled}
@@ -831,8 +836,8 @@ def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> None:
         if slot.slot_index in touched:
             own = {**detail, "nvme_device": slot.nvme_device,
                    "disk_role": "boot" if slot is run.slots[0] else "data"} if len(run.slots) > 1 else detail
-            ctx.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, own,
-                                             slot.slot_index))
+            await run.store.set_slot_state(_record(run, SlotStatus.cleanup_blocked, HealthState.failed, own,
+                                                   slot.slot_index))
             ctx.slot_outcomes.append(_outcome(run, SlotStatus.cleanup_blocked, HealthState.failed, own,
                                               slot.slot_index))
             log_event(log, "slot_cleanup_blocked", logging.WARNING, task_id=run.task_id,

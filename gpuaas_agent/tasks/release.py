@@ -37,6 +37,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
 from gpuaas_agent.host.wipepolicy import release_wipe_policy, wipe_slot_disk
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
 
@@ -68,8 +69,9 @@ class ReleaseRun:
     record: SlotRecord | None
 
     @property
-    def store(self):
-        return self.ctx.store
+    def store(self) -> StoreThread:
+        """The store, awaited on its thread (never a blocking call on the loop: state/aio.py)."""
+        return as_store_thread(self.ctx.store)
 
     @property
     def slot(self):
@@ -92,12 +94,12 @@ class ReleaseRun:
         return bool(self.holders) or (self.record is not None and self.record.allocation_id == self.alloc)
 
     @classmethod
-    def for_task(cls, sh: SliceDrivers, payload: VmReleasePayload, ctx) -> ReleaseRun:
+    async def for_task(cls, sh: SliceDrivers, payload: VmReleasePayload, ctx) -> ReleaseRun:
         """Read the slot's lease and record; refuse (nothing touched) a slot another allocation holds."""
-        store, slot, alloc = ctx.store, payload.slot, payload.allocation_id
+        store, slot, alloc = as_store_thread(ctx.store), payload.slot, payload.allocation_id
         # The disk this release may wipe is the one its lease holds (by identity), whatever the
         # payload calls it: another alias, or another slot's disk, in the payload is never wiped.
-        leases = store.leases()
+        leases = await store.leases()
         holders = [lease for lease in leases if lease.allocation_id == alloc and lease.slot_index == slot.slot_index]
         foreign = [lease for lease in leases if lease.allocation_id != alloc
                    and (lease.slot_index == slot.slot_index or lease.nvme_device == slot.nvme_device)]
@@ -106,7 +108,7 @@ class ReleaseRun:
                 f"slot {slot.slot_index} is leased by allocation {foreign[0].allocation_id}, not {alloc}: nothing touched",
                 code="lease_conflict", evidence={"held": [lease.model_dump() for lease in foreign]})
         return cls(sh=sh, payload=payload, task_id=ctx.envelope.task_id, ctx=ctx, holders=tuple(holders),
-                   record=store.slot_state(slot.slot_index))
+                   record=await store.slot_state(slot.slot_index))
 
 
 # -- the steps: each a named function of the run and the typed outputs it takes, its safety rule beside it ----
@@ -199,7 +201,7 @@ async def held_disk(run: ReleaseRun) -> DiskLease:
         return DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=held.nvme_device,
                          disk_identity=held.disk_identity)
     identity = await asyncio.to_thread(read_disk_identity, run.sh.discovered_root(), slot.nvme_device)
-    other = [lease for lease in run.store.leases() if lease.disk_identity == identity]
+    other = [lease for lease in await run.store.leases() if lease.disk_identity == identity]
     if other:
         raise ReleaseRefused(
             f"{slot.nvme_device} is the disk leased by allocation {other[0].allocation_id}: not wiped",
@@ -239,9 +241,9 @@ async def wipe(run: ReleaseRun, found: Found) -> Wiped:
         proof = await wipe_leased_disk(run, found, disk_lease)
     except AgentError as exc:
         if exc.code == "wipe_unverified":
-            run.store.record_wipe_proof(run.slot.slot_index, WipeProof.from_wire(exc.evidence))
+            await run.store.record_wipe_proof(run.slot.slot_index, WipeProof.from_wire(exc.evidence))
         raise
-    run.store.record_wipe_proof(run.slot.slot_index, proof)
+    await run.store.record_wipe_proof(run.slot.slot_index, proof)
     return Wiped(proof)
 
 
@@ -250,8 +252,8 @@ async def lease_release(run: ReleaseRun) -> dict:
     if not run.owns_disk:
         return {"skipped": "no lease"}
     # Only this slot: the allocation's other slots keep their leases until their own disks are wiped.
-    released = run.store.release_slot_lease(run.alloc, run.slot.slot_index)
-    run.store.clear_slot_state(run.slot.slot_index)
+    released = await run.store.release_slot_lease(run.alloc, run.slot.slot_index)
+    await run.store.clear_slot_state(run.slot.slot_index)
     return {"released": [released.slot_index] if released else []}
 
 
@@ -278,17 +280,17 @@ def release_steps(run: ReleaseRun, outputs: dict[str, Any] | None = None) -> lis
 
 
 async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
-    store = ctx.store
+    store = as_store_thread(ctx.store)
     slot = payload.slot
     alloc = payload.allocation_id
 
     async with sh.slot_lock(slot.slot_index):
-        run = ReleaseRun.for_task(sh, payload, ctx)
+        run = await ReleaseRun.for_task(sh, payload, ctx)
         record = run.record
         if record is not None and record.allocation_id == alloc:
-            store.set_slot_state(record.model_copy(update={"status": SlotStatus.releasing, "task_id": run.task_id,
+            await store.set_slot_state(record.model_copy(update={"status": SlotStatus.releasing, "task_id": run.task_id,
                                                            "updated_at": time.time()}))
-        earlier_release = released_before(store, run.task_id)  # this task's own earlier run, before this one journals
+        earlier_release = await store.run(released_before, run.task_id)  # this task's own earlier run, before this one journals
         typed: dict[str, Any] = {}
         try:
             outputs = await run_pipeline(ctx, release_steps(run, typed))
@@ -296,9 +298,9 @@ async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
             # Past "find" the slot is half torn down and its disk not proven empty: blocked, never available.
             if run.owns_disk and failure.failed_step != "find":
                 detail = {"failed_step": failure.failed_step, "code": failure.code, "evidence": failure.evidence}
-                store.set_slot_state(SlotRecord(slot_index=slot.slot_index, allocation_id=alloc,
-                                                status=SlotStatus.cleanup_blocked, health_state=HealthState.failed,
-                                                detail=detail, task_id=run.task_id, updated_at=time.time()))
+                await store.set_slot_state(SlotRecord(
+                    slot_index=slot.slot_index, allocation_id=alloc, status=SlotStatus.cleanup_blocked,
+                    health_state=HealthState.failed, detail=detail, task_id=run.task_id, updated_at=time.time()))
                 ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.cleanup_blocked, HealthState.failed, detail))
             raise
     found: Found = typed["find"]
@@ -310,7 +312,7 @@ async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
     elif earlier_release:
         # An earlier run of this very task wiped, verified and released the slot, then the agent died
         # before its result was stored: the answer is still "available", with that run's proof.
-        earlier = store.latest_wipe_proof(slot.slot_index)
+        earlier = await store.latest_wipe_proof(slot.slot_index)
         proof = earlier.model_dump(mode="json") if earlier is not None else {}
         ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.available, HealthState.healthy,
                                           {"wipe_proof": proof, "released_by_earlier_run": True}))
@@ -340,16 +342,17 @@ async def recover_release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> d
     """The worker's recovery of an interrupted release it will not run again (deadline passed, or poison):
     no new side effect; a slot this allocation still holds is recorded ``cleanup_blocked`` (its disk is
     not proven empty), so reconcile names it and the next release finishes it."""
-    store, slot, alloc = ctx.store, payload.slot, payload.allocation_id
+    store, slot, alloc = as_store_thread(ctx.store), payload.slot, payload.allocation_id
     async with sh.slot_lock(slot.slot_index):
-        holds = any(lease.allocation_id == alloc and lease.slot_index == slot.slot_index for lease in store.leases())
-        record = store.slot_state(slot.slot_index)
+        holds = any(lease.allocation_id == alloc and lease.slot_index == slot.slot_index
+                    for lease in await store.leases())
+        record = await store.slot_state(slot.slot_index)
         if not holds and (record is None or record.allocation_id != alloc):
             return {"interrupted": True, "slot": "not held by this allocation"}
         detail = {"code": "release_interrupted", "unfinished_steps": ctx.resumed_steps}
-        store.set_slot_state(SlotRecord(slot_index=slot.slot_index, allocation_id=alloc,
-                                        status=SlotStatus.cleanup_blocked, health_state=HealthState.failed,
-                                        detail=detail, task_id=ctx.envelope.task_id, updated_at=time.time()))
+        await store.set_slot_state(SlotRecord(slot_index=slot.slot_index, allocation_id=alloc,
+                                              status=SlotStatus.cleanup_blocked, health_state=HealthState.failed,
+                                              detail=detail, task_id=ctx.envelope.task_id, updated_at=time.time()))
         ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.cleanup_blocked, HealthState.failed, detail))
         return {"interrupted": True, "slot": "cleanup_blocked"}
 

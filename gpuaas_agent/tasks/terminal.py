@@ -55,7 +55,8 @@ from gpuaas_agent.deploy import relaykey
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host import sshrelay
 from gpuaas_agent.logs import log_event
-from gpuaas_agent.state.store import StateError, StateStore
+from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.state.store import StateError
 from gpuaas_agent.tasks.power import PowerRefused, admit, check_domain
 
 if TYPE_CHECKING:
@@ -99,16 +100,17 @@ class TerminalRelay:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def _admit_slot(self, store: StateStore, payload) -> None:
+    async def _admit_slot(self, state: StoreThread, payload) -> None:
         try:
-            admit(store, payload)
+            await state.run(admit, payload)
         except PowerRefused as exc:
             raise _refused(exc) from None
 
-    def _claim(self, store: StateStore, payload: TerminalOpenPayload) -> None:
-        """Session id unused, the slice's and node's limits not reached: the session's place is taken."""
+    def _claim(self, known: TerminalAudit | None, payload: TerminalOpenPayload) -> None:
+        """Session id unused (``known``: the store's row of it, read before), the slice's and node's limits
+        not reached: the session's place is taken (no await in here: the check and the claim are one step)."""
         sid = payload.session_id
-        if sid in self.sessions or sid in self._opening or store.terminal_session(sid) is not None:
+        if sid in self.sessions or sid in self._opening or known is not None:
             raise TerminalRefused(f"terminal session {sid} was already used on this host", code="session_exists",
                                   evidence={"session_id": sid})
         mine = (payload.allocation_id, payload.slot_index)
@@ -178,20 +180,20 @@ class TerminalRelay:
     # -- open ----------------------------------------------------------------------------------
 
     async def open(self, payload: TerminalOpenPayload, ctx) -> dict:
-        store: StateStore = ctx.store
-        stale = store.close_stale_terminal_sessions(set(self.sessions) | set(self._opening),
-                                                    reason=CloseReason.agent_restarted.value)
+        store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
+        stale = await store.close_stale_terminal_sessions(set(self.sessions) | set(self._opening),
+                                                          reason=CloseReason.agent_restarted.value)
         if stale:
             log_event(log, "terminal_sessions_closed_stale", logging.WARNING, session_ids=stale,
                       reason=CloseReason.agent_restarted.value)
-        self._admit_slot(store, payload)
-        self._claim(store, payload)
+        await self._admit_slot(store, payload)
+        self._claim(await store.terminal_session(payload.session_id), payload)
         pty = None
         try:
             await self._running_domain(payload)
             host, port = await self._target(payload)
             client_key = await asyncio.to_thread(self._client_key)
-            pin = store.host_key_pin(payload.allocation_id)
+            pin = await store.host_key_pin(payload.allocation_id)
             cfg = self.config
             pty = await sshrelay.open_pty(
                 host, port, payload.user, client_key, pinned=pin.public_key if pin else None, term=payload.term,
@@ -201,7 +203,7 @@ class TerminalRelay:
             pinned: Literal["first_use", "matched"] = "matched"
             if pin is None:
                 pinned = "first_use"
-                held = store.pin_host_key(HostKeyPin(
+                held = await store.pin_host_key(HostKeyPin(
                     allocation_id=payload.allocation_id, slot_index=payload.slot_index, target_host=host,
                     public_key=offered, fingerprint=pty.host_key_fingerprint, pinned_at=time.time()))
                 if held.public_key != offered:  # another session pinned another key meanwhile
@@ -215,13 +217,13 @@ class TerminalRelay:
                 requested_by=payload.requested_by, user=payload.user, target_host=host, target_port=port,
                 host_key_fingerprint=pty.host_key_fingerprint, open_task_id=ctx.envelope.task_id, opened_at=now)
             try:
-                store.record_terminal_open(audit)
+                await store.record_terminal_open(audit)
             except StateError as exc:
                 raise TerminalRefused(exc.message, code=exc.code, evidence=exc.evidence) from None
             session = TerminalSession(
                 ctx.nc, ctx.node_id, payload.session_id, pty, self.flow,
                 on_closed=self._closed_callback(store), recheck=self._recheck_callback(store, payload),
-                on_tick=lambda s: store.record_terminal_bytes(s.session_id, s.counters.bytes_in, s.counters.out_sent))
+                on_tick=self._tick_callback(store))
             self.sessions[payload.session_id] = _Live(session=session, audit=audit)
             pty = None  # the session owns it now: a failure from here closes the session (and audits it)
             try:
@@ -249,12 +251,19 @@ class TerminalRelay:
             max_frame_bytes=cfg.max_frame_bytes, idle_timeout_s=cfg.idle_timeout_s, max_session_s=cfg.max_session_s,
             opened_at=datetime.fromtimestamp(now, UTC)).model_dump(mode="json")
 
-    def _closed_callback(self, store: StateStore):
+    @staticmethod
+    def _tick_callback(store: StoreThread):
+        async def tick(session: TerminalSession) -> None:
+            await store.record_terminal_bytes(session.session_id, session.counters.bytes_in, session.counters.out_sent)
+
+        return tick
+
+    def _closed_callback(self, store: StoreThread):
         async def closed(session: TerminalSession) -> None:
             live = self.sessions.pop(session.session_id, None)
             final = session.final
             assert final is not None
-            row = store.record_terminal_close(session.session_id, reason=final.reason.value, detail=final.detail,
+            row = await store.record_terminal_close(session.session_id, reason=final.reason.value, detail=final.detail,
                                               bytes_in=final.totals.bytes_in, bytes_out=final.totals.bytes_out)
             audit = row or (live.audit if live else None)
             log_event(log, "terminal_closed",
@@ -267,10 +276,10 @@ class TerminalRelay:
 
         return closed
 
-    def _recheck_callback(self, store: StateStore, payload: TerminalOpenPayload):
+    def _recheck_callback(self, store: StoreThread, payload: TerminalOpenPayload):
         async def recheck() -> str | None:
             try:
-                admit(store, payload)
+                await store.run(admit, payload)
             except PowerRefused as exc:
                 return f"{exc.code}: {exc.message}"
             return None
@@ -279,11 +288,11 @@ class TerminalRelay:
 
     # -- the session's other tasks ---------------------------------------------------------------
 
-    def _live(self, store: StateStore, session_id: str, allocation_id: str) -> _Live:
+    async def _live(self, store: StoreThread, session_id: str, allocation_id: str) -> _Live:
         live = self.sessions.get(session_id)
         if live is not None and live.audit.allocation_id == allocation_id:
             return live
-        row = store.terminal_session(session_id)
+        row = await store.terminal_session(session_id)
         if row is not None and row.allocation_id == allocation_id and row.closed_at is not None:
             raise SessionClosed(f"terminal session {session_id} is closed ({row.close_reason.value})",
                                 evidence={"session_id": session_id, "reason": row.close_reason.value})
@@ -293,7 +302,7 @@ class TerminalRelay:
                                                                   "allocation_id": allocation_id})
 
     async def data(self, payload: TerminalDataPayload, ctx) -> dict:
-        live = self._live(ctx.store, payload.session_id, payload.allocation_id)
+        live = await self._live(as_store_thread(ctx.store), payload.session_id, payload.allocation_id)
         raw = payload.raw
         if len(raw) > self.config.max_frame_bytes:
             raise TerminalRefused(f"{len(raw)} bytes of input, more than max_frame_bytes {self.config.max_frame_bytes}",
@@ -304,22 +313,22 @@ class TerminalRelay:
                                   totals=live.session.totals).model_dump(mode="json")
 
     async def resize(self, payload: TerminalResizePayload, ctx) -> dict:
-        live = self._live(ctx.store, payload.session_id, payload.allocation_id)
+        live = await self._live(as_store_thread(ctx.store), payload.session_id, payload.allocation_id)
         live.session.resize(payload.cols, payload.rows)
         log_event(log, "terminal_resized", session_id=payload.session_id, cols=payload.cols, rows=payload.rows)
         return TerminalResizeResult(session_id=payload.session_id, cols=payload.cols,
                                     rows=payload.rows).model_dump(mode="json")
 
     async def close(self, payload: TerminalClosePayload, ctx) -> dict:
-        store: StateStore = ctx.store
+        store = as_store_thread(ctx.store)
         try:
-            live = self._live(store, payload.session_id, payload.allocation_id)
+            live = await self._live(store, payload.session_id, payload.allocation_id)
         except SessionClosed:
-            row = store.terminal_session(payload.session_id)
+            row = await store.terminal_session(payload.session_id)
             assert row is not None
             return row.model_dump(mode="json")  # closed before: its audit record, nothing else to do
         await live.session.close(CloseReason.client_closed, f"slice.terminal_close task {ctx.envelope.task_id}")
-        row = store.terminal_session(payload.session_id)
+        row = await store.terminal_session(payload.session_id)
         assert row is not None
         return row.model_dump(mode="json")
 

@@ -169,10 +169,10 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
     ctx = _ctx_for(store, "t-crash")
     run = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash", ctx=ctx)
-    steps = interrupted_run(run)
+    steps = asyncio.run(interrupted_run(run))
     assert steps == names[:names.index(reached) + 1]
     if reached in RESTARTABLE:
-        check_admissible(run)  # the fresh run may go ahead (provision() marks a started clone disk_written_before)
+        asyncio.run(check_admissible(run))  # the fresh run may go ahead (provision() marks a started clone disk_written_before)
         assert store.slot_state(0).status is SlotStatus.provisioning
     else:
         (tmp_path / "seeds").mkdir()
@@ -187,7 +187,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
     other = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-other",
                          ctx=_ctx_for(store, "t-other"))
     with pytest.raises(ProvisionRefused) as info:
-        check_admissible(other)
+        asyncio.run(check_admissible(other))
     assert info.value.code == ("already_provisioned" if reached in RESTARTABLE else "slot_cleanup_blocked")
     asyncio.run(sh.close())
     store.close()
