@@ -29,6 +29,8 @@ import sys
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from systemd import journal
+
 JOURNAL_SOCKET = "/run/systemd/journal/socket"  # libsystemd's own, fixed path
 SYSLOG_IDENTIFIER = "gpuaas-agent"
 _FIELD_BAD = re.compile(r"[^A-Z0-9_]")
@@ -148,7 +150,6 @@ class JournalHandler(logging.Handler):
 
     def __init__(self, fallback: logging.Handler) -> None:
         super().__init__()
-        from systemd import journal  # libsystemd binding; imported only where journald is in use
 
         self._send = journal.send
         self._fallback = fallback

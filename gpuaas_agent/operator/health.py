@@ -24,6 +24,7 @@ A check that raises is ``unavailable`` with the error, not a crash of the loop.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import posixpath
@@ -35,12 +36,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import libvirt
+
 from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.discovery.netevidence import NetTarget, judge_dnsmasq, read_dnsmasq_evidence, read_network_evidence
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.run import run
 from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.operator import nvml
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +97,6 @@ def _check(name: str, status: str, detail: str) -> HealthCheck:
 
 def network_checks(settings: HealthSettings) -> list[HealthCheck]:
     """Bridge + gateway, NAT and ip_forward from one read of the slice network evidence (blocking)."""
-    import ipaddress
-
-    from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
 
     host = HostRoot.open(settings.network_root or settings.host_root)
     target = NetTarget(subnet=ipaddress.IPv4Network(settings.subnet), ovs_bridge=settings.ovs_bridge,
@@ -127,8 +129,6 @@ def network_checks(settings: HealthSettings) -> list[HealthCheck]:
 
 def dnsmasq_check(settings: HealthSettings) -> HealthCheck:
     """A running dnsmasq reads the agent's hosts file and is the pid a reload signals (blocking)."""
-    from gpuaas_agent.discovery.netevidence import judge_dnsmasq, read_dnsmasq_evidence
-
     host = HostRoot.open(settings.network_root or settings.host_root)
     ev = read_dnsmasq_evidence(host, settings.dnsmasq_hosts_file, settings.dnsmasq_pid_file)
     finding = judge_dnsmasq(ev)
@@ -140,8 +140,6 @@ def dnsmasq_check(settings: HealthSettings) -> HealthCheck:
 
 def libvirtd_check(settings: HealthSettings) -> HealthCheck:
     """A read-only connection to the configured libvirt URI opens and answers (blocking)."""
-    import libvirt
-
     libvirt.registerErrorHandler(lambda _ctx, _err: None, None)  # errors are returned, not printed
     try:
         conn = libvirt.openReadOnly(settings.libvirt_uri)
@@ -311,8 +309,6 @@ def gpu_nvml_check(settings: HealthSettings, source=None) -> HealthCheck:
     ``settings.nvml_fixture``: judge a recorded reading instead of the live NVML (tests, lab).
     A recorded root without one is ``unavailable``; so is a live host without the driver.
     """
-    from gpuaas_agent.operator import nvml
-
     if settings.nvml_fixture is not None:
         try:
             reading = nvml.load_reading(settings.nvml_fixture)

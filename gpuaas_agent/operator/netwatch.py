@@ -38,6 +38,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.drift import (
     DriftFinding,
     DriftKind,
@@ -242,9 +243,7 @@ def serialized(fn: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[ob
 def start_netwatch(config, reporter, nc, node_id: str, isolation: Probe | None,
                    repair: Callable[[], Awaitable[object]] | None = None) -> asyncio.Task:
     """The daemon's hook: the watch as a background task publishing on the node's drift subject."""
-    from gpuaas_agent.control.uevent_watch import drift_subject
-
     watch = NetWatch(HealthSettings.from_config(config), reporter, interval_s=config.netwatch_interval_s,
-                     node_id=node_id, isolation=isolation, publish=nc.publish, subject=drift_subject(node_id),
+                     node_id=node_id, isolation=isolation, publish=nc.publish, subject=subjects.drift(node_id),
                      repair=repair)
     return asyncio.create_task(watch.run(), name="netwatch")
