@@ -393,7 +393,7 @@ class CheckThreads:
 THREADS = CheckThreads()
 
 
-async def _guarded(name: str, work: Callable[[], object], *, timeout_s: float = CHECK_TIMEOUT_S,
+async def guarded_check(name: str, work: Callable[[], object], *, timeout_s: float = CHECK_TIMEOUT_S,
                    threads: CheckThreads = THREADS) -> list[HealthCheck]:
     """One check in a daemon thread under a deadline; what it raises becomes ``unavailable`` with the reason."""
     since = threads.stuck_since(name)
@@ -418,13 +418,13 @@ async def run_checks(settings: HealthSettings, leases: list[SlotLease], records:
             return [_check("nvme_smart", "unavailable", f"check raised {type(exc).__name__}: {exc}")]
 
     rounds = await asyncio.gather(
-        _guarded("slice_network", lambda: network_checks(settings)),
-        _guarded("dnsmasq", lambda: dnsmasq_check(settings)),
-        _guarded("libvirtd", lambda: libvirtd_check(settings)),
-        _guarded("slot_disks", lambda: slot_disk_check(settings, leases)),
-        _guarded("vfio_binding", lambda: vfio_check(settings, leases, records)),
-        _guarded("pcie_aer", lambda: pcie_aer_check(settings)),
-        _guarded("gpu_nvml", lambda: gpu_nvml_check(settings)),
+        guarded_check("slice_network", lambda: network_checks(settings)),
+        guarded_check("dnsmasq", lambda: dnsmasq_check(settings)),
+        guarded_check("libvirtd", lambda: libvirtd_check(settings)),
+        guarded_check("slot_disks", lambda: slot_disk_check(settings, leases)),
+        guarded_check("vfio_binding", lambda: vfio_check(settings, leases, records)),
+        guarded_check("pcie_aer", lambda: pcie_aer_check(settings)),
+        guarded_check("gpu_nvml", lambda: gpu_nvml_check(settings)),
         nvme(),
     )
     return sorted((c for group in rounds for c in group), key=lambda c: c.name)

@@ -51,8 +51,8 @@ from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
     HealthSettings,
-    _guarded,
     dnsmasq_check,
+    guarded_check,
     network_checks,
 )
 
@@ -137,8 +137,8 @@ class NetWatch:
 
     async def checks(self) -> list[HealthCheck]:
         """The watched checks once, concurrently; a broken one is ``unavailable`` with its reason."""
-        jobs = [_guarded("slice_network", lambda: network_checks(self.settings)),
-                _guarded("dnsmasq", lambda: dnsmasq_check(self.settings))]
+        jobs = [guarded_check("slice_network", lambda: network_checks(self.settings)),
+                guarded_check("dnsmasq", lambda: dnsmasq_check(self.settings))]
         if self.isolation is not None:
             jobs.append(self._isolation())
         return [c for group in await asyncio.gather(*jobs) for c in group]

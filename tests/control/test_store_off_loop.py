@@ -19,7 +19,8 @@ import threading
 import time
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from tests.control.test_daemon import AgentProcess, _enrolled_setup, _env, _run, agents  # noqa: F401  (fixture)
+from tests.support.agent_process import AgentProcess, agent_env, enrolled_setup
+from tests.support.deadline import run_bounded
 
 INTERVAL_S = 0.5  # the daemon's heartbeat_interval_s (test_daemon's setup)
 HOLD_S = 4.0  # how long the other connection holds the write lock
@@ -80,13 +81,13 @@ class LockHolder:
 
 
 def test_heartbeats_keep_their_interval_while_another_process_holds_the_state_write_lock(
-        nats_server, tmp_path, agents):  # noqa: F811  (the fixture imported above)
+        nats_server, tmp_path, agents):
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, heartbeat_interval_s=INTERVAL_S)
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path, heartbeat_interval_s=INTERVAL_S)
         holder = None
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(), tmp_path / "agent.log")
+                                 agent_env(), tmp_path / "agent.log")
             agents.append(agent.start())
             await plane.wait_for(lambda s: s.heartbeats[:2] if len(s.heartbeats) >= 2 else None, timeout=60)
 
@@ -118,4 +119,4 @@ def test_heartbeats_keep_their_interval_while_another_process_holds_the_state_wr
                 await asyncio.to_thread(holder.stop)
             await plane.close()
 
-    _run(body())
+    run_bounded(body())

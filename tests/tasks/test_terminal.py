@@ -45,7 +45,7 @@ from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.terminal import relay_of, terminal_handler
-from tests.control.conftest import NatsServer, free_port
+from tests.support.nats_server import NatsServer, free_port
 from tests.terminal_gateway import Gateway as _Gateway
 
 URI = "test:///default"
