@@ -20,10 +20,8 @@ import traceback
 from pathlib import Path
 
 from gpuaas_agent import __version__
-from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.exitcodes import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, exit_code_for
-from gpuaas_agent.hostfs import HostRoot
 
 DEFAULT_CONFIG = Path("/etc/gpuaas-agent/agent.toml")
 
@@ -144,6 +142,7 @@ def _print_human(report) -> None:
 def _cmd_discover(args: argparse.Namespace) -> int:
     from gpuaas_agent.discovery.report import discover
     from gpuaas_agent.discovery.slots import PlanConfig
+    from gpuaas_agent.hostfs import HostRoot
 
     report = discover(HostRoot.open(args.root), PlanConfig(subnet=args.subnet, ovs_bridge=args.ovs_bridge))
     if args.json:
@@ -160,6 +159,7 @@ def _cmd_parity(args: argparse.Namespace) -> int:
     from gpuaas_agent.contract.runtime import get_profile
     from gpuaas_agent.discovery.netevidence import NetTarget
     from gpuaas_agent.discovery.prereqs import SocketPaths
+    from gpuaas_agent.hostfs import HostRoot
     from gpuaas_agent.tasks.preflight import build_parity_report
 
     sockets = SocketPaths.from_env()
@@ -196,6 +196,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_record_fixture(args: argparse.Namespace) -> int:
     from gpuaas_agent.discovery.record import record_fixture, record_fixture_archive
+    from gpuaas_agent.hostfs import HostRoot
 
     record = record_fixture_archive if args.archive else record_fixture
     manifest = record(HostRoot.open(args.root), args.out)
@@ -216,6 +217,7 @@ def _cmd_enroll(args: argparse.Namespace) -> int:
 
 
 def _cmd_cloud_init(args: argparse.Namespace) -> int:
+    from gpuaas_agent.atomicfile import write_atomic
     from gpuaas_agent.deploy.userdata import load_inputs, render_userdata
 
     text = render_userdata(load_inputs(args.inputs))
