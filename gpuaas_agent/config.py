@@ -7,8 +7,10 @@ and what was wrong with it.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
+import ssl
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from gpuaas_agent.compat import tomllib
 from gpuaas_agent.contract.egress import EgressTarget
 from gpuaas_agent.contract.nvmewipe import WipePolicy
+from gpuaas_agent.contract.runtime import PROFILES
 from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN
 from gpuaas_agent.errors import AgentError
@@ -32,12 +35,29 @@ class ConfigError(AgentError):
     default_code = "config_invalid"
 
 
-def _default_concurrency() -> dict[TaskType, int]:
-    # The task registry is the one source of the defaults. Imported here, not at the top: the task
-    # modules the registry names import this module (SliceConfig), so config cannot import them first.
-    from gpuaas_agent.tasks.registry import default_concurrency
+def tls_context(ca_bundle: Path | None = None) -> ssl.SSLContext:
+    """The TLS context of image downloads: the system store, or only the CAs in ``ca_bundle`` (PEM).
 
-    return default_concurrency()
+    The one place a CA bundle is read: the config refuses a bundle it cannot load, and the slice
+    drivers (``tasks/drivers.py``) build the image cache's context with it.
+    """
+    if ca_bundle is None:
+        return ssl.create_default_context()
+    context = ssl.create_default_context(cafile=str(ca_bundle))
+    if not context.get_ca_certs():
+        raise ValueError("no CA certificate in the file")
+    return context
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``"127.0.0.1:9464"`` -> (host, port); only loopback addresses (``/metrics`` has no auth)."""
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not host:port")
+    if not ipaddress.ip_address(host).is_loopback:
+        raise ValueError(f"{host} is not a loopback address: /metrics has no authentication")
+    return host, int(port)
 
 
 class TerminalConfig(BaseModel):
@@ -142,8 +162,6 @@ class SliceConfig(BaseModel):
     @field_validator("wipe_policies")
     @classmethod
     def _wipe_profiles_known(cls, policies: dict[str, WipePolicy]) -> dict[str, WipePolicy]:
-        from gpuaas_agent.contract.runtime import PROFILES
-
         unknown = sorted(set(policies) - set(PROFILES))
         if unknown:
             raise ValueError(f"no runtime profile called {', '.join(unknown)} (known: {', '.join(sorted(PROFILES))})")
@@ -162,7 +180,6 @@ class SliceConfig(BaseModel):
     @classmethod
     def _ca_bundle_loads(cls, path: Path | None) -> Path | None:
         if path is not None:
-            from gpuaas_agent.host.httpfetch import tls_context  # the one place a bundle is read
             try:
                 tls_context(path)
             except (OSError, ValueError) as exc:
@@ -193,7 +210,8 @@ class AgentConfig(BaseModel):
     # In the state dir, not /etc: the unit's ProtectSystem=strict keeps /etc read-only, and the
     # agent must delete the token after enrolling. cloud-init writes it there, root 0600.
     token_file: Path = DEFAULT_STATE_DIR / "bootstrap-token"
-    concurrency: dict[TaskType, PositiveInt] = Field(default_factory=_default_concurrency)
+    # None: the task registry's defaults (tasks/registry.py concurrency_for); a table replaces them whole.
+    concurrency: dict[TaskType, PositiveInt] | None = None
     heartbeat_interval_s: float = Field(default=15.0, gt=0)
     reconcile_interval_s: float = Field(default=300.0, gt=0)
     # Rediscover on device events (block/pci/net) and publish drift on gpuaas.node.<node>.drift.
@@ -280,8 +298,6 @@ class AgentConfig(BaseModel):
     @classmethod
     def _metrics_loopback(cls, value: str) -> str:
         if value:
-            from gpuaas_agent.operator.metrics import parse_listen
-
             parse_listen(value)
         return value
 

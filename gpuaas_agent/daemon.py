@@ -85,7 +85,8 @@ from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boo
 from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
-from gpuaas_agent.tasks.registry import build_handlers
+from gpuaas_agent.tasks.registry import build_handlers, concurrency_for
+from systemd import daemon
 
 log = logging.getLogger("gpuaas_agent.daemon")
 
@@ -112,7 +113,6 @@ class SdNotifier:
         """``notify(READY=1, STATUS="...")``; returns False (and logs) when the message could not be sent."""
         if not self.enabled:
             return False
-        from systemd import daemon  # libsystemd binding
 
         payload = "\n".join(f"{k}={v}" for k, v in fields.items())
         try:
@@ -399,7 +399,7 @@ async def run_agent(
             reporter.stopping = True
             notifier.notify(STOPPING=1, STATUS="stopping: NATS never answered")
             return EXIT_OK  # stopped before the first connect
-        settings = WorkerSettings(concurrency=config.concurrency, keepalive_interval_s=config.keepalive_interval_s,
+        settings = WorkerSettings(concurrency=concurrency_for(config), keepalive_interval_s=config.keepalive_interval_s,
                                   ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
                                   max_task_deadline_s=config.max_task_deadline_s,
                                   max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,

@@ -30,6 +30,7 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from gpuaas_agent.compat import UTC
+from systemd import journal
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"  # libsystemd's own, fixed path
 SYSLOG_IDENTIFIER = "gpuaas-agent"
@@ -150,7 +151,6 @@ class JournalHandler(logging.Handler):
 
     def __init__(self, fallback: logging.Handler) -> None:
         super().__init__()
-        from systemd import journal  # libsystemd binding; imported only where journald is in use
 
         self._send = journal.send
         self._fallback = fallback

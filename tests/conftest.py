@@ -22,7 +22,9 @@ from lab.fixture_hosts import fixture_host, host_names, link_hosts, recorded_nam
 
 # The real-component fixtures every test module may ask for by name, without importing them (an imported
 # fixture is a redefinition to linters and hides which module a test really uses).
-pytest_plugins = ["tests.realdev", "tests.ovsdb_fixture", "tests.dnsmasq_fixture"]
+pytest_plugins = ["tests.realdev", "tests.ovsdb_fixture", "tests.dnsmasq_fixture", "tests.support.agent_process",
+                  "tests.support.nats_server", "tests.support.pipeline_ctx",
+                  "tests.support.image_server"]
 
 H200_FIXTURES = (
     "h200-slice-after-transition",

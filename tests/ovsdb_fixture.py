@@ -144,7 +144,7 @@ def _daemon(sw: OvsSwitch, name: str, argv: list[str]) -> None:
         out.close()
 
 
-def _root_netns_lock(timeout: float = 300.0):
+def root_netns_lock(timeout: float = 300.0):
     return host_lock(ROOT_NETNS_LOCK, timeout, poll_s=0.05)
 
 
@@ -161,7 +161,7 @@ def running_ovs(*, root_netns: bool = False) -> Iterator[OvsSwitch]:
     rundir = Path(tempfile.mkdtemp(prefix="ovs-", dir="/tmp"))
     netns = None if root_netns else f"gpuaas-ovs-{tag}"
     sw = OvsSwitch(rundir=rundir, bridge=f"tbr{tag}", netns=netns)
-    lock = _root_netns_lock() if root_netns else _nullcontext()
+    lock = root_netns_lock() if root_netns else _nullcontext()
     with lock:
         started = time.monotonic()
         try:

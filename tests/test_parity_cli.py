@@ -10,7 +10,7 @@ import pytest
 
 from gpuaas_agent.contract.parity import LINE_PREFIX, SUMMARY_PREFIX, parse_line
 from tests.conftest import REPO, fixture_host
-from tests.discovery.test_netevidence import MASQ, ns_exec, slice_namespace
+from tests.support.slice_netns import MASQ, ns_exec, slice_namespace
 
 AFTER = str(fixture_host("h200-slice-after-transition"))
 NAT_MISSING = str(fixture_host("h200-slice-nat-missing"))

@@ -30,6 +30,7 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.ovs import IfName
 from gpuaas_agent.contract.types import DATAPATH_TYPE_PATTERN
 from gpuaas_agent.errors import HostError
+from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.host.run import run
 
 DNSMASQ_CONF = Path("/etc/dnsmasq.d/gpuaas-slice-network.conf")
@@ -160,8 +161,6 @@ class NetworkBaseline:
         return await run(["ip", *args], timeout=self.spec.command_timeout_s, check=check)
 
     async def _bridge(self) -> None:
-        from gpuaas_agent.host.ovs import OvsDriver
-
         def ensure():
             driver = OvsDriver(self.spec.ovs_remote, timeout_s=self.spec.command_timeout_s)
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from gpuaas_agent.contract.topology import GpuDevice, GpuEnrichment
 
 
-def _normalise_bus_id(bus_id: str | bytes) -> str:
+def normalise_bus_id(bus_id: str | bytes) -> str:
     """NVML prints ``00000000:18:00.0``; sysfs ``0000:18:00.0``."""
     text = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
     domain, rest = text.lower().split(":", 1)
@@ -34,7 +34,7 @@ def enrich(gpus: list[GpuDevice], live: bool) -> tuple[list[GpuDevice], GpuEnric
         found = {}
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            address = _normalise_bus_id(pynvml.nvmlDeviceGetPciInfo(handle).busId)
+            address = normalise_bus_id(pynvml.nvmlDeviceGetPciInfo(handle).busId)
             name = pynvml.nvmlDeviceGetName(handle)
             uuid = pynvml.nvmlDeviceGetUUID(handle)
             found[address] = dict(

@@ -20,6 +20,7 @@ from gpuaas_agent.contract.parity import DnsmasqEvidence, ParityCheck, ParitySta
 from gpuaas_agent.contract.runtime import RuntimeProfile
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.discovery.netevidence import IPOIB_NETPLAN, TMFIFO, judge_dnsmasq, running_processes
+from gpuaas_agent.discovery.ovmf import OvmfNotFoundError, find_ovmf
 from gpuaas_agent.hostfs import HostRoot
 
 PASS, WARN, FAIL = ParityStatus.PASS, ParityStatus.WARN, ParityStatus.FAIL
@@ -153,8 +154,6 @@ def check_sriov(host: HostRoot) -> ParityCheck:
 
 def check_ovmf(host: HostRoot) -> ParityCheck:
     """The pair the define step will use (``find_ovmf``: firmware descriptors, then well-known files)."""
-    from gpuaas_agent.discovery.ovmf import OvmfNotFoundError, find_ovmf
-
     try:
         fw = find_ovmf(host)
     except OvmfNotFoundError as exc:

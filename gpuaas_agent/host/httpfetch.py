@@ -26,7 +26,6 @@ import re
 import ssl
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from urllib.parse import urljoin
 
 import httpx
@@ -40,16 +39,6 @@ DEFAULT_BACKOFF_S = 0.5
 CONNECT_TIMEOUT_S = 30.0
 RETRY_STATUSES = (502, 503, 504)
 CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
-
-
-def tls_context(ca_bundle: Path | None = None) -> ssl.SSLContext:
-    """The TLS context of image downloads: the system store, or only the CAs in ``ca_bundle`` (PEM)."""
-    if ca_bundle is None:
-        return ssl.create_default_context()
-    context = ssl.create_default_context(cafile=str(ca_bundle))
-    if not context.get_ca_certs():
-        raise ValueError("no CA certificate in the file")
-    return context
 
 
 class HttpSource:

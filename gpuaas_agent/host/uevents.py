@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import get_args
 
+import pyudev
+
 from gpuaas_agent.contract.drift import Uevent
 from gpuaas_agent.errors import HostError
 from gpuaas_agent.logs import log_event
@@ -148,8 +150,6 @@ class UeventMonitor:
         if self.source is None:
             self.source = choose_source(self.control_socket)
         try:
-            import pyudev  # libudev is loaded here, not at agent import
-
             monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=self.source.value)
             for subsystem in self.subsystems:
                 monitor.filter_by(subsystem)  # a socket filter: other subsystems never wake the loop

@@ -24,6 +24,7 @@ A check that raises is ``unavailable`` with the error, not a crash of the loop.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import posixpath
@@ -35,13 +36,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import libvirt
+
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.discovery.netevidence import NetTarget, judge_dnsmasq, read_dnsmasq_evidence, read_network_evidence
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.run import run
 from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.operator import nvml
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +98,6 @@ def _check(name: str, status: str, detail: str) -> HealthCheck:
 
 def network_checks(settings: HealthSettings) -> list[HealthCheck]:
     """Bridge + gateway, NAT and ip_forward from one read of the slice network evidence (blocking)."""
-    import ipaddress
-
-    from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
 
     host = HostRoot.open(settings.network_root or settings.host_root)
     target = NetTarget(subnet=ipaddress.IPv4Network(settings.subnet), ovs_bridge=settings.ovs_bridge,
@@ -128,8 +130,6 @@ def network_checks(settings: HealthSettings) -> list[HealthCheck]:
 
 def dnsmasq_check(settings: HealthSettings) -> HealthCheck:
     """A running dnsmasq reads the agent's hosts file and is the pid a reload signals (blocking)."""
-    from gpuaas_agent.discovery.netevidence import judge_dnsmasq, read_dnsmasq_evidence
-
     host = HostRoot.open(settings.network_root or settings.host_root)
     ev = read_dnsmasq_evidence(host, settings.dnsmasq_hosts_file, settings.dnsmasq_pid_file)
     finding = judge_dnsmasq(ev)
@@ -141,8 +141,6 @@ def dnsmasq_check(settings: HealthSettings) -> HealthCheck:
 
 def libvirtd_check(settings: HealthSettings) -> HealthCheck:
     """A read-only connection to the configured libvirt URI opens and answers (blocking)."""
-    import libvirt
-
     libvirt.registerErrorHandler(lambda _ctx, _err: None, None)  # errors are returned, not printed
     try:
         conn = libvirt.openReadOnly(settings.libvirt_uri)
@@ -312,8 +310,6 @@ def gpu_nvml_check(settings: HealthSettings, source=None) -> HealthCheck:
     ``settings.nvml_fixture``: judge a recorded reading instead of the live NVML (tests, lab).
     A recorded root without one is ``unavailable``; so is a live host without the driver.
     """
-    from gpuaas_agent.operator import nvml
-
     if settings.nvml_fixture is not None:
         try:
             reading = nvml.load_reading(settings.nvml_fixture)
@@ -398,7 +394,7 @@ class CheckThreads:
 THREADS = CheckThreads()
 
 
-async def _guarded(name: str, work: Callable[[], object], *, timeout_s: float = CHECK_TIMEOUT_S,
+async def guarded_check(name: str, work: Callable[[], object], *, timeout_s: float = CHECK_TIMEOUT_S,
                    threads: CheckThreads = THREADS) -> list[HealthCheck]:
     """One check in a daemon thread under a deadline; what it raises becomes ``unavailable`` with the reason."""
     since = threads.stuck_since(name)
@@ -423,13 +419,13 @@ async def run_checks(settings: HealthSettings, leases: list[SlotLease], records:
             return [_check("nvme_smart", "unavailable", f"check raised {type(exc).__name__}: {exc}")]
 
     rounds = await asyncio.gather(
-        _guarded("slice_network", lambda: network_checks(settings)),
-        _guarded("dnsmasq", lambda: dnsmasq_check(settings)),
-        _guarded("libvirtd", lambda: libvirtd_check(settings)),
-        _guarded("slot_disks", lambda: slot_disk_check(settings, leases)),
-        _guarded("vfio_binding", lambda: vfio_check(settings, leases, records)),
-        _guarded("pcie_aer", lambda: pcie_aer_check(settings)),
-        _guarded("gpu_nvml", lambda: gpu_nvml_check(settings)),
+        guarded_check("slice_network", lambda: network_checks(settings)),
+        guarded_check("dnsmasq", lambda: dnsmasq_check(settings)),
+        guarded_check("libvirtd", lambda: libvirtd_check(settings)),
+        guarded_check("slot_disks", lambda: slot_disk_check(settings, leases)),
+        guarded_check("vfio_binding", lambda: vfio_check(settings, leases, records)),
+        guarded_check("pcie_aer", lambda: pcie_aer_check(settings)),
+        guarded_check("gpu_nvml", lambda: gpu_nvml_check(settings)),
         nvme(),
     )
     return sorted((c for group in rounds for c in group), key=lambda c: c.name)

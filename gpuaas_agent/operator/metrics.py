@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuaas_agent import compat
 from gpuaas_agent.atomicfile import write_atomic
+from gpuaas_agent.config import parse_listen
 from gpuaas_agent.contract.tasks import HealthCheck, TaskType
 from gpuaas_agent.logs import log_event
 
@@ -155,17 +155,6 @@ class AgentMetrics:
         """node-exporter's textfile collector reads ``*.prom`` files whole: write it atomically (not durably:
         it is rewritten every heartbeat)."""
         write_atomic(Path(path), self.render(), mode=0o644, durable=False)
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """``"127.0.0.1:9464"`` -> (host, port); only loopback addresses (the endpoint has no auth)."""
-    host, sep, port = value.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{value!r} is not host:port")
-    if not ipaddress.ip_address(host).is_loopback:
-        raise ValueError(f"{host} is not a loopback address: /metrics has no authentication")
-    return host, int(port)
 
 
 class MetricsServer:

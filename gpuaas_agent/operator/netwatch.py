@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from gpuaas_agent.compat import UTC
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.drift import (
     DriftFinding,
     DriftKind,
@@ -51,8 +52,8 @@ from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
     HealthSettings,
-    _guarded,
     dnsmasq_check,
+    guarded_check,
     network_checks,
 )
 
@@ -137,8 +138,8 @@ class NetWatch:
 
     async def checks(self) -> list[HealthCheck]:
         """The watched checks once, concurrently; a broken one is ``unavailable`` with its reason."""
-        jobs = [_guarded("slice_network", lambda: network_checks(self.settings)),
-                _guarded("dnsmasq", lambda: dnsmasq_check(self.settings))]
+        jobs = [guarded_check("slice_network", lambda: network_checks(self.settings)),
+                guarded_check("dnsmasq", lambda: dnsmasq_check(self.settings))]
         if self.isolation is not None:
             jobs.append(self._isolation())
         return [c for group in await asyncio.gather(*jobs) for c in group]
@@ -243,9 +244,7 @@ def serialized(fn: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[ob
 def start_netwatch(config, reporter, nc, node_id: str, isolation: Probe | None,
                    repair: Callable[[], Awaitable[object]] | None = None) -> asyncio.Task:
     """The daemon's hook: the watch as a background task publishing on the node's drift subject."""
-    from gpuaas_agent.control.uevent_watch import drift_subject
-
     watch = NetWatch(HealthSettings.from_config(config), reporter, interval_s=config.netwatch_interval_s,
-                     node_id=node_id, isolation=isolation, publish=nc.publish, subject=drift_subject(node_id),
+                     node_id=node_id, isolation=isolation, publish=nc.publish, subject=subjects.drift(node_id),
                      repair=repair)
     return asyncio.create_task(watch.run(), name="netwatch")

@@ -24,14 +24,21 @@ import urllib.parse
 from datetime import datetime
 from pathlib import Path
 
-from pydantic import Field
+import libvirt
+from pydantic import Field, ValidationError
 
 from gpuaas_agent import __version__
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.naming import domain_name
+from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.control.enroll import load_enrollment
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.dnsmasq import DnsmasqReservations
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, read_status
+from gpuaas_agent.operator.health import HealthSettings
+from gpuaas_agent.operator.health import run_checks as run_health
 
 EXIT_HEALTHY, EXIT_DEGRADED, EXIT_BROKEN = 0, 1, 3
 RECENT_FAILURES = 10
@@ -145,8 +152,6 @@ def read_state(path: Path) -> tuple[dict[int, SlotView], list[FailureView]]:
 
 def vm_states(uri: str, names: dict[int, str]) -> tuple[dict[int, str], str]:
     """Each slot's domain state through a read-only libvirt connection; (states, connection verdict)."""
-    import libvirt
-
     libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
     try:
         conn = libvirt.openReadOnly(uri)
@@ -170,8 +175,6 @@ def vm_states(uri: str, names: dict[int, str]) -> tuple[dict[int, str], str]:
 
 
 def _reserved_ips(config) -> dict[int, str]:
-    from gpuaas_agent.host.dnsmasq import DnsmasqReservations
-
     site = config.slice
     try:
         reservations = DnsmasqReservations(site.dnsmasq_hosts_file, site.subnet, site.gateway,
@@ -183,9 +186,6 @@ def _reserved_ips(config) -> dict[int, str]:
 
 def collect(config, *, run_checks: bool = True, now: float | None = None) -> StatusReport:
     """Everything the status command shows; never raises for a missing source, says so instead."""
-    from gpuaas_agent.contract.naming import domain_name
-    from gpuaas_agent.control.enroll import load_enrollment
-
     now = time.time() if now is None else now
     reasons: list[str] = []
     broken = False
@@ -238,11 +238,6 @@ def collect(config, *, run_checks: bool = True, now: float | None = None) -> Sta
 
     checks: list[HealthCheck] = []
     if run_checks:
-        from pydantic import ValidationError
-
-        from gpuaas_agent.contract.state import SlotLease, SlotRecord
-        from gpuaas_agent.operator.health import HealthSettings
-        from gpuaas_agent.operator.health import run_checks as run_health
 
         leases, records = [], []
         for s in slots.values():

@@ -41,7 +41,10 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import nats.errors
+
 from gpuaas_agent.compat import UTC
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.domain import DomainInfo
 from gpuaas_agent.contract.drift import (
     DriftFinding,
@@ -272,13 +275,9 @@ async def publish_boot_report(nc, node_id: str, report: DriftReport | None, time
     """The boot report on ``gpuaas.node.<node>.drift`` when it has findings (best effort, like the timer's)."""
     if report is None or not report.findings:
         return
-    import nats.errors
-
-    from gpuaas_agent.control.uevent_watch import drift_subject
-
     data = report.model_copy(update={"node_id": node_id}).model_dump_json().encode()
     try:
-        await nc.publish(drift_subject(node_id), data)
+        await nc.publish(subjects.drift(node_id), data)
         await nc.flush(timeout=timeout_s)
     except (nats.errors.Error, TimeoutError) as exc:
         log_event(log, "boot_report_publish_failed", logging.WARNING, error=repr(exc))

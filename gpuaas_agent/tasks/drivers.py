@@ -9,26 +9,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar, cast
 
-from gpuaas_agent.config import AgentConfig, SliceConfig
+from gpuaas_agent.config import AgentConfig, SliceConfig, tls_context
+from gpuaas_agent.contract.terminal import CloseReason
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
-from gpuaas_agent.host.httpfetch import tls_context
 from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.tasks.isolation import unisolate_port
 
-if TYPE_CHECKING:
-    from gpuaas_agent.tasks.terminal import TerminalRelay
-
 # Files QEMU opens (firmware) live on the machine the agent runs on, whatever host_root says:
 # on a recorded fixture (the lab) the sysfs is recorded but OVMF is this machine's.
 SYSTEM_ROOT = Path("/")
+
+
+class TerminalSessions(Protocol):
+    """What the drivers ask of the node's terminal relay (``tasks/terminal.py`` builds it and imports this
+    module; this module never imports it back): end every session, or the sessions into one slot."""
+
+    async def close_all(self, reason: CloseReason) -> int: ...
+
+    async def close_slot(self, allocation_id: str, slot_index: int, reason: CloseReason) -> int: ...
+
+
+RelayT = TypeVar("RelayT", bound=TerminalSessions)
 
 
 @dataclass
@@ -40,7 +49,7 @@ class SliceDrivers:
     # One provision per slot runs at a time, whatever the task ids say (two tasks for one slot race otherwise).
     _slot_locks: dict[int, asyncio.Lock] = field(default_factory=dict)
     # The node's live terminal sessions (slice.terminal_*), made on first use: one relay per daemon.
-    _terminals: TerminalRelay | None = None
+    _terminals: TerminalSessions | None = None
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> SliceDrivers:
@@ -107,18 +116,16 @@ class SliceDrivers:
         path.unlink(missing_ok=True)
         return {"removed": existed}
 
-    def terminals(self) -> TerminalRelay:
+    def terminals(self, make: Callable[[SliceDrivers], RelayT]) -> RelayT:
+        """The node's one terminal relay, made by ``make`` on first use (``tasks.terminal.relay_of``)."""
         if self._terminals is None:
-            from gpuaas_agent.tasks.terminal import TerminalRelay  # it imports this module
-
-            self._terminals = TerminalRelay(self)
-        return self._terminals
+            self._terminals = make(self)
+        return cast(RelayT, self._terminals)
 
     async def close_terminals(self) -> int:
         """End every live terminal session (agent shutdown): each is audited and told why."""
         if self._terminals is None:
             return 0
-        from gpuaas_agent.contract.terminal import CloseReason
 
         return await self._terminals.close_all(CloseReason.agent_shutdown)
 
@@ -126,7 +133,6 @@ class SliceDrivers:
         """End the terminal sessions into a slot that is being released (before its VM stops)."""
         if self._terminals is None:
             return 0
-        from gpuaas_agent.contract.terminal import CloseReason
 
         return await self._terminals.close_slot(allocation_id, slot_index, CloseReason.allocation_inactive)
 

@@ -10,10 +10,12 @@ may change), and reconcile calls it to repair a port whose rules drifted.
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from ipaddress import IPv4Address
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
 from gpuaas_agent.contract.isolation import (
     FlowState,
@@ -25,22 +27,29 @@ from gpuaas_agent.contract.isolation import (
 from gpuaas_agent.contract.ovs import OvsPort
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.nftguard import NftGuard
+from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.host.portflows import IsolationInputError, PortFlows, expected_flows, ovs_rundir, port_isolation
 
-if TYPE_CHECKING:
-    from gpuaas_agent.tasks.drivers import SliceDrivers
+
+class PortHost(Protocol):
+    """What isolation needs of the slice drivers (``tasks/drivers.py``, which calls :func:`unisolate_port`
+    from its ``unplug``): the slice's network settings and an ovsdb connection."""
+
+    slice: SliceConfig
+
+    def ovs(self) -> AbstractAsyncContextManager[OvsDriver]: ...
 
 
-def port_flows(sh: SliceDrivers) -> PortFlows:
+def port_flows(sh: PortHost) -> PortFlows:
     """The OpenFlow driver of the host's vswitchd (its sockets sit beside the ovsdb socket)."""
     return PortFlows(ovs_rundir(sh.slice.ovsdb_remote))
 
 
-def nft_guard(sh: SliceDrivers) -> NftGuard:
+def nft_guard(sh: PortHost) -> NftGuard:
     return NftGuard(GuardSpec(subnet=sh.slice.subnet, gateway=sh.slice.gateway))
 
 
-def isolation_of(sh: SliceDrivers, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> PortIsolation:
+def isolation_of(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> PortIsolation:
     """What the port's reservation implies.
 
     :class:`IsolationInputError` for a port or address that cannot be a guest's.
@@ -60,7 +69,7 @@ def isolation_of(sh: SliceDrivers, port: OvsPort, *, mac: str, ip: str | IPv4Add
                           slot_index=port.slot_index, ofport=ofport, mac=mac, ip=address)
 
 
-async def isolate_port(sh: SliceDrivers, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict:
+async def isolate_port(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict:
     """Install the port's flows (one bundle) and add its vNIC to the nft guard; returns the evidence.
 
     Refuses with ``port_isolation_conflict`` (nothing written) when another port's flows
@@ -76,7 +85,7 @@ async def isolate_port(sh: SliceDrivers, port: OvsPort, *, mac: str, ip: str | I
 OFPORT_WAIT_S = 10.0
 
 
-async def opened_port(sh: SliceDrivers, port: OvsPort, *, within_s: float = OFPORT_WAIT_S) -> OvsPort:
+async def opened_port(sh: PortHost, port: OvsPort, *, within_s: float = OFPORT_WAIT_S) -> OvsPort:
     """The port as ovsdb shows it once vswitchd has opened its tap (``ofport`` set), or as it is after ``within_s``.
 
     Why: libvirt creates the tap at domain start and vswitchd opens it a moment later. Isolating
@@ -96,7 +105,7 @@ async def opened_port(sh: SliceDrivers, port: OvsPort, *, within_s: float = OFPO
     return current
 
 
-async def unisolate_port(sh: SliceDrivers, bridge: str, port_name: str) -> dict:
+async def unisolate_port(sh: PortHost, bridge: str, port_name: str) -> dict:
     """Remove the port's flows (by its cookie only) and its nft set element; idempotent."""
     cookie = cookie_of_port_name(port_name)
     if cookie is None:  # not a vNIC name of ours: we never installed anything for it
@@ -126,7 +135,7 @@ class ActivePort:
     ip: str
 
 
-async def isolation_drift(sh: SliceDrivers, *, ports: list[OvsPort], active: list[ActivePort], known: set[str],
+async def isolation_drift(sh: PortHost, *, ports: list[OvsPort], active: list[ActivePort], known: set[str],
                           repair: bool) -> list[DriftFinding]:
     """Findings for flows and the nft guard; with ``repair``, reinstall what an active port lacks and remove orphans.
 

@@ -23,9 +23,11 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.tasks import PlanPayload
 from gpuaas_agent.contract.topology import TopologyReport
+from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.slot_binding import check_slot_binding, disks_by_name
+from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.placement import assess_placement, enforce_placement
@@ -135,9 +137,6 @@ def plan_handler(host_root: Path, plan_config: PlanConfig | None = None):
     """
 
     async def handle(payload: PlanPayload, ctx) -> dict:
-        from gpuaas_agent.discovery.report import discover
-        from gpuaas_agent.hostfs import HostRoot
-
         await ctx.progress("validate", "started")
         report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan_config))
         placement = get_profile(payload.runtime_profile).placement if payload.runtime_profile else Placement.any

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 from pathlib import Path
 
 from gpuaas_agent.config import SliceConfig
@@ -42,8 +43,6 @@ def _kv(evidence: dict) -> str:
 
 def kvm_check(host: HostRoot) -> ParityCheck:
     """The start step's own KVM check: present *and* a character device this uid can open."""
-    import os
-
     fix = "enable VT-x/VMX (AMD-V) in firmware and load kvm_intel/kvm_amd"
     try:
         check_kvm(host)

@@ -1,8 +1,9 @@
 """Every task type the agent serves, in one table: its payload model, handler factory, concurrency, and needs.
 
 The daemon builds its handlers from :data:`TASKS` (after building the host drivers once,
-the :class:`~gpuaas_agent.tasks.drivers.SliceDrivers`), the config and the worker take the
-default concurrency from it. The wire types and payload models stay in
+the :class:`~gpuaas_agent.tasks.drivers.SliceDrivers`), and the worker's concurrency from it
+(:func:`concurrency_for`: the config's ``[concurrency]`` table, else these defaults; the config
+never imports this table, which is above it). The wire types and payload models stay in
 :mod:`gpuaas_agent.contract.tasks` (contract never imports upward); this table refers to them.
 
 A type in the contract with no row here is answered ``not_implemented`` by the worker; a row
@@ -84,6 +85,11 @@ TASKS: tuple[TaskSpec, ...] = (
 def default_concurrency() -> dict[TaskType, int]:
     """How many tasks of each type may run at once unless the config says otherwise."""
     return {spec.type: spec.concurrency for spec in TASKS}
+
+
+def concurrency_for(config: AgentConfig) -> dict[TaskType, int]:
+    """The config's ``[concurrency]`` table when it has one (it replaces the defaults whole), else the defaults."""
+    return dict(config.concurrency) if config.concurrency is not None else default_concurrency()
 
 
 def build_handlers(config: AgentConfig, slice_host: SliceDrivers | None = None,

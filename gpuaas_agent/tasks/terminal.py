@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from ipaddress import IPv4Address
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.domain import DomainState
@@ -50,17 +50,15 @@ from gpuaas_agent.contract.terminal import (
     TerminalResizePayload,
     TerminalResizeResult,
 )
-from gpuaas_agent.control.terminal_session import FlowSettings, SessionClosed, TerminalSession
 from gpuaas_agent.deploy import relaykey
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host import sshrelay
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateError
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.power import PowerRefused, admit, check_domain
-
-if TYPE_CHECKING:
-    from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.terminal_session import FlowSettings, SessionClosed, TerminalSession
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +81,7 @@ def _refused(exc: PowerRefused) -> TerminalRefused:
 
 
 class TerminalRelay:
-    """The node's terminal sessions; one per daemon (``SliceDrivers.terminals()``)."""
+    """The node's terminal sessions; one per daemon (:func:`relay_of`)."""
 
     def __init__(self, sh: SliceDrivers) -> None:
         self.sh = sh
@@ -350,10 +348,15 @@ _ORDINARY = frozenset({CloseReason.client_closed, CloseReason.remote_closed, Clo
                        CloseReason.absolute_timeout, CloseReason.agent_shutdown})
 
 
+def relay_of(sh: SliceDrivers) -> TerminalRelay:
+    """The node's one relay, kept by the drivers (which end its sessions on shutdown and on release)."""
+    return sh.terminals(TerminalRelay)
+
+
 def terminal_handler(sh: SliceDrivers, operation: str):
     """The handler of one of the four task types, all served by the node's one :class:`TerminalRelay`."""
     async def handle(payload, ctx) -> dict:
-        relay = sh.terminals()
+        relay = relay_of(sh)
         return await getattr(relay, operation)(payload, ctx)
 
     return handle

@@ -7,6 +7,10 @@ import ipaddress
 from pathlib import Path
 
 from gpuaas_agent.contract.tasks import TopologyDiscoverPayload
+from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
+from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.discovery.slots import PlanConfig
+from gpuaas_agent.hostfs import HostRoot
 
 
 def topology_discover_handler(host_root: Path, gateway: ipaddress.IPv4Address | None = None):
@@ -17,11 +21,6 @@ def topology_discover_handler(host_root: Path, gateway: ipaddress.IPv4Address | 
     """
 
     async def handle(payload: TopologyDiscoverPayload, ctx) -> dict:
-        from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
-        from gpuaas_agent.discovery.report import discover
-        from gpuaas_agent.discovery.slots import PlanConfig
-        from gpuaas_agent.hostfs import HostRoot
-
         await ctx.progress("discover", "started")
         subnet = ipaddress.IPv4Network(payload.subnet, strict=True)
         plan = PlanConfig(subnet=subnet, gateway=gateway if gateway is not None and gateway in subnet else None,

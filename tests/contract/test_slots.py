@@ -11,7 +11,7 @@ from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import ContractError
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import HOSTS
-from tests.contract.test_tasks import ALLOC, SLOT
+from tests.support.wire_samples import ALLOC, SLOT
 
 
 def _release(slot: dict) -> bytes:

@@ -7,15 +7,7 @@ import pytest
 from gpuaas_agent.contract.enrollment import EnrollRequest
 from gpuaas_agent.contract.tasks import TaskType, VmReleasePayload, parse_task, task_payload
 from gpuaas_agent.errors import ContractError
-
-SLOT = {
-    "slot_id": "s-0", "slot_index": 0, "gpu_pci_address": "0000:18:00.0",
-    "nvme_device": "/dev/disk/by-id/nvme-eui.000000000000000100a075244a103331",
-    "storage_identity_kind": "nvme_eui_by_id", "fabric_vf_pci_address": "0000:19:00.1",
-    "fabric_claim_mode": "per_slot_vf", "mac": "02:fd:b6:48:63:fd", "private_ip": "10.100.0.10",
-    "ovs_bridge": "ovsbr0", "numa_node": 0, "status": "active",
-}
-ALLOC = "23bd713b-6073-4ef7-8a51-2897e902365d"
+from tests.support.wire_samples import ALLOC, SLOT
 
 
 def _envelope(**over):

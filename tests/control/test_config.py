@@ -8,13 +8,14 @@ import pytest
 
 from gpuaas_agent.config import AgentConfig, ConfigError, load_config
 from gpuaas_agent.contract.tasks import TaskType
+from gpuaas_agent.tasks.registry import concurrency_for
 
 
 def test_defaults_are_production_paths():
     config = AgentConfig()
     assert config.state_dir == Path("/var/lib/gpuaas-agent")
     assert config.state_db == Path("/var/lib/gpuaas-agent/state.db")
-    assert config.concurrency[TaskType.vm_provision] == 8
+    assert concurrency_for(config)[TaskType.vm_provision] == 8  # the registry's defaults
 
 
 def test_toml_config_loads(tmp_path):
@@ -26,6 +27,7 @@ def test_toml_config_loads(tmp_path):
     config = load_config(path)
     assert config.state_dir == Path("/tmp/agent") and config.heartbeat_interval_s == 5
     assert config.concurrency == {TaskType.vm_provision: 2}
+    assert concurrency_for(config) == {TaskType.vm_provision: 2}  # the table replaces the defaults whole
 
 
 def test_json_config_loads(tmp_path):

@@ -30,9 +30,9 @@ from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.connection import Backoff
 from gpuaas_agent.control.enroll import EnrollmentRecord, record_path
 from tests.conftest import HOSTS, REPO
-from tests.control.conftest import NatsServer, free_port
 from tests.controlplane import ControlPlane
 from tests.daemons import stop_pid
+from tests.support.nats_server import NatsServer, free_port
 
 FIXTURE = HOSTS / "h200-slice-after-transition"
 AGENT = REPO / ".venv" / "bin" / "gpuaas-agent"

@@ -16,25 +16,23 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
-
-import pytest
 
 from gpuaas_agent.config import load_config
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from gpuaas_agent.control.enroll import EnrollIdentity, enroll
 from gpuaas_agent.daemon import SdNotifier, default_handlers, run_agent, watchdog_interval_s
 from gpuaas_agent.host.run import run
 from gpuaas_agent.logs import JsonLinesFormatter, configure_logging
 from gpuaas_agent.state.store import StateStore
-from tests.conftest import REPO, fixture_host
 from tests.controlplane import ControlPlane
-
-FIXTURE = fixture_host("h200-slice-after-transition")
-IDENTITY = EnrollIdentity(machine_id="1221a371a78ea21b24acbc2cf895b074", hostname="j22u05", agent_version="0.1.0")
-TEST_DEADLINE_S = 120
-
+from tests.support.agent_process import (
+    FIXTURE,
+    AgentProcess,
+    NotifyListener,
+    agent_env,
+    enrolled_setup,
+)
+from tests.support.deadline import run_bounded
 
 # -- the gated agent (child process side) --------------------------------------------
 
@@ -75,30 +73,6 @@ if __name__ == "__main__":
 
 
 # -- test side -----------------------------------------------------------------------
-
-
-class NotifyListener:
-    """A bound AF_UNIX datagram socket standing in for systemd's notify socket."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.setblocking(False)
-        self.messages: list[dict[str, str]] = []
-
-    async def wait_for(self, key: str, value: str | None = None, timeout: float = 30.0) -> dict[str, str]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            for message in self.messages:
-                if key in message and (value is None or message[key] == value):
-                    return message
-            raw = await asyncio.wait_for(loop.sock_recv(self.sock, 65536), max(0.01, deadline - loop.time()))
-            self.messages.append(dict(line.split("=", 1) for line in raw.decode().splitlines()))
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class Gate:
@@ -142,80 +116,6 @@ class Gate:
             writer.close()
         self._server.close()
         await asyncio.wait_for(self._server.wait_closed(), 5)
-
-
-class AgentProcess:
-    """One agent process under ``Popen``; stopped by PID."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.argv, self.env, self.log_path = argv, env, log_path
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> AgentProcess:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=log)
-        return self
-
-    async def wait(self, timeout: float = 30.0) -> int:
-        return await asyncio.to_thread(self.proc.wait, timeout)
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def log_events(self) -> list[dict]:
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture
-def short_dir():
-    """AF_UNIX paths must fit in 108 bytes: pytest's tmp_path does not always."""
-    with tempfile.TemporaryDirectory(prefix="gpuaas-") as path:
-        yield Path(path)
-
-
-@pytest.fixture
-def agents():
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
-        agent.stop()
-
-
-async def _enrolled_setup(nats_server, tmp_path, **overrides):
-    plane = await ControlPlane.connect(nats_server.url)
-    await plane.create_streams()
-    await plane.serve_enrollment()
-    token = tmp_path / "token"
-    token.write_text(plane.issue_token())
-    record = await enroll(nats_server.url, token, tmp_path / "state", IDENTITY, timeout=5)
-    config = {
-        "state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_server.url,
-        "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, "shutdown_grace_s": 30,
-        "health_interval_s": 0.5, "metrics_listen": "", "slice": {"libvirt_uri": "test:///default"},
-        **overrides,
-    }
-    config_path = tmp_path / "agent.json"
-    config_path.write_text(json.dumps(config))
-    return plane, record.node_id, config_path
-
-
-def _env(notify: Path | None = None, watchdog_usec: int | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-    if notify is not None:
-        env["NOTIFY_SOCKET"] = str(notify)
-    if watchdog_usec is not None:
-        env["WATCHDOG_USEC"] = str(watchdog_usec)
-    return env
-
-
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TEST_DEADLINE_S))
 
 
 # -- unit-sized ----------------------------------------------------------------------
@@ -281,7 +181,7 @@ def test_not_enrolled_daemon_exits_3_with_code(tmp_path):
         return await run([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
                          timeout=60, check=False)
 
-    done = _run(body())
+    done = run_bounded(body())
     assert done.returncode == 3
     events = [json.loads(line) for line in done.stderr.decode().splitlines()]
     assert any(e.get("event") == "agent_failed" and e.get("code") == "not_enrolled" for e in events)
@@ -306,7 +206,7 @@ def test_enroll_command_enrolls_from_host_identity(nats_server, tmp_path):
         finally:
             await plane.close()
 
-    first, again, requests = _run(body())
+    first, again, requests = run_bounded(body())
     assert first.returncode == 0, first.stderr.decode()
     assert first.stdout.decode().startswith("enrolled node_id=node-")
     assert again.returncode == 0 and len(requests) == 1  # already enrolled: nothing sent
@@ -315,11 +215,11 @@ def test_enroll_command_enrolls_from_host_identity(nats_server, tmp_path):
 
 def test_daemon_notifies_heartbeats_runs_tasks_and_exits_0_on_sigterm(nats_server, tmp_path, short_dir, agents):
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path)
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path)
         listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(listener.path, watchdog_usec=1_000_000), tmp_path / "agent.log")
+                                 agent_env(listener.path, watchdog_usec=1_000_000), tmp_path / "agent.log")
             agents.append(agent.start())
             # READY as soon as config and state are loaded; STATUS says what it waits for, then that it pulls.
             assert "waiting for NATS (attempt 1)" in (await listener.wait_for("READY", "1"))["STATUS"]
@@ -343,18 +243,18 @@ def test_daemon_notifies_heartbeats_runs_tasks_and_exits_0_on_sigterm(nats_serve
             listener.close()
             await plane.close()
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_sigterm_lets_a_running_task_finish(nats_server, tmp_path, short_dir, agents):
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path)
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path)
         listener = NotifyListener(short_dir / "notify")
         gate = Gate(short_dir / "gate")
         await gate.start()
         try:
             agent = AgentProcess([sys.executable, "-m", "tests.control.test_daemon", "--config", str(config),
-                                  "--gate", str(gate.path)], _env(listener.path), tmp_path / "agent.log")
+                                  "--gate", str(gate.path)], agent_env(listener.path), tmp_path / "agent.log")
             agents.append(agent.start())
             await listener.wait_for("READY", "1")
             envelope = plane.envelope(node_id, TaskType.preflight.value)
@@ -375,17 +275,17 @@ def test_sigterm_lets_a_running_task_finish(nats_server, tmp_path, short_dir, ag
             listener.close()
             await plane.close()
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_kill_9_mid_task_is_journaled_and_completes_once_after_restart(nats_server, tmp_path, short_dir, agents):
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path)
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path)
         gate = Gate(short_dir / "gate")
         await gate.start()
         argv = [sys.executable, "-m", "tests.control.test_daemon", "--config", str(config), "--gate", str(gate.path)]
         try:
-            first = AgentProcess(argv, _env(), tmp_path / "agent-1.log")
+            first = AgentProcess(argv, agent_env(), tmp_path / "agent-1.log")
             agents.append(first.start())
             envelope = plane.envelope(node_id, TaskType.preflight.value)
             await plane.enqueue(envelope)
@@ -400,7 +300,7 @@ def test_kill_9_mid_task_is_journaled_and_completes_once_after_restart(nats_serv
             finally:
                 store.close()
 
-            second = AgentProcess(argv, _env(), tmp_path / "agent-2.log")
+            second = AgentProcess(argv, agent_env(), tmp_path / "agent-2.log")
             agents.append(second.start())
             await gate.wait_arrivals(2)  # redelivered once ack_wait (2 s) ran out
             await gate.release()
@@ -424,14 +324,14 @@ def test_kill_9_mid_task_is_journaled_and_completes_once_after_restart(nats_serv
             await gate.close()
             await plane.close()
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_run_agent_in_process_reconciles_on_its_timer_and_stops_cleanly(nats_server, tmp_path, short_dir, monkeypatch):
     calls: list[int] = []
 
     async def body():
-        plane, node_id, config_path = await _enrolled_setup(nats_server, tmp_path, reconcile_interval_s=0.1)
+        plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path, reconcile_interval_s=0.1)
         listener = NotifyListener(short_dir / "notify")
         monkeypatch.setenv("NOTIFY_SOCKET", str(listener.path))
         stop = asyncio.Event()
@@ -454,7 +354,7 @@ def test_run_agent_in_process_reconciles_on_its_timer_and_stops_cleanly(nats_ser
             listener.close()
             await plane.close()
 
-    _run(body())
+    run_bounded(body())
     assert len(calls) >= 2
 
 
@@ -466,9 +366,9 @@ def test_enroll_without_a_token_says_why_through_status(short_dir, tmp_path):
     listener = NotifyListener(short_dir / "notify")
     try:
         done = subprocess.run([sys.executable, "-m", "gpuaas_agent", "enroll", "--config", str(config)],
-                              env=_env(listener.path), capture_output=True, text=True, timeout=60)
+                              env=agent_env(listener.path), capture_output=True, text=True, timeout=60)
         assert done.returncode == 1 and "token_missing" in done.stderr
-        message = _run(listener.wait_for("STATUS"))
+        message = run_bounded(listener.wait_for("STATUS"))
         assert message["STATUS"].startswith("enroll failed: token_missing:")
     finally:
         listener.close()

@@ -20,7 +20,8 @@ from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import BOOT_ID_KEY, BOOT_ID_PATH
-from tests.control.test_daemon import _enrolled_setup, _run
+from tests.support.agent_process import enrolled_setup
+from tests.support.deadline import run_bounded
 
 BOOT_A = "0b5a6c1e-4c0d-4a4e-9d7e-1f2a3b4c5d6e"
 BOOT_B = "7d3c2b1a-9e8f-4a6b-8c7d-6e5f4a3b2c1d"
@@ -36,7 +37,7 @@ def test_the_first_start_in_a_new_boot_recovers_before_tasks_and_publishes_a_boo
     alloc = str(uuid.uuid4())
 
     async def body():
-        plane, node_id, config_path = await _enrolled_setup(nats_server, tmp_path, host_root=str(root),
+        plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path, host_root=str(root),
                                                             uevent_watch=False)
         config = load_config(config_path)
         store = StateStore.open(config.state_db)
@@ -79,4 +80,4 @@ def test_the_first_start_in_a_new_boot_recovers_before_tasks_and_publishes_a_boo
         finally:
             store.close()
 
-    _run(body())
+    run_bounded(body())

@@ -26,8 +26,8 @@ from gpuaas_agent.control.enroll import node_inbox_prefix
 from gpuaas_agent.control.permissions import consumer_name, nats_server_user
 from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.state.store import StateStore
-from tests.control.conftest import NatsServer
 from tests.controlplane import TASK_STREAM, ControlPlane
+from tests.support.nats_server import NatsServer
 
 A, B = "node-perma", "node-permb"
 SESSION = "0f8fad5b-d9cb-469f-a165-70867728950e"  # a terminal session id (lower-case UUID)

@@ -43,8 +43,9 @@ from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.plan import plan_handler
 from gpuaas_agent.tasks.provision import provision_handler
 from tests.conftest import fixture_host
-from tests.control.test_daemon import AgentProcess, _enrolled_setup, _env, _run, agents  # noqa: F401  (fixture)
 from tests.controlplane import ControlPlane
+from tests.support.agent_process import AgentProcess, agent_env, enrolled_setup
+from tests.support.deadline import run_bounded
 
 NODE = "node-test01"
 INTERVAL_S = 0.5  # the daemon's heartbeat_interval_s (test_daemon's setup)
@@ -108,13 +109,13 @@ class LockHolder:
 
 
 def test_heartbeats_keep_their_interval_while_another_process_holds_the_state_write_lock(
-        nats_server, tmp_path, agents):  # noqa: F811  (the fixture imported above)
+        nats_server, tmp_path, agents):
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, heartbeat_interval_s=INTERVAL_S)
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path, heartbeat_interval_s=INTERVAL_S)
         holder = None
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(), tmp_path / "agent.log")
+                                 agent_env(), tmp_path / "agent.log")
             agents.append(agent.start())
             await plane.wait_for(lambda s: s.heartbeats[:2] if len(s.heartbeats) >= 2 else None, timeout=60)
 
@@ -146,7 +147,7 @@ def test_heartbeats_keep_their_interval_while_another_process_holds_the_state_wr
                 await asyncio.to_thread(holder.stop)
             await plane.close()
 
-    _run(body())
+    run_bounded(body())
 
 
 # -- the task handlers' own store calls (issue 17 item 6, second half) ------------------------------------------

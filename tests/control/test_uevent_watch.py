@@ -30,7 +30,7 @@ from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.host.uevents import UeventMonitor, udevd_running
 from gpuaas_agent.hostfs import HostRoot
 from tests.controlplane import ControlPlane
-from tests.realdev import realdev, require_root, sh  # noqa: F401  (realdev is a fixture)
+from tests.realdev import require_root, sh
 
 AFTER = "h200-slice-after-transition"
 GPU0 = "0000:18:00.0"
@@ -117,7 +117,7 @@ def _del_link(name: str) -> None:
         sh("ip", "link", "del", name, check=False)
 
 
-def test_gpu_removed_meanwhile_is_published_after_a_real_block_event(host_copy, nats_server, realdev):  # noqa: F811
+def test_gpu_removed_meanwhile_is_published_after_a_real_block_event(host_copy, nats_server, realdev):
     root = host_copy(AFTER)
 
     async def body():

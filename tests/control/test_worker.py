@@ -5,101 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from datetime import datetime
 
 import pytest
 
-from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import AgentConfig
-from gpuaas_agent.contract.enrollment import NatsCredentials
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from gpuaas_agent.control.enroll import EnrollmentRecord
-from gpuaas_agent.control.worker import TASK_STEP, TaskWorker, WorkerSettings
-from gpuaas_agent.daemon import connect, default_handlers
+from gpuaas_agent.control.worker import TASK_STEP
+from gpuaas_agent.daemon import default_handlers
 from gpuaas_agent.errors import GuardError
-from gpuaas_agent.state.store import StateStore
 from tests.conftest import fixture_host
-from tests.controlplane import TASK_STREAM, ControlPlane
-
-NODE = "node-test01"
-DISCOVER = TaskType.topology_discover.value
-TEST_DEADLINE_S = 90
-
-
-async def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
-    """Poll a cheap condition until it holds or the deadline passes."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.05)
-
-
-class Harness:
-    """Control plane + one agent worker on its own connection, as in production."""
-
-    def __init__(self, server, tmp_path, handlers, **settings) -> None:
-        self.server, self.tmp_path, self.handlers = server, tmp_path, handlers
-        self.settings = WorkerSettings(**{"keepalive_interval_s": 0.5, "ack_wait_s": 5.0, "fetch_timeout_s": 0.25, **settings})
-
-    async def __aenter__(self):
-        self.plane = await ControlPlane.connect(self.server.url)
-        await self.plane.create_streams()
-        # The daemon's own connect (its reconnect options are what the restart test exercises).
-        record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
-                                  credentials=NatsCredentials(user=NODE, password="unused-by-test-server",
-                                                              servers=[self.server.url]))
-        self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state"), record, asyncio.Event())
-        self.store = StateStore.open(self.tmp_path / "state" / "state.db")
-        self.worker = TaskWorker(self.nc, self.store, NODE, self.handlers, self.settings)
-        self.run_task = asyncio.create_task(self.worker.run())
-        await asyncio.wait_for(self.worker.ready.wait(), 10)
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.worker.drain(5)
-        await asyncio.wait_for(self.run_task, 10)
-        await asyncio.wait_for(self.nc.close(), 5)
-        await self.plane.close()
-        self.store.close()
-
-    async def run_task_to_result(self, envelope, **kw):
-        await self.plane.enqueue(envelope, **kw)
-        return await self.plane.wait_result(envelope.task_id)
-
-
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TEST_DEADLINE_S))
-
-
-class Counting:
-    """A handler that counts its calls and can be held until released."""
-
-    def __init__(self, *, hold: bool = False, output: dict | None = None, raises: Exception | None = None) -> None:
-        self.calls = 0
-        self.active = 0
-        self.max_active = 0
-        self.started = asyncio.Event()
-        self.release = asyncio.Event()
-        if not hold:
-            self.release.set()
-        self.output = output or {"ok": True}
-        self.raises = raises
-
-    async def __call__(self, payload, ctx):
-        self.calls += 1
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        self.started.set()
-        try:
-            await self.release.wait()
-            if self.raises is not None:
-                raise self.raises
-            return self.output
-        finally:
-            self.active -= 1
+from tests.controlplane import TASK_STREAM
+from tests.support.deadline import run_bounded, wait_until
+from tests.support.worker_harness import DISCOVER, NODE, Counting, Harness
 
 
 def test_topology_discover_over_fixture_succeeds(nats_server, tmp_path):
@@ -118,7 +36,7 @@ def test_topology_discover_over_fixture_succeeds(nats_server, tmp_path):
             await wait_until_acked(h)
             assert len(await h.plane.stored_results(NODE)) == 1
 
-    _run(body())
+    run_bounded(body())
 
 
 async def wait_until_acked(h, timeout: float = 10.0) -> None:
@@ -146,7 +64,7 @@ def test_redelivered_finished_task_replays_stored_result(nats_server, tmp_path):
             # Same Nats-Msg-Id: the result stream kept the result once.
             assert [r.task_id for r in await h.plane.stored_results(NODE)] == [envelope.task_id]
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_expired_task_fails_without_running(nats_server, tmp_path):
@@ -159,7 +77,7 @@ def test_expired_task_fails_without_running(nats_server, tmp_path):
             assert result.error.code == "expired" and result.error.retryable is False
             assert handler.calls == 0
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_unsupported_unimplemented_and_invalid_payload_fail_with_codes(nats_server, tmp_path):
@@ -172,7 +90,7 @@ def test_unsupported_unimplemented_and_invalid_payload_fail_with_codes(nats_serv
             bad = await h.run_task_to_result(h.plane.envelope(NODE, DISCOVER, {"subnet": 7, "colour": "red"}))
             assert bad.error.code == "invalid_payload"
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_handler_errors_become_failed_results(nats_server, tmp_path):
@@ -192,7 +110,7 @@ def test_handler_errors_become_failed_results(nats_server, tmp_path):
             assert "boom" in crashed.error.message
             assert crashed.error.evidence["last_error"]["code"] == "internal_error"
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_malformed_message_is_terminated_and_next_task_completes(nats_server, tmp_path):
@@ -209,7 +127,7 @@ def test_malformed_message_is_terminated_and_next_task_completes(nats_server, tm
             assert handler.calls == 1
             assert [r.task_id for r in h.plane.seen.results] == [good.task_id]
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_concurrency_is_bounded_per_task_type(nats_server, tmp_path):
@@ -230,7 +148,7 @@ def test_concurrency_is_bounded_per_task_type(nats_server, tmp_path):
                 await h.plane.wait_result(envelope.task_id)
             assert handler.max_active == 1 and handler.calls == 3
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_keepalive_keeps_a_long_task_from_being_redelivered(nats_server, tmp_path):
@@ -250,7 +168,7 @@ def test_keepalive_keeps_a_long_task_from_being_redelivered(nats_server, tmp_pat
             await h.plane.wait_result(envelope.task_id)
             assert handler.calls == 1
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_server_restart_mid_task_completes_once(nats_server, tmp_path):
@@ -275,7 +193,7 @@ def test_server_restart_mid_task_completes_once(nats_server, tmp_path):
             assert h.store.unfinished_steps(envelope.task_id) == []
             assert [e.step for e in h.store.journal_of(envelope.task_id)] == [TASK_STEP, TASK_STEP]
 
-    _run(body())
+    run_bounded(body())
 
 
 # -- replay and forgery (issue 19) ------------------------------------------------------
@@ -296,7 +214,7 @@ def test_redelivery_with_another_attempt_is_answered_from_the_stored_result(nats
             await wait_until_acked(h)
             assert [r.task_id for r in await h.plane.stored_results(NODE)] == [first.task_id]
 
-    _run(body())
+    run_bounded(body())
 
 
 def _rejections(caplog, code: str) -> list[dict]:
@@ -341,7 +259,7 @@ def test_forged_task_is_terminated_unanswered_and_never_shadows_the_genuine_one(
             rejected = _rejections(caplog, variant)[0]
             assert rejected["task_id"] == genuine.task_id and rejected["subject"] == subject
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_deadline_beyond_the_horizon_is_refused_invalid_deadline(nats_server, tmp_path):
@@ -357,7 +275,7 @@ def test_deadline_beyond_the_horizon_is_refused_invalid_deadline(nats_server, tm
             assert near.status == ResultStatus.succeeded
             assert handler.calls == 1
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_expired_interrupted_task_is_refused_and_names_its_unfinished_steps(nats_server, tmp_path):
@@ -373,7 +291,7 @@ def test_expired_interrupted_task_is_refused_and_names_its_unfinished_steps(nats
             assert result.error.evidence["unfinished_steps"] == [TASK_STEP]
             assert handler.calls == 0
 
-    _run(body())
+    run_bounded(body())
 
 
 # -- poison messages (issue 17) --------------------------------------------------------
@@ -401,7 +319,7 @@ def test_handler_crashing_every_time_fails_once_after_the_bound_and_the_next_tas
             assert nxt.status == ResultStatus.succeeded and nxt.output == {"next": "served"}
             assert crash.calls == 3
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_task_started_too_often_without_finishing_is_poison_without_running(nats_server, tmp_path):
@@ -419,4 +337,4 @@ def test_task_started_too_often_without_finishing_is_poison_without_running(nats
             assert handler.calls == 0
             await wait_until_acked(h)
 
-    _run(body())
+    run_bounded(body())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sqlite3
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from tests.control.test_worker import NODE, Counting, Harness, _run
+from tests.support.deadline import run_bounded
+from tests.support.worker_harness import NODE, Counting, Harness
 
 
 def test_a_task_whose_journal_holds_a_row_this_agent_cannot_read_fails_clearly_without_running(nats_server, tmp_path):
@@ -25,4 +26,4 @@ def test_a_task_whose_journal_holds_a_row_this_agent_cannot_read_fails_clearly_w
             assert h.store.result_of(envelope.task_id)["error"]["code"] == "journal_unreadable"  # stored: a
             # redelivery answers the same
 
-    _run(body())
+    run_bounded(body())

@@ -10,8 +10,9 @@ import asyncio
 import time
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from tests.control.test_worker import DISCOVER, NODE, Counting, Harness, _run
 from tests.controlplane import TASK_STREAM
+from tests.support.deadline import run_bounded
+from tests.support.worker_harness import DISCOVER, NODE, Counting, Harness
 
 LONG_PULL_S = 30.0
 PROMPT_S = 3.0  # "at once" on a loaded 2-core CI machine; an expiry-bound stall would be ~30 s
@@ -33,7 +34,7 @@ def test_back_to_back_tasks_are_each_claimed_at_once_under_a_30s_pull(nats_serve
             await h.plane.enqueue(envelopes[2])  # while the next 30 s pull waits
             assert (await h.plane.wait_result(envelopes[2].task_id, timeout=PROMPT_S)).status == ResultStatus.succeeded
             assert time.monotonic() - started < 3 * PROMPT_S
-    _run(body())
+    run_bounded(body())
 
 
 def test_stop_ends_a_waiting_30s_pull_at_once(nats_server, tmp_path):
@@ -43,7 +44,7 @@ def test_stop_ends_a_waiting_30s_pull_at_once(nats_server, tmp_path):
             h.worker.stop()
             await asyncio.wait_for(h.run_task, PROMPT_S)
             assert time.monotonic() - started < PROMPT_S
-    _run(body())
+    run_bounded(body())
 
 
 def test_after_a_server_restart_the_pull_is_renewed_at_once(nats_server, tmp_path):
@@ -63,7 +64,7 @@ def test_after_a_server_restart_the_pull_is_renewed_at_once(nats_server, tmp_pat
             result = await h.plane.wait_result(envelope.task_id, timeout=LONG_PULL_S)
             assert result.status == ResultStatus.succeeded
             assert time.monotonic() - published < 10.0  # reconnect backoff + rebind, not the 30 s expiry
-    _run(body())
+    run_bounded(body())
 
 
 def test_a_consumer_deleted_under_the_worker_is_created_again(nats_server, tmp_path):
@@ -78,4 +79,4 @@ def test_a_consumer_deleted_under_the_worker_is_created_again(nats_server, tmp_p
             assert result.status == ResultStatus.succeeded
             info = await h.plane.js.consumer_info(TASK_STREAM, h.settings.durable_name(NODE))
             assert info.config.filter_subject == f"gpuaas.node.{NODE}.task.>"
-    _run(body())
+    run_bounded(body())

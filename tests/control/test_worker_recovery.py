@@ -12,7 +12,8 @@ from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.worker import TASK_STEP
-from tests.control.test_worker import DISCOVER, NODE, Counting, Harness, _run
+from tests.support.deadline import run_bounded
+from tests.support.worker_harness import DISCOVER, NODE, Counting, Harness
 
 
 class Recovering(Counting):
@@ -45,7 +46,7 @@ def test_an_interrupted_task_whose_deadline_passed_is_recovered_then_answered_ex
             assert handler.calls == 0 and handler.recovered == [[TASK_STEP, "ovs_port"]]
             assert [r.task_id for r in await h.plane.stored_results(NODE)] == [envelope.task_id]
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_an_expired_task_that_never_started_is_not_recovered(nats_server, tmp_path):
@@ -58,7 +59,7 @@ def test_an_expired_task_that_never_started_is_not_recovered(nats_server, tmp_pa
             assert "recovery" not in result.error.evidence and result.slot_outcomes == []
             assert handler.recovered == []
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_a_poison_task_killed_mid_run_is_recovered_once_and_answered(nats_server, tmp_path):
@@ -76,7 +77,7 @@ def test_a_poison_task_killed_mid_run_is_recovered_once_and_answered(nats_server
             assert [o.status for o in result.slot_outcomes] == [SlotStatus.cleanup_blocked]
             assert handler.calls == 0 and handler.recovered == [[TASK_STEP, "clone"]]
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_a_failing_recover_hook_is_reported_and_the_task_still_gets_its_answer(nats_server, tmp_path):
@@ -97,7 +98,7 @@ def test_a_failing_recover_hook_is_reported_and_the_task_still_gets_its_answer(n
             assert recovery["ok"] is False and recovery["code"] == "internal_error"
             assert "libvirt went away" in recovery["message"]
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_a_recover_hook_that_killed_the_agent_each_time_is_not_run_again(nats_server, tmp_path):
@@ -115,4 +116,4 @@ def test_a_recover_hook_that_killed_the_agent_each_time_is_not_run_again(nats_se
             assert result.error.evidence["recovery"]["code"] == "recovery_poison"
             assert handler.recovered == []
 
-    _run(body())
+    run_bounded(body())

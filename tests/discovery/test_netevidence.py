@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import json
 import os
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 
+from gpuaas_agent.contract.parity import ParityStatus
 from gpuaas_agent.discovery.netevidence import (
     NetEvidenceError,
     NetTarget,
     dnsmasq_ranges_in,
+    judge_dnsmasq,
     masquerade_in_iptables_save,
     masquerade_in_nft,
+    read_dnsmasq_evidence,
     read_network_evidence,
 )
+from gpuaas_agent.discovery.prereqs import check_dnsmasq
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import fixture_host
+from tests.support.slice_netns import MASQ, ns_exec, run_argv, set_ip_forward, slice_namespace
 
 SUBNET = ipaddress.IPv4Network("10.100.0.0/24")
-MASQ = ["POSTROUTING", "-s", "10.100.0.0/24", "-j", "MASQUERADE"]
 
 
 def _codes(findings) -> list[str]:
@@ -33,39 +35,6 @@ def _codes(findings) -> list[str]:
 
 
 # -- the namespace the live tests read -------------------------------------------------------
-
-
-def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=20, check=check)
-
-
-def ns_exec(name: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return _sh("ip", "netns", "exec", name, *argv, check=check)
-
-
-@contextlib.contextmanager
-def slice_namespace():
-    """A namespace holding a healthy private-NAT slice network: ovsbr0 (a bridge link) owning
-    10.100.0.1/24, ``POSTROUTING -s 10.100.0.0/24 -j MASQUERADE`` and ip_forward=1.
-
-    The rule and the sysctl live and die with the namespace; it is deleted even when the test fails.
-    """
-    name = f"gpuaas-pe-{uuid.uuid4().hex[:8]}"
-    _sh("ip", "netns", "add", name)
-    try:
-        _sh("ip", "-n", name, "link", "add", "ovsbr0", "type", "bridge")
-        _sh("ip", "-n", name, "addr", "add", "10.100.0.1/24", "dev", "ovsbr0")
-        _sh("ip", "-n", name, "link", "set", "ovsbr0", "up")
-        ns_exec(name, "iptables", "-t", "nat", "-A", *MASQ)
-        set_ip_forward(name, 1)  # per namespace: the machine's own value is untouched
-        yield name
-    finally:
-        _sh("ip", "netns", "del", name, check=False)
-        assert not os.path.exists(f"/run/netns/{name}")
-
-
-def set_ip_forward(name: str, value: int) -> None:
-    ns_exec(name, "sh", "-c", f"echo {value} > /proc/sys/net/ipv4/ip_forward")
 
 
 @pytest.fixture
@@ -207,8 +176,8 @@ def test_live_rule_with_output_interface_is_found_through_iptables_save(netns):
 
 
 def test_gateway_on_the_wrong_bridge_blocks(netns):
-    _sh("ip", "-n", netns, "addr", "del", "10.100.0.1/24", "dev", "ovsbr0")
-    _sh("ip", "-n", netns, "addr", "add", "10.100.0.2/24", "dev", "ovsbr0")
+    run_argv("ip", "-n", netns, "addr", "del", "10.100.0.1/24", "dev", "ovsbr0")
+    run_argv("ip", "-n", netns, "addr", "add", "10.100.0.2/24", "dev", "ovsbr0")
     ev = read_network_evidence(HostRoot.open("/"), NetTarget(netns=netns))
     assert "gateway_address_missing" in _codes(ev.blockers)
 
@@ -218,7 +187,6 @@ def test_a_namespace_that_does_not_exist_is_refused_not_created():
     with pytest.raises(NetEvidenceError) as exc:
         read_network_evidence(HostRoot.open("/"), NetTarget(netns=name))
     assert exc.value.code == "netns_missing" and not os.path.exists(f"/run/netns/{name}")
-
 
 
 def test_the_live_root_namespace_is_read_without_a_netns():
@@ -233,9 +201,6 @@ def test_the_live_root_namespace_is_read_without_a_netns():
 
 # -- dnsmasq: the running process and what it reads ---------------------------------------------
 
-from gpuaas_agent.contract.parity import ParityStatus  # noqa: E402
-from gpuaas_agent.discovery.netevidence import judge_dnsmasq, read_dnsmasq_evidence  # noqa: E402
-from gpuaas_agent.discovery.prereqs import check_dnsmasq  # noqa: E402
 
 
 def _dnsmasq_proc(root: Path, pid: int, argv: list[str]) -> None:

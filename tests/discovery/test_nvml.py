@@ -1,6 +1,6 @@
 """NVML enrichment is skipped cleanly: on fixtures always, and on a live host without the driver."""
 
-from gpuaas_agent.discovery.nvml import _normalise_bus_id, enrich
+from gpuaas_agent.discovery.nvml import enrich, normalise_bus_id
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import fixture_host
@@ -25,5 +25,5 @@ def test_live_host_without_driver_reports_unavailable_and_keeps_sysfs_data():
 
 
 def test_bus_id_forms_are_normalised():
-    assert _normalise_bus_id("00000000:18:00.0") == "0000:18:00.0"
-    assert _normalise_bus_id(b"00000000:DB:00.0") == "0000:db:00.0"
+    assert normalise_bus_id("00000000:18:00.0") == "0000:18:00.0"
+    assert normalise_bus_id(b"00000000:DB:00.0") == "0000:db:00.0"

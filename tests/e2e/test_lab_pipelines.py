@@ -17,20 +17,9 @@ import libvirt
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations, make_reservation
 from gpuaas_agent.host.ovs import OvsDriver
+from tests.support.lab_tasks import approved_slot_in, libvirt_domains, only_slot_outcome, run_lab_task
 
 ZERO_MIB = bytes(1 << 20)
-
-
-def _slot(lab, index):
-    lab_, runner = lab
-    if not lab_.approved:
-        runner.run(lab_.approve_slots(), timeout=120)
-    return next(s for s in lab_.approved if s.slot_index == index)
-
-
-def _task(lab, task_type, payload, timeout=900, **kw):
-    lab_, runner = lab
-    return runner.run(lab_.task(task_type, payload, timeout=timeout, **kw), timeout=timeout + 30)
 
 
 def _disk_head(lab, index) -> bytes:
@@ -39,40 +28,27 @@ def _disk_head(lab, index) -> bytes:
         return fh.read(1 << 20)
 
 
-def _domains():
-    conn = libvirt.open("qemu:///system")
-    try:
-        return {d.name(): bool(d.isActive()) for d in conn.listAllDomains()}
-    finally:
-        conn.close()
-
-
-def _outcome(result):
-    assert len(result.slot_outcomes) == 1, result
-    return result.slot_outcomes[0]
-
-
 def test_happy_path_provision_then_release_with_cleanup_proof(lab):
-    slot = _slot(lab, 0)
+    slot = approved_slot_in(lab, 0)
     payload = lab[0].provision_payload(slot)
-    result = _task(lab, "slice.vm_provision", payload)
+    result = run_lab_task(lab, "slice.vm_provision", payload)
     assert result.status.value == "succeeded", result.error
     out = result.output
     assert out["vm"] == domain_name(payload["allocation_id"])
     assert out["mac"] == slot.mac and out["expected_ip"] == slot.private_ip == out["actual_ip"]
     assert out["lease_state"] == "bound" and out["ssh_ready"] is True and out["ssh_banner"].startswith("SSH-2.0-")
-    outcome = _outcome(result)
+    outcome = only_slot_outcome(result)
     assert (outcome.status.value, outcome.health_state.value) == ("active", "healthy")
     assert outcome.health_detail["readiness"]["lease"]["actual_ip"] == slot.private_ip
-    assert _domains()[out["vm"]] is True
+    assert libvirt_domains()[out["vm"]] is True
     assert _disk_head(lab, 0) != ZERO_MIB  # the guest image really is on the slot disk
 
     # A second provision of the same allocation is refused while the first is active; nothing changes.
-    again = _task(lab, "slice.vm_provision", payload)
+    again = run_lab_task(lab, "slice.vm_provision", payload)
     assert again.status.value == "failed" and again.error.code == "already_provisioned"
-    assert _domains()[out["vm"]] is True
+    assert libvirt_domains()[out["vm"]] is True
 
-    released = _task(lab, "slice.vm_release", lab[0].release_payload(payload["allocation_id"], slot))
+    released = run_lab_task(lab, "slice.vm_release", lab[0].release_payload(payload["allocation_id"], slot))
     assert released.status.value == "succeeded", released.error
     proof = released.output["cleanup_proof"]
     assert proof["domain"]["shutdown"]["graceful"] is True  # the guest powered off on ACPI
@@ -85,46 +61,46 @@ def test_happy_path_provision_then_release_with_cleanup_proof(lab):
     assert proof["reservation"]["removed"]
     assert proof["wipe"]["verified"] is True and proof["wipe"]["signatures_found"] == []
     assert proof["wipe"]["policy"] == "discard"  # the domain's profile's wipe policy (catalog default)
-    assert (_outcome(released).status.value, _outcome(released).health_state.value) == ("available", "healthy")
-    assert out["vm"] not in _domains()
+    assert (only_slot_outcome(released).status.value, only_slot_outcome(released).health_state.value) == ("available", "healthy")
+    assert out["vm"] not in libvirt_domains()
     assert _disk_head(lab, 0) == ZERO_MIB
 
 
 def test_readiness_timeout_leaves_the_slot_cleanup_blocked_until_a_release(lab):
     lab_, _ = lab
-    slot = _slot(lab, 1)
+    slot = approved_slot_in(lab, 1)
     payload = {**lab_.provision_payload(slot), "readiness_timeout_s": 20}
     dnsmasq = lab_.procs["dnsmasq"]
     os.kill(dnsmasq.pid, signal.SIGSTOP)  # the guest boots but nobody answers its DHCP
     try:
-        result = _task(lab, "slice.vm_provision", payload)
+        result = run_lab_task(lab, "slice.vm_provision", payload)
     finally:
         os.kill(dnsmasq.pid, signal.SIGCONT)
     assert result.status.value == "failed"
     assert result.error.code == "lease_timeout"
     assert result.error.evidence["failed_step"] == "readiness" and result.error.evidence["disk_touched"] is True
-    outcome = _outcome(result)
+    outcome = only_slot_outcome(result)
     assert (outcome.status.value, outcome.health_state.value) == ("cleanup_blocked", "failed")
     # Network and domain were undone; the lease and the dirty disk stay.
-    assert domain_name(payload["allocation_id"]) not in _domains()
+    assert domain_name(payload["allocation_id"]) not in libvirt_domains()
     assert _disk_head(lab, 1) != ZERO_MIB
 
     # A new allocation cannot take the blocked slot.
-    other = _task(lab, "slice.vm_provision", lab_.provision_payload(slot))
+    other = run_lab_task(lab, "slice.vm_provision", lab_.provision_payload(slot))
     assert other.status.value == "failed" and other.error.code == "slot_cleanup_blocked"
-    assert _outcome(other).status.value == "cleanup_blocked"
+    assert only_slot_outcome(other).status.value == "cleanup_blocked"
 
-    released = _task(lab, "slice.vm_release", lab_.release_payload(payload["allocation_id"], slot))
+    released = run_lab_task(lab, "slice.vm_release", lab_.release_payload(payload["allocation_id"], slot))
     assert released.status.value == "succeeded", released.error
     assert released.output["cleanup_proof"]["wipe"]["verified"] is True
-    assert _outcome(released).status.value == "available"
+    assert only_slot_outcome(released).status.value == "available"
     assert _disk_head(lab, 1) == ZERO_MIB
 
 
 def test_image_url_outside_the_allow_list_is_refused_and_nothing_is_read(lab):
     """The reproduced attack: another slot's disk, the agent's credentials, /dev/zero as the image."""
     lab_, _ = lab
-    slot = _slot(lab, 2)
+    slot = approved_slot_in(lab, 2)
     before = _disk_head(lab, 2)
     other_disk = next(d for d in lab_.host.disks if d.slot_index == 0)
     for url, rule in ((f"file://{other_disk.by_id}", "forbidden_path"), ("file:///dev/zero", "forbidden_path"),
@@ -133,11 +109,11 @@ def test_image_url_outside_the_allow_list_is_refused_and_nothing_is_read(lab):
                       (f"file://{lab_.work / 'keys/relay'}", "outside_image_dir")):
         payload = lab_.provision_payload(slot)
         payload["image"]["url"] = url
-        result = _task(lab, "slice.vm_provision", payload)
+        result = run_lab_task(lab, "slice.vm_provision", payload)
         assert result.status.value == "failed" and result.error.code == "image_url_refused", (url, result.error)
         assert (result.error.evidence["url"], result.error.evidence["rule"]) == (url, rule)
         assert result.error.evidence["failed_step"] == "image" and result.error.evidence["disk_touched"] is False
-        assert _outcome(result).health_detail["lease_released"] is True
+        assert only_slot_outcome(result).health_detail["lease_released"] is True
     assert _disk_head(lab, 2) == before
     cache = lab_.work / "images" / "sha256"
     names = sorted(p.name for p in cache.iterdir()) if cache.exists() else []
@@ -146,33 +122,33 @@ def test_image_url_outside_the_allow_list_is_refused_and_nothing_is_read(lab):
 
 def test_image_digest_mismatch_releases_the_lease_and_never_touches_the_disk(lab):
     lab_, _ = lab
-    slot = _slot(lab, 2)
+    slot = approved_slot_in(lab, 2)
     before = _disk_head(lab, 2)
     payload = lab_.provision_payload(slot, sha256="0" * 64)
-    result = _task(lab, "slice.vm_provision", payload)
+    result = run_lab_task(lab, "slice.vm_provision", payload)
     assert result.status.value == "failed" and result.error.code == "digest_mismatch"
     assert result.error.evidence["failed_step"] == "image" and result.error.evidence["disk_touched"] is False
     assert [c["step"] for c in result.error.evidence["compensations"]] == ["image", "validate"]
-    outcome = _outcome(result)
+    outcome = only_slot_outcome(result)
     assert outcome.status.value == "reserved" and outcome.health_detail["lease_released"] is True
     assert _disk_head(lab, 2) == before
     # The lease really is gone: another allocation can provision the slot right away.
     retry = lab_.provision_payload(slot)
-    ok = _task(lab, "slice.vm_provision", retry)
+    ok = run_lab_task(lab, "slice.vm_provision", retry)
     assert ok.status.value == "succeeded", ok.error
-    released = _task(lab, "slice.vm_release", lab_.release_payload(retry["allocation_id"], slot))
+    released = run_lab_task(lab, "slice.vm_release", lab_.release_payload(retry["allocation_id"], slot))
     assert released.status.value == "succeeded", released.error
 
 
 def test_release_after_agent_restart(lab):
     lab_, _ = lab
-    slot = _slot(lab, 3)
+    slot = approved_slot_in(lab, 3)
     payload = lab_.provision_payload(slot)
-    result = _task(lab, "slice.vm_provision", payload)
+    result = run_lab_task(lab, "slice.vm_provision", payload)
     assert result.status.value == "succeeded", result.error
     assert lab_.stop_agent() == 0  # SIGTERM: drains and exits cleanly
     lab_.start_agent()
-    released = _task(lab, "slice.vm_release", lab_.release_payload(payload["allocation_id"], slot))
+    released = run_lab_task(lab, "slice.vm_release", lab_.release_payload(payload["allocation_id"], slot))
     assert released.status.value == "succeeded", released.error
     assert released.output["found"]["domain"]["name"] == result.output["vm"]
     assert released.output["cleanup_proof"]["wipe"]["verified"] is True
@@ -180,9 +156,9 @@ def test_release_after_agent_restart(lab):
 
 def test_release_of_an_unknown_allocation_succeeds_and_wipes_nothing(lab):
     lab_, _ = lab
-    slot = _slot(lab, 5)
+    slot = approved_slot_in(lab, 5)
     before = _disk_head(lab, 5)
-    released = _task(lab, "slice.vm_release", lab_.release_payload(str(uuid.uuid4()), slot))
+    released = run_lab_task(lab, "slice.vm_release", lab_.release_payload(str(uuid.uuid4()), slot))
     assert released.status.value == "succeeded", released.error
     assert released.output["already_gone"] is True
     assert "skipped" in released.output["cleanup_proof"]["wipe"]
@@ -192,9 +168,9 @@ def test_release_of_an_unknown_allocation_succeeds_and_wipes_nothing(lab):
 
 def test_reconcile_after_a_reservation_and_a_domain_were_removed_by_hand(lab):
     lab_, _ = lab
-    slot = _slot(lab, 4)
+    slot = approved_slot_in(lab, 4)
     payload = lab_.provision_payload(slot)
-    result = _task(lab, "slice.vm_provision", payload)
+    result = run_lab_task(lab, "slice.vm_provision", payload)
     assert result.status.value == "succeeded", result.error
     alloc = payload["allocation_id"]
     name = result.output["vm"]
@@ -215,7 +191,7 @@ def test_reconcile_after_a_reservation_and_a_domain_were_removed_by_hand(lab):
     DnsmasqReservations(hosts, net, ipaddress.IPv4Address(lab_.gateway)).add(
         make_reservation(orphan, 9, "02:00:00:00:09:09", str(net.network_address + 250), "orphan"))
 
-    report = _task(lab, "slice.reconcile", {"repair": True}, timeout=120)
+    report = run_lab_task(lab, "slice.reconcile", {"repair": True}, timeout=120)
     assert report.status.value == "succeeded", report.error
     kinds = {(f["kind"], f["subject"]): f for f in report.output["findings"]}
     assert ("domain_missing", alloc) in kinds and kinds[("domain_missing", alloc)]["repaired"] is False
@@ -225,7 +201,7 @@ def test_reconcile_after_a_reservation_and_a_domain_were_removed_by_hand(lab):
     # Never a destroy, a lease release or a wipe on its own: the slot's disk still holds the image.
     assert _disk_head(lab, 4) != ZERO_MIB
 
-    released = _task(lab, "slice.vm_release", lab_.release_payload(alloc, slot))
+    released = run_lab_task(lab, "slice.vm_release", lab_.release_payload(alloc, slot))
     assert released.status.value == "succeeded", released.error
     assert released.output["found"]["domain"] is None
     assert released.output["cleanup_proof"]["wipe"]["verified"] is True
@@ -233,26 +209,26 @@ def test_reconcile_after_a_reservation_and_a_domain_were_removed_by_hand(lab):
 
 def test_reconcile_reports_an_active_slice_without_a_dhcp_lease(lab):
     lab_, _ = lab
-    slot = _slot(lab, 6)
+    slot = approved_slot_in(lab, 6)
     payload = lab_.provision_payload(slot)
-    result = _task(lab, "slice.vm_provision", payload)
+    result = run_lab_task(lab, "slice.vm_provision", payload)
     assert result.status.value == "succeeded", result.error
     alloc = payload["allocation_id"]
-    clean = _task(lab, "slice.reconcile", {"repair": False}, timeout=120)
+    clean = run_lab_task(lab, "slice.reconcile", {"repair": False}, timeout=120)
     assert [f for f in clean.output["findings"] if f["subject"] == alloc] == []
     leases = lab_.work / "dnsmasq" / "leases"
     leases.write_text("".join(line for line in leases.read_text().splitlines(keepends=True) if slot.mac not in line))
-    report = _task(lab, "slice.reconcile", {"repair": True}, timeout=120)
+    report = run_lab_task(lab, "slice.reconcile", {"repair": True}, timeout=120)
     found = [f for f in report.output["findings"] if f["subject"] == alloc]
     assert [(f["kind"], f["repaired"]) for f in found] == [("dhcp_lease_missing", False)]
     assert found[0]["actual"] == "missing"
-    released = _task(lab, "slice.vm_release", lab_.release_payload(alloc, slot))
+    released = run_lab_task(lab, "slice.vm_release", lab_.release_payload(alloc, slot))
     assert released.status.value == "succeeded", released.error
 
 
 def test_eight_concurrent_provisions_on_the_eight_slot_host(lab):
     lab_, runner = lab
-    slots = [_slot(lab, i) for i in range(8)]
+    slots = [approved_slot_in(lab, i) for i in range(8)]
     payloads = [lab_.provision_payload(s) for s in slots]
 
     async def all_of_them():
@@ -276,5 +252,5 @@ def test_eight_concurrent_provisions_on_the_eight_slot_host(lab):
         assert max(starts) < min(ends)
     finally:
         for p, s in zip(payloads, slots):
-            _task(lab, "slice.vm_release", lab_.release_payload(p["allocation_id"], s), timeout=600)
-    assert not any(n.startswith("gpuaas-slice-") for n in _domains())
+            run_lab_task(lab, "slice.vm_release", lab_.release_payload(p["allocation_id"], s), timeout=600)
+    assert not any(n.startswith("gpuaas-slice-") for n in libvirt_domains())

@@ -12,7 +12,7 @@ import asyncio
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.host.readiness import wait_for_ssh
-from tests.e2e.test_lab_pipelines import _domains, _outcome, _slot, _task
+from tests.support.lab_tasks import approved_slot_in, libvirt_domains, only_slot_outcome, run_lab_task
 
 SLOT = 5
 
@@ -25,25 +25,25 @@ def _banner(lab, ip: str, within_s: float = 300) -> str:
 
 
 def _power(lab, alloc: str, operation: str, **extra):
-    return _task(lab, "slice.vm_power", {"allocation_id": alloc, "slot_index": SLOT, "operation": operation,
+    return run_lab_task(lab, "slice.vm_power", {"allocation_id": alloc, "slot_index": SLOT, "operation": operation,
                                          "graceful_timeout_s": 60, **extra}, timeout=600)
 
 
 def test_a_tenant_stops_starts_and_resets_a_real_guest(lab):
     lab_, _ = lab
-    slot = _slot(lab, SLOT)
+    slot = approved_slot_in(lab, SLOT)
     payload = lab_.provision_payload(slot)
     alloc = payload["allocation_id"]
     vm = domain_name(alloc)
-    provisioned = _task(lab, "slice.vm_provision", payload)
+    provisioned = run_lab_task(lab, "slice.vm_provision", payload)
     assert provisioned.status.value == "succeeded", provisioned.error
     try:
         stopped = _power(lab, alloc, "stop")
         assert stopped.status.value == "succeeded", stopped.error
         assert stopped.output["state"] == "shutoff" and stopped.output["power_state"] == "stopped"
         assert stopped.output["steps"]["shutdown"]["graceful"] is True  # the guest powered off on ACPI
-        assert _domains()[vm] is False
-        outcome = _outcome(stopped)
+        assert libvirt_domains()[vm] is False
+        outcome = only_slot_outcome(stopped)
         assert (outcome.status.value, outcome.health_detail["power_state"]) == ("active", "stopped")
 
         again = _power(lab, alloc, "stop")
@@ -51,7 +51,7 @@ def test_a_tenant_stops_starts_and_resets_a_real_guest(lab):
 
         started = _power(lab, alloc, "start")
         assert started.status.value == "succeeded", started.error
-        assert started.output["state"] == "running" and _domains()[vm] is True
+        assert started.output["state"] == "running" and libvirt_domains()[vm] is True
         assert "disk_guard_passed" in started.output["steps"]["start"]["preconditions"]["checks_passed"]
         assert _banner(lab, slot.private_ip).startswith("SSH-2.0-")
         # libvirt re-created the port at start; the agent's ids are back on it.
@@ -61,16 +61,16 @@ def test_a_tenant_stops_starts_and_resets_a_real_guest(lab):
 
         reset = _power(lab, alloc, "reset")
         assert reset.status.value == "succeeded", reset.error
-        assert reset.output["done"] == ["reset"] and _domains()[vm] is True
+        assert reset.output["done"] == ["reset"] and libvirt_domains()[vm] is True
         assert _banner(lab, slot.private_ip).startswith("SSH-2.0-")  # the guest came back after a hard reset
 
         # Another allocation cannot touch the slice.
-        other = _task(lab, "slice.vm_power", {"allocation_id": "00000000-0000-4000-8000-000000000005",
+        other = run_lab_task(lab, "slice.vm_power", {"allocation_id": "00000000-0000-4000-8000-000000000005",
                                                "slot_index": SLOT, "operation": "stop"}, timeout=120)
         assert other.status.value == "failed" and other.error.code == "not_this_allocation"
-        assert _domains()[vm] is True
+        assert libvirt_domains()[vm] is True
     finally:
-        released = _task(lab, "slice.vm_release", lab_.release_payload(alloc, slot))
+        released = run_lab_task(lab, "slice.vm_release", lab_.release_payload(alloc, slot))
         assert released.status.value == "succeeded", released.error
     assert released.output["cleanup_proof"]["wipe"]["verified"] is True
-    assert vm not in _domains()
+    assert vm not in libvirt_domains()

@@ -13,7 +13,7 @@ import re
 import sqlite3
 import uuid
 
-from tests.e2e.test_lab_pipelines import _slot, _task
+from tests.support.lab_tasks import approved_slot_in, run_lab_task
 from tests.terminal_gateway import Gateway
 
 SLOT = 6
@@ -31,10 +31,10 @@ def _audit_row(lab_, session_id: str) -> dict | None:
 
 def test_a_gateway_opens_a_pty_in_a_real_guest_runs_a_command_resizes_and_closes(lab):
     lab_, runner = lab
-    slot = _slot(lab, SLOT)
+    slot = approved_slot_in(lab, SLOT)
     payload = lab_.provision_payload(slot)
     alloc = payload["allocation_id"]
-    provisioned = _task(lab, "slice.vm_provision", payload)
+    provisioned = run_lab_task(lab, "slice.vm_provision", payload)
     assert provisioned.status.value == "succeeded", provisioned.error
     sid = str(uuid.uuid4())
     base = {"allocation_id": alloc, "slot_index": SLOT, "user": payload["user"], "requested_by": "e2e@lab",
@@ -93,5 +93,5 @@ def test_a_gateway_opens_a_pty_in_a_real_guest_runs_a_command_resizes_and_closes
         assert foreign.status.value == "failed" and foreign.error.code == "target_not_slice_ip", foreign.error
         assert foreign.error.evidence["reserved_ip"] == slot.private_ip
     finally:
-        released = _task(lab, "slice.vm_release", lab_.release_payload(alloc, slot))
+        released = run_lab_task(lab, "slice.vm_release", lab_.release_payload(alloc, slot))
         assert released.status.value == "succeeded", released.error

@@ -28,8 +28,8 @@ from gpuaas_agent.guards.preconditions import (
 )
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import HOSTS
-from tests.discovery.test_netevidence import slice_namespace
 from tests.dnsmasq_fixture import DhcpLab
+from tests.support.slice_netns import slice_namespace
 
 PROFILE = get_profile("h200_1g_24c_64g")
 GPU, VF, NODE = "0000:18:00.0", "0000:19:00.1", 0

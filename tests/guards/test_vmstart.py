@@ -19,7 +19,7 @@ from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.vmstart import REQUIRED_DISK_CHECKS, VmStartRefused, check_kvm, check_vm_start
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import fixture_host
-from tests.host.test_domain_xml import lab_spec, production_spec
+from tests.support.domain_specs import lab_spec, production_spec
 
 LIVE = HostRoot.open("/")
 H200_ROOT = fixture_host("h200-slice-after-transition")

@@ -17,7 +17,6 @@ from gpuaas_agent.host.egress import (
     judge,
     wait_for_egress,
 )
-from tests.dnsmasq_fixture import net_lab  # noqa: F401  (pytest fixture)
 
 TARGET = EgressTarget(ip="192.0.2.2", port=7777)
 GUEST = "10.100.0.13"
@@ -60,7 +59,7 @@ def test_a_profile_that_asks_for_egress_on_a_host_without_a_target_is_refused_be
     assert egress_target(egress, SliceConfig(readiness_egress_target=TARGET)) == TARGET
 
 
-def test_real_nat_in_namespaces_without_masquerade_is_unproven_and_with_it_proven(net_lab, tmp_path):  # noqa: F811
+def test_real_nat_in_namespaces_without_masquerade_is_unproven_and_with_it_proven(net_lab, tmp_path):
     """guest ns -> host ns (routes, NATs) -> upstream ns with the lab's listener; conntrack read in the host ns."""
     import sys
 

@@ -14,7 +14,7 @@ from gpuaas_agent.contract.domain import DomainSpecError
 from gpuaas_agent.discovery.bars import mmio64_bytes
 from gpuaas_agent.host.domain_xml import QEMU_NS, build_domain_xml
 from gpuaas_agent.host.guest_topology import mmio64_window_mib, plan_layout
-from tests.host.test_domain_xml import guest_slot, multi_spec, production_spec
+from tests.support.domain_specs import guest_slot, multi_spec, production_spec
 
 H200_BAR1 = 256 << 30
 

@@ -22,15 +22,7 @@ import pytest
 from gpuaas_agent.config import ConfigError, load_config
 from gpuaas_agent.host.images import ImageCacheError
 from gpuaas_agent.tasks.drivers import SliceDrivers
-from tests.host.test_images import (  # noqa: F401
-    _cache,
-    _fetch,
-    _leftovers,
-    _sha,
-    https_server,
-    raw_image,
-    src_dir,
-)
+from tests.support.image_server import cache_leftovers, fetch_image, image_cache, sha256_hex
 
 BODY = os.urandom((5 << 20) + 777)  # several chunks, not a multiple of the chunk size
 ETAG = '"v1-' + hashlib.sha256(BODY).hexdigest()[:16] + '"'
@@ -117,7 +109,7 @@ def origin() -> Iterator[tuple[str, Origin]]:
 
 
 def _http_cache(tmp_path: Path, **kw):
-    cache = _cache(tmp_path, allow_loopback_http=True, **kw)
+    cache = image_cache(tmp_path, allow_loopback_http=True, **kw)
     cache.http_backoff_s = 0.01  # the backoff's length is not what these tests measure
     return cache
 
@@ -126,14 +118,14 @@ def test_a_dropped_connection_resumes_with_range_and_each_byte_is_fetched_and_ha
     base, state = origin
     state.drops, state.drop_at = 2, (1 << 20) + 3
     cache = _http_cache(tmp_path)
-    image = _fetch(cache, f"{base}/disk.raw", _sha(BODY))
-    assert Path(image.path).read_bytes() == BODY and image.sha256 == _sha(BODY)
+    image = fetch_image(cache, f"{base}/disk.raw", sha256_hex(BODY))
+    assert Path(image.path).read_bytes() == BODY and image.sha256 == sha256_hex(BODY)
     # Three requests: the first, then two resumes each starting at the byte the previous one stopped at.
     assert [r["range"] for r in state.requests] == [None, f"bytes={state.drop_at}-", f"bytes={2 * state.drop_at}-"]
     assert [r["if_range"] for r in state.requests] == [None, ETAG, ETAG]
     # The server sent every byte exactly once: nothing was downloaded (or hashed) twice.
     assert state.sent == len(BODY)
-    assert _leftovers(cache) == [image.sha256, f"{image.sha256}.verified.json"]
+    assert cache_leftovers(cache) == [image.sha256, f"{image.sha256}.verified.json"]
 
 
 def test_a_server_that_cannot_resume_is_truncated_and_leaves_no_partial(tmp_path, origin):
@@ -141,10 +133,10 @@ def test_a_server_that_cannot_resume_is_truncated_and_leaves_no_partial(tmp_path
     state.drops, state.ranges = 1, False
     cache = _http_cache(tmp_path)
     with pytest.raises(ImageCacheError) as err:
-        _fetch(cache, f"{base}/disk.raw", _sha(BODY))
+        fetch_image(cache, f"{base}/disk.raw", sha256_hex(BODY))
     assert err.value.code == "truncated"
     assert err.value.evidence["http_status"] == 200 and err.value.evidence["received_bytes"] == state.drop_at
-    assert _leftovers(cache) == []
+    assert cache_leftovers(cache) == []
 
 
 def test_a_connection_that_keeps_dropping_gives_up_after_the_retries(tmp_path, origin):
@@ -152,22 +144,22 @@ def test_a_connection_that_keeps_dropping_gives_up_after_the_retries(tmp_path, o
     state.drops, state.drop_at = 100, 1 << 19
     cache = _http_cache(tmp_path)
     with pytest.raises(ImageCacheError) as err:
-        _fetch(cache, f"{base}/disk.raw", _sha(BODY))
+        fetch_image(cache, f"{base}/disk.raw", sha256_hex(BODY))
     assert err.value.code == "truncated" and err.value.evidence["resumes"] == cache.http_retries
     assert len(state.requests) == cache.http_retries + 1
-    assert _leftovers(cache) == []
+    assert cache_leftovers(cache) == []
 
 
 def test_a_503_before_the_body_is_retried_with_backoff_then_given_up(tmp_path, origin):
     base, state = origin
     state.unavailable = 2
     cache = _http_cache(tmp_path)
-    assert _fetch(cache, f"{base}/disk.raw", _sha(BODY)).sha256 == _sha(BODY)
+    assert fetch_image(cache, f"{base}/disk.raw", sha256_hex(BODY)).sha256 == sha256_hex(BODY)
     assert len(state.requests) == 3 and state.sent == len(BODY)
 
     state.unavailable = 100
     with pytest.raises(ImageCacheError) as err:
-        _fetch(_http_cache(tmp_path / "b"), f"{base}/disk.raw", _sha(BODY))
+        fetch_image(_http_cache(tmp_path / "b"), f"{base}/disk.raw", sha256_hex(BODY))
     assert (err.value.code, err.value.evidence["http_status"]) == ("fetch_failed", 503)
     assert len(state.requests) == 3 + cache.http_retries + 1
 
@@ -255,23 +247,23 @@ def _proxy_env(monkeypatch, url: str) -> None:
 def test_http_proxy_from_the_environment_is_used(tmp_path, origin, proxy, monkeypatch):
     base, state = origin
     _proxy_env(monkeypatch, proxy.url)
-    image = _fetch(_http_cache(tmp_path), f"{base}/disk.raw", _sha(BODY))
-    assert image.sha256 == _sha(BODY)
+    image = fetch_image(_http_cache(tmp_path), f"{base}/disk.raw", sha256_hex(BODY))
+    assert image.sha256 == sha256_hex(BODY)
     assert proxy.seen == [f"GET {base}/disk.raw HTTP/1.1"]
     assert len(state.requests) == 1
 
 
 def test_https_goes_through_the_proxys_connect_tunnel_and_tls_is_still_checked_end_to_end(
-        tmp_path, raw_image, https_server, proxy, monkeypatch):  # noqa: F811
+        tmp_path, raw_image, https_server, proxy, monkeypatch):
     base, context, host = https_server
     path, data = raw_image
     _proxy_env(monkeypatch, proxy.url)
-    image = _fetch(_cache(tmp_path, hosts=(host,), ssl_context=context), f"{base}/files/{path.name}", _sha(data))
-    assert image.sha256 == _sha(data)
+    image = fetch_image(image_cache(tmp_path, hosts=(host,), ssl_context=context), f"{base}/files/{path.name}", sha256_hex(data))
+    assert image.sha256 == sha256_hex(data)
     assert proxy.seen == [f"CONNECT {host} HTTP/1.1"]
     # Through the tunnel the server's certificate is still verified against our CAs, not the proxy's word.
     with pytest.raises(ImageCacheError) as err:
-        _fetch(_cache(tmp_path / "b", hosts=(host,)), f"{base}/files/{path.name}", _sha(data))
+        fetch_image(image_cache(tmp_path / "b", hosts=(host,)), f"{base}/files/{path.name}", sha256_hex(data))
     assert err.value.code == "fetch_failed" and "CERTIFICATE_VERIFY_FAILED" in err.value.evidence["error"]
 
 
@@ -279,7 +271,7 @@ def test_no_proxy_in_the_environment_is_honoured(tmp_path, origin, proxy, monkey
     base, _ = origin
     _proxy_env(monkeypatch, proxy.url)
     monkeypatch.setenv("no_proxy", "127.0.0.1")
-    _fetch(_http_cache(tmp_path), f"{base}/disk.raw", _sha(BODY))
+    fetch_image(_http_cache(tmp_path), f"{base}/disk.raw", sha256_hex(BODY))
     assert proxy.seen == []
 
 
@@ -288,7 +280,7 @@ def test_a_redirect_to_a_host_outside_the_policy_is_refused_before_the_proxy_is_
     base, _ = origin
     _proxy_env(monkeypatch, proxy.url)
     with pytest.raises(ImageCacheError) as err:
-        _fetch(_http_cache(tmp_path), f"{base}/away/disk.raw", _sha(BODY))
+        fetch_image(_http_cache(tmp_path), f"{base}/away/disk.raw", sha256_hex(BODY))
     assert err.value.code == "image_url_refused" and err.value.evidence["redirected_from"] == f"{base}/away/disk.raw"
     assert proxy.seen == [f"GET {base}/away/disk.raw HTTP/1.1"]  # the hop to 10.0.0.1 was never requested
 
@@ -306,16 +298,16 @@ def _config(tmp_path: Path, host: str, ca_bundle: Path | None) -> Path:
     return path
 
 
-def test_the_configured_ca_bundle_is_what_https_image_fetches_trust(tmp_path, raw_image, https_server):  # noqa: F811
+def test_the_configured_ca_bundle_is_what_https_image_fetches_trust(tmp_path, raw_image, https_server):
     base, _, host = https_server
     path, data = raw_image
     cert = tmp_path / "tls" / "cert.pem"  # the throwaway CA of the https_server fixture
     with_ca = SliceDrivers.from_config(load_config(_config(tmp_path, host, cert)))
-    assert _fetch(with_ca.images, f"{base}/files/{path.name}", _sha(data)).sha256 == _sha(data)
+    assert fetch_image(with_ca.images, f"{base}/files/{path.name}", sha256_hex(data)).sha256 == sha256_hex(data)
 
     system_only = SliceDrivers.from_config(load_config(_config(tmp_path / "other", host, None)))
     with pytest.raises(ImageCacheError) as err:
-        _fetch(system_only.images, f"{base}/files/{path.name}", _sha(data))
+        fetch_image(system_only.images, f"{base}/files/{path.name}", sha256_hex(data))
     assert "CERTIFICATE_VERIFY_FAILED" in err.value.evidence["error"]
 
 

@@ -32,7 +32,7 @@ from gpuaas_agent.host.libvirt_lifecycle import (
     LibvirtLifecycle,
 )
 from gpuaas_agent.hostfs import HostRoot
-from tests.host.test_domain_xml import production_spec
+from tests.support.domain_specs import production_spec
 
 URI = "test:///default"
 LIVE = HostRoot.open("/")

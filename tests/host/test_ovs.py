@@ -25,13 +25,13 @@ from gpuaas_agent.contract.ovs import (
 )
 from gpuaas_agent.errors import ContractError, GuardError, HostError
 from gpuaas_agent.host.ovs import COMMIT_ATTEMPTS, OvsDriver, OvsError, OvsInputError, OvsRefused
-from tests.ovsdb_fixture import OvsSwitch, ovs_switch, ovs_switch_root_netns  # noqa: F401  (pytest fixtures)
+from tests.ovsdb_fixture import OvsSwitch
 
 MAC = "52:54:00:12:34:56"
 
 
 @pytest.fixture
-def driver(ovs_switch: OvsSwitch):  # noqa: F811
+def driver(ovs_switch: OvsSwitch):
     with OvsDriver(ovs_switch.remote, timeout_s=10.0) as d:
         yield d
 
@@ -80,7 +80,7 @@ def db_snapshot(sw: OvsSwitch) -> str:
 # -- the fixture itself ----------------------------------------------------------------
 
 
-def test_fixture_runs_a_netdev_bridge_on_private_sockets(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_fixture_runs_a_netdev_bridge_on_private_sockets(ovs_switch: OvsSwitch, driver: OvsDriver):
     assert ovs_switch.remote == f"unix:{ovs_switch.rundir}/db.sock"
     assert ovs_switch.env["OVS_RUNDIR"] == str(ovs_switch.rundir)
     assert len(ovs_switch.bridge) <= 15
@@ -90,7 +90,7 @@ def test_fixture_runs_a_netdev_bridge_on_private_sockets(ovs_switch: OvsSwitch, 
     print(f"ovs fixture startup {ovs_switch.startup_s:.3f}s")
 
 
-def test_root_netns_switch_attaches_a_veth_of_the_root_namespace(ovs_switch_root_netns: OvsSwitch):  # noqa: F811
+def test_root_netns_switch_attaches_a_veth_of_the_root_namespace(ovs_switch_root_netns: OvsSwitch):
     """The variant libvirt needs (its taps live in the root namespace)."""
     sw = ovs_switch_root_netns
     assert sw.netns is None
@@ -104,7 +104,7 @@ def test_root_netns_switch_attaches_a_veth_of_the_root_namespace(ovs_switch_root
 # -- bridges ---------------------------------------------------------------------------
 
 
-def test_missing_bridge_is_a_blocker_and_is_not_created(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_missing_bridge_is_a_blocker_and_is_not_created(ovs_switch: OvsSwitch, driver: OvsDriver):
     assert driver.bridge_exists(ovs_switch.bridge)
     assert not driver.bridge_exists("ovsbr0")
     with pytest.raises(OvsRefused) as info:
@@ -115,7 +115,7 @@ def test_missing_bridge_is_a_blocker_and_is_not_created(ovs_switch: OvsSwitch, d
     assert ovs_switch.vsctl("list-br").split() == [ovs_switch.bridge]
 
 
-def test_ensure_bridge_creates_only_when_asked_and_once(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_ensure_bridge_creates_only_when_asked_and_once(ovs_switch: OvsSwitch, driver: OvsDriver):
     name = "gst" + uuid.uuid4().hex[:8]
     first = driver.ensure_bridge(name, create=True, datapath_type="netdev")
     assert first == BridgeEvidence(name=name, datapath_type="netdev", created=True, ports=[name])
@@ -138,7 +138,7 @@ def test_ensure_bridge_creates_only_when_asked_and_once(ovs_switch: OvsSwitch, d
 # -- adding ports ----------------------------------------------------------------------
 
 
-def test_add_vm_port_writes_external_ids_and_is_idempotent(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_add_vm_port_writes_external_ids_and_is_idempotent(ovs_switch: OvsSwitch, driver: OvsDriver):
     slot = new_slot()
     port = add(driver, ovs_switch.bridge, slot)
     again = add(driver, ovs_switch.bridge, slot)
@@ -157,7 +157,7 @@ def test_add_vm_port_writes_external_ids_and_is_idempotent(ovs_switch: OvsSwitch
     assert again.model_dump(exclude={"interface_error"}) == port.model_dump(exclude={"interface_error"})
 
 
-def test_veth_port_gets_a_real_ofport_on_the_netdev_bridge(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_veth_port_gets_a_real_ofport_on_the_netdev_bridge(ovs_switch: OvsSwitch, driver: OvsDriver):
     slot = new_slot(slot_index=0)
     ovs_switch.veth(slot["port_name"], "peer" + uuid.uuid4().hex[:6])
     port = add(driver, ovs_switch.bridge, slot)
@@ -177,7 +177,7 @@ def test_veth_port_gets_a_real_ofport_on_the_netdev_bridge(ovs_switch: OvsSwitch
     ids=["del-port-add-port", "may-exist"],
 )
 def test_add_vm_port_restores_ids_after_libvirt_recreates_the_port(
-    ovs_switch: OvsSwitch, driver: OvsDriver, libvirt_add: list[str]  # noqa: F811
+    ovs_switch: OvsSwitch, driver: OvsDriver, libvirt_add: list[str]
 ):
     slot = new_slot(slot_index=1)
     name, bridge = slot["port_name"], ovs_switch.bridge
@@ -212,7 +212,7 @@ def test_add_vm_port_restores_ids_after_libvirt_recreates_the_port(
     assert driver.list_agent_ports(bridge) == [port]
 
 
-def test_ingress_policing_is_set_changed_and_cleared(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_ingress_policing_is_set_changed_and_cleared(ovs_switch: OvsSwitch, driver: OvsDriver):
     slot = new_slot()
     name = slot["port_name"]
     port = add(driver, ovs_switch.bridge, slot, ingress_policing_rate_kbps=25_000_000, ingress_policing_burst_kb=2_500_000)
@@ -227,7 +227,7 @@ def test_ingress_policing_is_set_changed_and_cleared(ovs_switch: OvsSwitch, driv
     assert iface_column(ovs_switch, name, "ingress_policing_burst") == 0
 
 
-def test_list_agent_ports_ignores_ports_without_our_mark(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_list_agent_ports_ignores_ports_without_our_mark(ovs_switch: OvsSwitch, driver: OvsDriver):
     other = "gso" + uuid.uuid4().hex[:8]
     ovs_switch.vsctl("add-br", other, "--", "set", "Bridge", other, "datapath_type=netdev")
     ovs_switch.vsctl("add-port", ovs_switch.bridge, "uplink0")
@@ -267,7 +267,7 @@ GOOD = new_slot()
         {"ingress_policing_rate_kbps": 2**40},
     ],
 )
-def test_bad_input_is_refused_with_nothing_changed(ovs_switch: OvsSwitch, driver: OvsDriver, change: dict):  # noqa: F811
+def test_bad_input_is_refused_with_nothing_changed(ovs_switch: OvsSwitch, driver: OvsDriver, change: dict):
     args = {"bridge": ovs_switch.bridge, **{k: v for k, v in GOOD.items()}, **change}
     before = db_snapshot(ovs_switch)
     with pytest.raises(OvsInputError) as info:
@@ -278,7 +278,7 @@ def test_bad_input_is_refused_with_nothing_changed(ovs_switch: OvsSwitch, driver
     assert db_snapshot(ovs_switch) == before
 
 
-def test_port_on_another_bridge_is_refused(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_port_on_another_bridge_is_refused(ovs_switch: OvsSwitch, driver: OvsDriver):
     other = "gso" + uuid.uuid4().hex[:8]
     slot = new_slot()
     ovs_switch.vsctl("add-br", other, "--", "set", "Bridge", other, "datapath_type=netdev")
@@ -293,7 +293,7 @@ def test_port_on_another_bridge_is_refused(ovs_switch: OvsSwitch, driver: OvsDri
     assert db_snapshot(ovs_switch) == before
 
 
-def test_port_of_another_allocation_is_neither_merged_nor_removed(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_port_of_another_allocation_is_neither_merged_nor_removed(ovs_switch: OvsSwitch, driver: OvsDriver):
     slot = new_slot()
     add(driver, ovs_switch.bridge, slot)
     stranger = str(uuid.uuid4())
@@ -310,7 +310,7 @@ def test_port_of_another_allocation_is_neither_merged_nor_removed(ovs_switch: Ov
     assert db_snapshot(ovs_switch) == before
 
 
-def test_port_attached_to_another_mac_is_refused(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_port_attached_to_another_mac_is_refused(ovs_switch: OvsSwitch, driver: OvsDriver):
     slot = new_slot()
     ovs_switch.vsctl("add-port", ovs_switch.bridge, slot["port_name"], "--",
                      "set", "Interface", slot["port_name"], 'external-ids:attached-mac="52:54:00:99:99:99"')
@@ -324,7 +324,7 @@ def test_port_attached_to_another_mac_is_refused(ovs_switch: OvsSwitch, driver: 
 # -- removing ports --------------------------------------------------------------------
 
 
-def test_remove_vm_port_is_idempotent(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_remove_vm_port_is_idempotent(ovs_switch: OvsSwitch, driver: OvsDriver):
     keep, gone = new_slot(0), new_slot(1)
     add(driver, ovs_switch.bridge, keep)
     add(driver, ovs_switch.bridge, gone)
@@ -335,7 +335,7 @@ def test_remove_vm_port_is_idempotent(ovs_switch: OvsSwitch, driver: OvsDriver):
     assert [p.name for p in driver.list_agent_ports()] == [keep["port_name"]]
 
 
-def test_remove_takes_an_unmarked_slot_vnic_but_never_a_foreign_port(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_remove_takes_an_unmarked_slot_vnic_but_never_a_foreign_port(ovs_switch: OvsSwitch, driver: OvsDriver):
     slot, other = new_slot(), new_slot()
     # libvirt re-created the slot's port and our marks were not re-asserted yet.
     ovs_switch.vsctl("add-port", ovs_switch.bridge, slot["port_name"])
@@ -354,7 +354,7 @@ def test_remove_takes_an_unmarked_slot_vnic_but_never_a_foreign_port(ovs_switch:
 # -- transactions, concurrency, failures -----------------------------------------------
 
 
-def test_try_again_is_resynced_and_retried(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_try_again_is_resynced_and_retried(ovs_switch: OvsSwitch, driver: OvsDriver):
     slot = new_slot()
     add(driver, ovs_switch.bridge, slot)
     ovs_switch.vsctl("remove", "Interface", slot["port_name"], "external_ids", EXT_VM_UUID)
@@ -373,7 +373,7 @@ def test_try_again_is_resynced_and_retried(ovs_switch: OvsSwitch, driver: OvsDri
     assert port.vm_uuid == slot["vm_uuid"]
 
 
-def test_endless_try_again_gives_up_with_a_typed_error(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_endless_try_again_gives_up_with_a_typed_error(ovs_switch: OvsSwitch, driver: OvsDriver):
     slot = new_slot()
     add(driver, ovs_switch.bridge, slot)
     ovs_switch.vsctl("remove", "Interface", slot["port_name"], "external_ids", EXT_VM_UUID)
@@ -387,7 +387,7 @@ def test_endless_try_again_gives_up_with_a_typed_error(ovs_switch: OvsSwitch, dr
     assert EXT_VM_UUID not in ids and ids["operator"] == str(COMMIT_ATTEMPTS)
 
 
-def test_concurrent_async_callers_get_one_port_each(ovs_switch: OvsSwitch, driver: OvsDriver):  # noqa: F811
+def test_concurrent_async_callers_get_one_port_each(ovs_switch: OvsSwitch, driver: OvsDriver):
     slots = [new_slot(i) for i in range(4)]
 
     async def provision_all():
@@ -400,7 +400,7 @@ def test_concurrent_async_callers_get_one_port_each(ovs_switch: OvsSwitch, drive
     assert {p.name for p in ports} == {s["port_name"] for s in slots}
 
 
-def test_unreachable_ovsdb_is_a_typed_error_naming_the_remote(ovs_switch: OvsSwitch, tmp_path):  # noqa: F811
+def test_unreachable_ovsdb_is_a_typed_error_naming_the_remote(ovs_switch: OvsSwitch, tmp_path):
     remote = f"unix:{tmp_path}/no-such.sock"
     with pytest.raises(OvsError) as info:
         OvsDriver(remote, timeout_s=1.0)
@@ -414,7 +414,7 @@ def test_unreachable_ovsdb_is_a_typed_error_naming_the_remote(ovs_switch: OvsSwi
         assert info.value.evidence["remote"] == ovs_switch.remote
 
 
-def test_change_not_applied_by_a_dead_vswitchd_is_reported(ovs_switch: OvsSwitch):  # noqa: F811
+def test_change_not_applied_by_a_dead_vswitchd_is_reported(ovs_switch: OvsSwitch):
     with OvsDriver(ovs_switch.remote, timeout_s=1.5) as d:
         ovs_switch.kill_vswitchd()
         with pytest.raises(OvsError) as info:

@@ -42,7 +42,7 @@ from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import isolate_port, nft_guard
 from gpuaas_agent.tasks.reconcile import reconcile
-from tests.dnsmasq_fixture import (  # noqa: F401  (net_lab is a pytest fixture)
+from tests.dnsmasq_fixture import (
     Dnsmasq,
     NetLab,
     call_in_netns,
@@ -51,7 +51,6 @@ from tests.dnsmasq_fixture import (  # noqa: F401  (net_lab is a pytest fixture)
     run_in_netns,
     sh,
     udhcpc,
-    wait_until,
 )
 from tests.ovsdb_fixture import OvsSwitch
 

@@ -37,7 +37,7 @@ from gpuaas_agent.host.uevents import (
     parse_uevent,
     udevd_running,
 )
-from tests.realdev import realdev, require_root, sh  # noqa: F401  (realdev is a fixture)
+from tests.realdev import require_root, sh
 
 DEADLINE_S = 20.0
 PCI_DEVICES = Path("/sys/bus/pci/devices")
@@ -129,7 +129,7 @@ def test_parse_uevent_ignores_unwatched_actions_and_reads_move_and_synthetic_fie
 # -- real kernel events ------------------------------------------------------------------
 
 
-def test_partition_add_and_remove_on_a_loop_disk_are_seen(realdev):  # noqa: F811
+def test_partition_add_and_remove_on_a_loop_disk_are_seen(realdev):
     async def body():
         async with UeventMonitor() as monitor:
             disk = await asyncio.to_thread(realdev.disk, 16, partitions_mib=[4], link=False)

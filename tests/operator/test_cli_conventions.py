@@ -92,8 +92,6 @@ def test_status_with_a_corrupt_state_db_is_broken_exit_3_and_json_says_why(tmp_p
 
 
 def test_run_with_a_corrupt_state_db_is_one_line_and_exit_3(tmp_path):
-    from gpuaas_agent.control.enroll import EnrollmentRecord  # noqa: F401 - the record shape the daemon loads
-
     proc = _cli("run", "--config", _config(tmp_path))
     assert proc.returncode == 3  # not enrolled: environment
     (tmp_path / "state").mkdir(exist_ok=True)

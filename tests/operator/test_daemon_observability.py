@@ -11,9 +11,10 @@ import urllib.request
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from tests.conftest import REPO
-from tests.control.conftest import free_port
-from tests.control.test_daemon import AgentProcess, NotifyListener, _enrolled_setup, _env, _run
 from tests.dnsmasq_fixture import sh
+from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
+from tests.support.deadline import run_bounded
+from tests.support.nats_server import free_port
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -36,12 +37,12 @@ def test_metrics_move_when_a_task_runs_and_status_reads_the_running_daemon(nats_
     port = free_port()
 
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, metrics_listen=f"127.0.0.1:{port}",
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path, metrics_listen=f"127.0.0.1:{port}",
                                                        metrics_textfile=str(tmp_path / "agent.prom"))
         listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(listener.path), tmp_path / "agent.log")
+                                 agent_env(listener.path), tmp_path / "agent.log")
             agents.append(agent.start())
             await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
             before = await asyncio.to_thread(_scrape, port)
@@ -71,7 +72,7 @@ def test_metrics_move_when_a_task_runs_and_status_reads_the_running_daemon(nats_
             listener.close()
             await plane.close()
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_metrics_port_in_use_is_one_log_line_and_the_daemon_runs_on(nats_server, tmp_path, short_dir, agents):
@@ -83,11 +84,11 @@ def test_metrics_port_in_use_is_one_log_line_and_the_daemon_runs_on(nats_server,
     port = taken.getsockname()[1]
 
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, metrics_listen=f"127.0.0.1:{port}")
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path, metrics_listen=f"127.0.0.1:{port}")
         listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(listener.path), tmp_path / "agent.log")
+                                 agent_env(listener.path), tmp_path / "agent.log")
             agents.append(agent.start())
             await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
             failed = [e for e in agent.log_events() if e.get("event") == "metrics_listen_failed"]
@@ -97,7 +98,7 @@ def test_metrics_port_in_use_is_one_log_line_and_the_daemon_runs_on(nats_server,
             await plane.close()
 
     try:
-        _run(body())
+        run_bounded(body())
     finally:
         taken.close()
 
@@ -105,13 +106,13 @@ def test_metrics_port_in_use_is_one_log_line_and_the_daemon_runs_on(nats_server,
 def test_nats_down_at_boot_is_ready_waiting_with_watchdog_then_pulls_when_it_comes(nats_server, tmp_path, short_dir,
                                                                                   agents):
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, reconnect_backoff_max_s=0.5)
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path, reconnect_backoff_max_s=0.5)
         await plane.close()
         nats_server.stop()
         listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(listener.path, watchdog_usec=1_000_000), tmp_path / "agent.log")
+                                 agent_env(listener.path, watchdog_usec=1_000_000), tmp_path / "agent.log")
             agents.append(agent.start())
             ready = await listener.wait_for("READY", "1")
             assert "waiting for NATS (attempt 1)" in ready["STATUS"]
@@ -127,7 +128,7 @@ def test_nats_down_at_boot_is_ready_waiting_with_watchdog_then_pulls_when_it_com
         finally:
             listener.close()
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_heartbeat_turns_degraded_naming_the_nat_check_when_the_rule_is_deleted(nats_server, dhcp_lab, tmp_path,
@@ -138,7 +139,7 @@ def test_heartbeat_turns_degraded_naming_the_nat_check_when_the_rule_is_deleted(
     sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
 
     async def body():
-        plane, node_id, config = await _enrolled_setup(
+        plane, node_id, config = await enrolled_setup(
             nats_server, tmp_path, host_root="/", health_netns=ns, uevent_watch=False,
             slice={"libvirt_uri": "test:///default", "ovs_bridge": dhcp_lab.server_if,
                    "dnsmasq_hosts_file": str(dhcp_lab.dnsmasq.hosts_file),
@@ -146,7 +147,7 @@ def test_heartbeat_turns_degraded_naming_the_nat_check_when_the_rule_is_deleted(
         listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(listener.path), tmp_path / "agent.log")
+                                 agent_env(listener.path), tmp_path / "agent.log")
             agents.append(agent.start())
             healthy = await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health], timeout=30)
             checks = {c.name: c.status for c in healthy[-1].health}
@@ -168,4 +169,4 @@ def test_heartbeat_turns_degraded_naming_the_nat_check_when_the_rule_is_deleted(
             listener.close()
             await plane.close()
 
-    _run(body())
+    run_bounded(body())

@@ -15,8 +15,9 @@ from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.drift import DriftKind, DriftReport
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.operator.netwatch import drift_findings, open_netlink_sockets
-from tests.control.test_daemon import AgentProcess, NotifyListener, _enrolled_setup, _env, _run
 from tests.dnsmasq_fixture import sh
+from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
+from tests.support.deadline import run_bounded
 
 
 def _readable_within(sockets, seconds: float) -> list:
@@ -74,7 +75,7 @@ def test_deleting_the_masquerade_rule_degrades_the_heartbeat_within_seconds_and_
     sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
 
     async def body():
-        plane, node_id, config = await _enrolled_setup(
+        plane, node_id, config = await enrolled_setup(
             nats_server, tmp_path, host_root="/", health_netns=ns, uevent_watch=False,
             health_interval_s=600, netwatch_interval_s=1,
             slice={"libvirt_uri": "test:///default", "ovs_bridge": dhcp_lab.server_if,
@@ -89,7 +90,7 @@ def test_deleting_the_masquerade_rule_degrades_the_heartbeat_within_seconds_and_
         listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(listener.path), tmp_path / "agent.log")
+                                 agent_env(listener.path), tmp_path / "agent.log")
             agents.append(agent.start())
             healthy = await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health_state == "healthy"],
                                            timeout=60)
@@ -125,7 +126,7 @@ def test_deleting_the_masquerade_rule_degrades_the_heartbeat_within_seconds_and_
             await sub.unsubscribe()
             await plane.close()
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_health_network_live_reads_the_slice_network_on_the_live_host_whatever_host_root_is(tmp_path):

@@ -21,7 +21,8 @@ from gpuaas_agent.config import parse_config
 from gpuaas_agent.operator.health import HealthSettings, gpu_nvml_check, run_checks, summarise
 from gpuaas_agent.operator.nvml import NvmlReading, NvmlSource, XidEvent, judge, load_reading
 from tests.conftest import REPO
-from tests.control.test_daemon import AgentProcess, NotifyListener, _enrolled_setup, _env, _run
+from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
+from tests.support.deadline import run_bounded
 
 H200 = REPO / "fixtures/nvml/h200-vm-passthrough.json"
 
@@ -247,11 +248,11 @@ def test_a_daemon_whose_gpu_fell_off_the_bus_heartbeats_failed_and_status_says_b
     fixture = _write(tmp_path, _reading(xid_events=[_xid(79)]))
 
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, health_nvml_fixture=str(fixture))
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path, health_nvml_fixture=str(fixture))
         listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(listener.path), tmp_path / "agent.log")
+                                 agent_env(listener.path), tmp_path / "agent.log")
             agents.append(agent.start())
             beats = await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health_state == "failed"], timeout=60)
             assert beats[-1].health_reason.startswith("gpu_nvml: gpu 0 00000000:00:06.0: XID 79"), beats[-1]
@@ -263,4 +264,4 @@ def test_a_daemon_whose_gpu_fell_off_the_bus_heartbeats_failed_and_status_says_b
             listener.close()
             await plane.close()
 
-    _run(body())
+    run_bounded(body())

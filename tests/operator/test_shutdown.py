@@ -14,8 +14,9 @@ import signal
 import sys
 import time
 
-from gpuaas_agent.operator.health import CHECK_TIMEOUT_S, CheckThreads, _guarded
-from tests.control.test_daemon import AgentProcess, NotifyListener, _enrolled_setup, _env, _run
+from gpuaas_agent.operator.health import CHECK_TIMEOUT_S, CheckThreads, guarded_check
+from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
+from tests.support.deadline import run_bounded
 
 PID_FILE = "/run/gpuaas-test/dnsmasq.pid"
 # A failure bound, waited on the process's exit: well under the 20 s a check may take.
@@ -43,7 +44,7 @@ def test_sigterm_during_a_blocked_health_check_exits_0_at_once_with_stopping(nat
     os.mkfifo(fifo)
 
     async def body():
-        plane, node_id, config = await _enrolled_setup(nats_server, tmp_path, host_root=str(root),
+        plane, node_id, config = await enrolled_setup(nats_server, tmp_path, host_root=str(root),
                                                        health_interval_s=60, slice={
                                                            "libvirt_uri": "test:///default",
                                                            "dnsmasq_pid_file": PID_FILE})
@@ -51,7 +52,7 @@ def test_sigterm_during_a_blocked_health_check_exits_0_at_once_with_stopping(nat
         writer = None
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 _env(listener.path), tmp_path / "agent.log")
+                                 agent_env(listener.path), tmp_path / "agent.log")
             agents.append(agent.start())
             await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
             writer = await asyncio.to_thread(_open_writer_when_read, fifo)  # the dnsmasq check now blocks in read()
@@ -68,7 +69,7 @@ def test_sigterm_during_a_blocked_health_check_exits_0_at_once_with_stopping(nat
             listener.close()
             await plane.close()
 
-    _run(body())
+    run_bounded(body())
 
 
 def test_a_check_still_blocked_is_not_started_again_until_its_thread_ends(tmp_path):
@@ -83,9 +84,9 @@ def test_a_check_still_blocked_is_not_started_again_until_its_thread_ends(tmp_pa
             return [fh.read()]
 
     async def body():
-        first = await _guarded("fifo", check, timeout_s=0.2, threads=threads)
+        first = await guarded_check("fifo", check, timeout_s=0.2, threads=threads)
         assert first[0].status == "unavailable" and "did not answer within 0.2s" in first[0].detail
-        second = await _guarded("fifo", check, timeout_s=0.2, threads=threads)
+        second = await guarded_check("fifo", check, timeout_s=0.2, threads=threads)
         assert second[0].status == "unavailable" and "still blocked" in second[0].detail
         assert len(started) == 1
         writer = await asyncio.to_thread(_open_writer_when_read, fifo)
@@ -96,7 +97,7 @@ def test_a_check_still_blocked_is_not_started_again_until_its_thread_ends(tmp_pa
                 await asyncio.sleep(0.01)  # poll interval of a wait on a condition with a deadline
 
         await asyncio.wait_for(released(), 10)
-        third = await _guarded("fifo", lambda: [], timeout_s=5, threads=threads)
+        third = await guarded_check("fifo", lambda: [], timeout_s=5, threads=threads)
         assert third == []
 
     asyncio.run(body())

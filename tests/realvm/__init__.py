@@ -7,10 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-
-from tests.realdev import require_root
-
 REPO = Path(__file__).resolve().parents[2]
 LAB_CACHE = Path(os.environ.get("GPUAAS_LAB_CACHE", "/var/cache/gpuaas-agent-lab"))
 
@@ -25,10 +21,3 @@ def load_builder():
     sys.modules[name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="session")
-def lab_guest_image():
-    """The lab guest image for the current inputs: built (apt-get download + dpkg-deb -x) on first use."""
-    require_root()
-    return load_builder().ensure_guest_image(LAB_CACHE)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.realvm import LAB_CACHE, lab_guest_image, load_builder  # noqa: F401 (fixture)
+from tests.realvm import LAB_CACHE, load_builder
 
 DEBIAN_SEARCH = """\
 linux-image-6.1.0-28-amd64 - Linux 6.1 for 64-bit PCs (signed)
@@ -86,7 +86,7 @@ def test_initramfs_archive_is_newc_that_cpio_reads_and_the_same_bytes_every_time
     assert lines["bin"].startswith("drwxr-xr-x")
 
 
-def test_image_is_gpt_with_one_esp_holding_a_uki_of_kernel_initramfs_and_serial_cmdline(lab_guest_image, tmp_path):  # noqa: F811
+def test_image_is_gpt_with_one_esp_holding_a_uki_of_kernel_initramfs_and_serial_cmdline(lab_guest_image, tmp_path):
     builder = load_builder()
     image = lab_guest_image.path
     table = json.loads(_run("sfdisk", "--json", str(image)))["partitiontable"]
@@ -110,7 +110,7 @@ def test_image_is_gpt_with_one_esp_holding_a_uki_of_kernel_initramfs_and_serial_
     assert any(n.endswith("/button.ko") for n in names) and any(n.endswith("/evdev.ko") for n in names)
 
 
-def test_rebuild_with_the_same_inputs_is_a_no_op_and_a_fresh_build_gives_the_same_bytes(lab_guest_image, tmp_path):  # noqa: F811
+def test_rebuild_with_the_same_inputs_is_a_no_op_and_a_fresh_build_gives_the_same_bytes(lab_guest_image, tmp_path):
     builder = load_builder()
     again = builder.ensure_guest_image(LAB_CACHE)
     assert (again.built, again.path, again.sha256) == (False, lab_guest_image.path, lab_guest_image.sha256)

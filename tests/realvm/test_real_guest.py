@@ -53,7 +53,7 @@ from tests.dnsmasq_fixture import GATEWAY, Dnsmasq, NetLab, run_in_netns
 from tests.libvirtd_fixture import running_libvirtd
 from tests.ovsdb_fixture import running_ovs
 from tests.realdev import RealDevices, require_root
-from tests.realvm import lab_guest_image, load_builder  # noqa: F401 (fixture)
+from tests.realvm import load_builder
 
 NVRAM_DIR = Path("/var/lib/libvirt/qemu/nvram")
 PROFILE = "lab_tcg_1c_512m"
@@ -102,7 +102,7 @@ def _loop_attached(dev: str, image: Path) -> bool:
 
 @pytest.mark.parametrize("addressing", [GuestAddressing.dhcp4, GuestAddressing.static])
 def test_lab_guest_boots_from_builder_xml_answers_ssh_and_leaves_nothing_after_acpi_shutdown(
-    lab_guest_image, addressing  # noqa: F811 (pytest fixture)
+    lab_guest_image, addressing
 ):
     """dhcp4: the guest leases its reserved IP (sending the seed's hostname); static: it sets the seed's address."""
     require_root()

@@ -1,49 +1,13 @@
 """The step pipeline: journal order, compensation order, disk-touched and cancellation semantics."""
 
 import asyncio
-import functools
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 
 import pytest
 
-from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.state import StepStatus
-from gpuaas_agent.contract.tasks import TaskEnvelope
 from gpuaas_agent.errors import AgentError, HostError
-from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
-
-
-@dataclass
-class Ctx:
-    store: StateStore
-    envelope: TaskEnvelope
-    events: list = field(default_factory=list)
-
-    async def progress(self, step, status, *, percent=None, detail=None):
-        self.events.append((step, status))
-
-
-@pytest.fixture
-def ctx(tmp_path):
-    store = StateStore.open(tmp_path / "state.db")
-    env = TaskEnvelope(task_id="t-1", type="slice.vm_provision", node_id="node-1", attempt=1,
-                       deadline=datetime.now(UTC) + timedelta(minutes=5), payload={})
-    yield Ctx(store=store, envelope=env)
-    store.close()
-
-
-def sync(fn):
-    """Run an async test body on a fresh event loop (the suite has no asyncio plugin)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-    return wrapper
-
-
-def journal(ctx):
-    return [(e.step, e.status) for e in ctx.store.journal_of("t-1")]
+from tests.support.pipeline_ctx import journal, sync
 
 
 def recorder(log, name, *, fail=None):
@@ -56,18 +20,18 @@ def recorder(log, name, *, fail=None):
 
 
 @sync
-async def test_success_journals_each_step_before_and_after(ctx):
+async def test_success_journals_each_step_before_and_after(journal_ctx):
     log = []
-    out = await run_pipeline(ctx, [Step("a", recorder(log, "a")), Step("b", recorder(log, "b"))])
+    out = await run_pipeline(journal_ctx, [Step("a", recorder(log, "a")), Step("b", recorder(log, "b"))])
     assert log == ["a", "b"]
     assert out["a"]["did"] == "a" and "duration_s" in out["b"]
-    assert journal(ctx) == [("a", StepStatus.started), ("a", StepStatus.succeeded),
+    assert journal(journal_ctx) == [("a", StepStatus.started), ("a", StepStatus.succeeded),
                             ("b", StepStatus.started), ("b", StepStatus.succeeded)]
-    assert ctx.events == [("a", "started"), ("a", "succeeded"), ("b", "started"), ("b", "succeeded")]
+    assert journal_ctx.events == [("a", "started"), ("a", "succeeded"), ("b", "started"), ("b", "succeeded")]
 
 
 @sync
-async def test_failure_compensates_done_steps_and_the_failed_one_in_reverse(ctx):
+async def test_failure_compensates_done_steps_and_the_failed_one_in_reverse(journal_ctx):
     log = []
     steps = [
         Step("lease", recorder(log, "lease"), recorder(log, "undo-lease")),
@@ -78,7 +42,7 @@ async def test_failure_compensates_done_steps_and_the_failed_one_in_reverse(ctx)
         Step("start", recorder(log, "start"), recorder(log, "undo-start")),
     ]
     with pytest.raises(PipelineFailed) as info:
-        await run_pipeline(ctx, steps)
+        await run_pipeline(journal_ctx, steps)
     err = info.value
     assert log == ["lease", "image", "port", "define", "undo-define", "undo-port", "undo-lease"]
     assert err.code == "define_failed" and err.evidence["x"] == 1
@@ -86,20 +50,20 @@ async def test_failure_compensates_done_steps_and_the_failed_one_in_reverse(ctx)
     assert [c["step"] for c in err.evidence["compensations"]] == ["define", "port", "lease"]
     assert all(c["ok"] for c in err.evidence["compensations"])
     assert not err.cancelled
-    assert ("define", StepStatus.failed) in journal(ctx) and ("lease", StepStatus.compensated) in journal(ctx)
+    assert ("define", StepStatus.failed) in journal(journal_ctx) and ("lease", StepStatus.compensated) in journal(journal_ctx)
 
 
 @sync
-async def test_disk_touched_from_the_moment_the_disk_step_starts(ctx):
+async def test_disk_touched_from_the_moment_the_disk_step_starts(journal_ctx):
     log = []
     steps = [Step("clone", recorder(log, "clone", fail=HostError("io", code="clone_failed")), touches_disk=True)]
     with pytest.raises(PipelineFailed) as info:
-        await run_pipeline(ctx, steps)
+        await run_pipeline(journal_ctx, steps)
     assert info.value.disk_touched is True
 
 
 @sync
-async def test_a_failing_compensation_is_reported_and_the_others_still_run(ctx):
+async def test_a_failing_compensation_is_reported_and_the_others_still_run(journal_ctx):
     log = []
     steps = [
         Step("a", recorder(log, "a"), recorder(log, "undo-a")),
@@ -107,7 +71,7 @@ async def test_a_failing_compensation_is_reported_and_the_others_still_run(ctx):
         Step("c", recorder(log, "c", fail=AgentError("no", code="nope"))),
     ]
     with pytest.raises(PipelineFailed) as info:
-        await run_pipeline(ctx, steps)
+        await run_pipeline(journal_ctx, steps)
     comps = info.value.evidence["compensations"]
     assert log[-2:] == ["undo-b", "undo-a"]
     assert comps[0] == {"step": "b", "ok": False, "code": "ovsdb_unreachable", "message": "ovsdb_unreachable: gone",
@@ -117,7 +81,7 @@ async def test_a_failing_compensation_is_reported_and_the_others_still_run(ctx):
 
 
 @sync
-async def test_cancellation_mid_step_compensates_and_is_reported_cancelled(ctx):
+async def test_cancellation_mid_step_compensates_and_is_reported_cancelled(journal_ctx):
     log = []
     entered = asyncio.Event()
 
@@ -128,29 +92,29 @@ async def test_cancellation_mid_step_compensates_and_is_reported_cancelled(ctx):
 
     steps = [Step("lease", recorder(log, "lease"), recorder(log, "undo-lease")),
              Step("clone", slow, touches_disk=True)]
-    task = asyncio.create_task(run_pipeline(ctx, steps))
+    task = asyncio.create_task(run_pipeline(journal_ctx, steps))
     await asyncio.wait_for(entered.wait(), 5)
     task.cancel()
     with pytest.raises(PipelineFailed) as info:
         await task
     assert info.value.cancelled and info.value.disk_touched and info.value.code == "cancelled"
     assert log == ["lease", "clone", "undo-lease"]
-    assert ("clone", StepStatus.failed) in journal(ctx)
+    assert ("clone", StepStatus.failed) in journal(journal_ctx)
 
 
 @sync
-async def test_a_driver_cancel_code_counts_as_cancellation(ctx):
+async def test_a_driver_cancel_code_counts_as_cancellation(journal_ctx):
     steps = [Step("clone", recorder([], "clone", fail=HostError("dirty", code="clone_cancelled")), touches_disk=True)]
     with pytest.raises(PipelineFailed) as info:
-        await run_pipeline(ctx, steps)
+        await run_pipeline(journal_ctx, steps)
     assert info.value.cancelled and info.value.code == "clone_cancelled"
 
 
 @sync
-async def test_a_bug_in_a_step_becomes_internal_error_with_compensation(ctx):
+async def test_a_bug_in_a_step_becomes_internal_error_with_compensation(journal_ctx):
     log = []
     steps = [Step("a", recorder(log, "a"), recorder(log, "undo-a")), Step("b", recorder(log, "b", fail=KeyError("k")))]
     with pytest.raises(PipelineFailed) as info:
-        await run_pipeline(ctx, steps)
+        await run_pipeline(journal_ctx, steps)
     assert info.value.code == "internal_error" and "KeyError" in info.value.message
     assert log == ["a", "b", "undo-a"]

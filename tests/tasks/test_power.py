@@ -41,7 +41,7 @@ from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.power import PowerRefused, power
 from lab.loophost import materialize
 from tests.conftest import HOSTS
-from tests.ovsdb_fixture import OvsSwitch, ovs_switch  # noqa: F401  (pytest fixture)
+from tests.ovsdb_fixture import OvsSwitch, root_netns_lock
 from tests.realdev import require_root
 
 URI = "test:///default"
@@ -108,14 +108,12 @@ class Slice:
 def root_nft_guard():
     """The start's host-side guard tables live in the root namespace, where a lab's do: one session at a time
     (another session's teardown deleting them under a running lab opened its guests)."""
-    from tests.ovsdb_fixture import _root_netns_lock
-
-    with _root_netns_lock():
+    with root_netns_lock():
         yield
 
 
 @pytest.fixture
-def active_slice(root_nft_guard, loop_host, ovs_switch: OvsSwitch, tmp_path, test_driver):  # noqa: F811
+def active_slice(root_nft_guard, loop_host, ovs_switch: OvsSwitch, tmp_path, test_driver):
     """Slot 0 as a successful provision leaves it: leased, record active, domain defined and running."""
     report = discover(HostRoot.open(loop_host.root))
     candidate = report.candidate_slots[0]

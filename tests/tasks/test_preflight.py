@@ -23,7 +23,7 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.tasks.preflight import build_parity_report, preflight_handler
 from gpuaas_agent.tasks.topology import topology_discover_handler
 from tests.conftest import fixture_host
-from tests.discovery.test_netevidence import (
+from tests.support.slice_netns import (
     MASQ,
     ns_exec,
     set_ip_forward,

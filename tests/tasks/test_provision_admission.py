@@ -17,27 +17,27 @@ import pytest
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.domain import DomainSpec, DomainState
 from gpuaas_agent.contract.runtime import get_profile
-from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.state import SlotLease
-from gpuaas_agent.contract.tasks import VmProvisionPayload
 from gpuaas_agent.discovery.ovmf import find_ovmf
-from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations, make_reservation
-from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import ProvisionRun, provision, provision_steps
 from lab.loophost import materialize
 from tests.conftest import HOSTS
 from tests.realdev import require_root
+from tests.support.provision_inputs import (
+    LIBVIRT_TEST_URI,
+    approved_slot_of_host,
+    provision_payload,
+    slice_drivers_for,
+    task_ctx,
+)
 from tests.tasks.conftest import provision_failure
-from tests.tasks.test_provision_cancel import KEY, _ctx_for
 
 MiB = 1 << 20
-URI = "test:///default"
 
 
 @pytest.fixture
@@ -52,49 +52,18 @@ def loop_host(tmp_path):
 @pytest.fixture
 def test_driver():
     """test:///default forgets its domains when the last connection closes: hold one for the test."""
-    conn = libvirt.open(URI)
+    conn = libvirt.open(LIBVIRT_TEST_URI)
     yield conn
     conn.close()
 
 
-def _approved(host, index: int, **over) -> ApprovedSlot:
-    c = discover(HostRoot.open(host.root)).candidate_slots[index]
-    fields = dict(slot_id=f"s-{index}", slot_index=index, gpu_pci_address=c.gpu_pci_address,
-                  nvme_device=c.nvme_device, storage_identity_kind=c.storage_identity_kind,
-                  fabric_vf_pci_address=c.fabric_vf_pci_address, fabric_claim_mode=c.fabric_claim_mode, mac=c.mac,
-                  private_ip=c.private_ip, ovs_bridge="ovsbr0", numa_node=c.numa_node, status=SlotStatus.reserved)
-    fields.update(over)
-    return ApprovedSlot(**fields)
-
-
-def _slice_host(host, tmp_path, prepared=None) -> SliceDrivers:
-    """Refusals before validate's host preconditions need no prepared host; a run past them does."""
-    if prepared is not None:
-        config = SliceConfig(**prepared.slice_config())
-    else:
-        relay = tmp_path / "relay.pub"
-        relay.write_text(KEY + "\n")
-        config = SliceConfig(allow_emulated_domains=True, terminal_relay_key_file=relay,
-                             dnsmasq_hosts_file=tmp_path / "hosts", seed_dir=tmp_path / "seeds")
-    return SliceDrivers(host_root=host.root, slice=config, images=ImageCache(tmp_path / "cache"),
-                     libvirt=LibvirtLifecycle(URI))
-
-
-def _payload(slot: ApprovedSlot, alloc: str | None = None, **over) -> VmProvisionPayload:
-    fields = dict(allocation_id=alloc or str(uuid.uuid4()), slot=slot,
-                  image={"url": "file:///nonexistent", "sha256": "0" * 64},
-                  runtime_profile="lab_tcg_1c_512m", hostname="tenant-vm", user="tenant", ssh_authorized_keys=[KEY])
-    fields.update(over)
-    return VmProvisionPayload(**fields)
-
-
 def _refused_before_lease(host, tmp_path, payload, *, store=None) -> PipelineFailed:
     """Run the real pipeline; it must fail in validate with the slot clean and the disk as it was."""
-    sh = _slice_host(host, tmp_path)
+    sh = slice_drivers_for(host, tmp_path)
     own_store = store is None
     store = store or StateStore.open(tmp_path / "state.db")
     leases_before = store.leases()
-    ctx = _ctx_for(store, f"t-{uuid.uuid4().hex[:8]}")
+    ctx = task_ctx(store, f"t-{uuid.uuid4().hex[:8]}")
     disk = host.disks[payload.slot.slot_index].loop
     before = open(disk, "rb").read(MiB)
 
@@ -112,40 +81,40 @@ def _refused_before_lease(host, tmp_path, payload, *, store=None) -> PipelineFai
 
 
 def test_an_ip_equal_to_the_gateway_is_ip_reserved_before_the_lease(loop_host, tmp_path):
-    failure = _refused_before_lease(loop_host, tmp_path, _payload(_approved(loop_host, 0, private_ip="10.100.0.1")))
+    failure = _refused_before_lease(loop_host, tmp_path, provision_payload(approved_slot_of_host(loop_host, 0, private_ip="10.100.0.1")))
     assert failure.code == "ip_reserved" and failure.evidence["role"] == "gateway"
     assert failure.evidence["field"] == "slot.private_ip"
 
 
 def test_an_ip_outside_the_subnet_is_ip_outside_subnet_before_the_lease(loop_host, tmp_path):
-    failure = _refused_before_lease(loop_host, tmp_path, _payload(_approved(loop_host, 0, private_ip="192.168.7.10")))
+    failure = _refused_before_lease(loop_host, tmp_path, provision_payload(approved_slot_of_host(loop_host, 0, private_ip="192.168.7.10")))
     assert failure.code == "ip_outside_subnet" and failure.evidence["subnet"] == "10.100.0.0/24"
 
 
 @pytest.mark.parametrize("what", ["mac", "ip", "hostname"])
 def test_a_mac_ip_or_hostname_reserved_by_another_slot_is_refused_before_the_lease(loop_host, tmp_path, what):
-    slot = _approved(loop_host, 0)
-    other = _approved(loop_host, 1)
+    slot = approved_slot_of_host(loop_host, 0)
+    other = approved_slot_of_host(loop_host, 1)
     reservations = DnsmasqReservations(tmp_path / "hosts", SliceConfig().subnet, SliceConfig().gateway)
     reservations.add(make_reservation(
         str(uuid.uuid4()), 1,
         slot.mac if what == "mac" else other.mac,
         slot.private_ip if what == "ip" else other.private_ip,
         "tenant-vm" if what == "hostname" else "someone-else"))
-    failure = _refused_before_lease(loop_host, tmp_path, _payload(slot))
+    failure = _refused_before_lease(loop_host, tmp_path, provision_payload(slot))
     assert failure.code == f"{what}_in_use"
     assert failure.evidence["field"] == {"mac": "slot.mac", "ip": "slot.private_ip", "hostname": "hostname"}[what]
 
 
 def test_slot_index_99_with_slot_1s_devices_is_slot_mismatch_before_the_lease(loop_host, tmp_path):
-    slot = _approved(loop_host, 1, slot_index=99, slot_id="s-99")
-    payload = _payload(slot)
-    sh = _slice_host(loop_host, tmp_path)
+    slot = approved_slot_of_host(loop_host, 1, slot_index=99, slot_id="s-99")
+    payload = provision_payload(slot)
+    sh = slice_drivers_for(loop_host, tmp_path)
     store = StateStore.open(tmp_path / "state.db")
 
     async def scenario():
         try:
-            await provision(sh, payload, _ctx_for(store, "t-99"))
+            await provision(sh, payload, task_ctx(store, "t-99"))
         finally:
             await sh.close()
 
@@ -157,7 +126,7 @@ def test_slot_index_99_with_slot_1s_devices_is_slot_mismatch_before_the_lease(lo
 
 
 def test_a_mac_that_is_not_the_slots_own_is_slot_mismatch_before_the_lease(loop_host, tmp_path):
-    failure = _refused_before_lease(loop_host, tmp_path, _payload(_approved(loop_host, 0, mac="02:00:00:00:00:42")))
+    failure = _refused_before_lease(loop_host, tmp_path, provision_payload(approved_slot_of_host(loop_host, 0, mac="02:00:00:00:00:42")))
     assert failure.code == "slot_mismatch" and failure.evidence["field"] == "mac"
     assert failure.evidence["requested"] == "02:00:00:00:00:42"
 
@@ -165,12 +134,12 @@ def test_a_mac_that_is_not_the_slots_own_is_slot_mismatch_before_the_lease(loop_
 def _first_slot_running(test_driver, host, alloc: str) -> str:
     """Slot 0 of ``alloc`` as a provision left it: the lease, the active record, its domain running."""
     spec = DomainSpec(allocation_id=alloc, slot_index=0, task_id="t-first", profile=get_profile("lab_tcg_1c_512m"),
-                      nvme_device=_approved(host, 0).nvme_device, mac=_approved(host, 0).mac, ovs_bridge="ovsbr0",
+                      nvme_device=approved_slot_of_host(host, 0).nvme_device, mac=approved_slot_of_host(host, 0).mac, ovs_bridge="ovsbr0",
                       seed_iso_path="/var/lib/gpuaas/seeds/first.iso", firmware=find_ovmf(HostRoot.open("/")),
                       agent_version="0.1.0")
 
     async def define():
-        async with LibvirtLifecycle(URI) as lc:
+        async with LibvirtLifecycle(LIBVIRT_TEST_URI) as lc:
             return (await lc.define(spec)).domain.uuid
 
     first_uuid = asyncio.run(define())
@@ -189,11 +158,11 @@ def test_a_second_slot_of_an_allocation_is_allocation_has_slot_and_the_first_vm_
     first_uuid = _first_slot_running(test_driver, loop_host, alloc)
     try:
         store = StateStore.open(tmp_path / "state.db")
-        first = _approved(loop_host, 0)
+        first = approved_slot_of_host(loop_host, 0)
         store.take_lease(SlotLease(allocation_id=alloc, slot_index=0, gpu_pci_address=first.gpu_pci_address,
                                    nvme_device=first.nvme_device, disk_identity="nguid:000000000000000100a075244a103331",
                                    fabric_vf_pci_address=first.fabric_vf_pci_address, task_id="t-first", taken_at=1.0))
-        failure = _refused_before_lease(loop_host, tmp_path, _payload(_approved(loop_host, 1), alloc=alloc),
+        failure = _refused_before_lease(loop_host, tmp_path, provision_payload(approved_slot_of_host(loop_host, 1), alloc=alloc),
                                         store=store)
         assert failure.code == "allocation_has_slot" and failure.evidence["held_slots"] == [0]
         assert [(l.allocation_id, l.slot_index) for l in store.leases()] == [(alloc, 0)]
@@ -211,11 +180,11 @@ def test_undo_after_a_define_conflict_leaves_another_slots_domain_running(loop_h
     domain (the name is per allocation), and the define/start compensations must leave it alone."""
     alloc = str(uuid.uuid4())
     first_uuid = _first_slot_running(test_driver, loop_host, alloc)
-    sh = _slice_host(loop_host, tmp_path, prepared_host)
+    sh = slice_drivers_for(loop_host, tmp_path, prepared_host)
     store = StateStore.open(tmp_path / "state.db")
-    payload = _payload(_approved(loop_host, 1, ovs_bridge=prepared_host.bridge), alloc=alloc)
+    payload = provision_payload(approved_slot_of_host(loop_host, 1, ovs_bridge=prepared_host.bridge), alloc=alloc)
     run = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-second",
-                       ctx=_ctx_for(store, "t-second"))
+                       ctx=task_ctx(store, "t-second"))
     steps = {step.name: step for step in provision_steps(run)}
 
     async def scenario():

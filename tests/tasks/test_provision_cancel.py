@@ -13,7 +13,6 @@ import asyncio
 import hashlib
 import os
 import uuid
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import pytest
@@ -34,24 +33,10 @@ from gpuaas_agent.tasks.provision import provision
 from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
+from tests.support.provision_inputs import TENANT_KEY, TaskCtx, task_ctx
 from tests.tasks.conftest import provision_failure
 
 MiB = 1 << 20
-KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKq5Vd2K8mJ5yVtQ1N0d0m2dQ6Gq6x7o0cXbq3b8s9aF tenant"
-
-
-@dataclass
-class Ctx:
-    store: StateStore
-    envelope: TaskEnvelope
-    node_id: str = "node-1"
-    resumed_steps: list = field(default_factory=list)
-    slot_outcomes: list = field(default_factory=list)
-    on_progress: object = None
-
-    async def progress(self, step, status, *, percent=None, detail=None):
-        if self.on_progress is not None:
-            self.on_progress(step, status, percent)
 
 
 @pytest.fixture
@@ -85,10 +70,10 @@ def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loo
     slot = _approved(loop_host, prepared_host.bridge)
     payload = VmProvisionPayload(allocation_id=alloc, slot=slot, image={"url": f"file://{image}", "sha256": digest},
                                  runtime_profile="lab_tcg_1c_512m", hostname="cancelled", user="tenant",
-                                 ssh_authorized_keys=[KEY])
+                                 ssh_authorized_keys=[TENANT_KEY])
     envelope = TaskEnvelope(task_id="t-cancel", type="slice.vm_provision", node_id="node-1", attempt=1,
                             deadline=datetime.now(UTC) + timedelta(minutes=10), payload={})
-    ctx = Ctx(store=store, envelope=envelope)
+    ctx = TaskCtx(store=store, envelope=envelope)
     seen: list[float] = []
 
     async def scenario():
@@ -125,12 +110,6 @@ def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loo
     store.close()
 
 
-def _ctx_for(store, task_id):
-    envelope = TaskEnvelope(task_id=task_id, type="slice.vm_provision", node_id="node-1", attempt=2,
-                            deadline=datetime.now(UTC) + timedelta(minutes=10), payload={})
-    return Ctx(store=store, envelope=envelope)
-
-
 @pytest.mark.parametrize("reached", ["image", "clone", "seed"])
 def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
     """The same task comes back with the slot still 'provisioning' (issue 17): up to the clone it runs again
@@ -158,7 +137,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
                         ovs_bridge="ovsbr0", numa_node=c.numa_node, status=SlotStatus.reserved)
     payload = VmProvisionPayload(allocation_id=alloc, slot=slot, image={"url": "file:///x", "sha256": "0" * 64},
                                  runtime_profile="lab_tcg_1c_512m", hostname="h", user="tenant",
-                                 ssh_authorized_keys=[KEY])
+                                 ssh_authorized_keys=[TENANT_KEY])
     store.set_slot_state(SlotRecord(slot_index=0, allocation_id=alloc, status=SlotStatus.provisioning,
                                     health_state=HealthState.unknown, task_id="t-crash", updated_at=1.0))
     names = [d.name for d in PROVISION_STEPS]
@@ -167,7 +146,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
     sh = SliceDrivers(host_root=fixture_host("h200-slice-after-transition"),
                    slice=SliceConfig(allow_emulated_domains=True, seed_dir=tmp_path / "seeds"),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
-    ctx = _ctx_for(store, "t-crash")
+    ctx = task_ctx(store, "t-crash")
     run = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash", ctx=ctx)
     steps = asyncio.run(interrupted_run(run))
     assert steps == names[:names.index(reached) + 1]
@@ -185,7 +164,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
         assert [(o.status.value, o.health_state.value) for o in ctx.slot_outcomes] == [("cleanup_blocked", "failed")]
     # Another task of the same allocation is never let in while the slot is busy or blocked.
     other = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-other",
-                         ctx=_ctx_for(store, "t-other"))
+                         ctx=task_ctx(store, "t-other"))
     with pytest.raises(ProvisionRefused) as info:
         asyncio.run(check_admissible(other))
     assert info.value.code == ("already_provisioned" if reached in RESTARTABLE else "slot_cleanup_blocked")
@@ -201,8 +180,8 @@ def test_a_missing_relay_key_fails_before_the_disk_is_touched(loop_host, tmp_pat
     payload = VmProvisionPayload(allocation_id=str(uuid.uuid4()), slot=_approved(loop_host),
                                  image={"url": "file:///nonexistent", "sha256": "0" * 64},
                                  runtime_profile="lab_tcg_1c_512m", hostname="h", user="tenant",
-                                 ssh_authorized_keys=[KEY])
-    ctx = _ctx_for(store, "t-relay")
+                                 ssh_authorized_keys=[TENANT_KEY])
+    ctx = task_ctx(store, "t-relay")
     before = open(loop_host.disks[0].loop, "rb").read(1 << 20)
 
     failed = provision_failure(sh, payload, ctx)

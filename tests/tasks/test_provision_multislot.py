@@ -29,11 +29,10 @@ from gpuaas_agent.tasks.release_set import release_set
 from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
-from tests.tasks.test_provision_admission import _approved, _payload, _slice_host
-from tests.tasks.test_provision_cancel import _ctx_for
+from tests.support.provision_inputs import approved_slot_of_host, provision_payload, slice_drivers_for, task_ctx
 
 MiB = 1 << 20
-URI = "test:///default"
+LIBVIRT_TEST_URI = "test:///default"
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +50,9 @@ def _heads(host) -> list[bytes]:
 
 def _refused(host, tmp_path, payload, store) -> BaseException:
     """Run provision; it must be refused with nothing leased, recorded for this allocation, or written."""
-    sh = _slice_host(host, tmp_path)
+    sh = slice_drivers_for(host, tmp_path)
     leases_before, heads = store.leases(), _heads(host)
-    ctx = _ctx_for(store, f"t-{uuid.uuid4().hex[:8]}")
+    ctx = task_ctx(store, f"t-{uuid.uuid4().hex[:8]}")
 
     async def scenario():
         try:
@@ -72,22 +71,22 @@ def _refused(host, tmp_path, payload, store) -> BaseException:
 
 
 def test_duplicate_slots_in_the_set_are_refused_in_validate(loop_host, tmp_path):
-    s0, s1 = _approved(loop_host, 0), _approved(loop_host, 1)
+    s0, s1 = approved_slot_of_host(loop_host, 0), approved_slot_of_host(loop_host, 1)
     store = StateStore.open(tmp_path / "state.db")
-    failure = _refused(loop_host, tmp_path, _payload(s0, slots=[s0, s1, s1]), store)
+    failure = _refused(loop_host, tmp_path, provision_payload(s0, slots=[s0, s1, s1]), store)
     assert failure.code == "duplicate_slot" and failure.evidence["field"] == "slots.slot_index"
-    other_ip = _approved(loop_host, 2, private_ip=s1.private_ip)
-    failure = _refused(loop_host, tmp_path, _payload(s0, slots=[s0, s1, other_ip]), store)
+    other_ip = approved_slot_of_host(loop_host, 2, private_ip=s1.private_ip)
+    failure = _refused(loop_host, tmp_path, provision_payload(s0, slots=[s0, s1, other_ip]), store)
     assert failure.code == "duplicate_slot" and failure.evidence["values"] == [s1.private_ip]
-    failure = _refused(loop_host, tmp_path, _payload(s0, slots=[s1]), store)
+    failure = _refused(loop_host, tmp_path, provision_payload(s0, slots=[s1]), store)
     assert failure.code == "boot_slot_not_in_set"
 
 
 def test_a_slot_of_another_host_in_the_set_is_not_approved(loop_host, tmp_path):
-    s0 = _approved(loop_host, 0)
-    elsewhere = _approved(loop_host, 1, gpu_pci_address="0000:c1:00.0")  # no GPU there on this host
+    s0 = approved_slot_of_host(loop_host, 0)
+    elsewhere = approved_slot_of_host(loop_host, 1, gpu_pci_address="0000:c1:00.0")  # no GPU there on this host
     store = StateStore.open(tmp_path / "state.db")
-    failure = _refused(loop_host, tmp_path, _payload(s0, slots=[s0, elsewhere]), store)
+    failure = _refused(loop_host, tmp_path, provision_payload(s0, slots=[s0, elsewhere]), store)
     assert failure.code == "not_approved" and failure.evidence["binding"] == "gpu_pci_address"
 
 
@@ -99,8 +98,8 @@ def test_a_set_larger_than_the_free_slots_is_refused_before_the_lease(loop_host,
                                  nvme_device=c.nvme_device, disk_identity=f"path:{c.nvme_device}",
                                  fabric_vf_pci_address=c.fabric_vf_pci_address, task_id="t-other", taken_at=1.0)
                        for c in candidates[2:]])
-    slots = [_approved(loop_host, i) for i in range(3)]
-    failure = _refused(loop_host, tmp_path, _payload(slots[0], slots=slots), store)
+    slots = [approved_slot_of_host(loop_host, i) for i in range(3)]
+    failure = _refused(loop_host, tmp_path, provision_payload(slots[0], slots=slots), store)
     assert failure.code == "not_enough_free_slots"
     assert failure.evidence["free_slots"] == [0, 1] and failure.evidence["requested"] == [0, 1, 2]
 
@@ -108,21 +107,21 @@ def test_a_set_larger_than_the_free_slots_is_refused_before_the_lease(loop_host,
 @pytest.mark.parametrize("where", ["host_record", "control_plane"])
 def test_a_set_containing_a_cleanup_blocked_slot_is_refused(loop_host, tmp_path, where):
     store = StateStore.open(tmp_path / "state.db")
-    s0, s1 = _approved(loop_host, 0), _approved(loop_host, 1)
+    s0, s1 = approved_slot_of_host(loop_host, 0), approved_slot_of_host(loop_host, 1)
     if where == "host_record":
         store.set_slot_state(SlotRecord(slot_index=1, allocation_id=str(uuid.uuid4()),
                                         status=SlotStatus.cleanup_blocked, health_state=HealthState.failed,
                                         task_id="t-old", updated_at=1.0))
     else:
         s1 = s1.model_copy(update={"status": SlotStatus.cleanup_blocked})
-    failure = _refused(loop_host, tmp_path, _payload(s0, slots=[s0, s1]), store)
+    failure = _refused(loop_host, tmp_path, provision_payload(s0, slots=[s0, s1]), store)
     assert failure.code == "slot_cleanup_blocked" and failure.evidence["slot_index"] == 1
 
 
 def test_a_single_slot_payload_still_provisions_one_slot(loop_host, tmp_path):
     """A v1 payload (no ``slots``) is the set of its one slot: refusals name ``slot`` as before."""
     store = StateStore.open(tmp_path / "state.db")
-    payload = _payload(_approved(loop_host, 0, private_ip="10.100.0.1"))
+    payload = provision_payload(approved_slot_of_host(loop_host, 0, private_ip="10.100.0.1"))
     assert payload.slots == []
     failure = _refused(loop_host, tmp_path, payload, store)
     assert failure.code == "ip_reserved" and failure.evidence["field"] == "slot.private_ip"
@@ -134,18 +133,18 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
     digest = hashlib.sha256(image.read_bytes()).hexdigest()
     bridge = prepared_host.bridge
     store = StateStore.open(tmp_path / "state.db")
-    keep = libvirt.open(URI)  # the test driver forgets its domains when its last connection closes
+    keep = libvirt.open(LIBVIRT_TEST_URI)  # the test driver forgets its domains when its last connection closes
 
     def sh():
         return SliceDrivers(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config()),
                          images=ImageCache(tmp_path / "cache", policy=SourcePolicy(file_dir=tmp_path)),
-                         libvirt=LibvirtLifecycle(URI))
+                         libvirt=LibvirtLifecycle(LIBVIRT_TEST_URI))
 
     def slots(*indexes):
-        return [_approved(loop_host, i, ovs_bridge=bridge) for i in indexes]
+        return [approved_slot_of_host(loop_host, i, ovs_bridge=bridge) for i in indexes]
 
     def run(payload, task_id):
-        ctx, host = _ctx_for(store, task_id), sh()
+        ctx, host = task_ctx(store, task_id), sh()
 
         async def scenario():
             try:
@@ -161,7 +160,7 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
         # (a) Before any disk is touched (the image cannot be fetched): every slot of the set released.
         heads = _heads(loop_host)
         a = slots(0, 1, 2)
-        failure, ctx = run(_payload(a[0], slots=a, image={"url": "file:///nonexistent", "sha256": "0" * 64}), "t-a")
+        failure, ctx = run(provision_payload(a[0], slots=a, image={"url": "file:///nonexistent", "sha256": "0" * 64}), "t-a")
         assert failure.failed_step == "image" and not failure.disk_touched
         validated = next(e for e in store.journal_of("t-a") if e.step == "validate" and e.status is StepStatus.succeeded)
         assert [d["slot_index"] for d in validated.detail["data_slots"]] == [1, 2]  # all three were leased
@@ -175,7 +174,7 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
         keep.defineXML(f"<domain type='test'><name>gpuaas-slice-{uuid.UUID(alloc_b).hex}</name><memory>1024</memory>"
                        "<os><type>hvm</type></os></domain>")  # someone else's domain of that name: define refuses
         b = slots(0, 1)
-        failure, ctx = run(_payload(b[0], alloc=alloc_b, slots=b,
+        failure, ctx = run(provision_payload(b[0], alloc=alloc_b, slots=b,
                                     image={"url": f"file://{image}", "sha256": digest}), "t-b")
         assert failure.failed_step == "define" and failure.disk_touched
         assert [(o.slot_index, o.status.value) for o in ctx.slot_outcomes] == [(0, "cleanup_blocked"),
@@ -190,7 +189,7 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
         # its own evidence.
         alloc_c = str(uuid.uuid4())
         c = slots(1, 2)
-        failure, ctx = run(_payload(c[0], alloc=alloc_c, slots=c, readiness_timeout_s=5,
+        failure, ctx = run(provision_payload(c[0], alloc=alloc_c, slots=c, readiness_timeout_s=5,
                                     image={"url": f"file://{image}", "sha256": digest}), "t-c")
         assert failure.failed_step in ("start", "readiness"), failure
         # The start guarded the data slot's disk too, under its own lease (not only the boot slot's).
@@ -206,7 +205,7 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
             [(alloc_b, 0), (alloc_c, 1), (alloc_c, 2)])
 
         # Release of the set (v1.1 payload): the domain goes, each disk is wiped and verified, each slot freed.
-        ctx = _ctx_for(store, "t-release")
+        ctx = task_ctx(store, "t-release")
         host = sh()
 
         async def released():
@@ -234,8 +233,8 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
 
 def test_a_set_crossing_the_profiles_placement_is_refused_in_validate(loop_host, tmp_path):
     store = StateStore.open(tmp_path / "state.db")
-    slots = [_approved(loop_host, 3), _approved(loop_host, 4)]  # NUMA node 0 and node 1
-    failure = _refused(loop_host, tmp_path, _payload(slots[0], slots=slots, runtime_profile="h200_1g_24c_64g_numa"),
+    slots = [approved_slot_of_host(loop_host, 3), approved_slot_of_host(loop_host, 4)]  # NUMA node 0 and node 1
+    failure = _refused(loop_host, tmp_path, provision_payload(slots[0], slots=slots, runtime_profile="h200_1g_24c_64g_numa"),
                        store)
     assert failure.code == "placement_violated" and failure.evidence["required"] == "same_numa"
     assert failure.evidence["achieved"] == "cross_numa" and failure.evidence["slot_indexes"] == [3, 4]

@@ -24,9 +24,8 @@ from gpuaas_agent.tasks.drivers import SliceDrivers
 from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.realdev import require_root
+from tests.support.provision_inputs import TENANT_KEY, approved_slot_of_host, task_ctx
 from tests.tasks.conftest import GATEWAY, PreparedHost, provision_failure
-from tests.tasks.test_provision_admission import _approved
-from tests.tasks.test_provision_cancel import KEY, _ctx_for
 
 MiB = 1 << 20
 
@@ -117,10 +116,10 @@ def test_a_broken_host_precondition_refuses_in_validate_with_the_disk_untouched(
     image = {"url": "file:///nonexistent", "sha256": "0" * 64, **({"size_bytes": size} if size else {})}
     payload = VmProvisionPayload.from_wire({
         "allocation_id": str(uuid.uuid4()),
-        "slot": _approved(loop_host, 0, ovs_bridge=prepared_host.bridge).model_dump(mode="json"),
+        "slot": approved_slot_of_host(loop_host, 0, ovs_bridge=prepared_host.bridge).model_dump(mode="json"),
         "image": image, "runtime_profile": "lab_tcg_1c_512m", "hostname": "tenant-vm", "user": "tenant",
-        "ssh_authorized_keys": [KEY]})
-    ctx = _ctx_for(store, f"t-{code}")
+        "ssh_authorized_keys": [TENANT_KEY]})
+    ctx = task_ctx(store, f"t-{code}")
     disk = loop_host.disks[0].loop
     before = _disk_sha256(disk)
 
@@ -141,10 +140,10 @@ def test_a_prepared_host_passes_validate_and_takes_the_lease(loop_host, tmp_path
     store = StateStore.open(tmp_path / "state.db")
     payload = VmProvisionPayload.from_wire({
         "allocation_id": str(uuid.uuid4()),
-        "slot": _approved(loop_host, 0, ovs_bridge=prepared_host.bridge).model_dump(mode="json"),
+        "slot": approved_slot_of_host(loop_host, 0, ovs_bridge=prepared_host.bridge).model_dump(mode="json"),
         "image": {"url": "file:///nonexistent", "sha256": "0" * 64}, "runtime_profile": "lab_tcg_1c_512m",
-        "hostname": "tenant-vm", "user": "tenant", "ssh_authorized_keys": [KEY]})
-    ctx = _ctx_for(store, "t-control")
+        "hostname": "tenant-vm", "user": "tenant", "ssh_authorized_keys": [TENANT_KEY]})
+    ctx = task_ctx(store, "t-control")
 
     failed = provision_failure(sh, payload, ctx)
     assert failed.failed_step == "image", failed  # validate (preconditions included) passed

@@ -8,7 +8,7 @@ import pytest
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.tasks.pipeline import PipelineFailed, StepDef, Undo, bind_steps, run_pipeline
 from gpuaas_agent.tasks.provision import PROVISION_STEPS
-from tests.tasks.test_pipeline import ctx, journal, sync  # noqa: F401 (ctx is a fixture)
+from tests.support.pipeline_ctx import sync
 
 # The order README's task table states for slice.vm_provision.
 DOCUMENTED = ["validate", "bind_vfio", "image", "data_disks", "clone", "seed", "ovs_port", "reservation", "define", "start",
@@ -58,7 +58,7 @@ class Out:
 
 
 @sync
-async def test_bound_steps_hand_typed_outputs_forward_and_undo_sees_disk_touched(ctx):  # noqa: F811
+async def test_bound_steps_hand_typed_outputs_forward_and_undo_sees_disk_touched(journal_ctx):
     seen: list = []
 
     async def first(run):
@@ -79,15 +79,15 @@ async def test_bound_steps_hand_typed_outputs_forward_and_undo_sees_disk_touched
     defs = (StepDef("first", first, undo_first), StepDef("second", second, takes=("first",)),
             StepDef("disk", writes_disk, takes=("second",), touches_disk=True))
     with pytest.raises(PipelineFailed) as info:
-        await run_pipeline(ctx, bind_steps(defs, {"base": 41}))
+        await run_pipeline(journal_ctx, bind_steps(defs, {"base": 41}))
     assert seen[0] == ("second", Out(41))
     assert seen[1] == ("undo_first", Out(41), Out(42), None, True)
     assert info.value.disk_touched and info.value.failed_step == "disk"
     assert info.value.evidence["compensations"] == [{"step": "first", "ok": True, "undone": "first",
                                                      "duration_s": info.value.evidence["compensations"][0]["duration_s"]}]
-    assert [(e.step, e.status) for e in ctx.store.journal_of("t-1")][:4] == [
+    assert [(e.step, e.status) for e in journal_ctx.store.journal_of("t-1")][:4] == [
         ("first", StepStatus.started), ("first", StepStatus.succeeded),
         ("second", StepStatus.started), ("second", StepStatus.succeeded)]
     # The journal detail of a step is its typed output as JSON (plus the runner's duration).
-    details = [e.detail for e in ctx.store.journal_of("t-1") if e.step == "second" and e.status is StepStatus.succeeded]
+    details = [e.detail for e in journal_ctx.store.journal_of("t-1") if e.step == "second" and e.status is StepStatus.succeeded]
     assert details[0]["value"] == 42

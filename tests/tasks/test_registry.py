@@ -3,7 +3,7 @@
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.tasks import PAYLOADS, TaskType
 from gpuaas_agent.control.worker import WorkerSettings
-from gpuaas_agent.tasks.registry import TASKS, build_handlers, default_concurrency
+from gpuaas_agent.tasks.registry import TASKS, build_handlers, concurrency_for, default_concurrency
 
 
 def test_every_task_type_has_one_row_with_its_contract_payload():
@@ -15,7 +15,8 @@ def test_every_task_type_has_one_row_with_its_contract_payload():
 def test_config_and_worker_defaults_are_the_registry_concurrency():
     assert default_concurrency()[TaskType.vm_provision] == 8
     assert WorkerSettings().concurrency == default_concurrency()
-    assert AgentConfig().concurrency == default_concurrency()
+    assert AgentConfig().concurrency is None  # no [concurrency] table: the config names no number of its own
+    assert concurrency_for(AgentConfig()) == default_concurrency()
 
 
 def test_without_slice_drivers_only_the_read_only_tasks_are_served():

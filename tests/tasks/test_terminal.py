@@ -45,8 +45,8 @@ from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
-from gpuaas_agent.tasks.terminal import terminal_handler
-from tests.control.conftest import NatsServer, free_port
+from gpuaas_agent.tasks.terminal import relay_of, terminal_handler
+from tests.support.nats_server import NatsServer, free_port
 from tests.terminal_gateway import Gateway as _Gateway
 
 URI = "test:///default"
@@ -365,7 +365,7 @@ def test_refusals_open_no_connection(tmp_path, nats_url, relay_key, slice_domain
             error = await refused(a, "slice.terminal_data", {"session_id": first["session_id"], "allocation_id": ALLOC,
                                                              "data": big})
             assert error.code == "terminal_data_too_large"
-            assert first["session_id"] in a.sh.terminals().sessions
+            assert first["session_id"] in relay_of(a.sh).sessions
 
         # A stopped slice, and a node at its session limit.
         conn = libvirt.open(URI)
@@ -435,7 +435,7 @@ def test_output_waits_for_the_gateways_credit_and_the_guest_blocks(tmp_path, nat
             await gw.send(b"flood %d\n" % flood)
             # Without acknowledgements the agent publishes exactly one window, in frames of at most max_frame_bytes.
             await gw.wait(lambda g: len(g.output) >= window)
-            session = a.sh.terminals().sessions[sid].session
+            session = relay_of(a.sh).sessions[sid].session
             # Round trips through the agent (not a timer) before looking again, and the gateway caught up.
             for _ in range(2):
                 await a.task("slice.terminal_resize", {"session_id": sid, "allocation_id": ALLOC, "cols": 100,
@@ -563,7 +563,7 @@ def test_sessions_left_open_by_a_dead_agent_are_closed_as_agent_restarted(tmp_pa
         async with guest_server(relay_key) as guest:
             async with agent(tmp_path, nats_url, relay_key, guest.port) as a:
                 opened = await a.task("slice.terminal_open", open_payload())
-                a.sh._terminals.sessions.clear()  # the agent "dies": nothing in memory closes it
+                relay_of(a.sh).sessions.clear()  # the agent "dies": nothing in memory closes it
                 orphan = opened["session_id"]
                 assert a.store.terminal_session(orphan).closed_at is None
             store = StateStore.open(tmp_path / "state.db")

@@ -1,0 +1,117 @@
+"""A real ``nats-server -js`` per test (DESIGN.md §5): fresh store dir, 127.0.0.1 only, stopped by PID.
+
+The server runs in the foreground under ``Popen`` (detached daemons linger as
+zombies on CI machines). Readiness is a condition, not a sleep: the client port
+accepts a connection **and** ``/healthz`` on the monitoring port says JetStream
+is up (after a restart JetStream recovers its streams before it answers ok).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+READY_DEADLINE_S = 20.0
+STOP_DEADLINE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class NatsServer:
+    """One ``nats-server`` process; :meth:`restart` keeps its port and store dir."""
+
+    def __init__(self, binary: str, store_dir: Path, log_path: Path, extra_args: tuple[str, ...] = ()) -> None:
+        self.binary = binary
+        self.extra_args = tuple(extra_args)  # e.g. ("--user", "u", "--pass", "p"): a server that checks credentials
+        self.store_dir = store_dir
+        self.log_path = log_path
+        self.port = free_port()
+        self.http_port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        assert self.proc is None, "already running"
+        argv = [
+            self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port),
+            "-m", str(self.http_port), "-sd", str(self.store_dir), *self.extra_args,
+        ]
+        log = self.log_path.open("ab")
+        try:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        finally:
+            log.close()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_DEADLINE_S
+        last_error = "not tried"
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    pass
+                url = f"http://127.0.0.1:{self.http_port}/healthz"
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (OSError, urllib.error.URLError) as exc:
+                last_error = repr(exc)
+            # Poll interval of a readiness check with a deadline, not synchronisation by sleeping.
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"nats-server on port {self.port} not ready within {READY_DEADLINE_S}s: {last_error}")
+
+    def stop(self) -> None:
+        """SIGTERM our PID, SIGKILL it if it does not exit in time; always reaped."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=STOP_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=STOP_DEADLINE_S)
+
+    def kill(self) -> None:
+        """SIGKILL our PID (no goodbye to clients: their sockets just break) and reap it."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=STOP_DEADLINE_S)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    binary = shutil.which("nats-server")
+    if binary is None:
+        pytest.fail("nats-server is not installed (apt-get install nats-server): the control tests need a real server")
+    store = tmp_path / "nats-store"
+    store.mkdir()
+    server = NatsServer(binary, store, tmp_path / "nats-server.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

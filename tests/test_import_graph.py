@@ -1,0 +1,226 @@
+"""The package's import graph: imports at the top of each module, rooms that only import downward, no cycles.
+
+docs/architecture.md draws the rooms; :data:`LAYERS` is that drawing as data, lowest first. A
+function-local import hides a cycle or an upward edge from the reader (and from this test's
+graph), so there is none outside :data:`LAZY_IMPORTS`, where each entry carries the measured
+reason it is deferred: an optional dependency, or an import cost a command or an idle daemon
+should not pay. The scan reads the source (``ast``): nothing is imported, so it takes well under
+a second.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGE = REPO / "gpuaas_agent"
+
+# Lowest first. A module may import modules of its own room and of rooms on lower lines, never a
+# room on its own line or above it. A room is a directory of the package or a top-level module;
+# ``host.run`` sits apart from ``host/``: it is the one way every room runs a program (STYLE.md),
+# so discovery's readers use it while ``host/``'s drivers use discovery.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("gpuaas_agent", "gpuaas_agent.errors", "gpuaas_agent.exitcodes"),  # version, typed errors, exit codes
+    ("gpuaas_agent.contract",),  # what crosses the wire or the disk
+    ("gpuaas_agent.atomicfile", "gpuaas_agent.hostfs", "gpuaas_agent.logs", "gpuaas_agent.host.run"),
+    ("gpuaas_agent.config",),  # the config file's model: every room below the tasks reads its settings
+    ("gpuaas_agent.discovery", "gpuaas_agent.state"),  # pure readers of a host root; the SQLite store
+    ("gpuaas_agent.guards",),  # checks on discovered facts, called by the drivers
+    ("gpuaas_agent.host",),  # side-effect drivers
+    ("gpuaas_agent.deploy",),  # making a fresh host ready (prepare-host, relay key, baseline, user-data)
+    ("gpuaas_agent.tasks",),  # one handler per task type; the registry; the slice drivers
+    ("gpuaas_agent.control",),  # NATS: connection, enrollment, the worker that runs the registry's handlers
+    ("gpuaas_agent.operator",),  # health, metrics, status, heartbeat
+    ("gpuaas_agent.daemon",),  # the one wiring point
+    ("gpuaas_agent.cli",),
+    ("gpuaas_agent.__main__",),  # python -m gpuaas_agent
+)
+
+_CLI_COST = ("a subcommand imports its room when it runs: `gpuaas-agent --version`/`--help` take ~55 ms, "
+             "importing the daemon ~950 ms, parity ~420 ms, status ~290 ms, discover ~230 ms (python -X importtime, "
+             "2-core CI host)")
+_PYROUTE2 = ("pyroute2 costs ~185 ms at import and only a read of the live host's netlink needs it, not the "
+             "readers of a recorded root (parity --root, the guards, `status --no-checks`)")
+_SEED_ISO = ("an idle daemon never builds a seed ISO: pycdlib and PyYAML stay out of its memory "
+             "(tests/operator/test_idle_footprint.py, bench/bench_idle.py)")
+_NVML = "pynvml is the optional `nvml` extra: a host without an NVIDIA driver has none"
+
+# "path:function" -> why its imports are deferred. Nothing else in the package imports inside a function.
+LAZY_IMPORTS: dict[str, str] = {
+    **{f"gpuaas_agent/cli.py:{fn}": _CLI_COST
+       for fn in ("_cmd_discover", "_cmd_parity", "_cmd_status", "_cmd_record_fixture", "_cmd_run", "_cmd_enroll",
+                  "_cmd_cloud_init", "_cmd_prepare_host", "_cmd_network_baseline")},
+    "gpuaas_agent/discovery/netevidence.py:_netlink": _PYROUTE2,
+    "gpuaas_agent/discovery/netevidence.py:_read_netlink": _PYROUTE2,
+    "gpuaas_agent/host/egress.py:read_conntrack": _PYROUTE2,
+    "gpuaas_agent/host/cloudinit.py:_dump": _SEED_ISO,
+    "gpuaas_agent/host/cloudinit.py:_pycdlib_modules_with_clock": _SEED_ISO,
+    "gpuaas_agent/host/cloudinit.py:_pin_pycdlib_clock": _SEED_ISO,
+    "gpuaas_agent/host/cloudinit.py:build_seed_iso": _SEED_ISO,
+    "gpuaas_agent/discovery/nvml.py:enrich": _NVML,
+    "gpuaas_agent/operator/nvml.py:_binding": _NVML,
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module, dotted
+    target: str  # imported module, dotted (a name imported from a package resolves to its submodule)
+    path: str  # importing file, relative to the repository
+    line: int
+    function: str | None  # the enclosing function, when the import is function-local
+    type_only: bool  # under `if TYPE_CHECKING:`
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(module: str, names: list[str]) -> list[str]:
+    """``from pkg import sub`` names the submodule when ``sub`` is one; otherwise the module itself."""
+    base = REPO.joinpath(*module.split("."))
+    if base.is_dir():
+        found = [f"{module}.{n}" for n in names if (base / f"{n}.py").exists() or (base / n).is_dir()]
+        return found if len(found) == len(names) else [*found, module]
+    return [module]
+
+
+def _imports_of(path: Path) -> list[Import]:
+    source, rel = module_name(path), str(path.relative_to(REPO))
+    found: list[Import] = []
+
+    def visit(node: ast.AST, function: str | None, type_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, child.name, type_only)
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                visit(child, function, True)
+            elif isinstance(child, ast.Import | ast.ImportFrom):
+                if isinstance(child, ast.ImportFrom):
+                    assert child.level == 0, f"{rel}:{child.lineno}: relative import"
+                    targets = _resolve(child.module or "", [a.name for a in child.names])
+                else:
+                    targets = [a.name for a in child.names]
+                found.extend(Import(source, t, rel, child.lineno, function, type_only) for t in targets)
+            else:
+                visit(child, function, type_only)
+
+    visit(ast.parse(path.read_text(), rel), None, False)
+    return found
+
+
+def package_imports() -> list[Import]:
+    """Every import statement of the package (standard library and third-party ones included)."""
+    return [imp for path in sorted(PACKAGE.rglob("*.py")) for imp in _imports_of(path)]
+
+
+def _in_package(module: str) -> bool:
+    return module == "gpuaas_agent" or module.startswith("gpuaas_agent.")
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """The layer index and room of a package module (the longest entry of :data:`LAYERS` that names it)."""
+    best: tuple[int, str] | None = None
+    for index, rooms in enumerate(LAYERS):
+        for room in rooms:
+            matches = module == room or (room != "gpuaas_agent" and module.startswith(room + "."))
+            if matches and (best is None or len(room) > len(best[1])):
+                best = (index, room)
+    assert best is not None, f"{module} is in no layer of LAYERS: add its room"
+    return best
+
+
+def test_no_function_local_imports_outside_the_reasoned_list():
+    """Third-party and standard-library imports count too: the scan sees every import statement."""
+    local = [i for i in package_imports() if i.function is not None]
+    unlisted = sorted({f"{i.path}:{i.line} in {i.function}()" for i in local
+                       if f"{i.path}:{i.function}" not in LAZY_IMPORTS})
+    assert not unlisted, ("imports inside functions (move them to the top; a cycle is fixed by moving the shared "
+                          "definition down a room, see docs/architecture.md): " + ", ".join(unlisted))
+    stale = sorted(set(LAZY_IMPORTS) - {f"{i.path}:{i.function}" for i in local})
+    assert not stale, f"LAZY_IMPORTS names functions that import nothing any more: {stale}"
+
+
+def test_rooms_import_only_rooms_below_them():
+    upward = []
+    for imp in package_imports():
+        if not _in_package(imp.target):
+            continue
+        (src_layer, src_room), (dst_layer, dst_room) = layer_of(imp.source), layer_of(imp.target)
+        if src_room != dst_room and dst_layer >= src_layer:
+            upward.append(f"{imp.path}:{imp.line} {src_room} -> {dst_room}")
+    assert not upward, "imports of a room on the same line of LAYERS or above: " + "; ".join(upward)
+
+
+def test_module_graph_has_no_cycle():
+    """Within a room too: every import counts, type-only and deferred ones included."""
+    graph: dict[str, set[str]] = {}
+    for imp in package_imports():
+        if _in_package(imp.target) and imp.target != imp.source:
+            graph.setdefault(imp.source, set()).add(imp.target)
+    cycles = [scc for scc in _strongly_connected(graph) if len(scc) > 1]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative (the graph has a few hundred nodes)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    result: list[list[str]] = []
+    nodes = sorted(set(graph) | {t for ts in graph.values() for t in ts})
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    scc = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        scc.append(member)
+                        if member == node:
+                            break
+                    result.append(sorted(scc))
+    return result
+
+
+def test_the_scan_sees_an_upward_edge_and_a_cycle():
+    """The checks can fail: a graph with a cycle is found, and a contract module importing tasks is upward."""
+    assert _strongly_connected({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"], ["c"]]
+    assert layer_of("gpuaas_agent.contract.tasks")[0] < layer_of("gpuaas_agent.tasks.registry")[0]
+    assert layer_of("gpuaas_agent.host.run")[1] == "gpuaas_agent.host.run"
+    assert layer_of("gpuaas_agent.host.ovs")[1] == "gpuaas_agent.host"
+    assert layer_of("gpuaas_agent")[1] == "gpuaas_agent"
+
+
+def test_layers_name_every_room_of_the_package():
+    rooms = {"gpuaas_agent." + p.stem for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    named = {room for line in LAYERS for room in line}
+    assert rooms <= named, sorted(rooms - named)
