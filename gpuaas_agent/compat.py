@@ -22,7 +22,7 @@ from here: on 3.11+ the standard library's own object, on 3.10 an equivalent.
   ``asyncio.TimeoutError``), so a timed-out ``wait_for`` is caught the same on every supported
   Python. Nothing else is changed.
 
-tests/test_py310_compat.py keeps these names out of every other module.
+tests/test_compat.py keeps these names out of every other module.
 """
 
 from __future__ import annotations

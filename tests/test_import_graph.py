@@ -23,6 +23,7 @@ PACKAGE = REPO / "gpuaas_agent"
 # ``host.run`` sits apart from ``host/``: it is the one way every room runs a program (STYLE.md),
 # so discovery's readers use it while ``host/``'s drivers use discovery.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("gpuaas_agent.compat",),  # Python 3.10 stand-ins for 3.11 names; the package's __init__ loads it first
     ("gpuaas_agent", "gpuaas_agent.errors", "gpuaas_agent.exitcodes"),  # version, typed errors, exit codes
     ("gpuaas_agent.contract",),  # what crosses the wire or the disk
     ("gpuaas_agent.atomicfile", "gpuaas_agent.hostfs", "gpuaas_agent.logs", "gpuaas_agent.host.run"),

@@ -104,7 +104,6 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     "operator/reporter": ("heartbeats of a running daemon", ("tests/operator/test_daemon_observability.py",)),
     "operator/status": ("`gpuaas-agent status`", ("tests/operator/test_cli_conventions.py",)),
     # state
-    "state/aio": ("the store's writer thread, off the event loop", ("tests/control/test_store_off_loop.py",)),
     # tasks
     "tasks/admission": ("provision's admission checks", ("tests/tasks/test_provision_admission.py",)),
     "tasks/crashpoint": ("the crash harness's kill points", ("tests/crash/test_crash_matrix.py",)),

@@ -12,7 +12,7 @@
   ubuntu-keyring 2023.11.28.1), each take the same .deb with ``apt-get install
   --no-install-recommends``: postinst builds the venv against that release's python3,
   which imports the distro's libvirt/systemd/ovs bindings and *every module of the agent*
-  (what catches a 3.11-only import on 22.04; tests/test_py310_compat.py keeps the
+  (what catches a 3.11-only import on 22.04; tests/test_compat.py keeps the
   runtime-only APIs out), ``--version`` and ``discover`` run, and no hypervisor, switch or
   DHCP server came along. Debian 12 is tests/deploy/test_deb.py. The Ubuntu roots are
   cached as tarballs beside the bookworm one.
