@@ -125,6 +125,7 @@ class ServiceManager:
     notifications: list[tuple[int, str]] = field(default_factory=list)  # (sender pid, message)
     ready_at: list[float] = field(default_factory=list)  # wall clock of each start's READY=1
     on_stopped: list = field(default_factory=list)  # callables run after each stop, before the caller is answered
+    on_sigterm: list = field(default_factory=list)  # callables run right after a stop's SIGTERM was sent
     main: subprocess.Popen | None = None
     unit: UnitFile | None = None
 
@@ -214,6 +215,8 @@ class ServiceManager:
                 proc.send_signal(signal.SIGTERM)
             else:
                 self._signal_cgroup(signal.SIGTERM)
+            for hook in self.on_sigterm:
+                hook()
             timed_out = False
             try:
                 proc.wait(timeout=unit.timeout_stop_s)
@@ -237,6 +240,10 @@ class ServiceManager:
             for hook in self.on_stopped:
                 hook(record)
             return record
+
+    def pids(self) -> list[int]:
+        """The unit's processes now."""
+        return [int(pid) for pid in (self.cgroup / "cgroup.procs").read_text().split()]
 
     def _cgroup_procs(self) -> list[str]:
         procs = []

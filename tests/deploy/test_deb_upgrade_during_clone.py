@@ -42,6 +42,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 import uuid
@@ -109,6 +110,42 @@ def apt_install(deb: Path, manager: ServiceManager) -> subprocess.CompletedProce
                  "apt-get", "install", "-y", "--no-install-recommends", "--allow-downgrades",
                  f"-oDPkg::Path={manager.shim_dir}:/usr/sbin:/usr/bin:/sbin:/bin", str(deb)],
                 timeout=APT_TIMEOUT_S, env={**CLEAN_ENV, "DEBIAN_FRONTEND": "noninteractive"})
+
+
+PF_EXITING = 0x4
+SIGKILL_BIT = 1 << (9 - 1)
+
+
+def _being_killed(pid: int) -> bool:
+    """SIGKILL pending or already in exit (a killed qemu-img finishing its in-flight writes), or gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    if int(stat.rsplit(")", 1)[1].split()[6]) & PF_EXITING:
+        return True
+    pending = {k: v.strip() for k, v in (line.split(":", 1) for line in status.splitlines() if ":" in line)}
+    return bool((int(pending["SigPnd"], 16) | int(pending["ShdPnd"], 16)) & SIGKILL_BIT)
+
+
+def lift_throttle_once_killed(manager: ServiceManager, dev: str) -> None:
+    """The throttle only makes the clone outlast the drain: once the agent has cancelled it (SIGKILL to
+    qemu-img), its in-flight writes finish at full speed, so the stop measures the agent, not the throttle."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        clones = [pid for pid in manager.pids() if _comm(pid) == "qemu-img"]
+        if not clones or all(_being_killed(pid) for pid in clones):
+            break
+        time.sleep(0.02)  # poll step of the deadline wait above
+    manager.throttle_writes(dev, 0)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def snapshot(db_path: Path, into: Path, task_id: str) -> dict:
@@ -192,6 +229,11 @@ def test_an_upgrade_during_a_clone_leaves_it_journaled_and_the_new_version_finis
             seen["snapshot"] = snapshot(STATE_DIR / "state.db", workdir / "v1-state.db", task_id)
             manager.throttle_writes(dev, 0)
 
+        def on_sigterm() -> None:
+            threading.Thread(target=lift_throttle_once_killed, args=(manager, dev), name="unthrottle",
+                             daemon=True).start()
+
+        manager.on_sigterm.append(on_sigterm)
         manager.on_stopped.append(on_stopped)
         envelope = lab.cp.envelope(lab.node_id, PROVISION, {**lab.provision_payload(slots[0], allocation_id=alloc),
                                                             "readiness_timeout_s": 300}, task_id=task_id)
