@@ -14,9 +14,10 @@ runs in a private mount namespace where it does (nothing outside that namespace 
 
 The sequence, all from the package's own paths: v1 installed (nothing started), the admin's
 config, enable + start (prepare-host, enroll, run); a provision whose clone is throttled (the
-unit's cgroup writes the slot disk at 1 MiB/s) so it outlasts the drain (``shutdown_grace_s``, 3 s
-here instead of 60 to keep the test short: the same code path); ``apt-get install v2`` in the
-middle of that clone: prerm stops (drains) v1, dpkg unpacks v2, postinst starts v2. Asserted:
+unit's cgroup writes the slot disk at 1 MiB/s, lifted once the agent has killed qemu-img) so it
+outlasts the drain (``shutdown_grace_s``, 3 s here instead of 60 to keep the test short: the same
+code path); ``apt-get install v2`` in the middle of that clone: prerm stops (drains) v1, dpkg
+unpacks v2, postinst starts v2. Asserted:
 
 * the stop is the agent's own clean exit (0) well inside ``TimeoutStopSec``, and nothing of the
   unit outlived it (qemu-img was killed by the agent, so no writer from v1 is left on the disk);
@@ -28,7 +29,11 @@ middle of that clone: prerm stops (drains) v1, dpkg unpacks v2, postinst starts 
   slot active, the lease held by that allocation and nothing else;
 * the slot disk holds the image byte for byte (sha256);
 * the journal reads: v1's run up to ``clone started``, then v2's run from ``task started`` on,
-  v1's rows unchanged.
+  v1's rows unchanged;
+* the maintainer scripts' calls: stop while v1's files are on disk, start once v2's are.
+
+Then v2 releases the slice (its seed ISO would otherwise keep the package's seed dir at purge) and
+the machine is purged as it began (``clean_machine`` of the fresh-host lane).
 """
 
 from __future__ import annotations
