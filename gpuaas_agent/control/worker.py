@@ -25,13 +25,17 @@ Order per message is the contract's (docs/contract.md "Tasks"):
 7. The handler runs under its type's semaphore; ``in_progress`` keepalives every
    ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile. A crash (an
    exception that is not an ``AgentError``) below the bound is nak'ed with a delay
-   (``retry_backoff_s`` doubled per start, at most ``ack_wait_s``), not answered.
+   (``retry_backoff_s`` doubled per start, at most ``ack_wait_s``), not answered. A stop
+   (SIGTERM: ``drain``) cancels a handler still running after the grace: its pipeline step
+   stays journaled ``started``, nothing is undone, no result; once the handler has seen the
+   cancellation through (its children reaped, ``cancel_settle_s``) the task is nak'ed, so the
+   next agent (an upgrade's new version) resumes it at once.
 8. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
    await the PubAck → only then ack the task (``ack_sync``: the server confirms it).
 
 The consumer keeps ``max_deliver=-1``: JetStream's own bound would drop a task silently
 (no result, the control plane waits for the deadline), and it counts deliveries that were
-no start at all (a shutdown's unacked tasks, a lost ack). The journal's start count above
+no start at all (a shutdown's handed-back tasks, a lost ack). The journal's start count above
 is the bound instead, and it also holds across agent restarts.
 
 The consumer is created on the filtered-subject API
@@ -124,6 +128,9 @@ class WorkerSettings:
     max_task_starts: int = 3  # handler starts without a finish before a task is poison_task
     retry_backoff_s: float = 5.0  # nak delay after a crash: doubled per start, at most ack_wait_s
     recovery_timeout_s: float = 600.0  # a handler's recover hook (compensations of an interrupted run)
+    # At a stop, a cancelled handler gets this long to see its cancellation through (a clone's qemu-img killed,
+    # its in-flight writes done, reaped) before the agent exits: no writer of a slot disk outlives the agent.
+    cancel_settle_s: float = 20.0
 
     def durable_name(self, node_id: str) -> str:
         return f"gpuaas-agent-{node_id}"
@@ -359,7 +366,7 @@ class TaskWorker:
             for task in pending:
                 task.cancel()
             if pending:
-                await asyncio.wait(pending, timeout=self.settings.request_timeout_s)
+                await asyncio.wait(pending, timeout=self.settings.cancel_settle_s + self.settings.request_timeout_s)
                 _warn("tasks_cancelled_at_shutdown", task_ids=cancelled)
         if self._sub is not None:
             # Unsubscribe before the connection drains, or drain() hangs on the pull inbox.
@@ -549,7 +556,13 @@ class TaskWorker:
         except asyncio.CancelledError:
             run.cancel()
             # Let the handler see its cancellation through (a clone kills qemu-img) before the agent exits.
-            await asyncio.wait({run}, timeout=self.settings.request_timeout_s)
+            await asyncio.wait({run}, timeout=self.settings.cancel_settle_s)
+            if self._stopping.is_set() and run.done():
+                # A stop (a package upgrade): hand the task back now, journaled where it stopped, so the next
+                # agent resumes it at its first pull rather than ack_wait_s later (issue 17 item 5).
+                with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
+                    await asyncio.wait_for(msg.nak(), self.settings.request_timeout_s)
+                _warn("task_handed_back_at_stop", task_id=envelope.task_id)
             raise
         if _is_handler_crash(error):
             starts += 1

@@ -338,3 +338,70 @@ def test_task_started_too_often_without_finishing_is_poison_without_running(nats
             await wait_until_acked(h)
 
     run_bounded(body())
+
+
+# -- a stop (package upgrade) during a task (issue 17 item 5) ---------------------------------
+
+
+class SlowToCancel:
+    """A handler whose cancellation takes a while to see through (a killed qemu-img finishing in-flight writes)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.started = asyncio.Event()
+        self.cancelled_at: float | None = None
+        self.reaped = asyncio.Event()
+        self.settled = False
+
+    async def __call__(self, payload, ctx):
+        self.calls += 1
+        self.started.set()
+        if self.calls > 1:
+            return {"resumed": True}
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled_at = asyncio.get_running_loop().time()
+            await self.reaped.wait()
+            self.settled = True
+            raise
+        return {}
+
+
+def test_a_stop_waits_for_the_cancelled_handler_to_settle_then_hands_the_task_back_at_once(nats_server, tmp_path):
+    """The drain cancels a handler past the grace, waits for it to settle (longer than one request timeout,
+    up to ``cancel_settle_s``), and naks the task: the next worker takes it up at once, not ack_wait_s later."""
+    handler = SlowToCancel()
+    settings = {"request_timeout_s": 0.2, "cancel_settle_s": 20.0, "ack_wait_s": 30.0, "keepalive_interval_s": 1.0}
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}, **settings) as h:
+            envelope = h.plane.envelope(NODE, DISCOVER)
+            await h.plane.enqueue(envelope)
+            await asyncio.wait_for(handler.started.wait(), 10)
+
+            async def reaped_later() -> None:
+                # The condition is time itself: settling outlasts five request timeouts.
+                await wait_until(lambda: handler.cancelled_at is not None
+                                 and loop.time() > handler.cancelled_at + 5 * settings["request_timeout_s"])
+                handler.reaped.set()
+
+            reaper = asyncio.create_task(reaped_later())
+            cancelled = await h.worker.drain(0.1)
+            assert cancelled == [envelope.task_id] and handler.settled  # drain returned after the handler settled
+            await reaper
+            await asyncio.wait_for(h.run_task, 10)
+            assert h.store.unfinished_steps(envelope.task_id) == [TASK_STEP]
+            assert await h.plane.stored_results(NODE) == []
+
+            # The next agent (an upgrade's new version): the handed-back task is its first pull.
+            h.worker = TaskWorker(h.nc, h.store, NODE, {TaskType.topology_discover: handler}, h.settings)
+            h.run_task = asyncio.create_task(h.worker.run())
+            result = await h.plane.wait_result(envelope.task_id, timeout=settings["ack_wait_s"] / 2)
+            assert result.status == ResultStatus.succeeded and result.output == {"resumed": True}
+            assert handler.calls == 2
+            assert [(e.step, e.status.value) for e in h.store.journal_of(envelope.task_id)] == [
+                (TASK_STEP, "started"), (TASK_STEP, "started"), (TASK_STEP, "succeeded")]
+
+    run_bounded(body())
