@@ -24,7 +24,7 @@ from lab.fixture_hosts import fixture_host, host_names, link_hosts, recorded_nam
 # fixture is a redefinition to linters and hides which module a test really uses).
 pytest_plugins = ["tests.realdev", "tests.ovsdb_fixture", "tests.dnsmasq_fixture", "tests.support.agent_process",
                   "tests.support.nats_server", "tests.support.pipeline_ctx",
-                  "tests.support.image_server"]
+                  "tests.support.image_server", "tests.deploy.machine"]
 
 H200_FIXTURES = (
     "h200-slice-after-transition",

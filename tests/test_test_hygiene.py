@@ -25,7 +25,7 @@ PACKAGE = REPO / "gpuaas_agent"
 # The one exception to the first two rules: other branches were editing these files when the
 # shared helpers moved to tests/support/ (test_deb's _run and _mounts_under, its imported
 # nats_server fixture); the merge finishes them. Nothing else may be added here.
-LEGACY = ("tests/deploy/",)
+LEGACY: tuple[str, ...] = ()
 # A public helper imported from another test module, left only where another branch edits the importer now.
 TEST_MODULE_IMPORTS = {"tests/control/test_transport.py": "IDENTITY of tests/control/test_enroll.py (h19 edits test_transport)"}
 

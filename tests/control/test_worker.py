@@ -11,7 +11,7 @@ import pytest
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from gpuaas_agent.control.worker import TASK_STEP
+from gpuaas_agent.control.worker import TASK_STEP, TaskWorker
 from gpuaas_agent.daemon import default_handlers
 from gpuaas_agent.errors import GuardError
 from tests.conftest import fixture_host

@@ -43,16 +43,13 @@ import yaml
 from gpuaas_agent.deploy.userdata import UserDataInputs, render_userdata
 from gpuaas_agent.host.run import run
 from tests.conftest import REPO, fixture_host
-from tests.control.conftest import free_port, nats_server  # noqa: F401  (pytest fixture)
 from tests.controlplane import ControlPlane
 from tests.deploy.chroot import APT_TIMEOUT_S, CACHE, Chroot, bookworm_tarball, distro_root, run_checked
+from tests.deploy.machine import BUILD, cloud_init_runcmd_script
+from tests.support.nats_server import free_port
 
 APT_ARCHIVES = CACHE / "apt-archives"
-BUILD = ["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py")]
 FIXTURE = "h200-slice-after-transition"
-# The old name, for tests written before tests/deploy/chroot.py (test_deb_upgrade_during_clone.py); new code
-# imports run_checked from tests.deploy.chroot.
-_run = run_checked
 
 
 def assert_prepared(box: Chroot) -> None:
@@ -316,7 +313,6 @@ def _run_user_data(box: Chroot, nats_url: str, make_inputs) -> Bootstrap:
     scripts/runcmd, mode 0700) and that script runs in the chroot. /dev/log is a datagram socket here,
     so what ``logger`` sends (the journal on a real host) is read back.
     """
-    from tests.deploy.test_userdata import cloud_init_runcmd_script
 
     async def body():
         plane = await ControlPlane.connect(nats_url)
@@ -387,7 +383,7 @@ def _inputs(url: str, deb_bytes: bytes, token: str, nats_url: str, **changes) ->
 
 
 def test_user_data_as_cloud_init_runs_it_installs_prepares_and_enrolls_in_the_clean_root(installed, debs, package_server,
-                                                                                        nats_server):  # noqa: F811
+                                                                                        nats_server):
     """The rendered user-data run the way cloud-init runs it, on a root that never had the agent.
 
     Enrollment is real: a real nats-server and the test control plane answer `gpuaas.enroll`.
@@ -426,7 +422,7 @@ def test_user_data_as_cloud_init_runs_it_installs_prepares_and_enrolls_in_the_cl
     assert_prepared(box)
 
 
-def test_user_data_stops_at_a_wrong_digest_and_never_installs(installed, debs, package_server, nats_server):  # noqa: F811
+def test_user_data_stops_at_a_wrong_digest_and_never_installs(installed, debs, package_server, nats_server):
     box = installed
     _fresh_host(box)
     before = _dpkg_status(box)
@@ -442,7 +438,7 @@ def test_user_data_stops_at_a_wrong_digest_and_never_installs(installed, debs, p
     assert box.path("/run/gpuaas-agent-bootstrap/failed").read_text().startswith("step verify-package failed")
 
 
-def test_user_data_stops_at_a_failed_install(installed, debs, package_server, nats_server):  # noqa: F811
+def test_user_data_stops_at_a_failed_install(installed, debs, package_server, nats_server):
     box = installed
     _fresh_host(box)
     before = _dpkg_status(box)
@@ -462,7 +458,7 @@ def test_user_data_stops_at_a_failed_install(installed, debs, package_server, na
 
 
 def test_user_data_stops_at_a_refused_enrollment_and_never_enables_the_agent(installed, debs, package_server,
-                                                                             nats_server):  # noqa: F811
+                                                                             nats_server):
     box = installed
     _fresh_host(box)
     deb = debs["v2"]

@@ -33,7 +33,7 @@ import pytest
 import gpuaas_agent
 from tests.conftest import REPO, fixture_host
 from tests.deploy.chroot import APT_TIMEOUT_S, CACHE, CMD_TIMEOUT_S, distro_root, run_checked, ubuntu_tarball
-from tests.deploy.test_deb import BUILD
+from tests.deploy.machine import BUILD
 
 FIXTURE = "h200-slice-after-transition"
 SLICE_ONLY = ("libvirt-daemon-system", "qemu-system-x86", "openvswitch-switch", "dnsmasq", "ovmf", "nvme-cli")

@@ -49,17 +49,17 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 import uuid
 from pathlib import Path
 
 import pytest
 
+from gpuaas_agent.compat import tomllib
 from lab.harness import Lab, LabSettings
 from tests.conftest import REPO
+from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
+from tests.deploy.machine import INSTALLED_AGENT, SEED_DIR, STATE_DIR
 from tests.deploy.service_manager import UNIT, ServiceManager, UnitFile
-from tests.deploy.test_deb import APT_TIMEOUT_S, _run
-from tests.deploy.test_fresh_host import INSTALLED_AGENT, SEED_DIR, STATE_DIR, clean_machine  # noqa: F401  (fixture)
 
 PROVISION = "slice.vm_provision"
 DRAIN_S = 3.0          # shutdown_grace_s for this test: shorter than the throttled clone
@@ -77,7 +77,7 @@ def debs(tmp_path_factory) -> dict[str, Path]:
     version = re.search(r'__version__ = "([^"]+)"', (REPO / "gpuaas_agent" / "__init__.py").read_text()).group(1)
     built = {}
     for label, ver in (("v1", version), ("v2", f"{version}+upgrade2")):
-        done = _run(["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py"), "--version", ver, "--out", str(out)],
+        done = run_checked(["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py"), "--version", ver, "--out", str(out)],
                     timeout=APT_TIMEOUT_S)
         built[label] = Path(done.stdout.strip().splitlines()[-1])
     return built
@@ -111,7 +111,7 @@ def apt_install(deb: Path, manager: ServiceManager) -> subprocess.CompletedProce
     where /run/systemd/system exists) and its calls going to ``manager`` (the shims first on dpkg's PATH)."""
     script = ('mount -t tmpfs -o mode=0755,size=1m gpuaas-ci /run/systemd && mkdir /run/systemd/system && '
               'exec "$0" "$@"')
-    return _run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script,
+    return run_checked(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script,
                  "apt-get", "install", "-y", "--no-install-recommends", "--allow-downgrades",
                  f"-oDPkg::Path={manager.shim_dir}:/usr/sbin:/usr/bin:/sbin:/bin", str(deb)],
                 timeout=APT_TIMEOUT_S, env={**CLEAN_ENV, "DEBIAN_FRONTEND": "noninteractive"})
@@ -186,7 +186,7 @@ print(json.dumps({"version": __version__, "known_schema": len(MIGRATIONS), "sche
 
 
 def test_an_upgrade_during_a_clone_leaves_it_journaled_and_the_new_version_finishes_the_provision(
-        clean_machine, debs, tmp_path):  # noqa: F811
+        clean_machine, debs, tmp_path):
     timings: dict[str, float] = {}
     started = time.monotonic()
     v1, v2 = (debs[k].name.split("_")[1] for k in ("v1", "v2"))
@@ -312,7 +312,7 @@ def check(seen: dict, lab: Lab, manager: ServiceManager, workdir: Path, alloc: s
         assert f'"event": "{event}"' in log, event
 
     # v2's code reads v1's state file: the schema version it knows (no migration), every journal row.
-    done = _run([str(INSTALLED_AGENT.parent / "python"), "-I", "-c", V2_READS, str(workdir / "v1-state.db"), task_id])
+    done = run_checked([str(INSTALLED_AGENT.parent / "python"), "-I", "-c", V2_READS, str(workdir / "v1-state.db"), task_id])
     read = json.loads(done.stdout)
     assert read["version"] == v2
     assert read["schema"] == read["known_schema"] == snap["user_version"], read
@@ -326,7 +326,7 @@ def check(seen: dict, lab: Lab, manager: ServiceManager, workdir: Path, alloc: s
     assert [(o.status.value, o.health_state.value) for o in result.slot_outcomes] == [("active", "healthy")]
     assert result.output["clone"]["target_is_zero"] is False
     assert "provision_restarted" in log
-    assert _run([str(INSTALLED_AGENT), "--version"], env=CLEAN_ENV).stdout.strip() == f"gpuaas-agent {v2}"
+    assert run_checked([str(INSTALLED_AGENT), "--version"], env=CLEAN_ENV).stdout.strip() == f"gpuaas-agent {v2}"
     assert manager.main is not None and manager.main.poll() is None
 
     # The journal: v1's rows unchanged, then v2's run from its start; the lease is the allocation's only.

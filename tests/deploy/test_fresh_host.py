@@ -32,52 +32,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
-from gpuaas_agent.deploy.userdata import BOOTSTRAP_DIR, DEB_PATH, UserDataInputs, render_userdata
+from gpuaas_agent.deploy.userdata import UserDataInputs, render_userdata
 from lab.harness import Lab, LabSettings
 from tests.conftest import REPO
 from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
-from tests.deploy.test_userdata import cloud_init_runcmd_script
+from tests.deploy.machine import INSTALLED_AGENT, RELAY_KEY, SEED_DIR, STATE_DIR, cloud_init_runcmd_script
 
-INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")
-RELAY_KEY = Path("/var/lib/gpuaas/terminal/id_ed25519")
-SEED_DIR = Path("/var/lib/libvirt/images/gpuaas-seeds")
-STATE_DIR = Path("/var/lib/gpuaas-agent")
-LEFTOVERS = (BOOTSTRAP_DIR, DEB_PATH.parent, Path("/etc/default/gpuaas-slice-network-baseline"))
 SYSTEMCTL_SHIM = """#!/bin/sh
 echo "systemctl $*" >> "$(dirname "$0")/calls.log"
 """
-
-
-def _installed_packages() -> set[str]:
-    out = run_checked(["dpkg-query", "-W", "-f=${binary:Package} ${db:Status-Status}\n"]).stdout
-    return {line.split()[0].split(":")[0] for line in out.splitlines() if line.endswith(" installed")}
-
-
-@pytest.fixture
-def clean_machine() -> set[str]:
-    """This machine without the agent; afterwards the package and whatever apt added for it are purged."""
-    if os.geteuid() != 0:
-        pytest.fail("the fresh-host lane needs root (apt, loop devices, OVS, libvirtd)", pytrace=False)
-    before = _installed_packages()
-    if "gpuaas-agent" in before or STATE_DIR.exists() or INSTALLED_AGENT.exists():
-        pytest.fail("gpuaas-agent (or its state dir) is already on this machine: refusing to install over it",
-                    pytrace=False)
-    yield before
-    added = sorted(_installed_packages() - before)
-    if added:
-        run_checked(["apt-get", "purge", "-y", *added], timeout=APT_TIMEOUT_S,
-                    env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-    for path in LEFTOVERS:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-    assert "gpuaas-agent" not in _installed_packages()
-    for gone in (STATE_DIR, INSTALLED_AGENT, RELAY_KEY.parent.parent, SEED_DIR, Path("/etc/gpuaas-agent")):
-        assert not gone.exists(), f"purge left {gone}"
 
 
 def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(clean_machine, tmp_path):

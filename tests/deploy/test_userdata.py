@@ -23,6 +23,7 @@ from gpuaas_agent.deploy.userdata import (
 )
 from gpuaas_agent.errors import ContractError
 from tests.conftest import REPO
+from tests.deploy.machine import cloud_init_runcmd_script
 
 EXAMPLE_INPUTS = REPO / "cloud-init" / "inputs.example.json"
 TEMPLATE = REPO / "cloud-init" / "user-data.example.yaml"
@@ -125,19 +126,6 @@ def test_bad_inputs_are_refused_naming_the_key(tmp_path, change, named):
 def test_missing_inputs_file_is_named(tmp_path):
     done = _render_cli(tmp_path / "nope.json", tmp_path / "user-data")
     assert done.returncode == 1 and "nope.json" in done.stderr
-
-
-def cloud_init_runcmd_script(runcmd: list) -> str:
-    """The script cloud-init's runcmd module writes for ``runcmd``: its own ``util.shellify``.
-
-    cloud-init is installed from apt for the system python, not into the venv, so it runs there.
-    """
-    code = "import json, sys\nfrom cloudinit import util\nsys.stdout.write(util.shellify(json.load(sys.stdin)))"
-    done = subprocess.run(["/usr/bin/python3", "-c", code], input=json.dumps(runcmd), capture_output=True,
-                          text=True, timeout=60)
-    if done.returncode != 0:
-        pytest.fail(f"cloud-init's shellify is not importable by /usr/bin/python3 (apt cloud-init): {done.stderr}")
-    return done.stdout
 
 
 def test_every_step_goes_through_the_wrapper_which_is_constant_and_valid_sh():

@@ -1,0 +1,72 @@
+"""This machine as the package's install target: paths the .deb owns, the build command, a clean-machine fixture.
+
+The fresh-host lane and the upgrade-during-clone test install the real .deb on this
+machine (the lab's daemons need the root namespaces, which a chroot does not give);
+``clean_machine`` refuses to install over an existing agent and purges what the test
+added afterwards. A pytest plugin (tests/conftest.py), so tests take the fixture by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuaas_agent.deploy.userdata import BOOTSTRAP_DIR, DEB_PATH
+from tests.conftest import REPO
+from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
+
+BUILD = ["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py")]
+INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")
+RELAY_KEY = Path("/var/lib/gpuaas/terminal/id_ed25519")
+SEED_DIR = Path("/var/lib/libvirt/images/gpuaas-seeds")
+STATE_DIR = Path("/var/lib/gpuaas-agent")
+LEFTOVERS = (BOOTSTRAP_DIR, DEB_PATH.parent, Path("/etc/default/gpuaas-slice-network-baseline"))
+
+
+def installed_packages() -> set[str]:
+    """The names of the packages dpkg reports installed."""
+    out = run_checked(["dpkg-query", "-W", "-f=${binary:Package} ${db:Status-Status}\n"]).stdout
+    return {line.split()[0].split(":")[0] for line in out.splitlines() if line.endswith(" installed")}
+
+
+@pytest.fixture
+def clean_machine() -> Iterator[set[str]]:
+    """This machine without the agent; afterwards the package and whatever apt added for it are purged."""
+    if os.geteuid() != 0:
+        pytest.fail("the fresh-host lane needs root (apt, loop devices, OVS, libvirtd)", pytrace=False)
+    before = installed_packages()
+    if "gpuaas-agent" in before or STATE_DIR.exists() or INSTALLED_AGENT.exists():
+        pytest.fail("gpuaas-agent (or its state dir) is already on this machine: refusing to install over it",
+                    pytrace=False)
+    yield before
+    added = sorted(installed_packages() - before)
+    if added:
+        run_checked(["apt-get", "purge", "-y", *added], timeout=APT_TIMEOUT_S,
+                    env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    for path in LEFTOVERS:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    assert "gpuaas-agent" not in installed_packages()
+    for gone in (STATE_DIR, INSTALLED_AGENT, RELAY_KEY.parent.parent, SEED_DIR, Path("/etc/gpuaas-agent")):
+        assert not gone.exists(), f"purge left {gone}"
+
+
+def cloud_init_runcmd_script(runcmd: list) -> str:
+    """The script cloud-init's runcmd module writes for ``runcmd``: its own ``util.shellify``.
+
+    cloud-init is installed from apt for the system python, not into the venv, so it runs there.
+    """
+    code = "import json, sys\nfrom cloudinit import util\nsys.stdout.write(util.shellify(json.load(sys.stdin)))"
+    done = subprocess.run(["/usr/bin/python3", "-c", code], input=json.dumps(runcmd), capture_output=True,
+                          text=True, timeout=60)
+    if done.returncode != 0:
+        pytest.fail(f"cloud-init's shellify is not importable by /usr/bin/python3 (apt cloud-init): {done.stderr}")
+    return done.stdout
