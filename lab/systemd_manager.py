@@ -15,6 +15,8 @@ manager, and this machine's PID 1 is not one; so this module boots one:
   ``/dev`` is the host's (loop devices appear live), ``/sys`` a fresh sysfs of the same kernel,
   cgroups the host's v1/v2 hierarchies seen through a cgroup namespace rooted in child cgroups of
   this process (so systemd's slices nest under ours and are removed afterwards);
+* ``/run`` is a fresh tmpfs, as on a booted host (systemd would mount one over the host's
+  anyway, hiding anything bound below it);
 * ``binds``: host paths shared read-write at the same path (the lab's work dir, /run/libvirt,
   the lab's OVS run dir), so libvirtd, dnsmasq and the test see what the agent writes.
 
@@ -47,6 +49,7 @@ mkdir -p "$base/upper" "$base/work" "$base/root"
 mount -t overlay gpuaas-lab-root -o "lowerdir=/,upperdir=$base/upper,workdir=$base/work" "$base/root"
 root=$base/root
 mount --rbind /dev "$root/dev"
+mount -t tmpfs -o mode=0755,nosuid,nodev gpuaas-lab-run "$root/run"
 for path in "$@"; do
     mkdir -p "$root$path"
     mount --bind "$path" "$root$path"
