@@ -96,6 +96,17 @@ def _toml(config: dict) -> str:
     return "\n".join([*top, "", "[slice]", *table]) + "\n"
 
 
+def _dependency_debs() -> list[str]:
+    """The .debs of the two Depends a lab machine lacks: from test_deb.py's apt cache (``apt-get download`` once)."""
+    APT_ARCHIVES.mkdir(parents=True, exist_ok=True)
+    debs = []
+    for name in NOT_ON_THE_LAB_MACHINE:
+        if not list(APT_ARCHIVES.glob(f"{name}_*_amd64.deb")):
+            subprocess.run(["apt-get", "download", name], cwd=APT_ARCHIVES, check=True, capture_output=True, timeout=300)
+        debs.append(str(sorted(APT_ARCHIVES.glob(f"{name}_*_amd64.deb"))[-1]))
+    return debs
+
+
 def _lab_dropin(lab: Lab) -> str:
     env = " ".join(f'"{k}={v}"' for k, v in lab.ovs_env.items())
     return (
@@ -140,9 +151,7 @@ def unit_lab(request) -> Iterator[UnitLab]:
         manager = SystemdManager(work / "manager", [work, Path("/run/libvirt"), lab.switch.rundir]).start()
         timings["manager"] = time.monotonic() - mark
         mark = time.monotonic()
-        # dpkg, offline: the two Depends a lab machine lacks come from test_deb.py's apt cache.
-        extra = [str(next(APT_ARCHIVES.glob(f"{name}_*_amd64.deb"))) for name in NOT_ON_THE_LAB_MACHINE]
-        manager.run("dpkg", "-i", *extra, str(deb), timeout=600,
+        manager.run("dpkg", "-i", *_dependency_debs(), str(deb), timeout=600,
                     env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive"})
         timings["install"] = time.monotonic() - mark
         ulab = UnitLab(lab, runner, manager, timings)
@@ -257,9 +266,12 @@ def test_without_cap_net_admin_a_provision_fails_at_the_network_step_with_a_type
     finally:
         (unit_lab.manager.root / DROPIN_DIR.relative_to("/") / "zz-negative.conf").unlink()
         unit_lab.restart_agent()
+    # The guard table of the slice's port (host/nftguard.py) is the first step that needs CAP_NET_ADMIN.
     assert result.status.value == "failed", result
-    print("negative:", result.error.code, result.error.message, json.dumps(result.error.evidence, default=str)[:600])
-    assert result.error.evidence["failed_step"] == "ovs_port", result.error
+    error = result.error
+    assert (error.code, error.evidence["failed_step"], error.evidence["argv"][0]) == ("command_failed", "ovs_port", "nft"), error
+    assert "Operation not permitted" in error.evidence["stderr"], error
+    assert error.evidence["disk_touched"] is True and result.slot_outcomes[0].status.value == "cleanup_blocked"
     # The full unit again: the release cleans the slot the failed provision left.
     released = unit_lab.task("slice.vm_release", Lab.release_payload(payload["allocation_id"], slot, 10))
     assert released.status.value == "succeeded", released.error
