@@ -124,7 +124,7 @@ class SystemdManager:
                     raise RuntimeError(f"the systemd manager exited {self._proc.returncode}: "
                                        f"{self._proc.stdout.read().decode(errors='replace')[-2000:]}")
                 if not self.pid:  # unshare --fork's child is chroot -> sh -> systemd (one exec chain)
-                    kids = [k for k in _children(self._proc.pid)]
+                    kids = _children(self._proc.pid)
                     if kids and Path(f"/proc/{kids[0]}/exe").resolve(strict=False).name == "systemd":
                         self.pid = kids[0]
                 if self.pid:
