@@ -199,17 +199,22 @@ class Lab:
         _sh("ip", "link", "set", self.bridge, "up")
         self.say(f"lab: OVS bridge {self.bridge} (netdev datapath) owns {self.gateway}/{prefix}; ovsdb {sw.remote}")
 
-    def _start_dnsmasq(self) -> None:
+    def dnsmasq_argv(self) -> list[str]:
+        """The lab's dnsmasq: reservations only, on the bridge; files under <work>/dnsmasq (made here)."""
         d = self.work / "dnsmasq"
         d.mkdir(exist_ok=True)
         (d / "hosts").touch()
         net = self.settings.subnet
         log = self.work / "dnsmasq.log"
-        argv = ["dnsmasq", "--keep-in-foreground", "--user=root", "--port=0", "--conf-file=/dev/null",
+        return ["dnsmasq", "--keep-in-foreground", "--user=root", "--port=0", "--conf-file=/dev/null",
                 f"--interface={self.bridge}", "--bind-interfaces", "--except-interface=lo",
                 f"--dhcp-range={net.network_address},static,{net.netmask},12h",
                 f"--dhcp-hostsfile={d / 'hosts'}", f"--dhcp-leasefile={d / 'leases'}",
                 f"--pid-file={d / 'dnsmasq.pid'}", "--log-dhcp", f"--log-facility={log}"]
+
+    def _start_dnsmasq(self) -> None:
+        d, log = self.work / "dnsmasq", self.work / "dnsmasq.log"
+        argv = self.dnsmasq_argv()
         self.procs["dnsmasq"] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                  stderr=subprocess.STDOUT)
         _wait(lambda: (d / "dnsmasq.pid").exists() and (d / "dnsmasq.pid").read_text().strip(),

@@ -8,8 +8,9 @@ unit there), so the sandbox is reproduced with the kernel's own mechanisms: the 
 a release on real objects (a loop block device, a process of another user, a network
 namespace's nftables). Every capability in the set is then dropped one at a time: the
 operation that capability is there for must fail with EPERM, so none of them is spare.
-What this does not reproduce: ProtectSystem=, DeviceAllow= and SystemCallFilter=
-(systemd/README.md says how they were chosen).
+The unit's other properties (ProtectSystem=, DeviceAllow=, SystemCallFilter=, ...) are applied
+by a real systemd manager in tests/deploy/test_unit_provision.py, which runs the lab's provision
+and release under the installed unit.
 """
 
 from __future__ import annotations

@@ -1,0 +1,277 @@
+"""The lab's provision and release, run by systemd from the package's own unit, inside its sandbox (issue #22).
+
+The ``.deb`` is built and installed into a real systemd 252 manager (lab/systemd_manager.py:
+PID 1 of its own namespaces on a throwaway overlay of this machine's root, sharing the host's
+network, /dev and the lab's directories). ``systemctl start gpuaas-agent`` then runs the
+installed ``gpuaas-agent.service`` unchanged (asserted byte-identical to systemd/): its
+``ExecStartPre=+prepare-host``, ``prepare-host --check`` and ``enroll`` and its ``ExecStart=run``,
+under every property of the unit as systemd applies it — CapabilityBoundingSet=,
+NoNewPrivileges=, SystemCallFilter=, ProtectSystem=strict/ReadWritePaths=, PrivateTmp=,
+ProtectHome=, DevicePolicy=closed/DeviceAllow= (the cgroup device controller), and the rest.
+The lab's control plane sends real tasks over NATS; a real TCG guest boots and is released.
+
+Only a lab drop-in is added, for what differs between the lab and a host: its config keeps the
+dnsmasq hosts file and the seed ISOs in the lab's work dir (``ReadWritePaths=``, as the unit
+comment says a site does), the lab's ovsdb socket lives under /tmp (``BindPaths=``, through
+PrivateTmp=), and its slot disks are loop devices (``DeviceAllow=block-loop rw``; NVMe
+namespaces are ``block-blkext``, already allowed). dnsmasq runs as a unit of the same manager,
+as on a host, because the agent signals it by PID.
+
+Negative controls prove the sandbox is applied: the agent process's capability bounding set,
+no_new_privs, seccomp mode and device cgroup are read from /proc and cgroupfs; without the
+seed directory in ReadWritePaths= the unit does not start (``prepare-host --check`` names it
+read-only); without CAP_NET_ADMIN a provision fails at its network step with a typed error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from lab.harness import Lab, LabSettings
+from lab.systemd_manager import SystemdManager
+from tests.conftest import REPO
+from tests.daemons import stop_pid
+from tests.deploy.test_unit_sandbox import AGENT_UNIT, agent_capabilities
+from tests.e2e.conftest import LoopThread
+
+INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")
+INSTALLED_UNIT = Path("/lib/systemd/system/gpuaas-agent.service")
+STATE_DIR = Path("/var/lib/gpuaas-agent")
+APT_ARCHIVES = Path("/var/cache/gpuaas-agent-ci/apt-archives")  # tests/deploy/test_deb.py's offline apt cache
+NOT_ON_THE_LAB_MACHINE = ("python3-libvirt", "python3-systemd")
+DROPIN_DIR = Path("/etc/systemd/system/gpuaas-agent.service.d")
+CAPS = {"CAP_DAC_OVERRIDE": 1, "CAP_KILL": 5, "CAP_NET_ADMIN": 12, "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21}
+
+
+@dataclass
+class UnitLab:
+    lab: Lab
+    runner: LoopThread
+    manager: SystemdManager
+    timings: dict[str, float]
+
+    def task(self, task_type: str, payload: dict, timeout: float = 600):
+        return self.runner.run(self.lab.task(task_type, payload, timeout=timeout), timeout=timeout + 30)
+
+    def write(self, inside: str, text: str, mode: int = 0o644) -> None:
+        path = self.manager.root / inside.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(mode)
+
+    def restart_agent(self, *, expect_active: bool = True) -> dict[str, str]:
+        self.manager.systemctl("daemon-reload")
+        self.manager.systemctl("reset-failed", "gpuaas-agent.service", check=False)
+        done = self.manager.systemctl("restart", "gpuaas-agent.service", timeout=180, check=False)
+        state = self.manager.show("gpuaas-agent.service", "ActiveState", "Result", "StatusText", "MainPID",
+                                  "ExecMainStatus")
+        if expect_active:
+            status = self.manager.systemctl("status", "gpuaas-agent.service", check=False).stdout
+            assert done.returncode == 0 and state["ActiveState"] == "active", (state, status, self.agent_log()[-3000:])
+        return state
+
+    def agent_log(self) -> str:
+        log = self.lab.work / "agent.log"
+        return log.read_text(errors="replace") if log.exists() else ""
+
+
+def _toml(config: dict) -> str:
+    """The lab's JSON config as agent.toml (JSON strings, numbers and lists are TOML values)."""
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        return json.dumps(v)
+    top = [f"{k} = {value(v)}" for k, v in config.items() if not isinstance(v, dict) or k != "slice"]
+    table = [f"{k} = {value(v)}" for k, v in config.get("slice", {}).items()]
+    return "\n".join([*top, "", "[slice]", *table]) + "\n"
+
+
+def _dependency_debs() -> list[str]:
+    """The .debs of the two Depends a lab machine lacks: from test_deb.py's apt cache (``apt-get download`` once)."""
+    APT_ARCHIVES.mkdir(parents=True, exist_ok=True)
+    debs = []
+    for name in NOT_ON_THE_LAB_MACHINE:
+        if not list(APT_ARCHIVES.glob(f"{name}_*_amd64.deb")):
+            subprocess.run(["apt-get", "download", name], cwd=APT_ARCHIVES, check=True, capture_output=True, timeout=300)
+        debs.append(str(sorted(APT_ARCHIVES.glob(f"{name}_*_amd64.deb"))[-1]))
+    return debs
+
+
+def _lab_dropin(lab: Lab) -> str:
+    env = " ".join(f'"{k}={v}"' for k, v in lab.ovs_env.items())
+    return (
+        "# The lab's drop-in: only what differs between the lab and a slice host.\n"
+        "[Service]\n"
+        f"ReadWritePaths=-{lab.work / 'dnsmasq'} -{lab.work / 'seeds'}\n"
+        f"BindPaths={lab.switch.rundir}\n"
+        "DeviceAllow=block-loop rw\n"
+        f"Environment={env}\n"
+        f"StandardOutput=append:{lab.work / 'agent.log'}\n"
+        "StandardError=inherit\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def unit_lab(request) -> Iterator[UnitLab]:
+    if os.geteuid() != 0:
+        pytest.fail("the unit lab needs root (namespaces, loop devices, OVS, libvirtd)", pytrace=False)
+    timings: dict[str, float] = {}
+    mark = time.monotonic()
+    # Not under /tmp or /var/tmp: the unit's PrivateTmp= would hide the lab's files from the agent.
+    work = Path(tempfile.mkdtemp(prefix="gpuaas-unitlab-", dir="/var/lib"))
+    work.chmod(0o755)
+    built = subprocess.run(["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py"), "--out", str(work / "dist")],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    deb = Path(built.stdout.strip().splitlines()[-1])
+    timings["build"] = time.monotonic() - mark
+
+    lines: list[str] = []
+    lab = Lab(LabSettings(workdir=work, slots=2, readiness_timeout_s=300, say=lines.append,
+                          agent_binary=INSTALLED_AGENT, use_package_paths=True))
+    runner = LoopThread()
+    manager: SystemdManager | None = None
+    ok = False
+    try:
+        mark = time.monotonic()
+        runner.run(lab.start_services(), timeout=900)
+        timings["lab services"] = time.monotonic() - mark
+
+        mark = time.monotonic()
+        manager = SystemdManager(work / "manager", [work, Path("/run/libvirt"), lab.switch.rundir]).start()
+        timings["manager"] = time.monotonic() - mark
+        mark = time.monotonic()
+        manager.run("dpkg", "-i", *_dependency_debs(), str(deb), timeout=600,
+                    env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive"})
+        timings["install"] = time.monotonic() - mark
+        ulab = UnitLab(lab, runner, manager, timings)
+
+        # dnsmasq as a unit of the same manager (the agent signals it by PID, in the manager's namespace).
+        stop_pid(lab.procs.pop("dnsmasq"))
+        (work / "dnsmasq" / "dnsmasq.pid").unlink(missing_ok=True)
+        ulab.write("/etc/systemd/system/lab-dnsmasq.service",
+                   "[Service]\nExecStart=" + " ".join(lab.dnsmasq_argv()) + "\n")
+        manager.systemctl("daemon-reload")
+        manager.systemctl("start", "lab-dnsmasq.service")
+        manager.wait_for(lambda: (work / "dnsmasq" / "dnsmasq.pid").exists(), "dnsmasq's pid file", 30)
+
+        # The node: the package's config file and bootstrap token, then the unit as a host starts it.
+        lab._make_keys()
+        lab._write_config()
+        config = json.loads(lab.config_path.read_text())
+        config["slice"]["seed_dir"] = str(work / "seeds")
+        del config["slice"]["image_cache_dir"]  # the package default: <state_dir>/images (StateDirectory=)
+        ulab.write("/etc/gpuaas-agent/agent.toml", _toml(config), 0o640)
+        (manager.root / STATE_DIR.relative_to("/")).mkdir(mode=0o700, exist_ok=True)
+        ulab.write(str(STATE_DIR / "bootstrap-token"), lab.cp.issue_token() + "\n", 0o600)
+        ulab.write(str(DROPIN_DIR / "lab.conf"), _lab_dropin(lab))
+        mark = time.monotonic()
+        ulab.restart_agent()
+        timings["unit start"] = time.monotonic() - mark
+        lab.node_id = json.loads((manager.root / STATE_DIR.relative_to("/") / "enrollment.json").read_text())["node_id"]
+        runner.run(lab.approve_slots(), timeout=180)
+        assert len(lab.approved) == 2, lab.approved
+        yield ulab
+        ok = True
+    finally:
+        problems = []
+        if manager is not None:
+            problems += manager.close()
+        problems += runner.run(lab.stop(), timeout=300)
+        runner.close()
+        print("unit lab: " + " ".join(f"{k}={v:.1f}s" for k, v in timings.items()))
+        if problems or not ok or request.session.testsfailed:
+            print("\n".join(lines) + f"\nlogs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+        assert not problems, problems
+
+
+def _in_manager(ulab: UnitLab, *argv: str) -> str:
+    return ulab.manager.run(*argv).stdout
+
+
+def test_the_installed_unit_is_the_repositorys_and_systemd_applied_its_sandbox_to_the_agent(unit_lab):
+    assert (unit_lab.manager.root / INSTALLED_UNIT.relative_to("/")).read_bytes() == AGENT_UNIT.read_bytes()
+    pid = unit_lab.manager.show("gpuaas-agent.service", "MainPID")["MainPID"]
+    status = dict(line.split(":\t", 1) for line in _in_manager(unit_lab, "cat", f"/proc/{pid}/status").splitlines()
+                  if ":\t" in line)
+    expected = sum(1 << CAPS[c] for c in agent_capabilities())
+    assert int(status["CapBnd"], 16) == expected  # exactly the unit's five, nothing else
+    assert status["NoNewPrivs"].strip() == "1"
+    assert status["Seccomp"].strip() == "2"  # SystemCallFilter= is a loaded seccomp filter
+    # DevicePolicy=closed: the device cgroup allows the unit's list (and the lab's loop disks), not everything.
+    devices = _in_manager(unit_lab, "cat", "/sys/fs/cgroup/devices/system.slice/gpuaas-agent.service/devices.list")
+    allowed = set(devices.split("\n")) - {""}
+    assert "a *:* rwm" not in allowed
+    # NVMe namespaces rw, virtio disks read-only, /dev/kvm read-only (/dev/vfio/vfio only where the module is loaded).
+    assert {"b 259:* rw", "b 254:* r", "b 7:* rw", "c 10:232 r"} <= allowed, allowed
+    assert not any(entry.startswith(("b 8:", "b 1:", "c 1:1 ", "c 1:2 ")) and "w" in entry for entry in allowed), allowed
+    # ProtectSystem=strict: / is read-only in the agent's mount namespace, the seed dir is not.
+    mounts = {line.split()[4]: line.split()[5] for line in _in_manager(unit_lab, "cat", f"/proc/{pid}/mountinfo").splitlines()}
+    assert "ro" in mounts["/"].split(",")
+    assert "rw" in mounts[str(unit_lab.lab.work / "seeds")].split(",")
+
+
+def test_the_lab_provision_and_release_succeed_inside_the_units_sandbox(unit_lab):
+    lab = unit_lab.lab
+    slot = lab.approved[0]
+    mark = time.monotonic()
+    payload = lab.provision_payload(slot)
+    result = unit_lab.task("slice.vm_provision", payload)
+    unit_lab.timings["provision"] = time.monotonic() - mark
+    assert result.status.value == "succeeded", (result.error, unit_lab.agent_log()[-3000:])
+    assert result.output["ssh_ready"] is True and result.output["actual_ip"] == slot.private_ip
+    mark = time.monotonic()
+    released = unit_lab.task("slice.vm_release", Lab.release_payload(payload["allocation_id"], slot, 30))
+    unit_lab.timings["release"] = time.monotonic() - mark
+    assert released.status.value == "succeeded", released.error
+    assert released.output["cleanup_proof"]["wipe"]["verified"] is True
+
+
+def test_without_the_seed_dir_in_read_write_paths_the_unit_refuses_to_start_naming_it(unit_lab):
+    work = unit_lab.lab.work
+    unit_lab.write(str(DROPIN_DIR / "zz-negative.conf"),
+                   f"[Service]\nReadWritePaths=\nReadWritePaths={work / 'dnsmasq'}\n")
+    try:
+        before = len(unit_lab.agent_log())
+        state = unit_lab.restart_agent(expect_active=False)
+        # ExecStartPre=prepare-host --check, inside the sandbox, found the seed dir read-only: no ExecStart= ran.
+        assert state["Result"] == "exit-code" and state["MainPID"] == "0", state
+        said = unit_lab.agent_log()[before:]
+        assert f"host_path_read_only: seed_dir {work / 'seeds'} is not writable here" in said, said
+    finally:
+        (unit_lab.manager.root / DROPIN_DIR.relative_to("/") / "zz-negative.conf").unlink()
+        unit_lab.restart_agent()
+
+
+def test_without_cap_net_admin_a_provision_fails_at_the_network_step_with_a_typed_error(unit_lab):
+    lab = unit_lab.lab
+    slot = lab.approved[1]
+    unit_lab.write(str(DROPIN_DIR / "zz-negative.conf"), "[Service]\nCapabilityBoundingSet=~CAP_NET_ADMIN\n")
+    unit_lab.restart_agent()
+    payload = lab.provision_payload(slot)
+    try:
+        result = unit_lab.task("slice.vm_provision", payload)
+    finally:
+        (unit_lab.manager.root / DROPIN_DIR.relative_to("/") / "zz-negative.conf").unlink()
+        unit_lab.restart_agent()
+    # The guard table of the slice's port (host/nftguard.py) is the first step that needs CAP_NET_ADMIN.
+    assert result.status.value == "failed", result
+    error = result.error
+    assert (error.code, error.evidence["failed_step"], error.evidence["argv"][0]) == ("command_failed", "ovs_port", "nft"), error
+    assert "Operation not permitted" in error.evidence["stderr"], error
+    assert error.evidence["disk_touched"] is True and result.slot_outcomes[0].status.value == "cleanup_blocked"
+    # The full unit again: the release cleans the slot the failed provision left.
+    released = unit_lab.task("slice.vm_release", Lab.release_payload(payload["allocation_id"], slot, 10))
+    assert released.status.value == "succeeded", released.error
