@@ -41,7 +41,7 @@ from lab.harness import Lab, LabSettings
 from lab.systemd_manager import SystemdManager
 from tests.conftest import REPO
 from tests.daemons import stop_pid
-from tests.deploy.test_unit_sandbox import AGENT_UNIT, agent_capabilities
+from tests.deploy.units import AGENT_UNIT, agent_capabilities
 from tests.e2e.conftest import LoopThread
 
 INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")

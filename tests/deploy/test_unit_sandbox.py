@@ -26,9 +26,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.deploy.units import AGENT_UNIT, BASELINE_UNIT, agent_capabilities, directive
 
-AGENT_UNIT = REPO / "systemd" / "gpuaas-agent.service"
-BASELINE_UNIT = REPO / "systemd" / "gpuaas-slice-network-baseline.service"
 EXPOSURE_RE = re.compile(r"Overall exposure level for \S+: (\d+\.\d+)")
 
 
@@ -45,20 +44,11 @@ def test_systemd_analyze_security_exposure_is_within_the_bound(unit, bound):
     assert _exposure(unit) <= bound
 
 
-def _directive(unit: Path, key: str) -> list[str]:
-    return [line.split("=", 1)[1] for line in unit.read_text().splitlines() if line.startswith(f"{key}=")]
-
-
-def agent_capabilities() -> list[str]:
-    (caps,) = _directive(AGENT_UNIT, "CapabilityBoundingSet")
-    return caps.split()
-
-
 def test_every_capability_of_the_agent_is_documented_with_the_step_that_needs_it():
     readme = (REPO / "systemd" / "README.md").read_text()
     for cap in agent_capabilities():
         assert re.search(rf"^\| `{cap}` \| .+ \| .+ \|$", readme, re.MULTILINE), f"{cap} has no row in systemd/README.md"
-    assert _directive(AGENT_UNIT, "NoNewPrivileges") == ["yes"]
+    assert directive(AGENT_UNIT, "NoNewPrivileges") == ["yes"]
 
 
 # What the sandboxed process does: one privileged operation per capability, each reported by name.
