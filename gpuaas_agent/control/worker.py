@@ -29,7 +29,9 @@ Order per message is the contract's (docs/contract.md "Tasks"):
    (SIGTERM: ``drain``) cancels a handler still running after the grace: its pipeline step
    stays journaled ``started``, nothing is undone, no result; once the handler has seen the
    cancellation through (its children reaped, ``cancel_settle_s``) the task is nak'ed, so the
-   next agent (an upgrade's new version) resumes it at once.
+   next agent (an upgrade's new version) resumes it at once; the hand-back is journaled
+   (``task.handed_back``) and that start is not counted toward the poison bound, so upgrades,
+   rollbacks and restarts during one long clone never make it ``poison_task``.
 8. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
    await the PubAck → only then ack the task (``ack_sync``: the server confirms it).
 
@@ -101,6 +103,9 @@ TASK_STREAM = "GPUAAS_TASKS"
 RESULT_STREAM = "GPUAAS_RESULTS"
 TASK_STEP = "task"  # the worker's own journal step around a handler run
 RECOVER_STEP = "recover"  # the worker's own journal step around a handler's recover hook
+# Journaled when a stop (SIGTERM: an upgrade, a restart) hands a task back after its handler saw the
+# cancellation through: that start was no crash, so it does not count toward ``max_task_starts``.
+STOPPED_STEP = "task.handed_back"
 CRASH_CODE = "internal_error"  # what _run_handler reports for an exception that is not an AgentError
 
 
@@ -359,6 +364,14 @@ class TaskWorker:
         Returns the task ids that were cancelled.
         """
         self.stop()
+        if self._sub is not None:
+            # Unsubscribe first: the server then has no interest in this agent's waiting pull, so a task it
+            # would deliver during the grace, or one a cancelled handler hands back below (nak), goes to the
+            # next agent at once instead of into this exiting process (redelivered only ack_wait_s later).
+            # Also before the connection drains, or drain() hangs on the pull inbox.
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
+                await asyncio.wait_for(sub.unsubscribe(), self.settings.request_timeout_s)
         cancelled: list[str] = []
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
@@ -368,11 +381,6 @@ class TaskWorker:
             if pending:
                 await asyncio.wait(pending, timeout=self.settings.cancel_settle_s + self.settings.request_timeout_s)
                 _warn("tasks_cancelled_at_shutdown", task_ids=cancelled)
-        if self._sub is not None:
-            # Unsubscribe before the connection drains, or drain() hangs on the pull inbox.
-            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
-                await asyncio.wait_for(self._sub.unsubscribe(), self.settings.request_timeout_s)
-            self._sub = None
         return cancelled
 
     # -- one message --------------------------------------------------------------
@@ -420,8 +428,14 @@ class TaskWorker:
                                                                 "expected": expected})
 
     async def _starts(self, task_id: str) -> int:
-        """How many times a handler was started for ``task_id`` (journaled before it runs, so a kill counts)."""
-        return sum(1 for e in await self.state.journal_of(task_id) if e.step == TASK_STEP and e.status == StepStatus.started)
+        """How many times a handler was started for ``task_id`` and neither finished nor was handed back at a stop.
+
+        Journaled before it runs, so a kill -9 counts; a clean stop's hand-back (``STOPPED_STEP``) does not.
+        """
+        entries = await self.state.journal_of(task_id)
+        started = sum(1 for e in entries if e.step == TASK_STEP and e.status == StepStatus.started)
+        handed_back = sum(1 for e in entries if e.step == STOPPED_STEP and e.status == StepStatus.succeeded)
+        return max(started - handed_back, 0)
 
     def _retry_delay(self, starts: int) -> float:
         return min(self.settings.ack_wait_s, self.settings.retry_backoff_s * 2 ** max(starts - 1, 0))
@@ -559,7 +573,11 @@ class TaskWorker:
             await asyncio.wait({run}, timeout=self.settings.cancel_settle_s)
             if self._stopping.is_set() and run.done():
                 # A stop (a package upgrade): hand the task back now, journaled where it stopped, so the next
-                # agent resumes it at its first pull rather than ack_wait_s later (issue 17 item 5).
+                # agent resumes it at its first pull rather than ack_wait_s later (issue 17 item 5). Journaled
+                # first: this start was no crash and does not count toward the poison bound.
+                with contextlib.suppress(StateError, OSError):
+                    await self.state.journal(envelope.task_id, STOPPED_STEP, StepStatus.succeeded,
+                                             {"reason": "agent_stopping"})
                 with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
                     await asyncio.wait_for(msg.nak(), self.settings.request_timeout_s)
                 _warn("task_handed_back_at_stop", task_id=envelope.task_id)

@@ -24,6 +24,7 @@ from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat
+from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, write_status
 from gpuaas_agent.operator.health import (
@@ -37,7 +38,6 @@ from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 
 log = logging.getLogger(__name__)
-TASK_STEP = "task"  # the worker's own journal step around a handler run (control/worker.py)
 
 
 def _utc(epoch: float) -> datetime:
@@ -50,7 +50,7 @@ def in_flight(store: StateStore, task_ids: list[str]) -> list[InFlightTask]:
     for task_id in task_ids:
         entries = store.journal_of(task_id)
         starts = [e for e in entries if e.step == TASK_STEP and e.status == StepStatus.started]
-        steps = [e for e in entries if e.step != TASK_STEP]
+        steps = [e for e in entries if e.step not in (TASK_STEP, STOPPED_STEP)]
         last = steps[-1] if steps else None
         out.append(InFlightTask(
             task_id=task_id,

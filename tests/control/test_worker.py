@@ -11,7 +11,7 @@ import pytest
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from gpuaas_agent.control.worker import TASK_STEP, TaskWorker
+from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP, TaskWorker
 from gpuaas_agent.daemon import default_handlers
 from gpuaas_agent.errors import GuardError
 from tests.conftest import fixture_host
@@ -402,6 +402,49 @@ def test_a_stop_waits_for_the_cancelled_handler_to_settle_then_hands_the_task_ba
             assert result.status == ResultStatus.succeeded and result.output == {"resumed": True}
             assert handler.calls == 2
             assert [(e.step, e.status.value) for e in h.store.journal_of(envelope.task_id)] == [
-                (TASK_STEP, "started"), (TASK_STEP, "started"), (TASK_STEP, "succeeded")]
+                (TASK_STEP, "started"), (STOPPED_STEP, "succeeded"), (TASK_STEP, "started"), (TASK_STEP, "succeeded")]
+
+    run_bounded(body())
+
+
+class StoppedUntil:
+    """Runs until cancelled (a long clone) for its first ``stops`` calls; the call after them finishes."""
+
+    def __init__(self, stops: int) -> None:
+        self.stops, self.calls = stops, 0
+        self.started = asyncio.Event()
+
+    async def __call__(self, payload, ctx):
+        self.calls += 1
+        self.started.set()
+        if self.calls > self.stops:
+            return {"finished_after_stops": self.stops}
+        await asyncio.Event().wait()
+        return {}
+
+
+def test_stops_that_hand_the_task_back_never_count_toward_the_poison_bound(nats_server, tmp_path):
+    """An upgrade, a rollback and two restarts during one long clone: four clean stops, more than
+    max_task_starts (3). Each hand-back is journaled and not counted as a crash, so the fifth agent runs
+    the task to its end instead of answering poison_task."""
+    handler = StoppedUntil(stops=4)
+    settings = {"request_timeout_s": 0.2, "cancel_settle_s": 5.0, "ack_wait_s": 30.0, "keepalive_interval_s": 1.0}
+
+    async def body():
+        async with Harness(nats_server, tmp_path, {TaskType.topology_discover: handler}, **settings) as h:
+            assert h.settings.max_task_starts == 3
+            envelope = h.plane.envelope(NODE, DISCOVER)
+            await h.plane.enqueue(envelope)
+            for stop in range(handler.stops):
+                await asyncio.wait_for(handler.started.wait(), 20)
+                handler.started.clear()
+                assert await h.worker.drain(0.1) == [envelope.task_id], f"stop {stop + 1}"
+                await h.restart_agent()
+            result = await h.plane.wait_result(envelope.task_id, timeout=settings["ack_wait_s"])
+            assert result.status == ResultStatus.succeeded, result.error
+            assert result.output == {"finished_after_stops": 4} and handler.calls == 5
+            journal = [(e.step, e.status.value) for e in h.store.journal_of(envelope.task_id)]
+            assert journal.count((STOPPED_STEP, "succeeded")) == 4
+            assert journal.count((TASK_STEP, "started")) == 5 and journal[-1] == (TASK_STEP, "succeeded")
 
     run_bounded(body())
