@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def _env() -> dict[str, str]:
 
 def _config(tmp_path: Path, nats_url: str, **overrides) -> Path:
     config = {"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_url,
-              "token_file": str(tmp_path / "token"), "connect_timeout_s": 2.0, "uevent_watch": False,
+              "token_file": str(tmp_path / "token"), "connect_timeout_s": 2.0, "uevent_watch": False, "insecure": True,
               "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, **overrides}
     path = tmp_path / "agent.json"
     path.write_text(json.dumps(config))
@@ -223,6 +224,34 @@ def test_enroll_against_a_server_refusing_credentials_exits_3_in_one_line(tmp_pa
     line = _assert_one_clear_line(done, "nats_auth_refused")
     assert "Authorization Violation" in line
     assert took < unit_start_timeout_s()
+
+
+def _connections_ever(server: NatsServer) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/varz", timeout=5) as resp:
+        return json.load(resp)["total_connections"]
+
+
+def test_enroll_over_loopback_plaintext_without_insecure_is_refused_before_dialling(tmp_path, nats_server):
+    config = _config(tmp_path, nats_server.url, insecure=False)
+    (tmp_path / "token").write_text(secrets.token_urlsafe(32))
+    before = _connections_ever(nats_server)  # the fixture's readiness probe counts as one
+    done = subprocess.run([str(AGENT), "enroll", "--config", str(config)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    line = _assert_one_clear_line(done, "plaintext_refused")
+    assert nats_server.url in line and "insecure = true" in line
+    assert _connections_ever(nats_server) == before  # nothing was dialled, so no token could be sent
+    assert (tmp_path / "token").exists() and not record_path(tmp_path / "state").exists()
+
+
+def test_run_over_loopback_plaintext_without_insecure_exits_3_and_never_connects(tmp_path, nats_server):
+    _enrolled_record(tmp_path, nats_server.url)
+    config = _config(tmp_path, nats_server.url, insecure=False)
+    before = _connections_ever(nats_server)
+    done = subprocess.run([str(AGENT), "run", "--config", str(config)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+    assert "plaintext_refused" in done.stderr and "insecure = true" in done.stderr and "Traceback" not in done.stderr
+    assert _connections_ever(nats_server) == before  # no consumer, no pull: no task could have run
 
 
 # -- run: backoff while down, SIGTERM always honoured, connects when NATS appears ------

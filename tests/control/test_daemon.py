@@ -24,6 +24,7 @@ import pytest
 from gpuaas_agent.config import load_config
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.enroll import EnrollIdentity, enroll
+from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.daemon import SdNotifier, default_handlers, run_agent, watchdog_interval_s
 from gpuaas_agent.host.run import run
 from gpuaas_agent.logs import JsonLinesFormatter, configure_logging
@@ -193,9 +194,9 @@ async def _enrolled_setup(nats_server, tmp_path, **overrides):
     await plane.serve_enrollment()
     token = tmp_path / "token"
     token.write_text(plane.issue_token())
-    record = await enroll(nats_server.url, token, tmp_path / "state", IDENTITY, timeout=5)
+    record = await enroll(nats_server.url, token, tmp_path / "state", IDENTITY, timeout=5, security=TransportSecurity(insecure=True))
     config = {
-        "state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_server.url,
+        "state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_server.url, "insecure": True,
         "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, "shutdown_grace_s": 30,
         "health_interval_s": 0.5, "metrics_listen": "", "slice": {"libvirt_uri": "test:///default"},
         **overrides,
@@ -291,7 +292,7 @@ def test_enroll_command_enrolls_from_host_identity(nats_server, tmp_path):
     config = tmp_path / "agent.json"
     token = tmp_path / "token"
     config.write_text(json.dumps({"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE),
-                                  "nats_url": nats_server.url, "token_file": str(token)}))
+                                  "nats_url": nats_server.url, "token_file": str(token), "insecure": True}))
 
     async def body():
         plane = await ControlPlane.connect(nats_server.url)
@@ -462,7 +463,7 @@ def test_enroll_without_a_token_says_why_through_status(short_dir, tmp_path):
     """ExecStartPre=gpuaas-agent enroll: a missing token must reach `systemctl status`, not only the journal."""
     config = tmp_path / "agent.json"
     config.write_text(json.dumps({"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE),
-                                  "nats_url": "nats://127.0.0.1:1", "token_file": str(tmp_path / "absent")}))
+                                  "nats_url": "nats://127.0.0.1:1", "token_file": str(tmp_path / "absent"), "insecure": True}))
     listener = NotifyListener(short_dir / "notify")
     try:
         done = subprocess.run([sys.executable, "-m", "gpuaas_agent", "enroll", "--config", str(config)],
