@@ -50,7 +50,7 @@ class Harness:
         record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
                                   credentials=NatsCredentials(user=NODE, password="unused-by-test-server",
                                                               servers=[self.server.url]))
-        self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state"), record, asyncio.Event())
+        self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state", insecure=True), record, asyncio.Event())
         self.store = StateStore.open(self.tmp_path / "state" / "state.db")
         self.worker = TaskWorker(self.nc, self.store, NODE, self.handlers, self.settings)
         self.run_task = asyncio.create_task(self.worker.run())
