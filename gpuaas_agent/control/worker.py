@@ -255,6 +255,8 @@ class TaskWorker:
             return None
         if not fetching.done():  # cancelled just now: let it unwind (an outer cancel still reaches us)
             await asyncio.wait({fetching})
+            if not fetching.cancelled():
+                fetching.exception()  # retrieved: nats.py may end a cancelled pull with ConnectionClosedError
             return None
         return fetching.result()
 
