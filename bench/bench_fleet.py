@@ -32,6 +32,7 @@ import queue
 import random
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -252,18 +253,19 @@ def elections(servers: Servers) -> dict:
 def child_main(urls: list[str], nodes: list[str], root: str, events, stop, args: dict) -> None:
     logging.basicConfig(level=logging.ERROR)
     if args.get("profile"):
+        # The burst only: the parent sends SIGUSR1 before it publishes and SIGUSR2 once all claimed.
+        # cProfile sees the event loop's thread (the store thread's SQLite time is in thread_cpu below).
         import cProfile
-        import pstats
+        import signal
 
         profiler = cProfile.Profile()
-        profiler.enable()
-        try:
-            asyncio.run(_child(urls, nodes, Path(root), events, stop, args))
-        finally:
+
+        def done(*_):
             profiler.disable()
             profiler.dump_stats(args["profile"])
-            pstats.Stats(args["profile"]).sort_stats("cumulative").print_stats(40)
-        return
+
+        signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
+        signal.signal(signal.SIGUSR2, done)
     asyncio.run(_child(urls, nodes, Path(root), events, stop, args))
 
 
@@ -327,6 +329,22 @@ class ChildCpu:
                 continue
             total += (int(fields[11]) + int(fields[12])) / CLK_TCK
         return total
+
+    def by_thread(self) -> dict[str, float]:
+        """CPU seconds of the event-loop threads and of all other threads of the simulated nodes' processes."""
+        out: dict[str, float] = {}
+        for pid in self.pids:
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    raw = (task / "stat").read_text()
+                except OSError:
+                    continue
+                # Python 3.11 names no OS threads: the main one runs the event loop; the others are the
+                # store thread (SQLite), the mp.Queue feeder and the executor waiting for the stop event.
+                name = "event-loop" if task.name == str(pid) else "other-threads"
+                fields = raw.rsplit(")", 1)[1].split()
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return out
 
 
 class Events:
@@ -469,6 +487,9 @@ async def run_one(n: int, args, root: Path) -> dict:
 
         # One task to every node at once.
         sent = {}
+        threads0 = child_cpu.by_thread()
+        if args.profile:
+            os.kill(procs[0].pid, signal.SIGUSR1)
         cpu0, ccpu0, pcpu0, b0 = server.cpu_s(), child_cpu.cpu_s(), time.process_time(), time.time()
         await publish_all(plane, nodes, sent)
         published = time.time()
@@ -482,6 +503,11 @@ async def run_one(n: int, args, root: Path) -> dict:
         out["burst_server_cpu_s"] = round(server.cpu_s() - cpu0, 2)
         out["burst_sim_nodes_cpu_s"] = round(child_cpu.cpu_s() - ccpu0, 2)  # the simulated agents' processes
         out["burst_plane_cpu_s"] = round(time.process_time() - pcpu0, 2)  # control plane + this bench
+        threads1 = child_cpu.by_thread()
+        out["burst_sim_cpu_by_thread_s"] = {k: round(v - threads0.get(k, 0.0), 2) for k, v in threads1.items()
+                                            if v - threads0.get(k, 0.0) >= 0.01}
+        if args.profile:
+            os.kill(procs[0].pid, signal.SIGUSR2)
         out["burst_over_1s"] = sum(1 for x in lat if x > 1.0)
         out["burst_over_5s"] = sum(1 for x in lat if x > 5.0)
         if os.environ.get("BENCH_DEBUG"):
