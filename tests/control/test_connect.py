@@ -254,6 +254,46 @@ def test_run_over_loopback_plaintext_without_insecure_exits_3_and_never_connects
     assert _connections_ever(nats_server) == before  # no consumer, no pull: no task could have run
 
 
+def _creds_file(tmp_path: Path, *, mode: int, expired: bool = False) -> Path:
+    from tests.natsauth.natsjwt import Operator
+
+    times = {"issued_at": time.time() - 7200, "expires_at": time.time() - 60} if expired else {}
+    text, _ = Operator().user(NODE, **times)
+    creds = tmp_path / "node.creds"
+    creds.write_text(text)
+    creds.chmod(mode)
+    return creds
+
+
+def test_run_with_a_creds_file_readable_by_others_exits_3_naming_it_and_never_connects(tmp_path, nats_server):
+    """Bad input of the control channel, end to end: the daemon refuses before it dials, so no task can run."""
+    creds = _creds_file(tmp_path, mode=0o644)
+    _enrolled_record(tmp_path, nats_server.url)
+    config = _config(tmp_path, nats_server.url, nats_creds_file=str(creds))
+    before = _connections_ever(nats_server)
+    done = subprocess.run([str(AGENT), "run", "--config", str(config)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+    assert "creds_insecure" in done.stderr and str(creds) in done.stderr and "0644" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert _connections_ever(nats_server) == before
+
+
+def test_run_with_expired_creds_never_connects_and_retries_for_a_rotated_file(tmp_path, nats_server, runs):
+    creds = _creds_file(tmp_path, mode=0o600, expired=True)
+    _enrolled_record(tmp_path, nats_server.url)
+    config = _config(tmp_path, nats_server.url, nats_creds_file=str(creds),
+                     reconnect_backoff_initial_s=0.1, reconnect_backoff_max_s=0.5)
+    before = _connections_ever(nats_server)
+    run = AgentRun(config, tmp_path / "agent.log")
+    runs.append(run)
+    attempts = run.wait_event("nats_connect_failed", count=2)
+    assert all(a["code"] == "creds_expired" and "expired at" in a["message"] for a in attempts)
+    assert _connections_ever(nats_server) == before  # refused before dialling, every attempt
+    rc, took = run.sigterm_and_time()
+    assert rc == 0 and took < SIGTERM_BOUND_S, (rc, took)
+
+
 # -- run: backoff while down, SIGTERM always honoured, connects when NATS appears ------
 
 
