@@ -12,6 +12,15 @@ steady trickle of tasks (publish→claim p50/p99), one task to every node at onc
 time, publish→claim p50/p99), and a server restart (time until all N reconnected, and until
 one task per node published at restart is claimed). "Claim" is the handler starting.
 
+``--servers 3``: a JetStream cluster of three servers on loopback (routes on 127.0.0.1 ports, one
+store dir each, each stopped by its PID); ``--replicas 3`` makes the task and result streams R3,
+``--consumer-memory`` the node consumers R1 + memory (README "Fleet layout"). Then it also reports
+the Raft groups (``/jsz?raft=1``, each asset at its leader), leader elections (the servers' logs)
+and each member's ``/healthz?js-enabled-only=true`` and ``/healthz``; the restart stops every member
+(``--restart-one``: only the first). The burst's CPU is split: servers, the simulated nodes' event
+loops and other threads, the control plane; ``--profile PATH`` cProfiles the first simulated
+process's event loop during the burst only.
+
 Layouts (``--layout``): ``shared`` — one work-queue stream ``gpuaas.node.*.task.>`` for
 every node; ``partitioned`` — streams of ``--per-stream`` nodes each
 (``ControlPlane.create_task_partitions``). Prints one JSON line per N and a table; never
