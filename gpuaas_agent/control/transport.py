@@ -6,8 +6,8 @@ disks over this connection, so:
 * **TLS is required.** A ``nats://`` URL without TLS is refused (``plaintext_refused``,
   naming the URL and the setting) unless the config says ``insecure = true`` (the lab);
   loopback included, so a config that forgot TLS fails the same way on a test bench as
-  in the fleet, and plaintext is always a visible decision (a WARNING is logged at each
-  plaintext connect). With TLS the server certificate is verified against
+  in the fleet, and plaintext is always a visible decision (a WARNING names the server
+  once the plaintext connection is up). With TLS the server certificate is verified against
   ``nats_tls_ca_file`` (or the system bundle) and its name against
   ``nats_tls_server_name`` (default: the URL's host); ``nats_tls_cert_file`` +
   ``nats_tls_key_file`` add a client certificate (mutual TLS).
