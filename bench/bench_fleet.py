@@ -12,6 +12,15 @@ steady trickle of tasks (publish→claim p50/p99), one task to every node at onc
 time, publish→claim p50/p99), and a server restart (time until all N reconnected, and until
 one task per node published at restart is claimed). "Claim" is the handler starting.
 
+``--servers 3``: a JetStream cluster of three servers on loopback (routes on 127.0.0.1 ports, one
+store dir each, each stopped by its PID); ``--replicas 3`` makes the task and result streams R3,
+``--consumer-memory`` the node consumers R1 + memory (README "Fleet layout"). Then it also reports
+the Raft groups (``/jsz?raft=1``, each asset at its leader), leader elections (the servers' logs)
+and each member's ``/healthz?js-enabled-only=true`` and ``/healthz``; the restart stops every member
+(``--restart-one``: only the first). The burst's CPU is split: servers, the simulated nodes' event
+loops and other threads, the control plane; ``--profile PATH`` cProfiles the first simulated
+process's event loop during the burst only.
+
 Layouts (``--layout``): ``shared`` — one work-queue stream ``gpuaas.node.*.task.>`` for
 every node; ``partitioned`` — streams of ``--per-stream`` nodes each
 (``ControlPlane.create_task_partitions``). Prints one JSON line per N and a table; never
@@ -32,12 +41,14 @@ import queue
 import random
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -45,6 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import nats.errors
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.control.connection import Backoff, connect_nats
@@ -54,7 +66,7 @@ from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.operator.health import HealthSettings
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import ControlPlane
+from tests.controlplane import RESULT_STREAM, ControlPlane
 
 TASK = TaskType.topology_discover
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -77,32 +89,59 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, root: Path) -> None:
-        self.root, self.port, self.http = root, free_port(), free_port()
+    """One nats-server: standalone (``-js``) or, with ``cluster``, one member of a JetStream cluster."""
+
+    def __init__(self, root: Path, *, name: str = "s1") -> None:
+        self.root, self.name, self.port, self.http = root, name, free_port(), free_port()
+        self.route_port = free_port()
         self.store = root / "store"
         self.store.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
+        self.routes: list[int] | None = None  # the cluster's route ports (ours included); None: standalone
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self) -> float:
-        argv = [shutil.which("nats-server") or "nats-server", "-js", "-a", "127.0.0.1", "-p", str(self.port),
-                "-m", str(self.http), "-sd", str(self.store)]
+    def argv(self) -> list[str]:
+        binary = shutil.which("nats-server") or "nats-server"
+        if self.routes is None:
+            return [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.http), "-sd", str(self.store)]
+        conf = self.root / "nats.conf"
+        routes = ", ".join(f'"nats-route://127.0.0.1:{r}"' for r in self.routes if r != self.route_port)
+        conf.write_text(
+            f'server_name: "{self.name}"\nlisten: "127.0.0.1:{self.port}"\nhttp: "127.0.0.1:{self.http}"\n'
+            f'jetstream {{ store_dir: "{self.store}", max_memory_store: 4GB, max_file_store: 20GB }}\n'
+            f'cluster {{ name: "bench", listen: "127.0.0.1:{self.route_port}", routes: [{routes}] }}\n')
+        return [binary, "-c", str(conf)]
+
+    def spawn(self) -> None:
         log = (self.root / "nats.log").open("ab")
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
-        deadline = time.monotonic() + 60
+
+    def healthz(self, query: str = "") -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/healthz{query}", timeout=5) as resp:
+                return resp.status, resp.read().decode().strip()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode().strip()
+        except OSError as exc:
+            return 0, repr(exc)
+
+    def wait_ready(self, deadline_s: float = 120) -> float:
+        deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/healthz", timeout=1) as resp:
-                    if resp.status == 200:
-                        return time.time()
-            except OSError:
-                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server {self.name} exited: {(self.root / 'nats.log').read_text()[-2000:]}")
+            if self.healthz()[0] == 200:
+                return time.time()
             time.sleep(0.05)  # readiness poll
-        raise RuntimeError("nats-server not ready")
+        raise RuntimeError(f"nats-server {self.name} not ready: {self.healthz()}")
+
+    def start(self) -> float:
+        self.spawn()
+        return self.wait_ready()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -120,20 +159,126 @@ class Server:
                 return int(line.split()[1]) / 1024
         return 0.0
 
-    def varz(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/varz", timeout=10) as resp:
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}{path}", timeout=30) as resp:
             return json.load(resp)
+
+    def varz(self) -> dict:
+        return self.get("/varz")
+
+    def log_count(self, needle: str) -> int:
+        return (self.root / "nats.log").read_text(errors="replace").count(needle)
+
+
+class Servers:
+    """One standalone server, or a JetStream cluster of ``count`` on loopback (routes on 127.0.0.1 ports,
+    one store dir each, each stopped by its PID). CPU, memory and message rates are the members' sum."""
+
+    def __init__(self, root: Path, count: int) -> None:
+        self.members = [Server(root / f"s{i + 1}", name=f"s{i + 1}") for i in range(count)]
+        if count > 1:
+            routes = [m.route_port for m in self.members]
+            for m in self.members:
+                m.routes = routes
+
+    @property
+    def urls(self) -> list[str]:
+        return [m.url for m in self.members]
+
+    def start(self) -> float:
+        for m in self.members:
+            m.spawn()
+        up = max(m.wait_ready() for m in self.members)
+        if len(self.members) > 1:  # a meta leader is elected and every member knows it
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                metas = [m.get("/jsz").get("meta_cluster") or {} for m in self.members]
+                if all(meta.get("leader") for meta in metas) and all(m.healthz()[0] == 200 for m in self.members):
+                    return time.time()
+                time.sleep(0.1)  # readiness poll
+            raise RuntimeError("cluster has no meta leader")
+        return up
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def cpu_s(self) -> float:
+        return sum(m.cpu_s() for m in self.members)
+
+    def rss_mib(self) -> float:
+        return sum(m.rss_mib() for m in self.members)
+
+    def varz(self) -> dict:
+        rows = [m.varz() for m in self.members]
+        return {"in_msgs": sum(r["in_msgs"] for r in rows), "connections": [r["connections"] for r in rows]}
+
+
+def raft_inventory(servers: Servers) -> dict:
+    """Raft groups seen by the cluster: streams and consumers by replica count (from one member's /jsz)."""
+    streams = consumers = 0
+    by_replicas: dict[str, int] = {}
+    leaders: dict[str, int] = {}
+    for m in servers.members:
+        jsz = m.get("/jsz?accounts=1&streams=1&consumers=1&config=1&raft=1")
+        for account in jsz.get("account_details") or []:
+            for stream in account.get("stream_detail") or []:
+                cluster = stream.get("cluster") or {}
+                if cluster.get("leader") == m.name:  # count each asset once: at its leader
+                    streams += 1
+                    r = (stream.get("config") or {}).get("num_replicas", 1)
+                    by_replicas[f"stream_R{r}"] = by_replicas.get(f"stream_R{r}", 0) + 1
+                    leaders[m.name] = leaders.get(m.name, 0) + 1
+                for consumer in stream.get("consumer_detail") or []:
+                    if (consumer.get("cluster") or {}).get("leader") != m.name:
+                        continue
+                    consumers += 1
+                    config = consumer.get("config") or {}
+                    r = config.get("num_replicas") or (stream.get("config") or {}).get("num_replicas", 1)
+                    kind = "mem" if config.get("mem_storage") else "file"
+                    by_replicas[f"consumer_R{r}_{kind}"] = by_replicas.get(f"consumer_R{r}_{kind}", 0) + 1
+    replicated = sum(v for k, v in by_replicas.items() if not k.split("_")[1] == "R1")
+    return {"streams": streams, "consumers": consumers, "raft_groups": dict(sorted(by_replicas.items())),
+            "replicated_raft_groups": replicated, "stream_leaders_per_server": leaders}
+
+
+def cluster_health(servers: Servers) -> dict:
+    out = {}
+    for m in servers.members:
+        out[m.name] = {"js_enabled_only": m.healthz("?js-enabled-only=true")[0], "full": m.healthz()[0]}
+    return out
+
+
+def elections(servers: Servers) -> dict:
+    """Leader elections logged so far (nats-server INFO lines), summed over the members."""
+    return {"meta": sum(m.log_count("JetStream cluster new metadata leader") for m in servers.members),
+            "stream": sum(m.log_count("JetStream cluster new stream leader") for m in servers.members),
+            "consumer": sum(m.log_count("JetStream cluster new consumer leader") for m in servers.members)}
 
 
 # -- simulated nodes (child processes) --------------------------------------------------
 
 
-def child_main(url: str, nodes: list[str], root: str, events, stop, args: dict) -> None:
+def child_main(urls: list[str], nodes: list[str], root: str, events, stop, args: dict) -> None:
     logging.basicConfig(level=logging.ERROR)
-    asyncio.run(_child(url, nodes, Path(root), events, stop, args))
+    if args.get("profile"):
+        # The burst only: the parent sends SIGUSR1 before it publishes and SIGUSR2 once all claimed.
+        # cProfile sees the event loop's thread (the store thread's SQLite time is in thread_cpu below).
+        import cProfile
+        import signal
+
+        profiler = cProfile.Profile()
+
+        def done(*_):
+            profiler.disable()
+            profiler.dump_stats(args["profile"])
+
+        signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
+        signal.signal(signal.SIGUSR2, done)
+    asyncio.run(_child(urls, nodes, Path(root), events, stop, args))
 
 
-async def _child(url, nodes, root: Path, events, stop, args) -> None:
+async def _child(urls, nodes, root: Path, events, stop, args) -> None:
     store = StateStore.open(root / "state.db")
     gate = asyncio.Semaphore(args["connect_concurrency"])
     running: list = []
@@ -145,7 +290,7 @@ async def _child(url, nodes, root: Path, events, stop, args) -> None:
     async def node(node_id: str) -> None:
         async with gate:
             started = time.time()
-            nc = await connect_nats([url], timeout_s=60, name=node_id, reconnect=Backoff(0.5, args["backoff_max"]),
+            nc = await connect_nats(list(urls), timeout_s=60, name=node_id, reconnect=Backoff(0.5, args["backoff_max"]),
                                     inbox_prefix=node_inbox_prefix(node_id), security=TransportSecurity(insecure=True))
             nc.reconnect_listeners.append(lambda: events.put(("reconnected", node_id, time.time())))
             worker = TaskWorker(nc, store, node_id, {TASK: handler},
@@ -177,6 +322,38 @@ async def _child(url, nodes, root: Path, events, stop, args) -> None:
 
 
 # -- the run ----------------------------------------------------------------------------
+
+
+class ChildCpu:
+    """CPU seconds (user + system) of the simulated nodes' processes, from /proc/<pid>/stat."""
+
+    pids: list[int] = []
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        for pid in self.pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return total
+
+    def by_thread(self) -> dict[str, float]:
+        """CPU seconds of the event-loop threads and of all other threads of the simulated nodes' processes."""
+        out: dict[str, float] = {}
+        for pid in self.pids:
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    raw = (task / "stat").read_text()
+                except OSError:
+                    continue
+                # Python 3.11 names no OS threads: the main one runs the event loop; the others are the
+                # store thread (SQLite), the mp.Queue feeder and the executor waiting for the stop event.
+                name = "event-loop" if task.name == str(pid) else "other-threads"
+                fields = raw.rsplit(")", 1)[1].split()
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return out
 
 
 class Events:
@@ -239,14 +416,19 @@ def latencies(sent: dict[str, float], claims: dict[str, float]) -> list[float]:
 
 
 async def run_one(n: int, args, root: Path) -> dict:
-    server = Server(root / f"n{n}")
+    server = Servers(root / f"n{n}", args.servers)
     server.start()
     nodes = [f"node-f{i:05d}" for i in range(n)]
-    plane = await ControlPlane.connect(server.url)
-    out: dict = {"nodes": n, "layout": args.layout, "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs}
+    plane = await ControlPlane.connect(server.urls)
+    out: dict = {"nodes": n, "servers": args.servers, "layout": args.layout, "stream_replicas": args.replicas,
+                 "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs}
     t = time.time()
     if args.layout == "partitioned":
-        out["streams"] = len(await plane.create_task_partitions(nodes, per_stream=args.per_stream))
+        out["streams"] = len(await plane.create_task_partitions(nodes, per_stream=args.per_stream,
+                                                                replicas=args.replicas))
+        await plane.js.add_stream(StreamConfig(  # results land in a stream, as in create_streams()
+            name=RESULT_STREAM, subjects=["gpuaas.node.*.result"], retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE, duplicate_window=120, num_replicas=args.replicas))
     else:
         await plane.create_streams()
         out["streams"] = 1
@@ -256,21 +438,30 @@ async def run_one(n: int, args, root: Path) -> dict:
     events = Events(q)
     child_args = {"consumer_memory": args.consumer_memory, "pull_expiry": args.pull_expiry, "heartbeat": args.heartbeat, "backoff_max": args.backoff_max,
                   "connect_concurrency": args.connect_concurrency}
+    child_cpu = ChildCpu()
     procs = []
     t0 = time.time()
     for p in range(args.procs):
         part = nodes[p::args.procs]
         pdir = root / f"n{n}-p{p}"
         pdir.mkdir(parents=True, exist_ok=True)
-        proc = mp.Process(target=child_main, args=(server.url, part, str(pdir), q, stop, child_args))
+        this_args = dict(child_args, profile=str(Path(args.profile).with_suffix(f".n{n}.prof")) if args.profile and p == 0 else None)
+        proc = mp.Process(target=child_main, args=(server.urls, part, str(pdir), q, stop, this_args))
         proc.start()
         procs.append(proc)
+    child_cpu.pids = [proc.pid for proc in procs]
     try:
         ok = await events.until(lambda: len(events.ready) >= n, args.bind_deadline)
         out["all_bound_s"] = round(time.time() - t0, 1) if ok else None
         out["bound"] = len(events.ready)
         out["bind_p50_s"] = round(pct(list(events.ready.values()), 50), 3)
         out["bind_p99_s"] = round(pct(list(events.ready.values()), 99), 3)
+        if args.servers > 1:
+            await asyncio.sleep(2)  # let consumer leaders settle before counting them
+            out["raft"] = raft_inventory(server)
+            out["elections_after_bind"] = elections(server)
+            out["health_after_bind"] = cluster_health(server)
+            out["clients_per_server"] = server.varz()["connections"]
         await asyncio.sleep(args.heartbeat)  # let the heartbeat phases spread before measuring idle
 
         # Idle: server CPU, memory and message rate with every node connected and pulling.
@@ -305,7 +496,10 @@ async def run_one(n: int, args, root: Path) -> dict:
 
         # One task to every node at once.
         sent = {}
-        cpu0, b0 = server.cpu_s(), time.time()
+        threads0 = child_cpu.by_thread()
+        if args.profile:
+            os.kill(procs[0].pid, signal.SIGUSR1)
+        cpu0, ccpu0, pcpu0, b0 = server.cpu_s(), child_cpu.cpu_s(), time.process_time(), time.time()
         await publish_all(plane, nodes, sent)
         published = time.time()
         ok = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
@@ -316,6 +510,13 @@ async def run_one(n: int, args, root: Path) -> dict:
         out["burst_claimed"] = len(lat)
         out["burst_p50_s"], out["burst_p99_s"] = round(pct(lat, 50), 3), round(pct(lat, 99), 3)
         out["burst_server_cpu_s"] = round(server.cpu_s() - cpu0, 2)
+        out["burst_sim_nodes_cpu_s"] = round(child_cpu.cpu_s() - ccpu0, 2)  # the simulated agents' processes
+        out["burst_plane_cpu_s"] = round(time.process_time() - pcpu0, 2)  # control plane + this bench
+        threads1 = child_cpu.by_thread()
+        out["burst_sim_cpu_by_thread_s"] = {k: round(v - threads0.get(k, 0.0), 2) for k, v in threads1.items()
+                                            if v - threads0.get(k, 0.0) >= 0.01}
+        if args.profile:
+            os.kill(procs[0].pid, signal.SIGUSR2)
         out["burst_over_1s"] = sum(1 for x in lat if x > 1.0)
         out["burst_over_5s"] = sum(1 for x in lat if x > 5.0)
         if os.environ.get("BENCH_DEBUG"):
@@ -327,15 +528,26 @@ async def run_one(n: int, args, root: Path) -> dict:
         # Server restart: reconnect with backoff + jitter; one task per node published at once.
         if args.restart:
             events.reconnected.clear()
-            server.stop()
-            down = time.time()
-            up = server.start()
+            if args.restart_one:  # one member of the cluster: its clients fail over, its leaders move
+                member = server.members[0]
+                expected = member.varz()["connections"]
+                member.stop()
+                down = time.time()
+                member.spawn()
+                up = member.wait_ready()
+            else:  # every server: all N reconnect at once (the herd)
+                expected = n
+                server.stop()
+                down = time.time()
+                up = server.start()
+            out["restart_members"] = 1 if args.restart_one else args.servers
+            out["restart_expected_reconnects"] = expected
             out["restart_server_down_s"] = round(up - down, 2)
             sent = {}
             await events.until(lambda: plane.nc.is_connected, 120)
             await publish_all(plane, nodes, sent)
             out["restart_all_published_s"] = round(time.time() - up, 2)  # the plane's retries included
-            ok_r = await events.until(lambda: len(events.reconnected) >= n, args.burst_deadline)
+            ok_r = await events.until(lambda: len(events.reconnected) >= expected, args.burst_deadline)
             ok_c = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
             rec = sorted(v - up for v in events.reconnected.values())
             out["restart_reconnected"] = len(rec)
@@ -346,6 +558,12 @@ async def run_one(n: int, args, root: Path) -> dict:
             out["restart_claimed_after_published_s"] = (round(last - up - out["restart_all_published_s"], 2)
                                                         if ok_c and last else None)
             out["restart_claimed"] = sum(1 for t in sent if t in events.claims)
+            # Since the server(s) stopped (a cluster's clients reconnect to the first member back, before all are up).
+            out["restart_all_reconnected_since_down_s"] = round(max(events.reconnected.values()) - down, 2) if ok_r and rec else None
+            out["restart_all_claimed_since_down_s"] = round(last - down, 2) if ok_c and last else None
+            if args.servers > 1:
+                out["elections_total"] = elections(server)
+                out["health_after_restart"] = cluster_health(server)
     finally:
         stop.set()
         for proc in procs:
@@ -385,6 +603,10 @@ def main() -> int:
     ap.add_argument("--burst-deadline", type=float, default=300.0)
     ap.add_argument("--consumer-memory", action="store_true", help="R1 memory-storage consumers")
     ap.add_argument("--no-restart", dest="restart", action="store_false")
+    ap.add_argument("--servers", type=int, default=1, help="1: one server; 3: a JetStream cluster on loopback")
+    ap.add_argument("--replicas", type=int, default=1, help="task and result stream replicas (3 in a cluster)")
+    ap.add_argument("--restart-one", action="store_true", help="restart one cluster member instead of all")
+    ap.add_argument("--profile", default=None, help="cProfile the first simulated-node process into this path")
     ap.add_argument("--root", default="/dev/shm")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

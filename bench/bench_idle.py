@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from gpuaas_agent.control.enroll import EnrollIdentity, enroll
+from gpuaas_agent.control.transport import TransportSecurity
 from lab.fixture_hosts import fixture_host
 from tests.control.conftest import NatsServer, free_port
 from tests.controlplane import ControlPlane
@@ -138,11 +139,11 @@ async def _enrolled_config(server: NatsServer, work: Path, metrics_port: int, ue
         await plane.serve_enrollment()
         token = work / "token"
         token.write_text(plane.issue_token())
-        record = await enroll(server.url, token, work / "state", IDENTITY, timeout=10)
+        record = await enroll(server.url, token, work / "state", IDENTITY, timeout=10, security=TransportSecurity(insecure=True))
     finally:
         await plane.close()
     config = {"state_dir": str(work / "state"), "host_root": str(fixture_host("h200-slice-after-transition")),
-              "nats_url": server.url, "metrics_listen": f"127.0.0.1:{metrics_port}", "uevent_watch": uevent_watch,
+              "nats_url": server.url, "insecure": True, "metrics_listen": f"127.0.0.1:{metrics_port}", "uevent_watch": uevent_watch,
               "slice": {"libvirt_uri": "test:///default"}}
     path = work / "agent.json"
     path.write_text(json.dumps(config))

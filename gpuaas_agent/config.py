@@ -262,7 +262,7 @@ class AgentConfig(BaseModel):
     # The bootstrap identity `enroll` logs in with (a server in operator mode has no anonymous users):
     # a .creds allowed only gpuaas.enroll and _INBOX.enroll.*.> (README "Control channel").
     nats_enroll_creds_file: Path | None = None
-    # Plaintext nats:// to a non-loopback server is refused unless this is true (lab only).
+    # Plaintext nats:// (without TLS) is refused unless this is true, loopback included (lab only).
     insecure: bool = False
     # A pull request waits this long on the server for a task (liveness is the heartbeat, not the poll).
     pull_expiry_s: float = Field(default=30.0, gt=0, le=300)

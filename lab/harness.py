@@ -278,6 +278,7 @@ class Lab:
             "state_dir": str(state),
             "host_root": str(self.host.root),
             "nats_url": self.nats_url,
+            "insecure": True,  # the lab's nats-server is plaintext on loopback
             "token_file": str(state / "bootstrap-token"),
             "heartbeat_interval_s": self.settings.heartbeat_interval_s,
             "reconcile_interval_s": 120.0,

@@ -137,7 +137,7 @@ class ErrorCode(StrEnum):
     CREDS_INVALID = "creds_invalid", "control", "The file is not a NATS user .creds (JWT + user seed); reinstall the file the control plane issued."
     CREDS_UNREADABLE = "creds_unreadable", "control", "The credentials or TLS key file cannot be read; check the path in agent.toml and its permissions."
     NATS_TLS_FAILED = "nats_tls_failed", "control", "The TLS handshake with NATS failed (unknown CA, name mismatch, or the server offered no TLS); check nats_tls_ca_file and nats_tls_server_name."
-    PLAINTEXT_REFUSED = "plaintext_refused", "control", "A non-loopback NATS URL without TLS; use tls:// with a CA bundle, or set insecure = true in a lab."
+    PLAINTEXT_REFUSED = "plaintext_refused", "control", "A NATS URL without TLS (loopback included); use tls:// with a CA bundle, or set insecure = true in a lab."
     TLS_CONFIG_INVALID = "tls_config_invalid", "control", "The TLS settings cannot be used (a cert without its key, an unreadable or invalid PEM); fix agent.toml's nats_tls_* keys."
     TRANSPORT_REFUSED = "transport_refused", "control", "The NATS transport settings were refused before connecting; the message names the setting."
     RECOVERY_POISON = "recovery_poison", "control", "Recovering an interrupted task crashed the agent repeatedly; the slot is left for reconcile and an operator (see the journal)."

@@ -166,8 +166,8 @@ async def connect_nats(
 
     ``reconnect``: after this first connect, reconnect forever with that backoff (the
     daemon); None: a broken connection stays broken (enrollment's one request).
-    ``security``: TLS and credentials (``control/transport.py``); the default allows only
-    loopback plaintext. Its refusals (``plaintext_refused``, ``creds_insecure``,
+    ``security``: TLS and credentials (``control/transport.py``); the default refuses
+    plaintext (``insecure=True`` allows it, with a WARNING). Its refusals (``plaintext_refused``, ``creds_insecure``,
     ``creds_expired``...) are raised as :class:`NatsConnectError` before anything is dialled.
     ``inbox_prefix``: replies come on ``<prefix>.>`` (a per-node prefix lets permissions
     keep every other node's replies away from this one).
@@ -219,6 +219,10 @@ async def connect_nats(
             raise NatsConnectError(f"cannot reach {shown} within {timeout_s:g}s", evidence=evidence) from None
         raise NatsConnectError(f"cannot reach {shown}: {_reason(cause)}", evidence=evidence) from None
     callbacks.connected = True
+    if not nc.require_tls:  # plaintext happens only with insecure = true (check_servers refused it otherwise)
+        url = safe_url(nc.connected_url.geturl()) if nc.connected_url else shown
+        log_event(log, "nats_plaintext", logging.WARNING, connection=name, server=url,
+                  message=f"{name}: connected to {url} without TLS (insecure = true; labs only)")
     if reconnect is not None:
         # The first connect was bounded above; from now on a lost server is retried forever
         # (nats.py reads this option on every reconnect; connect() has no separate knob for it).

@@ -3,10 +3,11 @@
 Every slice host receives tenant secrets (SSH keys, user-data) and orders that wipe
 disks over this connection, so:
 
-* **TLS is required.** A ``nats://`` URL to anything but a loopback address is refused
-  (``plaintext_refused``) unless the config says ``insecure = true`` (the lab). A
-  loopback ``nats://`` never leaves the host (the lab's server, or a local
-  TLS-terminating proxy). With TLS the server certificate is verified against
+* **TLS is required.** A ``nats://`` URL without TLS is refused (``plaintext_refused``,
+  naming the URL and the setting) unless the config says ``insecure = true`` (the lab);
+  loopback included, so a config that forgot TLS fails the same way on a test bench as
+  in the fleet, and plaintext is always a visible decision (a WARNING names the server
+  once the plaintext connection is up). With TLS the server certificate is verified against
   ``nats_tls_ca_file`` (or the system bundle) and its name against
   ``nats_tls_server_name`` (default: the URL's host); ``nats_tls_cert_file`` +
   ``nats_tls_key_file`` add a client certificate (mutual TLS).
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import ipaddress
 import json
 import os
 import ssl
@@ -50,15 +50,6 @@ class TransportError(AgentError):
     """The connection's security settings refuse this connection; nothing was sent."""
 
     default_code = "transport_refused"
-
-
-def _is_loopback(host: str | None) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host or "").is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -88,18 +79,22 @@ class TransportSecurity:
         return urlsplit(url).scheme == "tls" or self.tls_configured
 
     def check_servers(self, servers: list[str]) -> list[str]:
-        """The URLs to dial (``tls://`` when TLS is configured); ``plaintext_refused`` for a plaintext one."""
+        """The URLs to dial (``tls://`` when TLS is configured); ``plaintext_refused`` for a plaintext one.
+
+        Loopback is no exception: the rule is the config's ``insecure``, not where the server is.
+        """
         out = []
         for url in servers:
             parts = urlsplit(url)
             if self.uses_tls(url):
                 out.append(parts._replace(scheme="tls").geturl())
                 continue
-            if not (self.insecure or _is_loopback(parts.hostname)):
+            if not self.insecure:
+                shown = f"{parts.scheme}://{parts.hostname}:{parts.port}" if parts.port else f"{parts.scheme}://{parts.hostname}"
                 raise TransportError(
-                    f"refusing plaintext NATS to {parts.hostname}: use tls:// (and nats_tls_ca_file), "
-                    "or set insecure = true for a lab", code="plaintext_refused",
-                    evidence={"server": f"{parts.hostname}:{parts.port}", "scheme": parts.scheme})
+                    f"refusing plaintext NATS to {shown}: use tls:// (and nats_tls_ca_file), "
+                    "or set insecure = true in the agent config (labs only)", code="plaintext_refused",
+                    evidence={"server": shown, "scheme": parts.scheme, "setting": "insecure"})
             out.append(url)
         return out
 

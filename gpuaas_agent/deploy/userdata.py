@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Annotated
 
 import yaml
-from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError
+from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, model_validator
 
 from gpuaas_agent.config import ConfigError, parse_config
 from gpuaas_agent.contract.base import WireModel
@@ -95,6 +95,15 @@ class UserDataInputs(WireModel):
     maas_tags: list[MaasTag] = Field(default_factory=list)
     # Extra flags for gpuaas-slice-network-baseline (e.g. ["--tmfifo"]), one argv item each.
     baseline_args: list[Annotated[str, Field(pattern=r"^--?[A-Za-z0-9][A-Za-z0-9_./=:-]*$")]] = Field(default_factory=list)
+    # A plaintext nats:// URL is a lab: the agent refuses it unless its config says insecure = true,
+    # so the render refuses it too unless this says so (and then writes that setting).
+    insecure: bool = False
+
+    @model_validator(mode="after")
+    def _plaintext_needs_insecure(self) -> UserDataInputs:
+        if self.nats_url.startswith("nats://") and not self.insecure:
+            raise ValueError("nats_url is plaintext nats://: use tls://, or set insecure: true (labs only)")
+        return self
 
     @property
     def slice_vm(self) -> bool:
@@ -124,7 +133,9 @@ def load_inputs(path: Path) -> UserDataInputs:
 
 def agent_toml(inputs: UserDataInputs) -> str:
     """The site part of agent.toml; checked by the agent's own config parser before it is shipped."""
-    values = {"nats_url": inputs.nats_url, "token_file": str(TOKEN_PATH)}
+    values: dict = {"nats_url": inputs.nats_url, "token_file": str(TOKEN_PATH)}
+    if inputs.insecure:
+        values["insecure"] = True
     try:
         parse_config(values, source="rendered agent.toml")
     except ConfigError as exc:

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def _env() -> dict[str, str]:
 
 def _config(tmp_path: Path, nats_url: str, **overrides) -> Path:
     config = {"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_url,
-              "token_file": str(tmp_path / "token"), "connect_timeout_s": 2.0, "uevent_watch": False,
+              "token_file": str(tmp_path / "token"), "connect_timeout_s": 2.0, "uevent_watch": False, "insecure": True,
               "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, **overrides}
     path = tmp_path / "agent.json"
     path.write_text(json.dumps(config))
@@ -224,6 +225,74 @@ def test_enroll_against_a_server_refusing_credentials_exits_3_in_one_line(tmp_pa
     line = _assert_one_clear_line(done, "nats_auth_refused")
     assert "Authorization Violation" in line
     assert took < unit_start_timeout_s()
+
+
+def _connections_ever(server: NatsServer) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/varz", timeout=5) as resp:
+        return json.load(resp)["total_connections"]
+
+
+def test_enroll_over_loopback_plaintext_without_insecure_is_refused_before_dialling(tmp_path, nats_server):
+    config = _config(tmp_path, nats_server.url, insecure=False)
+    (tmp_path / "token").write_text(secrets.token_urlsafe(32))
+    before = _connections_ever(nats_server)  # the fixture's readiness probe counts as one
+    done = subprocess.run([str(AGENT), "enroll", "--config", str(config)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    line = _assert_one_clear_line(done, "plaintext_refused")
+    assert nats_server.url in line and "insecure = true" in line
+    assert _connections_ever(nats_server) == before  # nothing was dialled, so no token could be sent
+    assert (tmp_path / "token").exists() and not record_path(tmp_path / "state").exists()
+
+
+def test_run_over_loopback_plaintext_without_insecure_exits_3_and_never_connects(tmp_path, nats_server):
+    _enrolled_record(tmp_path, nats_server.url)
+    config = _config(tmp_path, nats_server.url, insecure=False)
+    before = _connections_ever(nats_server)
+    done = subprocess.run([str(AGENT), "run", "--config", str(config)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+    assert "plaintext_refused" in done.stderr and "insecure = true" in done.stderr and "Traceback" not in done.stderr
+    assert _connections_ever(nats_server) == before  # no consumer, no pull: no task could have run
+
+
+def _creds_file(tmp_path: Path, *, mode: int, expired: bool = False) -> Path:
+    from tests.natsauth.natsjwt import Operator
+
+    times = {"issued_at": time.time() - 7200, "expires_at": time.time() - 60} if expired else {}
+    text, _ = Operator().user(NODE, **times)
+    creds = tmp_path / "node.creds"
+    creds.write_text(text)
+    creds.chmod(mode)
+    return creds
+
+
+def test_run_with_a_creds_file_readable_by_others_exits_3_naming_it_and_never_connects(tmp_path, nats_server):
+    """Bad input of the control channel, end to end: the daemon refuses before it dials, so no task can run."""
+    creds = _creds_file(tmp_path, mode=0o644)
+    _enrolled_record(tmp_path, nats_server.url)
+    config = _config(tmp_path, nats_server.url, nats_creds_file=str(creds))
+    before = _connections_ever(nats_server)
+    done = subprocess.run([str(AGENT), "run", "--config", str(config)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+    assert "creds_insecure" in done.stderr and str(creds) in done.stderr and "0644" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert _connections_ever(nats_server) == before
+
+
+def test_run_with_expired_creds_never_connects_and_retries_for_a_rotated_file(tmp_path, nats_server, runs):
+    creds = _creds_file(tmp_path, mode=0o600, expired=True)
+    _enrolled_record(tmp_path, nats_server.url)
+    config = _config(tmp_path, nats_server.url, nats_creds_file=str(creds),
+                     reconnect_backoff_initial_s=0.1, reconnect_backoff_max_s=0.5)
+    before = _connections_ever(nats_server)
+    run = AgentRun(config, tmp_path / "agent.log")
+    runs.append(run)
+    attempts = run.wait_event("nats_connect_failed", count=2)
+    assert all(a["code"] == "creds_expired" and "expired at" in a["message"] for a in attempts)
+    assert _connections_ever(nats_server) == before  # refused before dialling, every attempt
+    rc, took = run.sigterm_and_time()
+    assert rc == 0 and took < SIGTERM_BOUND_S, (rc, took)
 
 
 # -- run: backoff while down, SIGTERM always honoured, connects when NATS appears ------

@@ -191,7 +191,7 @@ def test_enroll_command_enrolls_from_host_identity(nats_server, tmp_path):
     config = tmp_path / "agent.json"
     token = tmp_path / "token"
     config.write_text(json.dumps({"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE),
-                                  "nats_url": nats_server.url, "token_file": str(token)}))
+                                  "nats_url": nats_server.url, "token_file": str(token), "insecure": True}))
 
     async def body():
         plane = await ControlPlane.connect(nats_server.url)
@@ -362,7 +362,7 @@ def test_enroll_without_a_token_says_why_through_status(short_dir, tmp_path):
     """ExecStartPre=gpuaas-agent enroll: a missing token must reach `systemctl status`, not only the journal."""
     config = tmp_path / "agent.json"
     config.write_text(json.dumps({"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE),
-                                  "nats_url": "nats://127.0.0.1:1", "token_file": str(tmp_path / "absent")}))
+                                  "nats_url": "nats://127.0.0.1:1", "token_file": str(tmp_path / "absent"), "insecure": True}))
     listener = NotifyListener(short_dir / "notify")
     try:
         done = subprocess.run([sys.executable, "-m", "gpuaas_agent", "enroll", "--config", str(config)],

@@ -8,6 +8,7 @@ import stat
 import pytest
 
 from gpuaas_agent.control.enroll import EnrollError, EnrollIdentity, enroll, load_enrollment, record_path
+from gpuaas_agent.control.transport import TransportSecurity
 from tests.controlplane import ControlPlane
 
 IDENTITY = EnrollIdentity(machine_id="0123456789abcdef0123456789abcdef", hostname="slice-host-01",
@@ -32,7 +33,7 @@ def test_enroll_stores_credentials_0600_and_removes_token(nats_server, tmp_path)
 
     async def body(plane):
         token_file.write_text(plane.issue_token() + "\n")
-        return await enroll(nats_server.url, token_file, state, IDENTITY, timeout=5)
+        return await enroll(nats_server.url, token_file, state, IDENTITY, timeout=5, security=TransportSecurity(insecure=True))
 
     record = _run(_with_plane(nats_server.url, body))
     path = record_path(state)
@@ -50,7 +51,7 @@ def test_wrong_token_is_refused_and_token_file_kept(nats_server, tmp_path):
 
     async def body(plane):
         plane.issue_token()
-        return await enroll(nats_server.url, token_file, state, IDENTITY, timeout=5)
+        return await enroll(nats_server.url, token_file, state, IDENTITY, timeout=5, security=TransportSecurity(insecure=True))
 
     with pytest.raises(EnrollError) as err:
         _run(_with_plane(nats_server.url, body))
@@ -65,9 +66,9 @@ def test_reused_token_is_refused(nats_server, tmp_path):
         token = plane.issue_token()
         first_token.write_text(token)
         second_token.write_text(token)
-        await enroll(nats_server.url, first_token, tmp_path / "state-a", IDENTITY, timeout=5)
+        await enroll(nats_server.url, first_token, tmp_path / "state-a", IDENTITY, timeout=5, security=TransportSecurity(insecure=True))
         other = IDENTITY.model_copy(update={"machine_id": "f" * 32, "hostname": "slice-host-02"})
-        return await enroll(nats_server.url, second_token, tmp_path / "state-b", other, timeout=5)
+        return await enroll(nats_server.url, second_token, tmp_path / "state-b", other, timeout=5, security=TransportSecurity(insecure=True))
 
     with pytest.raises(EnrollError) as err:
         _run(_with_plane(nats_server.url, body))
@@ -80,7 +81,7 @@ def test_expired_token_is_refused(nats_server, tmp_path):
 
     async def body(plane):
         token_file.write_text(plane.issue_token(ttl_s=-1))
-        return await enroll(nats_server.url, token_file, tmp_path / "state", IDENTITY, timeout=5)
+        return await enroll(nats_server.url, token_file, tmp_path / "state", IDENTITY, timeout=5, security=TransportSecurity(insecure=True))
 
     with pytest.raises(EnrollError) as err:
         _run(_with_plane(nats_server.url, body))
@@ -92,9 +93,9 @@ def test_already_enrolled_sends_no_request(nats_server, tmp_path):
 
     async def body(plane):
         token_file.write_text(plane.issue_token())
-        first = await enroll(nats_server.url, token_file, state, IDENTITY, timeout=5)
+        first = await enroll(nats_server.url, token_file, state, IDENTITY, timeout=5, security=TransportSecurity(insecure=True))
         token_file.write_text(plane.issue_token())
-        again = await enroll(nats_server.url, token_file, state, IDENTITY, timeout=5)
+        again = await enroll(nats_server.url, token_file, state, IDENTITY, timeout=5, security=TransportSecurity(insecure=True))
         return first, again, len(plane.enroll_requests)
 
     first, again, requests = _run(_with_plane(nats_server.url, body))

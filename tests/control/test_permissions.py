@@ -24,6 +24,7 @@ from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.connection import connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
 from gpuaas_agent.control.permissions import consumer_name, nats_server_user
+from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.state.store import StateStore
 from tests.controlplane import TASK_STREAM, ControlPlane
@@ -100,7 +101,8 @@ class Attacker:
 def test_a_node_with_exactly_its_permissions_runs_its_own_tasks(lab, tmp_path):
     async def body():
         plane = await ControlPlane.connect(lab.url("plane"))
-        nc = await connect_nats([lab.url(A)], timeout_s=5.0, name="node-a", inbox_prefix=node_inbox_prefix(A))
+        nc = await connect_nats([lab.url(A)], timeout_s=5.0, name="node-a", inbox_prefix=node_inbox_prefix(A),
+                                security=TransportSecurity(insecure=True))
         store = StateStore.open(tmp_path / "state.db")
 
         async def handler(payload, ctx):

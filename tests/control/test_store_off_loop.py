@@ -242,7 +242,7 @@ def test_task_handlers_waiting_for_the_state_write_lock_leave_the_event_loop_run
         record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
                                   credentials=NatsCredentials(user=NODE, password="unused-by-test-server",
                                                               servers=[nats_server.url]))
-        nc = await connect(AgentConfig(state_dir=tmp_path / "state"), record, asyncio.Event())
+        nc = await connect(AgentConfig(state_dir=tmp_path / "state", insecure=True), record, asyncio.Event())
         state = StoreThread.open(db)  # as the daemon opens it: a writer thread and a reader thread
         worker = TaskWorker(nc, state, NODE, {TaskType.vm_provision: prov, TaskType.plan: plan},
                             WorkerSettings(keepalive_interval_s=0.5, ack_wait_s=30.0, fetch_timeout_s=0.25))

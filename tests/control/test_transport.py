@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import shutil
 import time
 import urllib.request
@@ -204,12 +205,39 @@ async def test_a_file_that_is_not_creds_is_refused(lab):
     assert err.code == "creds_invalid"
 
 
+def _connz(server: NatsServer) -> list[dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/connz", timeout=5) as resp:
+        return json.load(resp).get("connections") or []
+
+
+@pytest.mark.parametrize("url", ["nats://192.0.2.1:4222", "loopback"])
 @sync
-async def test_plaintext_to_a_remote_server_is_refused_unless_insecure():
+async def test_plaintext_is_refused_without_insecure_loopback_included_and_names_url_and_setting(nats_server, url):
+    url = nats_server.url if url == "loopback" else url
     with pytest.raises(NatsConnectError) as caught:
-        await connect_nats(["nats://192.0.2.1:4222"], timeout_s=1.0, name="t", security=TransportSecurity())
-    assert caught.value.code == "plaintext_refused"
-    assert "insecure = true" in caught.value.message
+        await connect_nats([url], timeout_s=5.0, name="t", security=TransportSecurity())
+    err = caught.value
+    assert err.code == "plaintext_refused"
+    assert url in err.message and "insecure = true" in err.message
+    assert err.evidence["server"] == url and err.evidence["setting"] == "insecure"
+    assert _connz(nats_server) == []  # refused before dialling: the server never saw us
+
+
+@sync
+async def test_plaintext_with_insecure_connects_and_warns(nats_server, caplog):
+    caplog.set_level(logging.WARNING, logger="gpuaas_agent.control.connection")
+    nc = await connect_nats([nats_server.url], timeout_s=5.0, name="lab-node", security=TransportSecurity(insecure=True))
+    try:
+        assert nc.is_connected and nc.connected_url.scheme == "nats"
+        assert len(_connz(nats_server)) == 1
+    finally:
+        await nc.close()
+    [warning] = [json.loads(r.getMessage()) for r in caplog.records if "nats_plaintext" in r.getMessage()]
+    assert warning["server"] == nats_server.url and "insecure = true" in warning["message"]
+
+
+@sync
+async def test_plaintext_to_a_remote_server_with_insecure_is_dialled():
     with pytest.raises(NatsConnectError) as caught:  # allowed, so it is dialled (and nobody answers)
         await connect_nats(["nats://192.0.2.1:4222"], timeout_s=1.0, name="t", security=TransportSecurity(insecure=True))
     assert caught.value.code == "nats_unreachable"

@@ -23,6 +23,7 @@ import pytest
 from gpuaas_agent.config import load_config
 from gpuaas_agent.contract.drift import DriftKind, DriftReport, DriftSeverity, DriftTrigger
 from gpuaas_agent.control.enroll import EnrollIdentity, enroll
+from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.uevent_watch import DriftWatcher, drift_subject
 from gpuaas_agent.daemon import run_agent
 from gpuaas_agent.discovery.drift import topology_drift
@@ -252,10 +253,10 @@ def test_daemon_publishes_drift_from_kernel_events(host_copy, nats_server, tmp_p
         token = tmp_path / "token"
         token.write_text(plane.issue_token())
         identity = EnrollIdentity(machine_id="1221a371a78ea21b24acbc2cf895b074", hostname="j22u05", agent_version="0.1.0")
-        record = await enroll(nats_server.url, token, tmp_path / "state", identity, timeout=5)
+        record = await enroll(nats_server.url, token, tmp_path / "state", identity, timeout=5, security=TransportSecurity(insecure=True))
         config_path = tmp_path / "agent.json"
         config_path.write_text(json.dumps({
-            "state_dir": str(tmp_path / "state"), "host_root": str(root), "nats_url": nats_server.url,
+            "state_dir": str(tmp_path / "state"), "host_root": str(root), "nats_url": nats_server.url, "insecure": True,
             "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, "shutdown_grace_s": 5,
             "uevent_debounce_s": DEBOUNCE_S,
         }))

@@ -379,7 +379,7 @@ def _run_user_data(box: Chroot, nats_url: str, make_inputs) -> Bootstrap:
 
 def _inputs(url: str, deb_bytes: bytes, token: str, nats_url: str, **changes) -> UserDataInputs:
     return UserDataInputs(package_url=url, package_sha256=hashlib.sha256(deb_bytes).hexdigest(),
-                          bootstrap_token=token, nats_url=nats_url, **changes)
+                          bootstrap_token=token, nats_url=nats_url, **{"insecure": True, **changes})  # lab: plaintext
 
 
 def test_user_data_as_cloud_init_runs_it_installs_prepares_and_enrolls_in_the_clean_root(installed, debs, package_server,

@@ -72,7 +72,7 @@ def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(cl
         port = int(port_line.split(" port ")[1].split()[0])
         inputs = UserDataInputs(package_url=f"http://127.0.0.1:{port}/{deb.name}",
                                 package_sha256=hashlib.sha256(deb.read_bytes()).hexdigest(),
-                                bootstrap_token=lab.cp.issue_token(), nats_url=lab.nats_url,
+                                bootstrap_token=lab.cp.issue_token(), nats_url=lab.nats_url, insecure=True,
                                 maas_tags=["gpuaas-profile-slice-vm"])
         doc = yaml.safe_load(render_userdata(inputs))
         for entry in doc["write_files"]:

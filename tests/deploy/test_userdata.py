@@ -89,6 +89,14 @@ def test_order_token_config_install_baseline_enroll_enable_on_slice_hosts():
     assert parse_config(tomllib.loads(config["content"])).nats_url == json.loads(EXAMPLE_INPUTS.read_text())["nats_url"]
 
 
+def test_a_lab_plaintext_url_with_insecure_writes_insecure_into_the_agent_config():
+    doc = yaml.safe_load(render_userdata(_inputs(nats_url="nats://127.0.0.1:4222", insecure=True)))
+    config = parse_config(tomllib.loads(next(f for f in doc["write_files"] if f["path"].endswith("agent.toml"))["content"]))
+    assert config.insecure and config.nats_url == "nats://127.0.0.1:4222"
+    assert not parse_config(tomllib.loads(next(f for f in yaml.safe_load(render_userdata(_inputs()))["write_files"]
+                                               if f["path"].endswith("agent.toml"))["content"])).insecure
+
+
 def test_baremetal_profile_gets_no_network_baseline():
     """Seed 004: j22u05, tagged gpuaas-profile-baremetal, correctly lacked slice services."""
     doc = yaml.safe_load(render_userdata(_inputs(maas_tags=["gpuaas-profile-baremetal"], baseline_args=["--tmfifo"])))
@@ -109,6 +117,7 @@ def test_yaml_special_characters_in_the_token_stay_data():
     ({"nats_urll": "nats://x:4222"}, "unknown key 'nats_urll'"),
     ({"package_sha256": "abc"}, "package_sha256"),
     ({"nats_url": "http://x"}, "nats_url"),
+    ({"nats_url": "nats://10.177.36.10:4222"}, "insecure: true"),  # plaintext is a lab, said so explicitly
     ({"maas_tags": "gpuaas-profile-slice-vm"}, "maas_tags"),
 ])
 def test_bad_inputs_are_refused_naming_the_key(tmp_path, change, named):

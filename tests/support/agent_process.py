@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpuaas_agent.control.enroll import EnrollIdentity, enroll
+from gpuaas_agent.control.transport import TransportSecurity
 from tests.conftest import REPO, fixture_host
 from tests.controlplane import ControlPlane
 
@@ -104,9 +105,10 @@ async def enrolled_setup(nats_server, tmp_path, **overrides):
     await plane.serve_enrollment()
     token = tmp_path / "token"
     token.write_text(plane.issue_token())
-    record = await enroll(nats_server.url, token, tmp_path / "state", IDENTITY, timeout=5)
+    record = await enroll(nats_server.url, token, tmp_path / "state", IDENTITY, timeout=5,
+                          security=TransportSecurity(insecure=True))
     config = {
-        "state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_server.url,
+        "state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_server.url, "insecure": True,
         "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, "shutdown_grace_s": 30,
         "health_interval_s": 0.5, "metrics_listen": "", "slice": {"libvirt_uri": "test:///default"},
         **overrides,

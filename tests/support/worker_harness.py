@@ -38,7 +38,7 @@ class Harness:
                                   credentials=NatsCredentials(user=NODE, password="unused-by-test-server",
                                                               servers=[self.server.url]))
         self._record = record
-        self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state"), record, asyncio.Event())
+        self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state", insecure=True), record, asyncio.Event())
         self.store = StateStore.open(self.tmp_path / "state" / "state.db")
         self.worker = TaskWorker(self.nc, self.store, NODE, self.handlers, self.settings)
         self.run_task = asyncio.create_task(self.worker.run())
@@ -50,7 +50,7 @@ class Harness:
         requests) and a new one starts on the same state, as a package upgrade or a restart does."""
         await asyncio.wait_for(self.run_task, 10)
         await asyncio.wait_for(self.nc.close(), 5)
-        self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state"), self._record, asyncio.Event())
+        self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state", insecure=True), self._record, asyncio.Event())
         self.worker = TaskWorker(self.nc, self.store, NODE, self.handlers, self.settings)
         self.run_task = asyncio.create_task(self.worker.run())
         await asyncio.wait_for(self.worker.ready.wait(), 10)
