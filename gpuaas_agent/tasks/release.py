@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gpuaas_agent.contract.domain import ShutdownOutcome, UndefineOutcome
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
@@ -160,7 +161,7 @@ async def find(run: ReleaseRun) -> Found:
     return found
 
 
-async def shutdown(run: ReleaseRun, found: Found):
+async def shutdown(run: ReleaseRun, found: Found) -> ShutdownOutcome | Skipped:
     """Graceful power-off up to the payload's deadline, then destroy; only the domain ``find`` proved ours."""
     # A browser terminal into the slice ends now, audited as allocation_inactive, not when the guest dies.
     closed = await run.sh.close_slot_terminals(run.alloc, run.slot.slot_index)
@@ -172,24 +173,62 @@ async def shutdown(run: ReleaseRun, found: Found):
     return await run.sh.libvirt.shutdown(run.name, deadline_s=run.payload.graceful_timeout_s)
 
 
-async def undefine(run: ReleaseRun, found: Found):
+async def undefine(run: ReleaseRun, found: Found) -> UndefineOutcome | Skipped:
     """Undefine with its NVRAM: the domain no longer names the disk, so the wipe's guard lets it go."""
     if found.domain is None:
         return Skipped("no domain")
     return await run.sh.libvirt.undefine(run.name)
 
 
-async def ovs_unplug(run: ReleaseRun) -> dict:
+@dataclass(frozen=True)
+class Unplugged:
+    """The allocation's port gone from the bridge, with its isolation teardown (flows by cookie, nft element)."""
+
+    port: str
+    removed: Any  # what ovs.remove_vm_port reports (the port row removed, or nothing there)
+    isolation: dict[str, Any]
+
+    def journal(self) -> dict[str, Any]:
+        return {"port": self.port, "removed": self.removed, **self.isolation}
+
+
+@dataclass(frozen=True)
+class Unreserved:
+    """The slot's dnsmasq reservations removed; ``dnsmasq_pid``: the process signalled (None: file unchanged)."""
+
+    removed: list[dict[str, Any]]
+    dnsmasq_pid: int | None
+
+    def journal(self) -> dict[str, Any]:
+        return {"removed": self.removed, "dnsmasq_pid": self.dnsmasq_pid}
+
+
+@dataclass(frozen=True)
+class SeedRemoved:
+    """Whether the slot's cloud-init seed image was there to remove."""
+
+    removed: bool
+
+    def journal(self) -> dict[str, Any]:
+        return {"removed": self.removed}
+
+
+async def ovs_unplug(run: ReleaseRun) -> Unplugged:
     """The allocation's port on the slot's bridge, its isolation flows and guard element (if there)."""
-    return await run.sh.unplug(run.slot.ovs_bridge, run.port, run.alloc)
+    done = await run.sh.unplug(run.slot.ovs_bridge, run.port, run.alloc)
+    return Unplugged(port=done["port"], removed=done["removed"],
+                     isolation={k: v for k, v in done.items() if k not in ("port", "removed")})
 
 
-async def reservation_remove(run: ReleaseRun) -> dict:
-    return await run.sh.unreserve(run.alloc, run.slot.slot_index)
+async def reservation_remove(run: ReleaseRun) -> Unreserved:
+    """The slot's reservation of this allocation (another allocation's entry is never matched)."""
+    done = await run.sh.unreserve(run.alloc, run.slot.slot_index)
+    return Unreserved(removed=done["removed"], dnsmasq_pid=done["dnsmasq_pid"])
 
 
-async def seed_remove(run: ReleaseRun) -> dict:
-    return run.sh.remove_seed(run.alloc, run.slot.slot_index)
+async def seed_remove(run: ReleaseRun) -> SeedRemoved:
+    """The slot's seed ISO of this allocation (it holds the tenant's user-data)."""
+    return SeedRemoved(removed=run.sh.remove_seed(run.alloc, run.slot.slot_index)["removed"])
 
 
 async def held_disk(run: ReleaseRun) -> DiskLease:
@@ -247,14 +286,24 @@ async def wipe(run: ReleaseRun, found: Found) -> Wiped:
     return Wiped(proof)
 
 
-async def lease_release(run: ReleaseRun) -> dict:
+@dataclass(frozen=True)
+class LeaseReleased:
+    """The slot indexes whose lease this release gave back (at most this slot)."""
+
+    released: list[int]
+
+    def journal(self) -> dict[str, Any]:
+        return {"released": self.released}
+
+
+async def lease_release(run: ReleaseRun) -> LeaseReleased | Skipped:
     """Only after a verified wipe (the step before raised otherwise); only this slot's lease."""
     if not run.owns_disk:
-        return {"skipped": "no lease"}
+        return Skipped("no lease")
     # Only this slot: the allocation's other slots keep their leases until their own disks are wiped.
     released = await run.store.release_slot_lease(run.alloc, run.slot.slot_index)
     await run.store.clear_slot_state(run.slot.slot_index)
-    return {"released": [released.slot_index] if released else []}
+    return LeaseReleased([released.slot_index] if released else [])
 
 
 _TEARDOWN = "a teardown step that looks first: running the release again finishes it"
