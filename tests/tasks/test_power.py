@@ -43,6 +43,7 @@ from lab.loophost import materialize
 from tests.conftest import HOSTS
 from tests.ovsdb_fixture import OvsSwitch, root_netns_lock
 from tests.realdev import require_root
+from tests.support.provision_inputs import TaskCtx
 
 URI = "test:///default"
 MiB = 1 << 20
@@ -51,16 +52,13 @@ FIRMWARE = OvmfFirmware(code_path="/usr/share/OVMF/OVMF_CODE_4M.fd",
 
 
 @dataclass
-class Ctx:
-    store: StateStore
-    envelope: TaskEnvelope
-    node_id: str = "node-1"
-    resumed_steps: list = field(default_factory=list)
-    slot_outcomes: list = field(default_factory=list)
+class Ctx(TaskCtx):
+    """The shared task context, keeping the (step, status) progress events the power handler reports."""
+
     events: list = field(default_factory=list)
 
-    async def progress(self, step, status, *, percent=None, detail=None):
-        self.events.append((step, status))
+    def __post_init__(self) -> None:
+        self.on_progress = lambda step, status, percent: self.events.append((step, status))
 
 
 @pytest.fixture(autouse=True)
