@@ -21,6 +21,10 @@ and each member's ``/healthz?js-enabled-only=true`` and ``/healthz``; the restar
 loops and other threads, the control plane; ``--profile PATH`` cProfiles the first simulated
 process's event loop during the burst only.
 
+``--node-impl wire`` keeps the server traffic of a claim (the worker's own consumer, a 30 s pull, the
+delivery, a PubAck'd result, an ack) and drops the agent's Python around it (journal, store thread,
+heartbeats): the server's capacity, apart from thousands of simulated agents sharing its cores.
+
 Layouts (``--layout``): ``shared`` — one work-queue stream ``gpuaas.node.*.task.>`` for
 every node; ``partitioned`` — streams of ``--per-stream`` nodes each
 (``ControlPlane.create_task_partitions``). Prints one JSON line per N and a table; never
@@ -50,6 +54,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +63,8 @@ sys.path.insert(0, str(REPO))
 import nats.errors
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
-from gpuaas_agent.contract.tasks import TaskType
+from gpuaas_agent.compat import UTC
+from gpuaas_agent.contract.tasks import ResultStatus, TaskResult, TaskType
 from gpuaas_agent.control.connection import Backoff, connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
 from gpuaas_agent.control.transport import TransportSecurity
@@ -287,6 +293,33 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
         events.put(("claim", ctx.envelope.task_id, time.time()))
         return {}
 
+    async def wire_pull_loop(nc, worker: TaskWorker, psub) -> None:
+        """``--node-impl wire``: the server-side traffic of a claim, without the agent's Python around it.
+
+        The consumer is the worker's own (``TaskWorker._bind``); per task: one pull request, the
+        delivery, a result published with its PubAck awaited, an ack. "Claim" is the delivery.
+        """
+        expiry = args["pull_expiry"]
+        request = json.dumps({"batch": 1, "expires": int(expiry * 1e9)}).encode()
+        result_subject = f"gpuaas.node.{worker.node_id}.result"
+        while True:
+            await nc.publish(psub._nms, request, reply=psub._deliver)
+            try:
+                msg = await psub._sub.next_msg(timeout=expiry + 5)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except nats.errors.ConnectionClosedError:
+                return  # the bench is closing the connections
+            if msg.headers and msg.headers.get("Status"):
+                continue  # 404/408: the pull ended empty; pull again
+            task_id = json.loads(msg.data)["task_id"]
+            events.put(("claim", task_id, time.time()))
+            result = TaskResult(task_id=task_id, node_id=worker.node_id, type=TASK.value, attempt=1,
+                                status=ResultStatus.succeeded, finished_at=datetime.now(UTC))
+            await worker.js.publish(result_subject, result.model_dump_json().encode(), stream=RESULT_STREAM,
+                                    headers={"Nats-Msg-Id": f"{task_id}-1"})
+            await msg.ack()
+
     async def node(node_id: str) -> None:
         async with gate:
             started = time.time()
@@ -305,17 +338,24 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
                                                  request_timeout_s=30), store, HealthSettings(host_root=Path("/")),
                                 None, lambda **_: True)
             reporter.attach(nc, worker)
-            run = asyncio.create_task(worker.run())
-            await worker.ready.wait()
+            if args["node_impl"] == "wire":
+                run = asyncio.create_task(wire_pull_loop(nc, worker, await worker._bind()))
+                worker.ready.set()
+            else:
+                run = asyncio.create_task(worker.run())
+                await worker.ready.wait()
             events.put(("ready", node_id, time.time() - started))
         await asyncio.sleep(random.uniform(0, args["heartbeat"]))  # spread the heartbeat phase
-        running.append((nc, worker, run, asyncio.create_task(reporter.loop())))
+        running.append((nc, worker, run, asyncio.create_task(reporter.loop()) if args["node_impl"] == "agent" else None))
 
     await asyncio.gather(*(node(n) for n in nodes))
     await asyncio.get_running_loop().run_in_executor(None, stop.wait)
     for nc, worker, run, beat in running:
-        beat.cancel()
+        if beat is not None:
+            beat.cancel()
         worker.stop()
+        if args["node_impl"] == "wire":
+            run.cancel()
     await asyncio.gather(*(w.drain(1) for _, w, _, _ in running), return_exceptions=True)
     await asyncio.gather(*(nc.close() for nc, _, _, _ in running), return_exceptions=True)
     store.close()
@@ -420,7 +460,7 @@ async def run_one(n: int, args, root: Path) -> dict:
     server.start()
     nodes = [f"node-f{i:05d}" for i in range(n)]
     plane = await ControlPlane.connect(server.urls)
-    out: dict = {"nodes": n, "servers": args.servers, "layout": args.layout, "stream_replicas": args.replicas,
+    out: dict = {"nodes": n, "node_impl": args.node_impl, "servers": args.servers, "layout": args.layout, "stream_replicas": args.replicas,
                  "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs}
     t = time.time()
     if args.layout == "partitioned":
@@ -436,7 +476,7 @@ async def run_one(n: int, args, root: Path) -> dict:
 
     q, stop = mp.Queue(), mp.Event()
     events = Events(q)
-    child_args = {"consumer_memory": args.consumer_memory, "pull_expiry": args.pull_expiry, "heartbeat": args.heartbeat, "backoff_max": args.backoff_max,
+    child_args = {"node_impl": args.node_impl, "consumer_memory": args.consumer_memory, "pull_expiry": args.pull_expiry, "heartbeat": args.heartbeat, "backoff_max": args.backoff_max,
                   "connect_concurrency": args.connect_concurrency}
     child_cpu = ChildCpu()
     procs = []
@@ -606,6 +646,10 @@ def main() -> int:
     ap.add_argument("--servers", type=int, default=1, help="1: one server; 3: a JetStream cluster on loopback")
     ap.add_argument("--replicas", type=int, default=1, help="task and result stream replicas (3 in a cluster)")
     ap.add_argument("--restart-one", action="store_true", help="restart one cluster member instead of all")
+    ap.add_argument("--node-impl", choices=("agent", "wire"), default="agent",
+                    help="agent: the agent's TaskWorker + Reporter; wire: the server traffic of a claim only "
+                         "(the worker's consumer, pull, PubAck'd result, ack), to measure the server apart "
+                         "from the simulated agents' Python on the same cores")
     ap.add_argument("--profile", default=None, help="cProfile the first simulated-node process into this path")
     ap.add_argument("--root", default="/dev/shm")
     args = ap.parse_args()
