@@ -11,7 +11,8 @@ uses (``gpuaas_agent.contract``), so a test exercises the wire, not a mock:
   (``GPUAAS_TASKS_<k>``, one ``gpuaas.node.<node>.task.>`` subject per member). The
   agent finds its stream by subject, so nothing changes on the node.
 * :meth:`ControlPlane.serve_enrollment` answers ``gpuaas.enroll``: one-time tokens
-  from :meth:`issue_token`, refusals with the contract's codes.
+  from :meth:`issue_token`, refusals with the contract's codes, credentials sealed to the
+  request's ``reply_public_key`` (``gpuaas_agent/control/sealed.py``), never in clear.
 * :meth:`enqueue` / :meth:`enqueue_raw` put tasks on the queue; :meth:`wait_result`
   waits (with a deadline) for a result seen live; :meth:`stored_results` reads
   what the result stream persisted.
@@ -36,6 +37,7 @@ from pydantic import ValidationError
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
 from gpuaas_agent.contract.tasks import Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
+from gpuaas_agent.control.sealed import seal_credentials
 
 TASK_STREAM = "GPUAAS_TASKS"
 RESULT_STREAM = "GPUAAS_RESULTS"
@@ -69,6 +71,7 @@ class ControlPlane:
         self.url = url
         self.tokens: dict[str, IssuedToken] = {}
         self.enroll_requests: list[EnrollRequest] = []
+        self.issued_credentials: dict[str, NatsCredentials] = {}  # node id -> what was sealed to it
         self.seen = _Seen()
         self._clock = clock
         self._subs: list = []
@@ -145,9 +148,14 @@ class ControlPlane:
         if self._clock() >= issued.expires_at:
             return EnrollReply(accepted=False, error="token_expired", message="bootstrap token expired")
         node_id = "node-" + hashlib.sha256(request.machine_id.encode()).hexdigest()[:12]
-        issued.node_id, issued.machine_id = node_id, request.machine_id
         credentials = NatsCredentials(user=node_id, password=secrets.token_urlsafe(24), servers=[self.url])
-        return EnrollReply(accepted=True, node_id=node_id, credentials=credentials)
+        try:
+            sealed = seal_credentials(credentials, request, node_id)
+        except ValueError:  # a low-order reply_public_key: nothing can be sealed to it; the token stays unused
+            return EnrollReply(accepted=False, error="token_invalid", message="reply_public_key is not usable")
+        issued.node_id, issued.machine_id = node_id, request.machine_id
+        self.issued_credentials[node_id] = credentials
+        return EnrollReply(accepted=True, node_id=node_id, sealed_credentials=sealed)
 
     async def _on_enroll(self, msg: Msg) -> None:
         await msg.respond(self._answer(msg.data).model_dump_json().encode())

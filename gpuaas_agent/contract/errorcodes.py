@@ -116,6 +116,8 @@ class ErrorCode(StrEnum):
     ENROLL_FAILED = "enroll_failed", "control", "Enrollment failed; read the evidence and retry enrollment."
     ENROLL_REFUSED = "enroll_refused", "control", "The control plane refused enrollment without a specific reason; check the control plane's log."
     ENROLL_UNREACHABLE = "enroll_unreachable", "control", "The enrollment request did not reach the control plane; check the NATS URL and network."
+    ENROLL_REPLY_UNSEALED = "enroll_reply_unsealed", "control", "The control plane answered enrollment with the credentials in clear (readable on the inbox); nothing was stored: upgrade it to seal replies and revoke what it sent."
+    ENROLL_REPLY_TAMPERED = "enroll_reply_tampered", "control", "The enrollment reply's sealed credentials do not open for this request (another key or request, or altered); nothing was stored, the token was kept: retry, and check who answers enrollment requests."
     ENROLLMENT_RECORD_INVALID = "enrollment_record_invalid", "control", "The stored enrollment record is corrupt or does not match the contract; re-enroll the host."
     INVALID_IDENTITY = "invalid_identity", "control", "Host identity or bootstrap token does not match the contract; fix /etc/machine-id, hostname or token."
     TOKEN_MISSING = "token_missing", "control", "The bootstrap token file is missing or empty; place a token from the control plane."

@@ -9,6 +9,10 @@ be refused as ``token_reused``.
 The exchange runs over the configured transport (TLS unless ``insecure``, see
 ``control/transport.py``), and the reply comes on an inbox no one can guess
 (``_INBOX.enroll.<128 random bits>.``), not on the account-wide default ``_INBOX.``.
+Whoever can read that inbox anyway (``_INBOX.>``) sees no secret: the request carries a fresh
+X25519 public key and the credentials come back only sealed to it (``control/sealed.py``). A
+reply that carries credentials in clear is refused (``enroll_reply_unsealed``), one whose seal
+does not open too (``enroll_reply_tampered``): nothing is written and the token stays.
 Credentials that arrive as a ``.creds`` (JWT + NKEY seed) are also written, 0600 and
 atomically, to ``<state_dir>/nats.creds``, the file nats.py reads on every connect.
 """
@@ -17,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 from datetime import datetime
 from pathlib import Path
 
 import nats.errors
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuaas_agent.atomicfile import write_atomic
@@ -32,6 +38,7 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.control.connection import connect_nats, safe_url
+from gpuaas_agent.control.sealed import SealError, new_reply_key, open_credentials, public_key_text
 from gpuaas_agent.control.transport import (
     TransportError,
     TransportSecurity,
@@ -131,6 +138,41 @@ def _read_token(token_file: Path) -> str:
     return token
 
 
+def _clear_credentials(data: bytes) -> bool:
+    """Whether the reply carries a clear-text ``credentials`` object (what a pre-seal control plane sends)."""
+    with contextlib.suppress(ValueError, RecursionError):  # junk is for the contract check below
+        doc = json.loads(data)
+        return isinstance(doc, dict) and doc.get("credentials") is not None
+    return False
+
+
+def _open_reply(data: bytes, reply_key: X25519PrivateKey, request: EnrollRequest, nats_url: str,
+                identity: EnrollIdentity) -> tuple[NatsCredentials, str]:
+    """``(credentials, node_id)`` of an accepted, sealed reply; EnrollError for anything else."""
+    where = {"nats_url": safe_url(nats_url), "hostname": identity.hostname}
+    if _clear_credentials(data):
+        # The secret was already readable on the inbox: refuse it, so a control plane that answers in
+        # clear is noticed at its first host, and the operator rotates what it exposed.
+        raise EnrollError("enrollment reply carries the credentials in clear (readable by anyone on the inbox); "
+                          "refused, nothing stored: upgrade the control plane to seal them, then revoke what it sent",
+                          code="enroll_reply_unsealed", evidence=where)
+    try:
+        reply = EnrollReply.model_validate_json(data)
+    except ValidationError as exc:
+        raise EnrollError("enrollment reply does not match the contract", code="invalid_message",
+                          evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
+    if not reply.accepted or reply.node_id is None:
+        code = reply.error or "enroll_refused"
+        raise EnrollError(reply.message or f"enrollment refused: {code}", code=code, evidence=where)
+    if reply.sealed_credentials is None:
+        raise EnrollError("enrollment reply accepted without sealed credentials; refused, nothing stored",
+                          code="enroll_reply_unsealed", evidence={**where, "node_id": reply.node_id})
+    try:
+        return open_credentials(reply.sealed_credentials, reply_key, request, reply.node_id), reply.node_id
+    except SealError as exc:
+        raise EnrollError(exc.message, code=exc.code, evidence={**where, **exc.evidence}) from None
+
+
 async def enroll(
     nats_url: str,
     token_file: str | Path,
@@ -153,8 +195,10 @@ async def enroll(
         return existing
 
     token_file = Path(token_file)
+    reply_key = new_reply_key()  # this attempt's only: the credentials come back sealed to it
     try:
-        request = EnrollRequest(bootstrap_token=_read_token(token_file), **identity.model_dump())
+        request = EnrollRequest(bootstrap_token=_read_token(token_file), reply_public_key=public_key_text(reply_key),
+                                **identity.model_dump())
     except ValidationError as exc:
         raise EnrollError("host identity or token does not match the contract", code="invalid_identity",
                           evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
@@ -176,24 +220,14 @@ async def enroll(
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await asyncio.wait_for(nc.close(), timeout)
 
-    try:
-        reply = EnrollReply.model_validate_json(msg.data)
-    except ValidationError as exc:
-        raise EnrollError("enrollment reply does not match the contract", code="invalid_message",
-                          evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
-    if not reply.accepted or reply.node_id is None or reply.credentials is None:
-        code = reply.error or "enroll_refused"
-        raise EnrollError(reply.message or f"enrollment refused: {code}", code=code,
-                          evidence={"nats_url": safe_url(nats_url), "hostname": identity.hostname})
-
-    record = EnrollmentRecord(node_id=reply.node_id, credentials=reply.credentials,
-                              enrolled_at=datetime.now(UTC))
+    credentials, node_id = _open_reply(msg.data, reply_key, request, nats_url, identity)
+    record = EnrollmentRecord(node_id=node_id, credentials=credentials, enrolled_at=datetime.now(UTC))
     # repr=False hides the password from logs only; the record on disk must carry it (hence 0600).
     path = record_path(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if reply.credentials.creds is not None:
+    if credentials.creds is not None:
         try:
-            store_creds(state_dir, reply.credentials.creds)
+            store_creds(state_dir, credentials.creds)
         except TransportError as exc:
             raise EnrollError(f"enrollment reply carries unusable credentials: {exc.message}", code=exc.code,
                               evidence=exc.evidence) from None

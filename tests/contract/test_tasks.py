@@ -50,7 +50,8 @@ def test_payload_with_a_kernel_disk_name_is_refused():
 
 
 def test_bootstrap_token_stays_out_of_repr_but_reaches_the_wire():
-    req = EnrollRequest(bootstrap_token="t" * 32, machine_id="1" * 32, hostname="j22u05", agent_version="0.1.0")
+    req = EnrollRequest(bootstrap_token="t" * 32, machine_id="1" * 32, hostname="j22u05", agent_version="0.1.0",
+                        reply_public_key="A" * 43)
     assert "tttt" not in repr(req)
     assert json.loads(req.model_dump_json())["bootstrap_token"] == "t" * 32
 

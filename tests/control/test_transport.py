@@ -43,6 +43,7 @@ from gpuaas_agent.control.enroll import (
 )
 from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS
 from gpuaas_agent.control.rotation import CredsRotator, rotation_subject
+from gpuaas_agent.control.sealed import seal_credentials
 from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
 from tests.control.conftest import NatsServer
 from tests.control.test_enroll import IDENTITY
@@ -318,15 +319,23 @@ async def test_enrollment_over_tls_stores_the_returned_creds_0600_and_hears_on_a
                                user_credentials=str(lab.creds_file("plane-enroll", lab.plane_creds)))
     node_creds, node_user = lab.operator.user("node-enrolled")
     replies_to: list[str] = []
+    on_inbox: list[bytes] = []  # what a full-access user subscribed to _INBOX.> reads
+    heard = asyncio.Event()
 
     async def answer(msg):
         replies_to.append(msg.reply)
         request = EnrollRequest.model_validate_json(msg.data)
         assert request.bootstrap_token == "bootstrap-token-0123456789"
+        credentials = NatsCredentials(creds=node_creds, servers=[lab.url])
         await msg.respond(EnrollReply(accepted=True, node_id="node-enrolled",
-                                      credentials=NatsCredentials(creds=node_creds, servers=[lab.url]))
+                                      sealed_credentials=seal_credentials(credentials, request, "node-enrolled"))
                           .model_dump_json().encode())
+
+    async def eavesdrop(msg):
+        on_inbox.append(msg.data)
+        heard.set()
     sub = await plane.subscribe(ENROLL_SUBJECT, cb=answer)
+    spy = await plane.subscribe("_INBOX.>", cb=eavesdrop)
     await plane.flush()
     token = tmp_path / "token"
     token.write_text("bootstrap-token-0123456789\n")
@@ -335,10 +344,16 @@ async def test_enrollment_over_tls_stores_the_returned_creds_0600_and_hears_on_a
         # The bootstrap login: TLS + client certificate + a bootstrap user allowed only to enroll.
         record = await enroll(lab.url, token, state, IDENTITY, timeout=DEADLINE_S, connect_timeout=5.0,
                               security=lab.security(creds_file=lab.creds_file("bootstrap", lab.bootstrap_creds)))
+        await asyncio.wait_for(heard.wait(), DEADLINE_S)
     finally:
         await sub.unsubscribe()
+        await spy.unsubscribe()
         await plane.close()
     assert record.node_id == "node-enrolled"
+    # The eavesdropper heard the reply, and neither the NKEY seed nor the JWT is in it.
+    seed = next(line for line in node_creds.splitlines() if line.startswith("SU")).encode()
+    jwt = next(line for line in node_creds.splitlines() if line.startswith("eyJ")).encode()
+    assert on_inbox and all(seed not in data and jwt not in data for data in on_inbox)
     [reply] = replies_to
     assert reply.startswith("_INBOX.enroll.") and len(reply.split(".")[2]) == 32
     path = creds_path(state)
