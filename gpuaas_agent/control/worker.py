@@ -48,7 +48,13 @@ stream is found by subject (``$JS.API.STREAM.NAMES``), so the control plane may 
 fleet over several task streams (README "Fleet layout"). A pull request waits
 ``fetch_timeout_s`` (30 s) on the server; liveness is the connection's PING and the
 heartbeat, not a 1 s poll. :meth:`kick` (called on every reconnect) and :meth:`stop` end
-the wait at once.
+the wait at once. The pull also asks the server for an idle heartbeat every
+``fetch_heartbeat_s`` (5 s): the consumer's server can be lost while ours is not (an R1
+consumer on a cluster member that died), and then no reconnect ends the pull. Two intervals
+without a heartbeat (``pull_heartbeat_missed``) check the consumer: gone → bind again; no
+answer for an R1 consumer (``consumer_leaderless``) → delete it and bind again, so that it is
+created on a member that is up (see :meth:`TaskWorker._check_served`). A 409 ending the pull
+(``pull_ended_by_server``: Server Shutdown, Consumer Deleted) is followed by a new pull, paced.
 
 A crash anywhere before the ack means redelivery; the stored result makes that
 redelivery a republish, never a second run. A crash before the result is stored
@@ -364,7 +370,7 @@ class TaskWorker:
             await self._pause(min(0.2 * 2 ** (self._silent_pulls - 2), 5.0))
 
     async def _check_served(self) -> None:
-        """Our pull was lost on the server (heartbeats stopped, 409 Server Shutdown): is the consumer served?
+        """Our pull was lost on the server (its heartbeats stopped, or a bind got no answer): is the consumer served?
 
         - answered: its server lost the pull (a restart, a leader change): pull again;
         - not found: bind again (the bind creates it);
@@ -380,8 +386,12 @@ class TaskWorker:
         consumer = self.settings.durable_name(self.node_id)
         self._checked_at = asyncio.get_running_loop().time()
         reconnects = self.nc.stats.get("reconnects")
+        # A probe: a served consumer answers at once; no answer within two heartbeats is the answer.
+        heartbeat = self._pull_heartbeat_s()
+        timeout = self.settings.request_timeout_s if heartbeat is None else min(self.settings.request_timeout_s,
+                                                                                2 * heartbeat)
         try:
-            await self.js.consumer_info(self.stream, consumer, timeout=self.settings.request_timeout_s)
+            await self.js.consumer_info(self.stream, consumer, timeout=timeout)
         except nats.js.errors.NotFoundError:
             _warn("consumer_missing", consumer=consumer, stream=self.stream, rebind=True)
             await self._unbind()
@@ -390,8 +400,7 @@ class TaskWorker:
             if self.settings.consumer_replicas == 1 and still_connected and not self._stopping.is_set():
                 _warn("consumer_leaderless", consumer=consumer, stream=self.stream, error=repr(exc), recreate=True)
                 with contextlib.suppress(nats.errors.Error, TimeoutError):
-                    await asyncio.wait_for(self.js.delete_consumer(self.stream, consumer),
-                                           self.settings.request_timeout_s)
+                    await asyncio.wait_for(self.js.delete_consumer(self.stream, consumer), timeout)
                 await self._unbind()
 
     async def run(self) -> None:
@@ -432,9 +441,10 @@ class TaskWorker:
             except (nats.js.errors.APIError, nats.errors.NoRespondersError) as exc:
                 if getattr(exc, "code", None) == 409:
                     # The server ended our pull (409 Server Shutdown: the consumer's member stops; Consumer
-                    # Deleted; a pull limit of the consumer): is the consumer still served? Then again, paced.
+                    # Deleted; a pull limit of the consumer): pull again, paced. If nobody serves the consumer
+                    # now, that pull's heartbeats never come and the check above finds out why; checking at
+                    # once would ask a member that is still going down (or coming back: a restart).
                     _warn("pull_ended_by_server", status=409, description=exc.description, retry_in_s=backoff)
-                    await self._check_served()
                     await self._pause(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
