@@ -445,7 +445,7 @@ class TaskWorker:
                 if getattr(exc, "code", None) == 409:
                     # The server ended our pull (409 Server Shutdown: the consumer's member stops; Consumer
                     # Deleted; a pull limit of the consumer): pull again, paced. If nobody serves the consumer
-                    # now, that pull's heartbeats never come and the check above finds out why; checking at
+                    # now, that pull's heartbeats never come and the heartbeat check finds out why; checking at
                     # once would ask a member that is still going down (or coming back: a restart).
                     _warn("pull_ended_by_server", status=409, description=exc.description, retry_in_s=backoff)
                     await self._pause(backoff)
