@@ -328,6 +328,7 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
             nc.reconnect_listeners.append(lambda: events.put(("reconnected", node_id, time.time())))
             worker = TaskWorker(nc, store, node_id, {TASK: handler},
                                 WorkerSettings(fetch_timeout_s=args["pull_expiry"], keepalive_interval_s=10,
+                                               fetch_heartbeat_s=args["pull_heartbeat"] or None,
                                                ack_wait_s=60, request_timeout_s=30,
                                                consumer_replicas=1 if args["consumer_memory"] else None,
                                                consumer_memory=args["consumer_memory"]))
@@ -478,6 +479,7 @@ async def run_one(n: int, args, root: Path) -> dict:
     events = Events(q)
     child_args = {"node_impl": args.node_impl, "consumer_memory": args.consumer_memory, "pull_expiry": args.pull_expiry, "heartbeat": args.heartbeat, "backoff_max": args.backoff_max,
                   "connect_concurrency": args.connect_concurrency}
+    child_args["pull_heartbeat"] = args.pull_heartbeat
     child_cpu = ChildCpu()
     procs = []
     t0 = time.time()
@@ -633,6 +635,8 @@ def main() -> int:
     ap.add_argument("--per-stream", type=int, default=100)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--pull-expiry", type=float, default=30.0)
+    ap.add_argument("--pull-heartbeat", type=float, default=WorkerSettings.fetch_heartbeat_s or 0.0,
+                    help="idle heartbeat asked for on each pull, seconds (0: none)")
     ap.add_argument("--heartbeat", type=float, default=15.0)
     ap.add_argument("--backoff-max", type=float, default=10.0)
     ap.add_argument("--connect-concurrency", type=int, default=50)

@@ -33,6 +33,9 @@ def node_permissions(node_id: str) -> dict[str, list[str]]:
             "$JS.API.STREAM.NAMES",  # which task stream holds gpuaas.node.<node>.task.> (names only)
             f"$JS.API.CONSUMER.CREATE.*.{consumer}.{subjects.tasks(node_id)}",
             f"$JS.API.CONSUMER.INFO.*.{consumer}",
+            # Its own consumer only: an R1 consumer whose cluster member is gone is deleted and created
+            # again on a live member (control/worker.py, consumer_leaderless); the work queue keeps the tasks.
+            f"$JS.API.CONSUMER.DELETE.*.{consumer}",
             f"$JS.API.CONSUMER.MSG.NEXT.*.{consumer}",
             f"$JS.ACK.*.{consumer}.>",
         ],

@@ -48,7 +48,13 @@ stream is found by subject (``$JS.API.STREAM.NAMES``), so the control plane may 
 fleet over several task streams (README "Fleet layout"). A pull request waits
 ``fetch_timeout_s`` (30 s) on the server; liveness is the connection's PING and the
 heartbeat, not a 1 s poll. :meth:`kick` (called on every reconnect) and :meth:`stop` end
-the wait at once.
+the wait at once. The pull also asks the server for an idle heartbeat every
+``fetch_heartbeat_s`` (5 s): the consumer's server can be lost while ours is not (an R1
+consumer on a cluster member that died), and then no reconnect ends the pull. Two intervals
+without a heartbeat (``pull_heartbeat_missed``) check the consumer: gone → bind again; no
+answer for an R1 consumer (``consumer_leaderless``) → delete it and bind again, so that it is
+created on a member that is up (see :meth:`TaskWorker._check_served`). A 409 ending the pull
+(``pull_ended_by_server``: Server Shutdown, Consumer Deleted) is followed by a new pull, paced.
 
 A crash anywhere before the ack means redelivery; the stored result makes that
 redelivery a republish, never a second run. A crash before the result is stored
@@ -71,7 +77,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 from pydantic import ValidationError
 
 from gpuaas_agent import compat
@@ -123,6 +129,9 @@ class WorkerSettings:
     ack_wait_s: float = 60.0  # must be well above keepalive_interval_s
     max_deliver: int = -1  # a task is never dropped for having been redelivered; its deadline ends it
     fetch_timeout_s: float = 30.0  # pull expiry: how long one pull request waits on the server
+    # The server sends an idle heartbeat on a waiting pull this often; none for 2x this long ends the pull and
+    # checks the consumer (its server may be gone while ours is not). None (or >= half the expiry): no heartbeat.
+    fetch_heartbeat_s: float | None = 5.0
     inactive_threshold_s: float | None = 86400.0  # the server deletes the consumer of a node gone this long
     consumer_replicas: int | None = None  # None: the stream's; 1 keeps a 5,000-node cluster off per-node Raft groups
     consumer_check_s: float = 300.0  # after this long of empty pulls, check that the consumer still exists
@@ -212,6 +221,9 @@ class TaskWorker:
         self._sub = None
         self._fetching: asyncio.Future | None = None
         self._checked_at = 0.0
+        self._silent_pulls = 0  # pulls in a row that went silent (no heartbeat): paces the consumer checks
+        self.pull_heartbeats = 0  # idle heartbeats the server sent on our pulls (observability, tests)
+        self.pull_heartbeats_missed = 0  # pulls ended because their heartbeats stopped
         self.stream: str | None = None
         self.ready = asyncio.Event()
         listeners = getattr(nc, "reconnect_listeners", None)
@@ -246,9 +258,9 @@ class TaskWorker:
         stream = self.settings.task_stream
         if stream is None:
             stream = await self.js.find_stream_name_by_subject(self.subject_filter)
+        self.stream = stream
         # Idempotent for an identical config; an edited one (ack_wait) is updated in place.
         await self.js.add_consumer(stream, config, timeout=self.settings.request_timeout_s)
-        self.stream = stream
         return await self.js.pull_subscribe_bind(name, stream=stream)
 
     def kick(self) -> None:
@@ -259,8 +271,12 @@ class TaskWorker:
     async def _fetch(self, batch: int) -> list[Msg] | None:
         """One pull of up to ``batch``; None when :meth:`stop` or :meth:`kick` ended it first."""
         assert self._sub is not None
-        fetching = self._fetching = asyncio.ensure_future(
-            self._sub.fetch(batch=batch, timeout=self.settings.fetch_timeout_s))
+        heartbeat = self._pull_heartbeat_s()
+        if batch == 1 and heartbeat is not None:
+            fetching = self._fetching = asyncio.ensure_future(self._pull_one(heartbeat))
+        else:
+            fetching = self._fetching = asyncio.ensure_future(
+                self._sub.fetch(batch=batch, timeout=self.settings.fetch_timeout_s))
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({fetching, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -278,6 +294,118 @@ class TaskWorker:
             return None
         return fetching.result()
 
+    def _pull_heartbeat_s(self) -> float | None:
+        """The idle heartbeat to ask for; None when off or too long to tell anything within one pull."""
+        heartbeat = self.settings.fetch_heartbeat_s
+        if heartbeat is None or heartbeat <= 0 or 2 * heartbeat >= self.settings.fetch_timeout_s:
+            return None
+        return heartbeat
+
+    async def _pull_one(self, heartbeat_s: float) -> list[Msg]:
+        """One message by a pull that asks the server for idle heartbeats, and notices when they stop.
+
+        nats.py's ``fetch(heartbeat=)`` asks for them but waits out the whole expiry when they stop.
+        They stop when the consumer's server is lost while ours is not (an R1 consumer of a cluster
+        member that died): our connection never drops, so no reconnect ends the pull. Raises
+        :class:`PullSilent` after ``2 * heartbeat_s`` without a message or a status;
+        ``nats.errors.TimeoutError`` when the pull expired (404/408, as ``fetch``); ``APIError`` for any
+        other status (409: the consumer was deleted, a pull limit of the consumer).
+
+        Same wire as ``fetch``: the request goes to the consumer's next-message subject with the
+        subscription's deliver inbox as reply, and answers are read from that subscription.
+        """
+        assert self._sub is not None
+        sub = self._sub._sub  # the deliver inbox's subscription (nats.py PullSubscription; the same in 2.x)
+        pending = sub._pending_queue
+        while not pending.empty():  # left from an earlier pull: a message is ours, a status was that pull's
+            msg = pending.get_nowait()
+            sub._pending_size -= len(msg.data)
+            if _pull_status(msg) is None:
+                return [msg]
+        expiry = self.settings.fetch_timeout_s
+        request = {"batch": 1, "expires": int(expiry * 1e9) - 100_000, "idle_heartbeat": int(heartbeat_s * 1e9)}
+        await self.nc.publish(self._sub._nms, json.dumps(request).encode(), self._sub._deliver)
+        loop = asyncio.get_running_loop()
+        # The server counts the expiry from when it got the request: its 408 comes a little after ours would.
+        # Waiting for it keeps it out of the next pull (taken there as that pull's end, it doubled the pulls
+        # of 2,000 idle nodes under load: bench_fleet).
+        end = loop.time() + expiry + min(1.0, heartbeat_s)
+        last = loop.time()  # the last sign of life of this pull: its request, a heartbeat, a status
+        while True:
+            now = loop.time()
+            if now >= end:
+                raise nats.errors.TimeoutError  # expired without its 408: what fetch() raises too
+            try:
+                msg = await sub.next_msg(timeout=min(end, last + 2 * heartbeat_s) - now)
+            except nats.errors.TimeoutError:
+                now = loop.time()
+                if now < end and now - last >= 2 * heartbeat_s:
+                    if not self.nc.is_connected:  # the reconnect ends this pull (kick); nothing to tell
+                        last = now
+                        continue
+                    raise PullSilent(now - last) from None
+                continue
+            status = _pull_status(msg)
+            if status is None:
+                return [msg]
+            last = loop.time()
+            if status == "100":
+                self.pull_heartbeats += 1
+                continue
+            if status in ("404", "408"):
+                raise nats.errors.TimeoutError
+            headers = msg.headers or {}
+            raise nats.js.errors.APIError(code=int(status) if status.isdigit() else None,
+                                          description=headers.get("Description") or headers.get(Header.DESCRIPTION))
+
+    async def _pull_went_silent(self, silent_s: float) -> None:
+        """A pull's heartbeats stopped while our connection is up: check the consumer, then pull again.
+
+        Silent pulls in a row are paced (bounded backoff), so a server that never sends heartbeats
+        costs one pull and one check per interval, never a spin.
+        """
+        self.pull_heartbeats_missed += 1
+        self._silent_pulls += 1
+        _warn("pull_heartbeat_missed", consumer=self.settings.durable_name(self.node_id), stream=self.stream,
+              silent_s=round(silent_s, 2), in_a_row=self._silent_pulls)
+        await self._check_served()
+        if self._silent_pulls > 1:
+            await self._pause(min(0.2 * 2 ** (self._silent_pulls - 2), 5.0))
+
+    async def _check_served(self) -> None:
+        """Our pull was lost on the server (its heartbeats stopped, or a bind got no answer): is the consumer served?
+
+        - answered: its server lost the pull (a restart, a leader change): pull again;
+        - not found: bind again (the bind creates it);
+        - no answer, and the consumer is R1: its only server is gone, and with it the consumer (a
+          memory consumer's state). Nothing answers for it, not even its create, until that server
+          is back (measured on nats-server 2.9.10), but the meta leader still applies a delete, so:
+          delete (its reply never comes) and bind again — the create places it on a member that is
+          up. The work queue kept the tasks; one running here is redelivered and answered from the
+          stored result (``task_redelivered_while_running``);
+        - no answer otherwise (a replicated consumer electing a leader, a busy server), or our own
+          connection dropped meanwhile (the reconnect renews the pull): pull again.
+        """
+        consumer = self.settings.durable_name(self.node_id)
+        self._checked_at = asyncio.get_running_loop().time()
+        reconnects = self.nc.stats.get("reconnects")
+        # A probe: a served consumer answers at once; no answer within two heartbeats is the answer.
+        heartbeat = self._pull_heartbeat_s()
+        timeout = self.settings.request_timeout_s if heartbeat is None else min(self.settings.request_timeout_s,
+                                                                                2 * heartbeat)
+        try:
+            await self.js.consumer_info(self.stream, consumer, timeout=timeout)
+        except nats.js.errors.NotFoundError:
+            _warn("consumer_missing", consumer=consumer, stream=self.stream, rebind=True)
+            await self._unbind()
+        except (nats.errors.Error, TimeoutError) as exc:
+            still_connected = self.nc.is_connected and self.nc.stats.get("reconnects") == reconnects
+            if self.settings.consumer_replicas == 1 and still_connected and not self._stopping.is_set():
+                _warn("consumer_leaderless", consumer=consumer, stream=self.stream, error=repr(exc), recreate=True)
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await asyncio.wait_for(self.js.delete_consumer(self.stream, consumer), timeout)
+                await self._unbind()
+
     async def run(self) -> None:
         """Pull and dispatch until :meth:`stop`. Connection trouble is logged and retried, never fatal."""
         backoff = 0.2
@@ -291,6 +419,9 @@ class TaskWorker:
                     backoff = 0.2
                 except (nats.errors.Error, TimeoutError) as exc:
                     _warn("consumer_bind_failed", error=repr(exc), retry_in_s=backoff)
+                    if isinstance(exc, TimeoutError) and self.stream is not None and self.settings.consumer_replicas == 1:
+                        # An R1 consumer placed on a member that is gone answers nothing, not even its create.
+                        await self._check_served()
                     await self._pause(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
@@ -304,9 +435,22 @@ class TaskWorker:
                 # or the pull expires (measured: up to the whole 30 s expiry); one is handed on at once.
                 msgs = await self._fetch(1)
             except (nats.errors.TimeoutError, TimeoutError):
+                self._silent_pulls = 0  # the pull lived to its expiry: the server answered it
                 await self._check_consumer()
                 continue
+            except PullSilent as exc:
+                await self._pull_went_silent(exc.silent_s)
+                continue
             except (nats.js.errors.APIError, nats.errors.NoRespondersError) as exc:
+                if getattr(exc, "code", None) == 409:
+                    # The server ended our pull (409 Server Shutdown: the consumer's member stops; Consumer
+                    # Deleted; a pull limit of the consumer): pull again, paced. If nobody serves the consumer
+                    # now, that pull's heartbeats never come and the heartbeat check finds out why; checking at
+                    # once would ask a member that is still going down (or coming back: a restart).
+                    _warn("pull_ended_by_server", status=409, description=exc.description, retry_in_s=backoff)
+                    await self._pause(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
                 # The consumer is gone (inactive_threshold, deleted, a memory consumer after a server
                 # restart): create it again; the work queue kept its tasks.
                 _warn("fetch_failed", error=repr(exc), retry_in_s=backoff, rebind=True)
@@ -322,6 +466,7 @@ class TaskWorker:
             if msgs is None:
                 continue
             backoff = 0.2
+            self._silent_pulls = 0
             for msg in msgs:
                 task = asyncio.create_task(self._process(msg))
                 self._tasks.add(task)
@@ -678,6 +823,25 @@ class TaskWorker:
         except (nats.errors.Error, TimeoutError) as exc:
             # The result is stored and published: a redelivery will only replay it.
             _warn("task_ack_failed", task_id=result.task_id, error=repr(exc))
+
+
+class PullSilent(Exception):
+    """A pull got neither a message nor a heartbeat for two heartbeat intervals (its server lost it)."""
+
+    def __init__(self, silent_s: float) -> None:
+        super().__init__(f"no heartbeat for {silent_s:.1f}s")
+        self.silent_s = silent_s
+
+
+def _pull_status(msg: Msg) -> str | None:
+    """A JetStream status on a pull (100 heartbeat, 404/408 no message/expired, 409 ...); None for a message.
+
+    A stored message always comes with its ack subject as reply, a status never: a task published
+    with a ``Status`` header of its own is still a task (and answered or refused as one).
+    """
+    if msg.reply or not msg.headers:
+        return None
+    return msg.headers.get("Status")
 
 
 def _task_history(store: StateStore, task_id: str) -> tuple[dict | None, tuple[int, list[str]] | StateError]:

@@ -117,6 +117,8 @@ def test_a_node_with_exactly_its_permissions_runs_its_own_tasks(lab, tmp_path):
             await plane.enqueue(envelope)
             result = await plane.wait_result(envelope.task_id, timeout=DEADLINE_S)
             assert result.status == ResultStatus.succeeded and result.output == {"ran_on": A}
+            # Its own consumer it may delete: the worker re-creates an R1 consumer whose cluster member is lost.
+            assert await worker.js.delete_consumer(TASK_STREAM, consumer_name(A))
         finally:
             await worker.drain(5)
             await asyncio.wait_for(run, DEADLINE_S)

@@ -45,6 +45,11 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        self.spawn()
+        self._wait_ready()
+
+    def spawn(self) -> None:
+        """Start the process without waiting (a cluster member is ready only once its peers are up too)."""
         assert self.proc is None, "already running"
         argv = [
             self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port),
@@ -55,7 +60,6 @@ class NatsServer:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         finally:
             log.close()
-        self._wait_ready()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_DEADLINE_S
