@@ -9,7 +9,7 @@ misconfigured export); what they see there is ciphertext.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field, model_validator
 
@@ -17,7 +17,7 @@ from gpuaas_agent.contract.base import SCHEMA_VERSION, SchemaVersion, WireModel
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 
 # The one sealing scheme: its name is also the label bound into the key derivation and the associated data.
-SEAL_SCHEME = "gpuaas.agent.enroll-seal/v1"
+SEAL_SCHEME: Final = "gpuaas.agent.enroll-seal/v1"
 # Canonical unpadded base64url (RFC 4648 §5) of exactly 32 bytes: 42 free characters, then one whose
 # low 2 bits are zero (the last character carries 4 data bits); one spelling per key.
 X25519_KEY_PATTERN = r"^[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]$"
