@@ -296,22 +296,33 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
     async def wire_pull_loop(nc, worker: TaskWorker, psub) -> None:
         """``--node-impl wire``: the server-side traffic of a claim, without the agent's Python around it.
 
-        The consumer is the worker's own (``TaskWorker._bind``); per task: one pull request, the
-        delivery, a result published with its PubAck awaited, an ack. "Claim" is the delivery.
+        The consumer is the worker's own (``TaskWorker._bind``); per task: one pull request (with the
+        worker's idle heartbeat), the delivery, a result published with its PubAck awaited, an ack.
+        "Claim" is the delivery.
         """
         expiry = args["pull_expiry"]
-        request = json.dumps({"batch": 1, "expires": int(expiry * 1e9)}).encode()
+        pull = {"batch": 1, "expires": int(expiry * 1e9)}
+        if worker._pull_heartbeat_s() is not None:  # the worker's idle heartbeat, as its pulls ask for it
+            pull["idle_heartbeat"] = int(worker._pull_heartbeat_s() * 1e9)
+        request = json.dumps(pull).encode()
         result_subject = f"gpuaas.node.{worker.node_id}.result"
         while True:
             await nc.publish(psub._nms, request, reply=psub._deliver)
-            try:
-                msg = await psub._sub.next_msg(timeout=expiry + 5)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except nats.errors.ConnectionClosedError:
-                return  # the bench is closing the connections
-            if msg.headers and msg.headers.get("Status"):
-                continue  # 404/408: the pull ended empty; pull again
+            msg = status = None
+            while True:
+                try:
+                    msg = await psub._sub.next_msg(timeout=expiry + 5)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    msg = None
+                    break
+                except nats.errors.ConnectionClosedError:
+                    return  # the bench is closing the connections
+                status = None if msg.reply or not msg.headers else msg.headers.get("Status")
+                if status == "100":
+                    continue  # an idle heartbeat: the pull is alive
+                break
+            if msg is None or status is not None:
+                continue  # 404/408: the pull ended empty (or timed out here); pull again
             task_id = json.loads(msg.data)["task_id"]
             events.put(("claim", task_id, time.time()))
             result = TaskResult(task_id=task_id, node_id=worker.node_id, type=TASK.value, attempt=1,
