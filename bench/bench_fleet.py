@@ -646,8 +646,8 @@ def main() -> int:
     ap.add_argument("--per-stream", type=int, default=100)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--pull-expiry", type=float, default=30.0)
-    ap.add_argument("--pull-heartbeat", type=float, default=WorkerSettings.fetch_heartbeat_s or 0.0,
-                    help="idle heartbeat asked for on each pull, seconds (0: none)")
+    ap.add_argument("--pull-heartbeat", type=float, default=0.0,
+                    help="idle heartbeat asked for on each pull, seconds (0: none, the agent's default)")
     ap.add_argument("--heartbeat", type=float, default=15.0)
     ap.add_argument("--backoff-max", type=float, default=10.0)
     ap.add_argument("--connect-concurrency", type=int, default=50)

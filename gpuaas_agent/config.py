@@ -270,6 +270,10 @@ class AgentConfig(BaseModel):
     # on a replicated stream keeps a 5,000-node cluster off 5,000 replicated consumer Raft groups).
     task_consumer_replicas: int | None = Field(default=None, ge=1, le=5)
     task_consumer_memory: bool = False
+    # An idle heartbeat the server sends on each waiting pull (README "Pull heartbeat"): on a cluster with
+    # R1 memory consumers, set it (5): a lost member then costs seconds, not the pull expiry. Off by default:
+    # with it, nats-server 2.9.10 delivered a few burst tasks only at their pull's expiry (bench_fleet).
+    pull_heartbeat_s: float | None = Field(default=None, gt=0, le=60)
     slice: SliceConfig = Field(default_factory=SliceConfig)
 
     @model_validator(mode="after")

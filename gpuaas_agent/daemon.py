@@ -404,7 +404,8 @@ async def run_agent(
                                   max_task_deadline_s=config.max_task_deadline_s,
                                   max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,
                                   fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
-                                  consumer_memory=config.task_consumer_memory)
+                                  consumer_memory=config.task_consumer_memory,
+                                  fetch_heartbeat_s=config.pull_heartbeat_s)
         if reconcile is None and slice_host is not None:
             reconcile = timer_reconcile(slice_host, state, nc, record.node_id)
         if reconcile is not None:

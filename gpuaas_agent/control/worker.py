@@ -48,9 +48,10 @@ stream is found by subject (``$JS.API.STREAM.NAMES``), so the control plane may 
 fleet over several task streams (README "Fleet layout"). A pull request waits
 ``fetch_timeout_s`` (30 s) on the server; liveness is the connection's PING and the
 heartbeat, not a 1 s poll. :meth:`kick` (called on every reconnect) and :meth:`stop` end
-the wait at once. The pull also asks the server for an idle heartbeat every
-``fetch_heartbeat_s`` (5 s): the consumer's server can be lost while ours is not (an R1
-consumer on a cluster member that died), and then no reconnect ends the pull. Two intervals
+the wait at once. Configured (``fetch_heartbeat_s``, config ``pull_heartbeat_s``; off by
+default), the pull also asks the server for an idle heartbeat that often: the consumer's
+server can be lost while ours is not (an R1 consumer on a cluster member that died), and
+then no reconnect ends the pull. Two intervals
 without a heartbeat (``pull_heartbeat_missed``) check the consumer: gone → bind again; no
 answer for an R1 consumer (``consumer_leaderless``) → delete it and bind again, so that it is
 created on a member that is up (see :meth:`TaskWorker._check_served`). A 409 ending the pull
@@ -131,7 +132,9 @@ class WorkerSettings:
     fetch_timeout_s: float = 30.0  # pull expiry: how long one pull request waits on the server
     # The server sends an idle heartbeat on a waiting pull this often; none for 2x this long ends the pull and
     # checks the consumer (its server may be gone while ours is not). None (or >= half the expiry): no heartbeat.
-    fetch_heartbeat_s: float | None = 5.0
+    # Off by default (config pull_heartbeat_s): with it, nats-server 2.9.10 held a few of 5,000 burst tasks until
+    # their pull's expiry in 3 of 6 bench_fleet runs (none in 8 without); on an R1-consumer cluster set it (5).
+    fetch_heartbeat_s: float | None = None
     inactive_threshold_s: float | None = 86400.0  # the server deletes the consumer of a node gone this long
     consumer_replicas: int | None = None  # None: the stream's; 1 keeps a 5,000-node cluster off per-node Raft groups
     consumer_check_s: float = 300.0  # after this long of empty pulls, check that the consumer still exists

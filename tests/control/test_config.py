@@ -146,3 +146,16 @@ def test_slice_host_wires_the_image_policy_and_forbids_the_state_dir(tmp_path):
         asyncio.run(fetch(state / "enrollment.json", b"credentials"))
     assert (err.value.code, err.value.evidence["rule"]) == ("image_url_refused", "forbidden_path")
     asyncio.run(sh.close())
+
+
+def test_pull_heartbeat_is_off_by_default_and_bounded(tmp_path):
+    """Off unless set (README "Pull heartbeat"); a zero, negative or past-a-minute value is refused by name."""
+    assert AgentConfig().pull_heartbeat_s is None
+    path = tmp_path / "agent.toml"
+    path.write_text("pull_heartbeat_s = 5\ntask_consumer_replicas = 1\ntask_consumer_memory = true\n")
+    assert load_config(path).pull_heartbeat_s == 5.0
+    for bad in ("0", "-1", "61"):
+        path.write_text(f"pull_heartbeat_s = {bad}\n")
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert "pull_heartbeat_s" in str(err.value)
