@@ -68,7 +68,7 @@ from gpuaas_agent.contract.tasks import ResultStatus, TaskResult, TaskType
 from gpuaas_agent.control.connection import Backoff, connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
 from gpuaas_agent.control.transport import TransportSecurity
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker, WorkerSettings, pull_status
 from gpuaas_agent.operator.health import HealthSettings
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
@@ -317,7 +317,7 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
                     break
                 except nats.errors.ConnectionClosedError:
                     return  # the bench is closing the connections
-                status = None if msg.reply or not msg.headers else msg.headers.get("Status")
+                status = pull_status(msg)
                 if status == "100":
                     continue  # an idle heartbeat: the pull is alive
                 break

@@ -323,7 +323,7 @@ class TaskWorker:
         while not pending.empty():  # left from an earlier pull: a message is ours, a status was that pull's
             msg = pending.get_nowait()
             sub._pending_size -= len(msg.data)
-            if _pull_status(msg) is None:
+            if pull_status(msg) is None:
                 return [msg]
         expiry = self.settings.fetch_timeout_s
         request = {"batch": 1, "expires": int(expiry * 1e9) - 100_000, "idle_heartbeat": int(heartbeat_s * 1e9)}
@@ -348,7 +348,7 @@ class TaskWorker:
                         continue
                     raise PullSilent(now - last) from None
                 continue
-            status = _pull_status(msg)
+            status = pull_status(msg)
             if status is None:
                 return [msg]
             last = loop.time()
@@ -836,7 +836,7 @@ class PullSilent(Exception):
         self.silent_s = silent_s
 
 
-def _pull_status(msg: Msg) -> str | None:
+def pull_status(msg: Msg) -> str | None:
     """A JetStream status on a pull (100 heartbeat, 404/408 no message/expired, 409 ...); None for a message.
 
     A stored message always comes with its ack subject as reply, a status never: a task published
