@@ -24,6 +24,14 @@ process's event loop during the burst only.
 ``--node-impl wire`` keeps the server traffic of a claim (the worker's own consumer, a 30 s pull, the
 delivery, a PubAck'd result, an ack) and drops the agent's Python around it (journal, store thread,
 heartbeats): the server's capacity, apart from thousands of simulated agents sharing its cores.
+``--node-impl protocol`` sends the same traffic from nodes that speak the NATS protocol themselves
+(``bench/protocol_node.py``, asyncio.Protocol callbacks, no nats.py task or future per message; the
+consumer still bound by ``TaskWorker._bind``): a fraction of the client CPU, so on a small machine the
+burst measures the server rather than the simulator.
+
+``BENCH_DEBUG=1`` prints each trickle task and, when a burst is not drained after 8 s, each unclaimed
+task's consumer as the server sees it (waiting pulls, pending, delivered); ``BENCH_TRACE=PATH`` writes
+each wire/protocol node's pulls, statuses, messages and client timeouts to ``PATH.<pid>.json``.
 
 Layouts (``--layout``): ``shared`` — one work-queue stream ``gpuaas.node.*.task.>`` for
 every node; ``partitioned`` — streams of ``--per-stream`` nodes each
@@ -56,6 +64,7 @@ import urllib.error
 import urllib.request
 from datetime import datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -63,7 +72,9 @@ sys.path.insert(0, str(REPO))
 import nats.errors
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
+from bench.protocol_node import ProtocolNode
 from gpuaas_agent.compat import UTC
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.tasks import ResultStatus, TaskResult, TaskType
 from gpuaas_agent.control.connection import Backoff, connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
@@ -217,7 +228,8 @@ class Servers:
 
     def varz(self) -> dict:
         rows = [m.varz() for m in self.members]
-        return {"in_msgs": sum(r["in_msgs"] for r in rows), "connections": [r["connections"] for r in rows]}
+        return {"in_msgs": sum(r["in_msgs"] for r in rows), "connections": [r["connections"] for r in rows],
+                "slow_consumers": sum(r.get("slow_consumers", 0) for r in rows)}
 
 
 def raft_inventory(servers: Servers) -> dict:
@@ -300,24 +312,34 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
         worker's idle heartbeat), the delivery, a result published with its PubAck awaited, an ack.
         "Claim" is the delivery.
         """
-        expiry = args["pull_expiry"]
-        pull = {"batch": 1, "expires": int(expiry * 1e9)}
-        if worker._pull_heartbeat_s() is not None:  # the worker's idle heartbeat, as its pulls ask for it
-            pull["idle_heartbeat"] = int(worker._pull_heartbeat_s() * 1e9)
+        expiry, heartbeat = args["pull_expiry"], worker._pull_heartbeat_s()
+        pull = {"batch": 1, "expires": int(expiry * 1e9) - 100_000}  # as the worker (and nats.py's fetch)
+        if heartbeat is not None:  # the worker's idle heartbeat, as its pulls ask for it
+            pull["idle_heartbeat"] = int(heartbeat * 1e9)
+        bound = pull_bound_s(expiry, heartbeat)
         request = json.dumps(pull).encode()
+        loop = asyncio.get_running_loop()
         result_subject = f"gpuaas.node.{worker.node_id}.result"
+        trace = TRACE.setdefault(worker.node_id, []) if TRACE_PATH else None
         while True:
             await nc.publish(psub._nms, request, reply=psub._deliver)
+            end = loop.time() + bound
+            if trace is not None:
+                trace.append((round(time.time(), 3), "pull"))
             msg = status = None
             while True:
                 try:
-                    msg = await psub._sub.next_msg(timeout=expiry + 5)
+                    msg = await psub._sub.next_msg(timeout=max(0.001, end - loop.time()))
                 except (nats.errors.TimeoutError, TimeoutError):
                     msg = None
+                    if trace is not None:
+                        trace.append((round(time.time(), 3), "client-timeout"))
                     break
                 except nats.errors.ConnectionClosedError:
                     return  # the bench is closing the connections
                 status = pull_status(msg)
+                if trace is not None:
+                    trace.append((round(time.time(), 3), f"status {status}" if status else "msg"))
                 if status == "100":
                     continue  # an idle heartbeat: the pull is alive
                 break
@@ -330,6 +352,59 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
             await worker.js.publish(result_subject, result.model_dump_json().encode(), stream=RESULT_STREAM,
                                     headers={"Nats-Msg-Id": f"{task_id}-1"})
             await msg.ack()
+
+    claimed: list = []  # --node-impl protocol: claims sent to the parent in batches, not one queue put each
+
+    async def flush_claims() -> None:
+        while True:
+            await asyncio.sleep(0.02)  # batch window of the claim events
+            if claimed:
+                batch = claimed[:]
+                claimed.clear()
+                events.put(("claims", None, batch))
+
+    protocol_nodes: list[ProtocolNode] = []
+
+    async def protocol_node(node_id: str) -> None:
+        """``--node-impl protocol``: the worker binds its consumer on nats.py, then a ProtocolNode pulls."""
+        async with gate:
+            started = time.time()
+            nc = await connect_nats(list(urls), timeout_s=60, name=node_id, inbox_prefix=node_inbox_prefix(node_id),
+                                    security=TransportSecurity(insecure=True))
+            worker = TaskWorker(nc, store, node_id, {TASK: handler},
+                                WorkerSettings(fetch_timeout_s=args["pull_expiry"], fetch_heartbeat_s=args["pull_heartbeat"] or None,
+                                               ack_wait_s=60, request_timeout_s=30,
+                                               consumer_replicas=1 if args["consumer_memory"] else None,
+                                               consumer_memory=args["consumer_memory"]))
+            psub = await worker._bind()
+            next_subject, heartbeat = psub._nms, worker._pull_heartbeat_s()
+            await nc.close()
+            url = urlsplit(urls[len(protocol_nodes) % len(urls)])
+            node = ProtocolNode(node_id=node_id, host=url.hostname, port=url.port, inbox_prefix=node_inbox_prefix(node_id),
+                                next_subject=next_subject, task_type=TASK.value, expiry_s=args["pull_expiry"],
+                                bound_s=pull_bound_s(args["pull_expiry"], heartbeat),
+                                heartbeat_s=heartbeat, backoff=Backoff(0.5, args["backoff_max"]),
+                                on_claim=lambda task_id, t: claimed.append((task_id, t)),
+                                on_reconnect=lambda t: events.put(("reconnected", node_id, t)),
+                                trace=TRACE.setdefault(node_id, []) if TRACE_PATH else None)
+            protocol_nodes.append(node)
+            await node.connect()
+            events.put(("ready", node_id, time.time() - started))
+
+    if args["node_impl"] == "protocol":
+        flusher = asyncio.create_task(flush_claims())
+        await asyncio.gather(*(protocol_node(n) for n in nodes))
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        for pnode in protocol_nodes:
+            pnode.close()
+        errors = [e for pnode in protocol_nodes for e in pnode.errors]
+        if errors:
+            print(f"protocol nodes: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
+        flusher.cancel()
+        store.close()
+        if TRACE_PATH:
+            Path(f"{TRACE_PATH}.{os.getpid()}.json").write_text(json.dumps(TRACE))
+        return
 
     async def node(node_id: str) -> None:
         async with gate:
@@ -371,6 +446,25 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
     await asyncio.gather(*(w.drain(1) for _, w, _, _ in running), return_exceptions=True)
     await asyncio.gather(*(nc.close() for nc, _, _, _ in running), return_exceptions=True)
     store.close()
+    if TRACE_PATH:
+        Path(f"{TRACE_PATH}.{os.getpid()}.json").write_text(json.dumps(TRACE))
+
+
+def pull_bound_s(expiry_s: float, heartbeat_s: float | None) -> float:
+    """How long a simulated node waits on one pull, from sending it; never restarted by a heartbeat.
+
+    The worker's ``_pull_one`` waits ``min(1 s, heartbeat)`` past the expiry for the server's 408 (nats.py's
+    ``fetch`` gives up at the expiry and drops a late 408 itself); a node here waits 1 s past it without a
+    heartbeat, so a 408 normally ends the pull and is never taken for the end of the next one.
+    nats-server before 2.9.16 may drop that 408 when a message arrives as the pull expires (nats-server
+    PR #3942): a wait restarted at each heartbeat, as ``next_msg`` in a loop does, then held the message
+    ~35 s.
+    """
+    return expiry_s + min(1.0, heartbeat_s or 1.0)
+
+
+TRACE_PATH = os.environ.get("BENCH_TRACE")  # BENCH_TRACE=/tmp/x: each wire node's pulls, statuses and messages
+TRACE: dict[str, list] = {}
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -426,6 +520,10 @@ class Events:
                 kind, key, value = self.q.get(timeout=0.2)
             except queue.Empty:
                 continue
+            if kind == "claims":  # a batch of (task_id, time)
+                for task_id, t in value:
+                    self.claims.setdefault(task_id, t)
+                continue
             {"claim": self.claims, "ready": self.ready, "reconnected": self.reconnected}[kind].setdefault(key, value)
 
     async def until(self, predicate, deadline_s: float) -> bool:
@@ -456,6 +554,23 @@ async def publish_all(plane: ControlPlane, targets: list[str], sent: dict[str, f
     await asyncio.gather(*(one(n) for n in targets))
 
 
+async def debug_stuck(plane, sent: dict[str, float], events) -> None:
+    """BENCH_DEBUG: each unclaimed task's consumer as the server sees it (waiting pulls, pending, delivered)."""
+    targets = plane_targets(plane, sent)
+    for task_id, node_id in sorted(targets.items()):
+        if task_id in events.claims:
+            continue
+        try:
+            stream = await plane.js.find_stream_name_by_subject(subjects.tasks(node_id))
+            info = await plane.js.consumer_info(stream, WorkerSettings().durable_name(node_id))
+            print("STUCK", node_id, task_id, stream, round(time.time() - sent[task_id], 2),
+                  "reconnected", node_id in events.reconnected,
+                  "waiting", info.num_waiting, "pending", info.num_pending, "ack_pending", info.num_ack_pending,
+                  "delivered", info.delivered, "ack_floor", info.ack_floor, file=sys.stderr)
+        except Exception as exc:  # a probe: print what failed and go on
+            print("STUCK", node_id, task_id, "probe failed", repr(exc), file=sys.stderr)
+
+
 def plane_targets(plane, sent):
     return {t: n for t, n in TARGETS.items() if t in sent}
 
@@ -473,7 +588,8 @@ async def run_one(n: int, args, root: Path) -> dict:
     nodes = [f"node-f{i:05d}" for i in range(n)]
     plane = await ControlPlane.connect(server.urls)
     out: dict = {"nodes": n, "node_impl": args.node_impl, "servers": args.servers, "layout": args.layout, "stream_replicas": args.replicas,
-                 "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs}
+                 "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs,
+                 "pull_heartbeat_s": args.pull_heartbeat}
     t = time.time()
     if args.layout == "partitioned":
         out["streams"] = len(await plane.create_task_partitions(nodes, per_stream=args.per_stream,
@@ -555,7 +671,12 @@ async def run_one(n: int, args, root: Path) -> dict:
         cpu0, ccpu0, pcpu0, b0 = server.cpu_s(), child_cpu.cpu_s(), time.process_time(), time.time()
         await publish_all(plane, nodes, sent)
         published = time.time()
-        ok = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
+        ok = await events.until(lambda: all(t in events.claims for t in sent), 8.0 if os.environ.get("BENCH_DEBUG") else args.burst_deadline)
+        if not ok and os.environ.get("BENCH_DEBUG"):
+            await debug_stuck(plane, sent, events)
+            for member in getattr(server, "members", []):
+                print("SERVER LOG", member.name, (member.root / "nats.log").read_text(errors="replace")[-3000:], file=sys.stderr)
+            ok = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
         lat = latencies(sent, events.claims)
         last = max((events.claims[t] for t in sent if t in events.claims), default=None)
         out["burst_publish_s"] = round(published - b0, 2)
@@ -571,6 +692,9 @@ async def run_one(n: int, args, root: Path) -> dict:
         if args.profile:
             os.kill(procs[0].pid, signal.SIGUSR2)
         out["burst_over_1s"] = sum(1 for x in lat if x > 1.0)
+        out["burst_max_s"] = round(max(lat), 3) if lat else None
+        out["slow_consumers_so_far"] = server.varz().get("slow_consumers")  # the server cut a client that fell behind
+        out["reconnects_so_far"] = len(events.reconnected)
         out["burst_over_5s"] = sum(1 for x in lat if x > 5.0)
         if os.environ.get("BENCH_DEBUG"):
             targets = plane_targets(plane, sent)
@@ -661,10 +785,11 @@ def main() -> int:
     ap.add_argument("--servers", type=int, default=1, help="1: one server; 3: a JetStream cluster on loopback")
     ap.add_argument("--replicas", type=int, default=1, help="task and result stream replicas (3 in a cluster)")
     ap.add_argument("--restart-one", action="store_true", help="restart one cluster member instead of all")
-    ap.add_argument("--node-impl", choices=("agent", "wire"), default="agent",
+    ap.add_argument("--node-impl", choices=("agent", "wire", "protocol"), default="agent",
                     help="agent: the agent's TaskWorker + Reporter; wire: the server traffic of a claim only "
                          "(the worker's consumer, pull, PubAck'd result, ack), to measure the server apart "
-                         "from the simulated agents' Python on the same cores")
+                         "from the simulated agents' Python on the same cores; protocol: the same traffic from "
+                         "nodes speaking the NATS protocol themselves (bench/protocol_node.py), less client CPU")
     ap.add_argument("--profile", default=None, help="cProfile the first simulated-node process into this path")
     ap.add_argument("--root", default="/dev/shm")
     args = ap.parse_args()

@@ -272,7 +272,7 @@ class AgentConfig(BaseModel):
     task_consumer_memory: bool = False
     # An idle heartbeat the server sends on each waiting pull (README "Pull heartbeat"): on a cluster with
     # R1 memory consumers, set it (5): a lost member then costs seconds, not the pull expiry. Off by default:
-    # with it, nats-server 2.9.10 delivered a few burst tasks only at their pull's expiry (bench_fleet).
+    # ~30 % more idle server CPU, for nothing where a lost server drops the agent's own connection too.
     pull_heartbeat_s: float | None = Field(default=None, gt=0, le=60)
     slice: SliceConfig = Field(default_factory=SliceConfig)
 

@@ -132,8 +132,8 @@ class WorkerSettings:
     fetch_timeout_s: float = 30.0  # pull expiry: how long one pull request waits on the server
     # The server sends an idle heartbeat on a waiting pull this often; none for 2x this long ends the pull and
     # checks the consumer (its server may be gone while ours is not). None (or >= half the expiry): no heartbeat.
-    # Off by default (config pull_heartbeat_s): with it, nats-server 2.9.10 held a few of 5,000 burst tasks until
-    # their pull's expiry in 3 of 6 bench_fleet runs (none in 8 without); on an R1-consumer cluster set it (5).
+    # Off by default (config pull_heartbeat_s): it costs the server ~30 % more idle CPU and buys nothing where a
+    # lost server drops our connection too (one server; replicated consumers). On an R1-consumer cluster set it (5).
     fetch_heartbeat_s: float | None = None
     inactive_threshold_s: float | None = 86400.0  # the server deletes the consumer of a node gone this long
     consumer_replicas: int | None = None  # None: the stream's; 1 keeps a 5,000-node cluster off per-node Raft groups
@@ -331,7 +331,9 @@ class TaskWorker:
         loop = asyncio.get_running_loop()
         # The server counts the expiry from when it got the request: its 408 comes a little after ours would.
         # Waiting for it keeps it out of the next pull (taken there as that pull's end, it doubled the pulls
-        # of 2,000 idle nodes under load: bench_fleet).
+        # of 2,000 idle nodes under load: bench_fleet). The bound counts from the request, never from a
+        # heartbeat: nats-server < 2.9.16 drops the 408 of a pull that expires as a message arrives (PR #3942;
+        # seen in bench_fleet bursts), and that message then waits for our next pull, here <= 1 s.
         end = loop.time() + expiry + min(1.0, heartbeat_s)
         last = loop.time()  # the last sign of life of this pull: its request, a heartbeat, a status
         while True:

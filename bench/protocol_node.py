@@ -1,0 +1,211 @@
+"""Simulated nodes that speak the NATS client protocol themselves, for ``bench_fleet --node-impl protocol``.
+
+Why: nats.py costs about half a millisecond of Python per claim (a reader and a flusher task per
+connection, a future per request), and the bench's 5,000 nodes share the machine's cores with the
+server under test, so in ``--node-impl wire`` the simulator, not the server, sets the burst's tail.
+A :class:`ProtocolNode` sends the server the same traffic as the agent's worker for a claim — a pull
+on the consumer's next-message subject (batch 1, the worker's expiry, its idle heartbeat when asked),
+the delivery, a ``TaskResult`` published with ``Nats-Msg-Id`` and its PubAck awaited, then the ack and
+the next pull — from ``asyncio.Protocol`` callbacks, with no task or future per message.
+
+The consumer is created by the worker's own ``TaskWorker._bind`` (on a nats.py connection that is
+closed afterwards), so its config and the filtered create API are the agent's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from gpuaas_agent.compat import UTC
+from gpuaas_agent.contract.tasks import ResultStatus, TaskResult
+from gpuaas_agent.control.connection import Backoff
+
+CRLF = b"\r\n"
+
+
+class ProtocolError(RuntimeError):
+    """The server said ``-ERR`` or sent something this client does not speak."""
+
+
+class ProtocolNode(asyncio.Protocol):
+    """One node's connection: CONNECT, one wildcard inbox subscription, the pull/claim/result/ack loop.
+
+    ``on_claim(task_id, t)`` is called at each delivery (the bench's "claim"); ``on_reconnect(t)``
+    after a lost connection is back and pulling. ``trace`` (optional list) gets ``(t, event)`` rows.
+    """
+
+    def __init__(self, *, node_id: str, host: str, port: int, inbox_prefix: str, next_subject: str,
+                 task_type: str, expiry_s: float, bound_s: float, heartbeat_s: float | None, backoff: Backoff,
+                 on_claim: Callable[[str, float], None], on_reconnect: Callable[[float], None],
+                 trace: list | None = None) -> None:
+        self.node_id, self.host, self.port = node_id, host, port
+        self.task_type = task_type
+        self.bound_s = bound_s  # the client's own wait on one pull, from sending it (bench_fleet.pull_bound_s)
+        self.backoff, self.on_claim, self.on_reconnect, self.trace = backoff, on_claim, on_reconnect, trace
+        self.pull_inbox = f"{inbox_prefix}.p.pull"
+        self.ack_inbox = f"{inbox_prefix}.p.ack"
+        self.result_subject = f"gpuaas.node.{node_id}.result"
+        request = {"batch": 1, "expires": int(expiry_s * 1e9) - 100_000}  # as the worker
+        if heartbeat_s:
+            request["idle_heartbeat"] = int(heartbeat_s * 1e9)
+        body = json.dumps(request).encode()
+        self._pull = b"PUB %s %s %d\r\n%s\r\n" % (next_subject.encode(), self.pull_inbox.encode(), len(body), body)
+        self._hello = (b"CONNECT " + json.dumps({
+            "verbose": False, "pedantic": False, "name": node_id, "lang": "python-bench", "version": "0",
+            "protocol": 1, "headers": True, "no_responders": True}).encode() + CRLF
+            + b"SUB %s 1\r\nSUB %s 2\r\nPING\r\n" % (self.pull_inbox.encode(), self.ack_inbox.encode()))
+        self.transport: asyncio.Transport | None = None
+        self.ready = asyncio.get_running_loop().create_future()
+        self._buf = bytearray()
+        self._pending: tuple[bytes, bytes | None, int | None, int] | None = None  # sid, reply, hdr len, size
+        self._ack_reply: bytes | None = None  # the delivery whose result's PubAck we wait for
+        self._timer: asyncio.TimerHandle | None = None
+        self._closing = False
+        self._attempt = 0
+        self.errors: list[str] = []
+
+    # -- connection ---------------------------------------------------------------
+
+    async def connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.create_connection(lambda: self, self.host, self.port)
+        await asyncio.wait_for(asyncio.shield(self.ready), 60)
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        self._buf.clear()
+        self._pending = None
+        transport.write(self._hello)
+
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._closing:
+            asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        loop = asyncio.get_running_loop()
+        rng = random.Random()
+        while not self._closing:
+            await asyncio.sleep(self.backoff.delay(self._attempt, rng))  # full jitter, as the agent
+            self._attempt += 1
+            self.ready = loop.create_future()
+            try:
+                await loop.create_connection(lambda: self, self.host, self.port)
+                await asyncio.wait_for(asyncio.shield(self.ready), 30)
+            except (OSError, asyncio.TimeoutError):
+                continue
+            self._attempt = 0
+            self.on_reconnect(time.time())
+            return
+
+    def close(self) -> None:
+        self._closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- the claim loop -----------------------------------------------------------
+
+    def _send_pull(self) -> None:
+        if self.transport is None:
+            return
+        self.transport.write(self._pull)
+        self._note("pull")
+        self._arm()
+
+    def _arm(self) -> None:
+        """The client's own bound on a pull, for a pull whose end the server never sent."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self.bound_s, self._client_timeout)
+
+    def _client_timeout(self) -> None:
+        self._note("client-timeout")
+        self._send_pull()
+
+    def _note(self, event: str) -> None:
+        if self.trace is not None:
+            self.trace.append((round(time.time(), 3), event))
+
+    def _on_message(self, sid: bytes, reply: bytes | None, hdr: bytes | None, payload: bytes) -> None:
+        """Dispatch by subscription: a delivery keeps the task's own subject, so the sid says it was our pull."""
+        if sid == b"1":
+            if reply:  # a stored message always has its ack subject as reply, a status never
+                self._note("msg")
+                task_id = json.loads(payload)["task_id"]
+                self.on_claim(task_id, time.time())
+                self._ack_reply = reply
+                self._publish_result(task_id)
+                return
+            status = hdr.split(CRLF, 1)[0][9:12].decode() if hdr else ""
+            self._note(f"status {status}")
+            if status == "100":
+                return  # an idle heartbeat: the pull is alive (its bound still counts from the request)
+            self._send_pull()  # 404/408 the pull ended empty, 409 ended by the server: pull again
+        elif sid == b"2":
+            if b'"error"' in payload:
+                self.errors.append(payload.decode(errors="replace"))
+            reply, self._ack_reply = self._ack_reply, None
+            if reply is not None and self.transport is not None:
+                self.transport.write(b"PUB %s 4\r\n+ACK\r\n" % reply)
+            self._send_pull()
+
+    def _publish_result(self, task_id: str) -> None:
+        result = TaskResult(task_id=task_id, node_id=self.node_id, type=self.task_type, attempt=1,
+                            status=ResultStatus.succeeded, finished_at=datetime.now(UTC))
+        body = result.model_dump_json().encode()
+        hdr = b"NATS/1.0\r\nNats-Msg-Id: %s-1\r\n\r\n" % task_id.encode()
+        if self.transport is not None:
+            self.transport.write(b"HPUB %s %s %d %d\r\n%s%s\r\n" % (
+                self.result_subject.encode(), self.ack_inbox.encode(), len(hdr), len(hdr) + len(body), hdr, body))
+
+    # -- protocol parsing ---------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        while True:
+            if self._pending is not None:
+                sid, reply, hdr_len, size = self._pending
+                if len(buf) < size + 2:
+                    return
+                raw = bytes(buf[:size])
+                del buf[:size + 2]
+                self._pending = None
+                if hdr_len is None:
+                    self._on_message(sid, reply, None, raw)
+                else:
+                    self._on_message(sid, reply, raw[:hdr_len], raw[hdr_len:])
+                continue
+            end = buf.find(CRLF)
+            if end < 0:
+                return
+            line = bytes(buf[:end])
+            del buf[:end + 2]
+            op = line[:4].upper()
+            if op == b"MSG ":
+                parts = line.split()
+                reply = parts[3] if len(parts) == 5 else None
+                self._pending = (parts[2], reply, None, int(parts[-1]))
+            elif op == b"HMSG":
+                parts = line.split()
+                reply = parts[3] if len(parts) == 6 else None
+                self._pending = (parts[2], reply, int(parts[-2]), int(parts[-1]))
+            elif op == b"PING":
+                if self.transport is not None:
+                    self.transport.write(b"PONG\r\n")
+            elif op == b"PONG":
+                if not self.ready.done():
+                    self.ready.set_result(None)
+                    self._send_pull()
+            elif op.startswith(b"-ERR"):
+                self.errors.append(line.decode(errors="replace"))
+            # INFO and +OK need nothing from us
