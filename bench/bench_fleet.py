@@ -557,9 +557,9 @@ async def publish_all(plane: ControlPlane, targets: list[str], sent: dict[str, f
 async def debug_stuck(plane, sent: dict[str, float], events) -> None:
     """BENCH_DEBUG: each unclaimed task's consumer as the server sees it (waiting pulls, pending, delivered)."""
     targets = plane_targets(plane, sent)
-    for task_id, node_id in sorted(targets.items()):
-        if task_id in events.claims:
-            continue
+    unclaimed = sorted((t, n) for t, n in targets.items() if t not in events.claims)
+    print("STUCK", len(unclaimed), "unclaimed; the first 20:", file=sys.stderr)
+    for task_id, node_id in unclaimed[:20]:
         try:
             stream = await plane.js.find_stream_name_by_subject(subjects.tasks(node_id))
             info = await plane.js.consumer_info(stream, WorkerSettings().durable_name(node_id))
@@ -725,7 +725,11 @@ async def run_one(n: int, args, root: Path) -> dict:
             await publish_all(plane, nodes, sent)
             out["restart_all_published_s"] = round(time.time() - up, 2)  # the plane's retries included
             ok_r = await events.until(lambda: len(events.reconnected) >= expected, args.burst_deadline)
-            ok_c = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
+            ok_c = await events.until(lambda: all(t in events.claims for t in sent),
+                                      20.0 if os.environ.get("BENCH_DEBUG") else args.burst_deadline)
+            if not ok_c and os.environ.get("BENCH_DEBUG"):
+                await debug_stuck(plane, sent, events)
+                ok_c = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
             rec = sorted(v - up for v in events.reconnected.values())
             out["restart_reconnected"] = len(rec)
             out["restart_all_reconnected_s"] = round(rec[-1], 2) if ok_r and rec else None
