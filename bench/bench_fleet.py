@@ -278,7 +278,7 @@ def elections(servers: Servers) -> dict:
 
 
 def child_main(urls: list[str], nodes: list[str], root: str, events, stop, args: dict) -> None:
-    logging.basicConfig(level=logging.ERROR)
+    logging.basicConfig(level=os.environ.get("BENCH_LOG_LEVEL", "ERROR"))  # WARNING: the agents' warnings too
     if args.get("profile"):
         # The burst only: the parent sends SIGUSR1 before it publishes and SIGUSR2 once all claimed.
         # cProfile sees the event loop's thread (the store thread's SQLite time is in thread_cpu below).
@@ -296,7 +296,56 @@ def child_main(urls: list[str], nodes: list[str], root: str, events, stop, args:
     asyncio.run(_child(urls, nodes, Path(root), events, stop, args))
 
 
+def _trace_agents() -> None:
+    """BENCH_TRACE in agent mode: each task message's arrival on a node's connection, the worker's kicks and
+    the start of its processing, per node (a bench probe around nats.py and the worker, not agent code)."""
+    import nats.aio.client as nats_client
+
+    original_process_msg = nats_client.Client._process_msg
+    original_process, original_kick = TaskWorker._process, TaskWorker.kick
+
+    async def process_msg(self, sid, subject, reply, data, headers):
+        if reply and b'"task_id"' in data:
+            TRACE.setdefault(self.options.get("name") or "?", []).append(
+                (round(time.time(), 3), "arrived", json.loads(data).get("task_id"), sid))
+        return await original_process_msg(self, sid, subject, reply, data, headers)
+
+    async def process(self, msg):
+        TRACE.setdefault(self.node_id, []).append((round(time.time(), 3), "process", json.loads(msg.data).get("task_id")))
+        return await original_process(self, msg)
+
+    def kick(self):
+        TRACE.setdefault(self.node_id, []).append((round(time.time(), 3), "kick", self._fetching is not None))
+        return original_kick(self)
+
+    original_pull_one, original_fetch = TaskWorker._pull_one, TaskWorker._fetch
+
+    async def pull_one(self, heartbeat_s):
+        trace = TRACE.setdefault(self.node_id, [])
+        trace.append((round(time.time(), 3), "pull_one", self._sub._sub._pending_queue.qsize()))
+        try:
+            msgs = await original_pull_one(self, heartbeat_s)
+        except BaseException as exc:
+            trace.append((round(time.time(), 3), "pull_one raised", type(exc).__name__))
+            raise
+        trace.append((round(time.time(), 3), "pull_one got", [json.loads(m.data).get("task_id") for m in msgs]))
+        return msgs
+
+    async def fetch(self, batch):
+        msgs = await original_fetch(self, batch)
+        TRACE.setdefault(self.node_id, []).append((round(time.time(), 3), "fetch returned", msgs is not None))
+        return msgs
+
+    nats_client.Client._process_msg = process_msg
+    TaskWorker._process = process
+    TaskWorker.kick = kick
+    TaskWorker._pull_one = pull_one
+    TaskWorker._fetch = fetch
+
+
 async def _child(urls, nodes, root: Path, events, stop, args) -> None:
+    if TRACE_PATH and args["node_impl"] == "agent":
+        _trace_agents()
     store = StateStore.open(root / "state.db")
     gate = asyncio.Semaphore(args["connect_concurrency"])
     running: list = []
@@ -554,8 +603,21 @@ async def publish_all(plane: ControlPlane, targets: list[str], sent: dict[str, f
     await asyncio.gather(*(one(n) for n in targets))
 
 
-async def debug_stuck(plane, sent: dict[str, float], events) -> None:
-    """BENCH_DEBUG: each unclaimed task's consumer as the server sees it (waiting pulls, pending, delivered)."""
+async def debug_stuck(plane, sent: dict[str, float], events, server=None) -> None:
+    """BENCH_DEBUG: each unclaimed task's consumer as the server sees it (waiting pulls, pending, delivered),
+    and the server's connections named after its node (a second one is a connection the client gave up on)."""
+    conns: dict[str, list] = {}
+    for member in getattr(server, "members", []):
+        try:
+            for c in member.get("/connz?limit=100000&subs=1").get("connections", []):
+                conns.setdefault(c.get("name", ""), []).append(
+                    (member.name, c.get("cid"), c.get("start"), c.get("last_activity"), c.get("num_subscriptions"),
+                     c.get("pending_bytes"), c.get("out_msgs")))
+        except Exception as exc:  # a probe
+            print("STUCK connz failed", repr(exc), file=sys.stderr)
+    if conns:
+        print("STUCK connections", sum(len(v) for v in conns.values()), "names with more than one:",
+              sum(1 for v in conns.values() if len(v) > 1), file=sys.stderr)
     targets = plane_targets(plane, sent)
     unclaimed = sorted((t, n) for t, n in targets.items() if t not in events.claims)
     print("STUCK", len(unclaimed), "unclaimed; the first 20:", file=sys.stderr)
@@ -566,7 +628,7 @@ async def debug_stuck(plane, sent: dict[str, float], events) -> None:
             print("STUCK", node_id, task_id, stream, round(time.time() - sent[task_id], 2),
                   "reconnected", node_id in events.reconnected,
                   "waiting", info.num_waiting, "pending", info.num_pending, "ack_pending", info.num_ack_pending,
-                  "delivered", info.delivered, "ack_floor", info.ack_floor, file=sys.stderr)
+                  "delivered", info.delivered, "ack_floor", info.ack_floor, "conns", conns.get(node_id), file=sys.stderr)
         except Exception as exc:  # a probe: print what failed and go on
             print("STUCK", node_id, task_id, "probe failed", repr(exc), file=sys.stderr)
 
@@ -673,7 +735,7 @@ async def run_one(n: int, args, root: Path) -> dict:
         published = time.time()
         ok = await events.until(lambda: all(t in events.claims for t in sent), 8.0 if os.environ.get("BENCH_DEBUG") else args.burst_deadline)
         if not ok and os.environ.get("BENCH_DEBUG"):
-            await debug_stuck(plane, sent, events)
+            await debug_stuck(plane, sent, events, server)
             for member in getattr(server, "members", []):
                 print("SERVER LOG", member.name, (member.root / "nats.log").read_text(errors="replace")[-3000:], file=sys.stderr)
             ok = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
@@ -728,7 +790,7 @@ async def run_one(n: int, args, root: Path) -> dict:
             ok_c = await events.until(lambda: all(t in events.claims for t in sent),
                                       20.0 if os.environ.get("BENCH_DEBUG") else args.burst_deadline)
             if not ok_c and os.environ.get("BENCH_DEBUG"):
-                await debug_stuck(plane, sent, events)
+                await debug_stuck(plane, sent, events, server)
                 ok_c = await events.until(lambda: all(t in events.claims for t in sent), args.burst_deadline)
             rec = sorted(v - up for v in events.reconnected.values())
             out["restart_reconnected"] = len(rec)
@@ -799,7 +861,7 @@ def main() -> int:
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 200000)), hard))
-    logging.basicConfig(level=logging.ERROR)
+    logging.basicConfig(level=os.environ.get("BENCH_LOG_LEVEL", "ERROR"))  # WARNING: the agents' warnings too
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-fleet-", dir=args.root) as tmp:
         for n in (int(x) for x in args.nodes.split(",")):

@@ -223,6 +223,10 @@ class TaskWorker:
         self._inflight: dict[str, asyncio.Future] = {}
         self._sub = None
         self._fetching: asyncio.Future | None = None
+        # A message a kicked or stopped pull had already taken off the subscription's queue: the next pull
+        # hands it on (a stop hands it back). Cancelling a read that has taken one would drop it: JetStream
+        # then redelivers it only ack_wait_s later (bench_fleet, server restart at 5,000 nodes).
+        self._carried: list[Msg] = []
         self._checked_at = 0.0
         self._silent_pulls = 0  # pulls in a row that went silent (no heartbeat): paces the consumer checks
         self.pull_heartbeats = 0  # idle heartbeats the server sent on our pulls (observability, tests)
@@ -275,7 +279,7 @@ class TaskWorker:
         """One pull of up to ``batch``; None when :meth:`stop` or :meth:`kick` ended it first."""
         assert self._sub is not None
         heartbeat = self._pull_heartbeat_s()
-        if batch == 1 and heartbeat is not None:
+        if batch == 1:  # always, from run(): our own pull, whose read a kick or stop cannot make drop a message
             fetching = self._fetching = asyncio.ensure_future(self._pull_one(heartbeat))
         else:
             fetching = self._fetching = asyncio.ensure_future(
@@ -304,8 +308,9 @@ class TaskWorker:
             return None
         return heartbeat
 
-    async def _pull_one(self, heartbeat_s: float) -> list[Msg]:
-        """One message by a pull that asks the server for idle heartbeats, and notices when they stop.
+    async def _pull_one(self, heartbeat_s: float | None) -> list[Msg]:
+        """One message by a pull that (with ``heartbeat_s``) asks the server for idle heartbeats, and notices when
+        they stop.
 
         nats.py's ``fetch(heartbeat=)`` asks for them but waits out the whole expiry when they stop.
         They stop when the consumer's server is lost while ours is not (an R1 consumer of a cluster
@@ -315,9 +320,12 @@ class TaskWorker:
         other status (409: the consumer was deleted, a pull limit of the consumer).
 
         Same wire as ``fetch``: the request goes to the consumer's next-message subject with the
-        subscription's deliver inbox as reply, and answers are read from that subscription.
+        subscription's deliver inbox as reply, and answers are read from that subscription — by
+        :meth:`_take`, which a kick or stop (cancelling this pull) cannot make drop a message.
         """
         assert self._sub is not None
+        if self._carried:
+            return [self._carried.pop(0)]
         sub = self._sub._sub  # the deliver inbox's subscription (nats.py PullSubscription; the same in 2.x)
         pending = sub._pending_queue
         while not pending.empty():  # left from an earlier pull: a message is ours, a status was that pull's
@@ -326,7 +334,9 @@ class TaskWorker:
             if pull_status(msg) is None:
                 return [msg]
         expiry = self.settings.fetch_timeout_s
-        request = {"batch": 1, "expires": int(expiry * 1e9) - 100_000, "idle_heartbeat": int(heartbeat_s * 1e9)}
+        request = {"batch": 1, "expires": int(expiry * 1e9) - 100_000}
+        if heartbeat_s is not None:
+            request["idle_heartbeat"] = int(heartbeat_s * 1e9)
         await self.nc.publish(self._sub._nms, json.dumps(request).encode(), self._sub._deliver)
         loop = asyncio.get_running_loop()
         # The server counts the expiry from when it got the request: its 408 comes a little after ours would.
@@ -334,17 +344,17 @@ class TaskWorker:
         # of 2,000 idle nodes under load: bench_fleet). The bound counts from the request, never from a
         # heartbeat: nats-server < 2.9.16 drops the 408 of a pull that expires as a message arrives (PR #3942;
         # seen in bench_fleet bursts), and that message then waits for our next pull, here <= 1 s.
-        end = loop.time() + expiry + min(1.0, heartbeat_s)
+        end = loop.time() + expiry + min(1.0, heartbeat_s or 1.0)
         last = loop.time()  # the last sign of life of this pull: its request, a heartbeat, a status
         while True:
             now = loop.time()
             if now >= end:
                 raise nats.errors.TimeoutError  # expired without its 408: what fetch() raises too
             try:
-                msg = await sub.next_msg(timeout=min(end, last + 2 * heartbeat_s) - now)
+                msg = await self._take(sub, (end if heartbeat_s is None else min(end, last + 2 * heartbeat_s)) - now)
             except nats.errors.TimeoutError:
                 now = loop.time()
-                if now < end and now - last >= 2 * heartbeat_s:
+                if heartbeat_s is not None and now < end and now - last >= 2 * heartbeat_s:
                     if not self.nc.is_connected:  # the reconnect ends this pull (kick); nothing to tell
                         last = now
                         continue
@@ -362,6 +372,30 @@ class TaskWorker:
             headers = msg.headers or {}
             raise nats.js.errors.APIError(code=int(status) if status.isdigit() else None,
                                           description=headers.get("Description") or headers.get(Header.DESCRIPTION))
+
+    async def _take(self, sub, timeout: float) -> Msg:
+        """The next message of the pull subscription's queue within ``timeout`` (else ``nats.errors.TimeoutError``).
+
+        Cancellation-safe, unlike nats.py's ``next_msg``: there the message is taken off the queue by an inner
+        task, and a cancel (a kick at reconnect, a stop) that lands before the caller resumes drops it. Here
+        a cancelled ``Queue.get`` leaves the message queued, and one already taken is carried to the next pull.
+        """
+        getter = asyncio.ensure_future(sub._pending_queue.get())
+        try:
+            await asyncio.wait({getter}, timeout=max(timeout, 0.0))
+        except asyncio.CancelledError:
+            if getter.done() and not getter.cancelled():
+                self._carried.append(getter.result())
+                sub._pending_size -= len(self._carried[-1].data)
+            else:
+                getter.cancel()
+            raise
+        if not getter.done():
+            getter.cancel()
+            raise nats.errors.TimeoutError
+        msg = getter.result()
+        sub._pending_size -= len(msg.data)
+        return msg
 
     async def _pull_went_silent(self, silent_s: float) -> None:
         """A pull's heartbeats stopped while our connection is up: check the consumer, then pull again.
@@ -524,6 +558,17 @@ class TaskWorker:
             sub, self._sub = self._sub, None
             with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
                 await asyncio.wait_for(sub.unsubscribe(), self.settings.request_timeout_s)
+            # Tasks the stopped pull had already taken (carried) or left queued: handed back now, not at ack_wait.
+            queued = sub._sub._pending_queue
+            while not queued.empty():
+                msg = queued.get_nowait()
+                if pull_status(msg) is None:
+                    self._carried.append(msg)
+        carried, self._carried = self._carried, []
+        for msg in carried:
+            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
+                await asyncio.wait_for(msg.nak(), self.settings.request_timeout_s)
+            _warn("task_handed_back_at_stop", subject=msg.subject, before_start=True)
         cancelled: list[str] = []
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
