@@ -9,6 +9,7 @@ These tests put a real delivery through that exact moment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from datetime import UTC, datetime
 
@@ -33,6 +34,23 @@ async def _agent_connection(nats_server, tmp_path):
                               credentials=NatsCredentials(user=NODE, password="unused-by-test-server",
                                                           servers=[nats_server.url]))
     return await connect(AgentConfig(state_dir=tmp_path / "state", insecure=True), record, asyncio.Event())
+
+
+@contextlib.asynccontextmanager
+async def _bound_worker(nats_server, tmp_path):
+    """The control plane, the agent's connection and a worker bound to its consumer (no run loop: the test reads)."""
+    plane = await ControlPlane.connect(nats_server.url)
+    await plane.create_streams()
+    nc = await _agent_connection(nats_server, tmp_path)
+    store = StateStore.open(tmp_path / "state" / "state.db")
+    worker = TaskWorker(nc, store, NODE, {}, WorkerSettings(ack_wait_s=ACK_WAIT_S, fetch_timeout_s=2.0))
+    try:
+        worker._sub = await worker._bind()
+        yield plane, nc, store, worker
+    finally:
+        await nc.close()
+        store.close()
+        await plane.close()
 
 
 async def _delivered(worker: TaskWorker, plane: ControlPlane):
@@ -62,13 +80,7 @@ async def _cancel_as_handed_over(worker: TaskWorker, sub, msg):
 
 def test_a_read_cancelled_at_any_moment_of_a_hand_over_never_drops_the_task(nats_server, tmp_path):
     async def body():
-        plane = await ControlPlane.connect(nats_server.url)
-        await plane.create_streams()
-        nc = await _agent_connection(nats_server, tmp_path)
-        store = StateStore.open(tmp_path / "state" / "state.db")
-        worker = TaskWorker(nc, store, NODE, {}, WorkerSettings(ack_wait_s=ACK_WAIT_S, fetch_timeout_s=2.0))
-        try:
-            worker._sub = await worker._bind()
+        async with _bound_worker(nats_server, tmp_path) as (plane, nc, store, worker):
             envelope, sub, msg = await _delivered(worker, plane)
             outcomes = set()
             for turns in range(8):  # the cancel lands 0 … 7 loop turns after the delivery reached the queue
@@ -101,23 +113,13 @@ def test_a_read_cancelled_at_any_moment_of_a_hand_over_never_drops_the_task(nats
             got = await worker._pull_one(None)
             assert json.loads(got[0].data)["task_id"] == envelope.task_id
             assert not worker._carried
-        finally:
-            await nc.close()
-            store.close()
-            await plane.close()
 
     run_bounded(body(), 60)
 
 
 def test_a_task_carried_at_stop_is_handed_back_at_once_not_at_ack_wait(nats_server, tmp_path):
     async def body():
-        plane = await ControlPlane.connect(nats_server.url)
-        await plane.create_streams()
-        nc = await _agent_connection(nats_server, tmp_path)
-        store = StateStore.open(tmp_path / "state" / "state.db")
-        worker = TaskWorker(nc, store, NODE, {}, WorkerSettings(ack_wait_s=ACK_WAIT_S, fetch_timeout_s=2.0))
-        try:
-            worker._sub = await worker._bind()
+        async with _bound_worker(nats_server, tmp_path) as (plane, nc, store, worker):
             envelope, sub, msg = await _delivered(worker, plane)
             await _cancel_as_handed_over(worker, sub, msg)
             await worker.drain(0.1)  # the stop: the carried task is nak'ed
@@ -134,9 +136,5 @@ def test_a_task_carried_at_stop_is_handed_back_at_once_not_at_ack_wait(nats_serv
             assert got is not None, "the task handed back at stop was not redelivered at once"
             assert json.loads(got[0].data)["task_id"] == envelope.task_id
             assert got[0].metadata.num_delivered == 2
-        finally:
-            await nc.close()
-            store.close()
-            await plane.close()
 
     run_bounded(body(), 60)
