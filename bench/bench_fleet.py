@@ -331,8 +331,8 @@ def _trace_agents() -> None:
         trace.append((round(time.time(), 3), "pull_one got", [json.loads(m.data).get("task_id") for m in msgs]))
         return msgs
 
-    async def fetch(self, batch):
-        msgs = await original_fetch(self, batch)
+    async def fetch(self):
+        msgs = await original_fetch(self)
         TRACE.setdefault(self.node_id, []).append((round(time.time(), 3), "fetch returned", msgs is not None))
         return msgs
 

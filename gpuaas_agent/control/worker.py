@@ -275,15 +275,10 @@ class TaskWorker:
         if self._fetching is not None and not self._fetching.done():
             self._fetching.cancel()
 
-    async def _fetch(self, batch: int) -> list[Msg] | None:
-        """One pull of up to ``batch``; None when :meth:`stop` or :meth:`kick` ended it first."""
+    async def _fetch(self) -> list[Msg] | None:
+        """One pull (:meth:`_pull_one`); None when :meth:`stop` or :meth:`kick` ended it first."""
         assert self._sub is not None
-        heartbeat = self._pull_heartbeat_s()
-        if batch == 1:  # always, from run(): our own pull, whose read a kick or stop cannot make drop a message
-            fetching = self._fetching = asyncio.ensure_future(self._pull_one(heartbeat))
-        else:
-            fetching = self._fetching = asyncio.ensure_future(
-                self._sub.fetch(batch=batch, timeout=self.settings.fetch_timeout_s))
+        fetching = self._fetching = asyncio.ensure_future(self._pull_one(self._pull_heartbeat_s()))
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({fetching, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -296,8 +291,8 @@ class TaskWorker:
             return None
         if not fetching.done():  # cancelled just now: let it unwind (an outer cancel still reaches us)
             await asyncio.wait({fetching})
-            if not fetching.cancelled():
-                fetching.exception()  # retrieved: nats.py may end a cancelled pull with ConnectionClosedError
+            if not fetching.cancelled() and fetching.exception() is None:
+                self._carried.extend(fetching.result())  # it got a task as it was ended: handed on, or back at stop
             return None
         return fetching.result()
 
@@ -472,7 +467,7 @@ class TaskWorker:
             try:
                 # One message per pull: nats.py's batch fetch holds a first message until the batch fills
                 # or the pull expires (measured: up to the whole 30 s expiry); one is handed on at once.
-                msgs = await self._fetch(1)
+                msgs = await self._fetch()
             except (nats.errors.TimeoutError, TimeoutError):
                 self._silent_pulls = 0  # the pull lived to its expiry: the server answered it
                 await self._check_consumer()
