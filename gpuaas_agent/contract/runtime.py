@@ -15,6 +15,7 @@ from types import MappingProxyType
 from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
+from gpuaas_agent.contract.handover import GpuHandoverPolicy
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.placement import Placement
 from gpuaas_agent.errors import ContractError
@@ -68,6 +69,8 @@ class RuntimeProfile(WireModel):
     # How the slot's disk is cleared on release (seed 002 tenant-isolation wipe policy); a host's
     # config may override it per profile (SliceConfig.wipe_policies). Default: today's discard + verify.
     wipe_policy: WipePolicy = Field(default_factory=WipePolicy)
+    # The state each passed-through GPU is reset, cleared and restored to between tenants (host/gpuhandover).
+    gpu_handover: GpuHandoverPolicy = Field(default_factory=GpuHandoverPolicy)
     # Readiness also proves egress (issue 16): the guest's first boot reaches the host's configured
     # target beyond the NAT (SliceConfig.readiness_egress_target) and conntrack shows it source-NATed.
     readiness_egress: bool = False

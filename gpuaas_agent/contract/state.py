@@ -8,6 +8,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
+from gpuaas_agent.contract.handover import LeaseHandover
 from gpuaas_agent.contract.types import UUID_PATTERN, ByIdPath, DiskIdentity, PciAddress
 
 
@@ -26,6 +27,9 @@ class SlotLease(WireModel):
     fabric_vf_pci_address: PciAddress
     task_id: str = Field(min_length=1, max_length=200)
     taken_at: float
+    # Fixed by the provision's validate; None only on a lease taken before it (slice.plan's, or an old row):
+    # release then uses the strictest method the device supports (tasks/release.py).
+    handover: LeaseHandover | None = None
 
 
 class StepStatus(WireEnum):
