@@ -379,6 +379,7 @@ class ErrorCode(StrEnum):
     WIPE_IDENTITY_MISMATCH = "wipe_identity_mismatch", "host_wipe", "The disk identity changed during the wipe; investigate, the slot stays blocked."
     WIPE_METHOD_UNSUPPORTED = "wipe_method_unsupported", "host_wipe", "The drive does not support the configured wipe method; pick another policy."
     WIPE_SCOPE_EXCEEDS_LEASE = "wipe_scope_exceeds_lease", "host_wipe", "The wipe would reach beyond the leased namespace; it was refused, fix the policy."
+    ZEROES_NOT_GUARANTEED = "zeroes_not_guaranteed", "host_wipe", "An erase was passed over at validate: the namespace does not promise erased blocks read zero (evidence only)."
 
     # --- Tasks: plan, admission, provision, release, power
     PLAN_REFUSED = "plan_refused", "tasks", "The plan was refused; read the evidence."

@@ -24,8 +24,17 @@ U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
 
 
 class WipePolicyMethod(WireEnum):
-    """What a slot profile asks for when its disk is released."""
+    """What a slot profile asks for when its disk is released.
 
+    ``auto`` (the default) is resolved at validate, from what ``nvme id-ctrl``/``id-ns``
+    report, to a method whose post-condition the device must honour: a crypto erase
+    (Sanitize, else Format) where the namespace reads erased blocks as zero and the
+    erase stays inside the lease, else Write Zeroes. The lease stores the resolved
+    method, never ``auto``. ``discard`` is advisory: a profile may opt in, and then
+    the proof reads the whole device back.
+    """
+
+    auto = "auto"
     discard = "discard"
     zeroout = "zeroout"
     nvme_format = "nvme_format"
@@ -50,9 +59,9 @@ class SanitizeAction(WireEnum):
 
 
 class WipePolicy(WireModel):
-    """How a slot profile's disk is cleared; the default is today's behaviour (discard, verified)."""
+    """How a slot profile's disk is cleared; the default is resolved from the device's capability at validate."""
 
-    method: WipePolicyMethod = WipePolicyMethod.discard
+    method: WipePolicyMethod = WipePolicyMethod.auto
     format_erase: FormatErase = FormatErase.auto
     sanitize_action: SanitizeAction = SanitizeAction.auto
     # The erase command itself (sanitize: until the status log says it ended); verification comes on top.
@@ -145,6 +154,9 @@ class NvmeCapabilities(WireModel):
     controller: NvmeControllerCaps
     namespace: NvmeNamespaceCaps
     active_nsids: list[Annotated[int, Field(ge=1)]]
+    # ``list-ns --all``: every namespace allocated in the subsystem, attached or not (None: not answered).
+    # An erase that acts on all namespaces reaches the detached ones too.
+    allocated_nsids: list[Annotated[int, Field(ge=1)]] | None = None
     source: str = Field(default="nvme-cli", max_length=200)  # tool (and version) that answered
 
 

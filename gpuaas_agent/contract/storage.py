@@ -54,6 +54,19 @@ class WipeMethod(WireEnum):
     nvme_sanitize = "nvme_sanitize"  # Sanitize (block erase / crypto erase / overwrite; see ``nvme``)
 
 
+class ProofGuarantee(WireEnum):
+    """What a wipe proof's claim over *every* byte rests on (a sample alone covers only what it read)."""
+
+    write_zeroes = "write_zeroes"  # every LBA written zero: Write Zeroes honoured, or zero buffers the agent wrote
+    erase_reads_zero = "erase_reads_zero"  # an NVMe erase, on a namespace whose DLFEAT says erased blocks read zero
+    whole_device_read = "whole_device_read"  # every byte read back and found zero
+    sampled = "sampled"  # only the samples were read: no claim beyond them (proofs from before guarantees)
+
+
+EVERY_BYTE = frozenset({ProofGuarantee.write_zeroes, ProofGuarantee.erase_reads_zero,
+                        ProofGuarantee.whole_device_read})
+
+
 class WipeSample(WireModel):
     """One region read back after the wipe."""
 
@@ -84,6 +97,15 @@ class WipeProof(WireModel):
     nvme: NvmeEraseEvidence | None = None
     whole_device: WholeDeviceCheck | None = None
     zeroed_after: bool = False
+    # What the claim over every byte rests on; a proof from before this field claims only its samples.
+    guarantee: ProofGuarantee = ProofGuarantee.sampled
+    # The whole-device read that found data an acknowledged erase left behind (then zeroed and read again).
+    left_by_erase: WholeDeviceCheck | None = None
+
+    @property
+    def covers_every_byte(self) -> bool:
+        """Verified, and by a guarantee over every LBA: only then may a clone skip writing zeroes."""
+        return self.verified and self.guarantee in EVERY_BYTE
 
 
 class CloneProgress(WireModel):

@@ -120,10 +120,15 @@ def supports_o_direct(dev: str) -> bool:
 
 
 def target_is_zero(proof: WipeProof | None, evidence: DiskEvidence) -> bool:
-    """``--target-is-zero`` only on a verified wipe of *this very* disk (same link, node, and device number)."""
+    """``--target-is-zero`` only when every LBA of *this very* disk (same link, node, device number) is known zero.
+
+    That takes a proof whose guarantee covers every byte (Write Zeroes, an erase whose namespace reads
+    zero, or a whole-device read): after a sampled proof of an advisory discard, qemu-img would skip the
+    image's zero regions and leave whatever the sample missed readable on the next tenant's boot disk.
+    """
     return (
         proof is not None
-        and proof.verified
+        and proof.covers_every_byte
         and proof.by_id == evidence.by_id
         and proof.kernel_name == evidence.kernel_name
         and proof.dev == evidence.dev

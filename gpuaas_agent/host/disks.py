@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection
 
+from gpuaas_agent.contract.nvmewipe import WholeDeviceCheck
 from gpuaas_agent.contract.storage import (
     DiskEvidence,
     DiskLease,
+    ProofGuarantee,
     WipeMethod,
     WipeProof,
     WipeSample,
@@ -29,10 +32,13 @@ from gpuaas_agent.errors import HostError
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.host.run import Completed, run
 from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.logs import log_event
 
+log = logging.getLogger(__name__)
 Runner = Callable[..., Awaitable[Completed]]
 SAMPLE_BYTES = 1 << 20  # per region read back
 ZERO_FILL_CHUNK = 8 << 20
+READ_CHUNK = 8 << 20
 DEFAULT_SAMPLES = 16
 
 
@@ -71,23 +77,83 @@ async def wipe_disk(
     await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
     if after_erase is not None:
         await after_erase(dev)
+    return await prove_cleared(host, evidence, dev, method=method, samples=samples, seed=seed, started=started,
+                               timeout=timeout, runner=runner)
+
+
+async def prove_cleared(
+    host: HostRoot,
+    evidence: DiskEvidence,
+    dev: str,
+    *,
+    method: WipeMethod,
+    samples: int = DEFAULT_SAMPLES,
+    seed: int | None = None,
+    started: float,
+    timeout: float,
+    runner: Runner = run,
+) -> WipeProof:
+    """The proof after a block clear, resting on what the method guarantees for every byte.
+
+    Write Zeroes and the agent's own zero buffers write every LBA: the samples and
+    the signature probes check that, and the guarantee is ``write_zeroes``. A
+    discard is a hint a device may honour in part (a controller that kept a few
+    ranges answers success all the same), so after it every byte is read back; data
+    found there is zeroed (Write Zeroes) and every byte read again, since the device
+    has shown it does not do what it acknowledges. Raises ``wipe_unverified``.
+    """
+    whole = left = None
+    guarantee = ProofGuarantee.write_zeroes
+    zeroed = False
+    if method is WipeMethod.discard:
+        whole = await asyncio.to_thread(read_whole_device, dev, evidence.size_bytes)
+        guarantee = ProofGuarantee.whole_device_read
+        if not whole.all_zero and not await _signatures(dev, runner):
+            # The device acknowledged a discard it did not carry out: write zeroes, then read every byte again.
+            log_event(log, "discard_left_data", logging.WARNING, by_id=evidence.by_id,
+                      kernel_name=evidence.kernel_name, first_nonzero_offset=whole.first_nonzero_offset)
+            left = whole
+            method = await _zero_out(host, evidence, dev, timeout=timeout, runner=runner)
+            zeroed = True
+            whole = await asyncio.to_thread(read_whole_device, dev, evidence.size_bytes)
     proof = await verify_wiped(
         host, evidence, method=method, samples=samples, seed=seed, started=started, runner=runner, dev=dev
     )
-    if method is WipeMethod.discard and not proof.verified and not proof.signatures_found:
-        # Discard is a hint: many devices do not promise zeroes afterwards. Write them, then prove again.
-        await _step(runner, ["blkdiscard", "--zeroout", dev], timeout, evidence)
-        proof = await verify_wiped(
-            host, evidence, method=WipeMethod.zeroout, samples=samples, seed=seed, started=started,
-            runner=runner, dev=dev,
-        )
+    verified = proof.verified and (whole is None or whole.all_zero)
+    proof = proof.model_copy(update={"verified": verified, "whole_device": whole, "guarantee": guarantee,
+                                     "zeroed_after": zeroed, "left_by_erase": left,
+                                     "duration_s": time.monotonic() - started})
     if not proof.verified:
         raise WipeError(
-            f"{by_id} ({evidence.kernel_name}) is not provably empty after the wipe",
+            f"{evidence.by_id} ({evidence.kernel_name}) is not provably empty after the wipe"
+            + (f": non-zero data at byte {whole.first_nonzero_offset}" if whole is not None and not whole.all_zero
+               else ""),
             code="wipe_unverified",
             evidence=proof.model_dump(mode="json"),
         )
     return proof
+
+
+def read_whole_device(dev: str, size: int) -> WholeDeviceCheck:
+    """Read every byte of ``dev`` (page cache dropped first); stops at the first non-zero byte."""
+    started = time.monotonic()
+    zeros = bytes(READ_CHUNK)
+    fd = os.open(dev, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        offset = 0
+        while offset < size:
+            data = os.pread(fd, min(READ_CHUNK, size - offset), offset)
+            if not data:
+                break
+            if data != zeros[: len(data)]:
+                first = offset + next(i for i, b in enumerate(data) if b)
+                return WholeDeviceCheck(bytes_read=offset + len(data), all_zero=False, first_nonzero_offset=first,
+                                        duration_s=time.monotonic() - started)
+            offset += len(data)
+        return WholeDeviceCheck(bytes_read=offset, all_zero=offset == size, duration_s=time.monotonic() - started)
+    finally:
+        os.close(fd)
 
 
 async def verify_wiped(
@@ -184,6 +250,16 @@ async def _clear_blocks(
             return WipeMethod.discard
         if b"busy" in done.stderr.lower():
             raise WipeError(f"blkdiscard {dev}: device busy", code="wipe_failed", evidence=_ev(evidence, done))
+    return await _zero_out(host, evidence, dev, timeout=timeout, runner=runner)
+
+
+async def _zero_out(host: HostRoot, evidence: DiskEvidence, dev: str, *, timeout: float,
+                    runner: Runner) -> WipeMethod:
+    """Write Zeroes (``blkdiscard --zeroout``); where the device refuses it, the agent writes zero buffers itself.
+
+    Either way every LBA is written zero: the guarantee a sampled read-back may rest on.
+    A busy device is never zero-filled by hand (it is in use: the O_EXCL open says so).
+    """
     done = await runner(["blkdiscard", "--zeroout", dev], timeout=timeout, check=False)
     if done.returncode == 0:
         return WipeMethod.zeroout

@@ -40,6 +40,9 @@ RULE_OUTSIDE = "outside_image_dir"
 RULE_NOT_REGULAR = "not_regular_file"
 RULE_FORBIDDEN = "forbidden_path"
 RULE_MALFORMED = "malformed_url"
+# A second name of a file elsewhere: a hard link in the image dir to another tenant's upload, the state dir
+# or a key would pass every path rule (its path *is* in the dir). Images there are single-named files.
+RULE_HARD_LINK = "hard_linked_file"
 
 
 class ImageCacheError(HostError):
@@ -148,6 +151,7 @@ _MESSAGES = {
     RULE_FORBIDDEN: "image path lies under /dev, /proc, /sys, the state dir or the image cache",
     RULE_OUTSIDE: "image path is outside slice.image_file_dir",
     RULE_NOT_REGULAR: "image path is not a regular file (device, FIFO, socket or directory)",
+    RULE_HARD_LINK: "image file has more than one hard link (st_nlink > 1): it may be another file's second name",
 }
 
 
@@ -175,12 +179,14 @@ def _check_file(policy: SourcePolicy, url: str, parts: SplitResult) -> str:
     if rule is not None:
         raise refused(url, rule, _MESSAGES[rule])
     try:
-        mode = os.stat(real).st_mode
+        st = os.stat(real)
     except OSError as exc:
         raise ImageCacheError(f"cannot open the image source: {exc.strerror}", code="fetch_failed",
                               evidence={"url": url, "errno": exc.errno}) from exc
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st.st_mode):
         raise refused(url, RULE_NOT_REGULAR, _MESSAGES[RULE_NOT_REGULAR])
+    if st.st_nlink > 1:
+        raise refused(url, RULE_HARD_LINK, _MESSAGES[RULE_HARD_LINK])
     return real
 
 
@@ -204,6 +210,8 @@ def open_file(policy: SourcePolicy, path: str, url: str) -> tuple[BinaryIO, int]
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise refused(url, RULE_NOT_REGULAR, _MESSAGES[RULE_NOT_REGULAR])
+        if st.st_nlink > 1:  # linked since the check: the descriptor is what will be read
+            raise refused(url, RULE_HARD_LINK, _MESSAGES[RULE_HARD_LINK])
         held = os.readlink(f"/proc/self/fd/{fd}")
         rule = _placement_rule(policy, held, _bases(policy))
         if rule is not None:

@@ -129,11 +129,13 @@ def parse_list_ns(doc: dict) -> list[int]:
 
 
 def parse_capabilities(id_ctrl: dict, id_ns: dict, nsid: int, *, descs: dict | None = None,
-                       list_ns: dict | None = None, source: str = "nvme-cli") -> NvmeCapabilities:
-    """The typed capability model from recorded or live nvme-cli JSON."""
+                       list_ns: dict | None = None, list_ns_all: dict | None = None,
+                       source: str = "nvme-cli") -> NvmeCapabilities:
+    """The typed capability model from recorded or live nvme-cli JSON (``list_ns_all``: ``list-ns --all``)."""
     active = parse_list_ns(list_ns) if list_ns is not None else [nsid]
+    allocated = parse_list_ns(list_ns_all) if list_ns_all is not None else None
     return NvmeCapabilities(controller=parse_id_ctrl(id_ctrl), namespace=parse_id_ns(id_ns, nsid, descs),
-                            active_nsids=active, source=source)
+                            active_nsids=active, allocated_nsids=allocated, source=source)
 
 
 def parse_sanitize_log(doc: dict, *, estimate_key: str | None = None) -> SanitizeStatus:
@@ -231,4 +233,10 @@ async def read_capabilities(dev: str, nsid: int, *, runner: Runner, timeout: flo
     id_ns = await _json(runner, ["nvme", "id-ns", dev, f"--namespace-id={nsid}", "--output-format=json"], timeout)
     descs = await _json(runner, ["nvme", "ns-descs", dev, f"--namespace-id={nsid}", "--output-format=json"], timeout)
     list_ns = await _json(runner, ["nvme", "list-ns", dev, "--output-format=json"], timeout)
-    return parse_capabilities(id_ctrl, id_ns, nsid, descs=descs, list_ns=list_ns)
+    # Attached or not: a sanitize, or a format over all namespaces, erases the detached ones too.
+    try:
+        list_ns_all: dict | None = await _json(runner, ["nvme", "list-ns", dev, "--all", "--output-format=json"],
+                                               timeout)
+    except NvmeCapsError:
+        list_ns_all = None  # no namespace management: the scope check then refuses any subsystem-wide erase
+    return parse_capabilities(id_ctrl, id_ns, nsid, descs=descs, list_ns=list_ns, list_ns_all=list_ns_all)

@@ -142,20 +142,34 @@ def check_identity(caps: NvmeCapabilities, lease_identity: str, *, by_id: str, d
 
 
 def check_scope(action: NvmeEraseAction, caps: NvmeCapabilities) -> None:
-    """Refuse a command that would erase more than the leased namespace (another slot's, or the OS)."""
+    """Refuse a command that would erase more than the leased namespace (another slot's, a detached one, the OS).
+
+    Sanitize always acts on the whole NVM subsystem, and a Format secure erase does when
+    FNA says so: such a command needs the leased namespace to be the only one allocated
+    (``list-ns --all``: attached or detached) on a single-controller subsystem. A
+    controller that cannot list its allocated namespaces is refused too: a detached
+    namespace it does not show would be erased unseen.
+    """
     ctrl, nsid = caps.controller, caps.namespace.nsid
     subsystem_wide = action in SANACT or (action in SES and (ctrl.format_all_namespaces
                                                              or ctrl.secure_erase_all_namespaces))
     if not subsystem_wide:
         return
-    others = [n for n in caps.active_nsids if n != nsid]
-    if others or nsid not in caps.active_nsids or ctrl.multi_controller:
+    others = sorted(set(caps.active_nsids) - {nsid})
+    detached = sorted(set(caps.allocated_nsids or ()) - set(caps.active_nsids) - {nsid})
+    unlisted = caps.allocated_nsids is None
+    if others or detached or unlisted or nsid not in caps.active_nsids or ctrl.multi_controller:
         scope = "Sanitize acts on the whole NVM subsystem" if action in SANACT else \
             f"FNA {ctrl.fna:#x}: a secure erase format acts on every namespace"
+        beyond = ([f"active namespace {n}" for n in others] + [f"detached namespace {n}" for n in detached]
+                  + (["namespaces the controller did not list (list-ns --all unanswered)"] if unlisted else [])
+                  + (["another controller of the subsystem"] if ctrl.multi_controller else []))
         raise WipeRefused(
-            f"{action.value} on {ctrl.model} (serial {ctrl.serial}) would reach beyond namespace {nsid}: {scope}",
+            f"{action.value} on {ctrl.model} (serial {ctrl.serial}) would reach beyond namespace {nsid} "
+            f"({', '.join(beyond) or 'the leased namespace is not active'}): {scope}",
             code="wipe_scope_exceeds_lease",
             evidence={"action": action.value, "nsid": nsid, "active_nsids": caps.active_nsids,
+                      "allocated_nsids": caps.allocated_nsids, "beyond_lease": beyond,
                       "multi_controller": ctrl.multi_controller, "fna": ctrl.fna},
         )
 

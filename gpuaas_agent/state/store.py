@@ -10,16 +10,20 @@ checks that two tasks could race past.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from gpuaas_agent.contract.handover import LeaseHandover
 from gpuaas_agent.contract.state import JournalEntry, SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.storage import WipeProof
 from gpuaas_agent.contract.terminal import HostKeyPin, TerminalAudit
 from gpuaas_agent.errors import AgentError
+
+log = logging.getLogger(__name__)
 
 # Each entry moves the schema from version i to i+1; never edit one that shipped.
 MIGRATIONS: tuple[str, ...] = (
@@ -121,11 +125,17 @@ MIGRATIONS: tuple[str, ...] = (
         updated_at REAL NOT NULL
     );
     """,
+    # 6 -> 7: the handover a slot's next tenant is owed (wipe method, its zero guarantee, the GPU state) is
+    # fixed at validate and kept with the lease, so no release looks it up from a domain that may be gone.
+    # NULL: a lease from before (or slice.plan's, until validate): release uses the strictest method.
+    """
+    ALTER TABLE slot_lease ADD COLUMN handover TEXT;
+    """,
 )
 
 
 LEASE_FIELDS = ("allocation_id", "slot_index", "gpu_pci_address", "nvme_device", "disk_identity",
-                "fabric_vf_pci_address", "task_id", "taken_at")
+                "fabric_vf_pci_address", "task_id", "taken_at", "handover")
 LEASE_COLUMNS = ", ".join(LEASE_FIELDS)
 
 
@@ -263,22 +273,30 @@ class StateStore:
         return self.take_leases([lease])[0]
 
     def _take_one(self, lease: SlotLease) -> SlotLease:
-        bound = lease.model_dump(exclude={"task_id", "taken_at"})
+        unbound = {"task_id", "taken_at", "handover"}
+        bound = lease.model_dump(exclude=unbound)
         for column in ("slot_index", "gpu_pci_address", "nvme_device", "disk_identity", "fabric_vf_pci_address"):
             holder = self._lease_row(f"{column} = ?", getattr(lease, column))
             if holder is None:
                 continue
-            if holder.model_dump(exclude={"task_id", "taken_at"}) == bound:
-                return holder  # this very lease, taken before (a redelivered plan)
+            if holder.model_dump(exclude=unbound) == bound:
+                # This very lease, taken before (a redelivered plan or validate). Its handover, once fixed,
+                # is never changed by a later take; a lease slice.plan took gets the validate's now.
+                if holder.handover is None and lease.handover is not None:
+                    self._conn.execute("UPDATE slot_lease SET handover = ? WHERE slot_index = ?",
+                                       (lease.handover.model_dump_json(), holder.slot_index))
+                    return holder.model_copy(update={"handover": lease.handover})
+                return holder
             raise LeaseConflict(
                 f"{column}={getattr(lease, column)} is leased by allocation {holder.allocation_id} (slot {holder.slot_index})",
                 evidence={"field": column, "held": holder.model_dump(), "requested": lease.model_dump()},
             )
         self._conn.execute(
             "INSERT INTO slot_lease (slot_index, allocation_id, gpu_pci_address, nvme_device, disk_identity,"
-            " fabric_vf_pci_address, task_id, taken_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            " fabric_vf_pci_address, task_id, taken_at, handover) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (lease.slot_index, lease.allocation_id, lease.gpu_pci_address, lease.nvme_device, lease.disk_identity,
-             lease.fabric_vf_pci_address, lease.task_id, lease.taken_at),
+             lease.fabric_vf_pci_address, lease.task_id, lease.taken_at,
+             lease.handover.model_dump_json() if lease.handover is not None else None),
         )
         return lease
 
@@ -314,7 +332,18 @@ class StateStore:
 
     @staticmethod
     def _lease(row: tuple) -> SlotLease:
-        return SlotLease(**dict(zip(LEASE_FIELDS, row)))
+        fields = dict(zip(LEASE_FIELDS, row))
+        stored = fields.pop("handover")
+        handover = None
+        if stored is not None:
+            try:
+                handover = LeaseHandover.model_validate_json(stored)
+            except ValueError:
+                # Unreadable (a newer agent's shape, or damage): treated as a lease from before handover
+                # policies, whose release takes the strictest method the device supports. Never weaker.
+                log.warning("event=lease_handover_unreadable slot_index=%s: the strictest wipe applies",
+                            fields.get("slot_index"))
+        return SlotLease(**fields, handover=handover)
 
     # -- journal ------------------------------------------------------------------
 

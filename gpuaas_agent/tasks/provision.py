@@ -52,7 +52,7 @@ from gpuaas_agent.host.dnsmasq import make_reservation
 from gpuaas_agent.host.egress import egress_target, wait_for_egress
 from gpuaas_agent.host.readiness import wait_for_guest
 from gpuaas_agent.host.vfio import bind_to_vfio
-from gpuaas_agent.host.wipepolicy import check_wipe_policy, policy_for_profile
+from gpuaas_agent.host.wipepolicy import resolve_handover
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks.admission import (
@@ -338,19 +338,21 @@ async def validate(run: ProvisionRun) -> Validated:
     planned = plan.slots[0]
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
     preconditions = await _preconditions(run, planned, tuple(plan.slots[1:]))
-    # The release's wipe policy must be one each disk can carry out: an nvme_format/nvme_sanitize profile
-    # on a drive without that capability is refused now, not found at release as cleanup_blocked.
-    policy = policy_for_profile(run.profile.name, sh.slice.wipe_policies)
-    preconditions = {**preconditions, "wipe_policy": [
-        await check_wipe_policy(policy, sh.discovered_root(), s.nvme_device,
-                                lease=DiskLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
-                                                nvme_device=s.nvme_device, disk_identity=p.disk_identity))
-        for s, p in zip(slots, plan.slots)]}
+    # The handover each slot's next tenant is owed is fixed now and kept with its lease: the wipe method
+    # resolved from the device's own answers (an nvme_format/nvme_sanitize profile on a drive without that
+    # capability, or whose erase would reach beyond the lease, is refused now, not found at release as
+    # cleanup_blocked), whether it guarantees zeroes, and the GPU state to restore.
+    handovers = [await resolve_handover(run.profile, sh.slice.wipe_policies, sh.discovered_root(), s.nvme_device,
+                                        lease=DiskLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
+                                                        nvme_device=s.nvme_device, disk_identity=p.disk_identity))
+                 for s, p in zip(slots, plan.slots)]
+    preconditions = {**preconditions, "wipe_policy": [evidence for _, evidence in handovers]}
     wanted = [SlotLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
                         gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
                         disk_identity=p.disk_identity,
-                        fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
-              for s, p in zip(slots, plan.slots)]
+                        fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time(),
+                        handover=handover)
+              for s, p, (handover, _) in zip(slots, plan.slots, handovers)]
     lease_was_held = any(held.slot_index == slot.slot_index for held in await store.leases_of(payload.allocation_id))
     # One transaction for the whole set: lease_conflict on any slot takes none.
     leases = await store.take_leases(wanted)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuaas_agent.contract.domain import ShutdownOutcome, UndefineOutcome
+from gpuaas_agent.contract.handover import LeaseHandover
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
@@ -36,7 +37,7 @@ from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
-from gpuaas_agent.host.wipepolicy import release_wipe_policy, wipe_slot_disk
+from gpuaas_agent.host.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks.drivers import SliceDrivers
@@ -257,16 +258,34 @@ class Wiped:
     def journal(self) -> dict[str, Any]:
         if self.proof is None:
             return {"skipped": self.skipped}
-        return {"verified": self.proof.verified, "method": self.proof.method.value, "bytes": self.proof.bytes}
+        return {"verified": self.proof.verified, "method": self.proof.method.value, "bytes": self.proof.bytes,
+                "guarantee": self.proof.guarantee.value}
+
+
+async def lease_handover(run: ReleaseRun, disk_lease: DiskLease) -> LeaseHandover:
+    """The handover the slot's validate fixed in its lease; without one (a lease from before handover
+    policies, or a cleanup_blocked record whose lease is gone) the strictest erase the device supports.
+
+    Never looked up from the domain or the profile catalog: a data slot of a set, whose domain the boot
+    slot's release already undefined, and a retried release wipe exactly as the validate promised.
+    """
+    if run.holders and run.holders[0].handover is not None:
+        return run.holders[0].handover
+    handover, evidence = await strictest_handover(run.sh.discovered_root(), disk_lease.nvme_device, lease=disk_lease)
+    log_event(log, "release_handover_legacy", task_id=run.task_id, allocation_id=run.alloc,
+              slot_index=run.slot.slot_index, method=handover.wipe.method.value,
+              action=evidence.get("action", handover.wipe.method.value))
+    return handover
 
 
 async def wipe_leased_disk(run: ReleaseRun, found: Found, disk_lease: DiskLease) -> WipeProof:
-    """The one call that wipes and verifies the leased disk with the policy of the slot's runtime profile
+    """The one call that wipes and proves the leased disk with the policy fixed in its lease
     (guards: the lease, the NVMe identity, no other domain's disk)."""
     sh = run.sh
+    handover = await lease_handover(run, disk_lease)
     return await wipe_slot_disk(
-        release_wipe_policy(sh.slice.wipe_policies, found.domain),
-        sh.discovered_root(), disk_lease.nvme_device, lease=disk_lease,
+        handover.wipe, sh.discovered_root(), disk_lease.nvme_device, lease=disk_lease,
+        zeros_guaranteed=handover.zeros_guaranteed,
         domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=run.alloc,
                                                            exclude_slot=run.slot.slot_index))
 

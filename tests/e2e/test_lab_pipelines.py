@@ -60,7 +60,9 @@ def test_happy_path_provision_then_release_with_cleanup_proof(lab):
         assert [p for p in ovs.list_agent_ports() if p.allocation_id == payload["allocation_id"]] == []
     assert proof["reservation"]["removed"]
     assert proof["wipe"]["verified"] is True and proof["wipe"]["signatures_found"] == []
-    assert proof["wipe"]["policy"] == "discard"  # the domain's profile's wipe policy (catalog default)
+    # The catalog default (auto), resolved at validate and kept in the lease: a loop disk is no NVMe
+    # namespace, so Write Zeroes, whose guarantee covers every byte.
+    assert proof["wipe"]["policy"] == "zeroout" and proof["wipe"]["guarantee"] == "write_zeroes"
     assert (only_slot_outcome(released).status.value, only_slot_outcome(released).health_state.value) == ("available", "healthy")
     assert out["vm"] not in libvirt_domains()
     assert _disk_head(lab, 0) == ZERO_MIB

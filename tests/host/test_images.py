@@ -247,6 +247,30 @@ def test_traversal_out_of_the_image_dir_is_refused(tmp_path, src_dir, spelling):
     assert _refused(image_cache(tmp_path), url, sha256_hex(b"outside"))["rule"] == "outside_image_dir"
 
 
+def test_hard_link_in_the_image_dir_is_refused_and_nothing_is_cached(tmp_path, src_dir):
+    """A second name, inside the dir, of a file outside it (another tenant's upload, a key) passes every
+    path rule; st_nlink gives it away."""
+    secret = tmp_path / "secret.raw"
+    secret.write_bytes(b"another tenant's private image")
+    os.link(secret, src_dir / "innocent.raw")
+    cache = image_cache(tmp_path)
+    evidence = _refused(cache, (src_dir / "innocent.raw").as_uri(), sha256_hex(secret.read_bytes()))
+    assert evidence["rule"] == "hard_linked_file"
+    assert cache.lookup(sha256_hex(secret.read_bytes())) is None
+
+
+def test_file_hard_linked_after_the_check_is_refused_on_the_descriptor(tmp_path, src_dir):
+    from gpuaas_agent.host import imagesource
+
+    image = src_dir / "plain.raw"
+    image.write_bytes(b"plain")
+    policy = SourcePolicy(file_dir=src_dir)
+    os.link(image, tmp_path / "elsewhere.raw")  # a second name appears between the check and the open
+    with pytest.raises(ImageCacheError) as refused:
+        imagesource.open_file(policy, str(image), image.as_uri())
+    assert refused.value.evidence["rule"] == "hard_linked_file"
+
+
 def test_fifo_in_the_image_dir_is_refused_without_blocking(tmp_path, src_dir):
     os.mkfifo(src_dir / "pipe.raw")  # opening it for reading would block until a writer came
     started = time.monotonic()

@@ -57,12 +57,13 @@ def _answers(name: str) -> dict[str, dict]:
     return {cmd: _doc(name, f"{cmd}.json") for cmd in ("id-ctrl", "id-ns", "ns-descs", "list-ns")}
 
 
-def _caps(name: str, **changes):
+def _caps(name: str, list_ns_all: dict | None = None, **changes):
+    """The fixture's answers; ``list-ns --all`` answers like ``list-ns`` (no detached namespace) unless given."""
     answers = _answers(name)
     for cmd, update in changes.items():
         answers[cmd.replace("_", "-")].update(update)
     return parse_capabilities(answers["id-ctrl"], answers["id-ns"], 1, descs=answers["ns-descs"],
-                              list_ns=answers["list-ns"])
+                              list_ns=answers["list-ns"], list_ns_all=list_ns_all or answers["list-ns"])
 
 
 class ReplayRunner:
@@ -78,7 +79,9 @@ class ReplayRunner:
     async def __call__(self, argv, *, timeout, check=True, **_):
         argv = [str(a) for a in argv]
         self.calls.append(argv)
-        if argv[1] in self.answers:
+        if argv[1] == "list-ns" and "--all" in argv and "list-ns-all" in self.answers:
+            out = json.dumps(self.answers["list-ns-all"]).encode()
+        elif argv[1] in self.answers:
             out = json.dumps(self.answers[argv[1]]).encode()
         elif argv[1] == "sanitize-log":
             out = json.dumps(self.sanitize_logs.pop(0)).encode()
@@ -163,6 +166,68 @@ def test_sanitize_on_a_controller_with_another_namespace_is_refused_as_beyond_th
         check_scope(NvmeEraseAction.sanitize_block_erase, _caps(MICRON, id_ctrl={"cmic": 0x2}))
 
 
+def test_a_detached_namespace_is_beyond_the_lease_for_any_erase_that_reaches_every_namespace():
+    """list-ns shows attached namespaces only; a sanitize (or an all-namespace format) erases detached ones too."""
+    detached = {"nsid_list": [{"nsid": 1}, {"nsid": 3}]}
+    caps = _caps(MICRON, list_ns_all=detached)
+    assert caps.active_nsids == [1] and caps.allocated_nsids == [1, 3]
+    with pytest.raises(WipeRefused) as refused:
+        check_scope(NvmeEraseAction.sanitize_crypto_erase, caps)
+    assert refused.value.code == "wipe_scope_exceeds_lease"
+    assert refused.value.evidence["beyond_lease"] == ["detached namespace 3"]
+    assert "detached namespace 3" in refused.value.message
+    with pytest.raises(WipeRefused, match="detached namespace 3"):
+        check_scope(NvmeEraseAction.format_crypto, _caps(MICRON, list_ns_all=detached, id_ctrl={"fna": 0x6}))
+    check_scope(NvmeEraseAction.format_crypto, caps)  # a per-namespace format leaves namespace 3 alone
+
+
+def test_a_controller_that_cannot_list_its_allocated_namespaces_is_refused_a_subsystem_wide_erase():
+    answers = _answers(MICRON)
+    caps = parse_capabilities(answers["id-ctrl"], answers["id-ns"], 1, descs=answers["ns-descs"],
+                              list_ns=answers["list-ns"], list_ns_all=None)
+    with pytest.raises(WipeRefused) as refused:
+        check_scope(NvmeEraseAction.sanitize_block_erase, caps)
+    assert refused.value.evidence["allocated_nsids"] is None
+    assert "did not list" in refused.value.evidence["beyond_lease"][0]
+
+
+def test_a_planned_sanitize_on_a_subsystem_with_a_detached_namespace_sends_nothing():
+    runner = ReplayRunner(MICRON)
+    runner.answers["list-ns-all"] = {"nsid_list": [{"nsid": 1}, {"nsid": 2}]}
+    with pytest.raises(WipeRefused) as refused:
+        asyncio.run(nvme_erase(DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
+                               policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize)))
+    assert refused.value.code == "wipe_scope_exceeds_lease" and runner.erases() == []
+
+
+def test_auto_resolves_to_a_crypto_erase_only_where_erased_blocks_read_zero_and_the_scope_allows():
+    from gpuaas_agent.host.wipepolicy import AUTO_CANDIDATES, STRICTEST_CANDIDATES, choose_from_capabilities
+
+    caps = _caps(MICRON)
+    assert caps.namespace.deallocated_reads_zero
+    policy, zeros, evidence = choose_from_capabilities(caps, AUTO_CANDIDATES, require_zeros=True)
+    assert policy.method is WipePolicyMethod.nvme_sanitize and policy.sanitize_action is SanitizeAction.crypto_erase
+    assert zeros and evidence["action"] == "sanitize_crypto_erase"
+    # Another namespace on the subsystem: no sanitize (subsystem-wide); the per-namespace crypto format remains.
+    shared = _caps(MICRON, list_ns={"nsid_list": [{"nsid": 1}, {"nsid": 2}]})
+    policy, zeros, evidence = choose_from_capabilities(shared, AUTO_CANDIDATES, require_zeros=True)
+    assert policy.method is WipePolicyMethod.nvme_format and policy.format_erase is FormatErase.crypto
+    assert evidence["not_chosen"][0]["code"] == "wipe_scope_exceeds_lease"
+    # Erased blocks not promised to read zero: no crypto erase (it would need a whole read); Write Zeroes.
+    noisy = _caps(MICRON, id_ns={"dlfeat": 0})
+    policy, zeros, evidence = choose_from_capabilities(noisy, AUTO_CANDIDATES, require_zeros=True)
+    assert policy.method is WipePolicyMethod.zeroout and zeros
+    assert {r["code"] for r in evidence["not_chosen"]} == {"zeroes_not_guaranteed"}
+    # QEMU's controller: no sanitize, no crypto format: Write Zeroes.
+    assert choose_from_capabilities(_caps(QEMU), AUTO_CANDIDATES, require_zeros=True)[0].method is \
+        WipePolicyMethod.zeroout
+    # A lease from before handover policies takes the strictest: Sanitize block erase where offered.
+    strict, zeros, _ = choose_from_capabilities(noisy, STRICTEST_CANDIDATES, require_zeros=False)
+    assert strict.sanitize_action is SanitizeAction.block_erase and not zeros  # proved by a whole-device read
+    assert choose_from_capabilities(_caps(QEMU), STRICTEST_CANDIDATES, require_zeros=False)[0].format_erase is \
+        FormatErase.user_data
+
+
 def test_argv_keeps_the_lba_format_and_names_the_namespace():
     caps = _caps(MICRON)
     policy = WipePolicy(method=WipePolicyMethod.nvme_format, timeout_s=600)
@@ -236,4 +301,6 @@ def test_planning_an_erase_reads_the_device_and_sends_no_erase():
         DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
         policy=WipePolicy(method=WipePolicyMethod.nvme_format)))
     assert action is NvmeEraseAction.format_crypto and argv[:2] == ["nvme", "format"] and matched == SLOT0_NGUID
-    assert runner.erases() == [] and [c[1] for c in runner.calls] == ["id-ctrl", "id-ns", "ns-descs", "list-ns"]
+    assert runner.erases() == [] and [c[1] for c in runner.calls] == ["id-ctrl", "id-ns", "ns-descs", "list-ns",
+                                                                      "list-ns"]
+    assert "--all" in runner.calls[-1]  # allocated namespaces, attached or not: the scope check's input

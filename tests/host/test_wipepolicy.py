@@ -12,8 +12,9 @@ import pytest
 from gpuaas_agent.config import ConfigError, load_config
 from gpuaas_agent.contract.nvmewipe import NvmeEraseAction, NvmeEraseEvidence, WipePolicy, WipePolicyMethod
 from gpuaas_agent.contract.runtime import PROFILES
-from gpuaas_agent.contract.storage import WipeMethod, WipeProof
+from gpuaas_agent.contract.storage import ProofGuarantee, WipeMethod, WipeProof
 from gpuaas_agent.guards.disk import check_disk_writable
+from gpuaas_agent.host.clone import target_is_zero
 from gpuaas_agent.host.nvmecaps import parse_capabilities
 from gpuaas_agent.host.nvmewipe import WipeRefused
 from gpuaas_agent.host.wipepolicy import (
@@ -21,7 +22,7 @@ from gpuaas_agent.host.wipepolicy import (
     policy_for_profile,
     prove_erased,
     read_whole_device,
-    release_wipe_policy,
+    resolve_handover,
     wipe_slot_disk,
 )
 from gpuaas_agent.hostfs import HostRoot
@@ -56,11 +57,38 @@ def test_zeroout_policy_writes_zeroes_and_the_proof_names_the_policy(realdev):
     assert WipeProof.model_validate_json(proof.model_dump_json()) == proof
 
 
-def test_default_policy_is_todays_discard_path(realdev):
+def test_default_policy_on_a_disk_that_is_no_nvme_namespace_resolves_to_write_zeroes(realdev):
     disk = _used_disk(realdev)
     proof = asyncio.run(wipe_slot_disk(WipePolicy(), LIVE, disk.by_id, lease=disk.lease(), samples=4))
+    assert proof.verified and proof.policy is WipePolicyMethod.zeroout and proof.method is WipeMethod.zeroout
+    assert proof.guarantee is ProofGuarantee.write_zeroes and proof.covers_every_byte
+
+
+def test_opt_in_discard_is_proved_by_reading_every_byte(realdev):
+    disk = _used_disk(realdev)
+    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipePolicyMethod.discard), LIVE, disk.by_id,
+                                       lease=disk.lease(), samples=4))
     assert proof.verified and proof.policy is WipePolicyMethod.discard
-    assert proof.method in (WipeMethod.discard, WipeMethod.zeroout)
+    assert proof.guarantee is ProofGuarantee.whole_device_read
+    assert proof.whole_device is not None and proof.whole_device.all_zero
+    assert proof.whole_device.bytes_read == 32 * MiB
+
+
+def test_the_lease_handover_is_resolved_once_with_its_evidence_and_gpu_state(realdev):
+    disk = _used_disk(realdev)
+    handover, evidence = asyncio.run(resolve_handover(PROFILES["h200_1g_24c_64g"], {}, LIVE, disk.by_id,
+                                                      lease=disk.lease(), clock=lambda: 7.0))
+    assert handover.wipe.method is WipePolicyMethod.zeroout and handover.zeros_guaranteed
+    assert handover.gpu == PROFILES["h200_1g_24c_64g"].gpu_handover and handover.fixed_at == 7.0
+    assert "not an NVMe namespace" in evidence["reason"]
+    lab, _ = asyncio.run(resolve_handover(PROFILES["lab_tcg_1c_512m"], {}, LIVE, disk.by_id, lease=disk.lease()))
+    assert lab.gpu is None  # the lab profile passes no GPU through: nothing to reset
+    # A host override that opts into discard is kept, and says zeroes are not guaranteed (whole read at release).
+    opted, _ = asyncio.run(resolve_handover(PROFILES["lab_tcg_1c_512m"],
+                                            {"lab_tcg_1c_512m": WipePolicy(method=WipePolicyMethod.discard)},
+                                            LIVE, disk.by_id, lease=disk.lease()))
+    assert opted.wipe.method is WipePolicyMethod.discard and not opted.zeros_guaranteed
+    assert read_bytes(disk.dev, 32 * MiB - 4096, 4096) == b"\x5a" * 4096  # resolving writes nothing
 
 
 @pytest.mark.parametrize("method", [WipePolicyMethod.nvme_format, WipePolicyMethod.nvme_sanitize])
@@ -82,6 +110,7 @@ def test_erase_that_leaves_ciphertext_is_read_whole_then_zeroed_and_proved(reald
                                      policy=WipePolicy(method=WipePolicyMethod.nvme_format),
                                      nvme=_crypto_erase_evidence(zeros_guaranteed=False), samples=4))
     assert proof.verified and proof.zeroed_after and proof.method is WipeMethod.zeroout
+    assert proof.guarantee is ProofGuarantee.write_zeroes
     assert proof.whole_device is not None and not proof.whole_device.all_zero
     assert proof.whole_device.first_nonzero_offset is not None and proof.whole_device.first_nonzero_offset < 64
     assert proof.nvme.action is NvmeEraseAction.format_crypto and proof.policy is WipePolicyMethod.nvme_format
@@ -96,6 +125,7 @@ def test_erase_without_a_zero_promise_that_did_read_zero_is_proved_by_the_whole_
                                      nvme=_crypto_erase_evidence(zeros_guaranteed=False), samples=4))
     assert proof.verified and not proof.zeroed_after and proof.method is WipeMethod.nvme_sanitize
     assert proof.whole_device.all_zero and proof.whole_device.bytes_read == 16 * MiB
+    assert proof.guarantee is ProofGuarantee.whole_device_read and target_is_zero(proof, evidence)
 
 
 def test_a_proof_from_before_wipe_policies_still_parses():
@@ -104,16 +134,16 @@ def test_a_proof_from_before_wipe_policies_still_parses():
            "verified": True}
     proof = WipeProof.from_wire(old)
     assert proof.policy is None and proof.nvme is None and not proof.zeroed_after
+    # It claims only its samples: a clone after it writes every zero, never --target-is-zero.
+    assert proof.guarantee is ProofGuarantee.sampled and not proof.covers_every_byte
 
 
 def test_profile_policy_comes_from_the_catalog_unless_the_host_overrides_it():
-    assert all(p.wipe_policy == WipePolicy() for p in PROFILES.values())  # today's behaviour by default
+    assert all(p.wipe_policy == WipePolicy() for p in PROFILES.values())  # auto: resolved from the device
+    assert WipePolicy().method is WipePolicyMethod.auto
     sanitize = WipePolicy(method=WipePolicyMethod.nvme_sanitize)
     assert policy_for_profile("h200_1g_24c_64g", {"h200_1g_24c_64g": sanitize}) == sanitize
     assert policy_for_profile("lab_tcg_1c_512m", {"h200_1g_24c_64g": sanitize}) == WipePolicy()
-    # a release whose domain is gone (or names no known profile) gets the default profile's policy
-    assert release_wipe_policy({"h200_1g_24c_64g": sanitize}, None) == sanitize
-    assert release_wipe_policy({"h200_1g_24c_64g": sanitize}, {"metadata": {"profile": "lab_tcg_1c_512m"}}) == WipePolicy()
 
 
 def test_config_takes_wipe_policies_per_known_profile_and_refuses_unknown_ones(tmp_path):
@@ -133,7 +163,8 @@ def test_config_takes_wipe_policies_per_known_profile_and_refuses_unknown_ones(t
 
 def test_validate_can_prove_a_policy_before_the_tenant_writes_and_refuses_an_impossible_one(realdev):
     disk = _used_disk(realdev)
-    assert asyncio.run(check_wipe_policy(WipePolicy(), LIVE, disk.by_id, lease=disk.lease())) == {"policy": "discard"}
+    assert asyncio.run(check_wipe_policy(WipePolicy(), LIVE, disk.by_id, lease=disk.lease())) == {
+        "policy": "auto", "zeros_guaranteed": True}
     with pytest.raises(WipeRefused) as refused:
         asyncio.run(check_wipe_policy(WipePolicy(method=WipePolicyMethod.nvme_sanitize), LIVE, disk.by_id,
                                       lease=disk.lease()))

@@ -182,8 +182,9 @@ def test_a_version_1_file_is_migrated_keeping_its_leases(tmp_path):
     conn.commit()
     conn.close()
     store = StateStore.open(path)
-    assert store.schema_version == len(MIGRATIONS) == 6  # 5: the terminal relay tables (issue 21); 6: agent_meta (boot_id), issue 17
+    assert store.schema_version == len(MIGRATIONS) == 7  # 5: terminal relay tables; 6: agent_meta; 7: lease handover
     assert [l.allocation_id for l in store.leases()] == [ALLOC_A]
+    assert store.leases()[0].handover is None  # from before handover policies: release takes the strictest
     # A lease from before identities holds its disk by the path it was taken under (migration 4).
     assert store.leases()[0].disk_identity == "path:/dev/disk/by-id/nvme-eui.0"
     store.record_wipe_proof(0, _proof(True))
@@ -259,3 +260,34 @@ def test_releasing_one_slot_keeps_the_allocations_other_slots(store):
     assert store.release_slot_lease(ALLOC_A, 0) is None  # idempotent
     assert store.release_slot_lease(ALLOC_B, 1) is None  # another allocation cannot drop it
     assert [held.slot_index for held in store.leases_of(ALLOC_A)] == [1]
+
+
+def _handover(method: str = "zeroout"):
+    from gpuaas_agent.contract.handover import LeaseHandover
+    from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod
+
+    return LeaseHandover(profile="h200_1g_24c_64g", wipe=WipePolicy(method=WipePolicyMethod(method)),
+                         zeros_guaranteed=method != "discard", fixed_at=1.0)
+
+
+def test_the_handover_fixed_at_validate_is_kept_with_the_lease_and_never_changed_by_a_later_take(tmp_path):
+    store = StateStore.open(tmp_path / "agent.db")
+    planned = store.take_lease(_lease())  # slice.plan's lease: no handover yet
+    assert planned.handover is None
+    validated = store.take_lease(_lease().model_copy(update={"handover": _handover("nvme_sanitize")}))
+    assert validated.handover == _handover("nvme_sanitize")
+    # A redelivered validate (or any later take) cannot weaken what was fixed.
+    again = store.take_lease(_lease().model_copy(update={"handover": _handover("discard")}))
+    assert again.handover == _handover("nvme_sanitize")
+    store.close()
+    store = StateStore.open(tmp_path / "agent.db")
+    assert store.leases()[0].handover == _handover("nvme_sanitize")
+    store.close()
+
+
+def test_an_unreadable_stored_handover_reads_as_none_so_release_takes_the_strictest(tmp_path):
+    store = StateStore.open(tmp_path / "agent.db")
+    store.take_lease(_lease().model_copy(update={"handover": _handover()}))
+    store._conn.execute("UPDATE slot_lease SET handover = ?", ('{"profile": "x", "wipe": {"method": "shred"}}',))
+    assert store.leases()[0].handover is None
+    store.close()

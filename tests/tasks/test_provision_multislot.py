@@ -14,6 +14,7 @@ import libvirt
 import pytest
 
 from gpuaas_agent.config import SliceConfig
+from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.tasks import VmReleasePayload
@@ -135,8 +136,14 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
     store = StateStore.open(tmp_path / "state.db")
     keep = libvirt.open(LIBVIRT_TEST_URI)  # the test driver forgets its domains when its last connection closes
 
-    def sh():
-        return SliceDrivers(host_root=loop_host.root, slice=SliceConfig(**prepared_host.slice_config()),
+    # The set is provisioned under a host override that opts the lab profile into discard; the release runs
+    # with the override gone. Each slot's wipe must follow what its own lease fixed at validate — the data
+    # slot too, whose domain the boot slot's release has already undefined.
+    discard = {"lab_tcg_1c_512m": WipePolicy(method=WipePolicyMethod.discard)}
+
+    def sh(wipe_policies=discard):
+        return SliceDrivers(host_root=loop_host.root,
+                            slice=SliceConfig(**prepared_host.slice_config(wipe_policies=wipe_policies)),
                          images=ImageCache(tmp_path / "cache", policy=SourcePolicy(file_dir=tmp_path)),
                          libvirt=LibvirtLifecycle(LIBVIRT_TEST_URI))
 
@@ -206,7 +213,9 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
 
         # Release of the set (v1.1 payload): the domain goes, each disk is wiped and verified, each slot freed.
         ctx = task_ctx(store, "t-release")
-        host = sh()
+        assert {lease.slot_index: lease.handover.wipe.method for lease in store.leases_of(alloc_c)} == {
+            1: WipePolicyMethod.discard, 2: WipePolicyMethod.discard}
+        host = sh(wipe_policies={})
 
         async def released():
             try:
@@ -218,6 +227,10 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
         out = asyncio.run(released())
         assert out["slots"] == [1, 2] and set(out["releases"]) == {"1", "2"}
         assert all(r["cleanup_proof"]["wipe"]["verified"] for r in out["releases"].values())
+        assert {r["cleanup_proof"]["wipe"]["policy"] for r in out["releases"].values()} == {"discard"}
+        # Every byte covered: a whole-device read after a discard, or Write Zeroes where the loop refuses discard.
+        assert {r["cleanup_proof"]["wipe"]["guarantee"] for r in out["releases"].values()} <= {"whole_device_read",
+                                                                                              "write_zeroes"}
         assert [(o.slot_index, o.status.value) for o in ctx.slot_outcomes] == [(1, "available"), (2, "available")]
         assert [(lease.allocation_id, lease.slot_index) for lease in store.leases()] == [(alloc_b, 0)]
         assert keep.listDefinedDomains() == [] and keep.listDomainsID() in ([], [1])
