@@ -99,6 +99,8 @@ def test_live_controller_answers_parse_to_the_recorded_capabilities(lab):
         assert getattr(live.controller, field) == getattr(recorded.controller, field), field
     assert live.controller.format_supported and not live.controller.format_crypto_erase
     assert live.namespace.deallocated_reads_zero and live.active_nsids == [1]
+    # list-ns --all (allocated namespaces, attached or not): the scope check's input. One namespace here.
+    assert live.allocated_nsids == [1]
 
 
 def test_sanitize_is_refused_as_unsupported_by_qemus_controller_and_nothing_is_sent(lab):
