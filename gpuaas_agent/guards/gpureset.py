@@ -67,6 +67,11 @@ def reset_methods(host: HostRoot, address: str) -> list[str]:
         return []
 
 
+def gpu_driver(host: HostRoot, address: str) -> str | None:
+    """The driver a function is bound to now (None: none, or no such device)."""
+    return host.fresh().link_name(f"{PCI_DEVICES}/{address}/driver")
+
+
 def upstream_bridge(host: HostRoot, address: str) -> str | None:
     """The PCI bridge directly above ``address`` in sysfs (None: a root bus, or the parent is no bridge)."""
     device = host.resolve(f"{PCI_DEVICES}/{address}")

@@ -39,7 +39,9 @@ from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.guards.disk import read_disk_identity
+from gpuaas_agent.guards.gpureset import gpu_driver
 from gpuaas_agent.host.gpuhandover import hand_over_gpu, reset_fabric_vf
 from gpuaas_agent.host.wipepolicy import release_wipe_policy, wipe_slot_disk
 from gpuaas_agent.logs import log_event
@@ -200,8 +202,9 @@ async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
     """Reset, clear and restore the lease's GPU, FLR its fabric VF; refused while any defined domain names one.
 
     The policy is the lease's (fixed at validate). A lease from before handover policies gets the
-    catalog's default, unless the domain it had says its profile passed no GPU through. A failure
-    raises: the release leaves the slot cleanup_blocked and the GPU is not offered again.
+    catalog's default, unless the domain it had says its profile passed no GPU through or the GPU is
+    not on vfio-pci (never passed through). A failure raises: the release leaves the slot
+    cleanup_blocked and the GPU is not offered again.
     """
     if not run.holders:
         return GpuHandedOver(None, "this host holds no lease of this allocation on the slot: its devices are not ours")
@@ -216,6 +219,10 @@ async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
         profile = PROFILES.get(metadata.get("profile") or "")
         if profile is not None and not profile.hostdevs:
             return GpuHandedOver(None, f"lease from before handover policies; profile {profile.name} passes no GPU through")
+        driver = gpu_driver(run.sh.discovered_root(), lease.gpu_pci_address)
+        if driver != VFIO_DRIVER:  # bind_vfio puts a passed-through GPU there and nothing takes it back
+            return GpuHandedOver(None, f"lease from before handover policies; {lease.gpu_pci_address} is on "
+                                       f"{driver or 'no driver'}, not vfio-pci: it was never passed through")
         policy, source = GpuHandoverPolicy(), "catalog_default"
     sh, host = run.sh, run.sh.discovered_root()
     held = await sh.libvirt.defined_domain_hostdevs()
