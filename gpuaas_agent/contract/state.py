@@ -7,8 +7,8 @@ from typing import Any
 from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
-from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.handover import LeaseHandover
+from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.types import UUID_PATTERN, ByIdPath, DiskIdentity, PciAddress
 
 

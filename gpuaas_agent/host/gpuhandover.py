@@ -80,7 +80,8 @@ def read_config_space(host: HostRoot, address: str) -> ConfigSpaceCheck:
         resources = [int(line.split()[0], 16) for line in host.read_text(f"{device}/resource").splitlines()[:6]]
     except (OSError, ValueError, IndexError) as exc:
         raise GpuHandoverError(f"the config space of {address} cannot be read back: {exc}",
-                               code="gpu_config_space_not_restored", evidence={"address": address, "error": str(exc)})
+                               code="gpu_config_space_not_restored",
+                               evidence={"address": address, "error": str(exc)}) from exc
     if len(raw) < 40:
         raise GpuHandoverError(f"the config space of {address} reads {len(raw)} bytes",
                                code="gpu_config_space_not_restored", evidence={"address": address, "bytes": len(raw)})

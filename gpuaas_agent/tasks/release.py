@@ -38,8 +38,8 @@ from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
-from gpuaas_agent.errors import AgentError
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
+from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
 from gpuaas_agent.guards.gpureset import gpu_driver
 from gpuaas_agent.host.gpuhandover import hand_over_gpu, reset_fabric_vf

@@ -220,3 +220,18 @@ def test_config_space_is_read_from_the_live_file(host):
     with pytest.raises(GpuHandoverError) as err:
         read_config_space(HostRoot.open(host), GPU)
     assert err.value.code == "gpu_config_space_not_restored"
+
+
+def test_no_agent_module_imports_the_tools_top_level_modules():
+    """The tool installs generic top-level names (cli, gpu, pci, utils): it is run, never imported."""
+    import ast
+
+    package = Path(__file__).resolve().parents[2] / "gpuaas_agent"
+    tool_names = {"cli", "gpu", "pci", "utils", "nvidia_gpu_tools"}
+    found = []
+    for source in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [f"{source.name}: {n}" for n in names if n.split(".")[0] in tool_names]
+    assert found == []
