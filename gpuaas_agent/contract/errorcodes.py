@@ -47,6 +47,7 @@ ROOMS: dict[str, str] = {
     "host_images": "Host: image cache and disk clone",
     "host_vfio": "Host: VFIO binding and uevents",
     "host_wipe": "Host: disk wipe",
+    "host_gpu": "Host: GPU handover between tenants (guards/gpureset.py, host/gpuhandover.py)",
     "tasks": "Tasks: plan, admission, provision, release, power",
     "deploy": "Deploy: prepare-host and the terminal relay key",
     "fixtures": "Fixtures: recorder and archives",
@@ -368,6 +369,18 @@ class ErrorCode(StrEnum):
     UEVENT_MONITOR_FAILED = "uevent_monitor_failed", "host_vfio", "The uevent monitor failed while running; the daemon falls back to periodic discovery."
     UEVENT_MONITOR_NOT_STARTED = "uevent_monitor_not_started", "host_vfio", "The uevent monitor was used before start (a bug); file it."
     NVME_CAPS_UNREADABLE = "nvme_caps_unreadable", "host_vfio", "NVMe capabilities cannot be read; check nvme-cli and the device."
+
+    # --- Host: GPU handover between tenants
+    GPU_HANDOVER_REFUSED = "gpu_handover_refused", "host_gpu", "A GPU handover was refused before anything was touched; read the evidence."
+    GPU_HELD_BY_DOMAIN = "gpu_held_by_domain", "host_gpu", "A defined libvirt domain names the GPU or VF; undefine it (or find who defined it) and retry the release."
+    GPU_RESET_PATH_MISSING = "gpu_reset_path_missing", "host_gpu", "The device offers no reset the agent may use (no sysfs reset_method, no bus reset, no FLR); check the kernel and the PCIe topology."
+    GPU_MEMORY_CLEAR_UNPROVABLE = "gpu_memory_clear_unprovable", "host_gpu", "Only an FLR is possible and the profile requires a memory clear, which is proven only after a bus reset; fix the topology or the profile."
+    GPU_HANDOVER_TOOL_MISSING = "gpu_handover_tool_missing", "host_gpu", "NVIDIA's nvidia_gpu_tools.py is not installed or configured; reinstall the package or set slice.gpu_admin_tool."
+    GPU_HANDOVER_FAILED = "gpu_handover_failed", "host_gpu", "Handing the GPU over failed; the slot stays cleanup_blocked, read the evidence."
+    GPU_RESET_FAILED = "gpu_reset_failed", "host_gpu", "The GPU or VF reset did not complete (or the device left vfio-pci); the slot stays cleanup_blocked, check the device and retry the release."
+    GPU_MEMORY_CLEAR_UNVERIFIED = "gpu_memory_clear_unverified", "host_gpu", "The firmware's memory scrub was not proven finished after the reset; the slot stays cleanup_blocked, retry the release or drain the GPU."
+    GPU_SETTINGS_NOT_RESTORED = "gpu_settings_not_restored", "host_gpu", "ECC/MIG/CC/PPCIe could not be set back to the profile's or read back so; the slot stays cleanup_blocked, read the mismatches."
+    GPU_CONFIG_SPACE_NOT_RESTORED = "gpu_config_space_not_restored", "host_gpu", "After the reset the GPU's config space does not hold the kernel's BARs; the slot stays cleanup_blocked, rescan or reboot."
 
     # --- Host: disk wipe
     WIPE_REFUSED = "wipe_refused", "host_wipe", "A wipe was refused; read the evidence."

@@ -348,6 +348,27 @@ class LibvirtLifecycle:
 
         return await self._call("defined_domain_disks", op)
 
+    async def defined_domain_hostdevs(self) -> list[str]:
+        """PCI addresses every *defined* domain (running or shut off, ours or not) names as a hostdev.
+
+        A GPU handover refuses to reset any of them: a running guest would lose its
+        device mid-use, a shut-off one would get it back on its next start.
+        """
+
+        def op(conn: libvirt.virConnect) -> list[str]:
+            held: set[str] = set()
+            for dom in conn.listAllDomains(0):
+                try:
+                    xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+                except libvirt.libvirtError as exc:
+                    if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                        continue  # undefined between the listing and the read
+                    raise
+                held.update(parse_domain_devices(dom.name(), xml).hostdevs)
+            return sorted(held)
+
+        return await self._call("defined_domain_hostdevs", op)
+
     # -- define / start -----------------------------------------------------------
 
     async def define(self, spec: DomainSpec) -> DefineOutcome:

@@ -205,6 +205,11 @@ async def _clear_override(host: HostRoot, device: str, timeout_s: float, writes:
         writes.append(SysfsWrite(path=path, value="\n"))
 
 
+async def write_sysfs_attr(host: HostRoot, host_path: str, value: str, timeout_s: float) -> None:
+    """One deadline-bound write of a sysfs attribute (a device's ``reset``): the same write binding uses."""
+    await _write_with_deadline(host, host_path, value, timeout_s)
+
+
 async def _write_with_deadline(host: HostRoot, host_path: str, value: str, timeout_s: float) -> None:
     """One ``write(2)`` of ``value`` (a sysfs store takes the whole value in one call).
 

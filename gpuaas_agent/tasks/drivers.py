@@ -16,7 +16,9 @@ from typing import Protocol, TypeVar, cast
 
 from gpuaas_agent.config import AgentConfig, SliceConfig, tls_context
 from gpuaas_agent.contract.terminal import CloseReason
+from gpuaas_agent.guards.gpureset import resolve_gpu_tool
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.gpuadmin import GpuAdminTool
 from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
@@ -50,6 +52,8 @@ class SliceDrivers:
     _slot_locks: dict[int, asyncio.Lock] = field(default_factory=dict)
     # The node's live terminal sessions (slice.terminal_*), made on first use: one relay per daemon.
     _terminals: TerminalSessions | None = None
+    # NVIDIA's GPU admin tool as the release's gpu_handover runs it; None: the configured or installed one.
+    gpu_tool: GpuAdminTool | None = None
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> SliceDrivers:
@@ -74,6 +78,12 @@ class SliceDrivers:
     def local_root(self) -> HostRoot:
         """This machine's own / (where QEMU opens firmware and seeds), whatever host_root says."""
         return HostRoot.open(SYSTEM_ROOT)
+
+    def gpu_admin(self) -> GpuAdminTool:
+        """The GPU admin tool (refuses ``gpu_handover_tool_missing`` when it is not there)."""
+        if self.gpu_tool is None:
+            return GpuAdminTool(script=resolve_gpu_tool(self.slice.gpu_admin_tool))
+        return self.gpu_tool
 
     def reservations(self) -> DnsmasqReservations:
         return DnsmasqReservations(self.slice.dnsmasq_hosts_file, self.slice.subnet, self.slice.gateway,

@@ -1,6 +1,7 @@
 """``slice.vm_release``: stop the VM, take its plumbing down, wipe and verify the disk, free the slot.
 
-graceful shutdown (deadline) → destroy → undefine with NVRAM → unplug the OVS
+graceful shutdown (deadline) → destroy → undefine with NVRAM → GPU handover
+(reset, memory clear, settings restored and read back; VF FLR) → unplug the OVS
 port → remove the dnsmasq reservation → remove the seed ISO → wipe + verify →
 release the lease. Every step looks first and acts only on what it finds, so a
 release after an agent restart, after a half-finished provision, or of an
@@ -29,14 +30,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuaas_agent.contract.domain import ShutdownOutcome, UndefineOutcome
-from gpuaas_agent.contract.handover import LeaseHandover
+from gpuaas_agent.contract.gpuhandover import SlotGpuHandover
+from gpuaas_agent.contract.handover import GpuHandoverPolicy, LeaseHandover
 from gpuaas_agent.contract.naming import domain_name, vnic_name
+from gpuaas_agent.contract.runtime import PROFILES
 from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
+from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
+from gpuaas_agent.guards.gpureset import gpu_driver
+from gpuaas_agent.host.gpuhandover import hand_over_gpu, reset_fabric_vf
 from gpuaas_agent.host.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
@@ -179,6 +185,50 @@ async def undefine(run: ReleaseRun, found: Found) -> UndefineOutcome | Skipped:
     if found.domain is None:
         return Skipped("no domain")
     return await run.sh.libvirt.undefine(run.name)
+
+
+@dataclass(frozen=True)
+class GpuHandedOver:
+    """The slot's GPU (and fabric VF) reset, cleared and proven (host/gpuhandover.py), or why not."""
+
+    proof: SlotGpuHandover | None
+    skipped: str | None = None
+
+    def journal(self) -> dict[str, Any]:
+        return {"skipped": self.skipped} if self.proof is None else self.proof.model_dump(mode="json")
+
+
+async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
+    """Reset, clear and restore the lease's GPU, FLR its fabric VF; refused while any defined domain names one.
+
+    The policy is the lease's (fixed at validate). A lease from before handover policies gets the
+    catalog's default, unless the domain it had says its profile passed no GPU through or the GPU is
+    not on vfio-pci (never passed through). A failure raises: the release leaves the slot
+    cleanup_blocked and the GPU is not offered again.
+    """
+    if not run.holders:
+        return GpuHandedOver(None, "this host holds no lease of this allocation on the slot: its devices are not ours")
+    lease = run.holders[0]
+    source = "lease"
+    if lease.handover is not None:
+        policy = lease.handover.gpu
+        if policy is None:
+            return GpuHandedOver(None, f"profile {lease.handover.profile} passes no GPU through")
+    else:
+        metadata = (found.domain or {}).get("metadata") or {}
+        profile = PROFILES.get(metadata.get("profile") or "")
+        if profile is not None and not profile.hostdevs:
+            return GpuHandedOver(None, f"lease from before handover policies; profile {profile.name} passes no GPU through")
+        driver = gpu_driver(run.sh.discovered_root(), lease.gpu_pci_address)
+        if driver != VFIO_DRIVER:  # bind_vfio puts a passed-through GPU there and nothing takes it back
+            return GpuHandedOver(None, f"lease from before handover policies; {lease.gpu_pci_address} is on "
+                                       f"{driver or 'no driver'}, not vfio-pci: it was never passed through")
+        policy, source = GpuHandoverPolicy(), "catalog_default"
+    sh, host = run.sh, run.sh.discovered_root()
+    held = await sh.libvirt.defined_domain_hostdevs()
+    gpu = await hand_over_gpu(host, lease.gpu_pci_address, policy, held=held, tool=sh.gpu_admin())
+    vf = await reset_fabric_vf(host, lease.fabric_vf_pci_address, held=held)
+    return GpuHandedOver(SlotGpuHandover(policy_source=source, gpus=[gpu], fabric_vf=vf))
 
 
 @dataclass(frozen=True)
@@ -332,6 +382,8 @@ RELEASE_STEPS: tuple[StepDef[ReleaseRun], ...] = (
     StepDef("find", find, no_compensation="a read; refuses a domain of that name that is not ours"),
     StepDef("shutdown", shutdown, takes=("find",), no_compensation=_TEARDOWN),
     StepDef("undefine", undefine, takes=("find",), no_compensation=_TEARDOWN),
+    StepDef("gpu_handover", gpu_handover, takes=("find",),
+            no_compensation="a reset is not undone; a failed or interrupted one leaves the slot cleanup_blocked"),
     StepDef("ovs_unplug", ovs_unplug, no_compensation=_TEARDOWN),
     StepDef("reservation_remove", reservation_remove, no_compensation=_TEARDOWN),
     StepDef("seed_remove", seed_remove, no_compensation=_TEARDOWN),
@@ -392,6 +444,7 @@ async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
         "found": found.journal(),
         "cleanup_proof": {
             "domain": {"shutdown": outputs["shutdown"], "undefine": outputs["undefine"]},
+            "gpu_handover": outputs["gpu_handover"],
             "ovs_port": outputs["ovs_unplug"],
             "reservation": outputs["reservation_remove"],
             "seed": outputs["seed_remove"],
