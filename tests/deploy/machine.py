@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuaas_agent.deploy.sliceinputs import IMAGE_CA_PATH
 from gpuaas_agent.deploy.userdata import BOOTSTRAP_DIR, DEB_PATH
 from tests.conftest import REPO
 from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
@@ -26,7 +27,8 @@ INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")
 RELAY_KEY = Path("/var/lib/gpuaas/terminal/id_ed25519")
 SEED_DIR = Path("/var/lib/libvirt/images/gpuaas-seeds")
 STATE_DIR = Path("/var/lib/gpuaas-agent")
-LEFTOVERS = (BOOTSTRAP_DIR, DEB_PATH.parent, Path("/etc/default/gpuaas-slice-network-baseline"))
+# The image CA is the user-data's, not a conffile of the package: purge leaves it.
+LEFTOVERS = (BOOTSTRAP_DIR, DEB_PATH.parent, Path("/etc/default/gpuaas-slice-network-baseline"), IMAGE_CA_PATH)
 
 
 def installed_packages() -> set[str]:
