@@ -155,6 +155,14 @@ class SliceConfig(BaseModel):
     # from a loopback address (127.0.0.1, ::1, localhost), never from another host.
     allow_emulated_domains: bool = False
     allow_loopback_http: bool = False
+    # Each slice's serial console, captured by libvirt (virtlogd) to <console_log_dir>/<allocation>-slot<N>.log
+    # (host/consolelog.py): read by slice.console_log, also after the VM died. The sweep trims a log to its
+    # last console_log_max_bytes and deletes it console_log_max_age_s after its last write, never while
+    # its allocation holds a lease on this host.
+    console_log_dir: Path = Path("/var/log/gpuaas-agent/console")
+    console_log_max_bytes: int = Field(default=8 << 20, ge=64 << 10, le=1 << 30)
+    console_log_max_age_s: float = Field(default=7 * 86400.0, gt=0)
+    console_log_sweep_interval_s: float = Field(default=3600.0, gt=0)
     # Site wipe policy per runtime profile name (overrides the catalog's; host/wipepolicy.py): e.g.
     # [slice.wipe_policies.h200_1g_24c_64g] method = "nvme_sanitize". Unknown profile names are refused.
     wipe_policies: dict[str, WipePolicy] = Field(default_factory=dict)
@@ -184,6 +192,13 @@ class SliceConfig(BaseModel):
                 tls_context(path)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{path} is not a readable PEM file of CA certificates: {exc}") from exc
+        return path
+
+    @field_validator("console_log_dir")
+    @classmethod
+    def _console_dir_absolute(cls, path: Path) -> Path:
+        if not path.is_absolute() or path == Path("/") or ".." in path.parts:
+            raise ValueError(f"{path} is not an absolute directory below / for console logs")
         return path
 
     @field_validator("image_file_dir")

@@ -285,6 +285,7 @@ class Lab:
             "dnsmasq_lease_file": str(d / "leases"),
             "dnsmasq_pid_file": str(d / "dnsmasq.pid"),
             "seed_dir": str(self.work / "seeds"),
+            "console_log_dir": str(self.work / "console"),
             "image_cache_dir": str(self.work / "images"),
             "image_file_dir": str(self.image_path.parent),
             "terminal_relay_key_file": str(self.work / "keys/relay.pub"),

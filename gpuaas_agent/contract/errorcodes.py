@@ -406,6 +406,9 @@ class ErrorCode(StrEnum):
     DOMAIN_LEASE_MISMATCH = "domain_lease_mismatch", "tasks", "The domain does not match the slot's lease; investigate before acting."
     NOT_THIS_ALLOCATION = "not_this_allocation", "tasks", "The slot is held by another allocation; fix the task."
     SLOT_NOT_ACTIVE = "slot_not_active", "tasks", "The slot is not active; provision it first."
+    CONSOLE_LOG_MISSING = "console_log_missing", "tasks", "No console log of this allocation and slot on this host (never provisioned here, or its retention ended)."
+    CONSOLE_LOG_UNSAFE = "console_log_unsafe", "tasks", "The console log path is a link or not a regular file; it is never read: investigate the log directory."
+    CONSOLE_LOG_UNREADABLE = "console_log_unreadable", "tasks", "The console log cannot be read; check the console_log_dir permissions."
 
     RELEASE_INTERRUPTED = "release_interrupted", "tasks", "A release was interrupted (agent killed) and its redelivery came after its deadline; the slot is cleanup_blocked: send a new release."
 

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 
 from gpuaas_agent.contract.parity import ParityStatus
-from gpuaas_agent.discovery.netevidence import judge_dnsmasq, judge_recorded_dnsmasq, read_dnsmasq_evidence, read_network_evidence
+from gpuaas_agent.discovery.netevidence import (
+    judge_dnsmasq,
+    judge_recorded_dnsmasq,
+    read_dnsmasq_evidence,
+    read_network_evidence,
+)
 from gpuaas_agent.discovery.prereqs import check_dnsmasq
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import fixture_host
