@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from gpuaas_agent.compat import tomllib
 from gpuaas_agent.contract.egress import EgressTarget
+from gpuaas_agent.contract.firmware import FirmwareBaselineRule
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.runtime import PROFILES
 from gpuaas_agent.contract.tasks import TaskType
@@ -163,6 +164,9 @@ class SliceConfig(BaseModel):
     console_log_max_bytes: int = Field(default=8 << 20, ge=64 << 10, le=1 << 30)
     console_log_max_age_s: float = Field(default=7 * 86400.0, gt=0)
     console_log_sweep_interval_s: float = Field(default=3600.0, gt=0)
+    # The firmware versions this site allows (docs/firmware.md): a component outside its rule is a
+    # firmware_drift finding and a parity FAIL (discovery/firmware.py). Empty: firmware is reported, not judged.
+    firmware_baseline: tuple[FirmwareBaselineRule, ...] = ()
     # Site wipe policy per runtime profile name (overrides the catalog's; host/wipepolicy.py): e.g.
     # [slice.wipe_policies.h200_1g_24c_64g] method = "nvme_sanitize". Unknown profile names are refused.
     wipe_policies: dict[str, WipePolicy] = Field(default_factory=dict)
@@ -193,6 +197,16 @@ class SliceConfig(BaseModel):
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{path} is not a readable PEM file of CA certificates: {exc}") from exc
         return path
+
+    @field_validator("firmware_baseline")
+    @classmethod
+    def _one_rule_per_kind_and_model(cls, rules: tuple[FirmwareBaselineRule, ...]) -> tuple[FirmwareBaselineRule, ...]:
+        seen = set()
+        for rule in rules:
+            if (rule.kind, rule.model) in seen:
+                raise ValueError(f"two firmware_baseline rules for {rule.kind} model {rule.model or '(any)'}")
+            seen.add((rule.kind, rule.model))
+        return rules
 
     @field_validator("console_log_dir")
     @classmethod
