@@ -220,6 +220,7 @@ class ErrorCode(StrEnum):
     DNSMASQ_NOT_RUNNING = "dnsmasq_not_running", "discovery", "No dnsmasq process runs; systemctl enable --now dnsmasq."
     DNSMASQ_UNPROVEN = "dnsmasq_unproven", "discovery", "There is no process table under the root, so a running dnsmasq cannot be proven."
     DNSMASQ_NOT_READING_HOSTS = "dnsmasq_not_reading_hosts", "discovery", "No running dnsmasq reads the agent's hosts file; add dhcp-hostsfile to its config."
+    PCI_ROM_UNREADABLE = "pci_rom_unreadable", "discovery", "A GPU's PCI expansion ROM could not be enabled or read (no ROM BAR, device busy, not root); its VBIOS is unproven."
     FIRMWARE_DRIFT = "firmware_drift", "discovery", "A device runs firmware outside the site's baseline ([slice] firmware_baseline); update or roll it back, or widen the baseline."
     FIRMWARE_UNREADABLE = "firmware_unreadable", "discovery", "The baseline judges a device whose firmware version cannot be read here; read it on the live host (driver bound) before trusting it."
     DNSMASQ_CONFIG_READS_OTHER_HOSTS = "dnsmasq_config_reads_other_hosts", "discovery", "The recorded dnsmasq config reads another hosts file than the agent's; point dhcp-hostsfile at the agent's."
