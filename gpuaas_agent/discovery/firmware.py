@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 from gpuaas_agent.contract.firmware import FirmwareBaselineRule, FirmwareChange, FirmwareComponent, FirmwareInventory
 from gpuaas_agent.contract.parity import ParityCheck, ParityStatus
-from gpuaas_agent.contract.topology import Finding
+from gpuaas_agent.contract.topology import Finding, TopologyReport
 from gpuaas_agent.contract.types import PCI_ADDRESS_RE
 from gpuaas_agent.hostfs import HostRoot
 
@@ -224,3 +224,14 @@ def firmware_changes(before: FirmwareInventory, after: FirmwareInventory,
             kind = "changed"
         changes.append(FirmwareChange(kind=component.kind, id=component.id, before=va, after=vb, change=kind))
     return changes
+
+
+def slot_firmware_devices(report: TopologyReport, gpu_pci_address: str, fabric_vf_pci_address: str | None,
+                          nvme_device: str) -> list[str]:
+    """The PCI functions whose firmware a slot's tenant could reach: its GPU, its VF (whose PF
+    :func:`firmware_changes` adds) and its disk's controller(s), found by the disk's by-id path."""
+    devices = [gpu_pci_address, *([fabric_vf_pci_address] if fabric_vf_pci_address else [])]
+    for disk in report.nvme_devices:
+        if nvme_device == disk.by_id or nvme_device in disk.by_id_links:
+            devices += disk.controller_pci_addresses or ([disk.pci_address] if disk.pci_address else [])
+    return sorted(set(devices))

@@ -7,8 +7,15 @@ import pytest
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.firmware import FirmwareBaselineRule
 from gpuaas_agent.contract.parity import ParityStatus
-from gpuaas_agent.discovery.firmware import check_firmware_baseline, firmware_changes, judge_firmware, read_firmware
+from gpuaas_agent.discovery.firmware import (
+    check_firmware_baseline,
+    firmware_changes,
+    judge_firmware,
+    read_firmware,
+    slot_firmware_devices,
+)
 from gpuaas_agent.discovery.record import record_fixture
+from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import fixture_host
 
@@ -112,7 +119,10 @@ def test_changes_during_a_tenancy_name_the_slots_devices_and_the_vfs_pf(host_cop
     (src / "sys/class/infiniband/mlx5_0/fw_ver").write_text("28.99.0001\n")  # PF of slot 0's VF 0000:19:00.1
     (src / "sys/class/nvme/nvme6/firmware_rev").write_text("HACKED01\n")  # another slot's disk (0000:3c:00.0)
     after = _inv(src)
-    slot0 = ["0000:18:00.0", "0000:19:00.1", "0000:1a:00.0"]  # GPU, fabric VF, NVMe controller
+    report = discover(HostRoot.open(fixture_host(AFTER)))
+    slot = next(s for s in report.candidate_slots if s.gpu_pci_address == "0000:18:00.0")
+    slot0 = slot_firmware_devices(report, slot.gpu_pci_address, slot.fabric_vf_pci_address, slot.nvme_device)
+    assert slot0 == ["0000:18:00.0", "0000:19:00.1", "0000:1a:00.0"]  # GPU, fabric VF, NVMe controller
     changes = firmware_changes(before, after, slot0)
     assert [(c.kind, c.id, c.before, c.after, c.change) for c in changes] == [
         ("nic_fw", "0000:19:00.0", "28.43.1014", "28.99.0001", "changed")]
