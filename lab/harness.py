@@ -307,6 +307,7 @@ class Lab:
             state.mkdir(mode=0o700, exist_ok=True)
             seeds.mkdir(exist_ok=True)
             seeds.chmod(0o755)
+            (self.work / "console").mkdir(mode=0o700, exist_ok=True)  # prepare-host's job on a real host
         config = {
             "state_dir": str(state),
             "host_root": str(self.host.root),

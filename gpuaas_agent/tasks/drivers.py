@@ -16,7 +16,6 @@ from typing import Protocol, TypeVar, cast
 
 from gpuaas_agent.config import AgentConfig, SliceConfig, tls_context
 from gpuaas_agent.contract.terminal import CloseReason
-from gpuaas_agent.host.consolelog import ensure_log_dir
 from gpuaas_agent.host.consolelog import log_path as console_log_path
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
 from gpuaas_agent.host.images import ImageCache, SourcePolicy
@@ -97,8 +96,7 @@ class SliceDrivers:
         return self.slice.seed_dir / f"{allocation_id}-slot{slot_index}.iso"
 
     def console_log_path(self, allocation_id: str, slot_index: int) -> Path:
-        """Where libvirt writes the slot's serial console; its directory is made (0700) if missing (blocking)."""
-        ensure_log_dir(self.slice.console_log_dir)
+        """Where libvirt writes the slot's serial console (prepare-host made the directory, 0700)."""
         return console_log_path(self.slice.console_log_dir, allocation_id, slot_index)
 
     # -- teardown shared by provision's compensations and release's steps (idempotent) --------------

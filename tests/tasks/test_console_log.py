@@ -12,7 +12,7 @@ from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import PAYLOADS, ConsoleLogPayload, TaskType
 from gpuaas_agent.errors import AgentError, ContractError
-from gpuaas_agent.host.consolelog import log_path
+from gpuaas_agent.host.consolelog import ensure_log_dir, log_path
 from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.tasks.console_log import console_log
@@ -37,6 +37,7 @@ def _hold(store, alloc: str, slot: int) -> None:
 
 
 def _log(sh, alloc: str, slot: int, text: str) -> None:
+    ensure_log_dir(sh.slice.console_log_dir)  # prepare-host's job on a host
     path = sh.console_log_path(alloc, slot)
     path.write_text(text)
 
