@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from gpuaas_agent.deploy.sliceinputs import IMAGE_CA_PATH
 from gpuaas_agent.deploy.userdata import BOOTSTRAP_DIR, DEB_PATH
 from tests.conftest import REPO
 from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
@@ -27,8 +26,7 @@ INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")
 RELAY_KEY = Path("/var/lib/gpuaas/terminal/id_ed25519")
 SEED_DIR = Path("/var/lib/libvirt/images/gpuaas-seeds")
 STATE_DIR = Path("/var/lib/gpuaas-agent")
-# The image CA is the user-data's, not a conffile of the package: purge leaves it.
-LEFTOVERS = (BOOTSTRAP_DIR, DEB_PATH.parent, Path("/etc/default/gpuaas-slice-network-baseline"), IMAGE_CA_PATH)
+LEFTOVERS = (BOOTSTRAP_DIR, DEB_PATH.parent, Path("/etc/default/gpuaas-slice-network-baseline"))
 
 
 def installed_packages() -> set[str]:
@@ -57,7 +55,9 @@ def clean_machine() -> Iterator[set[str]]:
         else:
             path.unlink(missing_ok=True)
     assert "gpuaas-agent" not in installed_packages()
-    for gone in (STATE_DIR, INSTALLED_AGENT, RELAY_KEY.parent.parent, SEED_DIR, Path("/etc/gpuaas-agent")):
+    # /etc/gpuaas-agent includes the image CA the user-data put there; /var/log/gpuaas-agent the console logs.
+    for gone in (STATE_DIR, INSTALLED_AGENT, RELAY_KEY.parent.parent, SEED_DIR, Path("/etc/gpuaas-agent"),
+                 Path("/var/log/gpuaas-agent")):
         assert not gone.exists(), f"purge left {gone}"
 
 
