@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from gpuaas_agent.compat import tomllib
 from gpuaas_agent.contract.egress import EgressTarget
+from gpuaas_agent.contract.firmware import FirmwareBaselineRule
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.runtime import PROFILES
 from gpuaas_agent.contract.tasks import TaskType
@@ -155,6 +156,17 @@ class SliceConfig(BaseModel):
     # from a loopback address (127.0.0.1, ::1, localhost), never from another host.
     allow_emulated_domains: bool = False
     allow_loopback_http: bool = False
+    # Each slice's serial console, captured by libvirt (virtlogd) to <console_log_dir>/<allocation>-slot<N>.log
+    # (host/consolelog.py): read by slice.console_log, also after the VM died. The sweep trims a log to its
+    # last console_log_max_bytes and deletes it console_log_max_age_s after its last write, never while
+    # its allocation holds a lease on this host.
+    console_log_dir: Path = Path("/var/log/gpuaas-agent/console")
+    console_log_max_bytes: int = Field(default=8 << 20, ge=64 << 10, le=1 << 30)
+    console_log_max_age_s: float = Field(default=7 * 86400.0, gt=0)
+    console_log_sweep_interval_s: float = Field(default=3600.0, gt=0)
+    # The firmware versions this site allows (docs/firmware.md): a component outside its rule is a
+    # firmware_drift finding and a parity FAIL (discovery/firmware.py). Empty: firmware is reported, not judged.
+    firmware_baseline: tuple[FirmwareBaselineRule, ...] = ()
     # Site wipe policy per runtime profile name (overrides the catalog's; host/wipepolicy.py): e.g.
     # [slice.wipe_policies.h200_1g_24c_64g] method = "nvme_sanitize". Unknown profile names are refused.
     wipe_policies: dict[str, WipePolicy] = Field(default_factory=dict)
@@ -187,6 +199,23 @@ class SliceConfig(BaseModel):
                 tls_context(path)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{path} is not a readable PEM file of CA certificates: {exc}") from exc
+        return path
+
+    @field_validator("firmware_baseline")
+    @classmethod
+    def _one_rule_per_kind_and_model(cls, rules: tuple[FirmwareBaselineRule, ...]) -> tuple[FirmwareBaselineRule, ...]:
+        seen = set()
+        for rule in rules:
+            if (rule.kind, rule.model) in seen:
+                raise ValueError(f"two firmware_baseline rules for {rule.kind} model {rule.model or '(any)'}")
+            seen.add((rule.kind, rule.model))
+        return rules
+
+    @field_validator("console_log_dir")
+    @classmethod
+    def _console_dir_absolute(cls, path: Path) -> Path:
+        if not path.is_absolute() or path == Path("/") or ".." in path.parts:
+            raise ValueError(f"{path} is not an absolute directory below / for console logs")
         return path
 
     @field_validator("image_file_dir")

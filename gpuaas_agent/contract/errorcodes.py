@@ -221,6 +221,11 @@ class ErrorCode(StrEnum):
     DNSMASQ_NOT_RUNNING = "dnsmasq_not_running", "discovery", "No dnsmasq process runs; systemctl enable --now dnsmasq."
     DNSMASQ_UNPROVEN = "dnsmasq_unproven", "discovery", "There is no process table under the root, so a running dnsmasq cannot be proven."
     DNSMASQ_NOT_READING_HOSTS = "dnsmasq_not_reading_hosts", "discovery", "No running dnsmasq reads the agent's hosts file; add dhcp-hostsfile to its config."
+    PCI_ROM_UNREADABLE = "pci_rom_unreadable", "discovery", "A GPU's PCI expansion ROM could not be enabled or read (no ROM BAR, device busy, not root); its VBIOS is unproven."
+    FIRMWARE_DRIFT = "firmware_drift", "discovery", "A device runs firmware outside the site's baseline ([slice] firmware_baseline); update or roll it back, or widen the baseline."
+    FIRMWARE_UNREADABLE = "firmware_unreadable", "discovery", "The baseline judges a device whose firmware version cannot be read here; read it on the live host (driver bound) before trusting it."
+    DNSMASQ_CONFIG_READS_OTHER_HOSTS = "dnsmasq_config_reads_other_hosts", "discovery", "The recorded dnsmasq config reads another hosts file than the agent's; point dhcp-hostsfile at the agent's."
+    DNSMASQ_CONFIG_READS_NO_HOSTS = "dnsmasq_config_reads_no_hosts", "discovery", "The recorded dnsmasq config names no dhcp-hostsfile/dhcp-hostsdir; add the agent's hosts file."
     DNSMASQ_PID_FILE_MISMATCH = "dnsmasq_pid_file_mismatch", "discovery", "dnsmasq's pid file names a different process; fix the pid file setting."
     DNSMASQ_CONFIG_UNREADABLE = "dnsmasq_config_unreadable", "discovery", "A dnsmasq config file cannot be read; check permissions."
     DNSMASQ_CONF_UNREADABLE = "dnsmasq_conf_unreadable", "discovery", "A dnsmasq conf file of a running dnsmasq cannot be read; check permissions."
@@ -418,6 +423,9 @@ class ErrorCode(StrEnum):
     DOMAIN_LEASE_MISMATCH = "domain_lease_mismatch", "tasks", "The domain does not match the slot's lease; investigate before acting."
     NOT_THIS_ALLOCATION = "not_this_allocation", "tasks", "The slot is held by another allocation; fix the task."
     SLOT_NOT_ACTIVE = "slot_not_active", "tasks", "The slot is not active; provision it first."
+    CONSOLE_LOG_MISSING = "console_log_missing", "tasks", "No console log of this allocation and slot on this host (never provisioned here, or its retention ended)."
+    CONSOLE_LOG_UNSAFE = "console_log_unsafe", "tasks", "The console log path is a link or not a regular file; it is never read: investigate the log directory."
+    CONSOLE_LOG_UNREADABLE = "console_log_unreadable", "tasks", "The console log cannot be read; check the console_log_dir permissions."
 
     RELEASE_INTERRUPTED = "release_interrupted", "tasks", "A release was interrupted (agent killed) and its redelivery came after its deadline; the slot is cleanup_blocked: send a new release."
 

@@ -47,6 +47,7 @@ class TaskType(WireEnum):
     terminal_data = "slice.terminal_data"
     terminal_resize = "slice.terminal_resize"
     terminal_close = "slice.terminal_close"
+    console_log = "slice.console_log"
 
 
 class TaskEnvelope(WireModel):
@@ -133,6 +134,19 @@ class VmPowerPayload(WireModel):
     graceful_timeout_s: int = Field(default=120, ge=0, le=3600)
 
 
+class ConsoleLogPayload(WireModel):
+    """The last ``tail_kib`` KiB of the serial console of an allocation's slot, also after its VM died.
+
+    Only the allocation's own log is ever read: the file is named by ``allocation_id`` and
+    ``slot_index`` on this host (host/consolelog.py), and a slot another allocation holds, with no
+    log of this allocation, is refused ``not_this_allocation``.
+    """
+
+    allocation_id: str = Field(pattern=UUID_PATTERN)
+    slot_index: int = Field(ge=0, le=255)
+    tail_kib: int = Field(default=64, ge=1, le=1024)
+
+
 class ReconcilePayload(WireModel):
     repair: bool = True
 
@@ -149,6 +163,7 @@ PAYLOADS: dict[TaskType, type[WireModel]] = {
     TaskType.terminal_data: TerminalDataPayload,
     TaskType.terminal_resize: TerminalResizePayload,
     TaskType.terminal_close: TerminalClosePayload,
+    TaskType.console_log: ConsoleLogPayload,
 }
 
 

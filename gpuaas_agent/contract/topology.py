@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
+from gpuaas_agent.contract.firmware import FirmwareInventory
 from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName, MacAddress, PciAddress, PciId
 
 
@@ -258,3 +259,5 @@ class TopologyReport(WireModel):
     gpu_enrichment: GpuEnrichment
     # HGX fabric (issue 20): multi-GPU guests need a Fabric Manager partition for NVLink (tasks/placement.py).
     nvswitches: list[NvSwitchDevice] = Field(default_factory=list)
+    # What the slice's devices and the host run (discovery/firmware.py; docs/firmware.md).
+    firmware: FirmwareInventory | None = None

@@ -204,7 +204,9 @@ def build_domain(spec: DomainSpec) -> ET.Element:
     # serial + console: the only console (no VNC/SPICE listener); the terminal gateway attaches to it.
     serial = _sub(devices, "serial", type="pty")
     if spec.serial_log_path is not None:
-        _sub(serial, "log", file=spec.serial_log_path, append="off")
+        # append: a restarted domain (power start, reboot) adds to the log instead of erasing what the last
+        # boot printed (host/consolelog.py caps it).
+        _sub(serial, "log", file=spec.serial_log_path, append="on")
     _sub(serial, "target", type="isa-serial", port="0")
     console = _sub(devices, "console", type="pty")
     _sub(console, "target", type="serial", port="0")

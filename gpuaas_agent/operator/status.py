@@ -35,6 +35,7 @@ from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.control.enroll import load_enrollment
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.consolelog import log_path as console_log_path
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, read_status
 from gpuaas_agent.operator.health import HealthSettings
@@ -61,6 +62,7 @@ class SlotView(WireModel):
     domain: str | None = None
     vm_state: str | None = None  # running, shut off, absent, or why it could not be read
     ip: str | None = None
+    console_log: str | None = None  # the allocation's serial console log on this host, when it exists
 
 
 class FailureView(WireModel):
@@ -86,6 +88,8 @@ class StatusReport(WireModel):
     recent_failures: list[FailureView] = Field(default_factory=list)
     health: list[HealthCheck] = Field(default_factory=list)
     libvirt: str | None = None
+    # Where every slice's serial console is captured (slice.console_log reads it; docs/console-logs.md).
+    console_log_dir: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -232,6 +236,11 @@ def collect(config, *, run_checks: bool = True, now: float | None = None) -> Sta
         for index, name in with_alloc.items():
             slots[index] = slots[index].model_copy(update={"domain": name, "vm_state": states.get(index),
                                                           "ip": ips.get(index)})
+    for index, slot in slots.items():
+        if slot.allocation_id:
+            log = console_log_path(config.slice.console_log_dir, slot.allocation_id, index)
+            if log.is_file():
+                slots[index] = slot.model_copy(update={"console_log": str(log)})
     for slot in slots.values():
         if slot.status == "cleanup_blocked":
             reasons.append(f"slot {slot.slot_index}: cleanup_blocked (last task {slot.last_task_id})")
@@ -270,7 +279,8 @@ def collect(config, *, run_checks: bool = True, now: float | None = None) -> Sta
         nats_state=daemon.nats_state if daemon else None,
         last_heartbeat_at=daemon.last_heartbeat_at if daemon else None,
         slots=[slots[i] for i in sorted(slots)], in_flight=list(daemon.in_flight) if daemon and running else [],
-        recent_failures=failures, health=checks, libvirt=libvirt_verdict)
+        recent_failures=failures, health=checks, libvirt=libvirt_verdict,
+        console_log_dir=str(config.slice.console_log_dir))
 
 
 def _age(then: datetime | None, now: datetime) -> str:
@@ -295,12 +305,15 @@ def render(report: StatusReport) -> str:
     else:
         lines.append("daemon   no status file")
     lines.append(f"libvirt  {report.libvirt or '-'}")
+    lines.append(f"console  logs in {report.console_log_dir or '-'} (slice.console_log reads them)")
     lines.append("")
     lines.append(f"{'SLOT':<5}{'STATUS':<16}{'HEALTH':<10}{'ALLOCATION':<38}{'VM':<12}{'IP':<16}LAST TASK")
     for s in report.slots:
         lines.append(f"{s.slot_index:<5}{(s.status or ('leased' if s.lease_task_id else '-')):<16}"
                      f"{(s.health_state or '-'):<10}{(s.allocation_id or '-'):<38}{(s.vm_state or '-'):<12}"
                      f"{(s.ip or '-'):<16}{s.last_task_id or s.lease_task_id or '-'}")
+        if s.console_log:
+            lines.append(f"     console log {s.console_log}")
     if not report.slots:
         lines.append("(no leased or recorded slots)")
     lines.append("")

@@ -17,6 +17,7 @@ from typing import Protocol, TypeVar, cast
 from gpuaas_agent.config import AgentConfig, SliceConfig, tls_context
 from gpuaas_agent.contract.terminal import CloseReason
 from gpuaas_agent.guards.gpureset import resolve_gpu_tool
+from gpuaas_agent.host.consolelog import log_path as console_log_path
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
 from gpuaas_agent.host.gpuadmin import GpuAdminTool
 from gpuaas_agent.host.images import ImageCache, SourcePolicy
@@ -103,6 +104,10 @@ class SliceDrivers:
 
     def seed_path(self, allocation_id: str, slot_index: int) -> Path:
         return self.slice.seed_dir / f"{allocation_id}-slot{slot_index}.iso"
+
+    def console_log_path(self, allocation_id: str, slot_index: int) -> Path:
+        """Where libvirt writes the slot's serial console (prepare-host made the directory, 0700)."""
+        return console_log_path(self.slice.console_log_dir, allocation_id, slot_index)
 
     # -- teardown shared by provision's compensations and release's steps (idempotent) --------------
 

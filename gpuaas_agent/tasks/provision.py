@@ -583,6 +583,7 @@ async def define(run: ProvisionRun, validated: Validated) -> Defined:
         fabric_vf_pci_address=slot.fabric_vf_pci_address if profile.hostdevs else None,
         nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
         seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
+        serial_log_path=str(sh.console_log_path(payload.allocation_id, slot.slot_index)),
         numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__,
         **(await asyncio.to_thread(_passthrough_bars, sh.discovered_root(), slot) if profile.hostdevs else {}),
         extra_slots=[await _guest_slot(run, s, p) for s, p in zip(run.data_slots, validated.data_planned)])

@@ -21,6 +21,7 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.tasks import PAYLOADS, TaskType
 from gpuaas_agent.discovery.prereqs import SocketPaths
 from gpuaas_agent.tasks.admission import slice_plan_config
+from gpuaas_agent.tasks.console_log import console_log_handler
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.plan import plan_handler
 from gpuaas_agent.tasks.power import power_handler
@@ -79,6 +80,8 @@ TASKS: tuple[TaskSpec, ...] = (
              needs_slice_host=True),
     TaskSpec(TaskType.terminal_close, lambda config, sh: terminal_handler(sh, "close"), concurrency=4,
              needs_slice_host=True),
+    # Reads a file: no slot lock, so it never waits behind a provision or release of the slot.
+    TaskSpec(TaskType.console_log, lambda config, sh: console_log_handler(sh), concurrency=4, needs_slice_host=True),
 )
 
 

@@ -87,7 +87,9 @@ def test_healthy_fixture_has_every_check_in_order_and_no_failures():
     # the config does not prove a running dnsmasq reads the agent's reservations.
     for name in ("node_agent", "libvirt", "openvswitch", "dnsmasq", "gpu_host_services", "qemu_access"):
         assert checks[name].status is ParityStatus.WARN and checks[name].hard, checks[name]
-    assert "not provable from a recording" in checks["dnsmasq"].detail
+    # The recorded config says which hosts file dnsmasq reads: not the agent's default, and the line names it.
+    assert checks["dnsmasq"].detail.startswith("dnsmasq_config_reads_other_hosts")
+    assert "/var/lib/gpuaas/dnsmasq-hosts" in checks["dnsmasq"].detail
     # The recording's GPUs are still on nvidia: provision rebinds them, so a warning with the evidence.
     assert checks["gpu_driver"].status is ParityStatus.WARN and "0000:18:00.0=nvidia" in checks["gpu_driver"].evidence
     service = checks["historical_network_service"]
