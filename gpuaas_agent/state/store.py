@@ -474,7 +474,7 @@ class StateStore:
 
     def quarantined(self) -> list[QuarantineRecord]:
         rows = self._conn.execute(f"SELECT {self._QUARANTINE_COLUMNS} FROM quarantine"
-                                  " ORDER BY quarantined_at, kind, identity").fetchall()
+                                  " ORDER BY quarantined_at, rowid").fetchall()
         return [self._quarantine_record(r) for r in rows]
 
     def release_quarantine(self, ref: ComponentRef, *, released_by: str, reason: str, recheck: RecheckVerdict,
