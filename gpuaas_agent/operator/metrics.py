@@ -141,6 +141,13 @@ class AgentMetrics:
         self.health_state = Gauge("gpuaas_agent_health_state", "1 for the host's current health state",
                                   ["state"], registry=r)
         self.heartbeats = Counter("gpuaas_agent_heartbeats", "heartbeats the server took", registry=r)
+        # Every type and outcome from the start at 0, and the release's wipe step: ``increase()`` in an alert
+        # (docs/alerts.md) sees the first failure after a restart, not only the second.
+        for task_type in sorted(KNOWN_TYPES):
+            for status in ("succeeded", "failed", "cancelled"):
+                self.tasks.labels(task_type, status)
+        for status in ("succeeded", "failed"):
+            self.steps.labels("slice.vm_release", "wipe", status)
         if sample is not None:
             r.register(_LiveCollector(sample))
 
