@@ -1,8 +1,7 @@
 """The host's maintenance, drain and quarantined components, as the heartbeat, status file and metrics show them.
 
-Read from the store on each heartbeat tick (:func:`observe`, on the store's writer thread: the first
-tick that sees the drain done records it once and logs ``host_drained``) and at scrape time
-(:func:`fleet_view`, read-only).
+Read from the store, read-only, on each heartbeat tick (the reporter records the drain beside it, once,
+on the writer thread: ``tasks/maintenance.observe_drain``) and at scrape time.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from gpuaas_agent.contract.fleet import DrainReport, QuarantinedComponent
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.maintenance import drain_report, observe_drain
+from gpuaas_agent.tasks.maintenance import drain_report
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +25,3 @@ def fleet_view(store: StateStore) -> tuple[DrainReport | None, list[QuarantinedC
         log_event(log, "maintenance_state_unreadable", logging.WARNING, code=exc.code, message=exc.message)
         drain = None
     return drain, [QuarantinedComponent.of(r) for r in store.quarantined()]
-
-
-def observe(store: StateStore) -> tuple[DrainReport | None, list[QuarantinedComponent], bool]:
-    """:func:`fleet_view`, recording the drain the first time it is done: (drain, quarantined, newly drained)."""
-    try:
-        drain, newly = observe_drain(store)
-    except AgentError as exc:
-        log_event(log, "maintenance_state_unreadable", logging.WARNING, code=exc.code, message=exc.message)
-        drain, newly = None, False
-    return drain, [QuarantinedComponent.of(r) for r in store.quarantined()], newly

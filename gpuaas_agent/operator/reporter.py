@@ -26,9 +26,10 @@ from gpuaas_agent.contract.fleet import DrainReport, QuarantinedComponent
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat
 from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP
+from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, write_status
-from gpuaas_agent.operator.fleetview import observe
+from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
     HealthSettings,
@@ -38,7 +39,7 @@ from gpuaas_agent.operator.health import (
 from gpuaas_agent.operator.metrics import AgentMetrics
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.maintenance import log_drained
+from gpuaas_agent.tasks.maintenance import drain_changed, log_drained, observe_drain
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class Reporter:
         # Maintenance/drain and quarantined components as of the last tick (operator/fleetview.py).
         self.drain: DrainReport | None = None
         self.quarantined: list[QuarantinedComponent] = []
+        self._drain_write: asyncio.Task | None = None
         # Checks that need the slice drivers (the daemon adds them when it serves slices).
         self.extra_checks: list[Callable[[], Awaitable[list[HealthCheck]]]] = []
 
@@ -214,10 +216,26 @@ class Reporter:
                           error=exc.strerror or str(exc))
 
     async def observe_fleet(self) -> None:
-        """Maintenance, drain and quarantine from the store; the drain, once done, is logged once (host_drained)."""
-        self.drain, self.quarantined, newly_drained = await self.state.run(observe, write=True)
-        if newly_drained and self.drain is not None:
-            log_drained(self.drain)
+        """Maintenance, drain and quarantine, read off the reader (a held write lock never delays the heartbeat).
+
+        When the drain's record must change (done: ``drained_at`` once, logged once; undone by a new lease),
+        the write runs beside the tick on the writer thread, one at a time.
+        """
+        self.drain, self.quarantined = await self.state.run(fleet_view)
+        if self.drain is None or not drain_changed(self.drain):
+            return
+        if self._drain_write is None or self._drain_write.done():
+            self._drain_write = asyncio.create_task(self._record_drain())
+
+    async def _record_drain(self) -> None:
+        try:
+            drain, newly_drained = await self.state.run(observe_drain, write=True)
+        except AgentError as exc:
+            log_event(log, "drain_record_failed", logging.WARNING, code=exc.code, message=exc.message)
+            return
+        self.drain = drain
+        if newly_drained:
+            log_drained(drain)
 
     def _fleet_note(self) -> str:
         note = ""

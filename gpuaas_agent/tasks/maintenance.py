@@ -100,6 +100,11 @@ def drain_report(store: StateStore, state: MaintenanceState | None = None) -> Dr
                        drained=state.on and not leases, drained_at=state.drained_at if state.on else None)
 
 
+def drain_changed(report: DrainReport) -> bool:
+    """Whether :func:`observe_drain` has a record to write: the drain just done, or undone by a new lease."""
+    return report.maintenance and (report.drained != (report.drained_at is not None))
+
+
 def observe_drain(store: StateStore, now: datetime | None = None) -> tuple[DrainReport, bool]:
     """The drain report; the first time maintenance is on with no lease left, ``drained_at`` is stored and
     (report, True) returned (the caller logs ``host_drained`` once). A lease taken again (a provision that
