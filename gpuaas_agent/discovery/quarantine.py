@@ -23,9 +23,15 @@ def slot_components(slot: CandidateSlot, report: TopologyReport) -> list[tuple[C
     if slot.fabric_vf_pci_address:
         out.append((ComponentKind.fabric_vf, slot.fabric_vf_pci_address))
     if slot.nvme_device:
+        # A lease taken before disk identities existed holds its disk as ``path:<by-id>``: a quarantine made
+        # from such a lease names the disk that way, by any of its links.
+        names = {slot.nvme_device}
         for disk in report.nvme_devices:
-            if slot.nvme_device in (disk.by_id, *disk.by_id_links) and disk.disk_identity:
-                out.append((ComponentKind.nvme, disk.disk_identity))
+            if slot.nvme_device in (disk.by_id, *disk.by_id_links):
+                names |= {n for n in (disk.by_id, *disk.by_id_links) if n}
+                if disk.disk_identity:
+                    out.append((ComponentKind.nvme, disk.disk_identity))
+        out += [(ComponentKind.nvme, f"path:{name}") for name in sorted(names)]
     return out
 
 

@@ -104,7 +104,8 @@ def check_not_quarantined(store: StateStore, plan: BundlePlan) -> None:
         return
     for slot in plan.slots:
         wanted = [(ComponentKind.slot, str(slot.slot_index)), (ComponentKind.gpu, slot.gpu_pci_address),
-                  (ComponentKind.fabric_vf, slot.fabric_vf_pci_address), (ComponentKind.nvme, slot.disk_identity)]
+                  (ComponentKind.fabric_vf, slot.fabric_vf_pci_address), (ComponentKind.nvme, slot.disk_identity),
+                  (ComponentKind.nvme, f"path:{slot.nvme_device}")]  # named by a lease from before identities
         found = [quarantined[w] for w in wanted if w in quarantined]
         if found:
             first = found[0]

@@ -45,3 +45,10 @@ def test_two_bad_disks_take_two_slots_and_leave_the_other_six():
     marked = mark_quarantined(report, [_record(ComponentKind.nvme, d) for d in disks])
     assert _blocked(marked) == [2, 6]
     assert len(marked.candidate_slots) == len(report.candidate_slots) == 8
+
+
+def test_a_disk_named_by_the_path_of_an_old_lease_blocks_its_slot():
+    report = topology_of()
+    slot = report.candidate_slots[4]
+    marked = mark_quarantined(report, [_record(ComponentKind.nvme, f"path:{slot.nvme_device}")])
+    assert _blocked(marked) == [4]
