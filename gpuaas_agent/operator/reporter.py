@@ -221,7 +221,11 @@ class Reporter:
         When the drain's record must change (done: ``drained_at`` once, logged once; undone by a new lease),
         the write runs beside the tick on the writer thread, one at a time.
         """
-        self.drain, self.quarantined = await self.state.run(fleet_view)
+        try:
+            self.drain, self.quarantined = await self.state.run(fleet_view)
+        except Exception as exc:  # the heartbeat and status file go out with the last view, and the log says why
+            log_event(log, "fleet_view_failed", logging.WARNING, error=repr(exc))
+            return
         if self.drain is None or not drain_changed(self.drain):
             return
         if self._drain_write is None or self._drain_write.done():
