@@ -13,8 +13,6 @@ from gpuaas_agent.contract.fleet import MAX_EVIDENCE_CHARS, ComponentKind, Quara
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.quarantine import quarantine_component
-from gpuaas_agent.tasks.recheck import RECHECKS, RecheckContext, recheck_aer, recheck_smart
-from tests.conftest import fixture_host
 
 DISK = "eui:000000000000000100a075244a103331"
 
@@ -59,19 +57,3 @@ def test_huge_evidence_is_cut_and_says_so(tmp_path):
                                               {"dump": "x" * (4 * MAX_EVIDENCE_CHARS)}, "t-1"))
     assert record.evidence["truncated"] is True and len(record.evidence["head"]) < MAX_EVIDENCE_CHARS
     store.close()
-
-
-def test_rechecks_that_cannot_read_the_device_never_pass(tmp_path):
-    store = StateStore.open(tmp_path / "state.db")
-    disk = asyncio.run(quarantine_component(store, "nvme", DISK, "smart_failing", {"media_errors": 0}, "t-1"))
-    slot = asyncio.run(quarantine_component(store, "slot", "2", "gpu_aer_fatal", {}, "t-2"))
-    store.close()
-    recorded = RecheckContext(host_root=fixture_host("h200-slice-after-transition"))
-    smart = asyncio.run(recheck_smart(recorded, disk))
-    assert not smart.passed and "recorded root" in smart.detail
-    assert not asyncio.run(recheck_aer(recorded, slot)).passed  # a slot has no AER counters of its own
-
-
-def test_the_rechecks_this_module_owns_are_wired():
-    """The wipe, GPU handover and firmware pipelines add theirs (tasks/recheck.py); until then those stay out."""
-    assert {QuarantineReason.operator, QuarantineReason.gpu_aer_fatal, QuarantineReason.smart_failing} <= set(RECHECKS)
