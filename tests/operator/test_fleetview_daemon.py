@@ -27,6 +27,14 @@ def _cli(*argv) -> subprocess.CompletedProcess:
                           cwd=REPO)
 
 
+async def _log_has(path, text: str, timeout_s: float = 20.0) -> None:
+    """Wait (bounded) until the daemon's log names ``text``: the event is written after the store commit."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while text not in path.read_text():
+        assert asyncio.get_running_loop().time() < deadline, f"{text} never logged"
+        await asyncio.sleep(0.05)  # polling a file for a condition, with a deadline
+
+
 def test_maintenance_and_quarantine_show_in_heartbeat_metrics_and_status(nats_server, tmp_path, short_dir, agents):
     port = free_port()
     gpu = topology_of().candidate_slots[6].gpu_pci_address
@@ -47,13 +55,14 @@ def test_maintenance_and_quarantine_show_in_heartbeat_metrics_and_status(nats_se
             assert hostile.returncode == 2 and "invalid_payload" in hostile.stderr, hostile.stderr
             local = await asyncio.to_thread(_cli, "maintenance", "on", "--reason", "PSU swap", "--config", str(config))
             assert local.returncode == 0 and "drained" in local.stdout, local.stdout + local.stderr
-            drained = await plane.wait_for(lambda s: [h for h in s.heartbeats if h.maintenance and h.maintenance.drained])
+            # drained_at: the drain was recorded (beside a tick, once); the heartbeat then carries when.
+            drained = await plane.wait_for(lambda s: [h for h in s.heartbeats
+                                                      if h.maintenance and h.maintenance.drained_at is not None])
             assert drained[-1].maintenance.reason == "PSU swap" and drained[-1].maintenance.leased_slots == []
             metrics = await asyncio.to_thread(_scrape, port)
             assert "gpuaas_agent_maintenance 1.0" in metrics and "gpuaas_agent_drained 1.0" in metrics
             assert "gpuaas_agent_maintenance_since_timestamp_seconds" in metrics
-            log = (tmp_path / "agent.log").read_text()
-            assert log.count("host_drained") == 1, "the drain is reported once"
+            await _log_has(tmp_path / "agent.log", "host_drained")
 
             envelope = plane.envelope(node_id, TaskType.quarantine.value,
                                       {"component": {"kind": "gpu", "identity": gpu}, "reason": "XID 48 by hand"})
@@ -67,6 +76,7 @@ def test_maintenance_and_quarantine_show_in_heartbeat_metrics_and_status(nats_se
             assert "gpuaas_agent_quarantined_components 1.0" in metrics
             assert f'gpuaas_agent_quarantined{{identity="{gpu}",kind="gpu",reason="operator",slot=""}} 1.0' in metrics
 
+            assert (tmp_path / "agent.log").read_text().count("host_drained") == 1, "the drain is reported once"
             status = await asyncio.to_thread(_cli, "status", "--json", "--no-checks", "--config", str(config))
             report = json.loads(status.stdout)
             assert report["maintenance"]["maintenance"] is True and report["maintenance"]["drained"] is True
