@@ -76,6 +76,7 @@ from gpuaas_agent.host.consolelog import sweep
 from gpuaas_agent.host.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
+from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import HealthSettings, isolation_check
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.netwatch import serialized, start_netwatch
@@ -319,6 +320,7 @@ def live_state(store: StateStore, reporter: Reporter, slice_host, uevents: list[
         for record in store.slot_states():
             counts[record.status.value] = counts.get(record.status.value, 0) + 1
         live.slot_states = counts
+        live.maintenance, live.quarantined = fleet_view(store)
         if slice_host is not None:
             stats = slice_host.images.stats()
             live.image_cache_bytes, live.image_cache_entries = stats.size_bytes, stats.entries

@@ -53,7 +53,7 @@ _NVML = "pynvml is the optional `nvml` extra: a host without an NVIDIA driver ha
 LAZY_IMPORTS: dict[str, str] = {
     **{f"gpuaas_agent/cli.py:{fn}": _CLI_COST
        for fn in ("_cmd_discover", "_cmd_parity", "_cmd_status", "_cmd_record_fixture", "_cmd_run", "_cmd_enroll",
-                  "_cmd_cloud_init", "_cmd_prepare_host", "_cmd_network_baseline")},
+                  "_cmd_cloud_init", "_cmd_prepare_host", "_cmd_network_baseline", "_cmd_maintenance")},
     "gpuaas_agent/discovery/netevidence.py:_netlink": _PYROUTE2,
     "gpuaas_agent/discovery/netevidence.py:_read_netlink": _PYROUTE2,
     "gpuaas_agent/host/egress.py:read_conntrack": _PYROUTE2,

@@ -53,6 +53,7 @@ ROOMS: dict[str, str] = {
     "fixtures": "Fixtures: recorder and archives",
     "operator": "Operator: status and health",
     "terminal": "Terminal relay: slice.terminal_* sessions into a slice (SSH PTY relayed over NATS)",
+    "fleet": "Fleet operations: maintenance and drain, quarantined components (docs/maintenance.md)",
     "unsorted": "Not yet sorted into a room (pasted from --missing; move it)",
 }
 
@@ -484,6 +485,18 @@ class ErrorCode(StrEnum):
     TERMINAL_REFUSED = "terminal_refused", "terminal", "The terminal task was refused before any connection; the message and evidence name why."
     TERMINAL_SUBSCRIBE_FAILED = "terminal_subscribe_failed", "terminal", "Subscribing to the session's input subject failed (NATS permissions or connection); nothing was opened."
     TOO_MANY_SESSIONS = "too_many_sessions", "terminal", "The slice already has its maximum of terminal sessions ([slice.terminal] max_sessions_per_slice)."
+
+    # --- Fleet operations: maintenance and drain, quarantined components (docs/maintenance.md)
+    HOST_IN_MAINTENANCE = "host_in_maintenance", "fleet", "The host is in maintenance: new provisions and plans are refused before anything is leased; place the slice elsewhere, or turn maintenance off (slice.maintenance / gpuaas-agent maintenance off)."
+    MAINTENANCE_STATE_UNREADABLE = "maintenance_state_unreadable", "fleet", "The stored maintenance state does not validate, so new work is refused; set it again with gpuaas-agent maintenance on|off --reason."
+    COMPONENT_QUARANTINED = "component_quarantined", "fleet", "A component of the slot (GPU, disk, VF or the slot) is quarantined; the slot is not offered until slice.unquarantine re-runs its failed check. Evidence names the quarantine."
+    COMPONENT_IN_USE = "component_in_use", "fleet", "An allocation's lease holds the component: it is neither quarantined by an operator nor returned while held. Release that allocation first."
+    NOT_QUARANTINED = "not_quarantined", "fleet", "The component named is not quarantined on this host (evidence lists what is); check the kind and identity."
+    QUARANTINE_REFUSED = "quarantine_refused", "fleet", "A quarantine or unquarantine was refused; the message and evidence say why."
+    RECHECK_FAILED = "recheck_failed", "fleet", "The check that quarantined the component still fails (evidence has its verdict); it stays quarantined. Repair or replace it, then ask again."
+    RECHECK_UNAVAILABLE = "recheck_unavailable", "fleet", "This agent has no re-check for the quarantine's reason, so it cannot prove the component fit; it stays quarantined (evidence lists the re-checks it has)."
+    UNKNOWN_COMPONENT = "unknown_component", "fleet", "The component named is not a GPU, NVMe namespace or fabric VF of this host, nor one of its slots; check the identity (discovery lists them)."
+    SMART_LOG_UNREADABLE = "smart_log_unreadable", "fleet", "nvme smart-log failed or printed no JSON object for the disk; check nvme-cli and the device (evidence has the command)."
 
     # --- Operator: status and health
     DAEMON_STATUS_UNREADABLE = "daemon_status_unreadable", "operator", "The daemon status file cannot be read; check the daemon runs and the path."

@@ -22,6 +22,13 @@ from gpuaas_agent.contract.base import (
     first_error,
 )
 from gpuaas_agent.contract.cloudinit import MAX_SSH_KEYS, GuestDriverProfile, Hostname, LinuxUserName, SshPublicKey
+from gpuaas_agent.contract.fleet import (
+    DrainReport,
+    MaintenancePayload,
+    QuarantinedComponent,
+    QuarantinePayload,
+    UnquarantinePayload,
+)
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
 from gpuaas_agent.contract.terminal import (
     TerminalClosePayload,
@@ -48,6 +55,9 @@ class TaskType(WireEnum):
     terminal_resize = "slice.terminal_resize"
     terminal_close = "slice.terminal_close"
     console_log = "slice.console_log"
+    maintenance = "slice.maintenance"
+    quarantine = "slice.quarantine"
+    unquarantine = "slice.unquarantine"
 
 
 class TaskEnvelope(WireModel):
@@ -164,6 +174,9 @@ PAYLOADS: dict[TaskType, type[WireModel]] = {
     TaskType.terminal_resize: TerminalResizePayload,
     TaskType.terminal_close: TerminalClosePayload,
     TaskType.console_log: ConsoleLogPayload,
+    TaskType.maintenance: MaintenancePayload,
+    TaskType.quarantine: QuarantinePayload,
+    TaskType.unquarantine: UnquarantinePayload,
 }
 
 
@@ -236,6 +249,9 @@ class Heartbeat(WireModel):
     health: list[HealthCheck] = Field(default_factory=list)
     running_tasks: list[str] = Field(default_factory=list)
     leased_slots: list[int] = Field(default_factory=list)
+    # Maintenance and its drain (``drained`` once no slice is left), and every quarantined component by name.
+    maintenance: DrainReport | None = None
+    quarantined: list[QuarantinedComponent] = Field(default_factory=list)
     at: datetime
 
 

@@ -42,6 +42,7 @@ from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.discovery.aer import aer_counts
 from gpuaas_agent.discovery.netevidence import NetTarget, judge_dnsmasq, read_dnsmasq_evidence, read_network_evidence
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.run import run
@@ -203,20 +204,6 @@ def vfio_check(settings: HealthSettings, leases: list[SlotLease], records: list[
 # -- hardware ------------------------------------------------------------------------------
 
 
-def _aer_total(text: str) -> int:
-    """``aer_dev_*`` files list one counter a line and end with ``TOTAL_ERR_*``; sum them when that is absent."""
-    total, summed = None, 0
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) != 2 or not parts[1].isdigit():
-            continue
-        if parts[0].startswith("TOTAL_ERR"):
-            total = int(parts[1])
-        else:
-            summed += int(parts[1])
-    return summed if total is None else total
-
-
 def pcie_aer_check(settings: HealthSettings) -> HealthCheck:
     """AER counters of the slot's PCI functions: fatal errors fail the host, non-fatal degrade it."""
     host = HostRoot.open(settings.host_root)
@@ -234,12 +221,7 @@ def pcie_aer_check(settings: HealthSettings) -> HealthCheck:
             continue
         if vendor not in _SLOT_VENDORS and not klass.startswith(_NVME_CLASS):
             continue
-        counts = {}
-        for kind in ("fatal", "nonfatal", "correctable"):
-            try:
-                counts[kind] = _aer_total(host.read_text(f"{base}/aer_dev_{kind}"))
-            except OSError:
-                pass
+        counts = aer_counts(host, address)
         if not counts:
             continue
         seen += 1

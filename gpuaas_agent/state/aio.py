@@ -53,7 +53,7 @@ T = TypeVar("T")
 THREAD_NAME = "gpuaas-state"
 # StateStore methods that only read: served by the reader connection when there is one.
 READS = frozenset({"meta", "leases", "leases_of", "journal_of", "unfinished_steps", "result_of", "latest_wipe_proof",
-                   "slot_state", "slot_states"})
+                   "slot_state", "slot_states", "quarantine_of", "quarantined", "quarantine_history"})
 
 
 class StoreCallOnLoop(RuntimeError):

@@ -15,8 +15,11 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
+from gpuaas_agent.compat import UTC
+from gpuaas_agent.contract.fleet import ComponentRef, QuarantineRecord, RecheckVerdict
 from gpuaas_agent.contract.handover import LeaseHandover
 from gpuaas_agent.contract.state import JournalEntry, SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.storage import WipeProof
@@ -130,6 +133,32 @@ MIGRATIONS: tuple[str, ...] = (
     # NULL: a lease from before (or slice.plan's, until validate): release uses the strictest method.
     """
     ALTER TABLE slot_lease ADD COLUMN handover TEXT;
+    """,
+    # 7 -> 8: quarantined components (a GPU, a disk, a VF or a slot whose handover or health failed): no slot
+    # using one is offered until slice.unquarantine re-runs the failed check; each return is kept as history.
+    # Maintenance needs no table: it is one agent_meta row (key "maintenance").
+    """
+    CREATE TABLE quarantine (
+        kind TEXT NOT NULL,
+        identity TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        evidence TEXT NOT NULL,
+        quarantined_at REAL NOT NULL,
+        task_id TEXT NOT NULL,
+        slot_index INTEGER,
+        PRIMARY KEY (kind, identity)
+    );
+    CREATE TABLE quarantine_released (
+        kind TEXT NOT NULL,
+        identity TEXT NOT NULL,
+        record TEXT NOT NULL,
+        released_at REAL NOT NULL,
+        released_by TEXT NOT NULL,
+        release_reason TEXT NOT NULL,
+        recheck TEXT NOT NULL,
+        task_id TEXT NOT NULL
+    );
+    CREATE INDEX quarantine_released_component ON quarantine_released (kind, identity, released_at);
     """,
 )
 
@@ -449,6 +478,63 @@ class StateStore:
     def set_meta(self, key: str, value: str) -> None:
         with self._transaction():
             self._conn.execute("INSERT OR REPLACE INTO agent_meta VALUES (?, ?, ?)", (key, value, self._clock()))
+
+    # -- quarantine ----------------------------------------------------------------
+
+    _QUARANTINE_COLUMNS = "kind, identity, reason, evidence, quarantined_at, task_id, slot_index"
+
+    def quarantine(self, record: QuarantineRecord) -> tuple[QuarantineRecord, bool]:
+        """Quarantine a component; (the record that holds, True) when new. A component quarantined already
+        keeps its first record (its first failure is the one to explain): (that record, False)."""
+        with self._transaction():
+            held = self.quarantine_of(record.ref)
+            if held is not None:
+                return held, False
+            self._conn.execute(
+                f"INSERT INTO quarantine ({self._QUARANTINE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (record.kind.value, record.identity, record.reason.value, json.dumps(record.evidence, sort_keys=True),
+                 record.quarantined_at.timestamp(), record.task_id, record.slot_index))
+        return record, True
+
+    def quarantine_of(self, ref: ComponentRef) -> QuarantineRecord | None:
+        row = self._conn.execute(f"SELECT {self._QUARANTINE_COLUMNS} FROM quarantine WHERE kind = ? AND identity = ?",
+                                 (ref.kind.value, ref.identity)).fetchone()
+        return None if row is None else self._quarantine_record(row)
+
+    def quarantined(self) -> list[QuarantineRecord]:
+        rows = self._conn.execute(f"SELECT {self._QUARANTINE_COLUMNS} FROM quarantine"
+                                  " ORDER BY quarantined_at, rowid").fetchall()
+        return [self._quarantine_record(r) for r in rows]
+
+    def release_quarantine(self, ref: ComponentRef, *, released_by: str, reason: str, recheck: RecheckVerdict,
+                           task_id: str) -> QuarantineRecord | None:
+        """Return a component to service, keeping the record, who, why and the passing re-check as history;
+        None when it was not quarantined (nothing changes)."""
+        with self._transaction():
+            held = self.quarantine_of(ref)
+            if held is None:
+                return None
+            self._conn.execute("DELETE FROM quarantine WHERE kind = ? AND identity = ?", (ref.kind.value, ref.identity))
+            self._conn.execute(
+                "INSERT INTO quarantine_released VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (ref.kind.value, ref.identity, held.model_dump_json(), self._clock(), released_by, reason,
+                 recheck.model_dump_json(), task_id))
+        return held
+
+    def quarantine_history(self, ref: ComponentRef) -> list[dict]:
+        """Every return of a component to service, oldest first: its record, who, why, the re-check."""
+        rows = self._conn.execute(
+            "SELECT record, released_at, released_by, release_reason, recheck, task_id FROM quarantine_released"
+            " WHERE kind = ? AND identity = ? ORDER BY released_at, rowid", (ref.kind.value, ref.identity)).fetchall()
+        return [{"record": json.loads(r[0]), "released_at": r[1], "released_by": r[2], "reason": r[3],
+                 "recheck": json.loads(r[4]), "task_id": r[5]} for r in rows]
+
+    @staticmethod
+    def _quarantine_record(row: tuple) -> QuarantineRecord:
+        return QuarantineRecord.from_wire({
+            "kind": row[0], "identity": row[1], "reason": row[2], "evidence": json.loads(row[3]),
+            "quarantined_at": datetime.fromtimestamp(row[4], UTC).isoformat(), "task_id": row[5],
+            "slot_index": row[6]})
 
     # -- slot states ---------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.tasks import PlanPayload
 from gpuaas_agent.contract.topology import TopologyReport
+from gpuaas_agent.discovery.quarantine import mark_quarantined
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import AgentError
@@ -30,7 +31,9 @@ from gpuaas_agent.guards.slot_binding import check_slot_binding, disks_by_name
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.maintenance import check_not_in_maintenance
 from gpuaas_agent.tasks.placement import assess_placement, enforce_placement
+from gpuaas_agent.tasks.quarantine import check_not_quarantined
 from gpuaas_agent.tasks.slotset import free_slot_indexes
 
 # A slot the control plane has not handed to this allocation cannot be planned.
@@ -138,11 +141,15 @@ def plan_handler(host_root: Path, plan_config: PlanConfig | None = None):
 
     async def handle(payload: PlanPayload, ctx) -> dict:
         await ctx.progress("validate", "started")
-        report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan_config))
-        placement = get_profile(payload.runtime_profile).placement if payload.runtime_profile else Placement.any
         state = as_store_thread(ctx.store)  # SQLite on the store thread, never on the loop (state/aio.py)
+        await state.run(check_not_in_maintenance)  # host_in_maintenance: before anything else
+        quarantined = await state.quarantined()  # their slots are not free for a better placement either
+        report = await asyncio.to_thread(
+            lambda: mark_quarantined(discover(HostRoot.open(host_root), plan_config), quarantined))
+        placement = get_profile(payload.runtime_profile).placement if payload.runtime_profile else Placement.any
         free = await state.run(lambda store: free_slot_indexes(report, store, payload.allocation_id))
         plan = plan_bundle(payload, report, placement=placement, free_slots=free)
+        await state.run(check_not_quarantined, plan)  # component_quarantined: a slot with a quarantined part
         await ctx.progress("validate", "succeeded")
         await state.run(lease_bundle, plan, ctx.envelope.task_id, write=True)
         await ctx.progress("lease", "succeeded", detail={"slots": [s.slot_index for s in plan.slots]})

@@ -65,6 +65,7 @@ from gpuaas_agent.tasks.admission import (
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import isolate_port
+from gpuaas_agent.tasks.maintenance import check_not_in_maintenance
 from gpuaas_agent.tasks.pipeline import (
     PipelineFailed,
     Step,
@@ -74,6 +75,7 @@ from gpuaas_agent.tasks.pipeline import (
     run_pipeline,
 )
 from gpuaas_agent.tasks.plan import plan_bundle
+from gpuaas_agent.tasks.quarantine import check_not_quarantined
 from gpuaas_agent.tasks.slotset import (
     check_allocation_holds_only,
     check_enough_free,
@@ -317,6 +319,7 @@ async def validate(run: ProvisionRun) -> Validated:
     # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
     # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
     sh, payload, slot, store = run.sh, run.payload, run.slot, run.store
+    await store.run(check_not_in_maintenance)  # host_in_maintenance: first, before anything is read or leased
     slots = check_slot_set(slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot
     relay_key = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
     check_guest_address(slot.private_ip, sh.slice)
@@ -336,6 +339,7 @@ async def validate(run: ProvisionRun) -> Validated:
                                    slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots]),
                        report, placement=run.profile.placement, free_slots=free)
     planned = plan.slots[0]
+    await store.run(check_not_quarantined, plan)  # component_quarantined: a slot with a quarantined part
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
     preconditions = await _preconditions(run, planned, tuple(plan.slots[1:]))
     # The handover each slot's next tenant is owed is fixed now and kept with its lease: the wipe method

@@ -23,10 +23,12 @@ from gpuaas_agent.discovery.prereqs import SocketPaths
 from gpuaas_agent.tasks.admission import slice_plan_config
 from gpuaas_agent.tasks.console_log import console_log_handler
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.maintenance import maintenance_handler
 from gpuaas_agent.tasks.plan import plan_handler
 from gpuaas_agent.tasks.power import power_handler
 from gpuaas_agent.tasks.preflight import preflight_handler
 from gpuaas_agent.tasks.provision import provision_handler
+from gpuaas_agent.tasks.quarantine import quarantine_handler, unquarantine_handler
 from gpuaas_agent.tasks.reconcile import reconcile_handler
 from gpuaas_agent.tasks.release_set import release_set_handler
 from gpuaas_agent.tasks.terminal import terminal_handler
@@ -82,6 +84,11 @@ TASKS: tuple[TaskSpec, ...] = (
              needs_slice_host=True),
     # Reads a file: no slot lock, so it never waits behind a provision or release of the slot.
     TaskSpec(TaskType.console_log, lambda config, sh: console_log_handler(sh), concurrency=4, needs_slice_host=True),
+    # Fleet operations: the host's own state (store and a read of the host), so served with or without slice
+    # drivers; one at a time, they are rare and an operator's.
+    TaskSpec(TaskType.maintenance, lambda config, sh: maintenance_handler(), concurrency=1),
+    TaskSpec(TaskType.quarantine, lambda config, sh: quarantine_handler(config), concurrency=1),
+    TaskSpec(TaskType.unquarantine, lambda config, sh: unquarantine_handler(config, sh), concurrency=1),
 )
 
 

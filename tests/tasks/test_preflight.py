@@ -187,8 +187,9 @@ def test_stopped_ovsdb_fails_the_check(tmp_path):
 class _Ctx:
     """The part of the worker's TaskContext a handler uses: progress events."""
 
-    def __init__(self) -> None:
+    def __init__(self, store=None) -> None:
         self.events: list[tuple[str, str]] = []
+        self.store = store  # a real StateStore where the handler reads it (topology: the quarantined components)
 
     async def progress(self, step: str, status: str, **_: object) -> None:
         self.events.append((step, status))
@@ -212,10 +213,12 @@ def test_a_report_whose_counts_disagree_with_its_checks_is_refused():
         ParityReport.model_validate({**body, "failures": 0})
 
 
-def test_topology_discover_adds_slice_network_beside_the_unchanged_report():
+def test_topology_discover_adds_slice_network_beside_the_unchanged_report(tmp_path):
     from gpuaas_agent.discovery.report import discover
+    from gpuaas_agent.state.store import StateStore
 
-    output = asyncio.run(topology_discover_handler(NAT_MISSING)(TopologyDiscoverPayload(), _Ctx()))
+    store = StateStore.open(tmp_path / "state.db")
+    output = asyncio.run(topology_discover_handler(NAT_MISSING)(TopologyDiscoverPayload(), _Ctx(store)))
     network = output.pop("slice_network")
     assert output == discover(HostRoot.open(NAT_MISSING)).model_dump(mode="json")
     assert [b["code"] for b in network["blockers"]] == ["nat_missing"]
