@@ -466,6 +466,7 @@ class ErrorCode(StrEnum):
     # --- Operator: status and health
     DAEMON_STATUS_UNREADABLE = "daemon_status_unreadable", "operator", "The daemon status file cannot be read; check the daemon runs and the path."
     DAEMON_STATUS_INVALID = "daemon_status_invalid", "operator", "The daemon status file is not a status file; restart the daemon."
+    BMC_CREDENTIALS_INVALID = "bmc_credentials_invalid", "operator", "The BMC credentials file is not JSON {\"username\", \"password\"}; rewrite it (0600); the BMC was not contacted."
     NVML_FIXTURE_INVALID = "nvml_fixture_invalid", "operator", "The NVML fixture is invalid; re-record it."
     NVML_FIXTURE_UNREADABLE = "nvml_fixture_unreadable", "operator", "The NVML fixture cannot be read; check the path."
 
