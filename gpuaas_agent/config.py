@@ -93,6 +93,23 @@ class TerminalConfig(BaseModel):
         return self
 
 
+class FabricManagerConfig(BaseModel):
+    """NVIDIA Fabric Manager on this host (``[slice.fabric_manager]``; ``host/fabricmanager.py``, docs/hgx.md).
+
+    Set it only where FM runs on the host in the Shared NVSwitch model and the runtime profiles
+    sold here say ``fabric_partitions`` (the seed's guidance: no host FM unless a profile says it is
+    safe). The agent reaches FM with NVIDIA's ``fmpm`` client; ``unix_socket`` or ``hostname``
+    become its ``--unix-domain-socket`` / ``--hostname``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fmpm: Path = Path("/usr/bin/fmpm")
+    timeout_s: float = Field(default=30.0, gt=0, le=300)
+    hostname: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.:-]{1,253}$")
+    unix_socket: Path | None = None
+
+
 class SliceConfig(BaseModel):
     """Where this host's slice plumbing lives: the OVS bridge and ovsdb, dnsmasq's files, libvirt, caches.
 
@@ -158,6 +175,8 @@ class SliceConfig(BaseModel):
     # Site wipe policy per runtime profile name (overrides the catalog's; host/wipepolicy.py): e.g.
     # [slice.wipe_policies.h200_1g_24c_64g] method = "nvme_sanitize". Unknown profile names are refused.
     wipe_policies: dict[str, WipePolicy] = Field(default_factory=dict)
+    # NVIDIA Fabric Manager on this host (NVSwitch boards, Shared NVSwitch model); None: not used.
+    fabric_manager: FabricManagerConfig | None = None
 
     @field_validator("wipe_policies")
     @classmethod

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from gpuaas_agent.config import AgentConfig, SliceConfig, tls_context
+from gpuaas_agent.config import AgentConfig, FabricManagerConfig, SliceConfig, tls_context
 from gpuaas_agent.contract.terminal import CloseReason
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.fabricmanager import FabricManager
 from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
@@ -40,6 +41,14 @@ class TerminalSessions(Protocol):
 RelayT = TypeVar("RelayT", bound=TerminalSessions)
 
 
+def fabric_manager(config: FabricManagerConfig | None) -> FabricManager | None:
+    """The host's Fabric Manager client from ``[slice.fabric_manager]`` (None where it is not configured)."""
+    if config is None:
+        return None
+    return FabricManager(fmpm=str(config.fmpm), timeout_s=config.timeout_s, hostname=config.hostname,
+                         unix_socket=str(config.unix_socket) if config.unix_socket is not None else None)
+
+
 @dataclass
 class SliceDrivers:
     host_root: Path
@@ -50,6 +59,8 @@ class SliceDrivers:
     _slot_locks: dict[int, asyncio.Lock] = field(default_factory=dict)
     # The node's live terminal sessions (slice.terminal_*), made on first use: one relay per daemon.
     _terminals: TerminalSessions | None = None
+    # NVIDIA Fabric Manager (NVSwitch hosts whose config has [slice.fabric_manager]); None: not used.
+    fabric: FabricManager | None = None
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> SliceDrivers:
@@ -65,6 +76,7 @@ class SliceDrivers:
                 cache_max_bytes=config.slice.image_cache_max_bytes,
                 min_free_bytes=config.slice.image_cache_min_free_bytes),
             libvirt=LibvirtLifecycle(config.slice.libvirt_uri),
+            fabric=fabric_manager(config.slice.fabric_manager),
         )
 
     def discovered_root(self) -> HostRoot:

@@ -55,6 +55,7 @@ from gpuaas_agent.host.vfio import bind_to_vfio
 from gpuaas_agent.host.wipepolicy import check_wipe_policy, policy_for_profile
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.admission import (
     build_seed_spec,
     check_guest_address,
@@ -666,6 +667,24 @@ async def readiness(run: ProvisionRun) -> GuestReadiness:
 
 
 # The provision pipeline, in order (README and DESIGN.md §2 name the same steps).
+# -- NVSwitch hosts: the Fabric Manager partition slice.plan leased (tasks/fabric_partitions.py) ---------------
+
+
+async def activate_fabric_partition(run: ProvisionRun) -> dict:
+    """Activate the allocation's partition before the domain starts (nothing leased: nothing to do)."""
+    return await fabric_partitions.activate_leased(run.sh.fabric, run.store, run.payload.allocation_id)
+
+
+async def deactivate_fabric_partition(run: ProvisionRun, undo: Undo) -> dict:
+    return await fabric_partitions.deactivate_leased(run.sh.fabric, run.store, run.payload.allocation_id,
+                                                     release=False)
+
+
+async def check_fabric_partition(run: ProvisionRun) -> dict:
+    """After start: FM still lists the partition active (an FM restart in between is restored or fails)."""
+    return await fabric_partitions.confirm_active(run.sh.fabric, run.store, run.payload.allocation_id)
+
+
 PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("validate", validate, unlease),
     StepDef("bind_vfio", bind_vfio,
@@ -679,7 +698,10 @@ PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("ovs_port", ovs_port, unplug),
     StepDef("reservation", reservation, unreserve),
     StepDef("define", define, undefine, takes=("validate",)),
+    StepDef("fabric_partition", activate_fabric_partition, deactivate_fabric_partition),
     StepDef("start", start, stop, takes=("validate", "define")),
+    StepDef("fabric_partition_check", check_fabric_partition,
+            no_compensation="a read of Fabric Manager (and a restore of the leased list): nothing to undo"),
     StepDef("readiness", readiness, no_compensation="a read of the lease file and an SSH banner: nothing to undo"),
 )
 

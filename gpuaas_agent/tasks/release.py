@@ -39,6 +39,7 @@ from gpuaas_agent.guards.disk import read_disk_identity
 from gpuaas_agent.host.wipepolicy import release_wipe_policy, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
 
@@ -306,6 +307,12 @@ async def lease_release(run: ReleaseRun) -> LeaseReleased | Skipped:
     return LeaseReleased([released.slot_index] if released else [])
 
 
+async def fabric_partition_release(run: ReleaseRun) -> dict:
+    """After the domain is gone: deactivate the allocation's Fabric Manager partition and drop its record
+    (NVSwitch hosts; nothing leased: nothing to do). Before the wipe: a GPU leaves its partition first."""
+    return await fabric_partitions.deactivate_leased(run.sh.fabric, run.store, run.alloc, release=True)
+
+
 _TEARDOWN = "a teardown step that looks first: running the release again finishes it"
 
 # The release pipeline, in order (README and DESIGN.md §2 name the same steps).
@@ -313,6 +320,7 @@ RELEASE_STEPS: tuple[StepDef[ReleaseRun], ...] = (
     StepDef("find", find, no_compensation="a read; refuses a domain of that name that is not ours"),
     StepDef("shutdown", shutdown, takes=("find",), no_compensation=_TEARDOWN),
     StepDef("undefine", undefine, takes=("find",), no_compensation=_TEARDOWN),
+    StepDef("fabric_partition_release", fabric_partition_release, no_compensation=_TEARDOWN),
     StepDef("ovs_unplug", ovs_unplug, no_compensation=_TEARDOWN),
     StepDef("reservation_remove", reservation_remove, no_compensation=_TEARDOWN),
     StepDef("seed_remove", seed_remove, no_compensation=_TEARDOWN),

@@ -182,7 +182,7 @@ def test_a_version_1_file_is_migrated_keeping_its_leases(tmp_path):
     conn.commit()
     conn.close()
     store = StateStore.open(path)
-    assert store.schema_version == len(MIGRATIONS) == 6  # 5: the terminal relay tables (issue 21); 6: agent_meta (boot_id), issue 17
+    assert store.schema_version == len(MIGRATIONS) == 7  # 5: the terminal relay tables (issue 21); 6: agent_meta (boot_id), issue 17; 7: fabric_partition_lease
     assert [l.allocation_id for l in store.leases()] == [ALLOC_A]
     # A lease from before identities holds its disk by the path it was taken under (migration 4).
     assert store.leases()[0].disk_identity == "path:/dev/disk/by-id/nvme-eui.0"
