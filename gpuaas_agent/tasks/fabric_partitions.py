@@ -15,9 +15,12 @@ running domains in; a choice, a typed refusal or drift findings out.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
 from gpuaas_agent.contract.fabric import (
     FabricPartition,
     FabricPartitionList,
@@ -26,11 +29,14 @@ from gpuaas_agent.contract.fabric import (
     PartitionLease,
     PartitionState,
 )
+from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.runtime import RuntimeProfile
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.preconditions import check_fabric_manager
 from gpuaas_agent.host.fabricmanager import FabricManager, FabricManagerError
+
+log = logging.getLogger(__name__)
 
 
 class PartitionRefused(AgentError):
@@ -132,6 +138,18 @@ async def fabric_for(profile: RuntimeProfile, report: TopologyReport,
 # -- provision, release and reconcile actions (a store on its thread, the host's Fabric Manager) -----------
 
 
+async def record_planned(store: Any, plan: BundlePlan, task_id: str, held: PartitionLease | None) -> bool:
+    """Record the partition a plan names for its allocation unless it already holds it; True when recorded."""
+    partition_id = plan.placement.fabric_partition_id if plan.placement is not None else None
+    if partition_id is None or held is not None:
+        return False
+    await store.record_partition(PartitionLease(
+        allocation_id=plan.allocation_id, partition_id=partition_id,
+        gpu_pci_addresses=tuple(s.gpu_pci_address for s in plan.slots), state=PartitionState.leased,
+        task_id=task_id, recorded_at=time.time()))
+    return True
+
+
 def _need(fabric: FabricManager | None, what: str) -> FabricManager:
     if fabric is None:
         raise FabricManagerError(f"allocation holds a fabric partition and no [slice.fabric_manager] is configured "
@@ -219,3 +237,47 @@ async def restore_after_restart(fabric: FabricManager, store: Any,
     keep = sorted({p.partition_id for p in leases})
     await fabric.set_activated(keep)
     return lost
+
+
+_DRIFT_KINDS = {
+    PartitionDriftKind.active_without_domain: (DriftKind.fabric_partition_without_domain, DriftSeverity.warn),
+    PartitionDriftKind.active_without_lease: (DriftKind.fabric_partition_without_lease, DriftSeverity.warn),
+    PartitionDriftKind.domain_without_partition: (DriftKind.fabric_partition_lost, DriftSeverity.error),
+}
+
+
+async def reconcile_findings(fabric: FabricManager | None, store: Any, running: set[str], *,
+                             repair: bool) -> list[DriftFinding]:
+    """Reconcile's partition findings. The one repair: a running slice whose partition FM lost (an FM
+    restart) gets the leased list set active again; an active partition without domain or lease is only
+    reported (deactivating it is a release's decision, never reconcile's)."""
+    leases = await store.partition_leases()
+    if fabric is None:
+        if not leases:
+            return []
+        return [DriftFinding(kind=DriftKind.fabric_manager_unavailable, subject="fabric_manager",
+                             severity=DriftSeverity.error, expected="[slice.fabric_manager] configured",
+                             actual="not configured", detail={"leased_partitions": [p.partition_id for p in leases]})]
+    try:
+        listed = await fabric.partitions()
+    except FabricManagerError as exc:
+        return [DriftFinding(kind=DriftKind.fabric_manager_unavailable, subject="fabric_manager",
+                             severity=DriftSeverity.error if leases else DriftSeverity.warn,
+                             expected="fmpm -l answers", actual=exc.code,
+                             detail={"message": exc.message, "leased_partitions": [p.partition_id for p in leases]})]
+    drift = partition_drift(listed, leases, running)
+    restored: list[int] = []
+    if repair and any(d.kind is PartitionDriftKind.domain_without_partition for d in drift):
+        try:
+            restored = await restore_after_restart(fabric, store, listed)
+        except FabricManagerError as exc:
+            log.warning("fabric partition restore failed: %s", exc.message)
+    findings = []
+    for d in drift:
+        kind, severity = _DRIFT_KINDS[d.kind]
+        findings.append(DriftFinding(
+            kind=kind, subject=f"partition {d.partition_id}", severity=severity,
+            expected="active and held by a running slice", actual=d.detail,
+            repaired=d.partition_id in restored,
+            detail={"partition_id": d.partition_id, "allocation_id": d.allocation_id}))
+    return findings

@@ -333,9 +333,14 @@ async def validate(run: ProvisionRun) -> Validated:
     # Each approved record must be exactly the host's candidate slot of its index, as slice.plan checks
     # (a slot of another host has bindings this host lacks: not_approved); a set that crosses the profile's
     # placement constraint is placement_violated.
+    # NVSwitch host, fabric_partitions profile: Fabric Manager answers and the set is still exactly a free,
+    # healthy partition (fabric_manager_missing / fabric_partition_*), before any disk is touched.
+    fabric = await fabric_partitions.fabric_for(run.profile, report, sh.fabric)
+    held_partition = await store.partition_of(payload.allocation_id)
     plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[s.slot_id for s in slots],
                                    slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots]),
-                       report, placement=run.profile.placement, free_slots=free)
+                       report, placement=run.profile.placement, free_slots=free, fabric=fabric,
+                       held_partitions=[held_partition.partition_id] if held_partition else [])
     planned = plan.slots[0]
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
     preconditions = await _preconditions(run, planned, tuple(plan.slots[1:]))
@@ -353,8 +358,14 @@ async def validate(run: ProvisionRun) -> Validated:
                         fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time())
               for s, p in zip(slots, plan.slots)]
     lease_was_held = any(held.slot_index == slot.slot_index for held in await store.leases_of(payload.allocation_id))
-    # One transaction for the whole set: lease_conflict on any slot takes none.
-    leases = await store.take_leases(wanted)
+    # One transaction for the whole set: lease_conflict on any slot takes none (nor the partition it recorded).
+    recorded = await fabric_partitions.record_planned(store, plan, run.task_id, held_partition)
+    try:
+        leases = await store.take_leases(wanted)
+    except AgentError:
+        if recorded:
+            await store.release_partition(payload.allocation_id)
+        raise
     for s in slots:
         await store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}, s.slot_index))
     return Validated(planned=planned, lease=leases[0], lease_was_held=lease_was_held, relay_key=relay_key,

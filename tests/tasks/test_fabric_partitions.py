@@ -244,3 +244,26 @@ def test_drift_finds_active_partitions_without_domain_or_lease_and_domains_witho
         (PartitionDriftKind.domain_without_partition, 5),
     ]
     assert fp.partition_drift(_listed(active=[3, 5]), leases, [PLAN_ALLOCATION_ID, OTHER]) == []
+
+
+def test_reconcile_restores_a_running_slices_lost_partition_and_only_reports_the_rest(tmp_path):
+    fm, replay = recorded_fm(tmp_path, active=[6])
+    state = StoreThread.open(tmp_path / "state.db")
+
+    async def body():
+        await state.run(_leased, 5, (GPUS[4], GPUS[5]), OTHER, PartitionState.active, write=True)
+        found = await fp.reconcile_findings(fm, state, {OTHER}, repair=False)
+        assert [(f.kind.value, f.subject, f.repaired) for f in found] == [
+            ("fabric_partition_without_lease", "partition 6", False), ("fabric_partition_lost", "partition 5", False)]
+        assert replay.active == [6]  # report only: nothing changed, an unheld partition is a release's decision
+        replay.update(active=[])  # Fabric Manager restarts (resiliency mode): nothing active until told
+        found = await fp.reconcile_findings(fm, state, {OTHER}, repair=True)
+        assert [(f.subject, f.repaired) for f in found] == [("partition 5", True)]
+        assert replay.active == [5] and replay.calls[-2][:2] == ["--set-activated-list", "5"]
+        # FM gone while a partition is leased: an error finding, never silence.
+        gone = await fp.reconcile_findings(None, state, {OTHER}, repair=True)
+        assert [(f.kind.value, f.severity.value) for f in gone] == [("fabric_manager_unavailable", "error")]
+    try:
+        run_bounded(body(), 60)
+    finally:
+        state.close()
