@@ -92,8 +92,8 @@ def assess_placement(report: TopologyReport, planned: list[PlannedSlot], require
     elif len(planned) > 1 and report.nvswitches:
         warnings.append(Finding(
             code=NVSWITCH_WARNING,
-            detail=(f"{len(report.nvswitches)} NVSwitches on this node and no fabric partition mechanism "
-                    "(Fabric Manager shared-NVSwitch mode): the guest's GPUs get no usable NVLink"),
+            detail=(f"{len(report.nvswitches)} NVSwitches on this node and the profile has no fabric_partitions "
+                    "(Fabric Manager shared-NVSwitch mode, docs/hgx.md): the guest's GPUs get no usable NVLink"),
             path="/sys/bus/pci/devices"))
     return PlacementReport(required=required, achieved=achieved, satisfied=satisfied, decided_by=decided_by,
                            slot_indexes=[p.slot_index for p in planned], numa_nodes=nodes, shared_switch=shared,
