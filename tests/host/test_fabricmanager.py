@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+from gpuaas_agent.config import parse_config
 from gpuaas_agent.host.fabricmanager import FabricManager, FabricManagerError, parse_partition_list, pci_address
+from gpuaas_agent.tasks.drivers import fabric_manager
 from tests.support.deadline import run_bounded
 from tests.support.fabric_manager import GPUS, LIST, recorded_answer, recorded_fm
 
@@ -114,3 +116,11 @@ def test_replayed_list_is_fmpm_styled_json(tmp_path):
     listed = run_bounded(fm.partitions(), 60)
     assert [p.partition_id for p in listed.partitions if p.active] == [1]
     assert json.loads(LIST.read_text())["numPartitions"] == 15
+
+
+def test_the_config_table_builds_the_client_and_its_absence_builds_none():
+    config = parse_config({"slice": {"fabric_manager": {"unix_socket": "/run/nvidia-fabricmanager/fm.sock",
+                                                        "timeout_s": 12}}})
+    fm = fabric_manager(config.slice.fabric_manager)
+    assert (fm.fmpm, fm.timeout_s, fm.unix_socket) == ("/usr/bin/fmpm", 12.0, "/run/nvidia-fabricmanager/fm.sock")
+    assert fabric_manager(parse_config({}).slice.fabric_manager) is None

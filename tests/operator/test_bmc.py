@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuaas_agent.config import BmcConfig
+from gpuaas_agent.config import BmcConfig, ConfigError, parse_config
 from gpuaas_agent.contract.bmc import GpuTelemetry, NvSwitchTelemetry
 from gpuaas_agent.host.run import run
 from gpuaas_agent.operator import bmc, health
@@ -259,3 +259,26 @@ def test_the_mockup_matches_the_hgx_layout():
     assert f"{SYSTEM}/Processors/GPU_SXM_8/ProcessorMetrics" in docs
     assert f"{SWITCHES}/NVSwitch_3/SwitchMetrics" in docs
     assert len([u for u in docs if u.startswith(f"{SYSTEM}/Processors/") and u.count("/") == 6]) == 8
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("bmc", "message"), [
+    ({"url": "http://10.0.0.1", "credentials_file": "/x"}, "bmc.url"),
+    ({"url": "https://10.0.0.1", "credentials_file": "/x", "gpu_pci_addresses": {"GPU_SXM_1": "18:00.0"}},
+     "not a PCI address"),
+    ({"url": "https://10.0.0.1", "credentials_file": "/x",
+      "gpu_pci_addresses": {"GPU_SXM_1": "0000:18:00.0", "GPU_SXM_2": "0000:18:00.0"}}, "same PCI address"),
+])
+def test_bmc_config_refuses_plaintext_and_bad_mappings(bmc, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config({"bmc": bmc})
+    assert message in err.value.message
+
+
+def test_a_configured_bmc_joins_the_health_round_and_an_unconfigured_one_does_not():
+    config = parse_config({"bmc": {"url": "https://169.254.0.17", "credentials_file": "/var/lib/gpuaas-agent/bmc.json"}})
+    assert health.HealthSettings.from_config(config).bmc == config.bmc
+    assert health.bmc_checks(None) == []
+    assert health.HealthSettings.from_config(parse_config({})).bmc is None
