@@ -60,10 +60,13 @@ def choose_partition(listed: FabricPartitionList, gpu_addresses: Sequence[str], 
     held = set(held)
     match = next((p for p in listed.partitions if p.gpu_addresses == wanted), None)
     if match is None:
+        # What this host can offer instead: free, healthy partitions of the same size.
+        offer = [p.partition_id for p in listed.partitions if len(p.gpus) == len(wanted) and not p.degraded_gpus
+                 and not any(q.active and q.gpu_addresses & p.gpu_addresses for q in listed.partitions)]
         raise PartitionRefused(
             f"GPUs {sorted(wanted)} are not one supported Fabric Manager partition; a set must be exactly one "
-            "(see evidence for the supported sets)",
-            evidence={"field": "slots", "gpus": sorted(wanted), "supported": _sets(listed)})
+            f"(free partitions of {len(wanted)} GPUs: {offer or 'none'}; evidence lists every supported set)",
+            evidence={"field": "slots", "gpus": sorted(wanted), "offer": offer, "supported": _sets(listed)})
     if match.degraded_gpus:
         raise PartitionRefused(
             f"Fabric Manager partition {match.partition_id} is not healthy: {', '.join(match.degraded_gpus)}",

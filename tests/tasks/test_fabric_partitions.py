@@ -65,6 +65,7 @@ def test_a_list_that_lacks_the_set_refuses_it_with_the_supported_sets():
     assert err.value.code == "fabric_partition_unsupported"
     assert err.value.evidence["gpus"] == [GPUS[1], GPUS[2]]
     assert {"partition_id": 3, "gpus": [GPUS[0], GPUS[1]], "active": False} in err.value.evidence["supported"]
+    assert err.value.evidence["offer"] == [3, 4, 5, 6]  # the free 2-GPU partitions this host can give instead
 
 
 def test_a_partition_with_a_gpu_missing_nvlinks_is_not_offered():
