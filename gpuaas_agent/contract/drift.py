@@ -66,6 +66,11 @@ class DriftKind(WireEnum):
     boot_restart_refused = "boot_restart_refused"  # the guarded start of an active slice refused after boot
     boot_restart_held = "boot_restart_held"  # not restarted by policy (on_host_boot) or the tenant's stop
     boot_restarted = "boot_restarted"  # restarted after the boot (info: what recovery did)
+    # NVIDIA Fabric Manager partitions of NVSwitch hosts (tasks/fabric_partitions.py)
+    fabric_partition_without_domain = "fabric_partition_without_domain"  # active, held, no running domain
+    fabric_partition_without_lease = "fabric_partition_without_lease"  # active, held by nothing of ours
+    fabric_partition_lost = "fabric_partition_lost"  # a running slice's partition is inactive (FM restarted)
+    fabric_manager_unavailable = "fabric_manager_unavailable"  # FM did not answer reconcile's partition list
 
 
 class DriftSeverity(WireEnum):

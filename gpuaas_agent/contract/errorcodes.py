@@ -48,6 +48,7 @@ ROOMS: dict[str, str] = {
     "host_vfio": "Host: VFIO binding and uevents",
     "host_wipe": "Host: disk wipe",
     "host_gpu": "Host: GPU handover between tenants (guards/gpureset.py, host/gpuhandover.py)",
+    "host_fabric": "Host: NVIDIA Fabric Manager partitions of NVSwitch hosts (host/fabricmanager.py, tasks/fabric_partitions.py)",
     "tasks": "Tasks: plan, admission, provision, release, power",
     "deploy": "Deploy: prepare-host and the terminal relay key",
     "fixtures": "Fixtures: recorder and archives",
@@ -501,6 +502,20 @@ class ErrorCode(StrEnum):
     # --- Operator: status and health
     DAEMON_STATUS_UNREADABLE = "daemon_status_unreadable", "operator", "The daemon status file cannot be read; check the daemon runs and the path."
     DAEMON_STATUS_INVALID = "daemon_status_invalid", "operator", "The daemon status file is not a status file; restart the daemon."
+    BMC_CREDENTIALS_INVALID = "bmc_credentials_invalid", "operator", "The BMC credentials file is not JSON {\"username\", \"password\"}; rewrite it (0600); the BMC was not contacted."
+    FM_FAILED = "fm_failed", "host_fabric", "A Fabric Manager call failed; the evidence has fmpm's argv and output."
+    FM_UNAVAILABLE = "fm_unavailable", "host_fabric", "Fabric Manager did not answer (fmpm missing, FM not running or unreachable, or fmpm timed out); start nvidia-fabricmanager and check [slice.fabric_manager]."
+    FM_REFUSED = "fm_refused", "host_fabric", "Fabric Manager refused the call (evidence: fm_return, e.g. FM_ST_IN_USE, FM_ST_NVLINK_ERROR); check FM's log and the partition's GPUs."
+    FM_OUTPUT_INVALID = "fm_output_invalid", "host_fabric", "fmpm -l printed something that is not a partition list; check the fmpm version against docs/hgx.md."
+    FM_ACTIVATION_UNVERIFIED = "fm_activation_unverified", "host_fabric", "fmpm reported an activation but FM does not list the partition active (FM restarted?); the provision is compensated."
+    FM_DEACTIVATION_UNVERIFIED = "fm_deactivation_unverified", "host_fabric", "fmpm reported a deactivation but FM still lists the partition active; deactivate it by hand (fmpm -d) and release again."
+    FM_RESTORE_UNVERIFIED = "fm_restore_unverified", "host_fabric", "After --set-activated-list FM does not list the leased partitions active (FM not in resiliency mode, or fmpm 1.0.1's list bug); restore them by hand."
+    FABRIC_PARTITION_UNSUPPORTED = "fabric_partition_unsupported", "host_fabric", "The slot set is not exactly one supported Fabric Manager partition; choose a set from the evidence's supported list. Nothing was leased."
+    FABRIC_PARTITION_UNHEALTHY = "fabric_partition_unhealthy", "host_fabric", "The set's partition has a GPU with NVLinks down; quarantine that GPU or sell a smaller set. Nothing was leased."
+    FABRIC_PARTITION_IN_USE = "fabric_partition_in_use", "host_fabric", "The set's partition shares GPUs with an active partition; release that allocation first. Nothing was leased."
+    FABRIC_PARTITION_CHANGED = "fabric_partition_changed", "host_fabric", "Fabric Manager's partition no longer holds the GPUs planned for the allocation (FM reconfigured); plan again."
+    FABRIC_MANAGER_MISSING = "fabric_manager_missing", "guards", "A fabric_partitions profile on an NVSwitch host and Fabric Manager did not answer; start nvidia-fabricmanager and configure [slice.fabric_manager]. Nothing was leased."
+    PARTITION_LEASED = "partition_leased", "state", "The Fabric Manager partition is held by another allocation on this host; release it first."
     NVML_FIXTURE_INVALID = "nvml_fixture_invalid", "operator", "The NVML fixture is invalid; re-record it."
     NVML_FIXTURE_UNREADABLE = "nvml_fixture_unreadable", "operator", "The NVML fixture cannot be read; check the path."
 

@@ -55,3 +55,5 @@ class PlacementReport(WireModel):
     preferred_slot_indexes: list[int] | None = None
     preferred_locality: SetLocality | None = None
     warnings: list[Finding] = Field(default_factory=list)
+    # The Fabric Manager partition the set is exactly (profiles with fabric_partitions, NVSwitch hosts only).
+    fabric_partition_id: int | None = Field(default=None, ge=0, lt=64)

@@ -77,6 +77,12 @@ class RuntimeProfile(WireModel):
     # The weakest locality a multi-slot allocation of this profile accepts (tasks/placement.py).
     placement: Placement = Placement.any
     on_host_boot: OnHostBoot = OnHostBoot.restart  # boot recovery's policy (tasks/boot_recovery.py)
+    # NVIDIA Fabric Manager runs on the host and this profile's slices get their GPUs through an FM partition
+    # (Shared NVSwitch model; docs/hgx.md). False (the seed's guidance: no host FM unless the profile says it
+    # is safe): no partition is planned, and a multi-GPU set on an NVSwitch host gets no NVLink (a placement
+    # warning). True: on an NVSwitch host the set must be exactly a supported, healthy FM partition, FM must
+    # answer before anything is leased, and provision activates the partition before the domain starts.
+    fabric_partitions: bool = False
 
 
 class UnknownProfileError(ContractError):
@@ -107,6 +113,16 @@ PROFILES: MappingProxyType[str, RuntimeProfile] = MappingProxyType(
                 hugepages_1g=True,
                 hostdevs=True,
                 placement=Placement.same_numa,
+            ),
+            # NVLink slices of 1, 2, 4 or 8 GPUs on an HGX node whose host runs Fabric Manager (Shared NVSwitch).
+            RuntimeProfile(
+                name="h200_nvlink_24c_64g",
+                domain_type=DomainType.kvm,
+                vcpus=24,
+                memory_mib=64 * 1024,
+                hugepages_1g=True,
+                hostdevs=True,
+                fabric_partitions=True,
             ),
             RuntimeProfile(
                 name="lab_tcg_1c_512m",

@@ -41,7 +41,7 @@ import posixpath
 import shutil
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -502,3 +502,20 @@ def check_provision_preconditions(
         hugepages_1g_needed=needed, hugepages_1g_free=free, vfio=vfio, gpu_handover=gpu_handover,
         image_cache=cache, seed_dir=seed, relay_key=relay, ovmf=firmware, ovs_bridge=bridge, gateway=gateway,
         dnsmasq=dnsmasq, checks_passed=passed)
+
+
+def check_fabric_manager(profile: RuntimeProfile, nvswitches: Sequence[str], fm_problem: str | None) -> None:
+    """A ``fabric_partitions`` profile on an NVSwitch host needs Fabric Manager answering (before any lease).
+
+    Without FM no partition can be activated and the guest's GPUs get no NVLink (CUDA error 802 in the
+    guest): the task is refused with the slots untouched. ``fm_problem``: why FM did not answer, or None.
+    A profile without ``fabric_partitions`` never asks for FM (the seed's guidance: no host FM unless the
+    profile says it is safe), and a host without NVSwitches has no partitions to activate.
+    """
+    if not profile.fabric_partitions or not nvswitches or fm_problem is None:
+        return
+    raise PreconditionRefused(
+        f"profile {profile.name} needs NVIDIA Fabric Manager on this NVSwitch host and it did not answer: "
+        f"{fm_problem}; start nvidia-fabricmanager (Shared NVSwitch mode) and configure [slice.fabric_manager]",
+        code="fabric_manager_missing",
+        evidence={"profile": profile.name, "nvswitches": list(nvswitches), "fabric_manager": fm_problem})

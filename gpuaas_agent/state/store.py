@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from gpuaas_agent.compat import UTC
+from gpuaas_agent.contract.fabric import PartitionLease
 from gpuaas_agent.contract.fleet import ComponentRef, QuarantineRecord, RecheckVerdict
 from gpuaas_agent.contract.handover import LeaseHandover
 from gpuaas_agent.contract.state import JournalEntry, SlotLease, SlotRecord, StepStatus
@@ -159,6 +160,19 @@ MIGRATIONS: tuple[str, ...] = (
         task_id TEXT NOT NULL
     );
     CREATE INDEX quarantine_released_component ON quarantine_released (kind, identity, released_at);
+    """,
+    # 8 -> 9: the NVIDIA Fabric Manager partition an allocation holds (NVSwitch hosts; contract/fabric.py):
+    # recorded with the slot leases, activated before start, released after the domain is gone; after an
+    # FM restart these rows are the partitions to set active again. One partition, one holder.
+    """
+    CREATE TABLE fabric_partition_lease (
+        allocation_id TEXT PRIMARY KEY,
+        partition_id INTEGER NOT NULL UNIQUE,
+        gpu_pci_addresses TEXT NOT NULL,
+        state TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        recorded_at REAL NOT NULL
+    );
     """,
 )
 
@@ -653,3 +667,41 @@ class StateStore:
             return None
         return HostKeyPin(allocation_id=row[0], slot_index=row[1], target_host=row[2], public_key=row[3],
                           fingerprint=row[4], pinned_at=row[5])
+
+    # -- fabric partitions (NVSwitch hosts) --------------------------------------------
+
+    def record_partition(self, lease: PartitionLease) -> PartitionLease:
+        """Record (or update the state of) an allocation's partition; ``partition_leased`` if another holds it."""
+        with self._transaction():
+            other = self._conn.execute("SELECT allocation_id FROM fabric_partition_lease WHERE partition_id = ?"
+                                       " AND allocation_id != ?", (lease.partition_id, lease.allocation_id)).fetchone()
+            if other is not None:
+                raise StateError(f"fabric partition {lease.partition_id} is held by allocation {other[0]}",
+                                 code="partition_leased",
+                                 evidence={"partition_id": lease.partition_id, "held_by": other[0]})
+            self._conn.execute(
+                "INSERT OR REPLACE INTO fabric_partition_lease VALUES (?, ?, ?, ?, ?, ?)",
+                (lease.allocation_id, lease.partition_id, ",".join(lease.gpu_pci_addresses), lease.state.value,
+                 lease.task_id, lease.recorded_at))
+        return lease
+
+    def partition_of(self, allocation_id: str) -> PartitionLease | None:
+        rows = self._partition_rows("WHERE allocation_id = ?", (allocation_id,))
+        return rows[0] if rows else None
+
+    def partition_leases(self) -> list[PartitionLease]:
+        return self._partition_rows("", ())
+
+    def release_partition(self, allocation_id: str) -> PartitionLease | None:
+        with self._transaction():
+            held = self.partition_of(allocation_id)
+            self._conn.execute("DELETE FROM fabric_partition_lease WHERE allocation_id = ?", (allocation_id,))
+        return held
+
+    def _partition_rows(self, where: str, params: tuple) -> list[PartitionLease]:
+        rows = self._conn.execute(
+            "SELECT allocation_id, partition_id, gpu_pci_addresses, state, task_id, recorded_at"
+            f" FROM fabric_partition_lease {where} ORDER BY partition_id", params).fetchall()
+        return [PartitionLease.from_wire({"allocation_id": r[0], "partition_id": r[1],
+                                          "gpu_pci_addresses": [a for a in r[2].split(",") if a], "state": r[3],
+                                          "task_id": r[4], "recorded_at": r[5]}) for r in rows]

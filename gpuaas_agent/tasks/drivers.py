@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from gpuaas_agent.config import AgentConfig, SliceConfig, tls_context
+from gpuaas_agent.config import AgentConfig, FabricManagerConfig, SliceConfig, tls_context
 from gpuaas_agent.contract.terminal import CloseReason
 from gpuaas_agent.guards.gpureset import resolve_gpu_tool
 from gpuaas_agent.host.consolelog import log_path as console_log_path
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.fabricmanager import FabricManager
 from gpuaas_agent.host.gpuadmin import GpuAdminTool
 from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
@@ -43,6 +44,14 @@ class TerminalSessions(Protocol):
 RelayT = TypeVar("RelayT", bound=TerminalSessions)
 
 
+def fabric_manager(config: FabricManagerConfig | None) -> FabricManager | None:
+    """The host's Fabric Manager client from ``[slice.fabric_manager]`` (None where it is not configured)."""
+    if config is None:
+        return None
+    return FabricManager(fmpm=str(config.fmpm), timeout_s=config.timeout_s, hostname=config.hostname,
+                         unix_socket=str(config.unix_socket) if config.unix_socket is not None else None)
+
+
 @dataclass
 class SliceDrivers:
     host_root: Path
@@ -55,6 +64,8 @@ class SliceDrivers:
     _terminals: TerminalSessions | None = None
     # NVIDIA's GPU admin tool as the release's gpu_handover runs it; None: the configured or installed one.
     gpu_tool: GpuAdminTool | None = None
+    # NVIDIA Fabric Manager (NVSwitch hosts whose config has [slice.fabric_manager]); None: not used.
+    fabric: FabricManager | None = None
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> SliceDrivers:
@@ -70,6 +81,7 @@ class SliceDrivers:
                 cache_max_bytes=config.slice.image_cache_max_bytes,
                 min_free_bytes=config.slice.image_cache_min_free_bytes),
             libvirt=LibvirtLifecycle(config.slice.libvirt_uri),
+            fabric=fabric_manager(config.slice.fabric_manager),
         )
 
     def discovered_root(self) -> HostRoot:

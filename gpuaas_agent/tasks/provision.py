@@ -55,6 +55,7 @@ from gpuaas_agent.host.vfio import bind_to_vfio
 from gpuaas_agent.host.wipepolicy import resolve_handover
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.admission import (
     build_seed_spec,
     check_guest_address,
@@ -335,9 +336,14 @@ async def validate(run: ProvisionRun) -> Validated:
     # Each approved record must be exactly the host's candidate slot of its index, as slice.plan checks
     # (a slot of another host has bindings this host lacks: not_approved); a set that crosses the profile's
     # placement constraint is placement_violated.
+    # NVSwitch host, fabric_partitions profile: Fabric Manager answers and the set is still exactly a free,
+    # healthy partition (fabric_manager_missing / fabric_partition_*), before any disk is touched.
+    fabric = await fabric_partitions.fabric_for(run.profile, report, sh.fabric)
+    held_partition = await store.partition_of(payload.allocation_id)
     plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[s.slot_id for s in slots],
                                    slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots]),
-                       report, placement=run.profile.placement, free_slots=free)
+                       report, placement=run.profile.placement, free_slots=free, fabric=fabric,
+                       held_partitions=[held_partition.partition_id] if held_partition else [])
     planned = plan.slots[0]
     await store.run(check_not_quarantined, plan)  # component_quarantined: a slot with a quarantined part
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
@@ -358,8 +364,14 @@ async def validate(run: ProvisionRun) -> Validated:
                         handover=handover)
               for s, p, (handover, _) in zip(slots, plan.slots, handovers)]
     lease_was_held = any(held.slot_index == slot.slot_index for held in await store.leases_of(payload.allocation_id))
-    # One transaction for the whole set: lease_conflict on any slot takes none.
-    leases = await store.take_leases(wanted)
+    # One transaction for the whole set: lease_conflict on any slot takes none (nor the partition it recorded).
+    recorded = await fabric_partitions.record_planned(store, plan, run.task_id, held_partition)
+    try:
+        leases = await store.take_leases(wanted)
+    except AgentError:
+        if recorded:
+            await store.release_partition(payload.allocation_id)
+        raise
     for s in slots:
         await store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}, s.slot_index))
     return Validated(planned=planned, lease=leases[0], lease_was_held=lease_was_held, relay_key=relay_key,
@@ -673,6 +685,24 @@ async def readiness(run: ProvisionRun) -> GuestReadiness:
 
 
 # The provision pipeline, in order (README and DESIGN.md §2 name the same steps).
+# -- NVSwitch hosts: the Fabric Manager partition slice.plan leased (tasks/fabric_partitions.py) ---------------
+
+
+async def activate_fabric_partition(run: ProvisionRun) -> dict:
+    """Activate the allocation's partition before the domain starts (nothing leased: nothing to do)."""
+    return await fabric_partitions.activate_leased(run.sh.fabric, run.store, run.payload.allocation_id)
+
+
+async def deactivate_fabric_partition(run: ProvisionRun, undo: Undo) -> dict:
+    return await fabric_partitions.deactivate_leased(run.sh.fabric, run.store, run.payload.allocation_id,
+                                                     release=False)
+
+
+async def check_fabric_partition(run: ProvisionRun) -> dict:
+    """After start: FM still lists the partition active (an FM restart in between is restored or fails)."""
+    return await fabric_partitions.confirm_active(run.sh.fabric, run.store, run.payload.allocation_id)
+
+
 PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("validate", validate, unlease),
     StepDef("bind_vfio", bind_vfio,
@@ -686,7 +716,10 @@ PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("ovs_port", ovs_port, unplug),
     StepDef("reservation", reservation, unreserve),
     StepDef("define", define, undefine, takes=("validate",)),
+    StepDef("fabric_partition", activate_fabric_partition, deactivate_fabric_partition),
     StepDef("start", start, stop, takes=("validate", "define")),
+    StepDef("fabric_partition_check", check_fabric_partition,
+            no_compensation="a read of Fabric Manager (and a restore of the leased list): nothing to undo"),
     StepDef("readiness", readiness, no_compensation="a read of the lease file and an SSH banner: nothing to undo"),
 )
 

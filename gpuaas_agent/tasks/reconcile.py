@@ -43,6 +43,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import ActivePort, isolation_drift
 from gpuaas_agent.tasks.slot_topology import slot_topology_findings
@@ -171,6 +172,9 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
               for res in reservations if (res.allocation_id, res.slot_index) == (lease.allocation_id,
                                                                                    lease.slot_index)]
     findings += await isolation_drift(sh, ports=ports, active=active, known=known, repair=repair)
+    # NVSwitch hosts: Fabric Manager's active partitions vs. the partition leases and the running domains.
+    findings += await fabric_partitions.reconcile_findings(
+        sh.fabric, state, {a for a, d in by_alloc.items() if d.state.value == "running"}, repair=repair)
 
     report = DriftReport(node_id=node_id, trigger=trigger, findings=findings, at=datetime.now(UTC))
     log_event(log, "reconciled", trigger=trigger.value, findings=len(findings),

@@ -63,7 +63,8 @@ TASKS: tuple[TaskSpec, ...] = (
     TaskSpec(TaskType.preflight,
              lambda config, sh: preflight_handler(config.host_root, sockets=preflight_sockets(config),
                                                   slice_config=config.slice), concurrency=1),
-    TaskSpec(TaskType.plan, lambda config, sh: plan_handler(config.host_root, slice_plan_config(config.slice)),
+    TaskSpec(TaskType.plan, lambda config, sh: plan_handler(config.host_root, slice_plan_config(config.slice),
+                                                            fabric=sh.fabric if sh is not None else None),
              concurrency=1),
     # One per slot: 8 concurrent provisions take as long as the slowest.
     TaskSpec(TaskType.vm_provision, lambda config, sh: provision_handler(sh), concurrency=8, needs_slice_host=True),

@@ -46,6 +46,7 @@ from gpuaas_agent.host.gpuhandover import hand_over_gpu, reset_fabric_vf
 from gpuaas_agent.host.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
 
@@ -375,6 +376,12 @@ async def lease_release(run: ReleaseRun) -> LeaseReleased | Skipped:
     return LeaseReleased([released.slot_index] if released else [])
 
 
+async def fabric_partition_release(run: ReleaseRun) -> dict:
+    """After the domain is gone: deactivate the allocation's Fabric Manager partition and drop its record
+    (NVSwitch hosts; nothing leased: nothing to do). Before the wipe: a GPU leaves its partition first."""
+    return await fabric_partitions.deactivate_leased(run.sh.fabric, run.store, run.alloc, release=True)
+
+
 _TEARDOWN = "a teardown step that looks first: running the release again finishes it"
 
 # The release pipeline, in order (README and DESIGN.md §2 name the same steps).
@@ -382,6 +389,9 @@ RELEASE_STEPS: tuple[StepDef[ReleaseRun], ...] = (
     StepDef("find", find, no_compensation="a read; refuses a domain of that name that is not ours"),
     StepDef("shutdown", shutdown, takes=("find",), no_compensation=_TEARDOWN),
     StepDef("undefine", undefine, takes=("find",), no_compensation=_TEARDOWN),
+    # The NVLink partition is deactivated before its GPUs are reset: a reset under an active partition
+    # would take a GPU out of a fabric Fabric Manager still believes in.
+    StepDef("fabric_partition_release", fabric_partition_release, no_compensation=_TEARDOWN),
     StepDef("gpu_handover", gpu_handover, takes=("find",),
             no_compensation="a reset is not undone; a failed or interrupted one leaves the slot cleanup_blocked"),
     StepDef("ovs_unplug", ovs_unplug, no_compensation=_TEARDOWN),
