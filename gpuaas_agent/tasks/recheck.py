@@ -6,9 +6,9 @@ could have failed (the one exception is ``operator``: an operator took it out, a
 returns it). Each function reads only; none changes the component.
 
 Wired here: ``gpu_aer_fatal`` (sysfs AER counters, ``discovery/aer.py``), ``smart_failing``
-(``nvme smart-log``, ``host/smart.py``) and ``operator``. The reasons whose check belongs to another
-pipeline are wired by it: ``wipe_unverified`` (the release's wipe and verification),
-``gpu_reset_failed`` / ``gpu_memory_clear_failed`` / ``gpu_xid`` (the GPU handover) and
+(``nvme smart-log``, ``host/smart.py``), ``wipe_unverified`` (the slot's latest wipe proof, written by
+a release retried since, covers every byte and no lease holds the disk) and ``operator``. The reasons
+whose check belongs to another pipeline are wired by it: ``gpu_reset_failed`` / ``gpu_memory_clear_failed`` / ``gpu_xid`` (the GPU handover) and
 ``firmware_changed`` (the firmware inventory) -- each adds ``RECHECKS[reason] = its_recheck`` with
 the :data:`Recheck` signature.
 """
@@ -28,6 +28,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.run import run
 from gpuaas_agent.host.smart import Runner, judge_smart, read_smart_log
 from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.state.aio import as_store_thread
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class RecheckContext:
     host_root: Path
     runner: Runner = run
     drivers: Any = None  # SliceDrivers | None
+    store: Any = None  # the agent's StateStore (or its StoreThread): the wipe proofs and leases
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -102,7 +104,32 @@ async def recheck_smart(ctx: RecheckContext, record: QuarantineRecord) -> Rechec
                           evidence={"kernel_name": name, **counters})
 
 
+async def recheck_wipe(ctx: RecheckContext, record: QuarantineRecord) -> RecheckVerdict:
+    """The slot's disk was wiped again since, by a release whose proof covers every byte and verified, and no
+    lease holds it (a release frees the lease only after such a proof). Reads the store only."""
+    if record.kind is not ComponentKind.nvme or record.slot_index is None:
+        return RecheckVerdict(check="wipe_proof", passed=False,
+                              detail=f"a {record.kind.value} without a slot index has no wipe proof to read")
+    if ctx.store is None:
+        return RecheckVerdict(check="wipe_proof", passed=False, detail="no store to read the slot's wipe proofs from")
+    store = as_store_thread(ctx.store)
+    held = [lease for lease in await store.leases() if lease.disk_identity == record.identity]
+    if held:
+        return RecheckVerdict(check="wipe_proof", passed=False, evidence={"lease": held[0].model_dump(mode="json")},
+                              detail=f"allocation {held[0].allocation_id} still holds the disk: its release has not "
+                                     "verified a wipe yet (send slice.vm_release again)")
+    proof = await store.run(lambda s: s.latest_wipe_proof(record.slot_index))
+    if proof is None or not proof.covers_every_byte:
+        return RecheckVerdict(check="wipe_proof", passed=False,
+                              evidence={"proof": proof.model_dump(mode="json") if proof else None},
+                              detail="the slot's latest wipe proof does not verify every byte")
+    return RecheckVerdict(check="wipe_proof", passed=True, evidence={"guarantee": proof.guarantee.value,
+                                                                       "method": proof.method.value},
+                          detail=f"the latest wipe verified every byte ({proof.guarantee.value}, {proof.method.value})")
+
+
 RECHECKS: dict[QuarantineReason, Recheck] = {
+    QuarantineReason.wipe_unverified: recheck_wipe,
     QuarantineReason.operator: recheck_operator,
     QuarantineReason.gpu_aer_fatal: recheck_aer,
     QuarantineReason.smart_failing: recheck_smart,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuaas_agent.contract.domain import ShutdownOutcome, UndefineOutcome
+from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason
 from gpuaas_agent.contract.gpuhandover import SlotGpuHandover
 from gpuaas_agent.contract.handover import GpuHandoverPolicy, LeaseHandover
 from gpuaas_agent.contract.naming import domain_name, vnic_name
@@ -49,6 +50,7 @@ from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
+from gpuaas_agent.tasks.quarantine import quarantine_component
 
 log = logging.getLogger(__name__)
 
@@ -432,6 +434,7 @@ async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
                     slot_index=slot.slot_index, allocation_id=alloc, status=SlotStatus.cleanup_blocked,
                     health_state=HealthState.failed, detail=detail, task_id=run.task_id, updated_at=time.time()))
                 ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.cleanup_blocked, HealthState.failed, detail))
+                await quarantine_failed_component(run, failure)
             raise
     found: Found = typed["find"]
     wiped: Wiped = typed["wipe"]
@@ -462,6 +465,36 @@ async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
             "lease": outputs["lease_release"],
         },
     }
+
+
+# A handover failure that says the component itself is not fit: quarantined (not a refusal before anything was
+# touched, nor a host problem such as a missing tool: those leave the slot cleanup_blocked and nothing more).
+_QUARANTINE_ON = {
+    ("wipe", "wipe_unverified"): (ComponentKind.nvme, QuarantineReason.wipe_unverified),
+    ("gpu_handover", "gpu_reset_failed"): (ComponentKind.gpu, QuarantineReason.gpu_reset_failed),
+    ("gpu_handover", "gpu_config_space_not_restored"): (ComponentKind.gpu, QuarantineReason.gpu_reset_failed),
+    ("gpu_handover", "gpu_settings_not_restored"): (ComponentKind.gpu, QuarantineReason.gpu_reset_failed),
+    ("gpu_handover", "gpu_memory_clear_unverified"): (ComponentKind.gpu, QuarantineReason.gpu_memory_clear_failed),
+}
+
+
+async def quarantine_failed_component(run: ReleaseRun, failure: PipelineFailed) -> None:
+    """A wipe that did not verify, or a GPU (or its fabric VF) whose reset, memory clear or settings failed, is
+    quarantined with the failure's evidence: discovery and slice.plan stop offering it, the heartbeat names it,
+    and only slice.unquarantine (after its re-check) returns it. The slot is cleanup_blocked besides."""
+    wanted = _QUARANTINE_ON.get((failure.failed_step, failure.code))
+    if wanted is None or not run.holders:
+        return
+    kind, reason = wanted
+    lease = run.holders[0]
+    identity = lease.disk_identity
+    if kind is ComponentKind.gpu:
+        identity = lease.gpu_pci_address
+        if (failure.evidence or {}).get("address") == lease.fabric_vf_pci_address:
+            kind, identity = ComponentKind.fabric_vf, lease.fabric_vf_pci_address
+    evidence = {"failed_step": failure.failed_step, "code": failure.code, "evidence": failure.evidence}
+    await quarantine_component(run.store, kind, identity, reason, evidence, run.task_id,
+                               slot_index=run.slot.slot_index)
 
 
 def released_before(store, task_id: str) -> bool:

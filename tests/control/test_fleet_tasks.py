@@ -152,10 +152,17 @@ def test_unquarantine_reruns_the_failed_check_and_refuses_while_it_fails(nats_se
             assert back.status == ResultStatus.succeeded, back.error
             assert back.output["recheck"]["evidence"]["aer"]["fatal"] == 0
 
-            # A disk whose wipe did not verify: no re-check wired on this agent yet, it stays out.
-            await quarantine_component(h.store, "nvme", held_disk, "wipe_unverified", {"verified": False}, "task-r")
-            unwired = await unquarantine(h, "nvme", held_disk)
+            # A GPU whose reset failed: no re-check wired on this agent, it stays out.
+            reset = report.candidate_slots[5].gpu_pci_address
+            await quarantine_component(h.store, "gpu", reset, "gpu_reset_failed", {"code": "gpu_reset_failed"}, "task-r")
+            unwired = await unquarantine(h, "gpu", reset)
             assert unwired.error.code == "recheck_unavailable"
+            # A disk whose wipe did not verify: its re-check reads the slot's latest proof, and there is none
+            # that covers every byte.
+            await quarantine_component(h.store, "nvme", held_disk, "wipe_unverified", {"verified": False}, "task-r",
+                                       slot_index=2)
+            unproven = await unquarantine(h, "nvme", held_disk)
+            assert unproven.error.code == "recheck_failed" and "every byte" in unproven.error.message
             # The allocation whose release quarantined it still holds it: never returned under a lease.
             assert (await _run(h, TaskType.plan, plan_payload(approved_slot(report, 2)).model_dump(mode="json"))
                     ).error.code == "component_quarantined"
