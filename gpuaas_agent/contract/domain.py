@@ -278,7 +278,7 @@ class ResetOutcome(WireModel):
 
 
 class VmStartEvidence(WireModel):
-    """Proof that a domain's start preconditions held (DESIGN.md §4.4); the lifecycle driver starts only with one."""
+    """Proof that a domain's start preconditions held (docs/safety.md §4); the lifecycle driver starts only with one."""
 
     domain_name: str
     domain_type: DomainType

@@ -4,7 +4,7 @@ A report is sent when a kernel event (a disk, PCI function or link appearing,
 vanishing or changing driver), the reconcile timer or a task made the agent
 look again and found the host no longer matches what it saw before. Subjects
 are stable identities (PCI address, ``/dev/disk/by-id`` path, allocation id);
-kernel names only ever appear as advisory detail (DESIGN.md §4.2).
+kernel names only ever appear as advisory detail (docs/safety.md §2).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class DriftKind(WireEnum):
     lease_without_domain = "lease_without_domain"
     driver_not_vfio = "driver_not_vfio"
     disk_not_wiped = "disk_not_wiped"
-    # port isolation (DESIGN.md §4.9): the flows and nft guard an active slot's reservation implies
+    # port isolation (docs/safety.md §9): the flows and nft guard an active slot's reservation implies
     flows_missing = "flows_missing"  # none of the port's OpenFlow rules is installed (e.g. vswitchd restarted)
     flows_altered = "flows_altered"  # some are, but rules are missing, extra or changed
     flows_orphan = "flows_orphan"  # rules under our cookie for a port that no longer exists

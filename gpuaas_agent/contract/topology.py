@@ -14,7 +14,7 @@ from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName, MacA
 
 
 class StorageIdentityKind(WireEnum):
-    """Which stable /dev/disk/by-id link names a disk (DESIGN.md §1)."""
+    """Which stable /dev/disk/by-id link names a disk (docs/architecture.md)."""
 
     nvme_eui_by_id = "nvme_eui_by_id"
     nvme_wwn_by_id = "nvme_wwn_by_id"

@@ -1,4 +1,4 @@
-"""A journaled step pipeline with a compensation for every step (DESIGN.md §2, STYLE rule 6).
+"""A journaled step pipeline with a compensation for every step (docs/architecture.md).
 
 Each step is journaled ``started`` before it runs and ``succeeded``/``failed``
 after, and announced as a progress event, so an operator (and a restarted

@@ -3,7 +3,7 @@
 validate + lease → bind vfio → fetch/verify image → guard + clone → seed ISO →
 OVS port → dnsmasq reservation → define → start → readiness (lease + SSH).
 
-Outcomes (issue 7, DESIGN.md §3/§4):
+Outcomes (issue 7, docs/contract.md, docs/safety.md):
 
 * success: slot ``active``/``healthy`` with the readiness evidence;
 * failure before the clone started: every step undone, the lease released,
@@ -272,7 +272,7 @@ class Validated:
 
 async def _preconditions(run: ProvisionRun, planned: PlannedSlot,
                          data_planned: tuple[PlannedSlot, ...] = ()) -> dict[str, Any]:
-    """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8).
+    """Every host precondition of bind, clone, seed, port, reservation, define and start (docs/safety.md §8).
 
     A multi-slot set is checked slot by slot (each GPU and VF), with the profile's memory scaled by the
     number of the set's slots on that slot's NUMA node: the 1 GiB pages a node must have free are its
@@ -314,7 +314,7 @@ def _enough_free(store, report, allocation_id: str, slots: list) -> list[int]:
 
 
 async def validate(run: ProvisionRun) -> Validated:
-    # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
+    # Everything that can refuse this task is asked now, before the lease (docs/safety.md §8):
     # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
     sh, payload, slot, store = run.sh, run.payload, run.slot, run.store
     slots = check_slot_set(slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot
@@ -524,7 +524,7 @@ async def ovs_port(run: ProvisionRun) -> Plugged:
     async with run.sh.ovs() as ovs:
         await asyncio.to_thread(ovs.ensure_bridge, slot.ovs_bridge)  # never created here: missing is a blocker
         port = await put_port(ovs, run.port, run.payload.allocation_id)
-    # Closed from the moment it exists: the MAC is the slot's only (DESIGN.md §4.9); the tap and its
+    # Closed from the moment it exists: the MAC is the slot's only (docs/safety.md §9); the tap and its
     # ofport appear at start, when the full per-port rules go in.
     isolation = await isolate_port(run.sh, port, mac=slot.mac, ip=slot.private_ip)
     return Plugged(port=port, isolation=isolation)
@@ -665,7 +665,7 @@ async def readiness(run: ProvisionRun) -> GuestReadiness:
     return ready.model_copy(update={"egress": proof})
 
 
-# The provision pipeline, in order (README and DESIGN.md §2 name the same steps).
+# The provision pipeline, in order (docs/operations.md names the same steps).
 PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("validate", validate, unlease),
     StepDef("bind_vfio", bind_vfio,

@@ -162,7 +162,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
                                  expected="no port (allocation unknown here)", actual=f"{port.bridge}/{port.name}",
                                  repaired=done, port=port.name))
 
-    # Port isolation (DESIGN.md §4.9): an active slot's port carries the flows and guard its reservation implies.
+    # Port isolation (docs/safety.md §9): an active slot's port carries the flows and guard its reservation implies.
     active = [ActivePort(port=port, mac=res.mac, ip=str(res.ip))
               for lease in leases
               if (rec := records.get(lease.slot_index)) is not None and rec.status is SlotStatus.active

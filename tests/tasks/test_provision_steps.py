@@ -10,7 +10,7 @@ from gpuaas_agent.tasks.pipeline import PipelineFailed, StepDef, Undo, bind_step
 from gpuaas_agent.tasks.provision import PROVISION_STEPS
 from tests.support.pipeline_ctx import sync
 
-# The order README's task table states for slice.vm_provision.
+# The order docs/operations.md's task table states for slice.vm_provision.
 DOCUMENTED = ["validate", "bind_vfio", "image", "data_disks", "clone", "seed", "ovs_port", "reservation", "define", "start",
               "readiness"]
 # Steps that change the host (state store, sysfs, cache pins, disk, files, OVS, dnsmasq, libvirt).
