@@ -134,7 +134,7 @@ class SliceConfig(BaseModel):
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     nameservers: tuple[IPv4Address, ...] = (IPv4Address("10.100.0.1"),)
     readiness_timeout_s: float = Field(default=900.0, gt=0)
-    # The TCP target beyond the NAT that guests of a readiness_egress profile must reach (issue 16).
+    # The TCP target beyond the NAT that guests of a readiness_egress profile must reach.
     readiness_egress_target: EgressTarget | None = None
     # How long readiness waits for that proof once SSH answers (within readiness_timeout_s overall).
     readiness_egress_timeout_s: float = Field(default=120.0, gt=0)
@@ -144,7 +144,7 @@ class SliceConfig(BaseModel):
     image_file_dir: Path | None = None
     image_max_bytes: int = Field(default=64 << 30, gt=0)
     image_stall_timeout_s: float = Field(default=60.0, gt=0)
-    # PEM file of the CAs trusted for https image sources (issue #22; default: the system store). Proxies
+    # PEM file of the CAs trusted for https image sources (default: the system store). Proxies
     # come from the service's environment (https_proxy, no_proxy: a drop-in's Environment=).
     image_ca_bundle: Path | None = None
     # The image cache's bounds (host/images.py): at most this many bytes of images, and never a download

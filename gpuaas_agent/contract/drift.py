@@ -57,7 +57,7 @@ class DriftKind(WireEnum):
     # slice network watch (operator/netwatch.py): a check of the slice network changed verdict
     slice_network_degraded = "slice_network_degraded"  # subject: the check (slice_nat, dnsmasq, ...)
     slice_network_restored = "slice_network_restored"
-    # a held slot's devices vs. the live host (tasks/slot_topology.py, issue 17)
+    # a held slot's devices vs. the live host (tasks/slot_topology.py; reconcile and boot recovery)
     slot_device_missing = "slot_device_missing"  # the leased GPU/VF address or by-id disk is gone
     slot_device_moved = "slot_device_moved"  # by-id names another disk, other hostdevs, GPU on another NUMA node
     domain_shutoff = "domain_shutoff"  # an active slot's domain is shut off (info when the tenant stopped it)

@@ -68,7 +68,7 @@ class RuntimeProfile(WireModel):
     # How the slot's disk is cleared on release (seed 002 tenant-isolation wipe policy); a host's
     # config may override it per profile (SliceConfig.wipe_policies). Default: today's discard + verify.
     wipe_policy: WipePolicy = Field(default_factory=WipePolicy)
-    # Readiness also proves egress (issue 16): the guest's first boot reaches the host's configured
+    # Readiness also proves egress (a lost NAT rule is otherwise invisible to it): the guest's first boot reaches the host's configured
     # target beyond the NAT (SliceConfig.readiness_egress_target) and conntrack shows it source-NATed.
     readiness_egress: bool = False
     # The weakest locality a multi-slot allocation of this profile accepts (tasks/placement.py).

@@ -256,5 +256,5 @@ class TopologyReport(WireModel):
     blockers: list[Finding]
     warnings: list[Finding]
     gpu_enrichment: GpuEnrichment
-    # HGX fabric (issue 20): multi-GPU guests need a Fabric Manager partition for NVLink (tasks/placement.py).
+    # HGX fabric: multi-GPU guests need a Fabric Manager partition for NVLink (tasks/placement.py).
     nvswitches: list[NvSwitchDevice] = Field(default_factory=list)

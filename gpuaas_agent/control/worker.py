@@ -756,7 +756,7 @@ class TaskWorker:
             await asyncio.wait({run}, timeout=self.settings.cancel_settle_s)
             if self._stopping.is_set() and run.done():
                 # A stop (a package upgrade): hand the task back now, journaled where it stopped, so the next
-                # agent resumes it at its first pull rather than ack_wait_s later (issue 17 item 5). Journaled
+                # agent resumes it at its first pull rather than ack_wait_s later. Journaled
                 # first: this start was no crash and does not count toward the poison bound.
                 with contextlib.suppress(StateError, OSError):
                     await self.state.journal(envelope.task_id, STOPPED_STEP, StepStatus.succeeded,

@@ -3,7 +3,7 @@
 validate + lease → bind vfio → fetch/verify image → guard + clone → seed ISO →
 OVS port → dnsmasq reservation → define → start → readiness (lease + SSH).
 
-Outcomes (issue 7, docs/contract.md, docs/safety.md):
+Outcomes (docs/contract.md, docs/safety.md):
 
 * success: slot ``active``/``healthy`` with the readiness evidence;
 * failure before the clone started: every step undone, the lease released,
@@ -128,7 +128,7 @@ class ProvisionRun:
 
     @property
     def slots(self) -> list:
-        """Every slot of the allocation, boot slot first (issue 20; validate refuses a bad set)."""
+        """Every slot of the allocation, boot slot first (validate refuses a bad set)."""
         return slot_set(self.payload.slot, self.payload.slots)
 
     @property
@@ -321,7 +321,7 @@ async def validate(run: ProvisionRun) -> Validated:
     relay_key = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
     check_guest_address(slot.private_ip, sh.slice)
     seed_spec = build_seed_spec(payload, relay_key, sh.slice)
-    if (egress := egress_target(run.profile, sh.slice)) is not None:  # issue 16: readiness proves egress
+    if (egress := egress_target(run.profile, sh.slice)) is not None:  # readiness proves egress beyond the NAT
         seed_spec = seed_spec.model_copy(update={"egress_probe": egress})
     if len(slots) == 1:
         await store.run(check_one_slot_per_allocation, payload.allocation_id, slot.slot_index)
@@ -689,7 +689,7 @@ def provision_steps(run: ProvisionRun) -> list[Step]:
     return bind_steps(PROVISION_STEPS, run)
 
 
-# -- a provision the agent was killed or stopped under (issue 17) ------------------------------------------
+# -- a provision the agent was killed or stopped under --------------------------------------------------
 
 # Steps an interrupted run may simply run again from the start: checks, the lease (taken again is a
 # no-op), vfio, the image, and the clone itself (the disk is this allocation's; it is written whole

@@ -97,7 +97,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
             findings.append(shutoff_finding(lease, record, domain))
         findings += await topology_findings(sh, lease, domain)
         mine = [r for r in reservations if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
-        # A data slot of a multi-slot allocation (issue 20) has no vNIC and no reservation of its own.
+        # A data slot of a multi-slot allocation (docs/multi-gpu.md) has no vNIC and no reservation of its own.
         data_slot = record is not None and record.detail.get("boot_slot_index") not in (None, lease.slot_index)
         if status is SlotStatus.active and not mine and not data_slot:
             findings.append(_finding(DriftKind.reservation_missing, lease.allocation_id, DriftSeverity.error,
