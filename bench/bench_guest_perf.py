@@ -1,6 +1,6 @@
 """Guest vs. bare metal on a real HGX host: NCCL (NVLink/PCIe, and IB to a peer) and vLLM, as ratios of one run.
 
-DESIGN.md §7 asks that a slice run within 5 % of bare metal on NCCL/IB and inference (seed 004's
+docs/performance.md (targets) asks that a slice run within 5 % of bare metal on NCCL/IB and inference (seed 004's
 comparison). CI has no GPU host, so this script is what an operator runs on one (docs/hgx.md
 "Measuring a slice"). Both sides are measured in the same invocation, on the same host and the same
 GPU model, so the ratio compares like with like:

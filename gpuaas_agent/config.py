@@ -152,7 +152,7 @@ class SliceConfig(BaseModel):
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     nameservers: tuple[IPv4Address, ...] = (IPv4Address("10.100.0.1"),)
     readiness_timeout_s: float = Field(default=900.0, gt=0)
-    # The TCP target beyond the NAT that guests of a readiness_egress profile must reach (issue 16).
+    # The TCP target beyond the NAT that guests of a readiness_egress profile must reach.
     readiness_egress_target: EgressTarget | None = None
     # How long readiness waits for that proof once SSH answers (within readiness_timeout_s overall).
     readiness_egress_timeout_s: float = Field(default=120.0, gt=0)
@@ -162,7 +162,7 @@ class SliceConfig(BaseModel):
     image_file_dir: Path | None = None
     image_max_bytes: int = Field(default=64 << 30, gt=0)
     image_stall_timeout_s: float = Field(default=60.0, gt=0)
-    # PEM file of the CAs trusted for https image sources (issue #22; default: the system store). Proxies
+    # PEM file of the CAs trusted for https image sources (default: the system store). Proxies
     # come from the service's environment (https_proxy, no_proxy: a drop-in's Environment=).
     image_ca_bundle: Path | None = None
     # The image cache's bounds (host/images.py): at most this many bytes of images, and never a download
@@ -348,17 +348,17 @@ class AgentConfig(BaseModel):
     # enrollment stored (<state_dir>/nats.creds), else the enrollment's user/password.
     nats_creds_file: Path | None = None
     # The bootstrap identity `enroll` logs in with (a server in operator mode has no anonymous users):
-    # a .creds allowed only gpuaas.enroll and _INBOX.enroll.*.> (README "Control channel").
+    # a .creds allowed only gpuaas.enroll and _INBOX.enroll.*.> (docs/security.md "Control channel").
     nats_enroll_creds_file: Path | None = None
     # Plaintext nats:// (without TLS) is refused unless this is true, loopback included (lab only).
     insecure: bool = False
     # A pull request waits this long on the server for a task (liveness is the heartbeat, not the poll).
     pull_expiry_s: float = Field(default=30.0, gt=0, le=300)
-    # The task consumer's replicas (None: the stream's) and storage: README "Fleet layout" (R1 + memory
+    # The task consumer's replicas (None: the stream's) and storage: docs/performance.md "Fleet layout" (R1 + memory
     # on a replicated stream keeps a 5,000-node cluster off 5,000 replicated consumer Raft groups).
     task_consumer_replicas: int | None = Field(default=None, ge=1, le=5)
     task_consumer_memory: bool = False
-    # An idle heartbeat the server sends on each waiting pull (README "Pull heartbeat"): on a cluster with
+    # An idle heartbeat the server sends on each waiting pull (docs/performance.md "Pull heartbeat"): on a cluster with
     # R1 memory consumers, set it (5): a lost member then costs seconds, not the pull expiry. Off by default:
     # ~30 % more idle server CPU, for nothing where a lost server drops the agent's own connection too.
     pull_heartbeat_s: float | None = Field(default=None, gt=0, le=60)

@@ -440,7 +440,7 @@ async def run_agent(
         reporter.attach(nc, worker)
         reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
         worker_task = asyncio.create_task(worker.run(), name="worker")
-        if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events (issue 16)
+        if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events
             background.append(start_netwatch(config, reporter, nc, record.node_id,
                                              port_isolation_probe(slice_host, state) if slice_host else None,
                                              repair=reconcile))

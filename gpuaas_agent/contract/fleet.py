@@ -97,7 +97,7 @@ class ComponentKind(WireEnum):
 class QuarantineReason(WireEnum):
     """Why a component was taken out of service; each names the check ``slice.unquarantine`` re-runs."""
 
-    wipe_unverified = "wipe_unverified"  # a released disk's wipe did not verify (DESIGN.md §4.6)
+    wipe_unverified = "wipe_unverified"  # a released disk's wipe did not verify (docs/safety.md §6)
     gpu_reset_failed = "gpu_reset_failed"  # the GPU reset the agent chose failed (§4.12)
     gpu_memory_clear_failed = "gpu_memory_clear_failed"  # the GPU's memory clear did not verify (§4.12)
     smart_failing = "smart_failing"  # the disk's SMART log says critical warning / media errors

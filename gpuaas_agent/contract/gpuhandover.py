@@ -1,7 +1,7 @@
 """What a GPU handover did and proved: the record that goes into a release's cleanup proof.
 
 Between two tenants every passed-through function of a slot is reset by the
-agent (DESIGN.md §4.12). For the GPU the record names the reset chosen and why
+agent (docs/safety.md §12). For the GPU the record names the reset chosen and why
 (:class:`GpuResetChoice`), what the last tenant left (``before``), the memory
 clear and the register value that proves it, the settings read back after the
 reset (``after``) against the lease's :class:`GpuHandoverPolicy`, the config

@@ -16,7 +16,7 @@ parser splits on unescaped spaces and drops one backslash per escape. A final
 ``GPUAAS_SLICE_PARITY_SUMMARY ... failures=N`` line closes the report.
 
 Only a *hard* check may FAIL; anything the agent could not prove is a WARN,
-never a PASS (DESIGN.md §4.7).
+never a PASS (docs/safety.md §7).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Placement of a multi-slot allocation on one node (issue 20): what a profile requires and what a slot set gets.
+"""Placement of a multi-slot allocation on one node: what a profile requires and what a slot set gets.
 
 GPUs that share a PCIe switch talk peer-to-peer without crossing the CPU; GPUs on one
 NUMA node cross one root complex; a set spanning NUMA nodes crosses the socket

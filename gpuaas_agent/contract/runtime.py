@@ -4,7 +4,7 @@ A profile is chosen by name in the provision payload; the control plane and
 the agent must agree on what the name means, so the catalog lives in the
 contract. ``h200_1g_24c_64g`` is the tuned prototype shape of seed 004 (24 vCPU,
 64 GiB, 1 GiB hugepages, UEFI with Secure Boot off, no vTPM). ``lab_tcg_1c_512m``
-is the CI lab shape: ``type='qemu'`` (TCG, DESIGN.md §5: KVM on CI machines cannot
+is the CI lab shape: ``type='qemu'`` (TCG, docs/testing.md: KVM on CI machines cannot
 boot a stock kernel), no PCI passthrough, no hugepages.
 """
 
@@ -71,7 +71,7 @@ class RuntimeProfile(WireModel):
     wipe_policy: WipePolicy = Field(default_factory=WipePolicy)
     # The state each passed-through GPU is reset, cleared and restored to between tenants (host/gpuhandover).
     gpu_handover: GpuHandoverPolicy = Field(default_factory=GpuHandoverPolicy)
-    # Readiness also proves egress (issue 16): the guest's first boot reaches the host's configured
+    # Readiness also proves egress (a lost NAT rule is otherwise invisible to it): the guest's first boot reaches the host's configured
     # target beyond the NAT (SliceConfig.readiness_egress_target) and conntrack shows it source-NATed.
     readiness_egress: bool = False
     # The weakest locality a multi-slot allocation of this profile accepts (tasks/placement.py).

@@ -1,4 +1,4 @@
-"""Task messages on ``gpuaas.node.<node>.task.<type>`` and their results (DESIGN.md §3).
+"""Task messages on ``gpuaas.node.<node>.task.<type>`` and their results (docs/contract.md).
 
 The envelope is validated first; its ``type`` stays a string so that an
 unknown type becomes a ``failed`` result with ``unsupported_task`` instead of a

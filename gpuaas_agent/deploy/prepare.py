@@ -1,6 +1,6 @@
 """``gpuaas-agent prepare-host``: every directory and key a provision needs, from the config, before the first task.
 
-DESIGN.md §4.11: a host made by the ``.deb`` and the cloud-init user-data
+docs/safety.md §11: a host made by the ``.deb`` and the cloud-init user-data
 provisions on the first try. The paths come from the agent's config (the
 ``[slice]`` keys and ``state_dir``), never from a list baked into the package,
 so a site that moves one still gets it created. The package's ``postinst``

@@ -1,6 +1,6 @@
 """The ``[slice]`` settings of the rendered agent.toml: checked at render time, one clear problem per bad input.
 
-A host installed by the user-data must provision on the first try (DESIGN.md §4.11), and a
+A host installed by the user-data must provision on the first try (docs/safety.md §11), and a
 provision needs settings only the site knows: where images may come from
 (``image_https_hosts``, ``image_file_dir``), the CA that signs a private image server, the
 bridge and subnet when they are not the defaults. So every ``[slice]`` key of

@@ -4,7 +4,7 @@ Each check proves behaviour where it can: IOMMU groups exist (not just a
 cmdline flag), the libvirt and OVSDB sockets answer (not just a unit file),
 the bridge owns the gateway address, the NAT rule is in force. On a recorded
 fixture a socket cannot be asked, so those checks WARN: not proven is never
-PASS (DESIGN.md §4.7). Only hard checks may FAIL.
+PASS (docs/safety.md §7). Only hard checks may FAIL.
 """
 
 from __future__ import annotations
@@ -460,7 +460,7 @@ def check_dnsmasq(ev: SliceNetworkEvidence, dnsmasq: DnsmasqEvidence) -> ParityC
 
 # -- slots, GPUs and the host services that hold them ------------------------------------------------
 
-# What each slot blocker asks the operator to do (DESIGN.md §1, seed 004 storage transition).
+# What each slot blocker asks the operator to do (docs/architecture.md, seed 004 storage transition).
 STORAGE_TRANSITION = ("run the slice-mode storage transition on the slot disks: unmount /share*, disable their fstab "
                       "entries, wipefs and blkdiscard the approved raw slot devices (seed 004)")
 SLOT_REMEDIATIONS = {

@@ -1,4 +1,4 @@
-"""Record exactly what discovery reads from a host into a fixture directory (DESIGN.md §6).
+"""Record exactly what discovery reads from a host into a fixture directory (docs/testing.md).
 
 A fixture is a plain directory tree holding the same host paths as the
 machine (``OUT/sys/bus/pci/devices/...``), so the real discovery code runs

@@ -1,7 +1,7 @@
 """Which reset a GPU gets between tenants, chosen from sysfs, and whether the host can hand a GPU over at all.
 
-A GPU is handed to the next tenant only after a reset the agent chose (DESIGN.md
-§4.12). The choice is read from the kernel, never assumed:
+A GPU is handed to the next tenant only after a reset the agent chose (docs/safety.md
+§12). The choice is read from the kernel, never assumed:
 
 * **secondary bus reset** (SBR) when the GPU's upstream bridge holds no other
   function (every device directory below the bridge in sysfs) *and* the kernel

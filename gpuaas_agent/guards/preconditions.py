@@ -1,4 +1,4 @@
-"""Every precondition of a provision's later steps, proven before the slot disk is touched (DESIGN.md §4.8).
+"""Every precondition of a provision's later steps, proven before the slot disk is touched (docs/safety.md §8).
 
 A host problem found at ``start`` comes after ``clone`` has written the slot
 disk: the slot can then only go ``cleanup_blocked`` until a release wipes it,

@@ -1,6 +1,6 @@
 """Hand one GPU (and a slot's fabric VF) from one tenant to the next: reset, clear, restore, prove.
 
-For one GPU, with no domain holding it (DESIGN.md §4.12):
+For one GPU, with no domain holding it (docs/safety.md §12):
 
 1. ``query_before``: what the last tenant left (evidence; a failed query is recorded, not fatal);
 2. ``stage_settings``: CC mode, PPCIe mode, ECC on and MIG off *for the next boot*, always, whatever

@@ -319,7 +319,7 @@ class LibvirtLifecycle:
 
     async def defined_domain_disks(self, *, exclude_allocation: str | None = None,
                                    exclude_slot: int | None = None) -> list[str]:
-        """Block-device sources of every *defined* domain, running or shut off (DESIGN.md §4.1).
+        """Block-device sources of every *defined* domain, running or shut off (docs/safety.md §1).
 
         A shut-off domain still owns its disk: start it again and it writes there,
         so its disk must not be cloned or wiped for another slot. Only the

@@ -1,4 +1,4 @@
-"""Bind a slot's PCI functions to vfio-pci through ``driver_override`` (DESIGN.md §4.3).
+"""Bind a slot's PCI functions to vfio-pci through ``driver_override`` (docs/safety.md §3).
 
 The kernel's sequence (Documentation/ABI/testing/sysfs-bus-pci)::
 

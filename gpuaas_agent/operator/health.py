@@ -313,7 +313,7 @@ def gpu_nvml_check(settings: HealthSettings, source=None) -> HealthCheck:
     return _check("gpu_nvml", status, detail)
 
 
-# -- port isolation (DESIGN.md §4.9) ---------------------------------------------------------
+# -- port isolation (docs/safety.md §9) ---------------------------------------------------------
 
 ISOLATION_KINDS = frozenset({"flows_missing", "flows_altered", "flows_orphan",
                              "nft_guard_missing", "nft_guard_altered", "nft_guard_orphan"})

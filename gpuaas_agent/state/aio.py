@@ -1,4 +1,4 @@
-"""The state store seen from the event loop: every SQLite call runs on ONE store thread (issue 17 item 6).
+"""The state store seen from the event loop: every SQLite call runs on ONE store thread.
 
 Why: a commit takes SQLite's write lock and fsyncs (``synchronous=FULL``); when
 another process holds the lock (a CLI ``gpuaas-agent release``, a backup, an

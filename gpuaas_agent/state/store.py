@@ -57,7 +57,7 @@ MIGRATIONS: tuple[str, ...] = (
         stored_at REAL NOT NULL
     );
     """,
-    # 1 -> 2: the wipe proofs of each slot's disk, newest last (issue 3: proof stored with the slot).
+    # 1 -> 2: the wipe proofs of each slot's disk, newest last (the proof is stored with the slot).
     """
     CREATE TABLE slot_wipe_proof (
         slot_index INTEGER NOT NULL,
@@ -67,7 +67,7 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX slot_wipe_proof_slot ON slot_wipe_proof (slot_index, recorded_at);
     """,
-    # 2 -> 3: the host's own view of each slot it touched (issue 7: a provision that failed after
+    # 2 -> 3: the host's own view of each slot it touched (a provision that failed after
     # the disk was written leaves the slot cleanup_blocked until a release wipes and verifies it).
     """
     CREATE TABLE slot_state (
@@ -90,7 +90,7 @@ MIGRATIONS: tuple[str, ...] = (
     UPDATE slot_lease SET disk_identity = 'path:' || nvme_device WHERE disk_identity IS NULL;
     CREATE UNIQUE INDEX slot_lease_disk_identity ON slot_lease (disk_identity);
     """,
-    # 4 -> 5: the terminal relay (issue 21): every session audited (who, allocation, when, bytes, why it
+    # 4 -> 5: the terminal relay: every session audited (who, allocation, when, bytes, why it
     # ended), and each allocation's guest SSH host key as first seen (pinned: a changed key is refused).
     """
     CREATE TABLE terminal_session (
@@ -121,7 +121,7 @@ MIGRATIONS: tuple[str, ...] = (
     );
     """,
     # 5 -> 6: small facts about the host the agent must remember across its restarts; first the kernel's
-    # boot_id, so the first start after a host reboot re-validates and restores the active slices (issue 17).
+    # boot_id, so the first start after a host reboot re-validates and restores the active slices.
     """
     CREATE TABLE agent_meta (
         key TEXT PRIMARY KEY,
@@ -193,7 +193,7 @@ class LeaseConflict(StateError):
 
 
 def state_db_error(exc: sqlite3.Error, path: Path, *, timeout_s: float | None = None) -> StateError:
-    """A typed error for what SQLite said about the state file (issue 17, bad input).
+    """A typed error for what SQLite said about the state file (a bad file is refused, never guessed at).
 
     ``state_locked``: another process holds the lock longer than the busy timeout (retryable: nothing
     was written); ``state_unreadable``: the file is not a database, truncated or malformed.
@@ -584,7 +584,7 @@ class StateStore:
         return SlotRecord(slot_index=row[0], allocation_id=row[1], status=row[2], health_state=row[3],
                           detail=json.loads(row[4]), task_id=row[5], updated_at=row[6])
 
-    # -- terminal sessions (issue 21) -------------------------------------------------
+    # -- terminal sessions -------------------------------------------------------------
 
     _TERMINAL_COLUMNS = ("session_id, allocation_id, slot_index, requested_by, login_user, target_host, target_port,"
                          " host_key_fingerprint, open_task_id, opened_at, closed_at, close_reason, close_detail,"

@@ -1,4 +1,4 @@
-"""Node-side placement of a slot set (issue 20): the locality it gets, the constraint that decides, a better set.
+"""Node-side placement of a slot set: the locality it gets, the constraint that decides, a better set.
 
 Pure: the planned slots and the host's topology report in, a :class:`PlacementReport` out;
 :func:`enforce_placement` turns a set that crosses what the profile forbids into a typed

@@ -3,7 +3,7 @@
 validate + lease → bind vfio → fetch/verify image → guard + clone → seed ISO →
 OVS port → dnsmasq reservation → define → start → readiness (lease + SSH).
 
-Outcomes (issue 7, DESIGN.md §3/§4):
+Outcomes (docs/contract.md, docs/safety.md):
 
 * success: slot ``active``/``healthy`` with the readiness evidence;
 * failure before the clone started: every step undone, the lease released,
@@ -131,7 +131,7 @@ class ProvisionRun:
 
     @property
     def slots(self) -> list:
-        """Every slot of the allocation, boot slot first (issue 20; validate refuses a bad set)."""
+        """Every slot of the allocation, boot slot first (validate refuses a bad set)."""
         return slot_set(self.payload.slot, self.payload.slots)
 
     @property
@@ -275,7 +275,7 @@ class Validated:
 
 async def _preconditions(run: ProvisionRun, planned: PlannedSlot,
                          data_planned: tuple[PlannedSlot, ...] = ()) -> dict[str, Any]:
-    """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8).
+    """Every host precondition of bind, clone, seed, port, reservation, define and start (docs/safety.md §8).
 
     A multi-slot set is checked slot by slot (each GPU and VF), with the profile's memory scaled by the
     number of the set's slots on that slot's NUMA node: the 1 GiB pages a node must have free are its
@@ -317,7 +317,7 @@ def _enough_free(store, report, allocation_id: str, slots: list) -> list[int]:
 
 
 async def validate(run: ProvisionRun) -> Validated:
-    # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
+    # Everything that can refuse this task is asked now, before the lease (docs/safety.md §8):
     # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
     sh, payload, slot, store = run.sh, run.payload, run.slot, run.store
     await store.run(check_not_in_maintenance)  # host_in_maintenance: first, before anything is read or leased
@@ -325,7 +325,7 @@ async def validate(run: ProvisionRun) -> Validated:
     relay_key = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
     check_guest_address(slot.private_ip, sh.slice)
     seed_spec = build_seed_spec(payload, relay_key, sh.slice)
-    if (egress := egress_target(run.profile, sh.slice)) is not None:  # issue 16: readiness proves egress
+    if (egress := egress_target(run.profile, sh.slice)) is not None:  # readiness proves egress beyond the NAT
         seed_spec = seed_spec.model_copy(update={"egress_probe": egress})
     if len(slots) == 1:
         await store.run(check_one_slot_per_allocation, payload.allocation_id, slot.slot_index)
@@ -542,7 +542,7 @@ async def ovs_port(run: ProvisionRun) -> Plugged:
     async with run.sh.ovs() as ovs:
         await asyncio.to_thread(ovs.ensure_bridge, slot.ovs_bridge)  # never created here: missing is a blocker
         port = await put_port(ovs, run.port, run.payload.allocation_id)
-    # Closed from the moment it exists: the MAC is the slot's only (DESIGN.md §4.9); the tap and its
+    # Closed from the moment it exists: the MAC is the slot's only (docs/safety.md §9); the tap and its
     # ofport appear at start, when the full per-port rules go in.
     isolation = await isolate_port(run.sh, port, mac=slot.mac, ip=slot.private_ip)
     return Plugged(port=port, isolation=isolation)
@@ -684,7 +684,6 @@ async def readiness(run: ProvisionRun) -> GuestReadiness:
     return ready.model_copy(update={"egress": proof})
 
 
-# The provision pipeline, in order (README and DESIGN.md §2 name the same steps).
 # -- NVSwitch hosts: the Fabric Manager partition slice.plan leased (tasks/fabric_partitions.py) ---------------
 
 
@@ -703,6 +702,7 @@ async def check_fabric_partition(run: ProvisionRun) -> dict:
     return await fabric_partitions.confirm_active(run.sh.fabric, run.store, run.payload.allocation_id)
 
 
+# The provision pipeline, in order (docs/operations.md names the same steps).
 PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("validate", validate, unlease),
     StepDef("bind_vfio", bind_vfio,
@@ -729,7 +729,7 @@ def provision_steps(run: ProvisionRun) -> list[Step]:
     return bind_steps(PROVISION_STEPS, run)
 
 
-# -- a provision the agent was killed or stopped under (issue 17) ------------------------------------------
+# -- a provision the agent was killed or stopped under --------------------------------------------------
 
 # Steps an interrupted run may simply run again from the start: checks, the lease (taken again is a
 # no-op), vfio, the image, and the clone itself (the disk is this allocation's; it is written whole

@@ -98,7 +98,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
             findings.append(shutoff_finding(lease, record, domain))
         findings += await topology_findings(sh, lease, domain)
         mine = [r for r in reservations if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
-        # A data slot of a multi-slot allocation (issue 20) has no vNIC and no reservation of its own.
+        # A data slot of a multi-slot allocation (docs/multi-gpu.md) has no vNIC and no reservation of its own.
         data_slot = record is not None and record.detail.get("boot_slot_index") not in (None, lease.slot_index)
         if status is SlotStatus.active and not mine and not data_slot:
             findings.append(_finding(DriftKind.reservation_missing, lease.allocation_id, DriftSeverity.error,
@@ -163,7 +163,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
                                  expected="no port (allocation unknown here)", actual=f"{port.bridge}/{port.name}",
                                  repaired=done, port=port.name))
 
-    # Port isolation (DESIGN.md §4.9): an active slot's port carries the flows and guard its reservation implies.
+    # Port isolation (docs/safety.md §9): an active slot's port carries the flows and guard its reservation implies.
     active = [ActivePort(port=port, mac=res.mac, ip=str(res.ip))
               for lease in leases
               if (rec := records.get(lease.slot_index)) is not None and rec.status is SlotStatus.active

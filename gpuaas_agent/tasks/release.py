@@ -386,7 +386,7 @@ async def fabric_partition_release(run: ReleaseRun) -> dict:
 
 _TEARDOWN = "a teardown step that looks first: running the release again finishes it"
 
-# The release pipeline, in order (README and DESIGN.md §2 name the same steps).
+# The release pipeline, in order (docs/operations.md names the same steps).
 RELEASE_STEPS: tuple[StepDef[ReleaseRun], ...] = (
     StepDef("find", find, no_compensation="a read; refuses a domain of that name that is not ours"),
     StepDef("shutdown", shutdown, takes=("find",), no_compensation=_TEARDOWN),

@@ -1,4 +1,4 @@
-"""The fresh-host lane (DESIGN.md §4.11): package + cloud-init user-data, then the first provision succeeds.
+"""The fresh-host lane (docs/safety.md §11): package + cloud-init user-data, then the first provision succeeds.
 
 On this machine itself (the lab's daemons need the root namespace): the ``.deb`` is
 built by ``packaging/build_deb.py`` and installed by the rendered user-data, run the
@@ -137,7 +137,7 @@ def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(cl
         mark = time.monotonic()
         slots = await lab.approve_slots()
         assert slots, "no complete slot on the lab host"
-        # The recorded host's network is not the lab's: FAIL lines are expected (README); the task must answer.
+        # The recorded host's network is not the lab's: FAIL lines are expected (docs/testing.md); the task must answer.
         preflight = await lab.task("slice.preflight", {}, timeout=120)
         assert preflight.output.get("lines"), (preflight.status, preflight.error)
         payload = lab.provision_payload(slots[0])

@@ -83,7 +83,7 @@ def test_healthy_fixture_has_every_check_in_order_and_no_failures():
     for name in ("kvm", "iommu", "vfio", "sriov_vfs", "slot_candidates", "ovmf", "hugepages", *NETWORK_HARD,
                  "ipoib_netplan", "fabric_route"):
         assert checks[name].status is ParityStatus.PASS, checks[name]
-    # Sockets and processes cannot be proven from a recording: WARN, never PASS (DESIGN §4.7). A dhcp-range in
+    # Sockets and processes cannot be proven from a recording: WARN, never PASS (docs/safety.md §7). A dhcp-range in
     # the config does not prove a running dnsmasq reads the agent's reservations.
     for name in ("node_agent", "libvirt", "openvswitch", "dnsmasq", "gpu_host_services", "qemu_access"):
         assert checks[name].status is ParityStatus.WARN and checks[name].hard, checks[name]
@@ -225,7 +225,7 @@ def test_topology_discover_adds_slice_network_beside_the_unchanged_report(tmp_pa
     assert network["ovs_bridge"] == "ovsbr0" and network["nat"]["present"] is False
 
 
-# -- what parity must not PASS (seed 004 parity target, DESIGN §4.7) ----------------------------
+# -- what parity must not PASS (seed 004 parity target, docs/safety.md §7) ----------------------------
 
 
 def test_every_line_of_the_agents_checks_carries_its_evidence():

@@ -10,7 +10,7 @@ from gpuaas_agent.tasks.pipeline import PipelineFailed, StepDef, Undo, bind_step
 from gpuaas_agent.tasks.provision import PROVISION_STEPS
 from tests.support.pipeline_ctx import sync
 
-# The order README's task table states for slice.vm_provision, with the Fabric Manager partition around
+# The order docs/operations.md's task table states for slice.vm_provision, with the Fabric Manager partition around
 # start (docs/hgx.md: nothing to do on a host without a leased partition).
 DOCUMENTED = ["validate", "bind_vfio", "image", "data_disks", "clone", "seed", "ovs_port", "reservation", "define",
               "fabric_partition", "start", "fabric_partition_check", "readiness"]
