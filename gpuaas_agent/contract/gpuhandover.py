@@ -110,3 +110,9 @@ class SlotGpuHandover(WireModel):
     policy_source: Literal["lease", "catalog_default"]
     gpus: list[GpuHandoverResult]
     fabric_vf: VfResetResult | None = None
+
+
+def handover_meta_key(address: str) -> str:
+    """The store key (``agent_meta``) of the last GPU handover that passed for the device at ``address``:
+    written by the release's ``gpu_handover``, read by ``slice.unquarantine``'s re-check."""
+    return f"gpu_handover_passed:{address}"

@@ -7,21 +7,23 @@ returns it). Each function reads only; none changes the component.
 
 Wired here: ``gpu_aer_fatal`` (sysfs AER counters, ``discovery/aer.py``), ``smart_failing``
 (``nvme smart-log``, ``host/smart.py``), ``wipe_unverified`` (the slot's latest wipe proof, written by
-a release retried since, covers every byte and no lease holds the disk) and ``operator``. The reasons
-whose check belongs to another pipeline are wired by it: ``gpu_reset_failed`` / ``gpu_memory_clear_failed`` / ``gpu_xid`` (the GPU handover) and
-``firmware_changed`` (the firmware inventory) -- each adds ``RECHECKS[reason] = its_recheck`` with
+a release retried since, covers every byte and no lease holds the disk), ``gpu_reset_failed`` /
+``gpu_memory_clear_failed`` (a release's GPU handover of that device passed since) and ``operator``.
+Not wired yet: ``gpu_xid`` and ``firmware_changed`` (the firmware inventory) -- each adds ``RECHECKS[reason] = its_recheck`` with
 the :data:`Recheck` signature.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason, QuarantineRecord, RecheckVerdict
+from gpuaas_agent.contract.gpuhandover import handover_meta_key
 from gpuaas_agent.discovery.aer import aer_counts, function_present
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError
@@ -128,8 +130,34 @@ async def recheck_wipe(ctx: RecheckContext, record: QuarantineRecord) -> Recheck
                           detail=f"the latest wipe verified every byte ({proof.guarantee.value}, {proof.method.value})")
 
 
+async def recheck_gpu_handover(ctx: RecheckContext, record: QuarantineRecord) -> RecheckVerdict:
+    """A GPU (or fabric VF) whose reset, memory clear or settings failed: a release's ``gpu_handover`` of that very
+    device has passed since it was quarantined (reset, memory clear verified, settings read back), and no lease
+    holds it. Reads the store only: the handover itself is the release's to run again."""
+    if record.kind not in (ComponentKind.gpu, ComponentKind.fabric_vf):
+        return RecheckVerdict(check="gpu_handover", passed=False, detail=f"a {record.kind.value} has no GPU handover")
+    if ctx.store is None:
+        return RecheckVerdict(check="gpu_handover", passed=False, detail="no store to read the handovers from")
+    store = as_store_thread(ctx.store)
+    held = [lease for lease in await store.leases()
+            if record.identity in (lease.gpu_pci_address, lease.fabric_vf_pci_address)]
+    if held:
+        return RecheckVerdict(check="gpu_handover", passed=False, evidence={"lease": held[0].model_dump(mode="json")},
+                              detail=f"allocation {held[0].allocation_id} still holds {record.identity}: send its "
+                                     "slice.vm_release again, whose gpu_handover must pass first")
+    raw = await store.run(lambda s: s.meta(handover_meta_key(record.identity)))
+    passed = json.loads(raw) if raw else None
+    if not passed or float(passed.get("at", 0)) <= record.quarantined_at.timestamp():
+        return RecheckVerdict(check="gpu_handover", passed=False, evidence={"last_passed": passed},
+                              detail=f"no GPU handover of {record.identity} has passed since it was quarantined")
+    return RecheckVerdict(check="gpu_handover", passed=True, evidence={"last_passed": passed},
+                          detail=f"{record.identity} was reset, cleared and restored by task {passed.get('task_id')}")
+
+
 RECHECKS: dict[QuarantineReason, Recheck] = {
     QuarantineReason.wipe_unverified: recheck_wipe,
+    QuarantineReason.gpu_reset_failed: recheck_gpu_handover,
+    QuarantineReason.gpu_memory_clear_failed: recheck_gpu_handover,
     QuarantineReason.operator: recheck_operator,
     QuarantineReason.gpu_aer_fatal: recheck_aer,
     QuarantineReason.smart_failing: recheck_smart,

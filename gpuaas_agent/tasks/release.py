@@ -24,6 +24,7 @@ read-back does not prove the disk empty keeps the lease and leaves the slot
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any
 
 from gpuaas_agent.contract.domain import ShutdownOutcome, UndefineOutcome
 from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason
-from gpuaas_agent.contract.gpuhandover import SlotGpuHandover
+from gpuaas_agent.contract.gpuhandover import SlotGpuHandover, handover_meta_key
 from gpuaas_agent.contract.handover import GpuHandoverPolicy, LeaseHandover
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import PROFILES
@@ -231,7 +232,13 @@ async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
     held = await sh.libvirt.defined_domain_hostdevs()
     gpu = await hand_over_gpu(host, lease.gpu_pci_address, policy, held=held, tool=sh.gpu_admin())
     vf = await reset_fabric_vf(host, lease.fabric_vf_pci_address, held=held)
-    return GpuHandedOver(SlotGpuHandover(policy_source=source, gpus=[gpu], fabric_vf=vf))
+    done = SlotGpuHandover(policy_source=source, gpus=[gpu], fabric_vf=vf)
+    # Remembered per device: slice.unquarantine's re-check of a GPU or VF reads that a handover passed since.
+    for address in (lease.gpu_pci_address, lease.fabric_vf_pci_address):
+        await run.store.run(lambda store, a=address: store.set_meta(handover_meta_key(a), json.dumps(
+            {"task_id": run.task_id, "at": time.time(), "allocation_id": run.alloc})))
+    return GpuHandedOver(done)
+
 
 
 @dataclass(frozen=True)
@@ -494,7 +501,7 @@ async def quarantine_failed_component(run: ReleaseRun, failure: PipelineFailed) 
             kind, identity = ComponentKind.fabric_vf, lease.fabric_vf_pci_address
     evidence = {"failed_step": failure.failed_step, "code": failure.code, "evidence": failure.evidence}
     await quarantine_component(run.store, kind, identity, reason, evidence, run.task_id,
-                               slot_index=run.slot.slot_index)
+                               slot_index=lease.slot_index)
 
 
 def released_before(store, task_id: str) -> bool:

@@ -152,9 +152,9 @@ def test_unquarantine_reruns_the_failed_check_and_refuses_while_it_fails(nats_se
             assert back.status == ResultStatus.succeeded, back.error
             assert back.output["recheck"]["evidence"]["aer"]["fatal"] == 0
 
-            # A GPU whose reset failed: no re-check wired on this agent, it stays out.
+            # A GPU with a fatal XID: no re-check wired on this agent, it stays out.
             reset = report.candidate_slots[5].gpu_pci_address
-            await quarantine_component(h.store, "gpu", reset, "gpu_reset_failed", {"code": "gpu_reset_failed"}, "task-r")
+            await quarantine_component(h.store, "gpu", reset, "gpu_xid", {"xid": 79}, "task-r")
             unwired = await unquarantine(h, "gpu", reset)
             assert unwired.error.code == "recheck_unavailable"
             # A disk whose wipe did not verify: its re-check reads the slot's latest proof, and there is none

@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 from gpuaas_agent.config import SliceConfig
+from gpuaas_agent.contract.gpuhandover import handover_meta_key
 from gpuaas_agent.contract.handover import GpuHandoverPolicy, LeaseHandover
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
@@ -29,6 +30,7 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
+from gpuaas_agent.tasks.recheck import RecheckContext, recheck_gpu_handover
 from gpuaas_agent.tasks.release import RELEASE_STEPS, Found, ReleaseRun, gpu_handover, release
 from lab.loophost import materialize
 from tests.conftest import fixture_host
@@ -111,6 +113,15 @@ def test_a_failed_handover_leaves_the_slot_cleanup_blocked_and_a_retry_that_succ
         assert "wipe" not in steps and "lease_release" not in steps
         with open(disk, "rb") as fh:
             assert fh.read(11) == b"tenant data"  # nothing after the failed step ran
+        # The GPU itself is quarantined with the failure's evidence: plan and discovery never offer it again
+        # until slice.unquarantine's re-check sees a later handover of it pass.
+        [quarantined] = store.quarantined()
+        assert (quarantined.kind.value, quarantined.identity, quarantined.slot_index) == ("gpu", GPU, 0)
+        assert quarantined.reason.value == ("gpu_memory_clear_failed" if case == "memory_clear_flag_never_set"
+                                            else "gpu_reset_failed")
+        assert quarantined.evidence["code"] == FAILURES[case]
+        verdict = asyncio.run(recheck_gpu_handover(RecheckContext(host_root=gpu_host.root, store=store), quarantined))
+        assert not verdict.passed and "still holds" in verdict.detail
 
         # The next release of the slot hands the GPU over, wipes the disk and frees the slot.
         ctx = task_ctx(store, "t-release-2")
@@ -124,6 +135,11 @@ def test_a_failed_handover_leaves_the_slot_cleanup_blocked_and_a_retry_that_succ
         assert store.leases() == [] and store.slot_state(0) is None
         done = [e.step for e in store.journal_of("t-release-2") if e.status is StepStatus.succeeded]
         assert done.index("gpu_handover") < done.index("wipe")
+        # Slot freed, GPU still out until an operator asks; the re-check now passes (a handover passed since).
+        assert [r.identity for r in store.quarantined()] == [GPU]
+        verdict = asyncio.run(recheck_gpu_handover(RecheckContext(host_root=gpu_host.root, store=store),
+                                                   store.quarantined()[0]))
+        assert verdict.passed and verdict.evidence["last_passed"]["task_id"] == "t-release-2"
     finally:
         store.close()
 
@@ -132,7 +148,9 @@ def _run(root, tmp_path, prepared, lease: SlotLease | None, domain: dict | None 
     sh = _drivers(root, tmp_path, prepared, "success")
     payload = VmReleasePayload(allocation_id=lease.allocation_id if lease else str(uuid.uuid4()),
                                slot=approved_slot_of_host(type("H", (), {"root": root}), 0))
-    run = ReleaseRun(sh=sh, payload=payload, task_id="t", ctx=None, holders=(lease,) if lease else (), record=None)
+    store = StateStore.open(tmp_path / f"state-{uuid.uuid4().hex[:8]}.db")
+    run = ReleaseRun(sh=sh, payload=payload, task_id="t", ctx=task_ctx(store, "t"), holders=(lease,) if lease else (),
+                     record=None)
     found = Found(domain=domain, ports=[], reservations=[], lease=[], slot_record=None)
 
     async def go():
@@ -141,7 +159,14 @@ def _run(root, tmp_path, prepared, lease: SlotLease | None, domain: dict | None 
         finally:
             await sh.close()
 
-    return asyncio.run(go()), sh.gpu_tool
+    try:
+        done = asyncio.run(go())
+        if done.proof is not None:  # a handover that passed is remembered per device (unquarantine reads it)
+            assert store.meta(handover_meta_key(lease.gpu_pci_address)) is not None
+            assert store.meta(handover_meta_key(lease.fabric_vf_pci_address)) is not None
+        return done, sh.gpu_tool
+    finally:
+        store.close()
 
 
 def test_the_leases_policy_decides_and_a_profile_without_gpus_skips(gpu_host, tmp_path, prepared_host):
