@@ -419,6 +419,7 @@ class ErrorCode(StrEnum):
     PIPELINE_FAILED = "pipeline_failed", "tasks", "A pipeline step failed; evidence names the step and its cause."
     CANCELLED = "cancelled", "tasks", "The task was cancelled; nothing more ran."
     RELEASE_REFUSED = "release_refused", "tasks", "Release was refused; read the evidence."
+    FIRMWARE_CHANGED = "firmware_changed", "tasks", "A slot device's firmware changed during the tenancy; the slot is quarantined until it reads its recorded or a baseline version."
     POWER_REFUSED = "power_refused", "tasks", "The power operation was refused; read the evidence."
     DOMAIN_MISSING = "domain_missing", "tasks", "The slot's domain does not exist; reconcile the slot."
     DOMAIN_NOT_OURS = "domain_not_ours", "tasks", "The domain does not belong to this slot; it is never touched."

@@ -20,6 +20,7 @@ from typing import Annotated
 from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
+from gpuaas_agent.contract.firmware import FirmwareComponent
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 
 ProfileName = Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")]
@@ -74,3 +75,6 @@ class LeaseHandover(WireModel):
     gpu: GpuHandoverPolicy | None = None
     fixed_at: float
     origin: HandoverOrigin = HandoverOrigin.validate
+    # The firmware of every device the tenant could reach (GPU, VF and its PF, the disk's controller) before
+    # the tenancy: the release reads it again and a change quarantines the slot. None: not read (old lease).
+    firmware: list[FirmwareComponent] | None = None

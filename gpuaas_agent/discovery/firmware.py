@@ -155,7 +155,7 @@ def _rule_for(component: FirmwareComponent, rules: Sequence[FirmwareBaselineRule
 
 def judge_firmware(inventory: FirmwareInventory, rules: Sequence[FirmwareBaselineRule]) -> list[Finding]:
     """``firmware_drift`` for each component outside its baseline; ``firmware_unreadable`` where a rule applies
-    but the version could not be read (not a PASS: DESIGN §4.7)."""
+    but the version could not be read (not a PASS: docs/safety.md §7)."""
     findings = []
     for component in inventory.components:
         rule = _rule_for(component, rules)

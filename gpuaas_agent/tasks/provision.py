@@ -65,6 +65,7 @@ from gpuaas_agent.tasks.admission import (
 )
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.firmware_check import slot_firmware
 from gpuaas_agent.tasks.isolation import isolate_port
 from gpuaas_agent.tasks.maintenance import check_not_in_maintenance
 from gpuaas_agent.tasks.pipeline import (
@@ -357,6 +358,9 @@ async def validate(run: ProvisionRun) -> Validated:
                                                         nvme_device=s.nvme_device, disk_identity=p.disk_identity))
                  for s, p in zip(slots, plan.slots)]
     preconditions = {**preconditions, "wipe_policy": [evidence for _, evidence in handovers]}
+    # What the tenant could reflash through passthrough, as it is now: the release compares it again.
+    handovers = [(handover.model_copy(update={"firmware": slot_firmware(report, s)}), evidence)
+                 for s, (handover, evidence) in zip(slots, handovers)]
     wanted = [SlotLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
                         gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
                         disk_identity=p.disk_identity,

@@ -8,9 +8,10 @@ returns it). Each function reads only; none changes the component.
 Wired here: ``gpu_aer_fatal`` (sysfs AER counters, ``discovery/aer.py``), ``smart_failing``
 (``nvme smart-log``, ``host/smart.py``), ``wipe_unverified`` (the slot's latest wipe proof, written by
 a release retried since, covers every byte and no lease holds the disk), ``gpu_reset_failed`` /
-``gpu_memory_clear_failed`` (a release's GPU handover of that device passed since) and ``operator``.
-Not wired yet: ``gpu_xid`` and ``firmware_changed`` (the firmware inventory) -- each adds ``RECHECKS[reason] = its_recheck`` with
-the :data:`Recheck` signature.
+``gpu_memory_clear_failed`` (a release's GPU handover of that device passed since),
+``firmware_changed`` (the changed components read their recorded or a baseline version again) and
+``operator``. Not wired yet: ``gpu_xid`` (answered ``recheck_unavailable``); a new reason adds
+``RECHECKS[reason] = its_recheck`` with the :data:`Recheck` signature.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuaas_agent.contract.firmware import FirmwareChange
 from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason, QuarantineRecord, RecheckVerdict
 from gpuaas_agent.contract.gpuhandover import handover_meta_key
 from gpuaas_agent.discovery.aer import aer_counts, function_present
@@ -31,6 +33,7 @@ from gpuaas_agent.host.run import run
 from gpuaas_agent.host.smart import Runner, judge_smart, read_smart_log
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks.firmware_check import firmware_restored
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,20 @@ async def recheck_gpu_handover(ctx: RecheckContext, record: QuarantineRecord) ->
                           detail=f"{record.identity} was reset, cleared and restored by task {passed.get('task_id')}")
 
 
+async def recheck_firmware(ctx: RecheckContext, record: QuarantineRecord) -> RecheckVerdict:
+    """A slot whose devices' firmware changed during a tenancy: each changed component reads its version from
+    before the tenancy again, or one the site's baseline allows. Reads sysfs only."""
+    changes = [FirmwareChange.model_validate(c) for c in (record.evidence.get("evidence") or {}).get("changes", [])]
+    if not changes:
+        return RecheckVerdict(check="firmware", passed=False, detail="the quarantine names no firmware change to re-read")
+    baseline = tuple(ctx.drivers.slice.firmware_baseline) if ctx.drivers is not None else ()
+    passed, detail = await asyncio.to_thread(firmware_restored, HostRoot.open(ctx.host_root), changes, baseline)
+    return RecheckVerdict(check="firmware", passed=passed, detail=detail,
+                          evidence={"changes": [c.model_dump(mode="json") for c in changes]})
+
+
 RECHECKS: dict[QuarantineReason, Recheck] = {
+    QuarantineReason.firmware_changed: recheck_firmware,
     QuarantineReason.wipe_unverified: recheck_wipe,
     QuarantineReason.gpu_reset_failed: recheck_gpu_handover,
     QuarantineReason.gpu_memory_clear_failed: recheck_gpu_handover,

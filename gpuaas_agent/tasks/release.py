@@ -50,6 +50,7 @@ from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.firmware_check import check_slot_firmware
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
 from gpuaas_agent.tasks.quarantine import quarantine_component
 
@@ -242,6 +243,24 @@ async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
 
 
 @dataclass(frozen=True)
+class FirmwareChecked:
+    """The slot's devices' firmware compared with what the lease recorded before the tenancy."""
+
+    result: dict[str, Any]
+
+    def journal(self) -> dict[str, Any]:
+        return self.result
+
+
+async def firmware_check(run: ReleaseRun) -> FirmwareChecked:
+    """After the GPU handover: a device whose firmware changed during the tenancy fails the release
+    (``firmware_changed``): the slot stays cleanup_blocked and is quarantined, never offered silently."""
+    if not run.holders:
+        return FirmwareChecked({"skipped": "this host holds no lease of this allocation on the slot"})
+    return FirmwareChecked(await check_slot_firmware(run.sh.discovered_root(), run.holders[0]))
+
+
+@dataclass(frozen=True)
 class Unplugged:
     """The allocation's port gone from the bridge, with its isolation teardown (flows by cookie, nft element)."""
 
@@ -403,6 +422,7 @@ RELEASE_STEPS: tuple[StepDef[ReleaseRun], ...] = (
     StepDef("fabric_partition_release", fabric_partition_release, no_compensation=_TEARDOWN),
     StepDef("gpu_handover", gpu_handover, takes=("find",),
             no_compensation="a reset is not undone; a failed or interrupted one leaves the slot cleanup_blocked"),
+    StepDef("firmware_check", firmware_check, no_compensation="a read; a change leaves the slot cleanup_blocked"),
     StepDef("ovs_unplug", ovs_unplug, no_compensation=_TEARDOWN),
     StepDef("reservation_remove", reservation_remove, no_compensation=_TEARDOWN),
     StepDef("seed_remove", seed_remove, no_compensation=_TEARDOWN),
@@ -465,6 +485,7 @@ async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
         "cleanup_proof": {
             "domain": {"shutdown": outputs["shutdown"], "undefine": outputs["undefine"]},
             "gpu_handover": outputs["gpu_handover"],
+            "firmware": outputs["firmware_check"],
             "ovs_port": outputs["ovs_unplug"],
             "reservation": outputs["reservation_remove"],
             "seed": outputs["seed_remove"],
@@ -482,6 +503,7 @@ _QUARANTINE_ON = {
     ("gpu_handover", "gpu_config_space_not_restored"): (ComponentKind.gpu, QuarantineReason.gpu_reset_failed),
     ("gpu_handover", "gpu_settings_not_restored"): (ComponentKind.gpu, QuarantineReason.gpu_reset_failed),
     ("gpu_handover", "gpu_memory_clear_unverified"): (ComponentKind.gpu, QuarantineReason.gpu_memory_clear_failed),
+    ("firmware_check", "firmware_changed"): (ComponentKind.slot, QuarantineReason.firmware_changed),
 }
 
 
@@ -494,7 +516,7 @@ async def quarantine_failed_component(run: ReleaseRun, failure: PipelineFailed) 
         return
     kind, reason = wanted
     lease = run.holders[0]
-    identity = lease.disk_identity
+    identity = str(lease.slot_index) if kind is ComponentKind.slot else lease.disk_identity
     if kind is ComponentKind.gpu:
         identity = lease.gpu_pci_address
         if (failure.evidence or {}).get("address") == lease.fabric_vf_pci_address:

@@ -23,14 +23,16 @@ from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.tasks import VmReleasePayload
+from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.guards.disk import read_disk_identity
 from gpuaas_agent.host.images import ImageCache
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.firmware_check import slot_firmware
 from gpuaas_agent.tasks.pipeline import PipelineFailed
-from gpuaas_agent.tasks.recheck import RecheckContext, recheck_gpu_handover
+from gpuaas_agent.tasks.recheck import RecheckContext, recheck_firmware, recheck_gpu_handover
 from gpuaas_agent.tasks.release import RELEASE_STEPS, Found, ReleaseRun, gpu_handover, release
 from lab.loophost import materialize
 from tests.conftest import fixture_host
@@ -201,3 +203,47 @@ def test_a_legacy_lease_skips_a_gpu_that_was_never_passed_through(gpu_host, tmp_
     finally:
         driver.unlink()
         driver.symlink_to(target)
+
+
+def test_firmware_changed_during_the_tenancy_blocks_and_quarantines_the_slot_until_it_reads_as_before(
+        gpu_host, tmp_path, prepared_host):
+    slot = approved_slot_of_host(gpu_host, 0, ovs_bridge=prepared_host.bridge)
+    report = discover(HostRoot.open(gpu_host.root))
+    recorded = slot_firmware(report, slot)
+    nvme = next(c for c in recorded if c.kind == "nvme_fw")
+    assert nvme.version == "E2MU200"
+    alloc = str(uuid.uuid4())
+    store = StateStore.open(tmp_path / "state.db")
+    handover = LeaseHandover(profile="h200_1g_24c_64g", wipe=WipePolicy(), zeros_guaranteed=True,
+                             gpu=GpuHandoverPolicy(), fixed_at=time.time(), firmware=recorded)
+    store.take_lease(_lease(gpu_host.root, slot, alloc, handover))
+    rev = (gpu_host.root / nvme.source.lstrip("/")).resolve()
+    original = rev.read_text()
+    payload = VmReleasePayload(allocation_id=alloc, slot=slot, graceful_timeout_s=1)
+
+    async def released(sh, ctx):
+        try:
+            return await release(sh, payload, ctx)
+        finally:
+            await sh.close()
+
+    try:
+        rev.write_text("E2MU999\n")  # the tenant reflashed the slot's disk controller
+        ctx = task_ctx(store, "t-release-fw")
+        with pytest.raises(PipelineFailed) as failed:
+            asyncio.run(released(_drivers(gpu_host.root, tmp_path, prepared_host, "success"), ctx))
+        assert (failed.value.failed_step, failed.value.code) == ("firmware_check", "firmware_changed")
+        assert "E2MU200 -> E2MU999" in failed.value.message
+        assert store.slot_state(0).status is SlotStatus.cleanup_blocked
+        assert [lease.allocation_id for lease in store.leases()] == [alloc]
+        [quarantined] = store.quarantined()
+        assert (quarantined.kind.value, quarantined.identity, quarantined.reason.value) == ("slot", "0",
+                                                                                           "firmware_changed")
+        check = RecheckContext(host_root=gpu_host.root, store=store)
+        verdict = asyncio.run(recheck_firmware(check, quarantined))
+        assert not verdict.passed and "E2MU999" in verdict.detail
+        rev.write_text(original)  # reflashed back by the operator
+        assert asyncio.run(recheck_firmware(check, quarantined)).passed
+    finally:
+        rev.write_text(original)
+        store.close()
