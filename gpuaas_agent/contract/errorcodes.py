@@ -405,6 +405,7 @@ class ErrorCode(StrEnum):
     DOMAIN_LEASE_MISMATCH = "domain_lease_mismatch", "tasks", "The domain does not match the slot's lease; investigate before acting."
     NOT_THIS_ALLOCATION = "not_this_allocation", "tasks", "The slot is held by another allocation; fix the task."
     SLOT_NOT_ACTIVE = "slot_not_active", "tasks", "The slot is not active; provision it first."
+    SUPERSEDED = "superseded", "tasks", "A newer slice.vm_power request of the same slot took this one's place, or the same operation already runs (evidence: superseded_by); nothing was done by this task."
 
     RELEASE_INTERRUPTED = "release_interrupted", "tasks", "A release was interrupted (agent killed) and its redelivery came after its deadline; the slot is cleanup_blocked: send a new release."
 
