@@ -36,6 +36,7 @@ from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle, parse_domain_d
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.boot_recovery import recover_slot
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.power import PowerRefused, power
@@ -571,3 +572,23 @@ def test_power_of_a_two_slot_slice_whose_data_slot_is_releasing_is_refused(activ
     s.store.set_slot_state(s.store.slot_state(1).model_copy(update={"status": SlotStatus.releasing}))
     refused = _refusal(s, test_driver, "start", "slot_not_active")
     assert refused.evidence["slot_index"] == 1 and refused.evidence["host_status"] == "releasing"
+
+
+def test_boot_recovery_restarts_a_two_slot_slice_with_every_slot_guarded(active_set, test_driver):
+    """The same start plan serves boot recovery: a 2-slot slice shut off by a host reboot starts again, its data
+    disk guarded under its own lease."""
+    s = active_set
+    (data,) = s.data_leases
+    test_driver.lookupByName(s.name).destroy()
+
+    async def go():
+        s.sh.libvirt = LibvirtLifecycle(URI)
+        try:
+            domain = await s.sh.libvirt.lookup(s.name)
+            return await recover_slot(s.sh, s.lease, s.store.slot_state(0), domain, data_slots=(data,))
+        finally:
+            await s.sh.libvirt.close()
+
+    rec = asyncio.run(go())
+    assert rec.outcome == "restarted", [f.model_dump(mode="json") for f in rec.findings]
+    assert s.state(test_driver) is DomainState.running
