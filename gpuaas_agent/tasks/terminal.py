@@ -404,7 +404,8 @@ class TerminalRelay:
         return len(lives) + len(connecting)
 
     async def close_all(self, reason: CloseReason) -> int:
-        """Close every live session (agent shutdown); returns how many."""
+        """Close every live session (agent shutdown); returns how many. Sessions still connecting never open."""
+        self._revoked.update(self._opening)
         lives = list(self.sessions.values())
         await asyncio.gather(*(lv.session.close(reason) for lv in lives), return_exceptions=True)
         return len(lives)
