@@ -255,9 +255,9 @@ class TerminalRelay:
                 # Registered under the slot lock, after a second admission: a release that ran while this
                 # connected (or closed it while connecting) wins, and no session opens into its slot.
                 if payload.session_id in self._revoked:
-                    raise SessionClosed(f"terminal session {payload.session_id} was closed while connecting: its "
-                                        f"slot is being released", evidence={"session_id": payload.session_id,
-                                                                             "reason": "allocation_inactive"})
+                    raise SessionClosed(f"terminal session {payload.session_id} was closed while connecting (a release "
+                                        f"of slot {payload.slot_index}, or the agent's shutdown): no terminal opened",
+                                        evidence={"session_id": payload.session_id, "slot_index": payload.slot_index})
                 await self._admit_slot(store, payload)
                 now = time.time()
                 audit = TerminalAudit(
