@@ -61,6 +61,10 @@ class PowerLine:
         return {"running": slot.running.task_id if slot and slot.running else None,
                 "waiting": slot.waiting.task_id if slot and slot.waiting else None}
 
+    def count(self) -> int:
+        """Power tasks in the line on every slot, running and waiting (the agent's status: 0 when idle)."""
+        return sum((slot.running is not None) + (slot.waiting is not None) for slot in self._slots.values())
+
     @contextlib.asynccontextmanager
     async def turn(self, slot_index: int, task_id: str, operation: str) -> AsyncIterator[None]:
         """Hold the slot's power turn for the body; raises :class:`PowerSuperseded` when a newer request wins."""

@@ -29,7 +29,7 @@ def test_the_newest_request_waits_and_earlier_waiters_are_superseded():
         waiters = [asyncio.create_task(_hold(line, 0, f"t{i}", op, release, ran))
                    for i, op in ((2, "stop"), (3, "start"), (4, "reset"))]
         await _settle()
-        assert line.tasks_of(0) == {"running": "t1", "waiting": "t4"}
+        assert line.tasks_of(0) == {"running": "t1", "waiting": "t4"} and line.count() == 2
         for task, by in zip(waiters[:2], ("t3", "t4")):
             with pytest.raises(PowerSuperseded) as info:
                 await task
@@ -40,7 +40,7 @@ def test_the_newest_request_waits_and_earlier_waiters_are_superseded():
         release.set()
         assert await running == "t1" and await waiters[2] == "t4" and await other == "u1"
         assert ran == ["t1", "u1", "t4"]
-        assert line.tasks_of(0) == line.tasks_of(1) == {"running": None, "waiting": None}
+        assert line.tasks_of(0) == line.tasks_of(1) == {"running": None, "waiting": None} and line.count() == 0
 
     asyncio.run(scenario())
 
