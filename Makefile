@@ -1,11 +1,14 @@
 # Thin wrappers: the scripts are the source of truth (they also run where make is absent).
-.PHONY: lab test bench fixtures clean deb
+.PHONY: lab test test-fast bench fixtures clean deb
 
 lab:
 	bash scripts/lab.sh
 
 test:
 	bash scripts/test.sh
+
+test-fast:
+	bash scripts/test-fast.sh
 
 bench:
 	bash scripts/setup.sh && .venv/bin/python bench/bench_discovery.py

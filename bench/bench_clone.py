@@ -1,4 +1,4 @@
-"""Clone speed as ratios against ``dd bs=4M oflag=direct`` measured in the same run (DESIGN.md §7).
+"""Clone speed as ratios against ``dd bs=4M oflag=direct`` measured in the same run (docs/performance.md).
 
 Target: a loop device (``--direct-io=on``) over a sparse file on this machine's
 disk, behind a ``/dev/disk/by-id/gpuaas-test-*`` link, so the agent's real

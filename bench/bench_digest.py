@@ -4,7 +4,7 @@ All three hash the same file (1 GiB of random bytes by default) from a warm page
 cache, so the numbers compare hashing, not the disk. Also timed: a whole
 ``ImageCache.fetch`` from ``file://`` (hash + copy into the cache + fsync +
 ``qemu-img info``), which is what a cache miss costs; a hit costs no hashing.
-Goal (DESIGN.md §7): cache hashing >= 0.9x sha256sum. Prints medians and
+Goal (docs/performance.md): cache hashing >= 0.9x sha256sum. Prints medians and
 throughput ratios (>1 means the cache is faster); never asserts a time.
 """
 

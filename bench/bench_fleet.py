@@ -14,7 +14,7 @@ one task per node published at restart is claimed). "Claim" is the handler start
 
 ``--servers 3``: a JetStream cluster of three servers on loopback (routes on 127.0.0.1 ports, one
 store dir each, each stopped by its PID); ``--replicas 3`` makes the task and result streams R3,
-``--consumer-memory`` the node consumers R1 + memory (README "Fleet layout"). Then it also reports
+``--consumer-memory`` the node consumers R1 + memory (docs/performance.md "Fleet layout"). Then it also reports
 the Raft groups (``/jsz?raft=1``, each asset at its leader), leader elections (the servers' logs)
 and each member's ``/healthz?js-enabled-only=true`` and ``/healthz``; the restart stops every member
 (``--restart-one``: only the first). The burst's CPU is split: servers, the simulated nodes' event

@@ -1,4 +1,4 @@
-"""The idle daemon's footprint (DESIGN.md §7: < 50 MiB RSS, < 0.1 CPU-s per minute, a few messages a minute).
+"""The idle daemon's footprint (docs/performance.md: < 50 MiB RSS, < 0.1 CPU-s per minute, a few messages a minute).
 
 Starts what a host runs: a real ``nats-server -js``, a control plane that enrolls the node,
 then ``python -m gpuaas_agent run`` with the production intervals (heartbeat 15 s, health

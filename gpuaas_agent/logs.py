@@ -15,7 +15,7 @@ into what its reader needs:
   line (what tests and log shippers parse), with the sentence as ``msg``.
 
 ``systemd.journal.send`` drops messages silently when journald is absent
-(DESIGN.md §5): the journal is chosen only when its socket accepts a connect,
+(docs/testing.md): the journal is chosen only when its socket accepts a connect,
 and a send that raises falls back to stderr instead of losing the line.
 """
 

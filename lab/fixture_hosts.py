@@ -181,7 +181,7 @@ def link_hosts(names: tuple[str, ...] | None = None) -> dict[str, Path]:
         elif link.exists():
             raise FileExistsError(
                 f"{link} is a directory left from when fixtures were trees: remove it (hosts are materialised "
-                f"under {cache_dir()}; a new recording goes in as {name}{ARCHIVE_SUFFIX}, see the README)"
+                f"under {cache_dir()}; a new recording goes in as {name}{ARCHIVE_SUFFIX}, see docs/testing.md)"
             )
         tmp = link.with_name(f".{name}.link-{os.getpid()}")
         tmp.unlink(missing_ok=True)

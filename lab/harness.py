@@ -86,6 +86,9 @@ class LabSettings:
     # default state dir, seed-ISO dir and terminal relay key (made by its prepare-host, not by the lab).
     agent_binary: Path = AGENT
     use_package_paths: bool = False
+    # The config the user-data installed (/etc/gpuaas-agent/agent.toml): when set, the node runs with it as
+    # written, [slice] and all; the lab adds only top-level keys of its recorded host (host_root, timers).
+    installed_config: Path | None = None
 
 
 @dataclass
@@ -266,14 +269,45 @@ class Lab:
         self.tenant_key = (keys / "tenant.pub").read_text().strip()
         self.tenant_key_file = keys / "tenant"
 
-    def _write_config(self) -> None:
+    def slice_settings(self) -> dict:
+        """The lab's ``[slice]`` table: its bridge, ovsdb, dnsmasq files, libvirt, image dir, lab switches.
+
+        In package mode the seed dir and relay key are left to the package's defaults (prepare-host made them).
+        """
         d = self.work / "dnsmasq"
+        table = {
+            "subnet": str(self.settings.subnet),
+            "gateway": self.gateway,
+            "ovs_bridge": self.bridge,
+            "ovsdb_remote": self.ovs_remote,
+            "libvirt_uri": "qemu:///system",
+            "dnsmasq_hosts_file": str(d / "hosts"),
+            "dnsmasq_lease_file": str(d / "leases"),
+            "dnsmasq_pid_file": str(d / "dnsmasq.pid"),
+            "seed_dir": str(self.work / "seeds"),
+            "console_log_dir": str(self.work / "console"),
+            "image_cache_dir": str(self.work / "images"),
+            "image_file_dir": str(self.image_path.parent),
+            "terminal_relay_key_file": str(self.work / "keys/relay.pub"),
+            "nameservers": [self.gateway],
+            "readiness_timeout_s": self.settings.readiness_timeout_s,
+            "allow_emulated_domains": True,
+            "readiness_egress_target": {"ip": self.upstream.peer_ip, "port": self.upstream.port},
+            "readiness_egress_timeout_s": 30,
+        }
+        if self.settings.use_package_paths:
+            for key in ("seed_dir", "terminal_relay_key_file"):
+                del table[key]
+        return table
+
+    def _write_config(self) -> None:
         state = self.work / "state"
         seeds = self.work / "seeds"
         if not self.settings.use_package_paths:
             state.mkdir(mode=0o700, exist_ok=True)
             seeds.mkdir(exist_ok=True)
             seeds.chmod(0o755)
+            (self.work / "console").mkdir(mode=0o700, exist_ok=True)  # prepare-host's job on a real host
         config = {
             "state_dir": str(state),
             "host_root": str(self.host.root),
@@ -284,32 +318,19 @@ class Lab:
             "reconcile_interval_s": 120.0,
             "health_network_live": True,  # recorded hardware, real slice network: the checks read it live
             "shutdown_grace_s": 30.0,
-            "slice": {
-                "subnet": str(self.settings.subnet),
-                "gateway": self.gateway,
-                "ovs_bridge": self.bridge,
-                "ovsdb_remote": self.ovs_remote,
-                "libvirt_uri": "qemu:///system",
-                "dnsmasq_hosts_file": str(d / "hosts"),
-                "dnsmasq_lease_file": str(d / "leases"),
-                "dnsmasq_pid_file": str(d / "dnsmasq.pid"),
-                "seed_dir": str(seeds),
-                "image_cache_dir": str(self.work / "images"),
-                "image_file_dir": str(self.image_path.parent),
-                "terminal_relay_key_file": str(self.work / "keys/relay.pub"),
-                "nameservers": [self.gateway],
-                "readiness_timeout_s": self.settings.readiness_timeout_s,
-                "allow_emulated_domains": True,
-                "readiness_egress_target": {"ip": self.upstream.peer_ip, "port": self.upstream.port},
-                "readiness_egress_timeout_s": 30,
-            },
+            "slice": self.slice_settings(),
         }
         if self.settings.use_package_paths:
             # Left to the agent's defaults, which are the package's: prepare-host made them.
             for key in ("state_dir", "token_file"):
                 del config[key]
-            for key in ("seed_dir", "terminal_relay_key_file"):
-                del config["slice"][key]
+        if self.settings.installed_config is not None:
+            from gpuaas_agent.compat import tomllib
+
+            installed = tomllib.loads(self.settings.installed_config.read_text())
+            lab_only = {k: config[k] for k in ("host_root", "heartbeat_interval_s", "reconcile_interval_s",
+                                               "health_network_live", "shutdown_grace_s")}
+            config = {**installed, **lab_only}  # [slice], nats_url, token_file: as cloud-init wrote them
         self.config_path = self.work / "agent.json"
         self.config_path.write_text(json.dumps(config, indent=2) + "\n")
 

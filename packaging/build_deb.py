@@ -47,6 +47,9 @@ DOC = "/usr/share/doc/gpuaas-agent"
 SYSTEM_PYTHON = "/usr/bin/python3"
 DEFAULT_WHEEL_CACHE = Path("/var/cache/gpuaas-agent-ci/pypi-wheels")
 UNITS = ("gpuaas-agent.service", "gpuaas-slice-network-baseline.service")
+# Alert rules (with their promtool tests) and the Grafana dashboard, as monitoring mixins ship (docs/alerts.md).
+MONITORING = ("gpuaas-agent-alerts.yml", "gpuaas-agent-alerts.test.yml", "gpuaas-agent-dashboard.json")
+MONITORING_DIR = "/usr/share/gpuaas-agent/monitoring"
 # The ABIs the package ships binary wheels for (Ubuntu 22.04: 3.10, Debian 12: 3.11, Ubuntu 24.04: 3.12).
 ABIS = ("3.10", "3.11", "3.12")
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
@@ -210,6 +213,8 @@ def _lay_out(root: Path, version: str, agent_wheel: Path, wheels: list[Path], ch
     for unit in UNITS:
         _install(REPO / "systemd" / unit, units / unit, 0o644)
     _install(PACKAGING / "agent.toml", root / "etc" / "gpuaas-agent" / "agent.toml", 0o644)
+    for name in MONITORING:
+        _install(PACKAGING / "monitoring" / name, root / MONITORING_DIR.lstrip("/") / name, 0o644)
     bin_dir = root / "usr" / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "gpuaas-agent").symlink_to(f"{PREFIX}/bin/gpuaas-agent")

@@ -4,12 +4,18 @@ Reach a fixture host with ``fixture_host(name)`` (re-exported here from
 ``lab/fixture_hosts.py``) or the session fixture ``fixture_hosts``; both
 return the root of the host materialised once (cached by content hash).
 Break a host only in a copy: ``host_copy(name)``.
+
+Every test is marked by what it needs (``pytest_collection_modifyitems`` below), so a developer
+can run the fast tier (``bash scripts/test-fast.sh``, docs/testing.md) in the minutes after an edit.
 """
 
 from __future__ import annotations
 
+import inspect
 import shutil
 import sys
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -78,3 +84,141 @@ def host_copy(tmp_path):
         return dest
 
     return _copy
+
+
+# --- Markers: what a test needs, read from its fixtures -----------------------------------------------------
+# A test is marked by the real components it starts, so a tier is a marker expression (docs/testing.md).
+# The needs are read, not declared: the directory, every fixture in the test's closure (by name), and the
+# names the test's own code and its module's fixtures and helpers call (``running_libvirtd(...)``,
+# ``Lab(...)``): a new test that starts a lab is out of the fast tier without anyone remembering to say so.
+# The markers are registered in pyproject.toml ([tool.pytest.ini_options] markers; --strict-markers is on).
+
+# What the fast tier leaves out: the lab, guests, deploy roots, the crash harness, clusters, and the tests that
+# start daemons in namespaces or whole agents (seconds each), plus the few measured slow ones. The rest (pure
+# code, one nats-server, one OVS, loop devices) runs in under 3 minutes on the 2-core machine (docs/testing.md).
+FAST_TIER_LEAVES_OUT = ("lab", "deploy", "crash", "fleet", "libvirtd", "netns", "agent", "slow")
+FAST_TIER = " and ".join(f"not {marker}" for marker in FAST_TIER_LEAVES_OUT)
+
+NEEDS_BY_DIRECTORY = {
+    "e2e": ("lab",),            # the lab-in-a-box over NATS: real TCG guests
+    "realvm": ("lab", "libvirtd"),  # real guests under a libvirtd started by hand
+    "crash": ("crash", "lab"),  # SIGKILL at every pipeline step of a one-slot lab
+    "deploy": ("deploy",),      # debootstrapped roots, the .deb installed, a systemd PID 1
+    "bench": ("fleet",),        # the fleet bench's nodes against a real server
+}
+
+# Fixture name -> what it starts (the fixtures of tests/conftest.py's plugins and the per-directory conftests).
+NEEDS_BY_FIXTURE = {
+    "lab": ("lab",), "crash_lab": ("lab",), "lab_guest_image": ("lab",),
+    "libvirtd": ("libvirtd",),
+    "clean_machine": ("deploy",),
+    "nats_cluster": ("fleet",),
+    "ovs_switch": ("ovs",), "ovs_switch_root_netns": ("ovs",),
+    "prepared_host": ("ovs", "netns"),
+    "net_lab": ("netns",), "dhcp_lab": ("netns",),
+    "realdev": ("loopdev",),
+    "nats_server": ("nats",),
+    "agents": ("agent",),
+}
+
+# What a test (or its module's fixtures and helpers) calls -> what it starts. Keys are the full names of
+# the objects the code refers to (a module, or a function or class in it); a key names everything under it.
+NEEDS_BY_CALL = {
+    "lab.harness": ("lab",),            # the lab-in-a-box
+    "lab.nvme_guest": ("lab",),         # a TCG guest with QEMU's NVMe controller
+    "lab.build_guest_image": ("lab",),  # the guest image, built from Debian packages
+    "tests.libvirtd_fixture.running_libvirtd": ("libvirtd",),
+    "tests.ovsdb_fixture.running_ovs": ("ovs",),
+    "tests.support.nats_cluster": ("fleet",),
+    "tests.support.nats_server.NatsServer": ("nats",),
+    "bench.protocol_node": ("fleet",),
+}
+
+
+
+# Every marker the hook below may set (tests/test_tiers.py reads a collection's markers through it).
+NEED_MARKERS = frozenset({need for table in (NEEDS_BY_DIRECTORY, NEEDS_BY_FIXTURE, NEEDS_BY_CALL)
+                          for needs in table.values() for need in needs} | {"slow"})
+
+
+def _slow_tests() -> frozenset[str]:
+    """tests/slow_tests.txt: ``<seconds>  <test id without parameters>`` per line, ``#`` comments."""
+    lines = (REPO / "tests" / "slow_tests.txt").read_text().splitlines()
+    return frozenset(line.split()[1] for line in lines if line.strip() and not line.startswith("#"))
+
+
+SLOW_TESTS = _slow_tests()
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _full_name(obj: object) -> str | None:
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    return f"{module}.{qualname}" if isinstance(module, str) and isinstance(qualname, str) else None
+
+
+def _called(fn: Callable, module: types.ModuleType, seen: set[int]) -> set[str]:
+    """Full names of the globals ``fn`` refers to, followed into the functions of its own module it calls."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or id(code) in seen:
+        return set()
+    seen.add(id(code))
+    names: set[str] = set()
+    for c in _code_objects(code):
+        names.update(c.co_names)
+    called: set[str] = set()
+    for name in names:
+        if name not in module.__dict__:
+            continue
+        target = inspect.unwrap(module.__dict__[name])
+        full = _full_name(target)
+        if full:
+            called.add(full)
+        if isinstance(target, types.FunctionType) and target.__module__ == module.__name__:
+            called |= _called(target, module, seen)
+    return called
+
+
+def _call_needs(full_name: str) -> tuple[str, ...]:
+    return tuple(need for key, needs in NEEDS_BY_CALL.items()
+                 if full_name == key or full_name.startswith(key + ".") for need in needs)
+
+
+def needs_of(item: pytest.Item) -> set[str]:
+    """The markers a collected test gets: its directory's, its fixtures', and those of what it calls."""
+    needs: set[str] = set()
+    rel = Path(str(item.path)).resolve().relative_to(REPO / "tests").parts
+    if len(rel) > 1:
+        needs.update(NEEDS_BY_DIRECTORY.get(rel[0], ()))
+    module = getattr(item, "module", None)
+    function = getattr(item, "function", None)
+    own = module.__dict__ if module is not None else {}
+    seen: set[int] = set()
+    calls: set[str] = set()
+    if module is not None and function is not None:
+        calls |= _called(function, module, seen)
+    for fixture in getattr(item, "fixturenames", ()):
+        defined_here = fixture in own and getattr(inspect.unwrap(own[fixture]), "__module__", None) == module.__name__
+        if defined_here:  # the test module's own fixture (it may reuse a shared fixture's name): read its code
+            calls |= _called(own[fixture], module, seen)
+        else:
+            needs.update(NEEDS_BY_FIXTURE.get(fixture, ()))
+    for name in calls:
+        needs.update(_call_needs(name))
+    if item.nodeid.split("[")[0] in SLOW_TESTS:
+        needs.add("slow")
+    return needs
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker in sorted(needs_of(item)):
+            item.add_marker(marker)

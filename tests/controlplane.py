@@ -6,7 +6,7 @@ uses (``gpuaas_agent.contract``), so a test exercises the wire, not a mock:
 * :meth:`ControlPlane.create_streams` — the task stream (``gpuaas.node.*.task.>``,
   work-queue retention) and the result stream (``gpuaas.node.*.result``, limits
   retention with a duplicate window so ``Nats-Msg-Id`` dedupes republished results).
-* :meth:`ControlPlane.create_task_partitions` — the fleet layout (README "Fleet layout"):
+* :meth:`ControlPlane.create_task_partitions` — the fleet layout (docs/performance.md "Fleet layout"):
   instead of one task stream for every node, streams of ``per_stream`` nodes each
   (``GPUAAS_TASKS_<k>``, one ``gpuaas.node.<node>.task.>`` subject per member). The
   agent finds its stream by subject, so nothing changes on the node.

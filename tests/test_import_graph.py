@@ -48,12 +48,14 @@ _PYROUTE2 = ("pyroute2 costs ~185 ms at import and only a read of the live host'
 _SEED_ISO = ("an idle daemon never builds a seed ISO: pycdlib and PyYAML stay out of its memory "
              "(tests/operator/test_idle_footprint.py, bench/bench_idle.py)")
 _NVML = "pynvml is the optional `nvml` extra: a host without an NVIDIA driver has none"
+_SUSHY = ("sushy and requests cost ~105 ms and ~6 MiB RSS at import (python -X importtime, 2-core CI host) and only "
+          "a host with a [bmc] table reads a BMC: an idle daemon without one never pays them")
 
 # "path:function" -> why its imports are deferred. Nothing else in the package imports inside a function.
 LAZY_IMPORTS: dict[str, str] = {
     **{f"gpuaas_agent/cli.py:{fn}": _CLI_COST
        for fn in ("_cmd_discover", "_cmd_parity", "_cmd_status", "_cmd_record_fixture", "_cmd_run", "_cmd_enroll",
-                  "_cmd_cloud_init", "_cmd_prepare_host", "_cmd_network_baseline")},
+                  "_cmd_cloud_init", "_cmd_prepare_host", "_cmd_network_baseline", "_cmd_maintenance")},
     "gpuaas_agent/discovery/netevidence.py:_netlink": _PYROUTE2,
     "gpuaas_agent/discovery/netevidence.py:_read_netlink": _PYROUTE2,
     "gpuaas_agent/host/egress.py:read_conntrack": _PYROUTE2,
@@ -63,6 +65,7 @@ LAZY_IMPORTS: dict[str, str] = {
     "gpuaas_agent/host/cloudinit.py:build_seed_iso": _SEED_ISO,
     "gpuaas_agent/discovery/nvml.py:enrich": _NVML,
     "gpuaas_agent/operator/nvml.py:_binding": _NVML,
+    "gpuaas_agent/operator/bmc.py:_redfish": _SUSHY,
 }
 
 

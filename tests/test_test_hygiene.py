@@ -57,6 +57,9 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     "contract/plan": ("the bundle plan a slice.plan task answers", ("tests/tasks/test_plan.py",)),
     "contract/runtime": ("runtime profiles", ("tests/guards/test_preconditions.py", "tests/host/test_domain_xml.py")),
     "contract/state": ("leases, slot records, journal rows", ("tests/state/test_store.py",)),
+    "contract/bmc": ("the BMC's per-GPU verdicts, judged and read in", ("tests/operator/test_bmc.py",)),
+    "contract/fabric": ("Fabric Manager partitions and their leases", ("tests/host/test_fabricmanager.py",
+                                                                        "tests/tasks/test_fabric_partitions.py")),
     "contract/storage": ("disk leases and cleanup proofs", ("tests/host/test_disks.py", "tests/guards/test_disk.py")),
     "contract/terminal": ("terminal frames and windows", ("tests/tasks/test_terminal.py",)),
     "contract/topology": ("the discovery report", ("tests/discovery/test_fixture_hosts.py", "tests/contract/test_slots.py")),
@@ -67,6 +70,7 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
                            ("tests/control/test_connect.py",)),
     "control/rotation": ("credential rotation, tested over the real transport it rotates",
                          ("tests/control/test_transport.py",)),
+    "operator/redfish": ("the sushy reader, run against a real Redfish server", ("tests/operator/test_bmc.py",)),
     # deploy
     "deploy/netbaseline": ("network-baseline, converged on a real OVS and netns", ("tests/deploy/test_baseline.py",)),
     "deploy/relaykey": ("the relay key, made by prepare-host and used by the terminal relay",

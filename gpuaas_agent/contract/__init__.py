@@ -1,1 +1,1 @@
-"""Pydantic models of everything on the wire (DESIGN.md §3). Imports nothing of ours."""
+"""Pydantic models of everything on the wire (docs/contract.md). Imports nothing of ours."""

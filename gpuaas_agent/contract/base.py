@@ -23,7 +23,7 @@ from gpuaas_agent.compat import Self
 
 # Bumped when a wire model changes shape; carried by every top-level message.
 SCHEMA_VERSION: Final = "gpuaas.agent/v1"
-# Compatible bump (issue 20): slice.vm_provision / slice.vm_release may carry ``slots`` (one allocation, N slots).
+# Compatible bump for multi-GPU slices: slice.vm_provision / slice.vm_release may carry ``slots`` (one allocation, N slots).
 # Every v1 message is a valid v1.1 message; an envelope may name either, the agent accepts both.
 SCHEMA_VERSION_MULTI_SLOT: Final = "gpuaas.agent/v1.1"
 # The same versions as types for the models' schema_version fields (a Literal takes literal strings only).

@@ -3,7 +3,7 @@
 A reservation carries its allocation and slot so it can be traced back to its
 owner after an agent restart (the hosts file line records both). A lease status
 is the evidence behind the safety rule "a VM is active only after its expected
-MAC holds the expected IP" (DESIGN.md §4.5).
+MAC holds the expected IP" (docs/safety.md §5).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class HostsFileJunk(WireModel):
 
 
 class GuestReadiness(WireModel):
-    """The proof that a guest is reachable (DESIGN.md §4.5): its lease, then the SSH banner on its address."""
+    """The proof that a guest is reachable (docs/safety.md §5): its lease, then the SSH banner on its address."""
 
     lease: LeaseStatus
     ssh_port: Annotated[int, Field(ge=1, le=65535)]

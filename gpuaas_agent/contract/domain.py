@@ -98,10 +98,10 @@ class DomainSpec(_SlotDomainNames, WireModel):
     firmware: OvmfFirmware
     # None: libvirt copies the VARS template to its own per-domain NVRAM path.
     nvram_path: AbsolutePath | None = None
-    # Where libvirt also writes the serial console (lab debugging); None: pty only.
+    # Where libvirt also writes the serial console (host/consolelog.py: slice.console_log reads it); None: pty only.
     serial_log_path: AbsolutePath | None = None
     agent_version: str = Field(min_length=1, max_length=64)
-    # Multi-GPU guests (issue 20): the first slot's BARs, and every further slot of the same allocation.
+    # Multi-GPU guests: the first slot's BARs, and every further slot of the same allocation.
     gpu_bars: list[PciBar] = Field(default_factory=list, max_length=6)
     fabric_vf_bars: list[PciBar] = Field(default_factory=list, max_length=6)
     extra_slots: list[GuestSlot] = Field(default_factory=list, max_length=15)
@@ -278,7 +278,7 @@ class ResetOutcome(WireModel):
 
 
 class VmStartEvidence(WireModel):
-    """Proof that a domain's start preconditions held (DESIGN.md §4.4); the lifecycle driver starts only with one."""
+    """Proof that a domain's start preconditions held (docs/safety.md §4); the lifecycle driver starts only with one."""
 
     domain_name: str
     domain_type: DomainType

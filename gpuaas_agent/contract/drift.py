@@ -4,7 +4,7 @@ A report is sent when a kernel event (a disk, PCI function or link appearing,
 vanishing or changing driver), the reconcile timer or a task made the agent
 look again and found the host no longer matches what it saw before. Subjects
 are stable identities (PCI address, ``/dev/disk/by-id`` path, allocation id);
-kernel names only ever appear as advisory detail (DESIGN.md §4.2).
+kernel names only ever appear as advisory detail (docs/safety.md §2).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class DriftKind(WireEnum):
     lease_without_domain = "lease_without_domain"
     driver_not_vfio = "driver_not_vfio"
     disk_not_wiped = "disk_not_wiped"
-    # port isolation (DESIGN.md §4.9): the flows and nft guard an active slot's reservation implies
+    # port isolation (docs/safety.md §9): the flows and nft guard an active slot's reservation implies
     flows_missing = "flows_missing"  # none of the port's OpenFlow rules is installed (e.g. vswitchd restarted)
     flows_altered = "flows_altered"  # some are, but rules are missing, extra or changed
     flows_orphan = "flows_orphan"  # rules under our cookie for a port that no longer exists
@@ -57,7 +57,7 @@ class DriftKind(WireEnum):
     # slice network watch (operator/netwatch.py): a check of the slice network changed verdict
     slice_network_degraded = "slice_network_degraded"  # subject: the check (slice_nat, dnsmasq, ...)
     slice_network_restored = "slice_network_restored"
-    # a held slot's devices vs. the live host (tasks/slot_topology.py, issue 17)
+    # a held slot's devices vs. the live host (tasks/slot_topology.py; reconcile and boot recovery)
     slot_device_missing = "slot_device_missing"  # the leased GPU/VF address or by-id disk is gone
     slot_device_moved = "slot_device_moved"  # by-id names another disk, other hostdevs, GPU on another NUMA node
     domain_shutoff = "domain_shutoff"  # an active slot's domain is shut off (info when the tenant stopped it)
@@ -66,6 +66,11 @@ class DriftKind(WireEnum):
     boot_restart_refused = "boot_restart_refused"  # the guarded start of an active slice refused after boot
     boot_restart_held = "boot_restart_held"  # not restarted by policy (on_host_boot) or the tenant's stop
     boot_restarted = "boot_restarted"  # restarted after the boot (info: what recovery did)
+    # NVIDIA Fabric Manager partitions of NVSwitch hosts (tasks/fabric_partitions.py)
+    fabric_partition_without_domain = "fabric_partition_without_domain"  # active, held, no running domain
+    fabric_partition_without_lease = "fabric_partition_without_lease"  # active, held by nothing of ours
+    fabric_partition_lost = "fabric_partition_lost"  # a running slice's partition is inactive (FM restarted)
+    fabric_manager_unavailable = "fabric_manager_unavailable"  # FM did not answer reconcile's partition list
 
 
 class DriftSeverity(WireEnum):

@@ -1,4 +1,4 @@
-"""Egress proof of a slice (issue 16 item 5): the guest reached a target beyond the host's NAT.
+"""Egress proof of a slice: the guest reached a target beyond the host's NAT.
 
 A slice whose ``MASQUERADE`` rule vanished (seed 004, 2026-04-24) still leases its
 address and answers SSH on the private bridge, so lease + banner say nothing about

@@ -47,11 +47,14 @@ ROOMS: dict[str, str] = {
     "host_images": "Host: image cache and disk clone",
     "host_vfio": "Host: VFIO binding and uevents",
     "host_wipe": "Host: disk wipe",
+    "host_gpu": "Host: GPU handover between tenants (guards/gpureset.py, host/gpuhandover.py)",
+    "host_fabric": "Host: NVIDIA Fabric Manager partitions of NVSwitch hosts (host/fabricmanager.py, tasks/fabric_partitions.py)",
     "tasks": "Tasks: plan, admission, provision, release, power",
     "deploy": "Deploy: prepare-host and the terminal relay key",
     "fixtures": "Fixtures: recorder and archives",
     "operator": "Operator: status and health",
     "terminal": "Terminal relay: slice.terminal_* sessions into a slice (SSH PTY relayed over NATS)",
+    "fleet": "Fleet operations: maintenance and drain, quarantined components (docs/maintenance.md)",
     "unsorted": "Not yet sorted into a room (pasted from --missing; move it)",
 }
 
@@ -220,6 +223,11 @@ class ErrorCode(StrEnum):
     DNSMASQ_NOT_RUNNING = "dnsmasq_not_running", "discovery", "No dnsmasq process runs; systemctl enable --now dnsmasq."
     DNSMASQ_UNPROVEN = "dnsmasq_unproven", "discovery", "There is no process table under the root, so a running dnsmasq cannot be proven."
     DNSMASQ_NOT_READING_HOSTS = "dnsmasq_not_reading_hosts", "discovery", "No running dnsmasq reads the agent's hosts file; add dhcp-hostsfile to its config."
+    PCI_ROM_UNREADABLE = "pci_rom_unreadable", "discovery", "A GPU's PCI expansion ROM could not be enabled or read (no ROM BAR, device busy, not root); its VBIOS is unproven."
+    FIRMWARE_DRIFT = "firmware_drift", "discovery", "A device runs firmware outside the site's baseline ([slice] firmware_baseline); update or roll it back, or widen the baseline."
+    FIRMWARE_UNREADABLE = "firmware_unreadable", "discovery", "The baseline judges a device whose firmware version cannot be read here; read it on the live host (driver bound) before trusting it."
+    DNSMASQ_CONFIG_READS_OTHER_HOSTS = "dnsmasq_config_reads_other_hosts", "discovery", "The recorded dnsmasq config reads another hosts file than the agent's; point dhcp-hostsfile at the agent's."
+    DNSMASQ_CONFIG_READS_NO_HOSTS = "dnsmasq_config_reads_no_hosts", "discovery", "The recorded dnsmasq config names no dhcp-hostsfile/dhcp-hostsdir; add the agent's hosts file."
     DNSMASQ_PID_FILE_MISMATCH = "dnsmasq_pid_file_mismatch", "discovery", "dnsmasq's pid file names a different process; fix the pid file setting."
     DNSMASQ_CONFIG_UNREADABLE = "dnsmasq_config_unreadable", "discovery", "A dnsmasq config file cannot be read; check permissions."
     DNSMASQ_CONF_UNREADABLE = "dnsmasq_conf_unreadable", "discovery", "A dnsmasq conf file of a running dnsmasq cannot be read; check permissions."
@@ -369,6 +377,18 @@ class ErrorCode(StrEnum):
     UEVENT_MONITOR_NOT_STARTED = "uevent_monitor_not_started", "host_vfio", "The uevent monitor was used before start (a bug); file it."
     NVME_CAPS_UNREADABLE = "nvme_caps_unreadable", "host_vfio", "NVMe capabilities cannot be read; check nvme-cli and the device."
 
+    # --- Host: GPU handover between tenants
+    GPU_HANDOVER_REFUSED = "gpu_handover_refused", "host_gpu", "A GPU handover was refused before anything was touched; read the evidence."
+    GPU_HELD_BY_DOMAIN = "gpu_held_by_domain", "host_gpu", "A defined libvirt domain names the GPU or VF; undefine it (or find who defined it) and retry the release."
+    GPU_RESET_PATH_MISSING = "gpu_reset_path_missing", "host_gpu", "The device offers no reset the agent may use (no sysfs reset_method, no bus reset, no FLR); check the kernel and the PCIe topology."
+    GPU_MEMORY_CLEAR_UNPROVABLE = "gpu_memory_clear_unprovable", "host_gpu", "Only an FLR is possible and the profile requires a memory clear, which is proven only after a bus reset; fix the topology or the profile."
+    GPU_HANDOVER_TOOL_MISSING = "gpu_handover_tool_missing", "host_gpu", "NVIDIA's nvidia_gpu_tools.py is not installed or configured; reinstall the package or set slice.gpu_admin_tool."
+    GPU_HANDOVER_FAILED = "gpu_handover_failed", "host_gpu", "Handing the GPU over failed; the slot stays cleanup_blocked, read the evidence."
+    GPU_RESET_FAILED = "gpu_reset_failed", "host_gpu", "The GPU or VF reset did not complete (or the device left vfio-pci); the slot stays cleanup_blocked, check the device and retry the release."
+    GPU_MEMORY_CLEAR_UNVERIFIED = "gpu_memory_clear_unverified", "host_gpu", "The firmware's memory scrub was not proven finished after the reset; the slot stays cleanup_blocked, retry the release or drain the GPU."
+    GPU_SETTINGS_NOT_RESTORED = "gpu_settings_not_restored", "host_gpu", "ECC/MIG/CC/PPCIe could not be set back to the profile's or read back so; the slot stays cleanup_blocked, read the mismatches."
+    GPU_CONFIG_SPACE_NOT_RESTORED = "gpu_config_space_not_restored", "host_gpu", "After the reset the GPU's config space does not hold the kernel's BARs; the slot stays cleanup_blocked, rescan or reboot."
+
     # --- Host: disk wipe
     WIPE_REFUSED = "wipe_refused", "host_wipe", "A wipe was refused; read the evidence."
     WIPE_FAILED = "wipe_failed", "host_wipe", "Wiping the disk failed; the slot stays blocked, retry release or replace the disk."
@@ -406,6 +426,9 @@ class ErrorCode(StrEnum):
     NOT_THIS_ALLOCATION = "not_this_allocation", "tasks", "The slot is held by another allocation; fix the task."
     SLOT_NOT_ACTIVE = "slot_not_active", "tasks", "The slot is not active; provision it first."
     SUPERSEDED = "superseded", "tasks", "A newer slice.vm_power request of the same slot took this one's place, or the same operation already runs (evidence: superseded_by); nothing was done by this task."
+    CONSOLE_LOG_MISSING = "console_log_missing", "tasks", "No console log of this allocation and slot on this host (never provisioned here, or its retention ended)."
+    CONSOLE_LOG_UNSAFE = "console_log_unsafe", "tasks", "The console log path is a link or not a regular file; it is never read: investigate the log directory."
+    CONSOLE_LOG_UNREADABLE = "console_log_unreadable", "tasks", "The console log cannot be read; check the console_log_dir permissions."
 
     RELEASE_INTERRUPTED = "release_interrupted", "tasks", "A release was interrupted (agent killed) and its redelivery came after its deadline; the slot is cleanup_blocked: send a new release."
 
@@ -468,9 +491,35 @@ class ErrorCode(StrEnum):
     TERMINAL_SUBSCRIBE_FAILED = "terminal_subscribe_failed", "terminal", "Subscribing to the session's input subject failed (NATS permissions or connection); nothing was opened."
     TOO_MANY_SESSIONS = "too_many_sessions", "terminal", "The slice already has its maximum of terminal sessions ([slice.terminal] max_sessions_per_slice)."
 
+    # --- Fleet operations: maintenance and drain, quarantined components (docs/maintenance.md)
+    HOST_IN_MAINTENANCE = "host_in_maintenance", "fleet", "The host is in maintenance: new provisions and plans are refused before anything is leased; place the slice elsewhere, or turn maintenance off (slice.maintenance / gpuaas-agent maintenance off)."
+    MAINTENANCE_STATE_UNREADABLE = "maintenance_state_unreadable", "fleet", "The stored maintenance state does not validate, so new work is refused; set it again with gpuaas-agent maintenance on|off --reason."
+    COMPONENT_QUARANTINED = "component_quarantined", "fleet", "A component of the slot (GPU, disk, VF or the slot) is quarantined; the slot is not offered until slice.unquarantine re-runs its failed check. Evidence names the quarantine."
+    COMPONENT_IN_USE = "component_in_use", "fleet", "An allocation's lease holds the component: it is neither quarantined by an operator nor returned while held. Release that allocation first."
+    NOT_QUARANTINED = "not_quarantined", "fleet", "The component named is not quarantined on this host (evidence lists what is); check the kind and identity."
+    QUARANTINE_REFUSED = "quarantine_refused", "fleet", "A quarantine or unquarantine was refused; the message and evidence say why."
+    RECHECK_FAILED = "recheck_failed", "fleet", "The check that quarantined the component still fails (evidence has its verdict); it stays quarantined. Repair or replace it, then ask again."
+    RECHECK_UNAVAILABLE = "recheck_unavailable", "fleet", "This agent has no re-check for the quarantine's reason, so it cannot prove the component fit; it stays quarantined (evidence lists the re-checks it has)."
+    UNKNOWN_COMPONENT = "unknown_component", "fleet", "The component named is not a GPU, NVMe namespace or fabric VF of this host, nor one of its slots; check the identity (discovery lists them)."
+    SMART_LOG_UNREADABLE = "smart_log_unreadable", "fleet", "nvme smart-log failed or printed no JSON object for the disk; check nvme-cli and the device (evidence has the command)."
+
     # --- Operator: status and health
     DAEMON_STATUS_UNREADABLE = "daemon_status_unreadable", "operator", "The daemon status file cannot be read; check the daemon runs and the path."
     DAEMON_STATUS_INVALID = "daemon_status_invalid", "operator", "The daemon status file is not a status file; restart the daemon."
+    BMC_CREDENTIALS_INVALID = "bmc_credentials_invalid", "operator", "The BMC credentials file is not JSON {\"username\", \"password\"}; rewrite it (0600); the BMC was not contacted."
+    FM_FAILED = "fm_failed", "host_fabric", "A Fabric Manager call failed; the evidence has fmpm's argv and output."
+    FM_UNAVAILABLE = "fm_unavailable", "host_fabric", "Fabric Manager did not answer (fmpm missing, FM not running or unreachable, or fmpm timed out); start nvidia-fabricmanager and check [slice.fabric_manager]."
+    FM_REFUSED = "fm_refused", "host_fabric", "Fabric Manager refused the call (evidence: fm_return, e.g. FM_ST_IN_USE, FM_ST_NVLINK_ERROR); check FM's log and the partition's GPUs."
+    FM_OUTPUT_INVALID = "fm_output_invalid", "host_fabric", "fmpm -l printed something that is not a partition list; check the fmpm version against docs/hgx.md."
+    FM_ACTIVATION_UNVERIFIED = "fm_activation_unverified", "host_fabric", "fmpm reported an activation but FM does not list the partition active (FM restarted?); the provision is compensated."
+    FM_DEACTIVATION_UNVERIFIED = "fm_deactivation_unverified", "host_fabric", "fmpm reported a deactivation but FM still lists the partition active; deactivate it by hand (fmpm -d) and release again."
+    FM_RESTORE_UNVERIFIED = "fm_restore_unverified", "host_fabric", "After --set-activated-list FM does not list the leased partitions active (FM not in resiliency mode, or fmpm 1.0.1's list bug); restore them by hand."
+    FABRIC_PARTITION_UNSUPPORTED = "fabric_partition_unsupported", "host_fabric", "The slot set is not exactly one supported Fabric Manager partition; choose a set from the evidence's supported list. Nothing was leased."
+    FABRIC_PARTITION_UNHEALTHY = "fabric_partition_unhealthy", "host_fabric", "The set's partition has a GPU with NVLinks down; quarantine that GPU or sell a smaller set. Nothing was leased."
+    FABRIC_PARTITION_IN_USE = "fabric_partition_in_use", "host_fabric", "The set's partition shares GPUs with an active partition; release that allocation first. Nothing was leased."
+    FABRIC_PARTITION_CHANGED = "fabric_partition_changed", "host_fabric", "Fabric Manager's partition no longer holds the GPUs planned for the allocation (FM reconfigured); plan again."
+    FABRIC_MANAGER_MISSING = "fabric_manager_missing", "guards", "A fabric_partitions profile on an NVSwitch host and Fabric Manager did not answer; start nvidia-fabricmanager and configure [slice.fabric_manager]. Nothing was leased."
+    PARTITION_LEASED = "partition_leased", "state", "The Fabric Manager partition is held by another allocation on this host; release it first."
     NVML_FIXTURE_INVALID = "nvml_fixture_invalid", "operator", "The NVML fixture is invalid; re-record it."
     NVML_FIXTURE_UNREADABLE = "nvml_fixture_unreadable", "operator", "The NVML fixture cannot be read; check the path."
 

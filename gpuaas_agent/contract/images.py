@@ -1,7 +1,7 @@
 """Records of the image cache: what a fetched, verified image is, and the marker that proves it.
 
 The marker is the reason a cache hit never re-hashes: an image is hashed once,
-while its bytes arrive, and the marker written afterwards says so (DESIGN.md §7).
+while its bytes arrive, and the marker written afterwards says so (docs/performance.md).
 """
 
 from __future__ import annotations

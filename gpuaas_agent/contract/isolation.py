@@ -1,7 +1,7 @@
 """What isolating one slice port means, as values: the port's identity and reservation, its flow cookie, and readbacks.
 
 A slice's port carries only its own reserved MAC and IP, and guests reach only the
-gateway's DHCP/DNS and the NAT uplink (DESIGN.md §4.9). The host drivers
+gateway's DHCP/DNS and the NAT uplink (docs/safety.md §9). The host drivers
 (``host/portflows.py`` for OpenFlow, ``host/nftguard.py`` for the host's nftables)
 turn a :class:`PortIsolation` into rules and read them back into the records here,
 so reconcile can compare what a port's reservation implies with what is installed.

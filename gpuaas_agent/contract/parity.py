@@ -16,7 +16,7 @@ parser splits on unescaped spaces and drops one backslash per escape. A final
 ``GPUAAS_SLICE_PARITY_SUMMARY ... failures=N`` line closes the report.
 
 Only a *hard* check may FAIL; anything the agent could not prove is a WARN,
-never a PASS (DESIGN.md §4.7).
+never a PASS (docs/safety.md §7).
 """
 
 from __future__ import annotations
@@ -237,6 +237,13 @@ class DnsmasqEvidence(WireModel):
     processes: list[DnsmasqProcess] = Field(default_factory=list)
     readers: list[int] = Field(default_factory=list, description="pids of the dnsmasq processes that read hosts_file")
     via: str | None = Field(default=None, description="how the first reader reads it: option=value (where)")
+    # A recording has no processes, but it has the config: what a dnsmasq started from it by the distribution's
+    # service would read (discovery/netevidence.py RECORDED_DNSMASQ_ARGV), so parity can say which file that is.
+    recorded_config: DnsmasqProcess | None = Field(
+        default=None, description="without a process table: what the recorded config makes dnsmasq read")
+    recorded_via: str | None = Field(default=None, description="how the recorded config reads hosts_file, if it does")
+    commented: list[str] = Field(default_factory=list,
+                                 description="commented-out dhcp-hostsfile/dhcp-hostsdir lines: path:line: text")
 
     @property
     def running(self) -> bool:

@@ -1,4 +1,4 @@
-"""Placement of a multi-slot allocation on one node (issue 20): what a profile requires and what a slot set gets.
+"""Placement of a multi-slot allocation on one node: what a profile requires and what a slot set gets.
 
 GPUs that share a PCIe switch talk peer-to-peer without crossing the CPU; GPUs on one
 NUMA node cross one root complex; a set spanning NUMA nodes crosses the socket
@@ -55,3 +55,5 @@ class PlacementReport(WireModel):
     preferred_slot_indexes: list[int] | None = None
     preferred_locality: SetLocality | None = None
     warnings: list[Finding] = Field(default_factory=list)
+    # The Fabric Manager partition the set is exactly (profiles with fabric_partitions, NVSwitch hosts only).
+    fabric_partition_id: int | None = Field(default=None, ge=0, lt=64)

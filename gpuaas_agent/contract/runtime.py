@@ -4,7 +4,7 @@ A profile is chosen by name in the provision payload; the control plane and
 the agent must agree on what the name means, so the catalog lives in the
 contract. ``h200_1g_24c_64g`` is the tuned prototype shape of seed 004 (24 vCPU,
 64 GiB, 1 GiB hugepages, UEFI with Secure Boot off, no vTPM). ``lab_tcg_1c_512m``
-is the CI lab shape: ``type='qemu'`` (TCG, DESIGN.md §5: KVM on CI machines cannot
+is the CI lab shape: ``type='qemu'`` (TCG, docs/testing.md: KVM on CI machines cannot
 boot a stock kernel), no PCI passthrough, no hugepages.
 """
 
@@ -71,12 +71,18 @@ class RuntimeProfile(WireModel):
     wipe_policy: WipePolicy = Field(default_factory=WipePolicy)
     # The state each passed-through GPU is reset, cleared and restored to between tenants (host/gpuhandover).
     gpu_handover: GpuHandoverPolicy = Field(default_factory=GpuHandoverPolicy)
-    # Readiness also proves egress (issue 16): the guest's first boot reaches the host's configured
+    # Readiness also proves egress (a lost NAT rule is otherwise invisible to it): the guest's first boot reaches the host's configured
     # target beyond the NAT (SliceConfig.readiness_egress_target) and conntrack shows it source-NATed.
     readiness_egress: bool = False
     # The weakest locality a multi-slot allocation of this profile accepts (tasks/placement.py).
     placement: Placement = Placement.any
     on_host_boot: OnHostBoot = OnHostBoot.restart  # boot recovery's policy (tasks/boot_recovery.py)
+    # NVIDIA Fabric Manager runs on the host and this profile's slices get their GPUs through an FM partition
+    # (Shared NVSwitch model; docs/hgx.md). False (the seed's guidance: no host FM unless the profile says it
+    # is safe): no partition is planned, and a multi-GPU set on an NVSwitch host gets no NVLink (a placement
+    # warning). True: on an NVSwitch host the set must be exactly a supported, healthy FM partition, FM must
+    # answer before anything is leased, and provision activates the partition before the domain starts.
+    fabric_partitions: bool = False
 
 
 class UnknownProfileError(ContractError):
@@ -107,6 +113,16 @@ PROFILES: MappingProxyType[str, RuntimeProfile] = MappingProxyType(
                 hugepages_1g=True,
                 hostdevs=True,
                 placement=Placement.same_numa,
+            ),
+            # NVLink slices of 1, 2, 4 or 8 GPUs on an HGX node whose host runs Fabric Manager (Shared NVSwitch).
+            RuntimeProfile(
+                name="h200_nvlink_24c_64g",
+                domain_type=DomainType.kvm,
+                vcpus=24,
+                memory_mib=64 * 1024,
+                hugepages_1g=True,
+                hostdevs=True,
+                fabric_partitions=True,
             ),
             RuntimeProfile(
                 name="lab_tcg_1c_512m",

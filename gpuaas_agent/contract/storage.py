@@ -76,7 +76,7 @@ class WipeSample(WireModel):
 
 
 class WipeProof(WireModel):
-    """Evidence that a released disk holds nothing: the only ticket back to ``available`` (DESIGN.md §4.6)."""
+    """Evidence that a released disk holds nothing: the only ticket back to ``available`` (docs/safety.md §6)."""
 
     by_id: ByIdPath
     kernel_name: KernelName

@@ -1,4 +1,4 @@
-"""The NATS subjects of a node, built in one place (DESIGN.md §3).
+"""The NATS subjects of a node, built in one place (docs/contract.md).
 
 Every subject of a node lives under ``gpuaas.node.<node>.``: the least-privilege
 permissions of a node (its own subjects only) hold for what is added here too. The

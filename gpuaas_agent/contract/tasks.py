@@ -1,4 +1,4 @@
-"""Task messages on ``gpuaas.node.<node>.task.<type>`` and their results (DESIGN.md §3).
+"""Task messages on ``gpuaas.node.<node>.task.<type>`` and their results (docs/contract.md).
 
 The envelope is validated first; its ``type`` stays a string so that an
 unknown type becomes a ``failed`` result with ``unsupported_task`` instead of a
@@ -22,6 +22,13 @@ from gpuaas_agent.contract.base import (
     first_error,
 )
 from gpuaas_agent.contract.cloudinit import MAX_SSH_KEYS, GuestDriverProfile, Hostname, LinuxUserName, SshPublicKey
+from gpuaas_agent.contract.fleet import (
+    DrainReport,
+    MaintenancePayload,
+    QuarantinedComponent,
+    QuarantinePayload,
+    UnquarantinePayload,
+)
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotOutcome
 from gpuaas_agent.contract.terminal import (
     TerminalClosePayload,
@@ -47,6 +54,10 @@ class TaskType(WireEnum):
     terminal_data = "slice.terminal_data"
     terminal_resize = "slice.terminal_resize"
     terminal_close = "slice.terminal_close"
+    console_log = "slice.console_log"
+    maintenance = "slice.maintenance"
+    quarantine = "slice.quarantine"
+    unquarantine = "slice.unquarantine"
 
 
 class TaskEnvelope(WireModel):
@@ -133,6 +144,19 @@ class VmPowerPayload(WireModel):
     graceful_timeout_s: int = Field(default=120, ge=0, le=3600)
 
 
+class ConsoleLogPayload(WireModel):
+    """The last ``tail_kib`` KiB of the serial console of an allocation's slot, also after its VM died.
+
+    Only the allocation's own log is ever read: the file is named by ``allocation_id`` and
+    ``slot_index`` on this host (host/consolelog.py), and a slot another allocation holds, with no
+    log of this allocation, is refused ``not_this_allocation``.
+    """
+
+    allocation_id: str = Field(pattern=UUID_PATTERN)
+    slot_index: int = Field(ge=0, le=255)
+    tail_kib: int = Field(default=64, ge=1, le=1024)
+
+
 class ReconcilePayload(WireModel):
     repair: bool = True
 
@@ -149,6 +173,10 @@ PAYLOADS: dict[TaskType, type[WireModel]] = {
     TaskType.terminal_data: TerminalDataPayload,
     TaskType.terminal_resize: TerminalResizePayload,
     TaskType.terminal_close: TerminalClosePayload,
+    TaskType.console_log: ConsoleLogPayload,
+    TaskType.maintenance: MaintenancePayload,
+    TaskType.quarantine: QuarantinePayload,
+    TaskType.unquarantine: UnquarantinePayload,
 }
 
 
@@ -221,6 +249,9 @@ class Heartbeat(WireModel):
     health: list[HealthCheck] = Field(default_factory=list)
     running_tasks: list[str] = Field(default_factory=list)
     leased_slots: list[int] = Field(default_factory=list)
+    # Maintenance and its drain (``drained`` once no slice is left), and every quarantined component by name.
+    maintenance: DrainReport | None = None
+    quarantined: list[QuarantinedComponent] = Field(default_factory=list)
     at: datetime
 
 

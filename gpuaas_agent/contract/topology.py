@@ -10,11 +10,12 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
+from gpuaas_agent.contract.firmware import FirmwareInventory
 from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName, MacAddress, PciAddress, PciId
 
 
 class StorageIdentityKind(WireEnum):
-    """Which stable /dev/disk/by-id link names a disk (DESIGN.md §1)."""
+    """Which stable /dev/disk/by-id link names a disk (docs/architecture.md)."""
 
     nvme_eui_by_id = "nvme_eui_by_id"
     nvme_wwn_by_id = "nvme_wwn_by_id"
@@ -256,5 +257,7 @@ class TopologyReport(WireModel):
     blockers: list[Finding]
     warnings: list[Finding]
     gpu_enrichment: GpuEnrichment
-    # HGX fabric (issue 20): multi-GPU guests need a Fabric Manager partition for NVLink (tasks/placement.py).
+    # HGX fabric: multi-GPU guests need a Fabric Manager partition for NVLink (tasks/placement.py).
     nvswitches: list[NvSwitchDevice] = Field(default_factory=list)
+    # What the slice's devices and the host run (discovery/firmware.py; docs/firmware.md).
+    firmware: FirmwareInventory | None = None

@@ -32,7 +32,7 @@ MAC = r"[0-9a-f]{2}(:[0-9a-f]{2}){5}"
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 # A sha256 digest in lower-case hex: image identities and file proofs.
 SHA256 = r"[0-9a-f]{64}"
-# The link name udev writes under /dev/disk/by-id (DESIGN.md §4.2).
+# The link name udev writes under /dev/disk/by-id (docs/safety.md §2).
 BY_ID_NAME = r"[A-Za-z0-9._:+@-]+"
 BY_ID_PATH = rf"/dev/disk/by-id/{BY_ID_NAME}"
 # Kernel block device name such as nvme4n1 (advisory only: it moves on reboot).
@@ -83,14 +83,14 @@ DATAPATH_TYPE_RE = whole(DATAPATH_TYPE)
 
 PciAddress = Annotated[str, StringConstraints(pattern=PCI_ADDRESS_PATTERN)]
 MacAddress = Annotated[str, StringConstraints(pattern=MAC_PATTERN)]
-# A stable disk name: the only form a slot may use to name its NVMe (DESIGN.md §4.2).
+# A stable disk name: the only form a slot may use to name its NVMe (docs/safety.md §2).
 ByIdPath = Annotated[str, StringConstraints(pattern=BY_ID_PATH_PATTERN)]
 KernelName = Annotated[str, StringConstraints(pattern=wire_pattern(KERNEL_NAME))]
 PciId = Annotated[str, StringConstraints(pattern=wire_pattern(PCI_ID))]
 Sha256Hex = Annotated[str, StringConstraints(pattern=SHA256_PATTERN)]
 Uuid = Annotated[str, StringConstraints(pattern=UUID_PATTERN)]
 
-# What a disk *is*, whatever it is called (DESIGN.md §4.1): ``<kind>:<value>`` from the namespace's
+# What a disk *is*, whatever it is called (docs/safety.md §1): ``<kind>:<value>`` from the namespace's
 # sysfs identity, strongest first: uuid, nguid, eui (NVMe namespace ids), wwid, then dev (major:minor,
 # for a block device with no stable id). ``path:<by-id>`` only on leases migrated from a store that
 # predates identities (state migration 4). Every alias of one namespace has the same identity.

@@ -22,7 +22,7 @@ class IommuGroupMember(WireModel):
 
     @property
     def isolated(self) -> bool:
-        """May share the group with a passed-through device (DESIGN.md §4.3)."""
+        """May share the group with a passed-through device (docs/safety.md §3)."""
         return self.approved or self.driver == VFIO_DRIVER or self.is_bridge
 
 

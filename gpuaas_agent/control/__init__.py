@@ -1,1 +1,1 @@
-"""NATS side of the agent: enrollment, JetStream task claim and results, heartbeats (DESIGN.md §2, §3)."""
+"""NATS side of the agent: enrollment, JetStream task claim and results, heartbeats (docs/architecture.md, docs/contract.md)."""

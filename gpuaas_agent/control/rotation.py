@@ -13,7 +13,7 @@ subscriptions (the worker's pull is kicked by the reconnect). Order:
    new credentials, nats.py keeps retrying with backoff and the log says why — the old
    file is gone by then, which is what revocation wants.
 
-Only the control plane may publish on this subject (README "Permissions").
+Only the control plane may publish on this subject (docs/security.md "Permissions").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ that happened while the agent was down is the reconcile's business (it compares
 the host with the leases), not this watcher's.
 
 This room only talks NATS: discovery, the drift comparison and the event source
-are handed in by ``daemon.py`` (DESIGN.md §2: control imports contract and state).
+are handed in by ``daemon.py`` (docs/architecture.md: control imports contract and state).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ The consumer is created on the filtered-subject API
 does so when ``name`` is set): the server refuses a filter that differs from the subject
 (10131), so a per-node permission on that subject pins each node to its own tasks. The
 stream is found by subject (``$JS.API.STREAM.NAMES``), so the control plane may split the
-fleet over several task streams (README "Fleet layout"). A pull request waits
+fleet over several task streams (docs/performance.md "Fleet layout"). A pull request waits
 ``fetch_timeout_s`` (30 s) on the server; liveness is the connection's PING and the
 heartbeat, not a 1 s poll. :meth:`kick` (called on every reconnect) and :meth:`stop` end
 the wait at once. Configured (``fetch_heartbeat_s``, config ``pull_heartbeat_s``; off by
@@ -138,7 +138,7 @@ class WorkerSettings:
     inactive_threshold_s: float | None = 86400.0  # the server deletes the consumer of a node gone this long
     consumer_replicas: int | None = None  # None: the stream's; 1 keeps a 5,000-node cluster off per-node Raft groups
     consumer_check_s: float = 300.0  # after this long of empty pulls, check that the consumer still exists
-    consumer_memory: bool = False  # consumer state in memory (with R1 on a replicated stream: README "Fleet layout")
+    consumer_memory: bool = False  # consumer state in memory (with R1 on a replicated stream: docs/performance.md "Fleet layout")
     request_timeout_s: float = 5.0  # one JetStream API call / PubAck / ack confirmation
     publish_deadline_s: float = 60.0  # retrying a result publish across a reconnect, then give up (redelivery retries)
     max_task_deadline_s: float = 86400.0  # a deadline further ahead is refused: invalid_deadline
@@ -756,7 +756,7 @@ class TaskWorker:
             await asyncio.wait({run}, timeout=self.settings.cancel_settle_s)
             if self._stopping.is_set() and run.done():
                 # A stop (a package upgrade): hand the task back now, journaled where it stopped, so the next
-                # agent resumes it at its first pull rather than ack_wait_s later (issue 17 item 5). Journaled
+                # agent resumes it at its first pull rather than ack_wait_s later. Journaled
                 # first: this start was no crash and does not count toward the poison bound.
                 with contextlib.suppress(StateError, OSError):
                     await self.state.journal(envelope.task_id, STOPPED_STEP, StepStatus.succeeded,

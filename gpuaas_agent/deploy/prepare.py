@@ -1,6 +1,6 @@
 """``gpuaas-agent prepare-host``: every directory and key a provision needs, from the config, before the first task.
 
-DESIGN.md §4.11: a host made by the ``.deb`` and the cloud-init user-data
+docs/safety.md §11: a host made by the ``.deb`` and the cloud-init user-data
 provisions on the first try. The paths come from the agent's config (the
 ``[slice]`` keys and ``state_dir``), never from a list baked into the package,
 so a site that moves one still gets it created. The package's ``postinst``
@@ -38,6 +38,8 @@ Who reads what (why the modes):
   (0644) after dropping to its own user.
 - the relay key's directory (0700 root): the private key is root's; the agent
   reads the ``.pub`` as root.
+- ``console_log_dir`` (0700 root): the slices' serial consoles, written by
+  virtlogd (root); a tenant's boot output may hold secrets.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def host_dirs(config: AgentConfig) -> list[DirSpec]:
         DirSpec("dnsmasq_hosts_file", s.dnsmasq_hosts_file.parent, 0o755, others_reach=True, agent_writes=True),
         DirSpec("terminal_relay_key_file", s.terminal_relay_key_file.parent, 0o700, others_reach=False,
                 agent_writes=False),
+        # virtlogd (root) writes the slices' consoles; the agent reads, trims and deletes them.
+        DirSpec("console_log_dir", s.console_log_dir, 0o700, others_reach=False, agent_writes=True),
     ]
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import yaml
 from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, model_validator
@@ -34,6 +34,7 @@ from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, model_valida
 from gpuaas_agent.config import ConfigError, parse_config
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.types import SHA256_PATTERN
+from gpuaas_agent.deploy.sliceinputs import IMAGE_CA_PATH, slice_problems, slice_table
 from gpuaas_agent.errors import ContractError
 
 SLICE_PROFILE_TAG = "gpuaas-profile-slice-vm"
@@ -98,12 +99,22 @@ class UserDataInputs(WireModel):
     # A plaintext nats:// URL is a lab: the agent refuses it unless its config says insecure = true,
     # so the render refuses it too unless this says so (and then writes that setting).
     insecure: bool = False
+    # The [slice] table of agent.toml (config.SliceConfig's keys: image_https_hosts, image_file_dir, the
+    # bridge...), checked by deploy/sliceinputs.py; a slice host must name at least one image source.
+    slice: dict[str, Any] = Field(default_factory=dict)
+    # PEM of the CA(s) that sign the https image sources (default: the system store): written to
+    # /etc/gpuaas-agent/image-ca.pem, which becomes slice.image_ca_bundle.
+    image_ca_pem: str | None = None
 
     @model_validator(mode="after")
     def _plaintext_needs_insecure(self) -> UserDataInputs:
         if self.nats_url.startswith("nats://") and not self.insecure:
             raise ValueError("nats_url is plaintext nats://: use tls://, or set insecure: true (labs only)")
         return self
+
+    def problems(self) -> list[str]:
+        """What the model alone cannot see: the slice settings and the CA, one line per bad input."""
+        return slice_problems(self.slice, ca_pem=self.image_ca_pem, slice_host=self.slice_vm, insecure=self.insecure)
 
     @property
     def slice_vm(self) -> bool:
@@ -121,7 +132,7 @@ def load_inputs(path: Path) -> UserDataInputs:
         raise ContractError(f"{path}: not valid JSON: {exc}", code="userdata_inputs_invalid",
                             evidence={"path": str(path)}) from None
     try:
-        return UserDataInputs.from_wire(data)  # JSON-decoded: validated with JSON's rules
+        inputs = UserDataInputs.from_wire(data)  # JSON-decoded: validated with JSON's rules
     except ValidationError as exc:
         problems = "; ".join(
             f"unknown key {'.'.join(map(str, e['loc']))!r}" if e["type"] == "extra_forbidden"
@@ -129,20 +140,50 @@ def load_inputs(path: Path) -> UserDataInputs:
             for e in exc.errors(include_url=False))
         raise ContractError(f"{path}: {problems}", code="userdata_inputs_invalid",
                             evidence={"path": str(path), "errors": exc.errors(include_url=False, include_input=False)}) from None
+    return check_inputs(inputs, source=str(path))
+
+
+def check_inputs(inputs: UserDataInputs, *, source: str = "inputs") -> UserDataInputs:
+    """``inputs`` when every slice setting and the CA are usable; else :class:`ContractError` listing each problem."""
+    problems = inputs.problems()
+    if problems:
+        raise ContractError(f"{source}: " + "; ".join(problems), code="userdata_inputs_invalid",
+                            evidence={"path": source, "problems": problems})
+    return inputs
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "a").replace("-", "a").isalnum() and key.isascii() else json.dumps(key)
+
+
+def _toml_value(value: Any) -> str:
+    """One TOML value from JSON-form data: strings, numbers and booleans as JSON spells them (TOML agrees on
+    those, ASCII escaped), lists as inline arrays, tables as inline tables; ``None`` never reaches here."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=True)
 
 
 def agent_toml(inputs: UserDataInputs) -> str:
     """The site part of agent.toml; checked by the agent's own config parser before it is shipped."""
+    check_inputs(inputs)
     values: dict = {"nats_url": inputs.nats_url, "token_file": str(TOKEN_PATH)}
     if inputs.insecure:
         values["insecure"] = True
+    table = slice_table(inputs.slice, ca_pem=inputs.image_ca_pem)
+    # The CA file does not exist here; the PEM itself was loaded by check_inputs.
+    checked = {**values, "slice": {k: v for k, v in table.items() if k != "image_ca_bundle"}}
     try:
-        parse_config(values, source="rendered agent.toml")
+        parse_config(checked, source="rendered agent.toml")
     except ConfigError as exc:
         raise ContractError(str(exc), code="userdata_config_invalid", evidence=exc.evidence) from None
     lines = ["# Written by cloud-init (gpuaas-agent cloud-init render); keys: see /usr/share/doc/gpuaas-agent."]
-    # json.dumps of a str is a valid TOML basic string (same escapes, ASCII only).
-    lines += [f"{key} = {json.dumps(value, ensure_ascii=True)}" for key, value in values.items()]
+    lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    if table:
+        lines += ["", "[slice]"]
+        lines += [f"{_toml_key(key)} = {_toml_value(value)}" for key, value in table.items() if value is not None]
     return "\n".join(lines) + "\n"
 
 
@@ -175,6 +216,11 @@ def steps(inputs: UserDataInputs) -> list[tuple[str, list[str]]]:
                              "-o", "Dpkg::Options::=--force-confold", "-o", "Dpkg::Options::=--force-confdef", deb]),
         ("install-config", ["install", "-m", "0644", "-o", "root", "-g", "root", str(BOOTSTRAP_DIR / "agent.toml"),
                             str(CONFIG_PATH)]),
+    ]
+    if inputs.image_ca_pem is not None:
+        cmds.append(("install-image-ca", ["install", "-m", "0644", "-o", "root", "-g", "root",
+                                          str(BOOTSTRAP_DIR / "image-ca.pem"), str(IMAGE_CA_PATH)]))
+    cmds += [
         ("make-state-dir", ["install", "-d", "-m", "0700", "-o", "root", "-g", "root", str(STATE_DIR)]),
         ("install-token", ["install", "-m", "0600", "-o", "root", "-g", "root", str(BOOTSTRAP_DIR / "bootstrap-token"),
                            str(TOKEN_PATH)]),
@@ -209,6 +255,9 @@ def render_userdata(inputs: UserDataInputs) -> str:
         {"path": str(BOOTSTRAP_DIR / "package.sha256"), "owner": "root:root", "permissions": "0600",
          "content": f"{inputs.package_sha256}  {DEB_PATH}\n"},
     ]
+    if inputs.image_ca_pem is not None:
+        files.append({"path": str(BOOTSTRAP_DIR / "image-ca.pem"), "owner": "root:root", "permissions": "0644",
+                      "content": inputs.image_ca_pem.rstrip("\n") + "\n"})
     if inputs.slice_vm and inputs.baseline_args:
         files.append({"path": str(BOOTSTRAP_DIR / "network-baseline.env"), "owner": "root:root",
                       "permissions": "0644", "content": f"BASELINE_ARGS={' '.join(inputs.baseline_args)}\n"})

@@ -2,7 +2,7 @@
 
 GPUs and fabric functions are keyed by PCI address, NVMe disks by their
 ``/dev/disk/by-id`` path. Kernel names (``nvme4n1``, ``nvme4n1p3``, ``dm-0``)
-move on reboot (DESIGN.md §4.2, seed 004), so they never key anything: a disk
+move on reboot (docs/safety.md §2, seed 004), so they never key anything: a disk
 whose kernel name moved is the same disk (``nvme_renamed``, advisory), and its
 "in use" state is compared by mountpoints and counts, not by partition names.
 Pure: two reports in, findings out.

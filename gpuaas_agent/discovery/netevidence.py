@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import posixpath
+import re
 import socket
 import subprocess
 from dataclasses import dataclass, field
@@ -538,6 +539,11 @@ def judge(ev: SliceNetworkEvidence, *, links_read: bool = True, addresses_read: 
 
 DNSMASQ_COMM = "dnsmasq"
 DEFAULT_DNSMASQ_CONF = "/etc/dnsmasq.conf"  # compiled-in CONFFILE, read when no -C/--conf-file is given
+# How Debian/Ubuntu's dnsmasq service starts it (/etc/init.d/dnsmasq CONFIG_DIR): the default config file
+# plus /etc/dnsmasq.d without dpkg leftovers. On a recording, the config read this way says which hosts
+# file dnsmasq would read; only a live process table proves what the running one reads.
+RECORDED_DNSMASQ_ARGV = ["dnsmasq", "--conf-dir=/etc/dnsmasq.d,.dpkg-dist,.dpkg-old,.dpkg-new"]
+_COMMENTED_HOSTS = re.compile(r"^\s*#+\s*(dhcp-hostsfile|dhcp-hostsdir)\s*=\s*(\S+)")
 MAX_CONF_DEPTH = 8
 
 
@@ -770,9 +776,53 @@ def read_dnsmasq_evidence(host: HostRoot, hosts_file: str | Path, pid_file: str 
         if how:
             readers.append(proc.pid)
             via = via or f"pid {proc.pid}: {how}"
+    recorded, recorded_via, commented = None, None, []
+    if table is None:
+        recorded = dnsmasq_process(host, 0, RECORDED_DNSMASQ_ARGV)
+        recorded_via = reads_hosts_file(host, recorded, hosts_file)
+        commented = _commented_hosts_lines(host, recorded.conf_files)
     return DnsmasqEvidence(source="live" if host.is_live else "fixture", hosts_file=hosts_file, pid_file=pid_file,
                            pid_file_pid=pid_file_pid, process_table=table is not None, processes=processes,
-                           readers=readers, via=via)
+                           readers=readers, via=via, recorded_config=recorded, recorded_via=recorded_via,
+                           commented=commented)
+
+
+def _commented_hosts_lines(host: HostRoot, files: list[str]) -> list[str]:
+    """``path:N: text`` of each commented-out hosts option: an operator who sees one knows why nothing is read."""
+    found = []
+    for path in files:
+        try:
+            lines = host.read_text(path).splitlines()
+        except OSError:
+            continue  # already recorded as unreadable by dnsmasq_process
+        found += [f"{path}:{n}: {line.strip()}" for n, line in enumerate(lines, 1) if _COMMENTED_HOSTS.match(line)]
+    return found
+
+
+def judge_recorded_dnsmasq(ev: DnsmasqEvidence) -> Finding | None:
+    """On a recording (no process table): what the recorded config says about the agent's hosts file.
+
+    ``dnsmasq_unproven`` when it reads ``hosts_file`` (the running process still is not provable),
+    ``dnsmasq_config_reads_other_hosts`` naming what it reads instead, ``dnsmasq_config_reads_no_hosts``
+    when it names none (a commented-out line is named). None when ``ev`` has a process table.
+    """
+    cfg = ev.recorded_config
+    if ev.process_table or cfg is None:
+        return None
+    files = ",".join(cfg.conf_files) or "no config file"
+    if ev.recorded_via:
+        return Finding(code="dnsmasq_unproven", path=ev.hosts_file,
+                       detail=f"the recorded config reads {ev.hosts_file} ({ev.recorded_via}); "
+                              "whether a running dnsmasq does is not provable on a recording")
+    named = cfg.hosts_files + cfg.hosts_dirs
+    if named:
+        return Finding(code="dnsmasq_config_reads_other_hosts", path=named[0],
+                       detail=f"the recorded config reads {'; '.join(cfg.sources.get(n, n) for n in named)}, "
+                              f"not the agent's {ev.hosts_file}")
+    hint = f"; commented out: {' | '.join(ev.commented)}" if ev.commented else ""
+    return Finding(code="dnsmasq_config_reads_no_hosts", path=ev.hosts_file,
+                   detail=f"the recorded config ({files}) names no dhcp-hostsfile or dhcp-hostsdir, so dnsmasq "
+                          f"started from it reads no reservations{hint}")
 
 
 def judge_dnsmasq(ev: DnsmasqEvidence) -> Finding | None:

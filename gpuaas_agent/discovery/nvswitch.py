@@ -2,9 +2,10 @@
 
 On an HGX H200 node every GPU's NVLinks end in the NVSwitches; a guest holding several
 GPUs can use NVLink between them only inside a fabric partition that NVIDIA Fabric
-Manager activates (shared-NVSwitch multitenancy mode). This agent has no such
-mechanism yet: :func:`check_nvswitch_partition` says so in the parity report (WARN),
-and a multi-slot placement carries the same warning (``tasks/placement.py``).
+Manager activates (shared-NVSwitch multitenancy mode). The agent activates partitions only for runtime
+profiles with ``fabric_partitions`` on a host with ``[slice.fabric_manager]`` (docs/hgx.md); discovery
+sees neither, so :func:`check_nvswitch_partition` keeps the WARN in the parity report, and a
+multi-slot placement without a partition carries the same warning (``tasks/placement.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def check_nvswitch_partition(report: TopologyReport) -> ParityCheck:
         status=ParityStatus.WARN, check="nvswitch_partition", hard=False,
         detail=(f"{len(switches)} NVSwitches and no fabric partition mechanism: a multi-GPU slice's GPUs "
                 "get no usable NVLink"),
-        remediation=("run NVIDIA Fabric Manager in shared-NVSwitch multitenancy mode and activate a partition per "
-                     "multi-GPU slice, or sell single-GPU slices only on this node"),
+        remediation=("run NVIDIA Fabric Manager in shared-NVSwitch multitenancy mode, configure [slice.fabric_manager] "
+                     "and sell profiles with fabric_partitions (docs/hgx.md), or sell single-GPU slices only on "
+                     "this node"),
         evidence="nvswitches " + ",".join(switches))

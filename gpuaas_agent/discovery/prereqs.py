@@ -4,7 +4,7 @@ Each check proves behaviour where it can: IOMMU groups exist (not just a
 cmdline flag), the libvirt and OVSDB sockets answer (not just a unit file),
 the bridge owns the gateway address, the NAT rule is in force. On a recorded
 fixture a socket cannot be asked, so those checks WARN: not proven is never
-PASS (DESIGN.md §4.7). Only hard checks may FAIL.
+PASS (docs/safety.md §7). Only hard checks may FAIL.
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from gpuaas_agent.contract.parity import DnsmasqEvidence, ParityCheck, ParityStatus, SliceNetworkEvidence
 from gpuaas_agent.contract.runtime import RuntimeProfile
 from gpuaas_agent.contract.topology import TopologyReport
-from gpuaas_agent.discovery.netevidence import IPOIB_NETPLAN, TMFIFO, judge_dnsmasq, running_processes
+from gpuaas_agent.discovery.netevidence import (
+    IPOIB_NETPLAN,
+    TMFIFO,
+    judge_dnsmasq,
+    judge_recorded_dnsmasq,
+    running_processes,
+)
 from gpuaas_agent.discovery.ovmf import OvmfNotFoundError, find_ovmf
 from gpuaas_agent.hostfs import HostRoot
 
@@ -408,6 +414,13 @@ def check_reboot_required(host: HostRoot) -> ParityCheck:
 # -- dnsmasq: the subnet config and the running process that reads the agent's reservations ------
 
 
+def _recorded_reads(dnsmasq: DnsmasqEvidence) -> str:
+    cfg = dnsmasq.recorded_config
+    if cfg is None:
+        return "-"
+    return ",".join(cfg.hosts_files + cfg.hosts_dirs) or "none"
+
+
 def check_dnsmasq(ev: SliceNetworkEvidence, dnsmasq: DnsmasqEvidence) -> ParityCheck:
     """A dhcp-range in the subnet *and* a running dnsmasq reading the agent's hosts file (the one a reload reaches).
 
@@ -430,15 +443,24 @@ def check_dnsmasq(ev: SliceNetworkEvidence, dnsmasq: DnsmasqEvidence) -> ParityC
     if problem is None:
         return _check(PASS, "dnsmasq", f"dhcp-range in {ev.subnet}; {dnsmasq.via}", evidence=evidence)
     if problem.code == "dnsmasq_unproven":
-        return _unprovable("dnsmasq", f"dhcp-range in {ev.subnet} is configured, but whether a running dnsmasq reads "
-                           f"{dnsmasq.hosts_file} is not", fix_hosts, evidence=evidence)
+        recorded = judge_recorded_dnsmasq(dnsmasq)
+        if recorded is None:
+            return _unprovable("dnsmasq", f"dhcp-range in {ev.subnet} is configured, but whether a running dnsmasq "
+                               f"reads {dnsmasq.hosts_file} is not", fix_hosts, evidence=evidence)
+        evidence += f"; recorded config reads {_recorded_reads(dnsmasq)}"
+        if recorded.code == "dnsmasq_unproven":
+            return _unprovable("dnsmasq", f"dhcp-range in {ev.subnet}; {recorded.detail}", fix_hosts, evidence=evidence)
+        if recorded.code == "dnsmasq_config_reads_other_hosts":
+            # WARN, naming the file: the service's command line (not recorded) could still add the agent's file.
+            return _check(WARN, "dnsmasq", f"{recorded.code}: {recorded.detail}", fix_hosts, evidence=evidence)
+        return _check(FAIL, "dnsmasq", f"{recorded.code}: {recorded.detail}", fix_hosts, evidence=evidence)
     fix = "start dnsmasq (systemctl enable --now dnsmasq)" if problem.code == "dnsmasq_not_running" else fix_hosts
     return _check(FAIL, "dnsmasq", f"{problem.code}: {problem.detail}", fix, evidence=evidence)
 
 
 # -- slots, GPUs and the host services that hold them ------------------------------------------------
 
-# What each slot blocker asks the operator to do (DESIGN.md §1, seed 004 storage transition).
+# What each slot blocker asks the operator to do (docs/architecture.md, seed 004 storage transition).
 STORAGE_TRANSITION = ("run the slice-mode storage transition on the slot disks: unmount /share*, disable their fstab "
                       "entries, wipefs and blkdiscard the approved raw slot devices (seed 004)")
 SLOT_REMEDIATIONS = {

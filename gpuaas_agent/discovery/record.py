@@ -1,4 +1,4 @@
-"""Record exactly what discovery reads from a host into a fixture directory (DESIGN.md §6).
+"""Record exactly what discovery reads from a host into a fixture directory (docs/testing.md).
 
 A fixture is a plain directory tree holding the same host paths as the
 machine (``OUT/sys/bus/pci/devices/...``), so the real discovery code runs
@@ -67,6 +67,8 @@ PCI_ATTRS = (
 PCI_LINKS = ("driver", "iommu_group", "physfn", "subsystem")
 NET_ATTRS = ("address", "operstate", "type", "mtu", "ifindex", "phys_port_name", "phys_switch_id")
 IB_PORT_ATTRS = ("state", "phys_state", "link_layer", "rate", "lid")
+# The firmware inventory (discovery/firmware.py): what the device runs and which image (PSID) it is.
+IB_DEVICE_ATTRS = ("node_guid", "fw_ver", "board_id", "hca_type")
 NVME_CTRL_ATTRS = (
     "serial", "model", "firmware_rev", "address", "transport", "cntlid", "state", "subsysnqn", "numa_node",
 )
@@ -78,7 +80,10 @@ BLOCK_ATTRS = (
 DRIVER_CONTROL_FILES = ("bind", "unbind", "new_id", "remove_id")
 DMI_ATTRS = (
     "sys_vendor", "product_name", "product_serial", "product_uuid", "board_serial", "bios_version", "bios_vendor",
+    "bios_date", "bios_release",
 )
+# The nvidia and nvswitch drivers' per-device information (VBIOS / firmware versions: discovery/firmware.py).
+NVIDIA_INFO_DIRS = ("/proc/driver/nvidia/gpus", "/proc/driver/nvidia-nvswitch/devices")
 MODULES = (
     "vfio", "vfio_pci", "vfio_iommu_type1", "kvm", "kvm_intel", "kvm_amd", "nvidia", "mlx5_core", "openvswitch",
 )
@@ -480,7 +485,8 @@ def _netdev(rec: _Recording, directory: str) -> None:
 def _ib_device(rec: _Recording, directory: str) -> None:
     if not rec.begin_dir(directory):
         return
-    rec.copy_attr(f"{directory}/node_guid")
+    rec.copy_attrs(directory, IB_DEVICE_ATTRS)
+    rec.copy_link(f"{directory}/device")  # which PCI function runs that firmware
     ports, names = rec.listdir(f"{directory}/ports")
     for port in names:
         rec.copy_attrs(f"{ports}/{port}", IB_PORT_ATTRS)
@@ -640,6 +646,15 @@ def record_dmi(rec: _Recording) -> None:
         rec.copy_attrs("/sys/class/dmi/id", DMI_ATTRS)
 
 
+def record_firmware(rec: _Recording) -> None:
+    """The drivers' ``information`` file per GPU / NVSwitch (``Video BIOS:``), copied flat; absent ones are silent."""
+    for base in NVIDIA_INFO_DIRS:
+        if not rec.source.is_dir(base):
+            continue
+        for name in sorted(rec.source.listdir(base)):
+            rec.copy_flat(f"{base}/{name}/information", ATTR_CAP)
+
+
 def record_modules(rec: _Recording) -> None:
     """Loaded modules as directories: presence is all discovery asks.
 
@@ -723,6 +738,7 @@ SECTIONS = (
     record_net,
     record_numa,
     record_dmi,
+    record_firmware,
     record_modules,
     record_dev,
     record_proc_and_etc,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpuaas_agent.contract.topology import DiscoverySummary, Finding, TopologyReport
 from gpuaas_agent.discovery.fabric import read_fabric_devices
+from gpuaas_agent.discovery.firmware import read_firmware
 from gpuaas_agent.discovery.gpu import read_gpus
 from gpuaas_agent.discovery.identity import identity_key, read_identity
 from gpuaas_agent.discovery.nvme import read_nvme_devices
@@ -55,4 +56,5 @@ def discover(host: HostRoot, config: PlanConfig | None = None) -> TopologyReport
         warnings=reader.findings.items,
         gpu_enrichment=enrichment,
         nvswitches=read_nvswitches(index),
+        firmware=read_firmware(host),
     )

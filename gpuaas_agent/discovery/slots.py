@@ -1,6 +1,6 @@
 """Candidate slot planner: one candidate per GPU, paired best-fit with a raw NVMe and a fabric VF.
 
-Rules (seed 002 Phase 2, DESIGN.md §4):
+Rules (seed 002 Phase 2, docs/safety.md):
 
 * no disk and no VF is in two candidates;
 * the OS disk and disks without a by-id name are never proposed; disks in use

@@ -1,1 +1,1 @@
-"""Safety checks of DESIGN.md §4: each returns evidence or raises a typed GuardError."""
+"""Safety checks of docs/safety.md: each returns evidence or raises a typed GuardError."""

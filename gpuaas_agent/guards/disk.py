@@ -1,4 +1,4 @@
-"""The one check every disk write (clone, wipe) passes first (DESIGN.md §4.1, §4.2).
+"""The one check every disk write (clone, wipe) passes first (docs/safety.md §1, §2).
 
 Seed 004: ``wipefs --all --force /dev/nvme0n1`` erased a disk whose child
 partition was mounted at ``/share2``, because only the parent was checked

@@ -1,4 +1,4 @@
-"""Every precondition of a provision's later steps, proven before the slot disk is touched (DESIGN.md §4.8).
+"""Every precondition of a provision's later steps, proven before the slot disk is touched (docs/safety.md §8).
 
 A host problem found at ``start`` comes after ``clone`` has written the slot
 disk: the slot can then only go ``cleanup_blocked`` until a release wipes it,
@@ -12,6 +12,8 @@ step                      precondition             refusal codes
 start                     ``/dev/kvm`` usable      ``kvm_missing``, ``kvm_unusable`` (kvm profiles)
 start                     1 GiB pages on the node  ``hugepages_unknown``, ``hugepages_insufficient``
 bind_vfio                 IOMMU group viable       the vfio guard's codes (``iommu_group_not_isolated`` ...)
+release's gpu_handover    GPU admin tool, a reset  ``gpu_handover_tool_missing``, ``gpu_reset_path_missing``,
+                          path for GPU and VF      ``gpu_memory_clear_unprovable`` (guards/gpureset.py)
 image                     cache space              ``cache_space_insufficient`` (size known)
 seed                      seed dir                 ``seed_dir_missing``, ``seed_dir_not_writable``,
                                                    ``seed_dir_unreadable_by_qemu``
@@ -39,7 +41,7 @@ import posixpath
 import shutil
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.domain import OvmfFirmware
+from gpuaas_agent.contract.gpuhandover import GpuHandoverReadiness
 from gpuaas_agent.contract.parity import DnsmasqEvidence
 from gpuaas_agent.contract.runtime import HUGEPAGE_1G_MIB, DomainType, RuntimeProfile
 from gpuaas_agent.contract.vfio import VfioGuardEvidence
@@ -54,6 +57,7 @@ from gpuaas_agent.discovery.netevidence import NetTarget, judge_dnsmasq, read_br
 from gpuaas_agent.discovery.numa import HUGEPAGES_1G_DIR, free_hugepages_1g
 from gpuaas_agent.discovery.ovmf import OvmfNotFoundError, find_ovmf
 from gpuaas_agent.errors import GuardError
+from gpuaas_agent.guards.gpureset import GpuHandoverRefused, check_gpu_handover_ready
 from gpuaas_agent.guards.vfio import VfioGuardError, check_vfio_bindable
 from gpuaas_agent.hostfs import HostRoot
 
@@ -381,6 +385,7 @@ class ProvisionPreconditions(WireModel):
     hugepages_1g_needed: int
     hugepages_1g_free: int | None
     vfio: list[VfioGuardEvidence]
+    gpu_handover: GpuHandoverReadiness | None = None
     image_cache: CacheSpaceEvidence
     seed_dir: SeedDirEvidence
     relay_key: RelayKeyEvidence
@@ -389,6 +394,19 @@ class ProvisionPreconditions(WireModel):
     gateway: str = Field(description="the address the bridge owns, with prefix")
     dnsmasq: DnsmasqEvidence
     checks_passed: list[str]
+
+
+def check_gpu_handover(host: HostRoot, slice_config: SliceConfig, profile: RuntimeProfile,
+                       gpu_pci_address: str | None, fabric_vf_pci_address: str | None) -> GpuHandoverReadiness | None:
+    """The release will hand the slot's GPU over (guards/gpureset.py): the tool is installed and the
+    GPU and VF have a reset the agent may use. Refused here, before the lease, never after the tenant."""
+    if gpu_pci_address is None:
+        return None
+    try:
+        return check_gpu_handover_ready(host.fresh(), profile.gpu_handover, gpu_pci_address, fabric_vf_pci_address,
+                                        slice_config.gpu_admin_tool)
+    except GpuHandoverRefused as exc:
+        raise PreconditionRefused(exc.message, code=exc.code, evidence={"profile": profile.name, **exc.evidence}) from None
 
 
 def check_provision_preconditions(
@@ -429,6 +447,7 @@ def check_provision_preconditions(
         passed.append("hugepages_free")
 
     vfio: list[VfioGuardEvidence] = []
+    gpu_handover = None
     if profile.hostdevs:
         approved = [a for a in (gpu_pci_address, fabric_vf_pci_address) if a]
         for address in approved:  # the slot's GPU and, when it has one, its VF
@@ -437,6 +456,8 @@ def check_provision_preconditions(
             except VfioGuardError as exc:
                 raise PreconditionRefused(exc.message, code=exc.code, evidence={**base, **exc.evidence}) from None
         passed.append("vfio_groups_viable")
+        gpu_handover = check_gpu_handover(host, slice_config, profile, gpu_pci_address, fabric_vf_pci_address)
+        passed.append("gpu_handover_ready")
 
     cache = check_cache_space(system, image_cache_dir, image_size_hint)
     passed.append("cache_space" if image_size_hint is not None else "cache_space_unknown_size")
@@ -478,5 +499,23 @@ def check_provision_preconditions(
 
     return ProvisionPreconditions(
         profile=profile.name, domain_type=profile.domain_type, kvm=kvm, numa_node=numa_node,
-        hugepages_1g_needed=needed, hugepages_1g_free=free, vfio=vfio, image_cache=cache, seed_dir=seed,
-        relay_key=relay, ovmf=firmware, ovs_bridge=bridge, gateway=gateway, dnsmasq=dnsmasq, checks_passed=passed)
+        hugepages_1g_needed=needed, hugepages_1g_free=free, vfio=vfio, gpu_handover=gpu_handover,
+        image_cache=cache, seed_dir=seed, relay_key=relay, ovmf=firmware, ovs_bridge=bridge, gateway=gateway,
+        dnsmasq=dnsmasq, checks_passed=passed)
+
+
+def check_fabric_manager(profile: RuntimeProfile, nvswitches: Sequence[str], fm_problem: str | None) -> None:
+    """A ``fabric_partitions`` profile on an NVSwitch host needs Fabric Manager answering (before any lease).
+
+    Without FM no partition can be activated and the guest's GPUs get no NVLink (CUDA error 802 in the
+    guest): the task is refused with the slots untouched. ``fm_problem``: why FM did not answer, or None.
+    A profile without ``fabric_partitions`` never asks for FM (the seed's guidance: no host FM unless the
+    profile says it is safe), and a host without NVSwitches has no partitions to activate.
+    """
+    if not profile.fabric_partitions or not nvswitches or fm_problem is None:
+        return
+    raise PreconditionRefused(
+        f"profile {profile.name} needs NVIDIA Fabric Manager on this NVSwitch host and it did not answer: "
+        f"{fm_problem}; start nvidia-fabricmanager (Shared NVSwitch mode) and configure [slice.fabric_manager]",
+        code="fabric_manager_missing",
+        evidence={"profile": profile.name, "nvswitches": list(nvswitches), "fabric_manager": fm_problem})

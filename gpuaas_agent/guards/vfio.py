@@ -1,4 +1,4 @@
-"""The check before a PCI function is handed to vfio-pci (DESIGN.md §4.3).
+"""The check before a PCI function is handed to vfio-pci (docs/safety.md §3).
 
 A guest given one function of an IOMMU group can DMA to every function in it:
 binding a GPU whose group also holds, say, the BOSS NVMe controller would hand

@@ -1,4 +1,4 @@
-"""The checks a slot's domain passes right before ``start`` (DESIGN.md §4.4, seed 002 Phase 5).
+"""The checks a slot's domain passes right before ``start`` (docs/safety.md §4, seed 002 Phase 5).
 
 A VM started on a host that cannot carry it fails late and messily: QEMU
 without ``/dev/kvm`` falls back to TCG or dies, a missing OVS bridge leaves the

@@ -1,4 +1,4 @@
-"""Write a cached image onto the slot disk with ``qemu-img convert -O raw`` (DESIGN.md §4.1, §7).
+"""Write a cached image onto the slot disk with ``qemu-img convert -O raw`` (docs/safety.md §1, docs/performance.md).
 
 ``qemu-img convert -n`` onto a disk whose child partition is mounted succeeds
 and overwrites it (seen on CI machines; the seed 004 host had such disks), so

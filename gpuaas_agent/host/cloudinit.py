@@ -116,7 +116,7 @@ def _user_data(spec: SeedSpec) -> dict[str, Any]:
     return document
 
 
-# The egress probe (issue 16): first boot connects to the target beyond the NAT, retrying in the background
+# The egress probe: first boot connects to the target beyond the NAT, retrying in the background
 # (a NAT repaired later still lets readiness see it), with nc or bash's /dev/tcp, whichever the image has.
 # Readiness reads the proof from the host's conntrack (host/egress.py), never from the guest.
 EGRESS_PROBE_SCRIPT = (

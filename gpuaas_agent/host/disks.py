@@ -1,4 +1,4 @@
-"""Wipe a released slot disk and prove it (DESIGN.md §4.6): discard, erase signatures, read back.
+"""Wipe a released slot disk and prove it (docs/safety.md §6): discard, erase signatures, read back.
 
 A disk goes back to ``available`` only with a verified :class:`WipeProof`; a
 failed verification raises ``wipe_unverified`` carrying the proof, and the

@@ -129,7 +129,7 @@ def build_domain(spec: DomainSpec) -> ET.Element:
     profile = spec.profile
     # Passthrough guests get the host's NUMA/PCIe layout (host/guest_topology.py), one slot or eight.
     layout = plan_layout(spec) if profile.hostdevs else None
-    # type: kvm in production; qemu (TCG) in the lab, where KVM cannot boot a stock kernel (DESIGN.md §5).
+    # type: kvm in production; qemu (TCG) in the lab, where KVM cannot boot a stock kernel (docs/testing.md).
     domain = ET.Element("domain", {"type": profile.domain_type.value})
     # name: derived from the allocation only, so it survives an agent restart with no local state.
     _sub(domain, "name", spec.domain_name)
@@ -204,7 +204,9 @@ def build_domain(spec: DomainSpec) -> ET.Element:
     # serial + console: the only console (no VNC/SPICE listener); the terminal gateway attaches to it.
     serial = _sub(devices, "serial", type="pty")
     if spec.serial_log_path is not None:
-        _sub(serial, "log", file=spec.serial_log_path, append="off")
+        # append: a restarted domain (power start, reboot) adds to the log instead of erasing what the last
+        # boot printed (host/consolelog.py caps it).
+        _sub(serial, "log", file=spec.serial_log_path, append="on")
     _sub(serial, "target", type="isa-serial", port="0")
     console = _sub(devices, "console", type="pty")
     _sub(console, "target", type="serial", port="0")
@@ -335,7 +337,7 @@ def _topology_devices(devices: ET.Element, spec: DomainSpec, layout: GuestLayout
             disk_number += 1
         else:
             # hostdev managed='no': the agent binds GPU and VF to vfio-pci itself, after the IOMMU group guard
-            # (DESIGN.md §4.3); libvirt's managed detach would bypass that guard. driver vfio: the only backend.
+            # (docs/safety.md §3); libvirt's managed detach would bypass that guard. driver vfio: the only backend.
             hostdev = _sub(devices, "hostdev", mode="subsystem", type="pci", managed="no")
             _sub(hostdev, "driver", name="vfio")
             _pci_source(hostdev, port.host_address or "")

@@ -7,7 +7,7 @@ Layout under the cache root::
     sha256/.<hex>.*.partial      a download in flight (removed on any failure)
 
 A hit needs both the image and its marker (with the same size) and does not
-hash again: the digest was proven on the way in (DESIGN.md §7, "hashed once per
+hash again: the digest was proven on the way in (docs/performance.md, "hashed once per
 cache entry, not once per clone"). The clone onto a slot disk is another driver.
 
 Bounded disk use: the cache holds at most ``cache_max_bytes`` of images and never

@@ -319,7 +319,7 @@ class LibvirtLifecycle:
 
     async def defined_domain_disks(self, *, exclude_allocation: str | None = None,
                                    exclude_slot: int | None = None) -> list[str]:
-        """Block-device sources of every *defined* domain, running or shut off (DESIGN.md §4.1).
+        """Block-device sources of every *defined* domain, running or shut off (docs/safety.md §1).
 
         A shut-off domain still owns its disk: start it again and it writes there,
         so its disk must not be cloned or wiped for another slot. Only the
@@ -347,6 +347,27 @@ class LibvirtLifecycle:
             return sorted(disks)
 
         return await self._call("defined_domain_disks", op)
+
+    async def defined_domain_hostdevs(self) -> list[str]:
+        """PCI addresses every *defined* domain (running or shut off, ours or not) names as a hostdev.
+
+        A GPU handover refuses to reset any of them: a running guest would lose its
+        device mid-use, a shut-off one would get it back on its next start.
+        """
+
+        def op(conn: libvirt.virConnect) -> list[str]:
+            held: set[str] = set()
+            for dom in conn.listAllDomains(0):
+                try:
+                    xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+                except libvirt.libvirtError as exc:
+                    if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                        continue  # undefined between the listing and the read
+                    raise
+                held.update(parse_domain_devices(dom.name(), xml).hostdevs)
+            return sorted(held)
+
+        return await self._call("defined_domain_hostdevs", op)
 
     # -- define / start -----------------------------------------------------------
 

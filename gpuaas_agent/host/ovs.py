@@ -20,7 +20,7 @@ itself is not thread-safe.
 
 The transaction plumbing (schema fetch, sync, bounded TRY_AGAIN retries,
 deadlines, waiting for vswitchd) is the thin adapter host/ovsdb_idl.py; this
-module is policy only. Why not ovsdbapp (issue 15 item 4): measured with
+module is policy only. Why not ovsdbapp: measured with
 bench/bench_ovsdb.py — ovsdbapp 3.0's backend shares one connection per class
 (a second driver for another remote talks to the first server), its schema fetch
 has no deadline (blocked > 8 s on a silent server), it retries TRY_AGAIN without

@@ -2,7 +2,7 @@
 
 This is all the transaction plumbing the agent has; host/ovs.py holds only policy
 (which rows, which checks, which refusals). What the adapter guarantees, and why
-each piece is here rather than in a library (issue 15 item 4, measured with
+each piece is here rather than in a library (measured with
 bench/bench_ovsdb.py against ovsdbapp 3.0 on a real ovsdb-server + vswitchd):
 
 * one deadline per operation, connect included: the schema is fetched with a

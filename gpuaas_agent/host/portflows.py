@@ -1,8 +1,8 @@
 """The OpenFlow rules that pin a guest port to its reserved MAC/IP and to the gateway, installed and read back per port.
 
 Why: with OVS's default ``NORMAL`` switching a tenant can take another slice's IP or
-MAC, answer ARP for the gateway and talk to the other tenant's VM directly (DESIGN.md
-§4.9). Like Neutron's port-security flows, every guest port gets its own rules,
+MAC, answer ARP for the gateway and talk to the other tenant's VM directly (docs/safety.md
+§9). Like Neutron's port-security flows, every guest port gets its own rules,
 keyed by its ``in_port`` and its reserved MAC/IP, and marked with the port's cookie
 (``contract/isolation.py``: derived from allocation and slot like the vNIC name).
 

@@ -1,6 +1,6 @@
 """Guest readiness: wait until the expected MAC holds the expected IP, then until SSH answers on it.
 
-A VM is ``active`` only after both (DESIGN.md §4.5). Each wait polls with a
+A VM is ``active`` only after both (docs/safety.md §5). Each wait polls with a
 deadline, reports progress when what it sees changes, honours cancellation at
 every await, and ends in a typed timeout whose evidence names what was missing
 and the last thing observed.

@@ -1,4 +1,4 @@
-"""Bind a slot's PCI functions to vfio-pci through ``driver_override`` (DESIGN.md §4.3).
+"""Bind a slot's PCI functions to vfio-pci through ``driver_override`` (docs/safety.md §3).
 
 The kernel's sequence (Documentation/ABI/testing/sysfs-bus-pci)::
 
@@ -203,6 +203,11 @@ async def _clear_override(host: HostRoot, device: str, timeout_s: float, writes:
         log.warning("event=driver_override_not_cleared path=%s error=%r", path, exc)
     else:
         writes.append(SysfsWrite(path=path, value="\n"))
+
+
+async def write_sysfs_attr(host: HostRoot, host_path: str, value: str, timeout_s: float) -> None:
+    """One deadline-bound write of a sysfs attribute (a device's ``reset``): the same write binding uses."""
+    await _write_with_deadline(host, host_path, value, timeout_s)
 
 
 async def _write_with_deadline(host: HostRoot, host_path: str, value: str, timeout_s: float) -> None:

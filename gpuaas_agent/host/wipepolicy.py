@@ -263,7 +263,7 @@ async def check_wipe_policy(
 ) -> dict:
     """Prove, writing nothing, that ``policy`` can wipe the leased disk: NVMe namespace, identity, capability, scope.
 
-    For a provision's validate (DESIGN.md §4.8): a profile asking for an erase the
+    For a provision's validate (docs/safety.md §8): a profile asking for an erase the
     drive does not offer is refused before a tenant's data lands on it, instead of
     leaving the slot ``cleanup_blocked`` at release. ``discard``/``zeroout`` need nothing.
     Returns the evidence; raises :class:`WipeRefused` / ``NvmeCapsError``.

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError
 
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireModel
+from gpuaas_agent.contract.fleet import DrainReport, QuarantinedComponent
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.errors import AgentError
 
@@ -47,6 +48,8 @@ class DaemonStatus(WireModel):
     health_reason: str | None = None
     health: list[HealthCheck] = Field(default_factory=list)
     in_flight: list[InFlightTask] = Field(default_factory=list)
+    maintenance: DrainReport | None = None
+    quarantined: list[QuarantinedComponent] = Field(default_factory=list)
 
 
 def status_path(state_dir: str | Path) -> Path:

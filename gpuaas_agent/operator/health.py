@@ -14,7 +14,9 @@ checks are what an operator would look at by hand, each one a
   ``vfio_binding`` (an active slot's GPU and VF are on vfio-pci);
 - hardware where the host exposes it: ``nvme_smart`` (nvme-cli's smart-log),
   ``pcie_aer`` (AER counters of GPU/NIC/NVMe functions), ``gpu_nvml`` (XID events,
-  ECC, retired pages and remapped rows through NVML: :mod:`gpuaas_agent.operator.nvml`).
+  ECC, retired pages and remapped rows through NVML: :mod:`gpuaas_agent.operator.nvml`), and
+  ``gpu_bmc`` where a ``[bmc]`` is configured (the HGX baseboard's BMC over Redfish, which sees
+  the GPUs a slice holds on vfio-pci: :mod:`gpuaas_agent.operator.bmc`).
 
 ``unavailable`` means this host cannot answer (no nvme-cli, no NVML driver, a
 recorded root): it never counts as ``ok`` and never degrades the host either.
@@ -39,14 +41,16 @@ from pathlib import Path
 import libvirt
 
 from gpuaas_agent.compat import UTC
+from gpuaas_agent.config import BmcConfig
 from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.discovery.aer import aer_counts
 from gpuaas_agent.discovery.netevidence import NetTarget, judge_dnsmasq, read_dnsmasq_evidence, read_network_evidence
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.run import run
 from gpuaas_agent.hostfs import HostRoot
-from gpuaas_agent.operator import nvml
+from gpuaas_agent.operator import bmc, nvml
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,7 @@ class HealthSettings:
     # Where the slice network (bridge, NAT, ip_forward, dnsmasq) is read; None: host_root. The lab runs a
     # recorded host (host_root) with a real network: health_network_live reads that one on "/".
     network_root: Path | None = None
+    bmc: BmcConfig | None = None  # the HGX baseboard's BMC: the gpu_bmc check (operator/bmc.py)
 
     @classmethod
     def from_config(cls, config) -> HealthSettings:
@@ -82,7 +87,8 @@ class HealthSettings:
                    netns=config.health_netns, dnsmasq_hosts_file=site.dnsmasq_hosts_file,
                    dnsmasq_pid_file=site.dnsmasq_pid_file, libvirt_uri=site.libvirt_uri,
                    nvml_fixture=getattr(config, "health_nvml_fixture", None),
-                   network_root=Path("/") if getattr(config, "health_network_live", False) else None)
+                   network_root=Path("/") if getattr(config, "health_network_live", False) else None,
+                   bmc=getattr(config, "bmc", None))
 
 
 def _now() -> datetime:
@@ -203,20 +209,6 @@ def vfio_check(settings: HealthSettings, leases: list[SlotLease], records: list[
 # -- hardware ------------------------------------------------------------------------------
 
 
-def _aer_total(text: str) -> int:
-    """``aer_dev_*`` files list one counter a line and end with ``TOTAL_ERR_*``; sum them when that is absent."""
-    total, summed = None, 0
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) != 2 or not parts[1].isdigit():
-            continue
-        if parts[0].startswith("TOTAL_ERR"):
-            total = int(parts[1])
-        else:
-            summed += int(parts[1])
-    return summed if total is None else total
-
-
 def pcie_aer_check(settings: HealthSettings) -> HealthCheck:
     """AER counters of the slot's PCI functions: fatal errors fail the host, non-fatal degrade it."""
     host = HostRoot.open(settings.host_root)
@@ -234,12 +226,7 @@ def pcie_aer_check(settings: HealthSettings) -> HealthCheck:
             continue
         if vendor not in _SLOT_VENDORS and not klass.startswith(_NVME_CLASS):
             continue
-        counts = {}
-        for kind in ("fatal", "nonfatal", "correctable"):
-            try:
-                counts[kind] = _aer_total(host.read_text(f"{base}/aer_dev_{kind}"))
-            except OSError:
-                pass
+        counts = aer_counts(host, address)
         if not counts:
             continue
         seen += 1
@@ -326,7 +313,7 @@ def gpu_nvml_check(settings: HealthSettings, source=None) -> HealthCheck:
     return _check("gpu_nvml", status, detail)
 
 
-# -- port isolation (DESIGN.md §4.9) ---------------------------------------------------------
+# -- port isolation (docs/safety.md §9) ---------------------------------------------------------
 
 ISOLATION_KINDS = frozenset({"flows_missing", "flows_altered", "flows_orphan",
                              "nft_guard_missing", "nft_guard_altered", "nft_guard_orphan"})
@@ -410,6 +397,13 @@ async def guarded_check(name: str, work: Callable[[], object], *, timeout_s: flo
     return result if isinstance(result, list) else [result]
 
 
+def bmc_checks(config: BmcConfig | None) -> list:
+    """The ``gpu_bmc`` check where a BMC is configured, under its own deadline (a whole baseboard read)."""
+    if config is None:
+        return []
+    return [guarded_check(bmc.CHECK_NAME, lambda: bmc.bmc_check(config), timeout_s=config.check_timeout_s)]
+
+
 async def run_checks(settings: HealthSettings, leases: list[SlotLease], records: list[SlotRecord]) -> list[HealthCheck]:
     """Every check once, concurrently; sorted by name so heartbeats compare line by line."""
     async def nvme() -> list[HealthCheck]:
@@ -427,6 +421,7 @@ async def run_checks(settings: HealthSettings, leases: list[SlotLease], records:
         guarded_check("pcie_aer", lambda: pcie_aer_check(settings)),
         guarded_check("gpu_nvml", lambda: gpu_nvml_check(settings)),
         nvme(),
+        *bmc_checks(settings.bmc),
     )
     return sorted((c for group in rounds for c in group), key=lambda c: c.name)
 

@@ -28,6 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from gpuaas_agent import compat
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.config import parse_listen
+from gpuaas_agent.contract.fleet import DrainReport, QuarantinedComponent
 from gpuaas_agent.contract.tasks import HealthCheck, TaskType
 from gpuaas_agent.logs import log_event
 
@@ -54,6 +55,9 @@ class LiveState:
     nats_connected: bool = False
     nats_reconnects: int = 0
     uevents_seen: int = 0
+    # Maintenance and drain (None: the stored state could not be read: no series, and the scrape says why in the log).
+    maintenance: DrainReport | None = None
+    quarantined: list[QuarantinedComponent] = field(default_factory=list)
 
 
 class _LiveCollector:
@@ -88,6 +92,30 @@ class _LiveCollector:
         for status, count in sorted(live.slot_states.items()):
             slots.add_metric([status], count)
         yield slots
+        yield from _fleet_families(live)
+
+
+def _fleet_families(live: LiveState):
+    """Maintenance, drain and quarantine: what docs/alerts.md's rules and the dashboard read."""
+    if live.maintenance is not None:
+        m = live.maintenance
+        yield GaugeMetricFamily("gpuaas_agent_maintenance", "1 while the host is in maintenance (no new slices)",
+                                value=int(m.maintenance))
+        if m.maintenance and m.since is not None:
+            yield GaugeMetricFamily("gpuaas_agent_maintenance_since_timestamp_seconds",
+                                    "when the host went into maintenance (unix time)", value=m.since.timestamp())
+        yield GaugeMetricFamily("gpuaas_agent_drained", "1 when the host is in maintenance and no slice is left",
+                                value=int(m.drained))
+        yield GaugeMetricFamily("gpuaas_agent_leased_slots", "slots an allocation holds a lease on",
+                                value=len(m.leased_slots))
+    yield GaugeMetricFamily("gpuaas_agent_quarantined_components", "components out of service until unquarantined",
+                            value=len(live.quarantined))
+    named = GaugeMetricFamily("gpuaas_agent_quarantined", "1 for each quarantined component, by name and reason",
+                              labels=["kind", "identity", "reason", "slot"])
+    for q in live.quarantined:
+        named.add_metric([q.kind.value, q.identity, q.reason.value, "" if q.slot_index is None else str(q.slot_index)],
+                         1)
+    yield named
 
 
 class AgentMetrics:
@@ -113,6 +141,13 @@ class AgentMetrics:
         self.health_state = Gauge("gpuaas_agent_health_state", "1 for the host's current health state",
                                   ["state"], registry=r)
         self.heartbeats = Counter("gpuaas_agent_heartbeats", "heartbeats the server took", registry=r)
+        # Every type and outcome from the start at 0, and the release's wipe step: ``increase()`` in an alert
+        # (docs/alerts.md) sees the first failure after a restart, not only the second.
+        for task_type in sorted(KNOWN_TYPES):
+            for status in ("succeeded", "failed", "cancelled"):
+                self.tasks.labels(task_type, status)
+        for status in ("succeeded", "failed"):
+            self.steps.labels("slice.vm_release", "wipe", status)
         if sample is not None:
             r.register(_LiveCollector(sample))
 

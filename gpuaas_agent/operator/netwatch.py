@@ -1,4 +1,4 @@
-"""The slice network, re-proven while slices run: a short timer and netlink events drive its checks (issue 16).
+"""The slice network, re-proven while slices run: a short timer and netlink events drive its checks.
 
 Why: readiness proved the network once. The seed 004 incident (the NAT ``MASQUERADE``
 rule gone, guests without egress) stayed invisible until a user complained, and the

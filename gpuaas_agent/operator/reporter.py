@@ -22,11 +22,14 @@ import nats.errors
 from gpuaas_agent import __version__
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
+from gpuaas_agent.contract.fleet import DrainReport, QuarantinedComponent
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat
 from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP
+from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, write_status
+from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
     HealthSettings,
@@ -36,6 +39,7 @@ from gpuaas_agent.operator.health import (
 from gpuaas_agent.operator.metrics import AgentMetrics
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.maintenance import drain_changed, log_drained, observe_drain
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,10 @@ class Reporter:
         self.last_heartbeat_at: datetime | None = None
         self._last_status_line: str | None = None
         self.checked = asyncio.Event()  # set after the first round of health checks
+        # Maintenance/drain and quarantined components as of the last tick (operator/fleetview.py).
+        self.drain: DrainReport | None = None
+        self.quarantined: list[QuarantinedComponent] = []
+        self._drain_write: asyncio.Task | None = None
         # Checks that need the slice drivers (the daemon adds them when it serves slices).
         self.extra_checks: list[Callable[[], Awaitable[list[HealthCheck]]]] = []
 
@@ -149,7 +157,7 @@ class Reporter:
             written_at=datetime.now(UTC), heartbeat_interval_s=self.settings.heartbeat_interval_s,
             nats_state=self.nats_state, nats_connect_attempts=self.connect_attempts, nats_reconnects=self.reconnects,
             last_heartbeat_at=self.last_heartbeat_at, health_state=state, health_reason=reason,
-            health=self.checks or [], in_flight=flights)
+            health=self.checks or [], in_flight=flights, maintenance=self.drain, quarantined=self.quarantined)
 
     # -- loops --------------------------------------------------------------------------------
 
@@ -183,11 +191,12 @@ class Reporter:
     async def tick(self) -> None:
         """One heartbeat (when connected), the status file, the textfile, STATUS= on a change."""
         state, reason = self.health()
+        await self.observe_fleet()
         if self.nc is not None and self.nc.is_connected:
             await self._publish(state, reason)
         if self.nc is not None and self.worker is not None:
             if self.nc.is_connected and self.worker.ready.is_set():
-                self.status_line(f"node {self.settings.node_id}: pulling tasks; health {state}")
+                self.status_line(f"node {self.settings.node_id}: pulling tasks; health {state}{self._fleet_note()}")
             elif not self.nc.is_connected:
                 self.status_line(f"node {self.settings.node_id}: NATS connection lost, reconnecting")
         if self.metrics is not None and self.checks is not None:
@@ -206,13 +215,48 @@ class Reporter:
                 log_event(log, "metrics_textfile_failed", logging.WARNING, path=str(self.settings.metrics_textfile),
                           error=exc.strerror or str(exc))
 
+    async def observe_fleet(self) -> None:
+        """Maintenance, drain and quarantine, read off the reader (a held write lock never delays the heartbeat).
+
+        When the drain's record must change (done: ``drained_at`` once, logged once; undone by a new lease),
+        the write runs beside the tick on the writer thread, one at a time.
+        """
+        try:
+            self.drain, self.quarantined = await self.state.run(fleet_view)
+        except Exception as exc:  # the heartbeat and status file go out with the last view, and the log says why
+            log_event(log, "fleet_view_failed", logging.WARNING, error=repr(exc))
+            return
+        if self.drain is None or not drain_changed(self.drain):
+            return
+        if self._drain_write is None or self._drain_write.done():
+            self._drain_write = asyncio.create_task(self._record_drain())
+
+    async def _record_drain(self) -> None:
+        try:
+            drain, newly_drained = await self.state.run(observe_drain, write=True)
+        except AgentError as exc:
+            log_event(log, "drain_record_failed", logging.WARNING, code=exc.code, message=exc.message)
+            return
+        self.drain = drain
+        if newly_drained:
+            log_drained(drain)
+
+    def _fleet_note(self) -> str:
+        note = ""
+        if self.drain is not None and self.drain.maintenance:
+            note += ("; maintenance, drained" if self.drain.drained
+                     else f"; maintenance, draining {len(self.drain.leased_slots)} slot(s)")
+        if self.quarantined:
+            note += f"; {len(self.quarantined)} quarantined"
+        return note
+
     async def _publish(self, state: str, reason: str | None) -> None:
         leased = [lease.slot_index for lease in await self.state.leases()]
         beat = Heartbeat(
             node_id=self.settings.node_id, agent_version=__version__, health_state=state, health_reason=reason,
             health=self.checks or [],
             running_tasks=self.worker.running_task_ids if self.worker is not None else [],
-            leased_slots=leased,
+            leased_slots=leased, maintenance=self.drain, quarantined=self.quarantined,
             at=datetime.now(UTC))
         try:
             await self.nc.publish(subjects.heartbeat(self.settings.node_id), beat.model_dump_json().encode())

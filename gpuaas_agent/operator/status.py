@@ -30,15 +30,18 @@ from pydantic import Field, ValidationError
 from gpuaas_agent import __version__
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.fleet import DrainReport, MaintenanceState, QuarantineRecord
 from gpuaas_agent.contract.naming import domain_name
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.control.enroll import load_enrollment
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.consolelog import log_path as console_log_path
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, read_status
 from gpuaas_agent.operator.health import HealthSettings
 from gpuaas_agent.operator.health import run_checks as run_health
+from gpuaas_agent.tasks.maintenance import MAINTENANCE_KEY
 
 EXIT_HEALTHY, EXIT_DEGRADED, EXIT_BROKEN = 0, 1, 3
 RECENT_FAILURES = 10
@@ -61,6 +64,7 @@ class SlotView(WireModel):
     domain: str | None = None
     vm_state: str | None = None  # running, shut off, absent, or why it could not be read
     ip: str | None = None
+    console_log: str | None = None  # the allocation's serial console log on this host, when it exists
 
 
 class FailureView(WireModel):
@@ -86,6 +90,10 @@ class StatusReport(WireModel):
     recent_failures: list[FailureView] = Field(default_factory=list)
     health: list[HealthCheck] = Field(default_factory=list)
     libvirt: str | None = None
+    # Where every slice's serial console is captured (slice.console_log reads it; docs/console-logs.md).
+    console_log_dir: str | None = None
+    maintenance: DrainReport | None = None  # None: never set, or a store too old to have it
+    quarantined: list[QuarantineRecord] = Field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -146,6 +154,42 @@ def read_state(path: Path) -> tuple[dict[int, SlotView], list[FailureView]]:
         return slots, failures
     except (sqlite3.Error, ValueError) as exc:
         raise StateUnreadable(f"cannot read state DB {path}: {exc}", evidence={"path": str(path)}) from None
+    finally:
+        conn.close()
+
+
+def read_fleet(path: Path) -> tuple[DrainReport | None, list[QuarantineRecord]]:
+    """Maintenance (with its drain: the leases still held) and the quarantined components, read-only.
+
+    A store the daemon has not migrated yet has neither: (None, []). A maintenance row that does not
+    validate is ``StateUnreadable`` (status says so rather than guess the host is open for work).
+    """
+    conn = open_readonly(path)
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        drain = None
+        if "agent_meta" in tables:
+            row = conn.execute("SELECT value FROM agent_meta WHERE key = ?", (MAINTENANCE_KEY,)).fetchone()
+            if row is not None:
+                state = MaintenanceState.model_validate_json(row[0])
+                leases = conn.execute("SELECT slot_index, allocation_id FROM slot_lease ORDER BY slot_index").fetchall()
+                drain = DrainReport(maintenance=state.on, reason=state.reason if state.on else "",
+                                    since=state.since if state.on else None, leased_slots=[r[0] for r in leases],
+                                    allocations=len({r[1] for r in leases}), drained=state.on and not leases,
+                                    drained_at=state.drained_at if state.on else None)
+        quarantined = []
+        if "quarantine" in tables:
+            for kind, identity, reason, evidence, at, task_id, slot_index in conn.execute(
+                    "SELECT kind, identity, reason, evidence, quarantined_at, task_id, slot_index FROM quarantine"
+                    " ORDER BY quarantined_at"):
+                quarantined.append(QuarantineRecord.from_wire({
+                    "kind": kind, "identity": identity, "reason": reason, "evidence": json.loads(evidence),
+                    "quarantined_at": datetime.fromtimestamp(at, UTC).isoformat(), "task_id": task_id,
+                    "slot_index": slot_index}))
+        return drain, quarantined
+    except (sqlite3.Error, ValueError) as exc:
+        raise StateUnreadable(f"cannot read maintenance/quarantine from {path}: {exc}"[:2000],
+                              evidence={"path": str(path)}) from None
     finally:
         conn.close()
 
@@ -218,11 +262,18 @@ def collect(config, *, run_checks: bool = True, now: float | None = None) -> Sta
 
     slots: dict[int, SlotView] = {}
     failures: list[FailureView] = []
+    drain: DrainReport | None = None
+    quarantined: list[QuarantineRecord] = []
     try:
         slots, failures = read_state(config.state_db)
+        drain, quarantined = read_fleet(config.state_db)
     except StateUnreadable as exc:
         broken = True
         reasons.append(str(exc))
+    for q in quarantined:
+        reasons.append(f"quarantined: {q.kind.value} {q.identity}"
+                       f"{'' if q.slot_index is None else f' (slot {q.slot_index})'}: {q.reason.value} since "
+                       f"{q.quarantined_at.isoformat(timespec='seconds')}, task {q.task_id}")
 
     libvirt_verdict = None
     with_alloc = {i: domain_name(s.allocation_id) for i, s in slots.items() if s.allocation_id}
@@ -232,6 +283,11 @@ def collect(config, *, run_checks: bool = True, now: float | None = None) -> Sta
         for index, name in with_alloc.items():
             slots[index] = slots[index].model_copy(update={"domain": name, "vm_state": states.get(index),
                                                           "ip": ips.get(index)})
+    for index, slot in slots.items():
+        if slot.allocation_id:
+            log = console_log_path(config.slice.console_log_dir, slot.allocation_id, index)
+            if log.is_file():
+                slots[index] = slot.model_copy(update={"console_log": str(log)})
     for slot in slots.values():
         if slot.status == "cleanup_blocked":
             reasons.append(f"slot {slot.slot_index}: cleanup_blocked (last task {slot.last_task_id})")
@@ -270,7 +326,8 @@ def collect(config, *, run_checks: bool = True, now: float | None = None) -> Sta
         nats_state=daemon.nats_state if daemon else None,
         last_heartbeat_at=daemon.last_heartbeat_at if daemon else None,
         slots=[slots[i] for i in sorted(slots)], in_flight=list(daemon.in_flight) if daemon and running else [],
-        recent_failures=failures, health=checks, libvirt=libvirt_verdict)
+        recent_failures=failures, health=checks, libvirt=libvirt_verdict,
+        console_log_dir=str(config.slice.console_log_dir), maintenance=drain, quarantined=quarantined)
 
 
 def _age(then: datetime | None, now: datetime) -> str:
@@ -295,12 +352,23 @@ def render(report: StatusReport) -> str:
     else:
         lines.append("daemon   no status file")
     lines.append(f"libvirt  {report.libvirt or '-'}")
+    lines.append(f"console  logs in {report.console_log_dir or '-'} (slice.console_log reads them)")
+    m = report.maintenance
+    if m is not None and m.maintenance:
+        drain = (f"drained {_age(m.drained_at, now)} ago" if m.drained else
+                 f"draining: {len(m.leased_slots)} slot(s) of {m.allocations} allocation(s) left "
+                 f"({', '.join(map(str, m.leased_slots))})")
+        lines.append(f"maint    ON for {_age(m.since, now)}: {m.reason}; {drain}")
+    else:
+        lines.append("maint    off")
     lines.append("")
     lines.append(f"{'SLOT':<5}{'STATUS':<16}{'HEALTH':<10}{'ALLOCATION':<38}{'VM':<12}{'IP':<16}LAST TASK")
     for s in report.slots:
         lines.append(f"{s.slot_index:<5}{(s.status or ('leased' if s.lease_task_id else '-')):<16}"
                      f"{(s.health_state or '-'):<10}{(s.allocation_id or '-'):<38}{(s.vm_state or '-'):<12}"
                      f"{(s.ip or '-'):<16}{s.last_task_id or s.lease_task_id or '-'}")
+        if s.console_log:
+            lines.append(f"     console log {s.console_log}")
     if not report.slots:
         lines.append("(no leased or recorded slots)")
     lines.append("")
@@ -314,6 +382,12 @@ def render(report: StatusReport) -> str:
     for f in report.recent_failures:
         lines.append(f"  {f.finished_at or '-'} {f.task_id} {f.type} {f.status} {f.code or '-'}: {f.message or ''}")
     if not report.recent_failures:
+        lines.append("  (none)")
+    lines.append("QUARANTINED")
+    for q in report.quarantined:
+        lines.append(f"  {q.kind.value:<10}{q.identity:<40}{q.reason.value:<26}slot {q.slot_index if q.slot_index is not None else '-'}"
+                     f"  since {_age(q.quarantined_at, now)}  task {q.task_id}")
+    if not report.quarantined:
         lines.append("  (none)")
     lines.append("HEALTH CHECKS")
     for c in report.health:

@@ -1,4 +1,4 @@
-"""The state store seen from the event loop: every SQLite call runs on ONE store thread (issue 17 item 6).
+"""The state store seen from the event loop: every SQLite call runs on ONE store thread.
 
 Why: a commit takes SQLite's write lock and fsyncs (``synchronous=FULL``); when
 another process holds the lock (a CLI ``gpuaas-agent release``, a backup, an
@@ -53,7 +53,7 @@ T = TypeVar("T")
 THREAD_NAME = "gpuaas-state"
 # StateStore methods that only read: served by the reader connection when there is one.
 READS = frozenset({"meta", "leases", "leases_of", "journal_of", "unfinished_steps", "result_of", "latest_wipe_proof",
-                   "slot_state", "slot_states"})
+                   "slot_state", "slot_states", "quarantine_of", "quarantined", "quarantine_history"})
 
 
 class StoreCallOnLoop(RuntimeError):

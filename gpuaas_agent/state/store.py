@@ -15,8 +15,12 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
+from gpuaas_agent.compat import UTC
+from gpuaas_agent.contract.fabric import PartitionLease
+from gpuaas_agent.contract.fleet import ComponentRef, QuarantineRecord, RecheckVerdict
 from gpuaas_agent.contract.handover import LeaseHandover
 from gpuaas_agent.contract.state import JournalEntry, SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.storage import WipeProof
@@ -53,7 +57,7 @@ MIGRATIONS: tuple[str, ...] = (
         stored_at REAL NOT NULL
     );
     """,
-    # 1 -> 2: the wipe proofs of each slot's disk, newest last (issue 3: proof stored with the slot).
+    # 1 -> 2: the wipe proofs of each slot's disk, newest last (the proof is stored with the slot).
     """
     CREATE TABLE slot_wipe_proof (
         slot_index INTEGER NOT NULL,
@@ -63,7 +67,7 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX slot_wipe_proof_slot ON slot_wipe_proof (slot_index, recorded_at);
     """,
-    # 2 -> 3: the host's own view of each slot it touched (issue 7: a provision that failed after
+    # 2 -> 3: the host's own view of each slot it touched (a provision that failed after
     # the disk was written leaves the slot cleanup_blocked until a release wipes and verifies it).
     """
     CREATE TABLE slot_state (
@@ -86,7 +90,7 @@ MIGRATIONS: tuple[str, ...] = (
     UPDATE slot_lease SET disk_identity = 'path:' || nvme_device WHERE disk_identity IS NULL;
     CREATE UNIQUE INDEX slot_lease_disk_identity ON slot_lease (disk_identity);
     """,
-    # 4 -> 5: the terminal relay (issue 21): every session audited (who, allocation, when, bytes, why it
+    # 4 -> 5: the terminal relay: every session audited (who, allocation, when, bytes, why it
     # ended), and each allocation's guest SSH host key as first seen (pinned: a changed key is refused).
     """
     CREATE TABLE terminal_session (
@@ -117,7 +121,7 @@ MIGRATIONS: tuple[str, ...] = (
     );
     """,
     # 5 -> 6: small facts about the host the agent must remember across its restarts; first the kernel's
-    # boot_id, so the first start after a host reboot re-validates and restores the active slices (issue 17).
+    # boot_id, so the first start after a host reboot re-validates and restores the active slices.
     """
     CREATE TABLE agent_meta (
         key TEXT PRIMARY KEY,
@@ -130,6 +134,45 @@ MIGRATIONS: tuple[str, ...] = (
     # NULL: a lease from before (or slice.plan's, until validate): release uses the strictest method.
     """
     ALTER TABLE slot_lease ADD COLUMN handover TEXT;
+    """,
+    # 7 -> 8: quarantined components (a GPU, a disk, a VF or a slot whose handover or health failed): no slot
+    # using one is offered until slice.unquarantine re-runs the failed check; each return is kept as history.
+    # Maintenance needs no table: it is one agent_meta row (key "maintenance").
+    """
+    CREATE TABLE quarantine (
+        kind TEXT NOT NULL,
+        identity TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        evidence TEXT NOT NULL,
+        quarantined_at REAL NOT NULL,
+        task_id TEXT NOT NULL,
+        slot_index INTEGER,
+        PRIMARY KEY (kind, identity)
+    );
+    CREATE TABLE quarantine_released (
+        kind TEXT NOT NULL,
+        identity TEXT NOT NULL,
+        record TEXT NOT NULL,
+        released_at REAL NOT NULL,
+        released_by TEXT NOT NULL,
+        release_reason TEXT NOT NULL,
+        recheck TEXT NOT NULL,
+        task_id TEXT NOT NULL
+    );
+    CREATE INDEX quarantine_released_component ON quarantine_released (kind, identity, released_at);
+    """,
+    # 8 -> 9: the NVIDIA Fabric Manager partition an allocation holds (NVSwitch hosts; contract/fabric.py):
+    # recorded with the slot leases, activated before start, released after the domain is gone; after an
+    # FM restart these rows are the partitions to set active again. One partition, one holder.
+    """
+    CREATE TABLE fabric_partition_lease (
+        allocation_id TEXT PRIMARY KEY,
+        partition_id INTEGER NOT NULL UNIQUE,
+        gpu_pci_addresses TEXT NOT NULL,
+        state TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        recorded_at REAL NOT NULL
+    );
     """,
 )
 
@@ -150,7 +193,7 @@ class LeaseConflict(StateError):
 
 
 def state_db_error(exc: sqlite3.Error, path: Path, *, timeout_s: float | None = None) -> StateError:
-    """A typed error for what SQLite said about the state file (issue 17, bad input).
+    """A typed error for what SQLite said about the state file (a bad file is refused, never guessed at).
 
     ``state_locked``: another process holds the lock longer than the busy timeout (retryable: nothing
     was written); ``state_unreadable``: the file is not a database, truncated or malformed.
@@ -450,6 +493,63 @@ class StateStore:
         with self._transaction():
             self._conn.execute("INSERT OR REPLACE INTO agent_meta VALUES (?, ?, ?)", (key, value, self._clock()))
 
+    # -- quarantine ----------------------------------------------------------------
+
+    _QUARANTINE_COLUMNS = "kind, identity, reason, evidence, quarantined_at, task_id, slot_index"
+
+    def quarantine(self, record: QuarantineRecord) -> tuple[QuarantineRecord, bool]:
+        """Quarantine a component; (the record that holds, True) when new. A component quarantined already
+        keeps its first record (its first failure is the one to explain): (that record, False)."""
+        with self._transaction():
+            held = self.quarantine_of(record.ref)
+            if held is not None:
+                return held, False
+            self._conn.execute(
+                f"INSERT INTO quarantine ({self._QUARANTINE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (record.kind.value, record.identity, record.reason.value, json.dumps(record.evidence, sort_keys=True),
+                 record.quarantined_at.timestamp(), record.task_id, record.slot_index))
+        return record, True
+
+    def quarantine_of(self, ref: ComponentRef) -> QuarantineRecord | None:
+        row = self._conn.execute(f"SELECT {self._QUARANTINE_COLUMNS} FROM quarantine WHERE kind = ? AND identity = ?",
+                                 (ref.kind.value, ref.identity)).fetchone()
+        return None if row is None else self._quarantine_record(row)
+
+    def quarantined(self) -> list[QuarantineRecord]:
+        rows = self._conn.execute(f"SELECT {self._QUARANTINE_COLUMNS} FROM quarantine"
+                                  " ORDER BY quarantined_at, rowid").fetchall()
+        return [self._quarantine_record(r) for r in rows]
+
+    def release_quarantine(self, ref: ComponentRef, *, released_by: str, reason: str, recheck: RecheckVerdict,
+                           task_id: str) -> QuarantineRecord | None:
+        """Return a component to service, keeping the record, who, why and the passing re-check as history;
+        None when it was not quarantined (nothing changes)."""
+        with self._transaction():
+            held = self.quarantine_of(ref)
+            if held is None:
+                return None
+            self._conn.execute("DELETE FROM quarantine WHERE kind = ? AND identity = ?", (ref.kind.value, ref.identity))
+            self._conn.execute(
+                "INSERT INTO quarantine_released VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (ref.kind.value, ref.identity, held.model_dump_json(), self._clock(), released_by, reason,
+                 recheck.model_dump_json(), task_id))
+        return held
+
+    def quarantine_history(self, ref: ComponentRef) -> list[dict]:
+        """Every return of a component to service, oldest first: its record, who, why, the re-check."""
+        rows = self._conn.execute(
+            "SELECT record, released_at, released_by, release_reason, recheck, task_id FROM quarantine_released"
+            " WHERE kind = ? AND identity = ? ORDER BY released_at, rowid", (ref.kind.value, ref.identity)).fetchall()
+        return [{"record": json.loads(r[0]), "released_at": r[1], "released_by": r[2], "reason": r[3],
+                 "recheck": json.loads(r[4]), "task_id": r[5]} for r in rows]
+
+    @staticmethod
+    def _quarantine_record(row: tuple) -> QuarantineRecord:
+        return QuarantineRecord.from_wire({
+            "kind": row[0], "identity": row[1], "reason": row[2], "evidence": json.loads(row[3]),
+            "quarantined_at": datetime.fromtimestamp(row[4], UTC).isoformat(), "task_id": row[5],
+            "slot_index": row[6]})
+
     # -- slot states ---------------------------------------------------------------
 
     def set_slot_state(self, record: SlotRecord) -> SlotRecord:
@@ -484,7 +584,7 @@ class StateStore:
         return SlotRecord(slot_index=row[0], allocation_id=row[1], status=row[2], health_state=row[3],
                           detail=json.loads(row[4]), task_id=row[5], updated_at=row[6])
 
-    # -- terminal sessions (issue 21) -------------------------------------------------
+    # -- terminal sessions -------------------------------------------------------------
 
     _TERMINAL_COLUMNS = ("session_id, allocation_id, slot_index, requested_by, login_user, target_host, target_port,"
                          " host_key_fingerprint, open_task_id, opened_at, closed_at, close_reason, close_detail,"
@@ -567,3 +667,41 @@ class StateStore:
             return None
         return HostKeyPin(allocation_id=row[0], slot_index=row[1], target_host=row[2], public_key=row[3],
                           fingerprint=row[4], pinned_at=row[5])
+
+    # -- fabric partitions (NVSwitch hosts) --------------------------------------------
+
+    def record_partition(self, lease: PartitionLease) -> PartitionLease:
+        """Record (or update the state of) an allocation's partition; ``partition_leased`` if another holds it."""
+        with self._transaction():
+            other = self._conn.execute("SELECT allocation_id FROM fabric_partition_lease WHERE partition_id = ?"
+                                       " AND allocation_id != ?", (lease.partition_id, lease.allocation_id)).fetchone()
+            if other is not None:
+                raise StateError(f"fabric partition {lease.partition_id} is held by allocation {other[0]}",
+                                 code="partition_leased",
+                                 evidence={"partition_id": lease.partition_id, "held_by": other[0]})
+            self._conn.execute(
+                "INSERT OR REPLACE INTO fabric_partition_lease VALUES (?, ?, ?, ?, ?, ?)",
+                (lease.allocation_id, lease.partition_id, ",".join(lease.gpu_pci_addresses), lease.state.value,
+                 lease.task_id, lease.recorded_at))
+        return lease
+
+    def partition_of(self, allocation_id: str) -> PartitionLease | None:
+        rows = self._partition_rows("WHERE allocation_id = ?", (allocation_id,))
+        return rows[0] if rows else None
+
+    def partition_leases(self) -> list[PartitionLease]:
+        return self._partition_rows("", ())
+
+    def release_partition(self, allocation_id: str) -> PartitionLease | None:
+        with self._transaction():
+            held = self.partition_of(allocation_id)
+            self._conn.execute("DELETE FROM fabric_partition_lease WHERE allocation_id = ?", (allocation_id,))
+        return held
+
+    def _partition_rows(self, where: str, params: tuple) -> list[PartitionLease]:
+        rows = self._conn.execute(
+            "SELECT allocation_id, partition_id, gpu_pci_addresses, state, task_id, recorded_at"
+            f" FROM fabric_partition_lease {where} ORDER BY partition_id", params).fetchall()
+        return [PartitionLease.from_wire({"allocation_id": r[0], "partition_id": r[1],
+                                          "gpu_pci_addresses": [a for a in r[2].split(",") if a], "state": r[3],
+                                          "task_id": r[4], "recorded_at": r[5]}) for r in rows]

@@ -1,1 +1,1 @@
-"""One handler per task type; they join discovery, guards, drivers and state (DESIGN.md §2)."""
+"""One handler per task type; they join discovery, guards, drivers and state (docs/architecture.md)."""

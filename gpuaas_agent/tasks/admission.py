@@ -4,7 +4,7 @@ Seen over the wire (a hostile tenant or a buggy control plane): an IP equal
 to the gateway, a 600 kB SSH key, a MAC another slot had reserved were only
 refused by the seed and reservation steps, *after* the disk was cloned, so
 each left the slot ``cleanup_blocked``. Here they are named functions the
-validate step calls before anything is leased or written (DESIGN.md §4.8),
+validate step calls before anything is leased or written (docs/safety.md §8),
 each raising a typed refusal with a stable code and ``evidence.field``:
 
 * ``invalid_payload``: the guest seed (user, keys, hostname, network) does not validate;

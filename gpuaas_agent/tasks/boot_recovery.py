@@ -1,6 +1,6 @@
 """The first start of the agent after the host rebooted: re-validate every active slice, restore what is safe.
 
-A reboot moves kernel names (DESIGN.md §4.2), loads ``nvidia``/``mlx5_core`` back
+A reboot moves kernel names (docs/safety.md §2), loads ``nvidia``/``mlx5_core`` back
 onto the GPUs and VFs (vfio-pci binds by ``driver_override``, which does not
 survive a boot), may take the 1 GiB hugepages, and leaves every domain shut off
 (the agent defines them without autostart: a domain must not start before its

@@ -4,7 +4,7 @@ A start is the moment a guest gets the GPU, the VF and the raw disk, so every
 start goes through the same sequence, whoever asks for it:
 
 1. the PCI functions the profile passes through are still isolated (every member
-   of their IOMMU groups approved, on vfio-pci, or a bridge: DESIGN.md §4.3) — for a
+   of their IOMMU groups approved, on vfio-pci, or a bridge: docs/safety.md §3) — for a
    multi-slot allocation every slot's GPU and VF, not only the boot slot's;
 2. the disk guard, with the slot's :class:`DiskLease` and the block disks of every
    *other* running domain (§4.1) — and the same guard for every data disk of the
@@ -16,7 +16,7 @@ start goes through the same sequence, whoever asks for it:
    at every start with only its own ids, and reconcile and release find a slice's
    port by ours;
 6. the port's isolation rules re-installed for the tap's (possibly new) ofport
-   (DESIGN.md §4.9): a restarted guest is never switched NORMAL.
+   (docs/safety.md §9): a restarted guest is never switched NORMAL.
 """
 
 from __future__ import annotations

@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from gpuaas_agent.config import AgentConfig, SliceConfig, tls_context
+from gpuaas_agent.config import AgentConfig, FabricManagerConfig, SliceConfig, tls_context
 from gpuaas_agent.contract.terminal import CloseReason
+from gpuaas_agent.guards.gpureset import resolve_gpu_tool
+from gpuaas_agent.host.consolelog import log_path as console_log_path
 from gpuaas_agent.host.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.fabricmanager import FabricManager
+from gpuaas_agent.host.gpuadmin import GpuAdminTool
 from gpuaas_agent.host.images import ImageCache, SourcePolicy
 from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
@@ -41,6 +45,14 @@ class TerminalSessions(Protocol):
 RelayT = TypeVar("RelayT", bound=TerminalSessions)
 
 
+def fabric_manager(config: FabricManagerConfig | None) -> FabricManager | None:
+    """The host's Fabric Manager client from ``[slice.fabric_manager]`` (None where it is not configured)."""
+    if config is None:
+        return None
+    return FabricManager(fmpm=str(config.fmpm), timeout_s=config.timeout_s, hostname=config.hostname,
+                         unix_socket=str(config.unix_socket) if config.unix_socket is not None else None)
+
+
 @dataclass
 class SliceDrivers:
     host_root: Path
@@ -53,6 +65,10 @@ class SliceDrivers:
     power_line: PowerLine = field(default_factory=PowerLine)
     # The node's live terminal sessions (slice.terminal_*), made on first use: one relay per daemon.
     _terminals: TerminalSessions | None = None
+    # NVIDIA's GPU admin tool as the release's gpu_handover runs it; None: the configured or installed one.
+    gpu_tool: GpuAdminTool | None = None
+    # NVIDIA Fabric Manager (NVSwitch hosts whose config has [slice.fabric_manager]); None: not used.
+    fabric: FabricManager | None = None
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> SliceDrivers:
@@ -68,6 +84,7 @@ class SliceDrivers:
                 cache_max_bytes=config.slice.image_cache_max_bytes,
                 min_free_bytes=config.slice.image_cache_min_free_bytes),
             libvirt=LibvirtLifecycle(config.slice.libvirt_uri),
+            fabric=fabric_manager(config.slice.fabric_manager),
         )
 
     def discovered_root(self) -> HostRoot:
@@ -77,6 +94,12 @@ class SliceDrivers:
     def local_root(self) -> HostRoot:
         """This machine's own / (where QEMU opens firmware and seeds), whatever host_root says."""
         return HostRoot.open(SYSTEM_ROOT)
+
+    def gpu_admin(self) -> GpuAdminTool:
+        """The GPU admin tool (refuses ``gpu_handover_tool_missing`` when it is not there)."""
+        if self.gpu_tool is None:
+            return GpuAdminTool(script=resolve_gpu_tool(self.slice.gpu_admin_tool))
+        return self.gpu_tool
 
     def reservations(self) -> DnsmasqReservations:
         return DnsmasqReservations(self.slice.dnsmasq_hosts_file, self.slice.subnet, self.slice.gateway,
@@ -96,6 +119,10 @@ class SliceDrivers:
 
     def seed_path(self, allocation_id: str, slot_index: int) -> Path:
         return self.slice.seed_dir / f"{allocation_id}-slot{slot_index}.iso"
+
+    def console_log_path(self, allocation_id: str, slot_index: int) -> Path:
+        """Where libvirt writes the slot's serial console (prepare-host made the directory, 0700)."""
+        return console_log_path(self.slice.console_log_dir, allocation_id, slot_index)
 
     # -- teardown shared by provision's compensations and release's steps (idempotent) --------------
 

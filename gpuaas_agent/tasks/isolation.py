@@ -1,4 +1,4 @@
-"""Isolate a slice's port on plug and release it on unplug: the two calls the pipelines make (DESIGN.md §4.9).
+"""Isolate a slice's port on plug and release it on unplug: the two calls the pipelines make (docs/safety.md §9).
 
 :func:`isolate_port` installs the port's OpenFlow rules (``host/portflows.py``) and puts
 its vNIC in the host's nft guard (``host/nftguard.py``); :func:`unisolate_port` removes

@@ -1,4 +1,4 @@
-"""A journaled step pipeline with a compensation for every step (DESIGN.md §2, STYLE rule 6).
+"""A journaled step pipeline with a compensation for every step (docs/architecture.md).
 
 Each step is journaled ``started`` before it runs and ``succeeded``/``failed``
 after, and announced as a progress event, so an operator (and a restarted
@@ -59,7 +59,7 @@ class PipelineContext(Protocol):
     """What the pipeline needs from the worker's TaskContext: a journal and progress events.
 
     ``store``: the daemon's StoreThread (or a plain StateStore, wrapped into one): every journal
-    write is awaited on the store thread, never run on the loop (issue 17 item 6).
+    write is awaited on the store thread, never run on the loop (a commit's fsync would stall every task).
     """
 
     store: Any
@@ -272,7 +272,8 @@ async def run_pipeline(ctx: PipelineContext, steps: list[Step]) -> dict[str, dic
     A cancellation while the agent is stopping (``ctx.agent_stopping`` set: the worker's drain
     at SIGTERM, e.g. a package upgrade) is not a failure: nothing is compensated, the step stays
     journaled ``started`` and :class:`asyncio.CancelledError` goes up, so no result is stored and
-    the redelivered task is resumed or compensated by the next agent (issue 17 item 5). A
+    the redelivered task is resumed or compensated by the next agent (an upgrade never
+    loses a step). A
     ``GPUAAS_AGENT_CRASH_AT`` crash point (tests only, :mod:`~gpuaas_agent.tasks.crashpoint`)
     sits before and after each step's side effect.
     """

@@ -1,4 +1,4 @@
-"""Node-side placement of a slot set (issue 20): the locality it gets, the constraint that decides, a better set.
+"""Node-side placement of a slot set: the locality it gets, the constraint that decides, a better set.
 
 Pure: the planned slots and the host's topology report in, a :class:`PlacementReport` out;
 :func:`enforce_placement` turns a set that crosses what the profile forbids into a typed
@@ -7,11 +7,11 @@ which constraint decided and, when it has free slots with better locality, which
 
 HGX reality (NVIDIA Fabric Manager): on a node with NVSwitches, GPUs reach each other
 over NVLink only inside a fabric partition the Fabric Manager activates (shared-NVSwitch
-multitenancy mode). This agent has no partition mechanism yet, so a multi-GPU guest on
-such a node gets its GPUs without usable NVLink (peer traffic falls back to PCIe through
-the expanders of ``host/guest_topology.py``). That is a warning on every multi-slot
-placement here, and a WARN line of the parity report (``discovery/nvswitch.py``), never
-silence.
+multitenancy mode). A profile with ``fabric_partitions`` gets its set checked against FM's
+partitions (``tasks/fabric_partitions.py``) and the verdict names the partition. Without
+it, a multi-GPU guest on such a node gets its GPUs without usable NVLink (peer traffic falls
+back to PCIe through the expanders of ``host/guest_topology.py``): a warning on the
+placement, and a WARN line of the parity report (``discovery/nvswitch.py``), never silence.
 """
 
 from __future__ import annotations
@@ -70,8 +70,12 @@ def _better_set(report: TopologyReport, planned: list[PlannedSlot], achieved: Se
 
 
 def assess_placement(report: TopologyReport, planned: list[PlannedSlot], required: Placement = Placement.any,
-                     free: Sequence[int] = ()) -> PlacementReport:
-    """The verdict on ``planned`` (boot slot first) against ``required``; ``free``: this host's free slot indexes."""
+                     free: Sequence[int] = (), fabric_partition: int | None = None) -> PlacementReport:
+    """The verdict on ``planned`` (boot slot first) against ``required``; ``free``: this host's free slot indexes.
+
+    ``fabric_partition``: the Fabric Manager partition the set is exactly (already chosen): named in the
+    verdict, and the set then has NVLink (no NVSwitch warning).
+    """
     achieved, nodes, shared = set_locality(report, [p.gpu_pci_address for p in planned])
     satisfied = achieved in SATISFIES[required]
     if required is Placement.any:
@@ -83,15 +87,18 @@ def assess_placement(report: TopologyReport, planned: list[PlannedSlot], require
                       f" (GPUs on NUMA nodes {nodes or 'unknown'})")
     preferred, preferred_locality = _better_set(report, planned, achieved, free)
     warnings = []
-    if len(planned) > 1 and report.nvswitches:
+    if fabric_partition is not None:
+        decided_by += f"; NVLink through Fabric Manager partition {fabric_partition}"
+    elif len(planned) > 1 and report.nvswitches:
         warnings.append(Finding(
             code=NVSWITCH_WARNING,
-            detail=(f"{len(report.nvswitches)} NVSwitches on this node and no fabric partition mechanism "
-                    "(Fabric Manager shared-NVSwitch mode): the guest's GPUs get no usable NVLink"),
+            detail=(f"{len(report.nvswitches)} NVSwitches on this node and the profile has no fabric_partitions "
+                    "(Fabric Manager shared-NVSwitch mode, docs/hgx.md): the guest's GPUs get no usable NVLink"),
             path="/sys/bus/pci/devices"))
     return PlacementReport(required=required, achieved=achieved, satisfied=satisfied, decided_by=decided_by,
                            slot_indexes=[p.slot_index for p in planned], numa_nodes=nodes, shared_switch=shared,
-                           preferred_slot_indexes=preferred, preferred_locality=preferred_locality, warnings=warnings)
+                           preferred_slot_indexes=preferred, preferred_locality=preferred_locality, warnings=warnings,
+                           fabric_partition_id=fabric_partition)
 
 
 def enforce_placement(placement: PlacementReport) -> PlacementReport:

@@ -25,6 +25,7 @@ from gpuaas_agent.contract.runtime import DEFAULT_PROFILE, RuntimeProfile, get_p
 from gpuaas_agent.contract.tasks import PreflightPayload
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.discovery import prereqs
+from gpuaas_agent.discovery.firmware import check_firmware_baseline, read_firmware
 from gpuaas_agent.discovery.netevidence import NetTarget, read_dnsmasq_evidence, read_network_evidence
 from gpuaas_agent.discovery.nvswitch import check_nvswitch_partition
 from gpuaas_agent.discovery.report import discover
@@ -122,6 +123,8 @@ def build_parity_report(host: HostRoot, target: NetTarget | None = None, sockets
         prereqs.check_historical_service(host),
         prereqs.check_reboot_required(host),
     ]
+    if slice_config.firmware_baseline:  # judged only where the site says what it allows
+        checks.append(check_firmware_baseline(read_firmware(host), slice_config.firmware_baseline))
     return ParityReport.from_checks(checks, source=evidence.source, root=str(host.root), netns=target.netns)
 
 

@@ -3,7 +3,7 @@
 validate + lease → bind vfio → fetch/verify image → guard + clone → seed ISO →
 OVS port → dnsmasq reservation → define → start → readiness (lease + SSH).
 
-Outcomes (issue 7, DESIGN.md §3/§4):
+Outcomes (docs/contract.md, docs/safety.md):
 
 * success: slot ``active``/``healthy`` with the readiness evidence;
 * failure before the clone started: every step undone, the lease released,
@@ -55,6 +55,7 @@ from gpuaas_agent.host.vfio import bind_to_vfio
 from gpuaas_agent.host.wipepolicy import resolve_handover
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.admission import (
     build_seed_spec,
     check_guest_address,
@@ -65,6 +66,7 @@ from gpuaas_agent.tasks.admission import (
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import isolate_port
+from gpuaas_agent.tasks.maintenance import check_not_in_maintenance
 from gpuaas_agent.tasks.pipeline import (
     PipelineFailed,
     Step,
@@ -74,6 +76,7 @@ from gpuaas_agent.tasks.pipeline import (
     run_pipeline,
 )
 from gpuaas_agent.tasks.plan import plan_bundle
+from gpuaas_agent.tasks.quarantine import check_not_quarantined
 from gpuaas_agent.tasks.slotset import (
     check_allocation_holds_only,
     check_enough_free,
@@ -128,7 +131,7 @@ class ProvisionRun:
 
     @property
     def slots(self) -> list:
-        """Every slot of the allocation, boot slot first (issue 20; validate refuses a bad set)."""
+        """Every slot of the allocation, boot slot first (validate refuses a bad set)."""
         return slot_set(self.payload.slot, self.payload.slots)
 
     @property
@@ -272,7 +275,7 @@ class Validated:
 
 async def _preconditions(run: ProvisionRun, planned: PlannedSlot,
                          data_planned: tuple[PlannedSlot, ...] = ()) -> dict[str, Any]:
-    """Every host precondition of bind, clone, seed, port, reservation, define and start (DESIGN.md §4.8).
+    """Every host precondition of bind, clone, seed, port, reservation, define and start (docs/safety.md §8).
 
     A multi-slot set is checked slot by slot (each GPU and VF), with the profile's memory scaled by the
     number of the set's slots on that slot's NUMA node: the 1 GiB pages a node must have free are its
@@ -314,14 +317,15 @@ def _enough_free(store, report, allocation_id: str, slots: list) -> list[int]:
 
 
 async def validate(run: ProvisionRun) -> Validated:
-    # Everything that can refuse this task is asked now, before the lease (DESIGN.md §4.8):
+    # Everything that can refuse this task is asked now, before the lease (docs/safety.md §8):
     # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
     sh, payload, slot, store = run.sh, run.payload, run.slot, run.store
+    await store.run(check_not_in_maintenance)  # host_in_maintenance: first, before anything is read or leased
     slots = check_slot_set(slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot
     relay_key = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
     check_guest_address(slot.private_ip, sh.slice)
     seed_spec = build_seed_spec(payload, relay_key, sh.slice)
-    if (egress := egress_target(run.profile, sh.slice)) is not None:  # issue 16: readiness proves egress
+    if (egress := egress_target(run.profile, sh.slice)) is not None:  # readiness proves egress beyond the NAT
         seed_spec = seed_spec.model_copy(update={"egress_probe": egress})
     if len(slots) == 1:
         await store.run(check_one_slot_per_allocation, payload.allocation_id, slot.slot_index)
@@ -332,10 +336,16 @@ async def validate(run: ProvisionRun) -> Validated:
     # Each approved record must be exactly the host's candidate slot of its index, as slice.plan checks
     # (a slot of another host has bindings this host lacks: not_approved); a set that crosses the profile's
     # placement constraint is placement_violated.
+    # NVSwitch host, fabric_partitions profile: Fabric Manager answers and the set is still exactly a free,
+    # healthy partition (fabric_manager_missing / fabric_partition_*), before any disk is touched.
+    fabric = await fabric_partitions.fabric_for(run.profile, report, sh.fabric)
+    held_partition = await store.partition_of(payload.allocation_id)
     plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[s.slot_id for s in slots],
                                    slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots]),
-                       report, placement=run.profile.placement, free_slots=free)
+                       report, placement=run.profile.placement, free_slots=free, fabric=fabric,
+                       held_partitions=[held_partition.partition_id] if held_partition else [])
     planned = plan.slots[0]
+    await store.run(check_not_quarantined, plan)  # component_quarantined: a slot with a quarantined part
     await asyncio.to_thread(check_reservation, sh.reservations(), payload)
     preconditions = await _preconditions(run, planned, tuple(plan.slots[1:]))
     # The handover each slot's next tenant is owed is fixed now and kept with its lease: the wipe method
@@ -354,8 +364,14 @@ async def validate(run: ProvisionRun) -> Validated:
                         handover=handover)
               for s, p, (handover, _) in zip(slots, plan.slots, handovers)]
     lease_was_held = any(held.slot_index == slot.slot_index for held in await store.leases_of(payload.allocation_id))
-    # One transaction for the whole set: lease_conflict on any slot takes none.
-    leases = await store.take_leases(wanted)
+    # One transaction for the whole set: lease_conflict on any slot takes none (nor the partition it recorded).
+    recorded = await fabric_partitions.record_planned(store, plan, run.task_id, held_partition)
+    try:
+        leases = await store.take_leases(wanted)
+    except AgentError:
+        if recorded:
+            await store.release_partition(payload.allocation_id)
+        raise
     for s in slots:
         await store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}, s.slot_index))
     return Validated(planned=planned, lease=leases[0], lease_was_held=lease_was_held, relay_key=relay_key,
@@ -526,7 +542,7 @@ async def ovs_port(run: ProvisionRun) -> Plugged:
     async with run.sh.ovs() as ovs:
         await asyncio.to_thread(ovs.ensure_bridge, slot.ovs_bridge)  # never created here: missing is a blocker
         port = await put_port(ovs, run.port, run.payload.allocation_id)
-    # Closed from the moment it exists: the MAC is the slot's only (DESIGN.md §4.9); the tap and its
+    # Closed from the moment it exists: the MAC is the slot's only (docs/safety.md §9); the tap and its
     # ofport appear at start, when the full per-port rules go in.
     isolation = await isolate_port(run.sh, port, mac=slot.mac, ip=slot.private_ip)
     return Plugged(port=port, isolation=isolation)
@@ -583,6 +599,7 @@ async def define(run: ProvisionRun, validated: Validated) -> Defined:
         fabric_vf_pci_address=slot.fabric_vf_pci_address if profile.hostdevs else None,
         nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
         seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
+        serial_log_path=str(sh.console_log_path(payload.allocation_id, slot.slot_index)),
         numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__,
         **(await asyncio.to_thread(_passthrough_bars, sh.discovered_root(), slot) if profile.hostdevs else {}),
         extra_slots=[await _guest_slot(run, s, p) for s, p in zip(run.data_slots, validated.data_planned)])
@@ -667,7 +684,25 @@ async def readiness(run: ProvisionRun) -> GuestReadiness:
     return ready.model_copy(update={"egress": proof})
 
 
-# The provision pipeline, in order (README and DESIGN.md §2 name the same steps).
+# -- NVSwitch hosts: the Fabric Manager partition slice.plan leased (tasks/fabric_partitions.py) ---------------
+
+
+async def activate_fabric_partition(run: ProvisionRun) -> dict:
+    """Activate the allocation's partition before the domain starts (nothing leased: nothing to do)."""
+    return await fabric_partitions.activate_leased(run.sh.fabric, run.store, run.payload.allocation_id)
+
+
+async def deactivate_fabric_partition(run: ProvisionRun, undo: Undo) -> dict:
+    return await fabric_partitions.deactivate_leased(run.sh.fabric, run.store, run.payload.allocation_id,
+                                                     release=False)
+
+
+async def check_fabric_partition(run: ProvisionRun) -> dict:
+    """After start: FM still lists the partition active (an FM restart in between is restored or fails)."""
+    return await fabric_partitions.confirm_active(run.sh.fabric, run.store, run.payload.allocation_id)
+
+
+# The provision pipeline, in order (docs/operations.md names the same steps).
 PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("validate", validate, unlease),
     StepDef("bind_vfio", bind_vfio,
@@ -681,7 +716,10 @@ PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("ovs_port", ovs_port, unplug),
     StepDef("reservation", reservation, unreserve),
     StepDef("define", define, undefine, takes=("validate",)),
+    StepDef("fabric_partition", activate_fabric_partition, deactivate_fabric_partition),
     StepDef("start", start, stop, takes=("validate", "define")),
+    StepDef("fabric_partition_check", check_fabric_partition,
+            no_compensation="a read of Fabric Manager (and a restore of the leased list): nothing to undo"),
     StepDef("readiness", readiness, no_compensation="a read of the lease file and an SSH banner: nothing to undo"),
 )
 
@@ -691,7 +729,7 @@ def provision_steps(run: ProvisionRun) -> list[Step]:
     return bind_steps(PROVISION_STEPS, run)
 
 
-# -- a provision the agent was killed or stopped under (issue 17) ------------------------------------------
+# -- a provision the agent was killed or stopped under --------------------------------------------------
 
 # Steps an interrupted run may simply run again from the start: checks, the lease (taken again is a
 # no-op), vfio, the image, and the clone itself (the disk is this allocation's; it is written whole

@@ -43,6 +43,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import ActivePort, isolation_drift
 from gpuaas_agent.tasks.slot_topology import slot_topology_findings
@@ -97,7 +98,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
             findings.append(shutoff_finding(lease, record, domain))
         findings += await topology_findings(sh, lease, domain)
         mine = [r for r in reservations if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
-        # A data slot of a multi-slot allocation (issue 20) has no vNIC and no reservation of its own.
+        # A data slot of a multi-slot allocation (docs/multi-gpu.md) has no vNIC and no reservation of its own.
         data_slot = record is not None and record.detail.get("boot_slot_index") not in (None, lease.slot_index)
         if status is SlotStatus.active and not mine and not data_slot:
             findings.append(_finding(DriftKind.reservation_missing, lease.allocation_id, DriftSeverity.error,
@@ -162,7 +163,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
                                  expected="no port (allocation unknown here)", actual=f"{port.bridge}/{port.name}",
                                  repaired=done, port=port.name))
 
-    # Port isolation (DESIGN.md §4.9): an active slot's port carries the flows and guard its reservation implies.
+    # Port isolation (docs/safety.md §9): an active slot's port carries the flows and guard its reservation implies.
     active = [ActivePort(port=port, mac=res.mac, ip=str(res.ip))
               for lease in leases
               if (rec := records.get(lease.slot_index)) is not None and rec.status is SlotStatus.active
@@ -171,6 +172,9 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
               for res in reservations if (res.allocation_id, res.slot_index) == (lease.allocation_id,
                                                                                    lease.slot_index)]
     findings += await isolation_drift(sh, ports=ports, active=active, known=known, repair=repair)
+    # NVSwitch hosts: Fabric Manager's active partitions vs. the partition leases and the running domains.
+    findings += await fabric_partitions.reconcile_findings(
+        sh.fabric, state, {a for a, d in by_alloc.items() if d.state.value == "running"}, repair=repair)
 
     report = DriftReport(node_id=node_id, trigger=trigger, findings=findings, at=datetime.now(UTC))
     log_event(log, "reconciled", trigger=trigger.value, findings=len(findings),

@@ -21,11 +21,14 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.tasks import PAYLOADS, TaskType
 from gpuaas_agent.discovery.prereqs import SocketPaths
 from gpuaas_agent.tasks.admission import slice_plan_config
+from gpuaas_agent.tasks.console_log import console_log_handler
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.maintenance import maintenance_handler
 from gpuaas_agent.tasks.plan import plan_handler
 from gpuaas_agent.tasks.power import power_handler
 from gpuaas_agent.tasks.preflight import preflight_handler
 from gpuaas_agent.tasks.provision import provision_handler
+from gpuaas_agent.tasks.quarantine import quarantine_handler, unquarantine_handler
 from gpuaas_agent.tasks.reconcile import reconcile_handler
 from gpuaas_agent.tasks.release_set import release_set_handler
 from gpuaas_agent.tasks.terminal import terminal_handler
@@ -60,7 +63,8 @@ TASKS: tuple[TaskSpec, ...] = (
     TaskSpec(TaskType.preflight,
              lambda config, sh: preflight_handler(config.host_root, sockets=preflight_sockets(config),
                                                   slice_config=config.slice), concurrency=1),
-    TaskSpec(TaskType.plan, lambda config, sh: plan_handler(config.host_root, slice_plan_config(config.slice)),
+    TaskSpec(TaskType.plan, lambda config, sh: plan_handler(config.host_root, slice_plan_config(config.slice),
+                                                            fabric=sh.fabric if sh is not None else None),
              concurrency=1),
     # One per slot: 8 concurrent provisions take as long as the slowest.
     TaskSpec(TaskType.vm_provision, lambda config, sh: provision_handler(sh), concurrency=8, needs_slice_host=True),
@@ -79,6 +83,13 @@ TASKS: tuple[TaskSpec, ...] = (
              needs_slice_host=True),
     TaskSpec(TaskType.terminal_close, lambda config, sh: terminal_handler(sh, "close"), concurrency=4,
              needs_slice_host=True),
+    # Reads a file: no slot lock, so it never waits behind a provision or release of the slot.
+    TaskSpec(TaskType.console_log, lambda config, sh: console_log_handler(sh), concurrency=4, needs_slice_host=True),
+    # Fleet operations: the host's own state (store and a read of the host), so served with or without slice
+    # drivers; one at a time, they are rare and an operator's.
+    TaskSpec(TaskType.maintenance, lambda config, sh: maintenance_handler(), concurrency=1),
+    TaskSpec(TaskType.quarantine, lambda config, sh: quarantine_handler(config), concurrency=1),
+    TaskSpec(TaskType.unquarantine, lambda config, sh: unquarantine_handler(config, sh), concurrency=1),
 )
 
 

@@ -1,6 +1,7 @@
 """``slice.vm_release``: stop the VM, take its plumbing down, wipe and verify the disk, free the slot.
 
-graceful shutdown (deadline) → destroy → undefine with NVRAM → unplug the OVS
+graceful shutdown (deadline) → destroy → undefine with NVRAM → GPU handover
+(reset, memory clear, settings restored and read back; VF FLR) → unplug the OVS
 port → remove the dnsmasq reservation → remove the seed ISO → wipe + verify →
 release the lease. Every step looks first and acts only on what it finds, so a
 release after an agent restart, after a half-finished provision, or of an
@@ -29,19 +30,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuaas_agent.contract.domain import ShutdownOutcome, UndefineOutcome
-from gpuaas_agent.contract.handover import LeaseHandover
+from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason
+from gpuaas_agent.contract.gpuhandover import SlotGpuHandover
+from gpuaas_agent.contract.handover import GpuHandoverPolicy, LeaseHandover
 from gpuaas_agent.contract.naming import domain_name, vnic_name
+from gpuaas_agent.contract.runtime import PROFILES
 from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
+from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
+from gpuaas_agent.guards.gpureset import gpu_driver
+from gpuaas_agent.host.gpuhandover import hand_over_gpu, reset_fabric_vf
 from gpuaas_agent.host.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
+from gpuaas_agent.tasks.quarantine import quarantine_component
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +188,50 @@ async def undefine(run: ReleaseRun, found: Found) -> UndefineOutcome | Skipped:
     if found.domain is None:
         return Skipped("no domain")
     return await run.sh.libvirt.undefine(run.name)
+
+
+@dataclass(frozen=True)
+class GpuHandedOver:
+    """The slot's GPU (and fabric VF) reset, cleared and proven (host/gpuhandover.py), or why not."""
+
+    proof: SlotGpuHandover | None
+    skipped: str | None = None
+
+    def journal(self) -> dict[str, Any]:
+        return {"skipped": self.skipped} if self.proof is None else self.proof.model_dump(mode="json")
+
+
+async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
+    """Reset, clear and restore the lease's GPU, FLR its fabric VF; refused while any defined domain names one.
+
+    The policy is the lease's (fixed at validate). A lease from before handover policies gets the
+    catalog's default, unless the domain it had says its profile passed no GPU through or the GPU is
+    not on vfio-pci (never passed through). A failure raises: the release leaves the slot
+    cleanup_blocked and the GPU is not offered again.
+    """
+    if not run.holders:
+        return GpuHandedOver(None, "this host holds no lease of this allocation on the slot: its devices are not ours")
+    lease = run.holders[0]
+    source = "lease"
+    if lease.handover is not None:
+        policy = lease.handover.gpu
+        if policy is None:
+            return GpuHandedOver(None, f"profile {lease.handover.profile} passes no GPU through")
+    else:
+        metadata = (found.domain or {}).get("metadata") or {}
+        profile = PROFILES.get(metadata.get("profile") or "")
+        if profile is not None and not profile.hostdevs:
+            return GpuHandedOver(None, f"lease from before handover policies; profile {profile.name} passes no GPU through")
+        driver = gpu_driver(run.sh.discovered_root(), lease.gpu_pci_address)
+        if driver != VFIO_DRIVER:  # bind_vfio puts a passed-through GPU there and nothing takes it back
+            return GpuHandedOver(None, f"lease from before handover policies; {lease.gpu_pci_address} is on "
+                                       f"{driver or 'no driver'}, not vfio-pci: it was never passed through")
+        policy, source = GpuHandoverPolicy(), "catalog_default"
+    sh, host = run.sh, run.sh.discovered_root()
+    held = await sh.libvirt.defined_domain_hostdevs()
+    gpu = await hand_over_gpu(host, lease.gpu_pci_address, policy, held=held, tool=sh.gpu_admin())
+    vf = await reset_fabric_vf(host, lease.fabric_vf_pci_address, held=held)
+    return GpuHandedOver(SlotGpuHandover(policy_source=source, gpus=[gpu], fabric_vf=vf))
 
 
 @dataclass(frozen=True)
@@ -325,13 +378,24 @@ async def lease_release(run: ReleaseRun) -> LeaseReleased | Skipped:
     return LeaseReleased([released.slot_index] if released else [])
 
 
+async def fabric_partition_release(run: ReleaseRun) -> dict:
+    """After the domain is gone: deactivate the allocation's Fabric Manager partition and drop its record
+    (NVSwitch hosts; nothing leased: nothing to do). Before the wipe: a GPU leaves its partition first."""
+    return await fabric_partitions.deactivate_leased(run.sh.fabric, run.store, run.alloc, release=True)
+
+
 _TEARDOWN = "a teardown step that looks first: running the release again finishes it"
 
-# The release pipeline, in order (README and DESIGN.md §2 name the same steps).
+# The release pipeline, in order (docs/operations.md names the same steps).
 RELEASE_STEPS: tuple[StepDef[ReleaseRun], ...] = (
     StepDef("find", find, no_compensation="a read; refuses a domain of that name that is not ours"),
     StepDef("shutdown", shutdown, takes=("find",), no_compensation=_TEARDOWN),
     StepDef("undefine", undefine, takes=("find",), no_compensation=_TEARDOWN),
+    # The NVLink partition is deactivated before its GPUs are reset: a reset under an active partition
+    # would take a GPU out of a fabric Fabric Manager still believes in.
+    StepDef("fabric_partition_release", fabric_partition_release, no_compensation=_TEARDOWN),
+    StepDef("gpu_handover", gpu_handover, takes=("find",),
+            no_compensation="a reset is not undone; a failed or interrupted one leaves the slot cleanup_blocked"),
     StepDef("ovs_unplug", ovs_unplug, no_compensation=_TEARDOWN),
     StepDef("reservation_remove", reservation_remove, no_compensation=_TEARDOWN),
     StepDef("seed_remove", seed_remove, no_compensation=_TEARDOWN),
@@ -370,6 +434,7 @@ async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
                     slot_index=slot.slot_index, allocation_id=alloc, status=SlotStatus.cleanup_blocked,
                     health_state=HealthState.failed, detail=detail, task_id=run.task_id, updated_at=time.time()))
                 ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.cleanup_blocked, HealthState.failed, detail))
+                await quarantine_failed_component(run, failure)
             raise
     found: Found = typed["find"]
     wiped: Wiped = typed["wipe"]
@@ -392,6 +457,7 @@ async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
         "found": found.journal(),
         "cleanup_proof": {
             "domain": {"shutdown": outputs["shutdown"], "undefine": outputs["undefine"]},
+            "gpu_handover": outputs["gpu_handover"],
             "ovs_port": outputs["ovs_unplug"],
             "reservation": outputs["reservation_remove"],
             "seed": outputs["seed_remove"],
@@ -399,6 +465,36 @@ async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
             "lease": outputs["lease_release"],
         },
     }
+
+
+# A handover failure that says the component itself is not fit: quarantined (not a refusal before anything was
+# touched, nor a host problem such as a missing tool: those leave the slot cleanup_blocked and nothing more).
+_QUARANTINE_ON = {
+    ("wipe", "wipe_unverified"): (ComponentKind.nvme, QuarantineReason.wipe_unverified),
+    ("gpu_handover", "gpu_reset_failed"): (ComponentKind.gpu, QuarantineReason.gpu_reset_failed),
+    ("gpu_handover", "gpu_config_space_not_restored"): (ComponentKind.gpu, QuarantineReason.gpu_reset_failed),
+    ("gpu_handover", "gpu_settings_not_restored"): (ComponentKind.gpu, QuarantineReason.gpu_reset_failed),
+    ("gpu_handover", "gpu_memory_clear_unverified"): (ComponentKind.gpu, QuarantineReason.gpu_memory_clear_failed),
+}
+
+
+async def quarantine_failed_component(run: ReleaseRun, failure: PipelineFailed) -> None:
+    """A wipe that did not verify, or a GPU (or its fabric VF) whose reset, memory clear or settings failed, is
+    quarantined with the failure's evidence: discovery and slice.plan stop offering it, the heartbeat names it,
+    and only slice.unquarantine (after its re-check) returns it. The slot is cleanup_blocked besides."""
+    wanted = _QUARANTINE_ON.get((failure.failed_step, failure.code))
+    if wanted is None or not run.holders:
+        return
+    kind, reason = wanted
+    lease = run.holders[0]
+    identity = lease.disk_identity
+    if kind is ComponentKind.gpu:
+        identity = lease.gpu_pci_address
+        if (failure.evidence or {}).get("address") == lease.fabric_vf_pci_address:
+            kind, identity = ComponentKind.fabric_vf, lease.fabric_vf_pci_address
+    evidence = {"failed_step": failure.failed_step, "code": failure.code, "evidence": failure.evidence}
+    await quarantine_component(run.store, kind, identity, reason, evidence, run.task_id,
+                               slot_index=run.slot.slot_index)
 
 
 def released_before(store, task_id: str) -> bool:

@@ -1,4 +1,4 @@
-"""``slice.vm_release`` of a multi-slot allocation (issue 20): release every slot of the set, boot slot first.
+"""``slice.vm_release`` of a multi-slot allocation: release every slot of the set, boot slot first.
 
 The boot slot's release stops and undefines the allocation's one domain (and its vNIC,
 reservation and seed); each slot's release then wipes and verifies its own disk and frees

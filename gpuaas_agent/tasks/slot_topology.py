@@ -4,7 +4,7 @@ The lease names what the control plane approved and the agent leased: the GPU
 and the fabric VF by PCI address, the disk by ``/dev/disk/by-id`` path and by
 identity (``disk_identity``: what the namespace *is*, the same for every alias).
 After a reboot, a firmware update, a reseated card or a failed drive, the live
-host may no longer match (DESIGN.md §4.2: kernel names are advisory, identities
+host may no longer match (docs/safety.md §2: kernel names are advisory, identities
 are not). Every mismatch is a typed :class:`DriftFinding` with its evidence:
 
 * ``slot_device_missing`` (error): the GPU or VF address has no PCI function any

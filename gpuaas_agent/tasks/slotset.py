@@ -1,4 +1,4 @@
-"""One allocation, N slots (issue 20): the set a provision or release acts on, and its refusals before any lease.
+"""One allocation, N slots: the set a provision or release acts on, and its refusals before any lease.
 
 A multi-GPU slice is one libvirt domain holding every slot's GPU, fabric VF and
 NVMe (seed 002: "multi-GPU slice allocations must fit on one node"). The payload

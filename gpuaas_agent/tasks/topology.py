@@ -8,9 +8,11 @@ from pathlib import Path
 
 from gpuaas_agent.contract.tasks import TopologyDiscoverPayload
 from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
+from gpuaas_agent.discovery.quarantine import mark_quarantined
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.state.aio import as_store_thread
 
 
 def topology_discover_handler(host_root: Path, gateway: ipaddress.IPv4Address | None = None):
@@ -26,7 +28,8 @@ def topology_discover_handler(host_root: Path, gateway: ipaddress.IPv4Address | 
         plan = PlanConfig(subnet=subnet, gateway=gateway if gateway is not None and gateway in subnet else None,
                           ovs_bridge=payload.ovs_bridge)
         # sysfs walks block: keep them off the event loop so keepalives and heartbeats go on.
-        report = await asyncio.to_thread(lambda: discover(HostRoot.open(host_root), plan))
+        quarantined = await as_store_thread(ctx.store).quarantined()  # their slots carry a blocker naming them
+        report = await asyncio.to_thread(lambda: mark_quarantined(discover(HostRoot.open(host_root), plan), quarantined))
         await ctx.progress("discover", "succeeded", percent=100, detail={"candidate_slots": report.summary.candidate_slots})
         # Seed 004 (2026-04-24): topology also reports live slice_network evidence; the
         # discovery report itself stays as it was, the evidence sits beside it.

@@ -149,7 +149,7 @@ def test_slice_host_wires_the_image_policy_and_forbids_the_state_dir(tmp_path):
 
 
 def test_pull_heartbeat_is_off_by_default_and_bounded(tmp_path):
-    """Off unless set (README "Pull heartbeat"); a zero, negative or past-a-minute value is refused by name."""
+    """Off unless set (docs/performance.md "Pull heartbeat"); a zero, negative or past-a-minute value is refused by name."""
     assert AgentConfig().pull_heartbeat_s is None
     path = tmp_path / "agent.toml"
     path.write_text("pull_heartbeat_s = 5\ntask_consumer_replicas = 1\ntask_consumer_memory = true\n")

@@ -1,6 +1,6 @@
 """The pull's idle heartbeat: a pull whose consumer's server died is noticed in two heartbeats, not the 30 s expiry.
 
-On a JetStream cluster with R1 memory node consumers (README "Fleet layout"), losing the
+On a JetStream cluster with R1 memory node consumers (docs/performance.md "Fleet layout"), losing the
 member that leads a node's consumer loses the node's waiting pull with it, while the agent's
 own connection (to another member) stays up: no reconnect ends the pull. Measured before the
 heartbeat (bench_fleet --restart-one): tasks claimed 28.7 s later; with the member gone for

@@ -55,7 +55,9 @@ def clean_machine() -> Iterator[set[str]]:
         else:
             path.unlink(missing_ok=True)
     assert "gpuaas-agent" not in installed_packages()
-    for gone in (STATE_DIR, INSTALLED_AGENT, RELAY_KEY.parent.parent, SEED_DIR, Path("/etc/gpuaas-agent")):
+    # /etc/gpuaas-agent includes the image CA the user-data put there; /var/log/gpuaas-agent the console logs.
+    for gone in (STATE_DIR, INSTALLED_AGENT, RELAY_KEY.parent.parent, SEED_DIR, Path("/etc/gpuaas-agent"),
+                 Path("/var/log/gpuaas-agent")):
         assert not gone.exists(), f"purge left {gone}"
 
 

@@ -395,7 +395,8 @@ def test_user_data_as_cloud_init_runs_it_installs_prepares_and_enrolls_in_the_cl
 
     def make(plane):
         made["inputs"] = _inputs(f"{package_server}/{deb.name}", deb.read_bytes(), plane.issue_token(), nats_server.url,
-                                 maas_tags=["gpuaas-profile-slice-vm"], baseline_args=["--tmfifo"])
+                                 maas_tags=["gpuaas-profile-slice-vm"], baseline_args=["--tmfifo"],
+                                 slice={"image_https_hosts": ["images.lab.example"]})
         return made["inputs"]
 
     started = time.monotonic()

@@ -1,16 +1,21 @@
-"""The fresh-host lane (DESIGN.md §4.11): package + cloud-init user-data, then the first provision succeeds.
+"""The fresh-host lane (docs/safety.md §11): package + cloud-init user-data, then the first provision succeeds.
 
 On this machine itself (the lab's daemons need the root namespace): the ``.deb`` is
 built by ``packaging/build_deb.py`` and installed by the rendered user-data, run the
 way cloud-init runs it (its ``write_files``, then its own ``util.shellify`` script of
 ``runcmd``): download over HTTP, sha256, ``apt-get install``, config, token,
 ``prepare-host``, enroll against the lab's control plane (real nats-server).
+Every ``[slice]`` setting is an input of the render: the lab's bridge, ovsdb, dnsmasq
+files, and the image source, a real HTTPS server whose certificate is signed by a CA of
+its own, given to the render as PEM (``image_ca_pem``). The node then runs with the
+``/etc/gpuaas-agent/agent.toml`` cloud-init installed, as written (the lab adds only
+the top-level keys of its recorded host: ``host_root`` and timers), and the guest image
+comes over that HTTPS server: nothing is edited by hand.
 ``systemctl`` is recorded, not run (no systemd as PID 1): the lab then starts the
 node as the unit would, with the *installed* ``/opt/gpuaas-agent/bin/gpuaas-agent``:
 ``prepare-host``, ``prepare-host --check``, ``enroll`` (already enrolled: a no-op),
-``run``. The agent's config is the lab's (its bridge, ovsdb, dnsmasq files,
-recorded host), but state dir, seed-ISO dir and terminal relay key are the
-package defaults, which nothing but the package created. Then: topology, preflight,
+``run``. State dir, seed-ISO dir and terminal relay key are the package defaults, which
+nothing but the package created. Then: topology, preflight,
 a real TCG guest provisioned to ``succeeded`` (lease + SSH), an SSH login into it
 with the package's relay key (seed 004's terminal path), release.
 
@@ -34,11 +39,14 @@ from pathlib import Path
 
 import yaml
 
-from gpuaas_agent.deploy.userdata import UserDataInputs, render_userdata
+from gpuaas_agent.compat import tomllib
+from gpuaas_agent.deploy.sliceinputs import IMAGE_CA_PATH
+from gpuaas_agent.deploy.userdata import CONFIG_PATH, UserDataInputs, render_userdata
 from lab.harness import Lab, LabSettings
 from tests.conftest import REPO
 from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
 from tests.deploy.machine import INSTALLED_AGENT, RELAY_KEY, SEED_DIR, STATE_DIR, cloud_init_runcmd_script
+from tests.support.image_server import issue_server_cert, make_ca, start_https_server
 
 SYSTEMCTL_SHIM = """#!/bin/sh
 echo "systemctl $*" >> "$(dirname "$0")/calls.log"
@@ -57,15 +65,26 @@ def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(cl
     workdir = Path(tempfile.mkdtemp(prefix="gpuaas-fresh-", dir="/var/tmp"))
     lines: list[str] = []
     lab = Lab(LabSettings(workdir=workdir, slots=1, readiness_timeout_s=300, say=lines.append,
-                          agent_binary=INSTALLED_AGENT, use_package_paths=True))
+                          agent_binary=INSTALLED_AGENT, use_package_paths=True, installed_config=CONFIG_PATH))
     server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "0",
                                "--directory", str(out)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               stdin=subprocess.DEVNULL, text=True)
+
+    image_server: list[subprocess.Popen] = []
 
     async def body() -> dict:
         mark = time.monotonic()
         await lab.start_services()
         timings["lab services"] = time.monotonic() - mark
+
+        # --- the image source: HTTPS with a CA of its own, over the lab's guest image --------------
+        ca = make_ca(workdir / "image-ca")
+        cert, key = issue_server_cert(ca, workdir / "image-tls")
+        proc, image_port = start_https_server(lab.image_path.parent, cert, key, workdir / "image-port")
+        image_server.append(proc)
+        image_host = f"127.0.0.1:{image_port}"
+        slice_table = {k: v for k, v in lab.slice_settings().items() if k != "image_file_dir"}
+        slice_table["image_https_hosts"] = [image_host]
 
         # --- the user-data, as cloud-init runs it ------------------------------------------------
         port_line = server.stdout.readline()  # "Serving HTTP on 127.0.0.1 port N (...)"
@@ -73,7 +92,8 @@ def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(cl
         inputs = UserDataInputs(package_url=f"http://127.0.0.1:{port}/{deb.name}",
                                 package_sha256=hashlib.sha256(deb.read_bytes()).hexdigest(),
                                 bootstrap_token=lab.cp.issue_token(), nats_url=lab.nats_url, insecure=True,
-                                maas_tags=["gpuaas-profile-slice-vm"])
+                                maas_tags=["gpuaas-profile-slice-vm"], slice=slice_table,
+                                image_ca_pem=ca[0].read_text())
         doc = yaml.safe_load(render_userdata(inputs))
         for entry in doc["write_files"]:
             path = Path(entry["path"])
@@ -98,6 +118,11 @@ def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(cl
             "systemctl enable --now gpuaas-slice-network-baseline.service", "systemctl enable --now gpuaas-agent.service"]
         assert "enrolled node_id=" in done.stdout
 
+        # The config cloud-init installed names the HTTPS source and the CA it installed; no file:// source.
+        installed = tomllib.loads(CONFIG_PATH.read_text())["slice"]
+        assert installed["image_https_hosts"] == [image_host] and "image_file_dir" not in installed
+        assert installed["image_ca_bundle"] == str(IMAGE_CA_PATH) and IMAGE_CA_PATH.read_text() == ca[0].read_text()
+
         # Made by the package, nothing else: the lab never touched these paths.
         for path, mode in ((STATE_DIR, 0o700), (SEED_DIR, 0o711), (RELAY_KEY.parent, 0o700), (RELAY_KEY, 0o600)):
             assert path.stat().st_mode & 0o777 == mode, path
@@ -112,10 +137,12 @@ def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(cl
         mark = time.monotonic()
         slots = await lab.approve_slots()
         assert slots, "no complete slot on the lab host"
-        # The recorded host's network is not the lab's: FAIL lines are expected (README); the task must answer.
+        # The recorded host's network is not the lab's: FAIL lines are expected (docs/testing.md); the task must answer.
         preflight = await lab.task("slice.preflight", {}, timeout=120)
         assert preflight.output.get("lines"), (preflight.status, preflight.error)
         payload = lab.provision_payload(slots[0])
+        payload["image"]["url"] = f"https://{image_host}/files/{lab.image_path.name}"
+        assert json.loads(lab.config_path.read_text())["slice"] == installed  # the node runs with it as written
         result = await lab.task("slice.vm_provision", payload, timeout=600)
         timings["provision"] = time.monotonic() - mark
         assert result.status.value == "succeeded", result.error
@@ -155,6 +182,9 @@ def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(cl
     finally:
         server.terminate()
         server.wait(timeout=10)
+        for proc in image_server:
+            proc.kill()
+            proc.wait(timeout=10)
         if ok and not problems:
             shutil.rmtree(workdir, ignore_errors=True)
         else:

@@ -51,6 +51,7 @@ def site() -> Iterator[dict]:
         "seed_dir": root / "var/lib/libvirt/images/gpuaas-seeds",
         "dnsmasq_hosts_file": root / "var/lib/gpuaas-dnsmasq/hosts",
         "terminal_relay_key_file": root / "var/lib/gpuaas/terminal/id_ed25519.pub",
+        "console_log_dir": root / "var/log/gpuaas-agent/console",
     }
 
     def write(**changes) -> Path:
@@ -76,6 +77,7 @@ def test_prepare_host_creates_every_directory_and_the_relay_key_with_their_modes
     done = _cli(site["write"]())
     assert done.returncode == 0, done.stderr
     assert _mode(p["state_dir"]) == 0o700 and _mode(p["state_dir"] / "images") == 0o700
+    assert _mode(p["console_log_dir"]) == 0o700  # tenants' consoles: root only
     assert _mode(p["seed_dir"]) == 0o711  # QEMU (libvirt-qemu/qemu) may search it, not list it
     assert _mode(p["dnsmasq_hosts_file"].parent) == 0o755
     key_dir = p["terminal_relay_key_file"].parent
@@ -102,7 +104,7 @@ def test_a_second_run_changes_nothing_and_check_passes(site):
     assert _snapshot(site["root"]) == before
     check = _cli(config, "--check")
     assert check.returncode == 0, check.stderr
-    assert check.stdout.count("outcome=ok") == 6
+    assert check.stdout.count("outcome=ok") == 7
     assert _snapshot(site["root"]) == before
 
 

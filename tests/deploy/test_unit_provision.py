@@ -112,7 +112,7 @@ def _lab_dropin(lab: Lab) -> str:
     return (
         "# The lab's drop-in: only what differs between the lab and a slice host.\n"
         "[Service]\n"
-        f"ReadWritePaths=-{lab.work / 'dnsmasq'} -{lab.work / 'seeds'}\n"
+        f"ReadWritePaths=-{lab.work / 'dnsmasq'} -{lab.work / 'seeds'} -{lab.work / 'console'}\n"
         f"BindPaths={lab.switch.rundir}\n"
         "DeviceAllow=block-loop rw\n"
         f"Environment={env}\n"

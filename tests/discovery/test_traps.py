@@ -1,7 +1,7 @@
 """Discovery on hosts that are messier than the fixture hosts.
 
 Each test breaks a copy of a fixture the way real hosts break (seed 004 and
-DESIGN.md §6) and checks discovery still answers, says what it saw, and never
+docs/testing.md) and checks discovery still answers, says what it saw, and never
 offers an unsafe disk or a shared fabric function.
 """
 

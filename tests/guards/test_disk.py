@@ -1,4 +1,4 @@
-"""The disk guard on real loop devices: every refusal of DESIGN.md §4.1, and the seed 004 case."""
+"""The disk guard on real loop devices: every refusal of docs/safety.md §1, and the seed 004 case."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def test_os_disk_is_refused_on_this_host():
     assert err.code == "os_disk"
 
 
-# -- recorded hosts (DESIGN.md §6): the same guard over the 8×H200 fixtures --------------------------------
+# -- recorded hosts (docs/testing.md): the same guard over the 8×H200 fixtures --------------------------------
 
 def _lease(by_id: str, host: str = "h200-slice-after-transition") -> DiskLease:
     return DiskLease(allocation_id=ALLOC, slot_index=0, nvme_device=by_id,

@@ -29,6 +29,7 @@ from gpuaas_agent.guards.preconditions import (
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import HOSTS
 from tests.dnsmasq_fixture import DhcpLab
+from tests.support.gpu_handover import between_tenants
 from tests.support.slice_netns import slice_namespace
 
 PROFILE = get_profile("h200_1g_24c_64g")
@@ -97,7 +98,8 @@ def world(dhcp_lab, host_copy) -> Iterator[World]:
     machine = _machine_root()
     try:
         with slice_namespace() as netns:
-            yield World(host=host_copy(H200.name), machine=machine, netns=netns, lab=dhcp_lab)
+            # with the kernel's reset_method, which a release's GPU handover needs (guards/gpureset.py)
+            yield World(host=between_tenants(host_copy(H200.name)), machine=machine, netns=netns, lab=dhcp_lab)
     finally:
         subprocess.run(["umount", str(machine / SEED_DIR.lstrip("/"))], capture_output=True, timeout=30)
         shutil.rmtree(machine)
@@ -105,8 +107,11 @@ def world(dhcp_lab, host_copy) -> Iterator[World]:
 
 def test_every_precondition_holds_on_a_prepared_host(world):
     result = world.check()
-    assert result.checks_passed == ["kvm_usable", "hugepages_free", "vfio_groups_viable", "cache_space", "seed_dir",
-                                    "relay_key", "ovmf", "bridge_owns_gateway", "dnsmasq_reads_hosts"]
+    assert result.checks_passed == ["kvm_usable", "hugepages_free", "vfio_groups_viable", "gpu_handover_ready",
+                                    "cache_space", "seed_dir", "relay_key", "ovmf", "bridge_owns_gateway",
+                                    "dnsmasq_reads_hosts"]
+    assert result.gpu_handover is not None and result.gpu_handover.gpu_reset.method.value == "sbr"
+    assert result.gpu_handover.fabric_vf_reset_methods == ["flr"]
     assert result.hugepages_1g_needed == 64 and result.hugepages_1g_free == 256
     assert [v.address for v in result.vfio] == [GPU, VF]
     assert result.seed_dir.qemu_user.name == "libvirt-qemu" and all(c.ok for c in result.seed_dir.components)
@@ -153,6 +158,12 @@ def _no_dnsmasq_in_process_table(w: World) -> None:
     (w.proc / "proc/1/cmdline").write_bytes(b"/sbin/init\0")
 
 
+def _gpu_sharing_its_bridge(w: World) -> None:
+    """A second function below the GPU's switch port: only an FLR, after which no memory clear is proven."""
+    gpu = w.host / "sys/devices/pci0000:15/0000:15:01.0/0000:16:00.0/0000:17:00.0/0000:18:00.0"
+    (gpu.parent / "0000:18:00.1").mkdir()
+
+
 def _gateway_gone(w: World) -> None:
     subprocess.run(["ip", "-n", w.netns, "addr", "del", "10.100.0.1/24", "dev", "ovsbr0"], check=True, timeout=20)
 
@@ -167,6 +178,13 @@ CASES: dict[str, tuple[Callable[[World], None], str, str]] = {
                           "hugepages_unknown", "free_hugepages"),
     "gpu_without_iommu_group": (lambda w: (w.host / "sys/devices/pci0000:15/0000:15:01.0/0000:16:00.0/0000:17:00.0/"
                                            "0000:18:00.0/iommu_group").unlink(), "no_iommu_group", GPU),
+    "gpu_admin_tool_missing": (lambda w: w.slice_overrides.update(gpu_admin_tool=Path("/nonexistent/nvidia_gpu_tools.py")),
+                               "gpu_handover_tool_missing", "nvidia_gpu_tools.py"),
+    "gpu_without_reset_method": (lambda w: (w.host / f"sys/bus/pci/devices/{GPU}/reset_method").unlink(),
+                                 "gpu_reset_path_missing", GPU),
+    "gpu_sharing_its_bridge": (_gpu_sharing_its_bridge, "gpu_memory_clear_unprovable", "0000:18:00.1"),
+    "vf_without_flr": (lambda w: (w.host / f"sys/bus/pci/devices/{VF}/reset_method").write_text("bus\n"),
+                       "gpu_reset_path_missing", VF),
     "cache_too_small": (lambda w: setattr(w, "image_size_hint", 1 << 62), "cache_space_insufficient", "free_bytes"),
     "seed_dir_missing": (lambda w: _rm(w.machine / SEED_DIR.lstrip("/")), "seed_dir_missing", SEED_DIR),
     "var_lib_libvirt_0700": (lambda w: (w.machine / "var/lib/libvirt").chmod(0o700), "seed_dir_unreadable_by_qemu",

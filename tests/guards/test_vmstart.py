@@ -107,7 +107,7 @@ def test_kvm_that_is_not_a_device_is_refused(bound_host):
 
 
 def test_live_kvm_is_usable_for_root():
-    assert os.geteuid() == 0, "these tests run as root (DESIGN.md §5)"
+    assert os.geteuid() == 0, "these tests run as root (docs/testing.md)"
     assert check_kvm(LIVE) == "usable"
 
 

@@ -1,4 +1,4 @@
-"""Wipe and verification on real loop disks (DESIGN.md §4.6)."""
+"""Wipe and verification on real loop disks (docs/safety.md §6)."""
 
 from __future__ import annotations
 

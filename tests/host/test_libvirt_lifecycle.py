@@ -1,7 +1,7 @@
 """The lifecycle driver against libvirt's in-process test driver (``test:///default``).
 
 The test driver keeps its state per process, shared by every connection
-(DESIGN.md §5), and ships a running domain called ``test`` that the agent does
+(docs/testing.md), and ships a running domain called ``test`` that the agent does
 not own: every test uses fresh allocation ids and undefines what it defined.
 It rejects ``VIR_DOMAIN_UNDEFINE_NVRAM`` and ``VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN``
 with VIR_ERR_INVALID_ARG, which is exactly the fallback these tests prove.

@@ -118,7 +118,7 @@ def test_run_sync_timeout_kills_the_whole_process_group(tmp_path):
 
 
 def test_no_module_starts_a_process_outside_host_run():
-    """DESIGN: every subprocess is an argv list with a timeout, through host/run.py only."""
+    """Every subprocess is an argv list with a timeout, through host/run.py only."""
     import ast
     from pathlib import Path
 

@@ -9,8 +9,9 @@ import sys
 
 from tests.conftest import REPO
 
-# Only a provision builds a seed ISO (pycdlib, PyYAML); only a live host with a GPU driver asks NVML.
-NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml")
+# Only a provision builds a seed ISO (pycdlib, PyYAML); only a live host with a GPU driver asks NVML; only a
+# host with a [bmc] table reads a BMC (sushy, and the requests it brings).
+NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml", "sushy", "requests")
 
 
 def test_importing_the_daemon_does_not_import_what_only_a_task_or_a_gpu_host_needs():

@@ -1,5 +1,5 @@
 """GPU health through NVML: recorded readings judged into the gpu_nvml check, the driver-absent path, and the
-reader's NVML calls replayed from a reading (no GPU or driver exists on CI machines: DESIGN.md §5's one fake).
+reader's NVML calls replayed from a reading (no GPU or driver exists on CI machines: docs/testing.md's one fake).
 
 The replay implements only functions and error classes the real ``pynvml`` has (checked against the
 installed binding), so a misspelt or removed NVML call fails here rather than on the first GPU host.

@@ -182,7 +182,7 @@ def test_a_version_1_file_is_migrated_keeping_its_leases(tmp_path):
     conn.commit()
     conn.close()
     store = StateStore.open(path)
-    assert store.schema_version == len(MIGRATIONS) == 7  # 5: terminal relay tables; 6: agent_meta; 7: lease handover
+    assert store.schema_version == len(MIGRATIONS) == 9  # 7: lease handover; 8: quarantine; 9: fabric partition leases
     assert [l.allocation_id for l in store.leases()] == [ALLOC_A]
     assert store.leases()[0].handover is None  # from before handover policies: release takes the strictest
     # A lease from before identities holds its disk by the path it was taken under (migration 4).

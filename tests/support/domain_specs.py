@@ -57,6 +57,7 @@ def production_spec(slot_index: int, **update) -> DomainSpec:
         mac=slot["mac"],
         ovs_bridge=slot["ovs_bridge"],
         seed_iso_path=f"/var/lib/gpuaas/seeds/{ALLOCATION}.iso",
+        serial_log_path=f"/var/log/gpuaas-agent/console/{ALLOCATION}-slot{slot_index}.log",
         numa_node=slot["numa_node"],
         numa_cpulist=node_cpulist(H200, slot["numa_node"]),
         firmware=DEBIAN_OVMF,

@@ -82,6 +82,46 @@ server.serve_forever()
 """
 
 
+def make_ca(directory: Path, name: str = "gpuaas test image CA") -> tuple[Path, Path]:
+    """(cert, key) of a throwaway CA (basicConstraints CA:TRUE), made by openssl in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "ca.pem", directory / "ca.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}",
+                    "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+                   check=True, capture_output=True, timeout=30)
+    return cert, key
+
+
+def issue_server_cert(ca: tuple[Path, Path], directory: Path, *, ip: str = "127.0.0.1") -> tuple[Path, Path]:
+    """(cert, key) of a server certificate for ``ip`` (and localhost) signed by ``ca``: not a CA itself."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key, csr, ext = (directory / n for n in ("server.pem", "server.key", "server.csr", "server.ext"))
+    subprocess.run(["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={ip}"], check=True, capture_output=True,
+                   timeout=30)
+    ext.write_text(f"basicConstraints=CA:FALSE\nsubjectAltName=IP:{ip},DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    subprocess.run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
+                    "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext)],
+                   check=True, capture_output=True, timeout=30)
+    return cert, key
+
+
+def start_https_server(root: Path, cert: Path, key: Path, portfile: Path) -> tuple[subprocess.Popen, int]:
+    """The server above over ``root`` with ``cert``/``key``: (process, port); the caller kills it by PID."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(root), str(cert), str(key), str(portfile)],
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while not portfile.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError("test HTTPS server did not start")
+        time.sleep(0.02)  # poll step of a deadline wait
+    return proc, int(portfile.read_text())
+
+
 def sha256_hex(data: bytes) -> str:
     """The hex SHA-256 of ``data`` (what a payload's ``image.sha256`` carries)."""
     return hashlib.sha256(data).hexdigest()

@@ -1,4 +1,4 @@
-"""A real 3-server JetStream cluster on loopback (DESIGN.md §5): one store dir each, each stopped by its PID.
+"""A real 3-server JetStream cluster on loopback (docs/testing.md): one store dir each, each stopped by its PID.
 
 Each member is a :class:`NatsServer` (127.0.0.1 only, foreground under ``Popen``) with a
 server name and routes to the others on 127.0.0.1 ports. The members are spawned together

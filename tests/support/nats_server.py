@@ -1,4 +1,4 @@
-"""A real ``nats-server -js`` per test (DESIGN.md §5): fresh store dir, 127.0.0.1 only, stopped by PID.
+"""A real ``nats-server -js`` per test (docs/testing.md): fresh store dir, 127.0.0.1 only, stopped by PID.
 
 The server runs in the foreground under ``Popen`` (detached daemons linger as
 zombies on CI machines). Readiness is a condition, not a sleep: the client port

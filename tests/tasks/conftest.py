@@ -1,6 +1,6 @@
 """A host prepared the way the package and the network baseline leave it, for pipeline tests that pass validate.
 
-Validate proves every precondition of the later steps (DESIGN.md §4.8) against the
+Validate proves every precondition of the later steps (docs/safety.md §8) against the
 real host: so a test that drives a provision past validate needs those to be true,
 with real components, not a switch that turns the checks off:
 

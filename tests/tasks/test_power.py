@@ -1,7 +1,7 @@
 """``slice.vm_power`` driven with a store and a SliceDrivers over real pieces.
 
 Real: libvirt's test driver (``test:///default``: it rejects the ACPI shutdown flag, so
-``stop`` takes the plain-shutdown fallback, DESIGN.md §5), a private ovsdb-server and
+``stop`` takes the plain-shutdown fallback, docs/testing.md), a private ovsdb-server and
 ovs-vswitchd, the recorded 8xH200 host with its slot disk backed by a loop device (the
 disk guard runs for real), the SQLite store. The domain is defined by the lifecycle
 driver exactly as provision defines it.

@@ -83,11 +83,13 @@ def test_healthy_fixture_has_every_check_in_order_and_no_failures():
     for name in ("kvm", "iommu", "vfio", "sriov_vfs", "slot_candidates", "ovmf", "hugepages", *NETWORK_HARD,
                  "ipoib_netplan", "fabric_route"):
         assert checks[name].status is ParityStatus.PASS, checks[name]
-    # Sockets and processes cannot be proven from a recording: WARN, never PASS (DESIGN §4.7). A dhcp-range in
+    # Sockets and processes cannot be proven from a recording: WARN, never PASS (docs/safety.md §7). A dhcp-range in
     # the config does not prove a running dnsmasq reads the agent's reservations.
     for name in ("node_agent", "libvirt", "openvswitch", "dnsmasq", "gpu_host_services", "qemu_access"):
         assert checks[name].status is ParityStatus.WARN and checks[name].hard, checks[name]
-    assert "not provable from a recording" in checks["dnsmasq"].detail
+    # The recorded config says which hosts file dnsmasq reads: not the agent's default, and the line names it.
+    assert checks["dnsmasq"].detail.startswith("dnsmasq_config_reads_other_hosts")
+    assert "/var/lib/gpuaas/dnsmasq-hosts" in checks["dnsmasq"].detail
     # The recording's GPUs are still on nvidia: provision rebinds them, so a warning with the evidence.
     assert checks["gpu_driver"].status is ParityStatus.WARN and "0000:18:00.0=nvidia" in checks["gpu_driver"].evidence
     service = checks["historical_network_service"]
@@ -185,8 +187,9 @@ def test_stopped_ovsdb_fails_the_check(tmp_path):
 class _Ctx:
     """The part of the worker's TaskContext a handler uses: progress events."""
 
-    def __init__(self) -> None:
+    def __init__(self, store=None) -> None:
         self.events: list[tuple[str, str]] = []
+        self.store = store  # a real StateStore where the handler reads it (topology: the quarantined components)
 
     async def progress(self, step: str, status: str, **_: object) -> None:
         self.events.append((step, status))
@@ -210,17 +213,19 @@ def test_a_report_whose_counts_disagree_with_its_checks_is_refused():
         ParityReport.model_validate({**body, "failures": 0})
 
 
-def test_topology_discover_adds_slice_network_beside_the_unchanged_report():
+def test_topology_discover_adds_slice_network_beside_the_unchanged_report(tmp_path):
     from gpuaas_agent.discovery.report import discover
+    from gpuaas_agent.state.store import StateStore
 
-    output = asyncio.run(topology_discover_handler(NAT_MISSING)(TopologyDiscoverPayload(), _Ctx()))
+    store = StateStore.open(tmp_path / "state.db")
+    output = asyncio.run(topology_discover_handler(NAT_MISSING)(TopologyDiscoverPayload(), _Ctx(store)))
     network = output.pop("slice_network")
     assert output == discover(HostRoot.open(NAT_MISSING)).model_dump(mode="json")
     assert [b["code"] for b in network["blockers"]] == ["nat_missing"]
     assert network["ovs_bridge"] == "ovsbr0" and network["nat"]["present"] is False
 
 
-# -- what parity must not PASS (seed 004 parity target, DESIGN §4.7) ----------------------------
+# -- what parity must not PASS (seed 004 parity target, docs/safety.md §7) ----------------------------
 
 
 def test_every_line_of_the_agents_checks_carries_its_evidence():

@@ -1,4 +1,4 @@
-"""Each host precondition of a provision, broken one at a time, is a refusal in validate (DESIGN.md §4.8).
+"""Each host precondition of a provision, broken one at a time, is a refusal in validate (docs/safety.md §8).
 
 The host is prepared as the package leaves it (``prepared_host``: a real OVS bridge owning the
 gateway, a real dnsmasq reading the agent's hosts file, a seed dir QEMU can reach, a relay key);

@@ -22,4 +22,6 @@ def test_config_and_worker_defaults_are_the_registry_concurrency():
 def test_without_slice_drivers_only_the_read_only_tasks_are_served():
     handlers = build_handlers(AgentConfig())
     assert set(handlers) == {spec.type for spec in TASKS if not spec.needs_slice_host}
-    assert set(handlers) == {TaskType.topology_discover, TaskType.preflight, TaskType.plan}
+    # The fleet operations act on the host's own state: a box without slice drivers is put in maintenance too.
+    assert set(handlers) == {TaskType.topology_discover, TaskType.preflight, TaskType.plan, TaskType.maintenance,
+                             TaskType.quarantine, TaskType.unquarantine}

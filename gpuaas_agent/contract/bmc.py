@@ -1,0 +1,96 @@
+"""What the HGX baseboard's BMC says about each GPU and NVSwitch, and the verdict the agent draws from it.
+
+On a slice host the GPUs sit on ``vfio-pci`` and the host has no NVIDIA driver: NVML
+cannot see them. The baseboard's BMC (the HGX Management Controller, over Redfish) still
+can. A :class:`GpuTelemetry` is what one read returned for one GPU, field by field, with
+``unread`` naming what could not be read; a :class:`GpuBmcVerdict` is the judgement
+(``ok``/``degraded``/``failed``/``unavailable``, the verdicts of the host's health checks)
+with its reasons and that telemetry as evidence. Component quarantine consumes
+:class:`BmcReading`'s per-GPU verdicts (``operator/bmc.py`` ``read_bmc_verdicts``).
+
+``unavailable`` is never a pass: a BMC that does not answer, answers garbage or hangs
+gives every GPU ``unavailable``, and a GPU whose metrics could not all be read is
+``unavailable`` unless what was read already fails or degrades it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import Field
+
+from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.types import PciAddress
+
+BmcStatus = Literal["ok", "degraded", "failed", "unavailable"]
+# Worst first when several reasons apply; unavailable ranks below degraded: what was read and is bad wins.
+STATUS_RANK: dict[str, int] = {"ok": 0, "unavailable": 1, "degraded": 2, "failed": 3}
+
+
+class GpuTelemetry(WireModel):
+    """One GPU as the BMC reported it (``None``: the BMC did not say; ``unread``: a resource it could not serve)."""
+
+    gpu_id: str = Field(max_length=64)  # the BMC's processor id, e.g. GPU_SXM_1
+    serial_number: str | None = None
+    uuid: str | None = None
+    state: str | None = None  # Redfish Status.State (Enabled, Absent, UnavailableOffline...)
+    health: str | None = None  # Redfish Status.Health (OK, Warning, Critical)
+    temperature_c: float | None = None
+    temperature_caution_c: float | None = None
+    temperature_critical_c: float | None = None
+    power_w: float | None = None
+    sram_ecc_correctable: int | None = None
+    sram_ecc_uncorrectable: int | None = None
+    dram_ecc_correctable: int | None = None
+    dram_ecc_uncorrectable: int | None = None
+    row_remap_correctable: int | None = None
+    row_remap_uncorrectable: int | None = None
+    row_remapping_failed: bool | None = None
+    row_remapping_pending: bool | None = None
+    pcie_correctable: int | None = None
+    pcie_nonfatal: int | None = None
+    pcie_fatal: int | None = None
+    throttle_reasons: tuple[str, ...] = ()
+    unread: tuple[str, ...] = ()  # "<uri>: <why>" for each resource that could not be read
+
+
+class NvSwitchTelemetry(WireModel):
+    """One NVSwitch as the BMC reported it."""
+
+    switch_id: str = Field(max_length=64)  # e.g. NVSwitch_0
+    state: str | None = None
+    health: str | None = None
+    temperature_c: float | None = None
+    temperature_critical_c: float | None = None
+    ecc_uncorrectable: int | None = None
+    pcie_fatal: int | None = None
+    pcie_nonfatal: int | None = None
+    unread: tuple[str, ...] = ()
+
+
+class GpuBmcVerdict(WireModel):
+    """The agent's verdict on one GPU from the BMC, with the reasons and the reading that prove it."""
+
+    gpu_id: str = Field(max_length=64)
+    pci_address: PciAddress | None = None  # the host function, where the config maps the BMC id to it
+    status: BmcStatus
+    reasons: tuple[str, ...] = ()
+    telemetry: GpuTelemetry | None = None  # None: nothing could be read (the BMC did not answer)
+
+
+class NvSwitchBmcVerdict(WireModel):
+    switch_id: str = Field(max_length=64)
+    status: BmcStatus
+    reasons: tuple[str, ...] = ()
+    telemetry: NvSwitchTelemetry | None = None
+
+
+class BmcReading(WireModel):
+    """One read of the baseboard: every expected GPU and NVSwitch judged, or why none could be."""
+
+    bmc_url: str
+    read_at: datetime
+    error: str | None = None  # set when the BMC could not be read at all (every verdict is then unavailable)
+    gpus: tuple[GpuBmcVerdict, ...] = ()
+    nvswitches: tuple[NvSwitchBmcVerdict, ...] = ()

@@ -1,0 +1,230 @@
+"""GPU and NVSwitch health from the HGX baseboard's BMC: credentials, one read, the per-GPU verdicts, the check.
+
+The ``gpu_nvml`` check answers ``unavailable`` for every GPU a slice holds (vfio-pci, no
+host driver); the baseboard's BMC sees them whatever the host's driver. On the health
+interval :func:`bmc_check` reads it (``operator/redfish.py``, sushy) and judges each GPU:
+
+- ``failed``: Redfish health ``Critical``; the GPU ``Absent``/``UnavailableOffline`` or not
+  listed at all while the config maps it; row remapping failed (NVIDIA: the HBM has no spare
+  rows left, an RMA case); a fatal PCIe error; temperature at or above its critical threshold;
+- ``degraded``: health ``Warning``; a row remap pending (the GPU needs a reset before the
+  remap takes effect); uncorrectable SRAM ECC errors (SRAM has no remapping); non-fatal PCIe
+  errors; temperature at or above its caution threshold; a hardware slowdown (``HW*`` throttle
+  reasons: thermal, power brake);
+- ``unavailable``: anything that could not be read: no answer, malformed JSON, a hang past the
+  request timeout, a resource missing. Never ``ok``.
+
+Lifetime DRAM ECC and row-remap counts are evidence, not verdicts: a remapped row is the
+repair working (NVIDIA's row-remapping guidance), its failure is what matters.
+
+NVSwitches are judged alike; their verdicts ride in the same reading (a partition through a
+failed NVSwitch is not healthy). :func:`read_bmc_verdicts` is what component quarantine uses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+from gpuaas_agent.compat import UTC
+from gpuaas_agent.config import BmcConfig
+from gpuaas_agent.contract.bmc import (
+    STATUS_RANK,
+    BmcReading,
+    BmcStatus,
+    GpuBmcVerdict,
+    GpuTelemetry,
+    NvSwitchBmcVerdict,
+    NvSwitchTelemetry,
+)
+from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.control.transport import check_secret_file
+from gpuaas_agent.errors import AgentError
+
+CHECK_NAME = "gpu_bmc"
+_ABSENT_STATES = ("Absent", "UnavailableOffline")
+
+
+class BmcError(AgentError):
+    default_code = "bmc_credentials_invalid"
+
+
+class BmcCredentials(BaseModel):
+    """The BMC account the agent reads with (a read-only ``ReadOnly`` role is enough)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    username: str = Field(min_length=1, max_length=256)
+    password: SecretStr
+
+
+def load_credentials(path: Path) -> BmcCredentials:
+    """The credentials file, with the NATS ``.creds`` checks first (regular file, ours, 0600/0400)."""
+    check_secret_file(path, what="BMC credentials")
+    try:
+        return BmcCredentials.model_validate(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, ValueError, ValidationError) as exc:
+        # ValidationError and JSONDecodeError are ValueErrors: neither message carries the password.
+        raise BmcError(f"BMC credentials {path} are not JSON {{\"username\": ..., \"password\": ...}}",
+                       evidence={"path": str(path), "error": type(exc).__name__}) from None
+
+
+# -- judging (pure) --------------------------------------------------------------------------
+
+
+def _worst(found: Iterable[tuple[BmcStatus, str]]) -> tuple[BmcStatus, tuple[str, ...]]:
+    found = list(found)
+    if not found:
+        return "ok", ()
+    status = max((s for s, _ in found), key=STATUS_RANK.__getitem__)
+    return status, tuple(reason for s, reason in found if s == status)
+
+
+def judge_gpu(t: GpuTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
+    """The verdict on one GPU's telemetry and the reasons of that verdict (the worst ones only)."""
+    found: list[tuple[BmcStatus, str]] = []
+    if t.health == "Critical":
+        found.append(("failed", "Redfish health Critical"))
+    elif t.health == "Warning":
+        found.append(("degraded", "Redfish health Warning"))
+    if t.state in _ABSENT_STATES:
+        found.append(("failed", f"Redfish state {t.state}"))
+    if t.row_remapping_failed:
+        found.append(("failed", "row remapping failed (no spare HBM rows)"))
+    if t.row_remapping_pending:
+        found.append(("degraded", "row remapping pending (needs a GPU reset)"))
+    if t.pcie_fatal:
+        found.append(("failed", f"PCIe fatal errors {t.pcie_fatal}"))
+    if t.pcie_nonfatal:
+        found.append(("degraded", f"PCIe non-fatal errors {t.pcie_nonfatal}"))
+    if t.sram_ecc_uncorrectable:
+        found.append(("degraded", f"uncorrectable SRAM ECC errors {t.sram_ecc_uncorrectable}"))
+    if t.temperature_c is not None:
+        if t.temperature_critical_c is not None and t.temperature_c >= t.temperature_critical_c:
+            found.append(("failed", f"temperature {t.temperature_c:g} C >= critical {t.temperature_critical_c:g} C"))
+        elif t.temperature_caution_c is not None and t.temperature_c >= t.temperature_caution_c:
+            found.append(("degraded", f"temperature {t.temperature_c:g} C >= caution {t.temperature_caution_c:g} C"))
+    slowdowns = [r for r in t.throttle_reasons if r.startswith("HW")]
+    if slowdowns:
+        found.append(("degraded", f"hardware slowdown {','.join(slowdowns)}"))
+    for what in t.unread:
+        found.append(("unavailable", f"unread {what}"))
+    return _worst(found)
+
+
+def judge_nvswitch(t: NvSwitchTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
+    found: list[tuple[BmcStatus, str]] = []
+    if t.health == "Critical":
+        found.append(("failed", "Redfish health Critical"))
+    elif t.health == "Warning":
+        found.append(("degraded", "Redfish health Warning"))
+    if t.state in _ABSENT_STATES:
+        found.append(("failed", f"Redfish state {t.state}"))
+    if t.pcie_fatal:
+        found.append(("failed", f"PCIe fatal errors {t.pcie_fatal}"))
+    if t.pcie_nonfatal:
+        found.append(("degraded", f"PCIe non-fatal errors {t.pcie_nonfatal}"))
+    if t.ecc_uncorrectable:
+        found.append(("degraded", f"uncorrectable ECC errors {t.ecc_uncorrectable}"))
+    if t.temperature_c is not None and t.temperature_critical_c is not None and \
+            t.temperature_c >= t.temperature_critical_c:
+        found.append(("failed", f"temperature {t.temperature_c:g} C >= critical {t.temperature_critical_c:g} C"))
+    for what in t.unread:
+        found.append(("unavailable", f"unread {what}"))
+    return _worst(found)
+
+
+def judge(config: BmcConfig, gpus: list[GpuTelemetry], nvswitches: list[NvSwitchTelemetry], *,
+          read_at: datetime) -> BmcReading:
+    """Verdicts for every GPU the BMC listed, plus ``failed`` for each mapped GPU it did not list."""
+    verdicts = []
+    for t in gpus:
+        status, reasons = judge_gpu(t)
+        verdicts.append(GpuBmcVerdict(gpu_id=t.gpu_id, pci_address=config.gpu_pci_addresses.get(t.gpu_id),
+                                      status=status, reasons=reasons, telemetry=t))
+    listed = {t.gpu_id for t in gpus}
+    for gpu_id, address in sorted(config.gpu_pci_addresses.items()):
+        if gpu_id not in listed:
+            verdicts.append(GpuBmcVerdict(gpu_id=gpu_id, pci_address=address, status="failed",
+                                          reasons=(f"not in the BMC's processor list of {config.system_id}",)))
+    switches = [NvSwitchBmcVerdict(switch_id=t.switch_id, status=s, reasons=r, telemetry=t)
+                for t in nvswitches for s, r in [judge_nvswitch(t)]]
+    return BmcReading(bmc_url=config.url, read_at=read_at, gpus=tuple(sorted(verdicts, key=lambda v: v.gpu_id)),
+                      nvswitches=tuple(switches))
+
+
+def unreadable(config: BmcConfig, error: str, *, read_at: datetime) -> BmcReading:
+    """The reading of a BMC that could not be read: every mapped GPU ``unavailable`` with the reason."""
+    return BmcReading(bmc_url=config.url, read_at=read_at, error=error[:2000], gpus=tuple(
+        GpuBmcVerdict(gpu_id=gpu_id, pci_address=address, status="unavailable", reasons=(error[:500],))
+        for gpu_id, address in sorted(config.gpu_pci_addresses.items())))
+
+
+# -- reading (blocking) ----------------------------------------------------------------------
+
+
+def _redfish():
+    """The sushy-based reader, imported on first use (tests/test_import_graph.py LAZY_IMPORTS says why)."""
+    from gpuaas_agent.operator import redfish
+
+    return redfish
+
+
+def read_bmc_verdicts(config: BmcConfig) -> BmcReading:
+    """Read the BMC once and judge every GPU and NVSwitch (blocking: run it in a thread with a deadline).
+
+    Never raises for what the BMC does: a refused connection, a timeout, malformed JSON or bad
+    credentials give a reading whose ``error`` says why and whose verdicts are ``unavailable``.
+    """
+    now = datetime.now(UTC)
+    try:
+        creds = load_credentials(config.credentials_file)
+    except AgentError as exc:
+        return unreadable(config, f"{exc.code}: {exc.message}", read_at=now)
+    try:
+        redfish = _redfish()
+    except ImportError as exc:
+        return unreadable(config, f"the Redfish client is not installed ({exc.name}): install gpuaas-agent[bmc]",
+                          read_at=now)
+    verify: bool | str = str(config.ca_file) if config.ca_file is not None else True
+    try:
+        bmc = redfish.HgxBmc(config.url, creds.username, creds.password.get_secret_value(), verify=verify,
+                             timeout_s=config.request_timeout_s, system_id=config.system_id,
+                             fabric_id=config.fabric_id)
+    except redfish.READ_ERRORS as exc:
+        return unreadable(config, f"BMC {config.url} did not answer its service root: "
+                                  f"{type(exc).__name__}: {str(exc)[:300]}", read_at=now)
+    try:
+        read = bmc.read()
+    except redfish.READ_ERRORS as exc:
+        return unreadable(config, f"BMC {config.url} did not list the baseboard's GPUs and NVSwitches: "
+                                  f"{type(exc).__name__}: {str(exc)[:300]}", read_at=now)
+    finally:
+        bmc.close()
+    return judge(config, read.gpus, read.nvswitches, read_at=now)
+
+
+def summarise_reading(reading: BmcReading) -> tuple[BmcStatus, str]:
+    """The ``gpu_bmc`` check's verdict (the worst component's) and its one-line detail."""
+    if reading.error is not None:
+        return "unavailable", reading.error
+    parts = [(v.status, f"{v.gpu_id}{f' ({v.pci_address})' if v.pci_address else ''}: {'; '.join(v.reasons)}")
+             for v in reading.gpus if v.status != "ok"]
+    parts += [(v.status, f"{v.switch_id}: {'; '.join(v.reasons)}") for v in reading.nvswitches if v.status != "ok"]
+    if not reading.gpus:
+        parts.append(("unavailable", "the BMC listed no GPU"))
+    if not parts:
+        return "ok", f"{len(reading.gpus)} GPU(s) and {len(reading.nvswitches)} NVSwitch(es) ok on {reading.bmc_url}"
+    status, _ = _worst(parts)
+    return status, "; ".join(f"{s} {text}" for s, text in sorted(parts, key=lambda p: -STATUS_RANK[p[0]]))
+
+
+def bmc_check(config: BmcConfig) -> HealthCheck:
+    """The ``gpu_bmc`` health check (blocking): one read, the worst verdict, every non-ok component named."""
+    reading = read_bmc_verdicts(config)
+    status, detail = summarise_reading(reading)
+    return HealthCheck(name=CHECK_NAME, status=status, detail=detail[:4000], checked_at=reading.read_at)
