@@ -86,11 +86,18 @@ class TerminalConfig(BaseModel):
     input_window_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20)
     max_frame_bytes: int = Field(default=16 << 10, ge=256, le=64 << 10)
     ssh_window_bytes: int = Field(default=128 << 10, ge=4096, le=16 << 20)
+    # slice.terminal_data input of one session not yet handed to the guest: beyond it a data task is refused
+    # (terminal_input_full); a data task whose bytes the guest has not taken within input_wait_s fails
+    # (terminal_input_stalled) and its bytes are dropped, never typed later (docs/fairness.md).
+    max_pending_input_bytes: int = Field(default=64 << 10, ge=256, le=16 << 20)
+    input_wait_s: float = Field(default=10.0, gt=0, le=600)
 
     @model_validator(mode="after")
     def _frames_fit_windows(self) -> TerminalConfig:
         if self.max_frame_bytes > min(self.output_window_bytes, self.input_window_bytes):
             raise ValueError("max_frame_bytes must fit in both output_window_bytes and input_window_bytes")
+        if self.max_frame_bytes > self.max_pending_input_bytes:
+            raise ValueError("max_frame_bytes must fit in max_pending_input_bytes (one data task is one frame)")
         return self
 
 
@@ -157,6 +164,10 @@ class SliceConfig(BaseModel):
     # How long readiness waits for that proof once SSH answers (within readiness_timeout_s overall).
     readiness_egress_timeout_s: float = Field(default=120.0, gt=0)
     clone_timeout_s: float = Field(default=3600.0, gt=0)
+    # The most a slice.vm_power stop/reboot waits for the guest's ACPI shutdown before destroying it: the
+    # task's graceful_timeout_s (up to 3600 on the wire) is cut to this, and the result says so. It bounds
+    # how long one tenant's power operation holds its slot (tasks/power.py, docs/fairness.md).
+    max_graceful_timeout_s: int = Field(default=300, ge=0, le=3600)
     # Where images may come from: see the class docstring. Nothing is allowed by default.
     image_https_hosts: tuple[str, ...] = ()
     image_file_dir: Path | None = None

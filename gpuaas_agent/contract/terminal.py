@@ -77,6 +77,7 @@ class CloseReason(WireEnum):
     protocol_error = "protocol_error"  # an .in frame that is not the contract's, or an impossible ack_out
     agent_shutdown = "agent_shutdown"
     agent_restarted = "agent_restarted"  # found open in the store after the agent died under it
+    watchdog_failed = "watchdog_failed"  # the session's periodic check (recheck, byte tick) raised: closed, logged
 
 
 class TerminalOpenPayload(WireModel):

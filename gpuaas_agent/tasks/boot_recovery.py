@@ -183,7 +183,7 @@ async def recover_slot(sh: SliceDrivers, lease: SlotLease, record: SlotRecord, d
     disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                            nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
     try:
-        target, port = await start_plan(sh, domain, lease)
+        target, port = await start_plan(sh, domain, lease, data_slots)
         started = await guarded_start(sh, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
     except AgentError as exc:
         _refused(rec, DriftKind.boot_restart_refused, exc, domain=domain.name)

@@ -26,6 +26,7 @@ from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.tasks.isolation import unisolate_port
+from gpuaas_agent.tasks.power_line import PowerLine
 
 # Files QEMU opens (firmware) live on the machine the agent runs on, whatever host_root says:
 # on a recorded fixture (the lab) the sysfs is recorded but OVMF is this machine's.
@@ -60,6 +61,8 @@ class SliceDrivers:
     libvirt: LibvirtLifecycle
     # One provision per slot runs at a time, whatever the task ids say (two tasks for one slot race otherwise).
     _slot_locks: dict[int, asyncio.Lock] = field(default_factory=dict)
+    # The power operations per slot: one runs, at most one waits, the newest wins (tasks/power_line.py).
+    power_line: PowerLine = field(default_factory=PowerLine)
     # The node's live terminal sessions (slice.terminal_*), made on first use: one relay per daemon.
     _terminals: TerminalSessions | None = None
     # NVIDIA's GPU admin tool as the release's gpu_handover runs it; None: the configured or installed one.

@@ -20,6 +20,19 @@ What each operation does (all idempotent):
 * ``reset``: ``virDomainReset``, a hard reset; the domain stays running, so no start
   guard is needed. A shut-off domain is refused (``domain_not_running``): start it.
 
+A multi-slot slice (one allocation, N slots, one domain: ``tasks/slotset.py``) is named by
+its boot slot; the domain must hold every leased slot's disk (the boot disk first) and, when
+the profile passes devices through, every slot's GPU and VF, and each slot must still be
+``active`` for the allocation. Its start guards every slot's devices and disk under that
+slot's own lease (:func:`~gpuaas_agent.tasks.domain_start.guarded_start`'s ``data_slots``,
+as provision's start does). The operation holds every slot's lock, in index order.
+
+Fairness (docs/fairness.md): operations of one slot go through the slot's power line
+(:mod:`gpuaas_agent.tasks.power_line`): one runs, at most one waits, a newer request
+supersedes the waiting one, and a repeat of the running operation is answered
+``superseded`` at once. ``graceful_timeout_s`` is cut to the host's
+``[slice] max_graceful_timeout_s``; the result says when it was.
+
 A stopped slice keeps its lease, its disk and its ``active`` record: it is never
 wiped or released here. The record's detail says ``power_state`` (``running``,
 ``stopped``, or libvirt's state) and the last operation, so reconcile and the
@@ -29,8 +42,10 @@ control plane tell a slice the tenant stopped from one that died.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 from gpuaas_agent.contract.domain import DomainInfo, DomainState, StartTarget
 from gpuaas_agent.contract.naming import domain_name, vnic_name
@@ -90,6 +105,23 @@ def admit(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord]:
     return lease, record
 
 
+def admit_slice(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord, list[SlotLease]]:
+    """:func:`admit`, and the allocation's other leased slots (a multi-slot slice), each still ``active`` for it."""
+    lease, record = admit(store, payload)
+    data = sorted((held for held in store.leases_of(payload.allocation_id) if held.slot_index != lease.slot_index),
+                  key=lambda held: held.slot_index)
+    for held in data:
+        other = store.slot_state(held.slot_index)
+        if other is None or other.allocation_id != payload.allocation_id or other.status is not SlotStatus.active:
+            state = other.status.value if other else "not recorded"
+            raise PowerRefused(f"slot {held.slot_index} of the slice of {payload.allocation_id} is {state}, not active: "
+                               f"nothing touched", code="slot_cleanup_blocked" if other is not None and
+                               other.status is SlotStatus.cleanup_blocked else "slot_not_active",
+                               evidence={"slot_index": held.slot_index, "boot_slot_index": payload.slot_index,
+                                         "host_status": other.status.value if other else None})
+    return lease, record, data
+
+
 def check_domain(info: DomainInfo | None, payload: VmPowerPayload) -> DomainInfo:
     name = domain_name(payload.allocation_id)
     if info is None:
@@ -103,15 +135,23 @@ def check_domain(info: DomainInfo | None, payload: VmPowerPayload) -> DomainInfo
     return info
 
 
-async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease) -> tuple[StartTarget, SlicePort]:
-    """What the guarded start checks, from the lease and the domain's own XML; the two must agree."""
+async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease,
+                     data_slots: Sequence[SlotLease] = ()) -> tuple[StartTarget, SlicePort]:
+    """What the guarded start checks, from the leases and the domain's own XML; the two must agree.
+
+    ``lease`` is the boot slot's (its disk boots, its vNIC is the domain's one interface); ``data_slots``
+    the allocation's other leased slots, whose disks, GPUs and VFs the domain holds too.
+    """
     devices = await sh.libvirt.devices(info.name)
+    assert info.metadata is not None  # check_domain proved it ours
     profile = get_profile(info.metadata.profile)  # unknown_profile: refused, nothing started
     vnic = vnic_name(lease.allocation_id, lease.slot_index)
-    leased_pci = {lease.gpu_pci_address, lease.fabric_vf_pci_address}
+    slots = [lease, *data_slots]
+    leased_disks = [held.nvme_device for held in slots]
+    leased_pci = {a for held in slots for a in (held.gpu_pci_address, held.fabric_vf_pci_address)}
     problems = []
-    if devices.block_disks != [lease.nvme_device]:
-        problems.append(f"block disks {devices.block_disks} are not the leased {lease.nvme_device}")
+    if devices.block_disks[:1] != [lease.nvme_device] or sorted(devices.block_disks) != sorted(leased_disks):
+        problems.append(f"block disks {devices.block_disks} are not the leased {leased_disks} (boot disk first)")
     if set(devices.hostdevs) != (leased_pci if profile.hostdevs else set()):
         problems.append(f"PCI hostdevs {sorted(devices.hostdevs)} are not the leased "
                         f"{sorted(leased_pci) if profile.hostdevs else []}")
@@ -122,7 +162,7 @@ async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease) -> tu
         raise PowerRefused(f"domain {info.name} does not match the lease of slot {lease.slot_index}: {problems[0]}",
                            code="domain_lease_mismatch",
                            evidence={"problems": problems, "devices": devices.model_dump(mode="json"),
-                                     "lease": lease.model_dump()})
+                                     "leases": [held.model_dump() for held in slots]})
     nodeset = devices.numa_nodeset
     target = StartTarget(
         allocation_id=lease.allocation_id, slot_index=lease.slot_index, profile=profile,
@@ -145,70 +185,93 @@ async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease) -> tu
 
 
 async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
+    """One power operation, in its turn on the slot's power line (superseded when a newer one wins)."""
+    async with sh.power_line.turn(payload.slot_index, ctx.envelope.task_id, payload.operation):
+        store = as_store_thread(ctx.store)
+        held = {lease.slot_index for lease in await store.leases_of(payload.allocation_id)}
+        async with contextlib.AsyncExitStack() as locks:
+            # Every slot of the slice, in index order (as provision takes them: no cycle with another set).
+            for index in sorted(held | {payload.slot_index}):
+                await locks.enter_async_context(sh.slot_lock(index))
+            return await _power(sh, payload, ctx)
+
+
+def graceful_timeout(sh: SliceDrivers, payload: VmPowerPayload) -> tuple[int, dict | None]:
+    """The payload's graceful timeout cut to the host's cap, and what was cut (``None`` when nothing)."""
+    cap = sh.slice.max_graceful_timeout_s
+    if payload.graceful_timeout_s <= cap:
+        return payload.graceful_timeout_s, None
+    return cap, {"requested_s": payload.graceful_timeout_s, "max_graceful_timeout_s": cap}
+
+
+async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
     store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
     op = payload.operation
     name = domain_name(payload.allocation_id)
     task_id = ctx.envelope.task_id
+    grace, capped = graceful_timeout(sh, payload)
 
-    async with sh.slot_lock(payload.slot_index):
-        lease, record = await store.run(admit, payload)
-        info = check_domain(await sh.libvirt.lookup(name), payload)
-        before = info.state
-        if op == "reset" and before not in ON:
-            raise PowerRefused(f"domain {name} is {before.value}; a reset needs a running domain (start it instead)",
-                               code="domain_not_running", evidence={"domain": name, "state": before.value})
-        disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
-                               nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
+    lease, record, data_slots = await store.run(admit_slice, payload)
+    info = check_domain(await sh.libvirt.lookup(name), payload)
+    before = info.state
+    if op == "reset" and before not in ON:
+        raise PowerRefused(f"domain {name} is {before.value}; a reset needs a running domain (start it instead)",
+                           code="domain_not_running", evidence={"domain": name, "state": before.value})
+    disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
+                           nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
 
-        async def stop() -> dict:
-            outcome = await sh.libvirt.shutdown(name, deadline_s=payload.graceful_timeout_s)
-            return outcome.model_dump(mode="json")
+    async def stop() -> dict:
+        outcome = await sh.libvirt.shutdown(name, deadline_s=grace)
+        return outcome.model_dump(mode="json")
 
-        async def start() -> dict:
-            target, port = await start_plan(sh, info, lease)
-            others = [held for held in await store.leases_of(lease.allocation_id) if held.slot_index != lease.slot_index]
-            return await guarded_start(sh, target, disk_lease=disk_lease, port=port, data_slots=others)
+    async def start() -> dict:
+        target, port = await start_plan(sh, info, lease, data_slots)
+        # Each data slot's GPU, VF and disk guarded under its own lease, as provision's start does.
+        return await guarded_start(sh, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
 
-        async def reset() -> dict:
-            return (await sh.libvirt.reset(name)).model_dump(mode="json")
+    async def reset() -> dict:
+        return (await sh.libvirt.reset(name)).model_dump(mode="json")
 
-        steps: list[Step] = []
-        if op in ("stop", "reboot") and before is not DomainState.shutoff:
-            steps.append(Step("shutdown", stop))
-        if op == "reboot" or (op == "start" and before not in ON):
-            steps.append(Step("start", start))
-        if op == "reset":
-            steps.append(Step("reset", reset))
+    steps: list[Step] = []
+    if op in ("stop", "reboot") and before is not DomainState.shutoff:
+        steps.append(Step("shutdown", stop))
+    if op == "reboot" or (op == "start" and before not in ON):
+        steps.append(Step("start", start))
+    if op == "reset":
+        steps.append(Step("reset", reset))
 
-        failure: PipelineFailed | None = None
-        outputs: dict = {}
-        if steps:
-            try:
-                outputs = await run_pipeline(ctx, steps)
-            except PipelineFailed as exc:
-                failure = exc
+    failure: PipelineFailed | None = None
+    outputs: dict = {}
+    if steps:
         try:
-            after = await sh.libvirt.lookup(name)
-        except AgentError:  # libvirt gone after the operation: record "unknown", never mask the operation's error
-            after = None
-        state = after.state if after is not None else None
-        last = {"operation": op, "task_id": task_id, "at": time.time(), "changed": bool(outputs or failure),
-                "succeeded": failure is None, "code": failure.code if failure else None}
-        detail = {**record.detail, "power_state": power_state(state), "last_power_operation": last}
-        # Status stays active whatever happened: a stopped slice keeps its lease and its disk.
-        await store.set_slot_state(record.model_copy(update={"detail": detail, "task_id": task_id,
-                                                             "updated_at": time.time()}))
-        ctx.slot_outcomes.append(SlotOutcome(slot_index=payload.slot_index, status=SlotStatus.active,
-                                             health_state=record.health_state,
-                                             health_detail={"power_state": detail["power_state"],
-                                                            "last_power_operation": last}))
-        log_event(log, "slice_power", logging.WARNING if failure else logging.INFO, task_id=task_id,
-                  allocation_id=payload.allocation_id, slot_index=payload.slot_index, operation=op,
-                  before=before.value, after=state.value if state else None, changed=last["changed"],
-                  code=last["code"])
-        if failure is not None:
-            raise failure
-    return {
+            outputs = await run_pipeline(ctx, steps)
+        except PipelineFailed as exc:
+            failure = exc
+    try:
+        after = await sh.libvirt.lookup(name)
+    except AgentError:  # libvirt gone after the operation: record "unknown", never mask the operation's error
+        after = None
+    state = after.state if after is not None else None
+    last = {"operation": op, "task_id": task_id, "at": time.time(), "changed": bool(outputs or failure),
+            "succeeded": failure is None, "code": failure.code if failure else None}
+    detail = {**record.detail, "power_state": power_state(state), "last_power_operation": last}
+    # Status stays active whatever happened: a stopped slice keeps its lease and its disk.
+    await store.set_slot_state(record.model_copy(update={"detail": detail, "task_id": task_id,
+                                                         "updated_at": time.time()}))
+    ctx.slot_outcomes.append(SlotOutcome(slot_index=payload.slot_index, status=SlotStatus.active,
+                                         health_state=record.health_state,
+                                         health_detail={"power_state": detail["power_state"],
+                                                        "last_power_operation": last}))
+    log_event(log, "slice_power", logging.WARNING if failure else logging.INFO, task_id=task_id,
+              allocation_id=payload.allocation_id, slot_index=payload.slot_index, operation=op,
+              before=before.value, after=state.value if state else None, changed=last["changed"],
+              code=last["code"], slots=[payload.slot_index, *(held.slot_index for held in data_slots)],
+              graceful_timeout_s=grace, graceful_timeout_capped=capped is not None)
+    if failure is not None:
+        if capped is not None:
+            failure.evidence.setdefault("graceful_timeout_capped", capped)
+        raise failure
+    out = {
         "vm": name,
         "operation": op,
         "changed": bool(outputs),
@@ -217,7 +280,13 @@ async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
         "state": state.value if state else None,
         "power_state": power_state(state),
         "steps": outputs,
+        "graceful_timeout_s": grace,
     }
+    if capped is not None:
+        out["graceful_timeout_capped"] = capped
+    if data_slots:
+        out["slots"] = [payload.slot_index, *(held.slot_index for held in data_slots)]
+    return out
 
 
 def power_handler(sh: SliceDrivers):

@@ -20,7 +20,19 @@ the allocation user's ``authorized_keys``, and relays it on the session's subjec
 * the guest's host key is pinned on the first session of the allocation (in the store);
   a later session meeting another key is refused (``host_key_changed``, both fingerprints).
 
-Refusals happen before any connection is made. Each session is audited in the store
+Refusals happen before any connection is made. ``open`` and a release are ordered by the
+slot lock: admission and the session's place are taken under it, the SSH connection is made
+outside it, and the session is registered under it again after a second admission; a
+release (which closes the slot's sessions under that lock) closes sessions still
+connecting too, so no session opens into a slot being released. Each wait for the lock is
+bounded by ``connect_timeout_s`` (``terminal_slot_busy``). A cancel at any point (the task's
+deadline) releases everything the open registered: its place, its audit row, its
+subscription.
+
+Input of ``slice.terminal_data`` is bounded per session in bytes and in time
+(``terminal_input_full``, ``terminal_input_stalled``: ``tasks/terminal_session.py``).
+
+Each session is audited in the store
 (``terminal_session``: who, allocation, user, address, host key, open task, start, end,
 bytes in/out, close reason) and in the log (``terminal_opened``/``terminal_closed``).
 """
@@ -28,8 +40,10 @@ bytes in/out, close reason) and in the log (``terminal_opened``/``terminal_close
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 from ipaddress import IPv4Address
@@ -88,13 +102,15 @@ class TerminalRelay:
         self.config = sh.slice.terminal
         self.sessions: dict[str, _Live] = {}
         self._opening: dict[str, tuple[str, int]] = {}  # session id -> (allocation, slot) while connecting
+        self._revoked: set[str] = set()  # sessions still connecting that a release closed: they never open
 
     @property
     def flow(self) -> FlowSettings:
         c = self.config
         return FlowSettings(output_window_bytes=c.output_window_bytes, input_window_bytes=c.input_window_bytes,
                             max_frame_bytes=c.max_frame_bytes, idle_timeout_s=c.idle_timeout_s,
-                            max_session_s=c.max_session_s, recheck_interval_s=c.recheck_interval_s)
+                            max_session_s=c.max_session_s, recheck_interval_s=c.recheck_interval_s,
+                            max_pending_input_bytes=c.max_pending_input_bytes, input_wait_s=c.input_wait_s)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -175,6 +191,31 @@ class TerminalRelay:
                                   code="relay_key_missing", evidence={"path": str(public)})
         return sshrelay.load_client_key(found.key.private)
 
+    @contextlib.asynccontextmanager
+    async def _slot_locked(self, payload: TerminalOpenPayload) -> AsyncIterator[None]:
+        """The slot lock (release and power hold it), waited for at most ``connect_timeout_s``."""
+        lock = self.sh.slot_lock(payload.slot_index)
+        wait_s = self.config.connect_timeout_s
+        acquiring = asyncio.ensure_future(lock.acquire())
+        try:
+            done, _ = await asyncio.wait({acquiring}, timeout=wait_s)
+        except BaseException:  # cancelled while waiting: never keep a lock nobody will release
+            if acquiring.done() and not acquiring.cancelled():
+                lock.release()
+            else:
+                acquiring.cancel()
+            raise
+        if not done:
+            acquiring.cancel()  # Lock.acquire hands a wake-up it got meanwhile on to the next waiter
+            raise TerminalRefused(f"slot {payload.slot_index} is busy with a release, provision or power operation "
+                                  f"for more than {wait_s:g}s: no terminal opened, retry after it",
+                                  code="terminal_slot_busy",
+                                  evidence={"slot_index": payload.slot_index, "waited_s": wait_s})
+        try:
+            yield
+        finally:
+            lock.release()
+
     # -- open ----------------------------------------------------------------------------------
 
     async def open(self, payload: TerminalOpenPayload, ctx) -> dict:
@@ -184,8 +225,9 @@ class TerminalRelay:
         if stale:
             log_event(log, "terminal_sessions_closed_stale", logging.WARNING, session_ids=stale,
                       reason=CloseReason.agent_restarted.value)
-        await self._admit_slot(store, payload)
-        self._claim(await store.terminal_session(payload.session_id), payload)
+        async with self._slot_locked(payload):  # ordered with a release of the slot
+            await self._admit_slot(store, payload)
+            self._claim(await store.terminal_session(payload.session_id), payload)
         pty = None
         try:
             await self._running_domain(payload)
@@ -209,34 +251,50 @@ class TerminalRelay:
                         f"guest {host} presented {pty.host_key_fingerprint}, pinned meanwhile: {held.fingerprint}",
                         evidence={"pinned_fingerprint": held.fingerprint,
                                   "offered_fingerprint": pty.host_key_fingerprint, "host": host})
-            now = time.time()
-            audit = TerminalAudit(
-                session_id=payload.session_id, allocation_id=payload.allocation_id, slot_index=payload.slot_index,
-                requested_by=payload.requested_by, user=payload.user, target_host=host, target_port=port,
-                host_key_fingerprint=pty.host_key_fingerprint, open_task_id=ctx.envelope.task_id, opened_at=now)
-            try:
-                await store.record_terminal_open(audit)
-            except StateError as exc:
-                raise TerminalRefused(exc.message, code=exc.code, evidence=exc.evidence) from None
-            session = TerminalSession(
-                ctx.nc, ctx.node_id, payload.session_id, pty, self.flow,
-                on_closed=self._closed_callback(store), recheck=self._recheck_callback(store, payload),
-                on_tick=self._tick_callback(store))
-            self.sessions[payload.session_id] = _Live(session=session, audit=audit)
-            pty = None  # the session owns it now: a failure from here closes the session (and audits it)
-            try:
-                await session.start()
-            except Exception as exc:
-                await session.close(CloseReason.connection_lost, f"the session's subjects could not be set up: {exc!r}")
-                raise TerminalRefused(f"terminal session {payload.session_id} could not subscribe to "
-                                      f"{session.subject_in}: {exc!r}", code="terminal_subscribe_failed",
-                                      evidence={"session_id": payload.session_id}) from None
+            async with self._slot_locked(payload):
+                # Registered under the slot lock, after a second admission: a release that ran while this
+                # connected (or closed it while connecting) wins, and no session opens into its slot.
+                if payload.session_id in self._revoked:
+                    raise SessionClosed(f"terminal session {payload.session_id} was closed while connecting (a release "
+                                        f"of slot {payload.slot_index}, or the agent's shutdown): no terminal opened",
+                                        evidence={"session_id": payload.session_id, "slot_index": payload.slot_index})
+                await self._admit_slot(store, payload)
+                now = time.time()
+                audit = TerminalAudit(
+                    session_id=payload.session_id, allocation_id=payload.allocation_id, slot_index=payload.slot_index,
+                    requested_by=payload.requested_by, user=payload.user, target_host=host, target_port=port,
+                    host_key_fingerprint=pty.host_key_fingerprint, open_task_id=ctx.envelope.task_id, opened_at=now)
+                try:
+                    await store.record_terminal_open(audit)
+                except StateError as exc:
+                    raise TerminalRefused(exc.message, code=exc.code, evidence=exc.evidence) from None
+                session = TerminalSession(
+                    ctx.nc, ctx.node_id, payload.session_id, pty, self.flow,
+                    on_closed=self._closed_callback(store), recheck=self._recheck_callback(store, payload),
+                    on_tick=self._tick_callback(store))
+                self.sessions[payload.session_id] = _Live(session=session, audit=audit)
+                pty = None  # the session owns it now: a failure from here closes the session (and audits it)
+                try:
+                    await session.start()
+                except BaseException as exc:
+                    # A cancel (the task's deadline) too: the session is closed, its audit row written and its
+                    # place freed, never left registered without its pumps and watchdog.
+                    cancelled = isinstance(exc, asyncio.CancelledError)
+                    await session.close(CloseReason.connection_lost,
+                                        "the open was cancelled while its subjects were set up" if cancelled else
+                                        f"the session's subjects could not be set up: {exc!r}")
+                    if cancelled or not isinstance(exc, Exception):
+                        raise
+                    raise TerminalRefused(f"terminal session {payload.session_id} could not subscribe to "
+                                          f"{session.subject_in}: {exc!r}", code="terminal_subscribe_failed",
+                                          evidence={"session_id": payload.session_id}) from None
         except BaseException:
             if pty is not None:
                 await pty.close()
             raise
         finally:
             self._opening.pop(payload.session_id, None)
+            self._revoked.discard(payload.session_id)
         log_event(log, "terminal_opened", session_id=payload.session_id, allocation_id=payload.allocation_id,
                   slot_index=payload.slot_index, requested_by=payload.requested_by, user=payload.user,
                   target=f"{host}:{port}", host_key=audit.host_key_fingerprint, host_key_pinned=pinned,
@@ -306,7 +364,7 @@ class TerminalRelay:
             raise TerminalRefused(f"{len(raw)} bytes of input, more than max_frame_bytes {self.config.max_frame_bytes}",
                                   code="terminal_data_too_large",
                                   evidence={"bytes": len(raw), "max_frame_bytes": self.config.max_frame_bytes})
-        written = await live.session.send_input(raw)
+        written = await live.session.send_input(raw)  # bounded: terminal_input_full / terminal_input_stalled
         return TerminalDataResult(session_id=payload.session_id, bytes_written=written,
                                   totals=live.session.totals).model_dump(mode="json")
 
@@ -331,14 +389,23 @@ class TerminalRelay:
         return row.model_dump(mode="json")
 
     async def close_slot(self, allocation_id: str, slot_index: int, reason: CloseReason) -> int:
-        """Close the live sessions into one slot of one allocation (its release); returns how many."""
+        """Close the sessions into one slot of one allocation (its release, under the slot lock); returns how many.
+
+        Sessions still connecting count too: they are marked so that their open refuses to register them.
+        """
+        connecting = [sid for sid, place in self._opening.items() if place == (allocation_id, slot_index)]
+        self._revoked.update(connecting)
         lives = [lv for lv in self.sessions.values()
                  if (lv.audit.allocation_id, lv.audit.slot_index) == (allocation_id, slot_index)]
         await asyncio.gather(*(lv.session.close(reason) for lv in lives), return_exceptions=True)
-        return len(lives)
+        if connecting:
+            log_event(log, "terminal_opening_revoked", session_ids=connecting, allocation_id=allocation_id,
+                      slot_index=slot_index, reason=reason.value)
+        return len(lives) + len(connecting)
 
     async def close_all(self, reason: CloseReason) -> int:
-        """Close every live session (agent shutdown); returns how many."""
+        """Close every live session (agent shutdown); returns how many. Sessions still connecting never open."""
+        self._revoked.update(self._opening)
         lives = list(self.sessions.values())
         await asyncio.gather(*(lv.session.close(reason) for lv in lives), return_exceptions=True)
         return len(lives)

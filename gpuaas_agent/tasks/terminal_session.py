@@ -13,9 +13,20 @@ enforces them:
   published is closed (``input_window_exceeded``), so the queue is bounded by the window.
   The subscription's own pending limits bound what NATS buffers before the callback runs
   (overflow drops frames, which the ``seq`` check turns into a close, never a silent hole).
+* ``slice.terminal_data`` input (:meth:`TerminalSession.send_input`) shares that queue and is
+  bounded twice: in bytes (at most ``max_pending_input_bytes`` not yet handed to the guest,
+  beyond it ``terminal_input_full``) and in time (a task whose bytes the guest has not taken
+  within ``input_wait_s`` fails ``terminal_input_stalled``). The PTY gets a queued entry only
+  once it took the one before (drain, then write), so an entry whose task gave up (that
+  bound, or its deadline's cancel) is still in the agent and is dropped: its bytes are never
+  typed into the shell later.
 * Idle (no PTY byte either way for ``idle_timeout_s``; acks alone are not activity) and
   absolute (``max_session_s``) timeouts, and a periodic ``recheck`` (the allocation
-  still holds an active slot) close the session.
+  still holds an active slot) close the session. A watchdog whose recheck (or byte-counter
+  tick) raises closes its session (``watchdog_failed``, logged): a session is never left
+  running unchecked.
+* :meth:`start` runs shielded: a cancel that lands while it subscribes lets it finish, so a
+  :meth:`close` then sees, and ends, every subscription and task it made.
 
 Every close, whatever its cause, runs once: the subscription ends, the SSH connection
 closes, a last frame carrying ``closed`` (reason, totals) is published, and the owner's
@@ -69,6 +80,15 @@ class SessionClosed(AgentError):
     default_code = "session_closed"
 
 
+class InputRefused(AgentError):
+    """Terminal input not taken: the session's input queue is full, or the guest did not read it in time.
+
+    Codes: ``terminal_input_full``, ``terminal_input_stalled``. Either way none of its bytes reach the guest.
+    """
+
+    default_code = "terminal_input_full"
+
+
 @dataclass(frozen=True)
 class FlowSettings:
     output_window_bytes: int
@@ -77,6 +97,18 @@ class FlowSettings:
     idle_timeout_s: float
     max_session_s: float
     recheck_interval_s: float
+    max_pending_input_bytes: int = 64 << 10
+    input_wait_s: float = 10.0
+
+
+@dataclass
+class _Input:
+    """Bytes queued for the PTY: an ``.in`` frame's (``waiter`` None) or a data task's."""
+
+    data: bytes
+    waiter: asyncio.Future | None
+    from_frame: bool
+    dropped: bool = False  # its task gave up before the PTY took it: never written
 
 
 @dataclass
@@ -114,24 +146,45 @@ class TerminalSession:
         self.opened_at = self._loop.time()
         self._last_activity = self.opened_at
         self._credit = asyncio.Condition()
-        self._queue: asyncio.Queue[tuple[bytes, asyncio.Future | None, bool]] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Input] = asyncio.Queue()
+        self._pending_task_bytes = 0  # data tasks' bytes queued and not yet written (the byte bound)
+        self._draining = False  # the input pump waits for the guest to take what it was given
+        self._taken: _Input | None = None  # the entry the input pump holds (waiting for the drain)
         self._publish_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._closer: asyncio.Task | None = None
+        self._starting: asyncio.Future | None = None
         self._sub = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Subscribe and start the pumps and the watchdog; shielded (see the module docstring)."""
+        self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         # Bounded buffering before the callback: beyond it NATS drops frames (then the seq check closes us).
         pending_bytes = 4 * self.flow.input_window_bytes + (1 << 20)
         self._sub = await self.nc.subscribe(self.subject_in, cb=self._on_in, pending_msgs_limit=4096,
                                             pending_bytes_limit=pending_bytes)
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await self.nc.flush(timeout=5)
+        if self._closer is not None:  # closed while subscribing: close() ends the subscription, no pumps
+            return
         self._tasks = [asyncio.create_task(self._pump_out(), name=f"terminal-out-{self.session_id}"),
                        asyncio.create_task(self._pump_in(), name=f"terminal-in-{self.session_id}"),
                        asyncio.create_task(self._watch(), name=f"terminal-watch-{self.session_id}")]
+
+    @property
+    def pending_input_bytes(self) -> int:
+        """Data tasks' bytes queued for the guest and not yet written (bounded by ``max_pending_input_bytes``)."""
+        return self._pending_task_bytes
+
+    @property
+    def input_blocked(self) -> bool:
+        """The guest has not taken the input it was given: the next queued entry waits for it."""
+        return self._draining
 
     @property
     def totals(self) -> SessionTotals:
@@ -150,6 +203,9 @@ class TerminalSession:
         return self.final
 
     async def _close(self, reason: CloseReason, detail: str) -> None:
+        if self._starting is not None:  # a start still subscribing: let it finish so its subscription is ours
+            with contextlib.suppress(Exception):
+                await self._starting
         current = asyncio.current_task()
         for task in self._tasks:
             if task is not current:
@@ -159,11 +215,14 @@ class TerminalSession:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await self._sub.unsubscribe()
         await self.pty.close()
+        left = [self._taken] if self._taken is not None else []
         while not self._queue.empty():
-            _, waiter, _ = self._queue.get_nowait()
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(SessionClosed(f"terminal session {self.session_id} closed: {reason.value}",
-                                                   evidence={"session_id": self.session_id, "reason": reason.value}))
+            left.append(self._queue.get_nowait())
+        for item in left:
+            if item.waiter is not None and not item.waiter.done():
+                item.waiter.set_exception(SessionClosed(f"terminal session {self.session_id} closed: {reason.value}",
+                                                        evidence={"session_id": self.session_id,
+                                                                  "reason": reason.value}))
         self.final = TerminalClosed(reason=reason, detail=detail[:500], totals=self.totals,
                                     exit_status=self.pty.exit_status)
         try:
@@ -172,6 +231,9 @@ class TerminalSession:
             log_event(log, "terminal_final_frame_lost", logging.WARNING, session_id=self.session_id, code=exc.code)
         try:
             await self._on_closed(self)
+        except Exception as exc:  # the audit row could not be written (store gone): the session still ended
+            log_event(log, "terminal_close_audit_failed", logging.ERROR, session_id=self.session_id,
+                      reason=reason.value, error=repr(exc)[:300])
         finally:
             self.closed.set()
 
@@ -225,15 +287,29 @@ class TerminalSession:
         c = self.counters
         try:
             while True:
-                data, waiter, from_frame = await self._queue.get()
-                self.pty.write(data)
-                await self.pty.drain()
-                c.bytes_in += len(data)
-                if from_frame:
-                    c.in_frame_written += len(data)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(len(data))
-                if from_frame and self._queue.empty():
+                self._taken = None
+                item = self._taken = await self._queue.get()
+                if item.dropped:
+                    continue
+                # The guest took what it was given before: only then does this entry go to the PTY. While it
+                # waits here, its task may give up; then it is dropped, never typed later.
+                self._draining = True
+                try:
+                    await self.pty.drain()
+                finally:
+                    self._draining = False
+                if item.dropped:
+                    continue
+                self.pty.write(item.data)
+                c.bytes_in += len(item.data)
+                if item.from_frame:
+                    c.in_frame_written += len(item.data)
+                else:
+                    self._pending_task_bytes -= len(item.data)
+                    self._last_activity = self._loop.time()  # a byte reached the PTY
+                if item.waiter is not None and not item.waiter.done():
+                    item.waiter.set_result(len(item.data))
+                if item.from_frame and self._queue.empty():
                     await self._publish(b"")  # an ack frame: the gateway's input credit is back
         except AgentError as exc:
             self.request_close(CloseReason.connection_lost, exc.message)
@@ -280,18 +356,48 @@ class TerminalSession:
                 return
             c.in_received += len(data)
             self._last_activity = self._loop.time()
-            self._queue.put_nowait((data, None, True))
+            self._queue.put_nowait(_Input(data, None, True))
 
     # -- tasks' operations -----------------------------------------------------------------------
 
     async def send_input(self, data: bytes) -> int:
-        """Write ``data`` to the PTY in order with the frames (``slice.terminal_data``); returns when written."""
+        """Write ``data`` to the PTY in order with the frames (``slice.terminal_data``); returns once the PTY took it.
+
+        Bounded in bytes (:class:`InputRefused` ``terminal_input_full``, nothing queued) and in time
+        (``terminal_input_stalled`` after ``input_wait_s``); given up, or cancelled, its bytes are dropped.
+        """
         if self._closer is not None:
             raise SessionClosed(f"terminal session {self.session_id} is closed", evidence={"session_id": self.session_id})
-        waiter: asyncio.Future = self._loop.create_future()
-        self._last_activity = self._loop.time()
-        self._queue.put_nowait((data, waiter, False))
-        return await waiter
+        limit = self.flow.max_pending_input_bytes
+        if self._pending_task_bytes + len(data) > limit:
+            raise InputRefused(
+                f"terminal session {self.session_id} already holds {self._pending_task_bytes} bytes of input the guest "
+                f"has not taken; {len(data)} more would pass max_pending_input_bytes {limit}",
+                code="terminal_input_full", evidence={"session_id": self.session_id, "bytes": len(data),
+                                                      "pending_bytes": self._pending_task_bytes,
+                                                      "max_pending_input_bytes": limit})
+        item = _Input(data, self._loop.create_future(), False)
+        assert item.waiter is not None
+        self._pending_task_bytes += len(data)
+        self._queue.put_nowait(item)
+        try:
+            done, _ = await asyncio.wait({item.waiter}, timeout=self.flow.input_wait_s)
+        finally:
+            if not item.waiter.done():  # gave up (the bound below) or cancelled (its deadline): never written
+                self._drop(item)
+        if not done:
+            raise InputRefused(
+                f"the guest of terminal session {self.session_id} did not take {len(data)} bytes of input within "
+                f"{self.flow.input_wait_s:g}s (it is not reading); they were dropped",
+                code="terminal_input_stalled", evidence={"session_id": self.session_id, "bytes": len(data),
+                                                         "input_wait_s": self.flow.input_wait_s})
+        return item.waiter.result()
+
+    def _drop(self, item: _Input) -> None:
+        item.dropped = True
+        self._pending_task_bytes -= len(item.data)
+        if item.waiter is not None:
+            item.waiter.cancel()
 
     def resize(self, cols: int, rows: int) -> None:
         if self._closer is not None:
@@ -318,10 +424,15 @@ class TerminalSession:
                 return
             if now >= next_recheck:
                 next_recheck = now + flow.recheck_interval_s
-                if self._on_tick is not None:
-                    await self._on_tick(self)  # e.g. the byte counters to the store, awaited off the loop
-                if self._recheck is not None:
-                    why = await self._recheck()
-                    if why is not None:
-                        self.request_close(CloseReason.allocation_inactive, why)
-                        return
+                try:
+                    if self._on_tick is not None:
+                        await self._on_tick(self)  # e.g. the byte counters to the store, awaited off the loop
+                    why = await self._recheck() if self._recheck is not None else None
+                except Exception as exc:  # the check itself failed: closed with the reason, never left unchecked
+                    log_event(log, "terminal_watchdog_failed", logging.ERROR, session_id=self.session_id,
+                              error=repr(exc)[:300])
+                    self.request_close(CloseReason.watchdog_failed, f"the session's periodic check failed: {exc!r}")
+                    return
+                if why is not None:
+                    self.request_close(CloseReason.allocation_inactive, why)
+                    return

@@ -21,7 +21,7 @@ import pytest
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import SliceConfig
-from gpuaas_agent.contract.domain import DomainSpec, DomainState, OvmfFirmware
+from gpuaas_agent.contract.domain import DomainSpec, DomainState, GuestSlot, OvmfFirmware
 from gpuaas_agent.contract.isolation import GUARD_TABLE
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import get_profile
@@ -36,9 +36,11 @@ from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle, parse_domain_d
 from gpuaas_agent.host.ovs import OvsDriver
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.boot_recovery import recover_slot
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.power import PowerRefused, power
+from gpuaas_agent.tasks.power_line import PowerSuperseded
 from lab.loophost import materialize
 from tests.conftest import HOSTS
 from tests.ovsdb_fixture import OvsSwitch, root_netns_lock
@@ -87,6 +89,7 @@ class Slice:
     spec: DomainSpec
     bridge: str
     remote: str
+    data_leases: list = field(default_factory=list)  # a multi-slot slice's other slots
 
     @property
     def name(self) -> str:
@@ -110,43 +113,50 @@ def root_nft_guard():
         yield
 
 
-@pytest.fixture
-def active_slice(root_nft_guard, loop_host, ovs_switch: OvsSwitch, tmp_path, test_driver):
-    """Slot 0 as a successful provision leaves it: leased, record active, domain defined and running."""
-    report = discover(HostRoot.open(loop_host.root))
-    candidate = report.candidate_slots[0]
-    identity = next(d.disk_identity for d in report.nvme_devices if d.by_id == candidate.nvme_device)
+def _provisioned(host, ovs_switch: OvsSwitch, tmp_path, test_driver, indexes=(0,)):
+    """The slots ``indexes`` (the first boots) as a successful provision leaves them: leased, records active,
+    one domain holding every slot's disk, defined and running."""
+    report = discover(HostRoot.open(host.root))
+    candidates = [report.candidate_slots[i] for i in indexes]
+    identity = {d.by_id: d.disk_identity for d in report.nvme_devices}
+    boot = candidates[0]
     alloc = str(uuid.uuid4())
-    spec = DomainSpec(allocation_id=alloc, slot_index=0, task_id="t-provision", profile=get_profile("lab_tcg_1c_512m"),
-                      nvme_device=candidate.nvme_device, mac=candidate.mac, ovs_bridge=ovs_switch.bridge,
-                      seed_iso_path=str(tmp_path / "seed.iso"), firmware=FIRMWARE, agent_version="0.1.0")
-    sh = SliceDrivers(host_root=loop_host.root,
+    spec = DomainSpec(allocation_id=alloc, slot_index=boot.slot_index, task_id="t-provision",
+                      profile=get_profile("lab_tcg_1c_512m"), nvme_device=boot.nvme_device, mac=boot.mac,
+                      ovs_bridge=ovs_switch.bridge, seed_iso_path=str(tmp_path / "seed.iso"), firmware=FIRMWARE,
+                      agent_version="0.1.0",
+                      extra_slots=[GuestSlot(slot_index=c.slot_index, nvme_device=c.nvme_device) for c in candidates[1:]])
+    sh = SliceDrivers(host_root=host.root,
                    slice=SliceConfig(allow_emulated_domains=True, ovsdb_remote=ovs_switch.remote,
                                      dnsmasq_hosts_file=tmp_path / "dnsmasq-hosts",
                                      dnsmasq_pid_file=tmp_path / "dnsmasq.pid"),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle(URI))
-    # The slot's reservation: a start isolates the port by the reserved MAC and IP.
-    sh.reservations().add(make_reservation(alloc, 0, candidate.mac, candidate.private_ip, "slice-0"))
+    # The boot slot's reservation: a start isolates the port by the reserved MAC and IP.
+    sh.reservations().add(make_reservation(alloc, boot.slot_index, boot.mac, boot.private_ip, "slice-0"))
     store = StateStore.open(tmp_path / "state.db")
-    lease = SlotLease(allocation_id=alloc, slot_index=0, gpu_pci_address=candidate.gpu_pci_address,
-                      nvme_device=candidate.nvme_device, disk_identity=identity,
-                      fabric_vf_pci_address=candidate.fabric_vf_pci_address,
-                      task_id="t-provision", taken_at=time.time())
-    store.take_lease(lease)
-    store.set_slot_state(SlotRecord(slot_index=0, allocation_id=alloc, status=SlotStatus.active,
-                                    health_state=HealthState.healthy, detail={"domain": spec.domain_name},
-                                    task_id="t-provision", updated_at=time.time()))
+    leases = [SlotLease(allocation_id=alloc, slot_index=c.slot_index, gpu_pci_address=c.gpu_pci_address,
+                        nvme_device=c.nvme_device, disk_identity=identity[c.nvme_device],
+                        fabric_vf_pci_address=c.fabric_vf_pci_address, task_id="t-provision", taken_at=time.time())
+              for c in candidates]
+    store.take_leases(leases)
+    for c in candidates:
+        store.set_slot_state(SlotRecord(slot_index=c.slot_index, allocation_id=alloc, status=SlotStatus.active,
+                                        health_state=HealthState.healthy, detail={"domain": spec.domain_name},
+                                        task_id="t-provision", updated_at=time.time()))
 
     async def define():
         await sh.libvirt.define(spec)
 
     asyncio.run(define())
     test_driver.lookupByName(spec.domain_name).create()
-    yield Slice(sh=sh, store=store, alloc=alloc, lease=lease, spec=spec, bridge=ovs_switch.bridge,
-                remote=ovs_switch.remote)
+    return Slice(sh=sh, store=store, alloc=alloc, lease=leases[0], spec=spec, bridge=ovs_switch.bridge,
+                 remote=ovs_switch.remote, data_leases=leases[1:])
+
+
+def _teardown(s: Slice, test_driver) -> None:
     for family in ("inet", "arp"):  # the start's host-side guard, made in this (root) namespace
         subprocess.run(["nft", "delete", "table", family, GUARD_TABLE], capture_output=True, timeout=30)
-    for name in (spec.domain_name, "gpuaas-other-disk-user"):
+    for name in (s.spec.domain_name, "gpuaas-other-disk-user"):
         try:
             dom = test_driver.lookupByName(name)
         except libvirt.libvirtError:
@@ -154,7 +164,15 @@ def active_slice(root_nft_guard, loop_host, ovs_switch: OvsSwitch, tmp_path, tes
         if dom.isActive():
             dom.destroy()
         dom.undefine()
-    store.close()
+    s.store.close()
+
+
+@pytest.fixture
+def active_slice(root_nft_guard, loop_host, ovs_switch: OvsSwitch, tmp_path, test_driver):
+    """Slot 0 as a successful provision leaves it: leased, record active, domain defined and running."""
+    s = _provisioned(loop_host, ovs_switch, tmp_path, test_driver)
+    yield s
+    _teardown(s, test_driver)
 
 
 def _ctx(store, task_id="t-power") -> Ctx:
@@ -403,3 +421,174 @@ def test_a_bad_power_payload_is_an_invalid_payload(bad):
     with pytest.raises(ContractError) as info:
         task_payload(envelope)
     assert info.value.code == "invalid_payload"
+
+
+# -- fairness: one slot's power operations collapse to the latest; the graceful timeout is the host's to cap --
+
+
+def _payload(s: Slice, operation: str, **over) -> VmPowerPayload:
+    return VmPowerPayload(**{"allocation_id": s.alloc, "slot_index": s.lease.slot_index, "operation": operation,
+                             "graceful_timeout_s": 5, **over})
+
+
+async def _until(condition, what: str) -> None:
+    """Wait for ``condition()`` on the loop; the deadline is a failure bound, never a timer."""
+    deadline = asyncio.get_running_loop().time() + 60.0
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)  # poll step of a deadline wait
+
+
+def test_a_repeat_of_the_running_power_operation_is_superseded_and_the_newest_waiting_one_wins(active_slice,
+                                                                                             test_driver):
+    """A tenant hammering reboot: the second reboot is answered at once, a waiting stop is displaced by a newer
+    start, and nothing is ever queued behind the running operation beyond that one waiter."""
+    s = active_slice
+
+    async def scenario():
+        s.sh.libvirt = LibvirtLifecycle(URI)
+        lock = s.sh.slot_lock(0)
+        try:
+            await lock.acquire()  # a release of the slot holds it: the first reboot is in its turn, on the lock
+            first = asyncio.create_task(power(s.sh, _payload(s, "reboot"), _ctx(s.store, "t-reboot-1")))
+            await _until(lambda: s.sh.power_line.tasks_of(0)["running"] == "t-reboot-1", "the first reboot runs")
+            with pytest.raises(PowerSuperseded) as again:
+                await power(s.sh, _payload(s, "reboot"), _ctx(s.store, "t-reboot-2"))
+            assert again.value.code == "superseded" and again.value.evidence["superseded_by"] == "t-reboot-1"
+            stop = asyncio.create_task(power(s.sh, _payload(s, "stop"), _ctx(s.store, "t-stop")))
+            await _until(lambda: s.sh.power_line.tasks_of(0)["waiting"] == "t-stop", "the stop waits")
+            start = asyncio.create_task(power(s.sh, _payload(s, "start"), _ctx(s.store, "t-start")))
+            with pytest.raises(PowerSuperseded) as displaced:
+                await stop
+            assert displaced.value.evidence["superseded_by"] == "t-start"
+            assert displaced.value.evidence["superseded_by_operation"] == "start"
+            assert s.sh.power_line.tasks_of(0) == {"running": "t-reboot-1", "waiting": "t-start"}
+            lock.release()
+            rebooted, started = await first, await start
+            return rebooted, started
+        finally:
+            if lock.locked():
+                lock.release()
+            await s.sh.libvirt.close()
+
+    rebooted, started = asyncio.run(scenario())
+    assert rebooted["done"] == ["shutdown", "start"] and rebooted["state"] == "running"
+    assert not started["changed"] and started["state"] == "running"  # ran after the reboot, in its turn
+    assert s.store.journal_of("t-reboot-2") == [] and s.store.journal_of("t-stop") == []  # never touched anything
+    assert s.store.slot_state(0).detail["last_power_operation"]["task_id"] == "t-start"
+    assert s.sh.power_line.tasks_of(0) == {"running": None, "waiting": None}
+    assert s.state(test_driver) is DomainState.running
+
+
+def test_a_graceful_timeout_above_the_hosts_cap_is_cut_to_it_and_the_result_says_so(active_slice, test_driver):
+    s = active_slice
+    s.sh.slice = s.sh.slice.model_copy(update={"max_graceful_timeout_s": 7})
+    out, _ = _power(s, "stop", "t-stop", graceful_timeout_s=3600)
+    assert out["graceful_timeout_s"] == 7
+    assert out["graceful_timeout_capped"] == {"requested_s": 3600, "max_graceful_timeout_s": 7}
+    out, _ = _power(s, "start", "t-start", graceful_timeout_s=5)  # within the cap: as asked, nothing said
+    assert out["graceful_timeout_s"] == 5 and "graceful_timeout_capped" not in out
+
+
+@pytest.mark.parametrize("value", [-1, 3601])
+def test_max_graceful_timeout_outside_0_to_3600_is_refused_by_the_config(value):
+    with pytest.raises(ValueError, match="max_graceful_timeout_s"):
+        SliceConfig(max_graceful_timeout_s=value)
+
+
+# -- a multi-slot slice (one allocation, two slots, one domain) ------------------------------------------------
+
+
+@pytest.fixture
+def loop_host_2(tmp_path):
+    require_root()
+    host = materialize(HOSTS / "h200-slice-after-transition", tmp_path / "host", disk_bytes=16 * MiB, slots=2,
+                       real_links=False)
+    yield host
+    assert host.close() == []
+
+
+@pytest.fixture
+def active_set(root_nft_guard, loop_host_2, ovs_switch: OvsSwitch, tmp_path, test_driver):
+    """Slots 0 (boot) and 1 (data disk) of one allocation in one running domain, as a 2-slot provision leaves them."""
+    s = _provisioned(loop_host_2, ovs_switch, tmp_path, test_driver, indexes=(0, 1))
+    yield s
+    _teardown(s, test_driver)
+
+
+def test_stop_start_reboot_and_reset_of_a_two_slot_slice(active_set, test_driver):
+    s = active_set
+    (data,) = s.data_leases
+    devices = parse_domain_devices(s.name, test_driver.lookupByName(s.name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+    assert devices.block_disks == [s.lease.nvme_device, data.nvme_device]  # the domain holds both disks
+
+    out, _ = _power(s, "stop", "t-stop")
+    assert out["done"] == ["shutdown"] and s.state(test_driver) is DomainState.shutoff and out["slots"] == [0, 1]
+    out, _ = _power(s, "start", "t-start")
+    assert out["state"] == "running" and s.state(test_driver) is DomainState.running
+    started = out["steps"]["start"]
+    # The data slot's disk was guarded under its own lease, not only the boot slot's (provision's start guard).
+    assert [d["by_id"] for d in started["data_disks"]] == [data.nvme_device]
+    assert started["preconditions"]["disk"]["by_id"] == s.lease.nvme_device
+    out, _ = _power(s, "reboot", "t-reboot")
+    assert out["done"] == ["shutdown", "start"] and out["state"] == "running"
+    out, _ = _power(s, "reset", "t-reset")
+    assert out["done"] == ["reset"] and s.state(test_driver) is DomainState.running
+    for index in (0, 1):  # every slot stays active and leased
+        assert s.store.slot_state(index).status is SlotStatus.active
+    assert sorted(lease.slot_index for lease in s.store.leases()) == [0, 1]
+
+
+def test_start_of_a_two_slot_slice_guards_the_data_disk_under_its_own_lease(active_set, test_driver):
+    s = active_set
+    (data,) = s.data_leases
+    test_driver.lookupByName(s.name).destroy()
+    # Another domain uses the data slot's disk: the start is refused by the data disk's guard, nothing started.
+    test_driver.defineXML(
+        "<domain type='test'><name>gpuaas-other-disk-user</name><memory>1024</memory><os><type>hvm</type></os>"
+        f"<devices><disk type='block' device='disk'><source dev='{data.nvme_device}'/>"
+        "<target dev='vda' bus='virtio'/></disk></devices></domain>").create()
+    with pytest.raises(PipelineFailed) as info:
+        _power(s, "start")
+    assert info.value.code == "in_use_by_domain" and info.value.failed_step == "start"
+    assert s.state(test_driver) is DomainState.shutoff
+
+
+def test_start_of_a_two_slot_slice_whose_domain_lacks_a_leased_disk_is_a_lease_mismatch(active_set, test_driver):
+    s = active_set
+    (data,) = s.data_leases
+    s.store.release_slot_lease(s.alloc, 1)
+    candidates = discover(HostRoot.open(HOSTS / "h200-slice-after-transition")).candidate_slots
+    s.store.take_lease(data.model_copy(update={"nvme_device": candidates[2].nvme_device}))
+    test_driver.lookupByName(s.name).destroy()
+    with pytest.raises(PipelineFailed) as info:
+        _power(s, "start")
+    assert info.value.code == "domain_lease_mismatch"
+    assert s.state(test_driver) is DomainState.shutoff
+
+
+def test_power_of_a_two_slot_slice_whose_data_slot_is_releasing_is_refused(active_set, test_driver):
+    s = active_set
+    s.store.set_slot_state(s.store.slot_state(1).model_copy(update={"status": SlotStatus.releasing}))
+    refused = _refusal(s, test_driver, "start", "slot_not_active")
+    assert refused.evidence["slot_index"] == 1 and refused.evidence["host_status"] == "releasing"
+
+
+def test_boot_recovery_restarts_a_two_slot_slice_with_every_slot_guarded(active_set, test_driver):
+    """The same start plan serves boot recovery: a 2-slot slice shut off by a host reboot starts again, its data
+    disk guarded under its own lease."""
+    s = active_set
+    (data,) = s.data_leases
+    test_driver.lookupByName(s.name).destroy()
+
+    async def go():
+        s.sh.libvirt = LibvirtLifecycle(URI)
+        try:
+            domain = await s.sh.libvirt.lookup(s.name)
+            return await recover_slot(s.sh, s.lease, s.store.slot_state(0), domain, data_slots=(data,))
+        finally:
+            await s.sh.libvirt.close()
+
+    rec = asyncio.run(go())
+    assert rec.outcome == "restarted", [f.model_dump(mode="json") for f in rec.findings]
+    assert s.state(test_driver) is DomainState.running

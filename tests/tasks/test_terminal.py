@@ -17,7 +17,9 @@ import base64
 import json
 import logging
 import shutil
+import signal
 import time
+import urllib.request
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -117,14 +119,19 @@ class Guest:
     port: int
     host_key: asyncssh.SSHKey
     connections: int = 0
+    shells: int = 0
     flood_written: int = 0
     sizes: list = field(default_factory=list)
     received: bytearray = field(default_factory=bytearray)
     release_hold: asyncio.Event = field(default_factory=asyncio.Event)
+    holding: asyncio.Event = field(default_factory=asyncio.Event)  # the shell stopped reading ("hold")
+    auth_gate: asyncio.Event | None = None  # set: the SSH handshake waits for it in the key check
+    authenticating: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 async def _shell(guest: Guest, process: asyncssh.SSHServerProcess) -> None:
     out = process.stdout
+    guest.shells += 1
     out.write(b"READY\n")
     try:
         while True:
@@ -150,6 +157,7 @@ async def _shell(guest: Guest, process: asyncssh.SSHServerProcess) -> None:
                     left -= chunk
                 out.write(b"FLOOD-DONE\n")
             elif cmd == b"hold":
+                guest.holding.set()
                 await guest.release_hold.wait()  # stop reading stdin until released
             elif cmd == b"exit":
                 process.exit(3)
@@ -164,8 +172,9 @@ async def _shell(guest: Guest, process: asyncssh.SSHServerProcess) -> None:
 
 @asynccontextmanager
 async def guest_server(relay_public: Path, *, port: int | None = None, host_key: asyncssh.SSHKey | None = None,
-                       window: int = 2 << 20):
-    guest = Guest(port=port or free_port(), host_key=host_key or asyncssh.generate_private_key("ssh-ed25519"))
+                       window: int = 2 << 20, auth_gate: asyncio.Event | None = None):
+    guest = Guest(port=port or free_port(), host_key=host_key or asyncssh.generate_private_key("ssh-ed25519"),
+                  auth_gate=auth_gate)
     authorized = asyncssh.import_authorized_keys(relay_public.read_text())
 
     class Server(asyncssh.SSHServer):
@@ -178,7 +187,10 @@ async def guest_server(relay_public: Path, *, port: int | None = None, host_key:
         def public_key_auth_supported(self):
             return True
 
-        def validate_public_key(self, username, key):
+        async def validate_public_key(self, username, key):
+            guest.authenticating.set()
+            if guest.auth_gate is not None:
+                await guest.auth_gate.wait()  # a guest slow to answer: the relay is still connecting
             return username == USER and authorized.validate(key, "127.0.0.1", "127.0.0.1") is not None
 
     server = await asyncssh.listen(GUEST_IP, guest.port, server_factory=Server, server_host_keys=[guest.host_key],
@@ -614,3 +626,228 @@ def test_a_release_closes_the_slots_sessions_at_once_and_no_others(tmp_path, nat
             assert (await _audit_closed(a, sid)).close_reason.value == "allocation_inactive"
 
     asyncio.run(scenario())
+
+
+# -- fairness and a closed lifecycle: input bounded in bytes and time, open ordered with release, no leaks ------
+
+
+async def _until(condition, what: str) -> None:
+    """Wait for ``condition()``; the deadline is a failure bound, never a timer."""
+    deadline = asyncio.get_running_loop().time() + DEADLINE_S
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)  # poll step of a deadline wait
+
+
+def _data(sid: str, raw: bytes) -> dict:
+    return {"session_id": sid, "allocation_id": ALLOC, "data": base64.b64encode(raw).decode()}
+
+
+def _line(i: int, size: int) -> bytes:
+    return (b"%06d" % i).ljust(size - 1, b"f") + b"\n"
+
+
+async def _block_input(a: Agent, sid: str, frame: int) -> tuple[list[bytes], bytes, asyncio.Task]:
+    """Data tasks of one ``frame`` each until one waits on a guest that stopped reading; returns what was
+    taken, the blocked task's bytes and the blocked task."""
+    session = relay_of(a.sh).sessions[sid].session
+    taken: list[bytes] = []
+    for i in range(1000):
+        raw = _line(i, frame)
+        task = asyncio.create_task(a.task("slice.terminal_data", _data(sid, raw)))
+        await _until(lambda task=task: task.done() or session.input_blocked, "the data task is written or blocked")
+        if not task.done():
+            return taken, raw, task
+        assert task.result()["bytes_written"] == len(raw)
+        taken.append(raw)
+    raise AssertionError("the guest never stopped taking input")
+
+
+def test_a_cancelled_data_task_is_never_typed_and_queued_input_is_bounded_in_bytes(tmp_path, nats_url, relay_key,
+                                                                                slice_domain):
+    """A guest that stops reading: data tasks queue up to max_pending_input_bytes, one more is refused at once;
+    the queued tasks cancelled at their deadline leave nothing behind, and once the guest reads again it gets
+    exactly the bytes of the tasks that succeeded."""
+    frame = 4096
+
+    async def scenario():
+        async with guest_server(relay_key, window=4096) as guest, agent(
+                tmp_path, nats_url, relay_key, guest.port, max_frame_bytes=frame, input_window_bytes=2 * frame,
+                max_pending_input_bytes=2 * frame, input_wait_s=600.0) as a:
+            sid = str(uuid.uuid4())
+            gw = await gateway(a.nc, sid).start()
+            await a.task("slice.terminal_open", open_payload(sid))
+            await gw.wait_for_output(b"READY\n")
+            await a.task("slice.terminal_data", _data(sid, b"hold\n"))
+            await _until(guest.holding.is_set, "the guest stops reading")
+            taken, blocked_raw, blocked = await _block_input(a, sid, frame)
+            session = relay_of(a.sh).sessions[sid].session
+            queued_raw = b"QUEUED-NEVER-TYPED\n"
+            queued = asyncio.create_task(a.task("slice.terminal_data", _data(sid, queued_raw)))
+            await _until(lambda: session.pending_input_bytes == len(blocked_raw) + len(queued_raw), "both queued")
+            full = await refused(a, "slice.terminal_data", _data(sid, b"z" * frame))
+            assert full.code == "terminal_input_full"
+            assert full.evidence["pending_bytes"] == len(blocked_raw) + len(queued_raw)
+            assert full.evidence["max_pending_input_bytes"] == 2 * frame
+            for task in (blocked, queued):  # the worker cancels a task at its deadline
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert session.pending_input_bytes == 0
+            guest.release_hold.set()
+            done = await a.task("slice.terminal_data", _data(sid, b"after\n"))
+            assert done["bytes_written"] == len(b"after\n")
+            await gw.wait_for_output(b"ECHO after\n", timeout=120)
+            assert bytes(guest.received) == b"hold\n" + b"".join(taken) + b"after\n"
+            assert blocked_raw not in guest.received and b"QUEUED" not in guest.received
+
+    asyncio.run(scenario())
+
+
+def test_a_guest_that_never_reads_fails_a_data_task_fast_and_drops_its_bytes(tmp_path, nats_url, relay_key,
+                                                                          slice_domain):
+    frame = 4096
+
+    async def scenario():
+        async with guest_server(relay_key, window=4096) as guest, agent(
+                tmp_path, nats_url, relay_key, guest.port, max_frame_bytes=frame, input_wait_s=0.5) as a:
+            sid = str(uuid.uuid4())
+            gw = await gateway(a.nc, sid).start()
+            await a.task("slice.terminal_open", open_payload(sid))
+            await gw.wait_for_output(b"READY\n")
+            await a.task("slice.terminal_data", _data(sid, b"hold\n"))
+            await _until(guest.holding.is_set, "the guest stops reading")
+            taken, blocked_raw, blocked = await _block_input(a, sid, frame)
+            with pytest.raises(AgentError) as stalled:
+                await blocked  # bounded by input_wait_s, not by the session's 900 s idle timeout
+            assert stalled.value.code == "terminal_input_stalled" and stalled.value.evidence["input_wait_s"] == 0.5
+            session = relay_of(a.sh).sessions[sid].session
+            assert session.pending_input_bytes == 0 and sid in relay_of(a.sh).sessions  # the session lives on
+            guest.release_hold.set()
+            await a.task("slice.terminal_data", _data(sid, b"after\n"))
+            await gw.wait_for_output(b"ECHO after\n", timeout=120)
+            assert bytes(guest.received) == b"hold\n" + b"".join(taken) + b"after\n"
+
+    asyncio.run(scenario())
+
+
+def test_a_release_closes_a_session_still_connecting_and_open_waits_for_the_release(tmp_path, nats_url, relay_key,
+                                                                                  slice_domain):
+    async def scenario():
+        gate = asyncio.Event()
+        async with guest_server(relay_key, auth_gate=gate) as guest, agent(tmp_path, nats_url, relay_key,
+                                                                           guest.port) as a:
+            relay = relay_of(a.sh)
+            # (1) The release's shutdown step runs while the open is still connecting: the session is closed too.
+            sid = str(uuid.uuid4())
+            opening = asyncio.create_task(a.task("slice.terminal_open", open_payload(sid)))
+            await _until(guest.authenticating.is_set, "the relay is connecting")
+            assert sid in relay._opening
+            async with a.sh.slot_lock(0):  # as release.py holds it
+                assert await a.sh.close_slot_terminals(ALLOC, 0) == 1
+                gate.set()  # the guest answers now; the open must not register into the slot being released
+            with pytest.raises(AgentError) as closed:
+                await opening
+            assert closed.value.code == "session_closed"
+            assert relay.sessions == {} and relay._opening == {} and a.store.terminal_session(sid) is None
+
+            # (2) A release that took the slot while the open connected: the open waits for it, then is refused.
+            gate.clear()
+            guest.authenticating.clear()
+            shells = guest.shells
+            sid = str(uuid.uuid4())
+            opening = asyncio.create_task(a.task("slice.terminal_open", open_payload(sid)))
+            await _until(guest.authenticating.is_set, "the relay is connecting")
+            async with a.sh.slot_lock(0):
+                record = a.store.slot_state(0)
+                a.store.set_slot_state(record.model_copy(update={"status": SlotStatus.releasing}))
+                gate.set()
+                await _until(lambda: guest.shells == shells + 1, "the relay's PTY is up; the open now waits for the lock")
+            with pytest.raises(AgentError) as refused_open:
+                await opening
+            assert refused_open.value.code == "slot_not_active"
+            assert relay.sessions == {} and relay._opening == {} and a.store.terminal_session(sid) is None
+
+    asyncio.run(scenario())
+
+
+def test_an_open_waits_for_a_busy_slot_only_so_long(tmp_path, nats_url, relay_key, slice_domain):
+    async def scenario():
+        async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port,
+                                                           connect_timeout_s=0.3) as a:
+            async with a.sh.slot_lock(0):  # a power operation or a release holds the slot
+                error = await refused(a, "slice.terminal_open", open_payload())
+            assert error.code == "terminal_slot_busy" and error.evidence["waited_s"] == 0.3
+            assert guest.connections == 0 and relay_of(a.sh)._opening == {}
+            assert not a.sh.slot_lock(0).locked()
+            opened = await a.task("slice.terminal_open", open_payload())  # the slot free again: it opens
+            assert opened["session_id"] in relay_of(a.sh).sessions
+
+    asyncio.run(scenario())
+
+
+def _subscriptions(server: NatsServer) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/connz?subs=1", timeout=10) as reply:
+        return [sub for conn in json.load(reply)["connections"] for sub in conn.get("subscriptions_list", [])]
+
+
+def test_an_open_cancelled_while_its_session_subscribes_leaves_nothing_registered(tmp_path, relay_key, slice_domain):
+    """The task's deadline cancels the open inside session.start(): the session is closed and audited, its place
+    freed (the node's one session slot opens again) and its subscription gone."""
+    server = NatsServer(shutil.which("nats-server"), tmp_path / "nats-store", tmp_path / "nats.log")
+    (tmp_path / "nats-store").mkdir()
+    server.start()
+
+    async def scenario():
+        async with guest_server(relay_key) as guest, agent(tmp_path, server.url, relay_key, guest.port,
+                                                           max_sessions=1) as a:
+            relay = relay_of(a.sh)
+            sid = str(uuid.uuid4())
+            server.proc.send_signal(signal.SIGSTOP)  # the server stops answering: start() waits in its flush
+            try:
+                opening = asyncio.create_task(a.task("slice.terminal_open", open_payload(sid)))
+                await _until(lambda: sid in relay.sessions, "the open registered its session and starts it")
+                opening.cancel()
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            with pytest.raises(asyncio.CancelledError):
+                await opening
+            await _until(lambda: sid not in relay.sessions, "the session is unregistered")
+            assert relay._opening == {}
+            row = await _audit_closed(a, sid)
+            assert row.close_reason.value == "connection_lost" and "cancelled" in row.close_detail
+            subject = subjects.terminal_in(NODE, sid)
+            deadline = asyncio.get_running_loop().time() + DEADLINE_S
+            while subject in await asyncio.to_thread(_subscriptions, server):
+                assert asyncio.get_running_loop().time() < deadline, "the session's subscription was left behind"
+                await asyncio.sleep(0.05)  # poll step of a deadline wait
+            opened = await a.task("slice.terminal_open", open_payload())  # the one session slot is free again
+            assert opened["session_id"] in relay.sessions
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_a_watchdog_whose_recheck_raises_closes_its_session_with_the_reason(tmp_path, nats_url, relay_key,
+                                                                          slice_domain, caplog):
+    caplog.set_level(logging.INFO, logger="gpuaas_agent.tasks.terminal_session")
+
+    async def scenario():
+        async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port,
+                                                           recheck_interval_s=0.2, idle_timeout_s=3600.0) as a:
+            sid = str(uuid.uuid4())
+            gw = await gateway(a.nc, sid).start()
+            await a.task("slice.terminal_open", open_payload(sid))
+            await gw.wait_for_output(b"READY\n")
+            a.store.close()  # the store is gone under the session: its recheck raises
+            final = await gw.wait_closed()
+            assert final.closed.reason.value == "watchdog_failed", final.closed
+            assert "periodic check failed" in final.closed.detail
+            await _until(lambda: sid not in relay_of(a.sh).sessions, "the session is unregistered")
+
+    asyncio.run(scenario())
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gpuaas_agent.tasks.terminal_session"]
+    failed = [e for e in events if e["event"] == "terminal_watchdog_failed"]
+    assert failed and failed[0]["error"]
