@@ -129,6 +129,7 @@ class ErrorCode(StrEnum):
     HOST_IDENTITY_MISSING = "host_identity_missing", "control", "/etc/machine-id or the hostname is missing; provision the host identity before enrolling."
     NOT_IMPLEMENTED = "not_implemented", "control", "The agent knows this task type but does not implement it yet; do not send it to this version."
     POISON_TASK = "poison_task", "control", "A task failed to decode or crashed repeatedly and was parked; inspect it, fix the sender."
+    TENANT_BUSY = "tenant_busy", "control", "The allocation already has its bound of interactive tasks in flight on this node; the task did not run, send it again later."
     EXPIRED = "expired", "control", "The task's deadline passed before it ran; resend with a later deadline if still wanted."
     INVALID_DEADLINE = "invalid_deadline", "control", "The task's deadline is not a valid timestamp; fix the control plane."
     DEADLINE_EXCEEDED = "deadline_exceeded", "control", "The task ran past its deadline and was cancelled; check what made it slow, then retry."

@@ -60,6 +60,22 @@ class TaskType(WireEnum):
     unquarantine = "slice.unquarantine"
 
 
+class TaskClass(WireEnum):
+    """Which capacity a task takes on a node: a tenant's interactive work never takes the lifecycle's."""
+
+    lifecycle = "lifecycle"  # provisions, releases, plans, reconciles, discovery, preflight, fleet operations
+    interactive = "interactive"  # a tenant's power operations, terminal traffic and console reads
+
+
+INTERACTIVE_TASKS = frozenset({TaskType.vm_power, TaskType.terminal_open, TaskType.terminal_data,
+                               TaskType.terminal_resize, TaskType.terminal_close, TaskType.console_log})
+
+
+def task_class(task_type: TaskType | None) -> TaskClass:
+    """The class of ``task_type``; a type this agent does not know takes lifecycle capacity (it is answered fast)."""
+    return TaskClass.interactive if task_type in INTERACTIVE_TASKS else TaskClass.lifecycle
+
+
 class TaskEnvelope(WireModel):
     schema_version: SchemaVersionOrMultiSlot = SCHEMA_VERSION
     task_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")

@@ -70,6 +70,7 @@ import contextlib
 import functools
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -98,6 +99,7 @@ from gpuaas_agent.contract.tasks import (
     parse_task,
     task_payload,
 )
+from gpuaas_agent.control.admission import Admission, Refusal
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
@@ -148,6 +150,11 @@ class WorkerSettings:
     # At a stop, a cancelled handler gets this long to see its cancellation through (a clone's qemu-img killed,
     # its in-flight writes done, reaped) before the agent exits: no writer of a slot disk outlives the agent.
     cancel_settle_s: float = 20.0
+    # Interactive tasks (power, terminal, console) one allocation may have in flight; more are answered
+    # tenant_busy at once (control/admission.py). 4 x 8 slots stays under the interactive capacity.
+    interactive_per_allocation: int = 4
+    # A task whose class or type is full goes back to JetStream with this delay, doubled per delivery (at most 8x).
+    handback_delay_s: float = 0.5
 
     def durable_name(self, node_id: str) -> str:
         return f"gpuaas-agent-{node_id}"
@@ -218,6 +225,9 @@ class TaskWorker:
         self.settings = settings or WorkerSettings()
         self._semaphores = {t: asyncio.Semaphore(self.settings.concurrency.get(t, 1)) for t in TaskType}
         self._max_inflight = max(1, sum(self.settings.concurrency.get(t, 1) for t in TaskType))
+        # A pulled task starts only with a free place of its class, type and allocation; else it holds nothing.
+        self.admission = Admission(self.settings.concurrency,
+                                   per_allocation=self.settings.interactive_per_allocation)
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._inflight: dict[str, asyncio.Future] = {}
@@ -459,8 +469,7 @@ class TaskWorker:
                     await self._pause(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
-            free = self._max_inflight - len(self._tasks)
-            if free <= 0:
+            if not self.admission.any_free():  # lifecycle and interactive both full: pull nothing
                 await asyncio.wait(self._tasks, timeout=self.settings.fetch_timeout_s,
                                    return_when=asyncio.FIRST_COMPLETED)
                 continue
@@ -502,7 +511,12 @@ class TaskWorker:
             backoff = 0.2
             self._silent_pulls = 0
             for msg in msgs:
-                task = asyncio.create_task(self._process(msg))
+                ticket = self.admission.admit(msg.subject, msg.data)
+                if isinstance(ticket, Refusal):  # it may not start now: it holds nothing here
+                    task = asyncio.create_task(self._turn_away(msg, ticket))
+                else:
+                    task = asyncio.create_task(self._process(msg))
+                    task.add_done_callback(lambda _t, ticket=ticket: self.admission.release(ticket))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -576,6 +590,42 @@ class TaskWorker:
         return cancelled
 
     # -- one message --------------------------------------------------------------
+
+    async def _turn_away(self, msg: Msg, refusal: Refusal) -> None:
+        """A task that may not start now: over its allocation's bound it is answered ``tenant_busy`` (retryable)
+        and acked, so a tenant's flood waits nowhere, not even in JetStream's ack-pending window, which every
+        tenant of the node shares; a full class or type hands it back with a short delay (those are bounded by
+        the node's slots). Nothing is journaled or stored: it did not run."""
+        if refusal.reason != "allocation_full":
+            try:
+                delivered = max(1, int(msg.metadata.num_delivered))
+            except Exception:  # not a JetStream delivery (tests): the base delay
+                delivered = 1
+            delay = self.settings.handback_delay_s * 2 ** min(delivered - 1, 3)
+            _event("task_handed_back", subject=msg.subject, reason=refusal.reason, delay_s=delay)
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await msg.nak(delay=delay)
+            return
+        try:
+            envelope = parse_task(msg.data)
+            self._check_route(msg.subject, envelope)
+        except ContractError:
+            await self._process(msg)  # junk is rejected there (terminated, never answered)
+            return
+        _warn("task_tenant_busy", task_id=envelope.task_id, type=envelope.type,
+              bound=self.settings.interactive_per_allocation)
+        error = TaskErrorBody(
+            code="tenant_busy", retryable=True,
+            message=f"this allocation already has {self.settings.interactive_per_allocation} interactive tasks in "
+                    "flight on this node: not started, send it again later",
+            evidence={"bound": self.settings.interactive_per_allocation, "type": envelope.type})
+        result = TaskResult(task_id=envelope.task_id, node_id=self.node_id, type=envelope.type,
+                            attempt=envelope.attempt, status=ResultStatus.failed, error=error,
+                            finished_at=datetime.now(UTC))
+        # Not stored: a later delivery of the same task must run it, and its real result is published under
+        # the task's own message id, which this answer must not take.
+        await self._publish_and_ack(msg, result, msg_id=f"{envelope.task_id}-{envelope.attempt}-busy-"
+                                                        f"{uuid.uuid4().hex[:12]}")
 
     async def _process(self, msg: Msg) -> None:
         try:
@@ -841,10 +891,10 @@ class TaskWorker:
                                         None if received is None else asyncio.get_running_loop().time() - received)
         await self._publish_and_ack(msg, TaskResult.from_wire(stored))
 
-    async def _publish_and_ack(self, msg: Msg, result: TaskResult) -> None:
+    async def _publish_and_ack(self, msg: Msg, result: TaskResult, *, msg_id: str | None = None) -> None:
         """PubAck first, then ack; a failure leaves the task unacked so redelivery replays the stored result."""
         subject = subjects.result(self.node_id)
-        msg_id = f"{result.task_id}-{result.attempt}"
+        msg_id = msg_id or f"{result.task_id}-{result.attempt}"
         data = result.model_dump_json().encode()
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + self.settings.publish_deadline_s
