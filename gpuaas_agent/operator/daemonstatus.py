@@ -32,6 +32,16 @@ class InFlightTask(WireModel):
     step_started_at: datetime | None = None
 
 
+class AdmissionView(WireModel):
+    """The worker's places (control/admission.py): in flight and capacity per class, tenants holding
+    interactive places, and how many pulled tasks were turned away, by the bound they met."""
+
+    in_flight: dict[str, int]
+    capacity: dict[str, int]
+    tenants: int
+    handed_back: dict[str, int] = Field(default_factory=dict)
+
+
 class DaemonStatus(WireModel):
     schema_version: str = SCHEMA_VERSION
     node_id: str
@@ -48,6 +58,7 @@ class DaemonStatus(WireModel):
     health_reason: str | None = None
     health: list[HealthCheck] = Field(default_factory=list)
     in_flight: list[InFlightTask] = Field(default_factory=list)
+    admission: AdmissionView | None = None
     maintenance: DrainReport | None = None
     quarantined: list[QuarantinedComponent] = Field(default_factory=list)
 

@@ -28,7 +28,7 @@ from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat
 from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
-from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, write_status
+from gpuaas_agent.operator.daemonstatus import AdmissionView, DaemonStatus, InFlightTask, write_status
 from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
@@ -157,7 +157,9 @@ class Reporter:
             written_at=datetime.now(UTC), heartbeat_interval_s=self.settings.heartbeat_interval_s,
             nats_state=self.nats_state, nats_connect_attempts=self.connect_attempts, nats_reconnects=self.reconnects,
             last_heartbeat_at=self.last_heartbeat_at, health_state=state, health_reason=reason,
-            health=self.checks or [], in_flight=flights, maintenance=self.drain, quarantined=self.quarantined)
+            health=self.checks or [], in_flight=flights, maintenance=self.drain, quarantined=self.quarantined,
+            admission=AdmissionView.model_validate(self.worker.admission.snapshot()) if self.worker is not None
+            else None)
 
     # -- loops --------------------------------------------------------------------------------
 
