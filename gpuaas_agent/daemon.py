@@ -412,8 +412,8 @@ async def run_agent(
             reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
         await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
         worker = TaskWorker(nc, state, record.node_id, handlers, settings, observer=metrics)
-        if config.nats_creds_file is None and record.credentials.creds is not None:
-            # Enrolled with a .creds: the control plane may rotate it (control/rotation.py).
+        if config.nats_creds_file is None and record.credentials.user_jwt is not None:
+            # Enrolled with a key of its own: the control plane may order a rotation (control/rotation.py).
             await CredsRotator(nc, record.node_id, creds_path(config.state_dir),
                                timeout_s=config.request_timeout_s).start()
         reporter.attach(nc, worker)
