@@ -114,10 +114,11 @@ class ControlPlane:
         self.partitioned = False  # tasks go to whichever stream holds their subject
 
     @classmethod
-    async def connect(cls, url: str) -> ControlPlane:
+    async def connect(cls, url, *, operator: Operator | None = None, **options) -> ControlPlane:
+        """``options``: more nats.py connect options (``tls``, ``user_credentials``) for a secured server."""
         nc = await nats.connect(url, connect_timeout=REQUEST_TIMEOUT_S, name="test-control-plane",
-                                reconnect_time_wait=0.2, max_reconnect_attempts=-1)
-        plane = cls(nc, url)
+                                reconnect_time_wait=0.2, max_reconnect_attempts=-1, **options)
+        plane = cls(nc, url if isinstance(url, str) else url[0], operator=operator)
         await plane._watch()
         return plane
 
