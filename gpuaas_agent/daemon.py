@@ -192,6 +192,18 @@ FATAL_CONNECT_CODES = frozenset({"plaintext_refused", "creds_insecure", "creds_i
                                  "tls_config_invalid"})
 
 
+
+def worker_settings(config: AgentConfig) -> WorkerSettings:
+    """The task worker's settings from the config; also what the control plane creates the node's consumer with
+    (``WorkerSettings.consumer_config``: ack_wait, how many tasks the agent may hold)."""
+    return WorkerSettings(concurrency=concurrency_for(config), keepalive_interval_s=config.keepalive_interval_s,
+                          ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
+                          max_task_deadline_s=config.max_task_deadline_s,
+                          max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,
+                          fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
+                          consumer_memory=config.task_consumer_memory,
+                          fetch_heartbeat_s=config.pull_heartbeat_s)
+
 async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.Event,
                   *, rng: random.Random | None = None,
                   on_attempt: Callable[[int], None] | None = None) -> Client | None:
@@ -399,13 +411,7 @@ async def run_agent(
             reporter.stopping = True
             notifier.notify(STOPPING=1, STATUS="stopping: NATS never answered")
             return EXIT_OK  # stopped before the first connect
-        settings = WorkerSettings(concurrency=concurrency_for(config), keepalive_interval_s=config.keepalive_interval_s,
-                                  ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
-                                  max_task_deadline_s=config.max_task_deadline_s,
-                                  max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,
-                                  fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
-                                  consumer_memory=config.task_consumer_memory,
-                                  fetch_heartbeat_s=config.pull_heartbeat_s)
+        settings = worker_settings(config)
         if reconcile is None and slice_host is not None:
             reconcile = timer_reconcile(slice_host, state, nc, record.node_id)
         if reconcile is not None:
