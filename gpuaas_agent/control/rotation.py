@@ -106,6 +106,13 @@ class CredsRotator:
             self._watch = None
 
     async def _on_message(self, msg: Msg) -> None:
+        if msg.subject != rotation_subject(self.node_id) or (msg.reply or "").startswith("$JS."):
+            # Another node named our subject as the reply of its own JetStream request (NATS checks no reply
+            # subject against permissions): the server delivers its pulled task (original subject kept) or an
+            # API response here. Never answered: a reply to a $JS.ACK subject would ack that node's task.
+            log_event(log, "creds_rotation_ignored", logging.WARNING, subject=msg.subject,
+                      reason="not a rotation order (a message the server delivered here on another's request)")
+            return
         async with self._lock:  # one rotation at a time
             try:
                 key = await self._rotate(msg.data)
