@@ -260,7 +260,8 @@ class ControlPlane:
 
     # -- node consumers -----------------------------------------------------------
 
-    async def create_node_consumer(self, node_id: str, settings: WorkerSettings | None = None) -> bool:
+    async def create_node_consumer(self, node_id: str, settings: WorkerSettings | None = None, *,
+                                   timeout: float = REQUEST_TIMEOUT_S) -> bool:
         """Create (or update) the node's pull consumer on the stream holding its tasks; False: no stream yet.
 
         ``settings``: what the node's agent is configured with (default :attr:`consumer_settings`).
@@ -271,7 +272,7 @@ class ControlPlane:
             stream = await self.js.find_stream_name_by_subject(subjects.tasks(node_id))
         except NotFoundError:
             return False  # create_streams / create_task_partitions creates it once the stream exists
-        await self.js.add_consumer(stream, settings.consumer_config(node_id), timeout=REQUEST_TIMEOUT_S)
+        await self.js.add_consumer(stream, settings.consumer_config(node_id), timeout=timeout)
         return True
 
     async def _create_known_consumers(self) -> None:
@@ -302,9 +303,9 @@ class ControlPlane:
             pass
         # The meta leader applies a delete of a leaderless R1 consumer although its reply never comes.
         with contextlib.suppress(Exception):
-            await self.js.delete_consumer(stream, consumer_name(node_id), timeout=timeout)
-        with contextlib.suppress(Exception):
-            if await self.create_node_consumer(node_id):
+            await asyncio.wait_for(self.js.delete_consumer(stream, consumer_name(node_id)), timeout)
+        with contextlib.suppress(Exception):  # no answer: placed on the lost member again; the next round retries
+            if await self.create_node_consumer(node_id, timeout=2 * timeout):
                 self.consumers_recreated.append((node_id, time.monotonic()))
 
     # -- tasks --------------------------------------------------------------------
