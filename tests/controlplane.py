@@ -292,14 +292,14 @@ class ControlPlane:
     async def _probe(self, node_id: str, timeout: float) -> None:
         try:
             stream = await self.js.find_stream_name_by_subject(subjects.tasks(node_id))
-        except Exception:  # noqa: BLE001 - no stream (yet), or no meta leader now: next round
+        except Exception:  # no stream (yet), or no meta leader now: the next round
             return
         try:
             await self.js.consumer_info(stream, consumer_name(node_id), timeout=timeout)
             return
         except NotFoundError:
             pass  # deleted: created again below
-        except Exception:  # noqa: BLE001 - no answer: the consumer's only member is gone (or a stream election)
+        except Exception:  # no answer: the consumer's only member is gone (or a stream election)
             pass
         # The meta leader applies a delete of a leaderless R1 consumer although its reply never comes.
         with contextlib.suppress(Exception):

@@ -40,7 +40,13 @@ from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import WireModel
-from gpuaas_agent.contract.enrollment import EnrollNonce, EnrollNonceRequest, EnrollReply, EnrollRequest, NatsCredentials
+from gpuaas_agent.contract.enrollment import (
+    EnrollNonce,
+    EnrollNonceRequest,
+    EnrollReply,
+    EnrollRequest,
+    NatsCredentials,
+)
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.control.connection import connect_nats, safe_url
 from gpuaas_agent.control.nkeyseed import new_user_seed, public_key

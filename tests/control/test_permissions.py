@@ -24,7 +24,6 @@ import shutil
 import nats
 import nats.errors
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.connection import connect_nats

@@ -19,7 +19,6 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-import nats
 import pytest
 
 from gpuaas_agent.compat import UTC
