@@ -1,6 +1,6 @@
 """The exact NATS permissions one node needs, and nothing more: the control plane mints them into the node's user.
 
-One source for the README table, the least-privilege test (a real nats-server with
+One source for the permission table (docs/security-auth.md), the least-privilege test (a real nats-server with
 per-node users) and any control plane that signs user JWTs. With these a node can
 publish only its own results/progress/heartbeats/drift, terminal output and renewal requests, receive
 only replies on its own inbox (``_INBOX.<node>.``), its own rotation orders and its own terminal

@@ -67,3 +67,13 @@ def test_the_proof_binds_every_field_so_no_recorded_request_can_be_re_pointed(fi
 def test_another_token_does_not_hold_and_the_token_is_not_in_the_request():
     assert not proof_holds("bootstrap-token-0123456780", _request())
     assert TOKEN not in _request().model_dump_json()
+
+
+def test_the_vector_in_docs_contract_md_is_this_one():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "contract.md").read_text()
+    for value in (*VECTOR.values(), PROOF, TOKEN):
+        assert f"`{value}`" in doc
+    block = doc[doc.index("(hex, 257 bytes):"):].split("\n\n")[1]
+    assert bytes.fromhex("".join(line.strip() for line in block.splitlines())) == proof_message(**VECTOR)
