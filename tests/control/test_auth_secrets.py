@@ -11,7 +11,6 @@ previous credentials.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import urllib.request
@@ -135,11 +134,11 @@ def test_an_eavesdropper_with_full_access_sees_no_seed_token_or_password_through
             info = await nc.jetstream(timeout=5).consumer_info(TASK_STREAM, consumer_name(record_.node_id))
             assert info.config.filter_subject == f"gpuaas.node.{record_.node_id}.task.>"
             assert info.config.deliver_subject is None
-            for _ in range(2):
+            for rotation in (1, 2):
                 reply = await plane.rotate(record_.node_id)
                 assert reply.accepted, reply
                 await _logged_in_as(lab, reply.node_public_key)
-                await wait_until(lambda n=len(keys): rotator.confirmed == n, DEADLINE_S, "the new login confirmed")
+                await wait_until(lambda n=rotation: rotator.confirmed == n, DEADLINE_S, "the new login confirmed")
                 seeds.append(_seed(state))
                 keys.append(reply.node_public_key)
             assert len(set(seeds)) == 3 and len(set(keys)) == 3 and keys == plane.node_keys[record_.node_id]
