@@ -223,7 +223,10 @@ class ControlPlane:
     async def _on_enroll(self, msg: Msg) -> None:
         reply = self._answer(msg.data)
         if reply.accepted and reply.node_id is not None:
-            await self.create_node_consumer(reply.node_id)  # before the answer: the agent binds right after
+            # Before the answer: the agent binds right after. Not created (no stream yet, a busy cluster): the
+            # agent waits for it (consumer_missing); create_streams or watch_consumers creates it later.
+            with contextlib.suppress(Exception):
+                await self.create_node_consumer(reply.node_id)
         await msg.respond(reply.model_dump_json().encode())
 
     # -- rotation -----------------------------------------------------------------
