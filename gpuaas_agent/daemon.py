@@ -56,7 +56,7 @@ from gpuaas_agent.control.enroll import (
     load_enrollment,
     login_options,
 )
-from gpuaas_agent.control.rotation import CredsRotator
+from gpuaas_agent.control.rotation import CredsRotator, revert_unconfirmed_rotation
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.uevent_watch import DriftWatcher, drift_subject
 from gpuaas_agent.control.worker import Handler, TaskWorker, WorkerSettings
@@ -243,6 +243,8 @@ async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.E
         except NatsConnectError as exc:
             if exc.code in FATAL_CONNECT_CODES:
                 raise  # retrying cannot help: the config or the files must change (the message says which)
+            if exc.code == "nats_auth_refused":
+                revert_unconfirmed_rotation(creds_path(config.state_dir))  # a crash left unconfirmed creds in place
             delay = backoff.delay(attempt, rng)
             attempt += 1
             _event("nats_connect_failed", logging.WARNING, attempt=attempt, code=exc.code, retry_in_s=round(delay, 3),

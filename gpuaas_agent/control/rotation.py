@@ -67,6 +67,18 @@ def previous_path(creds_file: Path) -> Path:
     return creds_file.with_name(creds_file.name + ".prev")
 
 
+def revert_unconfirmed_rotation(creds_file: Path) -> bool:
+    """The server refused the installed ``.creds`` while a previous one waits (the agent stopped between a
+    rotation's install and its confirmation): put the previous one back. True when it did."""
+    previous = previous_path(creds_file)
+    if not previous.exists():
+        return False
+    os.replace(previous, creds_file)
+    log_event(log, "creds_rotation_reverted", logging.WARNING, file=str(creds_file),
+              reason="the server refused the unconfirmed new credentials at connect")
+    return True
+
+
 class CredsRotator:
     """Subscribe with :meth:`start`; every valid order renews ``creds_file`` and reconnects ``nc``."""
 

@@ -11,6 +11,7 @@ previous credentials.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import urllib.request
@@ -97,6 +98,7 @@ async def _enrolled_node(lab: OperatorServer, plane: ControlPlane, tmp_path):
                             **login_options(config, record))  # as the daemon connects
     rotator = CredsRotator(nc, record.node_id, creds_path(state), timeout_s=2.0)
     await rotator.start()
+    await nc.flush(timeout=5)  # the rotation subscription is on the server before the plane orders one
     return record, state, nc, rotator
 
 
@@ -218,5 +220,33 @@ def test_new_credentials_the_server_refuses_are_reverted_and_the_node_logs_in_wi
         finally:
             await rotator.stop()
             await nc.close()
+            await plane.close()
+    run_bounded(body(), 90)
+
+
+def test_a_restart_between_install_and_confirmation_with_refused_creds_falls_back_to_the_previous_ones(lab, tmp_path):
+    """The agent stopped after installing new credentials the server refuses: its connect puts the kept ones back."""
+    from gpuaas_agent.daemon import connect
+
+    async def body():
+        plane = await lab.plane()
+        record_, state, nc, rotator = await _enrolled_node(lab, plane, tmp_path)
+        await rotator.stop()
+        await nc.close()
+        good = creds_path(state).read_bytes()
+        key = check_creds_file(creds_path(state)).user_key
+        previous_path(creds_path(state)).write_bytes(good)
+        previous_path(creds_path(state)).chmod(0o600)
+        untrusted, _ = Operator().user(record_.node_id)  # what an unconfirmed rotation could have left in place
+        creds_path(state).write_text(untrusted)
+        config = parse_config({"state_dir": str(state), "insecure": True, "reconnect_backoff_initial_s": 0.1,
+                               "reconnect_backoff_max_s": 0.5})
+        try:
+            nc = await connect(config, record_, asyncio.Event())
+            assert nc is not None and nc.is_connected
+            await _logged_in_as(lab, key)
+            assert creds_path(state).read_bytes() == good and not previous_path(creds_path(state)).exists()
+            await nc.close()
+        finally:
             await plane.close()
     run_bounded(body(), 90)
