@@ -663,6 +663,19 @@ async def run_one(n: int, args, root: Path) -> dict:
         await plane.create_streams()
         out["streams"] = 1
     out["stream_create_s"] = round(time.time() - t, 2)
+    # Each node's consumer is the control plane's to create (a node may only look it up, pull and ack).
+    t = time.time()
+    consumer_settings = WorkerSettings(ack_wait_s=60, consumer_replicas=1 if args.consumer_memory else None,
+                                       consumer_memory=args.consumer_memory)
+    creating = asyncio.Semaphore(64)
+
+    async def create_consumer(node_id: str) -> None:
+        async with creating:
+            await plane.create_node_consumer(node_id, consumer_settings)
+    await asyncio.gather(*(create_consumer(n) for n in nodes))
+    out["consumer_create_s"] = round(time.time() - t, 2)
+    if args.consumer_memory:  # R1 consumers: the plane re-creates one whose member is lost (--restart-one)
+        plane.watch_consumers(interval_s=2.0, probe_timeout_s=2.0)
 
     q, stop = mp.Queue(), mp.Event()
     events = Events(q)

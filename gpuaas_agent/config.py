@@ -355,11 +355,12 @@ class AgentConfig(BaseModel):
     nats_tls_server_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.-]{1,253}$")
     nats_tls_cert_file: Path | None = None
     nats_tls_key_file: Path | None = None
-    # Decentralized auth (recommended): a user .creds file (JWT + NKEY seed), 0600. Default: the one
-    # enrollment stored (<state_dir>/nats.creds), else the enrollment's user/password.
+    # Decentralized auth: a user .creds file (JWT + NKEY seed), 0600. Default: the one enrollment wrote
+    # (<state_dir>/nats.creds: a key made on this host, docs/security-auth.md), else a hand-written record's
+    # user/password.
     nats_creds_file: Path | None = None
     # The bootstrap identity `enroll` logs in with (a server in operator mode has no anonymous users):
-    # a .creds allowed only gpuaas.enroll and _INBOX.enroll.*.> (docs/security.md "Control channel").
+    # a .creds allowed only gpuaas.enroll, gpuaas.enroll.nonce and _INBOX.enroll.*.> (docs/security-auth.md).
     nats_enroll_creds_file: Path | None = None
     # Plaintext nats:// (without TLS) is refused unless this is true, loopback included (lab only).
     insecure: bool = False

@@ -56,7 +56,7 @@ from gpuaas_agent.control.enroll import (
     load_enrollment,
     login_options,
 )
-from gpuaas_agent.control.rotation import CredsRotator
+from gpuaas_agent.control.rotation import CredsRotator, revert_unconfirmed_rotation
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.uevent_watch import DriftWatcher, drift_subject
 from gpuaas_agent.control.worker import Handler, TaskWorker, WorkerSettings
@@ -194,6 +194,18 @@ FATAL_CONNECT_CODES = frozenset({"plaintext_refused", "creds_insecure", "creds_i
                                  "tls_config_invalid"})
 
 
+
+def worker_settings(config: AgentConfig) -> WorkerSettings:
+    """The task worker's settings from the config; also what the control plane creates the node's consumer with
+    (``WorkerSettings.consumer_config``: ack_wait, how many tasks the agent may hold)."""
+    return WorkerSettings(concurrency=concurrency_for(config), keepalive_interval_s=config.keepalive_interval_s,
+                          ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
+                          max_task_deadline_s=config.max_task_deadline_s,
+                          max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,
+                          fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
+                          consumer_memory=config.task_consumer_memory,
+                          fetch_heartbeat_s=config.pull_heartbeat_s)
+
 async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.Event,
                   *, rng: random.Random | None = None,
                   on_attempt: Callable[[int], None] | None = None) -> Client | None:
@@ -233,6 +245,8 @@ async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.E
         except NatsConnectError as exc:
             if exc.code in FATAL_CONNECT_CODES:
                 raise  # retrying cannot help: the config or the files must change (the message says which)
+            if exc.code == "nats_auth_refused":
+                revert_unconfirmed_rotation(creds_path(config.state_dir))  # a crash left unconfirmed creds in place
             delay = backoff.delay(attempt, rng)
             attempt += 1
             _event("nats_connect_failed", logging.WARNING, attempt=attempt, code=exc.code, retry_in_s=round(delay, 3),
@@ -420,21 +434,15 @@ async def run_agent(
             reporter.stopping = True
             notifier.notify(STOPPING=1, STATUS="stopping: NATS never answered")
             return EXIT_OK  # stopped before the first connect
-        settings = WorkerSettings(concurrency=concurrency_for(config), keepalive_interval_s=config.keepalive_interval_s,
-                                  ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
-                                  max_task_deadline_s=config.max_task_deadline_s,
-                                  max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,
-                                  fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
-                                  consumer_memory=config.task_consumer_memory,
-                                  fetch_heartbeat_s=config.pull_heartbeat_s)
+        settings = worker_settings(config)
         if reconcile is None and slice_host is not None:
             reconcile = timer_reconcile(slice_host, state, nc, record.node_id)
         if reconcile is not None:
             reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
         await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
         worker = TaskWorker(nc, state, record.node_id, handlers, settings, observer=metrics)
-        if config.nats_creds_file is None and record.credentials.creds is not None:
-            # Enrolled with a .creds: the control plane may rotate it (control/rotation.py).
+        if config.nats_creds_file is None and record.credentials.user_jwt is not None:
+            # Enrolled with a key of its own: the control plane may order a rotation (control/rotation.py).
             await CredsRotator(nc, record.node_id, creds_path(config.state_dir),
                                timeout_s=config.request_timeout_s).start()
         reporter.attach(nc, worker)

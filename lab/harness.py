@@ -357,6 +357,15 @@ class Lab:
         record = json.loads(record_file.read_text())
         self.node_id = record["node_id"]
         self.say(f"lab: agent enrolled as node {self.node_id}")
+        await self.sync_consumer()
+
+    async def sync_consumer(self) -> None:
+        """The control plane (re)creates the node's consumer as the agent's config expects it (ack_wait...):
+        the node cannot create or change it. Call again after changing the config's ack_wait_s or concurrency."""
+        from gpuaas_agent.config import load_config
+        from gpuaas_agent.daemon import worker_settings
+
+        await self.cp.create_node_consumer(self.node_id, worker_settings(load_config(self.config_path)))
 
     def start_agent(self, extra_env: dict[str, str] | None = None) -> None:
         log = self.work / "agent.log"

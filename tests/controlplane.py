@@ -10,9 +10,16 @@ uses (``gpuaas_agent.contract``), so a test exercises the wire, not a mock:
   instead of one task stream for every node, streams of ``per_stream`` nodes each
   (``GPUAAS_TASKS_<k>``, one ``gpuaas.node.<node>.task.>`` subject per member). The
   agent finds its stream by subject, so nothing changes on the node.
-* :meth:`ControlPlane.serve_enrollment` answers ``gpuaas.enroll``: one-time tokens
-  from :meth:`issue_token`, refusals with the contract's codes, credentials sealed to the
-  request's ``reply_public_key`` (``gpuaas_agent/control/sealed.py``), never in clear.
+* :meth:`ControlPlane.serve_enrollment` answers ``gpuaas.enroll.nonce`` (single-use nonces)
+  and ``gpuaas.enroll``: one-time tokens from :meth:`issue_token`, checked by their proof
+  (``gpuaas_agent/control/tokenproof.py``; the token never arrives), a request whose nonce is
+  unknown or spent refused (``nonce_invalid``: a replay), a user JWT minted for the node's own
+  public key (``tests/natsauth``: the plane never sees a seed) with exactly the node's
+  permissions, sealed to the request's ``reply_public_key``; then the node's consumer is created
+  (:meth:`create_node_consumer`: the node cannot).
+* :meth:`serve_rotation` answers ``gpuaas.node.*.creds.renew`` (a JWT for a node's new key,
+  whose possession the request proves); :meth:`rotate` orders a rotation.
+* :meth:`watch_consumers` re-creates a node consumer whose cluster member is lost.
 * :meth:`enqueue` / :meth:`enqueue_raw` put tasks on the queue; :meth:`wait_result`
   waits (with a deadline) for a result seen live; :meth:`stored_results` reads
   what the result stream persisted.
@@ -21,6 +28,7 @@ uses (``gpuaas_agent.contract``), so a test exercises the wire, not a mock:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import secrets
 import time
@@ -35,13 +43,30 @@ from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from gpuaas_agent.compat import UTC
-from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
+from gpuaas_agent.contract import subjects
+from gpuaas_agent.contract.enrollment import (
+    CredsRenewReply,
+    CredsRenewRequest,
+    CredsRotation,
+    CredsRotationReply,
+    EnrollNonce,
+    EnrollReply,
+    EnrollRequest,
+    NatsCredentials,
+)
 from gpuaas_agent.contract.tasks import Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
-from gpuaas_agent.control.sealed import seal_credentials
+from gpuaas_agent.control.nkeyseed import verify
+from gpuaas_agent.control.permissions import consumer_name, node_permissions
+from gpuaas_agent.control.rotation import renew_message
+from gpuaas_agent.control.sealed import b64url, b64url_decode, seal_credentials
+from gpuaas_agent.control.tokenproof import proof_holds, token_id
+from gpuaas_agent.control.worker import WorkerSettings
+from tests.natsauth.natsjwt import Operator
 
 TASK_STREAM = "GPUAAS_TASKS"
 RESULT_STREAM = "GPUAAS_RESULTS"
 REQUEST_TIMEOUT_S = 5.0
+NONCE_TTL_S = 60.0
 
 
 @dataclass
@@ -65,27 +90,43 @@ class _Seen:
 class ControlPlane:
     """Connect with :meth:`connect`; close with :meth:`close` (unsubscribes, then closes)."""
 
-    def __init__(self, nc: Client, url: str, *, clock=time.time) -> None:
+    def __init__(self, nc: Client, url: str, *, clock=time.time, operator: Operator | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
         self.url = url
-        self.tokens: dict[str, IssuedToken] = {}
+        # Signs the nodes' user JWTs. A server without operator auth ignores them (most tests); one started
+        # with operator.server_config() verifies them (tests/control/test_auth_secrets.py).
+        self.operator = operator or Operator()
+        self.tokens: dict[str, IssuedToken] = {}  # token_id -> the token (the plane's own copy)
+        self.nonces: dict[str, float] = {}  # issued, not yet spent -> expiry
         self.enroll_requests: list[EnrollRequest] = []
         self.issued_credentials: dict[str, NatsCredentials] = {}  # node id -> what was sealed to it
+        self.node_keys: dict[str, list[str]] = {}  # node id -> every public key a JWT was minted for, in order
+        self.drop_renew_replies = 0  # the next N renewal replies are "lost" (minted, never sent)
+        # The consumer created for every enrolled node (ack_wait, replicas...): what its agent is configured with.
+        self.consumer_settings = WorkerSettings()
+        self.consumers: dict[str, WorkerSettings] = {}  # node id -> the settings its consumer was created with
+        self.consumers_recreated: list[tuple[str, float]] = []  # (node id, time.monotonic()) per re-creation
+        self._watch_task: asyncio.Task | None = None
         self.seen = _Seen()
         self._clock = clock
         self._subs: list = []
         self.partitioned = False  # tasks go to whichever stream holds their subject
 
     @classmethod
-    async def connect(cls, url: str) -> ControlPlane:
+    async def connect(cls, url, *, operator: Operator | None = None, **options) -> ControlPlane:
+        """``options``: more nats.py connect options (``tls``, ``user_credentials``) for a secured server."""
         nc = await nats.connect(url, connect_timeout=REQUEST_TIMEOUT_S, name="test-control-plane",
-                                reconnect_time_wait=0.2, max_reconnect_attempts=-1)
-        plane = cls(nc, url)
+                                reconnect_time_wait=0.2, max_reconnect_attempts=-1, **options)
+        plane = cls(nc, url if isinstance(url, str) else url[0], operator=operator)
         await plane._watch()
         return plane
 
     async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
@@ -103,6 +144,7 @@ class ControlPlane:
             name=RESULT_STREAM, subjects=["gpuaas.node.*.result"],
             retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, duplicate_window=120,
         ))
+        await self._create_known_consumers()
 
     async def create_task_partitions(self, node_ids: list[str], *, per_stream: int = 100,
                                      storage: StorageType = StorageType.FILE, replicas: int = 1) -> list[str]:
@@ -121,18 +163,34 @@ class ControlPlane:
             ))
             names.append(name)
         self.partitioned = True
+        await self._create_known_consumers()
         return names
 
     # -- enrollment ---------------------------------------------------------------
 
     def issue_token(self, ttl_s: float = 600.0) -> str:
         token = secrets.token_urlsafe(32)
-        self.tokens[token] = IssuedToken(token=token, expires_at=self._clock() + ttl_s)
+        self.tokens[token_id(token)] = IssuedToken(token=token, expires_at=self._clock() + ttl_s)
         return token
 
     async def serve_enrollment(self) -> None:
-        self._subs.append(await self.nc.subscribe("gpuaas.enroll", cb=self._on_enroll))
+        self._subs.append(await self.nc.subscribe(subjects.ENROLL_NONCE, cb=self._on_nonce))
+        self._subs.append(await self.nc.subscribe(subjects.ENROLL, cb=self._on_enroll))
         await self.nc.flush(timeout=REQUEST_TIMEOUT_S)
+
+    async def _on_nonce(self, msg: Msg) -> None:
+        nonce = b64url(secrets.token_bytes(32))
+        expires = self._clock() + NONCE_TTL_S
+        self.nonces[nonce] = expires
+        reply = EnrollNonce(nonce=nonce, expires_at=datetime.fromtimestamp(expires, UTC))
+        await msg.respond(reply.model_dump_json().encode())
+
+    def mint_jwt(self, node_id: str, public_key: str) -> str:
+        """A user JWT for the node's own key with exactly the node's permissions (control/permissions.py)."""
+        perms = node_permissions(node_id)
+        self.node_keys.setdefault(node_id, []).append(public_key)
+        return self.operator.user_jwt_for(public_key, node_id, pub=perms["publish"], sub=perms["subscribe"],
+                                          responses=1)
 
     def _answer(self, raw: bytes) -> EnrollReply:
         try:
@@ -140,15 +198,20 @@ class ControlPlane:
         except ValidationError:
             return EnrollReply(accepted=False, error="token_invalid", message="request does not match the contract")
         self.enroll_requests.append(request)
-        issued = self.tokens.get(request.bootstrap_token)
-        if issued is None:
-            return EnrollReply(accepted=False, error="token_invalid", message="unknown bootstrap token")
+        # The nonce is spent by the first request that names it, whatever comes next: a replay finds it gone.
+        expires = self.nonces.pop(request.server_nonce, None)
+        if expires is None or self._clock() >= expires:
+            return EnrollReply(accepted=False, error="nonce_invalid",
+                               message="unknown, spent or expired server nonce (a replayed request?)")
+        issued = self.tokens.get(request.token_id)
+        if issued is None or not proof_holds(issued.token, request):
+            return EnrollReply(accepted=False, error="token_invalid", message="unknown bootstrap token or bad proof")
         if issued.node_id is not None:
             return EnrollReply(accepted=False, error="token_reused", message=f"token already used by {issued.node_id}")
         if self._clock() >= issued.expires_at:
             return EnrollReply(accepted=False, error="token_expired", message="bootstrap token expired")
         node_id = "node-" + hashlib.sha256(request.machine_id.encode()).hexdigest()[:12]
-        credentials = NatsCredentials(user=node_id, password=secrets.token_urlsafe(24), servers=[self.url])
+        credentials = NatsCredentials(user_jwt=self.mint_jwt(node_id, request.node_public_key), servers=[self.url])
         try:
             sealed = seal_credentials(credentials, request, node_id)
         except ValueError:  # a low-order reply_public_key: nothing can be sealed to it; the token stays unused
@@ -158,7 +221,95 @@ class ControlPlane:
         return EnrollReply(accepted=True, node_id=node_id, sealed_credentials=sealed)
 
     async def _on_enroll(self, msg: Msg) -> None:
-        await msg.respond(self._answer(msg.data).model_dump_json().encode())
+        reply = self._answer(msg.data)
+        if reply.accepted and reply.node_id is not None:
+            # Before the answer: the agent binds right after. Not created (no stream yet, a busy cluster): the
+            # agent waits for it (consumer_missing); create_streams or watch_consumers creates it later.
+            with contextlib.suppress(Exception):
+                await self.create_node_consumer(reply.node_id)
+        await msg.respond(reply.model_dump_json().encode())
+
+    # -- rotation -----------------------------------------------------------------
+
+    async def serve_rotation(self) -> None:
+        self._subs.append(await self.nc.subscribe("gpuaas.node.*.creds.renew", cb=self._on_renew))
+        await self.nc.flush(timeout=REQUEST_TIMEOUT_S)
+
+    def _renew(self, subject: str, raw: bytes) -> CredsRenewReply:
+        node_id = subject.split(".")[2]  # who sent it: the server lets a node publish only its own subject
+        try:
+            request = CredsRenewRequest.model_validate_json(raw)
+        except ValidationError:
+            return CredsRenewReply(accepted=False, error="invalid_message", message="not a CredsRenewRequest")
+        if request.node_id != node_id:
+            return CredsRenewReply(accepted=False, error="wrong_node", message="node id differs from the subject's")
+        if not verify(request.node_public_key, b64url_decode(request.signature),
+                      renew_message(node_id, request.node_public_key)):
+            return CredsRenewReply(accepted=False, error="creds_renew_refused", message="no proof of the new key")
+        return CredsRenewReply(accepted=True, user_jwt=self.mint_jwt(node_id, request.node_public_key))
+
+    async def _on_renew(self, msg: Msg) -> None:
+        reply = self._renew(msg.subject, msg.data)
+        if self.drop_renew_replies > 0:
+            self.drop_renew_replies -= 1
+            return
+        await msg.respond(reply.model_dump_json().encode())
+
+    async def rotate(self, node_id: str, *, timeout: float = 15.0) -> CredsRotationReply:
+        """Order ``node_id`` to rotate its key; the agent's answer (sent before it reconnects)."""
+        msg = await self.nc.request(subjects.creds(node_id), CredsRotation(node_id=node_id).model_dump_json().encode(),
+                                    timeout=timeout)
+        return CredsRotationReply.model_validate_json(msg.data)
+
+    # -- node consumers -----------------------------------------------------------
+
+    async def create_node_consumer(self, node_id: str, settings: WorkerSettings | None = None, *,
+                                   timeout: float = REQUEST_TIMEOUT_S) -> bool:
+        """Create (or update) the node's pull consumer on the stream holding its tasks; False: no stream yet.
+
+        ``settings``: what the node's agent is configured with (default :attr:`consumer_settings`).
+        """
+        settings = settings or self.consumers.get(node_id) or self.consumer_settings
+        self.consumers[node_id] = settings
+        try:
+            stream = await self.js.find_stream_name_by_subject(subjects.tasks(node_id))
+        except NotFoundError:
+            return False  # create_streams / create_task_partitions creates it once the stream exists
+        await self.js.add_consumer(stream, settings.consumer_config(node_id), timeout=timeout)
+        return True
+
+    async def _create_known_consumers(self) -> None:
+        for node_id in list(self.consumers):
+            await self.create_node_consumer(node_id)
+
+    def watch_consumers(self, *, interval_s: float = 1.0, probe_timeout_s: float = 1.0) -> None:
+        """Every ``interval_s``, look up each node consumer; one that does not answer (its R1 member is lost)
+        is deleted and created again, on a member that is up. Mirrors what a control plane must do."""
+        async def watch() -> None:
+            while True:
+                for node_id in list(self.consumers):
+                    await self._probe(node_id, probe_timeout_s)
+                await asyncio.sleep(interval_s)  # the watch's own period, not a synchronisation
+        self._watch_task = asyncio.create_task(watch())
+
+    async def _probe(self, node_id: str, timeout: float) -> None:
+        try:
+            stream = await self.js.find_stream_name_by_subject(subjects.tasks(node_id))
+        except Exception:  # no stream (yet), or no meta leader now: the next round
+            return
+        try:
+            await self.js.consumer_info(stream, consumer_name(node_id), timeout=timeout)
+            return
+        except NotFoundError:
+            pass  # deleted: created again below
+        except Exception:  # no answer: the consumer's only member is gone (or a stream election)
+            pass
+        # The meta leader applies a delete of a leaderless R1 consumer although its reply never comes.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.js.delete_consumer(stream, consumer_name(node_id)), timeout)
+        with contextlib.suppress(Exception):  # no answer: placed on the lost member again; the next round retries
+            if await self.create_node_consumer(node_id, timeout=2 * timeout):
+                self.consumers_recreated.append((node_id, time.monotonic()))
 
     # -- tasks --------------------------------------------------------------------
 

@@ -26,6 +26,13 @@ SCHEMA_VERSION: Final = "gpuaas.agent/v1"
 # Compatible bump for multi-GPU slices: slice.vm_provision / slice.vm_release may carry ``slots`` (one allocation, N slots).
 # Every v1 message is a valid v1.1 message; an envelope may name either, the agent accepts both.
 SCHEMA_VERSION_MULTI_SLOT: Final = "gpuaas.agent/v1.1"
+# Incompatible bump of the enrollment and credential messages only (tasks, results, heartbeats stay v1/v1.1):
+# keys born on the node (only its public NKEY travels; the reply is a user JWT), the bootstrap token proven by an
+# HMAC over a server nonce instead of sent, rotation as "new key pair, ask for a JWT", and the node's consumer
+# created by the control plane (docs/contract.md "What a control plane implements").
+SCHEMA_VERSION_AUTH: Final = "gpuaas.agent/v2"
+SchemaVersionAuth = Literal["gpuaas.agent/v2"]
+assert get_args(SchemaVersionAuth) == (SCHEMA_VERSION_AUTH,)
 # The same versions as types for the models' schema_version fields (a Literal takes literal strings only).
 SchemaVersion = Literal["gpuaas.agent/v1"]
 SchemaVersionOrMultiSlot = Literal["gpuaas.agent/v1", "gpuaas.agent/v1.1"]

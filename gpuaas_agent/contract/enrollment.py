@@ -1,43 +1,81 @@
-"""``gpuaas.enroll`` request/reply: a bootstrap token and host identity in, a node id and NATS credentials out.
+"""Enrollment and credential rotation on the wire: no secret travels, in either direction.
 
-The credentials never travel in clear: the request carries the agent's ephemeral X25519
-public key (``reply_public_key``) and the reply carries them only as ``sealed_credentials``,
-sealed to that key (the construction: ``gpuaas_agent/control/sealed.py``). The reply's inbox is
-readable by anyone the account lets subscribe on ``_INBOX.>`` (or a server's monitoring, or a
-misconfigured export); what they see there is ciphertext.
+* The node's NATS key is born on the node: the request carries only its public NKEY
+  (``node_public_key``, ``U...``) and the reply a user JWT signed for that key (NATS
+  decentralized auth). The seed stays in ``<state_dir>/nats.creds`` (0600) and nowhere else.
+* The bootstrap token is proven, not sent: the agent first asks ``gpuaas.enroll.nonce`` for a
+  single-use server nonce, then sends ``token_proof`` = HMAC-SHA256 keyed by the token over the
+  nonce, the token id, the node's public key, its machine id and its reply key
+  (``gpuaas_agent/control/tokenproof.py``). A recorded request cannot be replayed (the nonce is
+  spent) and the token cannot be read off the wire. ``token_id`` (SHA-256 of the token) only
+  tells the control plane which token to check.
+* The reply's credentials are still sealed to the request's ``reply_public_key``
+  (``gpuaas_agent/control/sealed.py``): a JWT is no secret, but the seal binds the answer to
+  this attempt, and anyone on ``_INBOX.>`` sees ciphertext.
+* A rotation (``gpuaas.node.<node>.creds``) is only a "rotate now" order: the agent makes a new
+  key pair and asks ``gpuaas.node.<node>.creds.renew`` for a JWT for it.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Final, Literal
 
 from pydantic import Field, model_validator
 
-from gpuaas_agent.contract.base import SCHEMA_VERSION, SchemaVersion, WireModel
+from gpuaas_agent.contract.base import SCHEMA_VERSION_AUTH, SchemaVersionAuth, WireModel
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 
 # The one sealing scheme: its name is also the label bound into the key derivation and the associated data.
 SEAL_SCHEME: Final = "gpuaas.agent.enroll-seal/v1"
+# The token proof's label, bound into the HMAC's input (control/tokenproof.py).
+PROOF_SCHEME: Final = "gpuaas.agent.enroll-proof/v1"
+# The rotation's proof of possession of the new key: label of the signed bytes (control/rotation.py).
+RENEW_SCHEME: Final = "gpuaas.agent.creds-renew/v1"
 # Canonical unpadded base64url (RFC 4648 §5) of exactly 32 bytes: 42 free characters, then one whose
 # low 2 bits are zero (the last character carries 4 data bits); one spelling per key.
 X25519_KEY_PATTERN = r"^[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]$"
+B64URL_32_PATTERN = X25519_KEY_PATTERN  # any 32 bytes: a server nonce, a token id, an HMAC-SHA256
 # 12 bytes (96 bits) are exactly 16 base64url characters.
 SEAL_NONCE_PATTERN = r"^[A-Za-z0-9_-]{16}$"
 BASE64URL_PATTERN = r"^[A-Za-z0-9_-]+$"
+# A user public NKEY: 'U' + base32 (no padding) of 35 bytes = 56 characters.
+USER_NKEY_PATTERN = r"^U[A-Z2-7]{55}$"
+JWT_PATTERN = r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$"
+# 64 bytes of Ed25519 signature in unpadded base64url.
+ED25519_SIG_PATTERN = r"^[A-Za-z0-9_-]{85}[AQgw]$"
+
+EnrollRefusal = Literal["token_invalid", "token_expired", "token_reused", "host_mismatch", "nonce_invalid"]
+
+
+class EnrollNonceRequest(WireModel):
+    """``gpuaas.enroll.nonce``: ask for a fresh single-use nonce to bind the enrollment request to."""
+
+    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
+
+
+class EnrollNonce(WireModel):
+    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
+    nonce: str = Field(pattern=B64URL_32_PATTERN)  # 32 random bytes; the control plane accepts it once
+    expires_at: datetime
 
 
 class EnrollRequest(WireModel):
-    schema_version: SchemaVersion = SCHEMA_VERSION
-    # repr=False keeps secrets out of logs and tracebacks; they still serialise onto the wire.
-    bootstrap_token: str = Field(min_length=16, max_length=512, repr=False)
+    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
+    # Which bootstrap token is proven: unpadded base64url of SHA-256(UTF-8 token). Not a secret (a token
+    # has >= 128 bits of entropy), and not enough to enroll: that takes the token itself.
+    token_id: str = Field(pattern=B64URL_32_PATTERN)
+    server_nonce: str = Field(pattern=B64URL_32_PATTERN)  # from EnrollNonce, used once
+    # HMAC-SHA256(key = UTF-8 token, control/tokenproof.py's bytes), unpadded base64url.
+    token_proof: str = Field(pattern=B64URL_32_PATTERN)
+    node_public_key: str = Field(pattern=USER_NKEY_PATTERN)  # the node's NKEY, born on the node
     machine_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     hostname: str = Field(min_length=1, max_length=253)
     dmi_serial: str | None = None
     maas_system_id: str | None = Field(default=None, pattern=r"^[a-z0-9]{4,12}$")
     agent_version: str
     # The agent's X25519 public key for this attempt only (a fresh key pair each time it asks); the
-    # control plane seals the credentials to it. Also the request's nonce: a reply sealed for another
-    # attempt does not open.
+    # control plane seals the credentials to it. A reply sealed for another attempt does not open.
     reply_public_key: str = Field(pattern=X25519_KEY_PATTERN)
 
 
@@ -53,34 +91,62 @@ class SealedCredentials(WireModel):
 
 
 class NatsCredentials(WireModel):
-    """How the node logs in: a NATS user ``.creds`` (JWT + NKEY seed; recommended) or user + password."""
+    """How the node logs in: a user JWT for its own NKEY (enrollment), or user + password (a static login).
+
+    The JWT's seed is never here: it lives in ``<state_dir>/nats.creds`` only. An enrollment reply
+    must carry ``user_jwt``; one carrying a password is refused (``enroll_reply_carries_secret``).
+    ``user`` + ``password`` remain for a record an operator writes by hand for a password-auth server.
+    """
 
     user: str | None = Field(default=None, min_length=1)
     password: str | None = Field(default=None, min_length=1, repr=False)
-    # The text of a NATS user .creds file; the agent stores it as <state_dir>/nats.creds (0600).
-    creds: str | None = Field(default=None, min_length=1, max_length=16384, repr=False)
+    user_jwt: str | None = Field(default=None, min_length=1, max_length=16384, pattern=JWT_PATTERN)
     servers: list[str] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _one_login(self) -> NatsCredentials:
-        if (self.creds is None) == (self.user is None or self.password is None):
-            raise ValueError("either creds or user + password, not both and not neither")
+        if (self.user_jwt is None) == (self.user is None or self.password is None):
+            raise ValueError("either user_jwt or user + password, not both and not neither")
         if (self.user is None) != (self.password is None):
             raise ValueError("user and password go together")
         return self
 
 
 class CredsRotation(WireModel):
-    """``gpuaas.node.<node>.creds``: the control plane's new ``.creds`` for this node (request/reply)."""
+    """``gpuaas.node.<node>.creds`` (control plane -> agent, request/reply): rotate now. Carries no secret."""
 
-    schema_version: SchemaVersion = SCHEMA_VERSION
+    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
     node_id: str = Field(pattern=NODE_ID_PATTERN)
-    creds: str = Field(min_length=1, max_length=16384, repr=False)
 
 
 class CredsRotationReply(WireModel):
-    schema_version: SchemaVersion = SCHEMA_VERSION
+    """The agent's answer, sent before it reconnects: the new public key it logs in with, or why not."""
+
+    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
     accepted: bool
+    node_public_key: str | None = Field(default=None, pattern=USER_NKEY_PATTERN)
+    error: str | None = None
+    message: str | None = None
+
+
+class CredsRenewRequest(WireModel):
+    """``gpuaas.node.<node>.creds.renew`` (agent -> control plane): a JWT for this new key, please.
+
+    Sent on the node's current login, so the subject's ``<node>`` is authenticated by the server;
+    ``signature`` proves possession of the new key (Ed25519 by the new seed over
+    ``L(RENEW_SCHEME) || L(node_id) || L(node_public_key)``, L = uint16 big-endian length prefix).
+    """
+
+    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
+    node_id: str = Field(pattern=NODE_ID_PATTERN)
+    node_public_key: str = Field(pattern=USER_NKEY_PATTERN)
+    signature: str = Field(pattern=ED25519_SIG_PATTERN)
+
+
+class CredsRenewReply(WireModel):
+    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
+    accepted: bool
+    user_jwt: str | None = Field(default=None, min_length=1, max_length=16384, pattern=JWT_PATTERN)
     error: str | None = None
     message: str | None = None
 
@@ -93,9 +159,9 @@ class EnrollReply(WireModel):
     carries no secret and stays in clear.
     """
 
-    schema_version: SchemaVersion = SCHEMA_VERSION
+    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
     accepted: bool
     node_id: str | None = Field(default=None, pattern=NODE_ID_PATTERN)
     sealed_credentials: SealedCredentials | None = None
-    error: Literal["token_invalid", "token_expired", "token_reused", "host_mismatch"] | None = None
+    error: EnrollRefusal | None = None
     message: str | None = None

@@ -121,6 +121,11 @@ class ErrorCode(StrEnum):
     ENROLL_UNREACHABLE = "enroll_unreachable", "control", "The enrollment request did not reach the control plane; check the NATS URL and network."
     ENROLL_REPLY_UNSEALED = "enroll_reply_unsealed", "control", "The control plane answered enrollment with the credentials in clear (readable on the inbox); nothing was stored: upgrade it to seal replies and revoke what it sent."
     ENROLL_REPLY_TAMPERED = "enroll_reply_tampered", "control", "The enrollment reply's sealed credentials do not open for this request (another key or request, or altered); nothing was stored, the token was kept: retry, and check who answers enrollment requests."
+    ENROLL_REPLY_CARRIES_SECRET = "enroll_reply_carries_secret", "control", "The enrollment reply carries a password instead of a user JWT for the key this node made; nothing was stored, the token was kept: the control plane must sign a JWT for node_public_key (contract v2)."
+    ENROLL_REPLY_WRONG_KEY = "enroll_reply_wrong_key", "control", "The enrollment reply's user JWT is for another public key than the one this node sent; nothing was stored, the token was kept: check the control plane's JWT signing."
+    CREDS_MISSING = "creds_missing", "control", "<state_dir>/nats.creds is missing: it held this node's only key (enrollment.json holds none); restore it from a backup, or move enrollment.json away and enroll with a new token."
+    CREDS_RENEW_UNANSWERED = "creds_renew_unanswered", "control", "A rotation's request for a JWT for the new key got no answer; nothing changed, the node keeps its current credentials: check the control plane's renewal service."
+    CREDS_RENEW_REFUSED = "creds_renew_refused", "control", "The control plane refused to sign a JWT for the rotation's new key; nothing changed, the node keeps its current credentials."
     ENROLLMENT_RECORD_INVALID = "enrollment_record_invalid", "control", "The stored enrollment record is corrupt or does not match the contract; re-enroll the host."
     INVALID_IDENTITY = "invalid_identity", "control", "Host identity or bootstrap token does not match the contract; fix /etc/machine-id, hostname or token."
     TOKEN_MISSING = "token_missing", "control", "The bootstrap token file is missing or empty; place a token from the control plane."
@@ -153,6 +158,7 @@ class ErrorCode(StrEnum):
     TOKEN_EXPIRED = "token_expired", "control_plane", "The bootstrap token expired; issue a new token.", CONTROL_PLANE
     TOKEN_REUSED = "token_reused", "control_plane", "The bootstrap token was already used; issue a new token (one per host).", CONTROL_PLANE
     HOST_MISMATCH = "host_mismatch", "control_plane", "The token was issued for a different host; issue a token for this host.", CONTROL_PLANE
+    NONCE_INVALID = "nonce_invalid", "control_plane", "The enrollment request's server nonce is unknown, spent or expired (a replayed or slow request); enroll again: the agent asks for a fresh nonce.", CONTROL_PLANE
 
     # --- State store (SQLite) and leases
     STATE_ERROR = "state_error", "state", "The state store refused an operation; read the evidence."

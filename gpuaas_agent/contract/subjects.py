@@ -14,6 +14,7 @@ from __future__ import annotations
 from gpuaas_agent.contract.types import UUID_RE
 
 ENROLL = "gpuaas.enroll"
+ENROLL_NONCE = "gpuaas.enroll.nonce"  # a single-use server nonce the enrollment request's token proof covers
 ENROLL_INBOX_PREFIX = "_INBOX.enroll"  # + one random token per enrollment: no other host can guess the reply
 
 
@@ -77,6 +78,11 @@ def terminal_out_any(node_id: str) -> str:
 def creds(node_id: str) -> str:
     """Control plane -> agent: a credential rotation (request/reply)."""
     return f"{_node(node_id)}.creds"
+
+
+def creds_renew(node_id: str) -> str:
+    """Agent -> control plane: a user JWT for the node's new public key (request/reply)."""
+    return f"{_node(node_id)}.creds.renew"
 
 
 def inbox_prefix(node_id: str) -> str:

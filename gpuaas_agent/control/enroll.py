@@ -1,4 +1,12 @@
-"""Enrollment on ``gpuaas.enroll``: bootstrap token + host identity in, node id + NATS credentials stored 0600.
+"""Enrollment on ``gpuaas.enroll``: a key pair born here, the token proven, a user JWT back; stored 0600.
+
+No secret travels. The agent makes its NKEY pair here (``control/nkeyseed.py``) and sends only
+the public key; it asks ``gpuaas.enroll.nonce`` for a single-use nonce and proves the bootstrap
+token with an HMAC over it (``control/tokenproof.py``) instead of sending the token. The reply is
+a user JWT for the node's key, sealed to this attempt's X25519 key (``control/sealed.py``). The
+seed is written once, with the JWT, to ``<state_dir>/nats.creds`` (0600, atomic), the file
+nats.py reads on every connect; ``enrollment.json`` holds the node id, servers and JWT, never a
+seed.
 
 The record is written atomically (temp file created 0600, fsync, rename, fsync
 of the directory) so a crash leaves either no record or a whole one; the token
@@ -7,14 +15,11 @@ exists sends nothing: the token was spent already and a second request would
 be refused as ``token_reused``.
 
 The exchange runs over the configured transport (TLS unless ``insecure``, see
-``control/transport.py``), and the reply comes on an inbox no one can guess
-(``_INBOX.enroll.<128 random bits>.``), not on the account-wide default ``_INBOX.``.
-Whoever can read that inbox anyway (``_INBOX.>``) sees no secret: the request carries a fresh
-X25519 public key and the credentials come back only sealed to it (``control/sealed.py``). A
-reply that carries credentials in clear is refused (``enroll_reply_unsealed``), one whose seal
-does not open too (``enroll_reply_tampered``): nothing is written and the token stays.
-Credentials that arrive as a ``.creds`` (JWT + NKEY seed) are also written, 0600 and
-atomically, to ``<state_dir>/nats.creds``, the file nats.py reads on every connect.
+``control/transport.py``), and the replies come on an inbox no one can guess
+(``_INBOX.enroll.<128 random bits>.``). A reply that carries credentials in clear is refused
+(``enroll_reply_unsealed``), one whose seal does not open too (``enroll_reply_tampered``), one
+whose credentials carry a password (``enroll_reply_carries_secret``) or a JWT for another key
+(``enroll_reply_wrong_key``) as well: nothing is written and the token stays.
 """
 
 from __future__ import annotations
@@ -35,13 +40,23 @@ from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import WireModel
-from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
+from gpuaas_agent.contract.enrollment import (
+    EnrollNonce,
+    EnrollNonceRequest,
+    EnrollReply,
+    EnrollRequest,
+    NatsCredentials,
+)
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.control.connection import connect_nats, safe_url
+from gpuaas_agent.control.nkeyseed import new_user_seed, public_key
 from gpuaas_agent.control.sealed import SealError, new_reply_key, open_credentials, public_key_text
+from gpuaas_agent.control.tokenproof import token_id, token_proof
 from gpuaas_agent.control.transport import (
     TransportError,
     TransportSecurity,
+    creds_text,
+    jwt_claims,
     parse_creds,
 )
 from gpuaas_agent.errors import AgentError
@@ -50,8 +65,10 @@ from gpuaas_agent.logs import log_event
 log = logging.getLogger(__name__)
 
 ENROLL_SUBJECT = subjects.ENROLL
+NONCE_SUBJECT = subjects.ENROLL_NONCE
 RECORD_NAME = "enrollment.json"
-RECORD_VERSION = "gpuaas.agent.enrollment/v1"
+RECORD_VERSION = "gpuaas.agent.enrollment/v2"  # v2: no seed in the record (v1 records are scrubbed on load)
+RECORD_VERSION_V1 = "gpuaas.agent.enrollment/v1"
 CREDS_NAME = "nats.creds"
 ENROLL_INBOX_PREFIX = subjects.ENROLL_INBOX_PREFIX
 
@@ -79,7 +96,7 @@ class EnrollmentRecord(WireModel):
 
     record_version: str = RECORD_VERSION
     node_id: str = Field(pattern=NODE_ID_PATTERN)
-    credentials: NatsCredentials
+    credentials: NatsCredentials  # the servers and the user JWT (public); the seed is in nats.creds only
     enrolled_at: datetime
 
 
@@ -107,6 +124,8 @@ def load_enrollment(state_dir: str | Path) -> EnrollmentRecord | None:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
+    with contextlib.suppress(ValueError, RecursionError):
+        raw = _scrub_v1_record(Path(state_dir), json.loads(raw)) or raw
     try:
         return EnrollmentRecord.model_validate_json(raw)
     except ValidationError as exc:
@@ -117,6 +136,31 @@ def load_enrollment(state_dir: str | Path) -> EnrollmentRecord | None:
         ) from None
 
 
+
+def _scrub_v1_record(state_dir: Path, doc) -> bytes | None:
+    """A v1 record kept the NKEY seed (``credentials.creds``): rewrite it without, once; None if not v1.
+
+    The seed's only home is ``nats.creds``. When that file exists the seed in the record is a copy
+    and is dropped; when it is missing the record's copy is moved there (WARNING
+    ``enrollment_record_migrated``), the one time a seed is written from the record.
+    """
+    if not isinstance(doc, dict) or doc.get("record_version") != RECORD_VERSION_V1:
+        return None
+    creds = (doc.get("credentials") or {}).pop("creds", None)
+    restored = False
+    if isinstance(creds, str):
+        lines = [line.strip() for line in creds.splitlines()]
+        with contextlib.suppress(ValueError, IndexError):
+            doc["credentials"]["user_jwt"] = lines[lines.index("-----BEGIN NATS USER JWT-----") + 1]
+        if not creds_path(state_dir).exists():
+            store_creds(state_dir, creds)
+            restored = True
+    doc["record_version"] = RECORD_VERSION
+    data = json.dumps(doc, indent=2).encode()
+    write_atomic(record_path(state_dir), data, mode=0o600)
+    log_event(log, "enrollment_record_migrated", logging.WARNING, path=str(record_path(state_dir)),
+              seed_removed=creds is not None, creds_file_written=restored)
+    return data
 
 
 def _read_token(token_file: Path) -> str:
@@ -168,9 +212,44 @@ def _open_reply(data: bytes, reply_key: X25519PrivateKey, request: EnrollRequest
         raise EnrollError("enrollment reply accepted without sealed credentials; refused, nothing stored",
                           code="enroll_reply_unsealed", evidence={**where, "node_id": reply.node_id})
     try:
-        return open_credentials(reply.sealed_credentials, reply_key, request, reply.node_id), reply.node_id
+        credentials = open_credentials(reply.sealed_credentials, reply_key, request, reply.node_id)
     except SealError as exc:
         raise EnrollError(exc.message, code=exc.code, evidence={**where, **exc.evidence}) from None
+    where = {**where, "node_id": reply.node_id}
+    if credentials.user_jwt is None:
+        # A password travelled (sealed, but a secret made off the host): refused, the keys are born here.
+        raise EnrollError("enrollment reply carries a password instead of a user JWT for this node's key; "
+                          "refused, nothing stored: the control plane must sign a JWT for node_public_key",
+                          code="enroll_reply_carries_secret", evidence=where)
+    subject = jwt_claims(credentials.user_jwt).get("sub")
+    if subject != request.node_public_key:
+        raise EnrollError("enrollment reply's user JWT is not for this node's public key; refused, nothing stored",
+                          code="enroll_reply_wrong_key",
+                          evidence={**where, "jwt_subject": subject, "node_public_key": request.node_public_key})
+    return credentials, reply.node_id
+
+
+async def _request(nc, subject: str, data: bytes, nats_url: str, timeout: float):
+    """One request/reply of enrollment; ``enroll_unreachable`` when nothing answers or the connection breaks."""
+    try:
+        return await nc.request(subject, data, timeout=timeout)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
+        raise EnrollError(f"no enrollment answer on {subject} from {safe_url(nats_url)} within {timeout:g}s "
+                          f"({'no responders' if isinstance(exc, nats.errors.NoRespondersError) else 'timed out'})",
+                          code="enroll_unreachable", evidence={"nats_url": safe_url(nats_url), "subject": subject}
+                          ) from None
+    except nats.errors.Error as exc:  # the connection broke under the request
+        raise EnrollError(f"enrollment request to {safe_url(nats_url)} failed: {exc}", code="enroll_unreachable",
+                          evidence={"nats_url": safe_url(nats_url), "error": repr(exc)}) from None
+
+
+def _nonce(data: bytes) -> str:
+    try:
+        return EnrollNonce.model_validate_json(data).nonce
+    except ValidationError as exc:
+        raise EnrollError("enrollment nonce reply does not match the contract (a control plane from before "
+                          "token proofs?)", code="invalid_message",
+                          evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
 
 
 async def enroll(
@@ -195,49 +274,47 @@ async def enroll(
         return existing
 
     token_file = Path(token_file)
+    token = _read_token(token_file)
+    seed = new_user_seed()  # the node's key, born here; only its public half is sent
     reply_key = new_reply_key()  # this attempt's only: the credentials come back sealed to it
-    try:
-        request = EnrollRequest(bootstrap_token=_read_token(token_file), reply_public_key=public_key_text(reply_key),
-                                **identity.model_dump())
-    except ValidationError as exc:
-        raise EnrollError("host identity or token does not match the contract", code="invalid_identity",
-                          evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
 
-    # Bounded: connect_timeout + timeout in all, so ExecStartPre ends well inside the unit's start timeout.
+    # Bounded: connect_timeout + 2 * timeout in all, so ExecStartPre ends well inside the unit's start timeout.
     # ``security``: TLS settings and the bootstrap login (TransportSecurity.from_config(config, enroll=True)).
     nc = await connect_nats([nats_url], timeout_s=connect_timeout or timeout, name="gpuaas-agent-enroll",
                             security=security, inbox_prefix=subjects.enroll_inbox_prefix(secrets.token_hex(16)))
     try:
-        msg = await nc.request(ENROLL_SUBJECT, request.model_dump_json().encode(), timeout=timeout)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
-        raise EnrollError(f"no enrollment answer on {ENROLL_SUBJECT} from {safe_url(nats_url)} within {timeout:g}s "
-                          f"({'no responders' if isinstance(exc, nats.errors.NoRespondersError) else 'timed out'})",
-                          code="enroll_unreachable", evidence={"nats_url": safe_url(nats_url)}) from None
-    except nats.errors.Error as exc:  # the connection broke under the request
-        raise EnrollError(f"enrollment request to {safe_url(nats_url)} failed: {exc}", code="enroll_unreachable",
-                          evidence={"nats_url": safe_url(nats_url), "error": repr(exc)}) from None
+        nonce = _nonce((await _request(nc, NONCE_SUBJECT, EnrollNonceRequest().model_dump_json().encode(),
+                                       nats_url, timeout)).data)
+        try:
+            fields = {"server_nonce": nonce, "token_id": token_id(token), "node_public_key": public_key(seed),
+                      "machine_id": identity.machine_id, "reply_public_key": public_key_text(reply_key)}
+            request = EnrollRequest(token_proof=token_proof(token, **fields), **fields,
+                                    **identity.model_dump(exclude={"machine_id"}))
+        except ValidationError as exc:
+            raise EnrollError("host identity does not match the contract", code="invalid_identity",
+                              evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
+        msg = await _request(nc, ENROLL_SUBJECT, request.model_dump_json().encode(), nats_url, timeout)
     finally:
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await asyncio.wait_for(nc.close(), timeout)
 
     credentials, node_id = _open_reply(msg.data, reply_key, request, nats_url, identity)
     record = EnrollmentRecord(node_id=node_id, credentials=credentials, enrolled_at=datetime.now(UTC))
-    # repr=False hides the password from logs only; the record on disk must carry it (hence 0600).
     path = record_path(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if credentials.creds is not None:
-        try:
-            store_creds(state_dir, credentials.creds)
-        except TransportError as exc:
-            raise EnrollError(f"enrollment reply carries unusable credentials: {exc.message}", code=exc.code,
-                              evidence=exc.evidence) from None
-    write_atomic(path, record.model_dump_json(indent=2).encode(), mode=0o600)
+    assert credentials.user_jwt is not None  # _open_reply refuses anything else
+    try:
+        store_creds(state_dir, creds_text(credentials.user_jwt, seed))  # the seed's one home
+    except TransportError as exc:
+        raise EnrollError(f"enrollment reply carries unusable credentials: {exc.message}", code=exc.code,
+                          evidence=exc.evidence) from None
+    write_atomic(path, record.model_dump_json(indent=2).encode(), mode=0o600)  # no seed in it
     try:
         token_file.unlink(missing_ok=True)
     except OSError as exc:
         # Enrolled all the same: the token is single-use and the control plane refuses it from now on.
         log_event(log, "token_remove_failed", logging.WARNING, token_file=str(token_file), error=exc.strerror)
-    log_event(log, "enrolled", node_id=record.node_id)
+    log_event(log, "enrolled", node_id=record.node_id, node_public_key=public_key(seed))
     return record
 
 
@@ -250,16 +327,18 @@ def login_options(config, record: EnrollmentRecord) -> dict:
     """``connect_nats`` keyword arguments for the daemon: transport security, credentials, per-node inbox.
 
     The ``.creds`` used is ``nats_creds_file`` from the config, else ``<state_dir>/nats.creds``
-    (written by enrollment or a rotation; restored from the record if it was lost), else the
-    record's user + password.
+    (written by enrollment or a rotation) when the record holds a JWT, else the record's user +
+    password. A missing ``nats.creds`` is ``creds_missing``: the seed exists nowhere else, by design.
     """
     security = TransportSecurity.from_config(config)
     options: dict = {"inbox_prefix": node_inbox_prefix(record.node_id)}
     creds_file = config.nats_creds_file
-    if creds_file is None and record.credentials.creds is not None:
+    if creds_file is None and record.credentials.user_jwt is not None:
         creds_file = creds_path(config.state_dir)
         if not creds_file.exists():
-            store_creds(config.state_dir, record.credentials.creds)
+            raise EnrollError(f"{creds_file} is missing: it held this node's only key (enrollment.json holds none); "
+                              "restore it from a backup, or move enrollment.json away and enroll with a new token",
+                              code="creds_missing", evidence={"path": str(creds_file), "node_id": record.node_id})
     if creds_file is not None:
         security = TransportSecurity(ca_file=security.ca_file, server_name=security.server_name,
                                      cert_file=security.cert_file, key_file=security.key_file,

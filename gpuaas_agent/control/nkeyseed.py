@@ -1,11 +1,15 @@
-"""Sign the NATS server's nonce with the user seed of a `.creds` file, without the ``nkeys`` package.
+"""NKEY user keys without the ``nkeys`` package: make a pair, name its public key, sign the server's nonce.
 
 Why: nats.py signs through ``nkeys`` (and PyNaCl), which exist on PyPI only as a source
 tarball and an extra native library; the agent already ships ``cryptography`` (asyncssh
 needs it), whose Ed25519 is the same signature. An NKEY seed is base32 (no padding) of
 two prefix bytes, the 32-byte Ed25519 seed and a CRC-16/XMODEM (little endian) over the rest;
-a user seed starts ``SU``. The seed is read from the file for each signature, so a rotated
-``.creds`` is used at the next (re)connect.
+a user seed starts ``SU``; a public key is base32 of the prefix byte, the 32-byte Ed25519
+public key and the same CRC (a user key starts ``U``). The seed is read from the file for each
+signature, so a rotated ``.creds`` is used at the next (re)connect.
+
+Keys are born here: enrollment and every rotation make a fresh pair with :func:`new_user_seed`,
+and only :func:`public_key` of it leaves the host (the control plane signs a user JWT for it).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import base64
 import binascii
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 PREFIX_BYTE_SEED = 18 << 3  # 'S'
 PREFIX_BYTE_USER = 20 << 3  # 'U'
@@ -57,3 +63,46 @@ def user_private_key(seed: str | bytes) -> Ed25519PrivateKey:
 def sign_nonce(seed: str | bytes, nonce: str) -> bytes:
     """What nats.py sends as ``sig``: base64 (standard alphabet) of the Ed25519 signature of the nonce."""
     return base64.b64encode(user_private_key(seed).sign(nonce.encode()))
+
+
+def _b32(body: bytes) -> str:
+    raw = body + _crc16_xmodem(body).to_bytes(2, "little")
+    return base64.b32encode(raw).decode("ascii").rstrip("=")
+
+
+def new_user_seed() -> str:
+    """A fresh user seed (``SU...``) from the OS's CSPRNG (via cryptography's Ed25519 key generation)."""
+    raw = Ed25519PrivateKey.generate().private_bytes_raw()
+    prefix = bytes([PREFIX_BYTE_SEED | (PREFIX_BYTE_USER >> 5), (PREFIX_BYTE_USER & 0x1F) << 3])
+    return _b32(prefix + raw)
+
+
+def public_key(seed: str | bytes) -> str:
+    """The user public NKEY (``U...``) of a user seed: what may leave the host."""
+    raw = user_private_key(seed).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return _b32(bytes([PREFIX_BYTE_USER]) + raw)
+
+
+def user_public_key_bytes(key: str) -> bytes:
+    """The Ed25519 public key of a user public NKEY; :class:`NkeySeedError` for anything else."""
+    try:
+        raw = base64.b32decode(key + "=" * (-len(key) % 8))
+    except (binascii.Error, ValueError):
+        raise NkeySeedError("not base32") from None
+    if len(raw) != 35 or raw[0] != PREFIX_BYTE_USER or _crc16_xmodem(raw[:-2]) != int.from_bytes(raw[-2:], "little"):
+        raise NkeySeedError("not a user public key")
+    return raw[1:33]
+
+
+def sign(seed: str | bytes, data: bytes) -> bytes:
+    """The raw Ed25519 signature of ``data`` by the seed's key."""
+    return user_private_key(seed).sign(data)
+
+
+def verify(key: str, signature: bytes, data: bytes) -> bool:
+    """Whether ``signature`` is the user public NKEY ``key``'s signature of ``data``."""
+    try:
+        Ed25519PublicKey.from_public_bytes(user_public_key_bytes(key)).verify(signature, data)
+    except (NkeySeedError, InvalidSignature):
+        return False
+    return True

@@ -1,14 +1,19 @@
 """The exact NATS permissions one node needs, and nothing more: the control plane mints them into the node's user.
 
-One source for the table in docs/security.md, the least-privilege test (a real nats-server with
-per-node users) and any control plane that issues `.creds`. With these a node can
-publish only its own results/progress/heartbeats/drift and terminal output, receive only replies on its own
-inbox (``_INBOX.<node>.``), its own credential rotations and its own terminal input, create only its own consumer
-on the filtered-subject API (the server refuses a body filter that differs from the
-subject: 10131), pull and ack only through that consumer, and find which stream holds its
-tasks. It can neither read nor enqueue anyone's tasks, nor read anyone's results,
-replies or credentials. ``allow_responses`` lets it answer the control plane's rotation
-request on the reply subject that request carried (one reply, never a wildcard).
+One source for the permission table (docs/security-auth.md), the least-privilege test (a real nats-server with
+per-node users) and any control plane that signs user JWTs. With these a node can
+publish only its own results/progress/heartbeats/drift, terminal output and renewal requests, receive
+only replies on its own inbox (``_INBOX.<node>.``), its own rotation orders and its own terminal
+input, look up its own consumer, pull and ack only through it, and find which stream holds its
+tasks. It can neither read nor enqueue anyone's tasks, nor read anyone's results, replies or
+credentials. ``allow_responses`` lets it answer the control plane's rotation order on the reply
+subject that order carried (one reply, never a wildcard).
+
+It can create, change or delete no consumer and no stream: a consumer's body is the node's to
+write on ``CONSUMER.CREATE`` (a push ``deliver_subject``, a republish, ...), and the server then
+publishes wherever that body says, beyond the node's own publish permissions. So the control
+plane creates each node's pull consumer (:func:`gpuaas_agent.control.consumer.node_consumer_config`)
+and re-creates it when its cluster member is lost.
 """
 
 from __future__ import annotations
@@ -31,11 +36,8 @@ def node_permissions(node_id: str) -> dict[str, list[str]]:
             subjects.drift(node_id),
             subjects.terminal_out_any(node_id),  # a terminal session's guest output (slice.terminal_*)
             "$JS.API.STREAM.NAMES",  # which task stream holds gpuaas.node.<node>.task.> (names only)
-            f"$JS.API.CONSUMER.CREATE.*.{consumer}.{subjects.tasks(node_id)}",
-            f"$JS.API.CONSUMER.INFO.*.{consumer}",
-            # Its own consumer only: an R1 consumer whose cluster member is gone is deleted and created
-            # again on a live member (control/worker.py, consumer_leaderless); the work queue keeps the tasks.
-            f"$JS.API.CONSUMER.DELETE.*.{consumer}",
+            subjects.creds_renew(node_id),  # a JWT for its new key (rotation; the key is born on the node)
+            f"$JS.API.CONSUMER.INFO.*.{consumer}",  # look its consumer up; the control plane creates it
             f"$JS.API.CONSUMER.MSG.NEXT.*.{consumer}",
             f"$JS.ACK.*.{consumer}.>",
         ],
@@ -56,7 +58,7 @@ def nats_server_user(node_id: str, password: str) -> dict:
 
 
 ENROLL_PERMISSIONS = {
-    # The bootstrap identity: ask on gpuaas.enroll, hear the answer on an enrollment inbox.
-    "publish": [subjects.ENROLL],
+    # The bootstrap identity: ask for a nonce and enroll, hear the answers on an enrollment inbox.
+    "publish": [subjects.ENROLL, subjects.ENROLL_NONCE],
     "subscribe": [f"{subjects.ENROLL_INBOX_PREFIX}.*.>"],
 }

@@ -3,10 +3,12 @@
 Why: the reply travels on an ``_INBOX`` subject. The inbox name is random, but anyone the
 account lets subscribe on ``_INBOX.>`` (a shared bootstrap user allowed ``_INBOX.enroll.*.>``,
 a full-access user, a server operator's monitoring, a misconfigured export) reads it, and TLS
-only protects the hops, not the server's fan-out. So the node's password or ``.creds`` seed
-is encrypted to a key that never leaves the requesting process: each enrollment attempt makes
+only protects the hops, not the server's fan-out. So the credentials are
+encrypted to a key that never leaves the requesting process: each enrollment attempt makes
 a fresh X25519 key pair, sends the public half in ``EnrollRequest.reply_public_key`` and keeps
-the private half in memory only.
+the private half in memory only. Since the node's key is born on the node, what is sealed is a user
+JWT (no secret by itself); the seal still binds the answer to this one attempt and keeps which
+node got which JWT off the inbox.
 
 This gives confidentiality to the requester, not authentication of the answer: who may
 publish an enrollment reply is the NATS permissions' job (the bootstrap login may publish only
@@ -21,7 +23,7 @@ Construction (``SEAL_SCHEME`` = ``gpuaas.agent.enroll-seal/v1``; a Go control pl
     e, E = fresh X25519 key pair of the control plane, per reply  E is sent as ephemeral_public_key
     Z    = X25519(e, A)                                           all-zero Z (a low-order A) is refused
     L(x) = uint16 big-endian len(x) || x                          every field length-prefixed
-    fp   = SHA-256(UTF-8 request.bootstrap_token)
+    fp   = base64url-decode(request.token_id)                     = SHA-256(UTF-8 bootstrap token)
     info = L(SEAL_SCHEME) || L(E) || L(A) || L(UTF-8 request.machine_id)
     K    = HKDF-SHA256(IKM = Z, salt = none (32 zero bytes), info, 32 bytes)
     n    = 12 random bytes                                        sent as nonce
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import secrets
 
 from cryptography.exceptions import InvalidTag
@@ -98,7 +99,7 @@ def _key(shared: bytes, server_public: bytes, requester_public: bytes, request: 
 
 
 def _aad(request: EnrollRequest, node_id: str) -> bytes:
-    fingerprint = hashlib.sha256(request.bootstrap_token.encode()).digest()
+    fingerprint = b64url_decode(request.token_id)  # SHA-256 of the token: the bytes v1 bound, unchanged
     return _lp(SEAL_SCHEME.encode(), fingerprint, node_id.encode())
 
 

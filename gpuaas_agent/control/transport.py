@@ -208,6 +208,21 @@ def parse_creds(text: str, *, source: str = "creds") -> CredsInfo:
                      expires_at=float(exp) if isinstance(exp, (int, float)) and exp > 0 else None)
 
 
+def creds_text(user_jwt: str, seed: str) -> str:
+    """A NATS user ``.creds`` (the layout ``nsc`` writes): the JWT, then the NKEY seed."""
+    return (f"{CREDS_JWT_BEGIN}\n{user_jwt}\n------END NATS USER JWT------\n\n"
+            f"{CREDS_SEED_BEGIN}\n{seed}\n------END USER NKEY SEED------\n")
+
+
+def jwt_claims(user_jwt: str) -> dict:
+    """The claims of a JWT (read, not verified: the server verifies); ``{}`` when unreadable."""
+    try:
+        claims = json.loads(_b64url(user_jwt.split(".")[1]))
+    except (ValueError, IndexError, binascii.Error, UnicodeDecodeError):
+        return {}
+    return claims if isinstance(claims, dict) else {}
+
+
 def check_creds_file(path: Path, *, now: float | None = None) -> CredsInfo:
     """Permissions, shape and expiry of a `.creds` file, before it is offered to a server."""
     check_secret_file(path, what="NATS credentials")

@@ -40,10 +40,10 @@ The consumer keeps ``max_deliver=-1``: JetStream's own bound would drop a task s
 no start at all (a shutdown's handed-back tasks, a lost ack). The journal's start count above
 is the bound instead, and it also holds across agent restarts.
 
-The consumer is created on the filtered-subject API
-(``$JS.API.CONSUMER.CREATE.<stream>.gpuaas-agent-<node>.gpuaas.node.<node>.task.>``, nats.py
-does so when ``name`` is set): the server refuses a filter that differs from the subject
-(10131), so a per-node permission on that subject pins each node to its own tasks. The
+The consumer is the control plane's: it creates it (``control/consumer.py``) at enrollment and
+again when its cluster member is lost, and the node may only look it up (``CONSUMER.INFO``), pull
+(``MSG.NEXT``) and ack (docs/security-auth.md: whoever writes a consumer's body decides where the
+server publishes). A consumer that is not there yet is waited for (``consumer_missing``). The
 stream is found by subject (``$JS.API.STREAM.NAMES``), so the control plane may split the
 fleet over several task streams (docs/performance.md "Fleet layout"). A pull request waits
 ``fetch_timeout_s`` (30 s) on the server; liveness is the connection's PING and the
@@ -53,8 +53,8 @@ default), the pull also asks the server for an idle heartbeat that often: the co
 server can be lost while ours is not (an R1 consumer on a cluster member that died), and
 then no reconnect ends the pull. Two intervals
 without a heartbeat (``pull_heartbeat_missed``) check the consumer: gone → bind again; no
-answer for an R1 consumer (``consumer_leaderless``) → delete it and bind again, so that it is
-created on a member that is up (see :meth:`TaskWorker._check_served`). A 409 ending the pull
+answer for an R1 consumer (``consumer_leaderless``) → look it up again until the control plane has
+created it on a member that is up (see :meth:`TaskWorker._check_served`). A 409 ending the pull
 (``pull_ended_by_server``: Server Shutdown, Consumer Deleted) is followed by a new pull, paced.
 
 A crash anywhere before the ack means redelivery; the stored result makes that
@@ -79,7 +79,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
+from nats.js.api import ConsumerConfig, Header
 from pydantic import ValidationError
 
 from gpuaas_agent import compat
@@ -100,6 +100,8 @@ from gpuaas_agent.contract.tasks import (
     task_payload,
 )
 from gpuaas_agent.control.admission import Admission, Refusal
+from gpuaas_agent.control.consumer import node_consumer_config
+from gpuaas_agent.control.permissions import consumer_name
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
@@ -137,7 +139,8 @@ class WorkerSettings:
     # Off by default (config pull_heartbeat_s): it costs the server ~30 % more idle CPU and buys nothing where a
     # lost server drops our connection too (one server; replicated consumers). On an R1-consumer cluster set it (5).
     fetch_heartbeat_s: float | None = None
-    inactive_threshold_s: float | None = 86400.0  # the server deletes the consumer of a node gone this long
+    # None: the consumer lives until the control plane deletes it (a node cannot create it again itself).
+    inactive_threshold_s: float | None = None
     consumer_replicas: int | None = None  # None: the stream's; 1 keeps a 5,000-node cluster off per-node Raft groups
     consumer_check_s: float = 300.0  # after this long of empty pulls, check that the consumer still exists
     consumer_memory: bool = False  # consumer state in memory (with R1 on a replicated stream: docs/performance.md "Fleet layout")
@@ -156,8 +159,18 @@ class WorkerSettings:
     # A task whose class or type is full goes back to JetStream with this delay, doubled per delivery (at most 8x).
     handback_delay_s: float = 0.5
 
+    # The fields below down to consumer_memory describe the consumer the control plane creates for an agent
+    # configured this way (consumer_config); the worker itself creates nothing.
+
     def durable_name(self, node_id: str) -> str:
-        return f"gpuaas-agent-{node_id}"
+        return consumer_name(node_id)
+
+    def consumer_config(self, node_id: str) -> ConsumerConfig:
+        """What the control plane creates for an agent with these settings (``control/consumer.py``)."""
+        inflight = max(1, sum(self.concurrency.get(t, 1) for t in TaskType))
+        return node_consumer_config(node_id, ack_wait_s=self.ack_wait_s, max_ack_pending=inflight * 4,
+                                    replicas=self.consumer_replicas, memory=self.consumer_memory,
+                                    inactive_threshold_s=self.inactive_threshold_s)
 
 
 @dataclass
@@ -204,6 +217,14 @@ Handler = Callable[[WireModel, TaskContext], Awaitable[dict]]
 def _not_implemented(task_type: TaskType) -> AgentError:
     return AgentError(f"{task_type.value} is not implemented by this agent yet", code="not_implemented",
                       evidence={"type": task_type.value})
+
+
+class ConsumerMissing(Exception):
+    """Our consumer is not there (or not in the shape the control plane must create): wait for the control plane."""
+
+    def __init__(self, stream: str, consumer: str, **found) -> None:
+        super().__init__(f"consumer {consumer} on {stream} is missing")
+        self.stream, self.consumer, self.found = stream, consumer, found
 
 
 class TaskWorker:
@@ -258,26 +279,21 @@ class TaskWorker:
     # -- lifecycle ----------------------------------------------------------------
 
     async def _bind(self):
+        """Find the stream, look our consumer up (the control plane creates it), bind the pull to it."""
         name = self.settings.durable_name(self.node_id)
-        config = ConsumerConfig(
-            name=name,  # with name set, nats.py creates on $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>
-            durable_name=name,
-            filter_subject=self.subject_filter,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=self.settings.ack_wait_s,
-            max_deliver=self.settings.max_deliver,
-            max_ack_pending=self._max_inflight * 4,
-            inactive_threshold=self.settings.inactive_threshold_s,
-            num_replicas=self.settings.consumer_replicas,
-            mem_storage=self.settings.consumer_memory or None,
-        )
         stream = self.settings.task_stream
         if stream is None:
             stream = await self.js.find_stream_name_by_subject(self.subject_filter)
         self.stream = stream
-        # Idempotent for an identical config; an edited one (ack_wait) is updated in place.
-        await self.js.add_consumer(stream, config, timeout=self.settings.request_timeout_s)
+        try:
+            info = await self.js.consumer_info(stream, name, timeout=self.settings.request_timeout_s)
+        except nats.js.errors.NotFoundError:
+            raise ConsumerMissing(stream, name) from None
+        if info.config.filter_subject != self.subject_filter or info.config.deliver_subject:
+            # Not the shape the control plane must create (control/consumer.py): pulling from it would take
+            # tasks not ours, or race a push delivery. Waited out like a missing one, loudly.
+            raise ConsumerMissing(stream, name, filter_subject=info.config.filter_subject,
+                                  deliver_subject=info.config.deliver_subject)
         return await self.js.pull_subscribe_bind(name, stream=stream)
 
     def kick(self) -> None:
@@ -420,13 +436,12 @@ class TaskWorker:
         """Our pull was lost on the server (its heartbeats stopped, or a bind got no answer): is the consumer served?
 
         - answered: its server lost the pull (a restart, a leader change): pull again;
-        - not found: bind again (the bind creates it);
+        - not found: bind again (the bind looks it up until the control plane has created it);
         - no answer, and the consumer is R1: its only server is gone, and with it the consumer (a
-          memory consumer's state). Nothing answers for it, not even its create, until that server
-          is back (measured on nats-server 2.9.10), but the meta leader still applies a delete, so:
-          delete (its reply never comes) and bind again — the create places it on a member that is
-          up. The work queue kept the tasks; one running here is redelivered and answered from the
-          stored result (``task_redelivered_while_running``);
+          memory consumer's state). Nothing answers for it until the control plane deletes it and
+          creates it again on a member that is up (it notices the lost member itself); bind again,
+          which looks it up until then. The work queue kept the tasks; one running here is
+          redelivered and answered from the stored result (``task_redelivered_while_running``);
         - no answer otherwise (a replicated consumer electing a leader, a busy server), or our own
           connection dropped meanwhile (the reconnect renews the pull): pull again.
         """
@@ -445,9 +460,8 @@ class TaskWorker:
         except (nats.errors.Error, TimeoutError) as exc:
             still_connected = self.nc.is_connected and self.nc.stats.get("reconnects") == reconnects
             if self.settings.consumer_replicas == 1 and still_connected and not self._stopping.is_set():
-                _warn("consumer_leaderless", consumer=consumer, stream=self.stream, error=repr(exc), recreate=True)
-                with contextlib.suppress(nats.errors.Error, TimeoutError):
-                    await asyncio.wait_for(self.js.delete_consumer(self.stream, consumer), timeout)
+                _warn("consumer_leaderless", consumer=consumer, stream=self.stream, error=repr(exc),
+                      waiting_for="the control plane to create it again")
                 await self._unbind()
 
     async def run(self) -> None:
@@ -461,11 +475,14 @@ class TaskWorker:
                     self.ready.set()
                     _event("worker_ready", node_id=self.node_id, consumer=self.settings.durable_name(self.node_id))
                     backoff = 0.2
+                except ConsumerMissing as exc:
+                    _warn("consumer_missing", consumer=exc.consumer, stream=exc.stream, retry_in_s=backoff,
+                          waiting_for="the control plane to create it", **exc.found)
+                    await self._pause(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
                 except (nats.errors.Error, TimeoutError) as exc:
                     _warn("consumer_bind_failed", error=repr(exc), retry_in_s=backoff)
-                    if isinstance(exc, TimeoutError) and self.stream is not None and self.settings.consumer_replicas == 1:
-                        # An R1 consumer placed on a member that is gone answers nothing, not even its create.
-                        await self._check_served()
                     await self._pause(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
@@ -494,8 +511,8 @@ class TaskWorker:
                     await self._pause(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
-                # The consumer is gone (inactive_threshold, deleted, a memory consumer after a server
-                # restart): create it again; the work queue kept its tasks.
+                # The consumer is gone (deleted, a memory consumer after a server restart): bind again,
+                # which waits for the control plane to create it; the work queue kept its tasks.
                 _warn("fetch_failed", error=repr(exc), retry_in_s=backoff, rebind=True)
                 await self._unbind()
                 await self._pause(backoff)

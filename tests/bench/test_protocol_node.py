@@ -51,6 +51,7 @@ def test_a_protocol_node_claims_answers_acks_and_pulls_again_after_expiry_and_a_
     async def body():
         plane = await ControlPlane.connect([nats_server.url])
         await plane.create_task_partitions([NODE], per_stream=100, replicas=1)
+        await plane.create_node_consumer(NODE, WorkerSettings(fetch_timeout_s=1.0))
         await plane.js.add_stream(StreamConfig(name=RESULT_STREAM, subjects=["gpuaas.node.*.result"],
                                                retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                                                duplicate_window=120))

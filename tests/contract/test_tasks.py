@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from gpuaas_agent.contract.enrollment import EnrollRequest
 from gpuaas_agent.contract.tasks import TaskType, VmReleasePayload, parse_task, task_payload
@@ -49,11 +50,15 @@ def test_payload_with_a_kernel_disk_name_is_refused():
     assert err.value.evidence["errors"][0]["loc"] == ("slot", "nvme_device")
 
 
-def test_bootstrap_token_stays_out_of_repr_but_reaches_the_wire():
-    req = EnrollRequest(bootstrap_token="t" * 32, machine_id="1" * 32, hostname="j22u05", agent_version="0.1.0",
-                        reply_public_key="A" * 43)
-    assert "tttt" not in repr(req)
-    assert json.loads(req.model_dump_json())["bootstrap_token"] == "t" * 32
+def test_the_enrollment_request_has_no_field_for_a_token_or_a_seed():
+    """Contract v2: the token is proven (token_id + token_proof), the node's key travels as its public half only."""
+    fields = set(EnrollRequest.model_fields)
+    assert not fields & {"bootstrap_token", "token", "seed", "password", "creds", "private_key"}
+    assert {"token_id", "server_nonce", "token_proof", "node_public_key"} <= fields
+    with pytest.raises(ValidationError):  # what a v1 agent sends is refused, not half-read
+        EnrollRequest.model_validate_json(json.dumps({"bootstrap_token": "t" * 32, "machine_id": "1" * 32,
+                                                      "hostname": "j22u05", "agent_version": "0.1.0",
+                                                      "reply_public_key": "A" * 43}))
 
 
 # -- slice.vm_provision: the tenant's input is refused at the edge, one line naming the field ------------------

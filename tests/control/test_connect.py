@@ -30,6 +30,7 @@ from gpuaas_agent.contract.enrollment import NatsCredentials
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.connection import Backoff
 from gpuaas_agent.control.enroll import EnrollmentRecord, record_path
+from gpuaas_agent.control.worker import WorkerSettings
 from tests.conftest import HOSTS, REPO
 from tests.controlplane import ControlPlane
 from tests.daemons import stop_pid
@@ -335,6 +336,7 @@ def test_run_after_nats_was_killed_exits_0_on_sigterm_promptly(nats_server, tmp_
         plane = await ControlPlane.connect(nats_server.url)
         try:
             await plane.create_streams()
+            await plane.create_node_consumer(NODE, WorkerSettings(ack_wait_s=2))  # as _config's agent expects
         finally:
             await plane.close()
 
@@ -367,6 +369,7 @@ def test_run_started_while_nats_is_down_connects_when_it_appears_and_claims_a_ta
         plane = await ControlPlane.connect(server.url)
         try:
             await plane.create_streams()
+            await plane.create_node_consumer(NODE, WorkerSettings(ack_wait_s=2))  # as _config's agent expects
             envelope = plane.envelope(NODE, TaskType.topology_discover.value)
             await plane.enqueue(envelope)
             return await plane.wait_result(envelope.task_id, timeout=60)

@@ -2,10 +2,11 @@
 
 One server for the module, with two logins besides the anonymous one (which is the full-access
 ``plane`` user, so the control plane and most tests connect without credentials): ``bootstrap``,
-holding exactly the bootstrap permissions (``ENROLL_PERMISSIONS``), and ``plane``. The reply's
-secrets are sealed to the requester (``control/sealed.py``): an eavesdropper on the inbox,
-with the bootstrap login or full access, sees the reply and no secret in it; a reply whose seal
-does not open, or that carries credentials in clear, is refused and nothing is stored.
+holding exactly the bootstrap permissions (``ENROLL_PERMISSIONS``), and ``plane``. The node's key
+is born on the node and the token is proven, not sent: an eavesdropper with the bootstrap login or
+full access sees the requests and the reply and neither the seed nor the token; a replayed
+request is refused; a reply whose seal does not open, that carries credentials in clear, a
+password, or a JWT for another key is refused and nothing is stored.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import json
 import secrets
 import shutil
 import stat
+from datetime import UTC, datetime
 
 import nats
 import pytest
 
-from gpuaas_agent.contract.enrollment import EnrollReply, EnrollRequest, NatsCredentials
+from gpuaas_agent.contract.enrollment import EnrollNonce, EnrollReply, EnrollRequest, NatsCredentials
 from gpuaas_agent.control.enroll import (
     ENROLL_SUBJECT,
+    NONCE_SUBJECT,
     EnrollError,
     EnrollIdentity,
     creds_path,
@@ -29,9 +32,11 @@ from gpuaas_agent.control.enroll import (
     load_enrollment,
     record_path,
 )
+from gpuaas_agent.control.nkeyseed import new_user_seed, public_key
 from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS
 from gpuaas_agent.control.sealed import b64url, b64url_decode, new_reply_key, public_key_text, seal_credentials
-from gpuaas_agent.control.transport import TransportSecurity
+from gpuaas_agent.control.tokenproof import token_id, token_proof
+from gpuaas_agent.control.transport import CREDS_SEED_BEGIN, TransportSecurity, jwt_claims
 from tests.controlplane import ControlPlane
 from tests.support.nats_server import NatsServer
 
@@ -99,6 +104,7 @@ def test_enroll_stores_credentials_0600_and_removes_token(nats_server, tmp_path)
     record, issued, requests = _run(_with_plane(nats_server.url, body))
     path = record_path(state)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(creds_path(state).stat().st_mode) == 0o600
     assert not token_file.exists()
     assert load_enrollment(state) == record
     # The sealed reply opened to exactly what the control plane issued, for the key this attempt sent.
@@ -106,8 +112,16 @@ def test_enroll_stores_credentials_0600_and_removes_token(nats_server, tmp_path)
     [request] = requests
     assert len(b64url_decode(request.reply_public_key)) == 32
     assert record.node_id.startswith("node-") and record.credentials.servers == [nats_server.url]
-    assert "password" not in repr(record)
-    assert [p.name for p in state.iterdir()] == ["enrollment.json"]  # no temp file left behind
+    # The key was born here: the JWT is for the public key of the seed in nats.creds, the record holds no seed.
+    seed = _seed(state)
+    assert jwt_claims(record.credentials.user_jwt)["sub"] == public_key(seed) == request.node_public_key
+    assert seed.encode() not in path.read_bytes() and b"NKEY SEED" not in path.read_bytes()
+    assert sorted(p.name for p in state.iterdir()) == ["enrollment.json", "nats.creds"]  # no temp file left behind
+
+
+def _seed(state) -> str:
+    lines = creds_path(state).read_text().splitlines()
+    return lines[lines.index(CREDS_SEED_BEGIN) + 1]
 
 
 def test_wrong_token_is_refused_and_token_file_kept(nats_server, tmp_path):
@@ -189,11 +203,12 @@ def test_unreadable_token_is_a_typed_error_not_a_traceback(tmp_path, kind):
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
 
 
-@pytest.mark.parametrize(("login", "wildcard"), [("bootstrap", "_INBOX.enroll.*.>"), ("plane", "_INBOX.>")])
+@pytest.mark.parametrize(("login", "wildcard"), [("bootstrap", "_INBOX.enroll.*.>"), ("plane", ">")])
 def test_an_eavesdropper_on_the_inbox_receives_the_reply_and_finds_no_password_in_it(nats_server, tmp_path,
                                                                                         login, wildcard):
     """``bootstrap``: another host sharing the bootstrap login; ``plane``: the worst case, full access."""
     token_file, state = tmp_path / "token", tmp_path / "state"
+    token = ""
 
     async def body(plane):
         spy = await nats.connect(nats_server.url_as(login), connect_timeout=5)
@@ -207,20 +222,24 @@ def test_an_eavesdropper_on_the_inbox_receives_the_reply_and_finds_no_password_i
         try:
             await spy.subscribe(wildcard, cb=listen)
             await spy.flush(timeout=5)
-            token_file.write_text(plane.issue_token())
+            nonlocal token
+            token = plane.issue_token()
+            token_file.write_text(token)
             record = await enroll(nats_server.url_as("bootstrap"), token_file, state, IDENTITY, timeout=5,
                                   security=INSECURE)
             await asyncio.wait_for(reply_seen.wait(), DEADLINE_S)
+            await spy.flush(timeout=5)
         finally:
             await spy.close()
         return record, seen
 
     record, seen = _run(_with_plane(nats_server.url, body))
     replies = [data for subject, data in seen if subject.startswith("_INBOX.enroll.")]
-    assert len(replies) == 1, "the eavesdropper must have received the enrollment reply itself"
-    password = record.credentials.password.encode()
-    assert all(password not in data for _, data in seen)
-    heard = EnrollReply.model_validate_json(replies[0])
+    assert len(replies) == 2, "the eavesdropper must have received the nonce and the enrollment reply"
+    assert any(subject == ENROLL_SUBJECT for subject, _ in seen) == (login == "plane")  # full access: the request too
+    for secret in (_seed(state).encode(), token.encode()):  # neither the node's seed nor the token travelled
+        assert all(secret not in data for _, data in seen)
+    heard = EnrollReply.model_validate_json(replies[-1])
     assert heard.node_id == record.node_id and heard.sealed_credentials is not None
 
 
@@ -233,12 +252,16 @@ HOSTILE_REPLIES = {
     "tampered_ciphertext": "enroll_reply_tampered",
     "credentials_in_clear": "enroll_reply_unsealed",
     "accepted_without_seal": "enroll_reply_unsealed",
+    "password_sealed": "enroll_reply_carries_secret",
+    "jwt_for_another_key": "enroll_reply_wrong_key",
 }
 
 
 def _hostile_reply(kind: str, request: EnrollRequest) -> bytes:
     node = "node-hostile01"
     credentials = NatsCredentials(user=node, password=SECRET, servers=["nats://127.0.0.1:4222"])
+    if kind == "jwt_for_another_key":  # what a control plane that made the key itself would send
+        credentials = NatsCredentials(user_jwt=plane_jwt(public_key(new_user_seed())), servers=["nats://h:4222"])
     if kind == "credentials_in_clear":  # what a control plane from before the seal answers
         return json.dumps({"schema_version": "gpuaas.agent/v1", "accepted": True, "node_id": node,
                            "credentials": credentials.model_dump()}).encode()
@@ -248,7 +271,7 @@ def _hostile_reply(kind: str, request: EnrollRequest) -> bytes:
     if kind == "sealed_to_another_key":
         sealed_for = request.model_copy(update={"reply_public_key": public_key_text(new_reply_key())})
     elif kind == "sealed_for_another_token":  # a reply captured from another host's request
-        sealed_for = request.model_copy(update={"bootstrap_token": "another-hosts-token-0123456789"})
+        sealed_for = request.model_copy(update={"token_id": token_id("another-hosts-token-0123456789")})
     elif kind == "node_id_swapped":
         reply_node = "node-hostile02"
     sealed = seal_credentials(credentials, sealed_for, node)
@@ -270,7 +293,12 @@ def test_a_reply_that_does_not_open_or_carries_credentials_in_clear_is_refused_a
 
         async def answer(msg):
             await msg.respond(_hostile_reply(kind, EnrollRequest.model_validate_json(msg.data)))
+
+        async def nonce(msg):
+            await msg.respond(EnrollNonce(nonce=b64url(secrets.token_bytes(32)), expires_at=datetime(2099, 1, 1, tzinfo=UTC))
+                              .model_dump_json().encode())
         try:
+            await responder.subscribe(NONCE_SUBJECT, cb=nonce)
             await responder.subscribe(ENROLL_SUBJECT, cb=answer)
             await responder.flush(timeout=5)
             return await enroll(nats_server.url_as("bootstrap"), token_file, state, IDENTITY, timeout=5,
@@ -285,3 +313,50 @@ def test_a_reply_that_does_not_open_or_carries_credentials_in_clear_is_refused_a
     assert token_file.read_text() == "bootstrap-token-0123456789\n"
     assert not record_path(state).exists() and not creds_path(state).exists()
     assert not state.exists() or not any(state.iterdir())
+
+
+def plane_jwt(key: str) -> str:
+    from tests.natsauth.natsjwt import Operator
+    return Operator().user_jwt_for(key, "node-hostile01")
+
+
+def test_a_recorded_request_replayed_is_refused_and_a_re_pointed_one_fails_its_proof(nats_server, tmp_path):
+    """A full-access eavesdropper records the enrollment request and sends it again, as it is and re-pointed at
+    its own key with a fresh nonce: the first finds its nonce spent, the second's proof does not hold."""
+    token_file, state = tmp_path / "token", tmp_path / "state"
+
+    async def body(plane):
+        spy = await nats.connect(nats_server.url, connect_timeout=5)
+        recorded: list[bytes] = []
+        heard = asyncio.Event()
+
+        async def record_request(msg):
+            recorded.append(msg.data)
+            heard.set()
+        try:
+            await spy.subscribe(ENROLL_SUBJECT, cb=record_request)
+            await spy.flush(timeout=5)
+            token_file.write_text(plane.issue_token())
+            await enroll(nats_server.url_as("bootstrap"), token_file, state, IDENTITY, timeout=5, security=INSECURE)
+            await asyncio.wait_for(heard.wait(), DEADLINE_S)
+            replayed = EnrollReply.model_validate_json((await spy.request(ENROLL_SUBJECT, recorded[0], timeout=5)).data)
+            fresh = EnrollNonce.model_validate_json((await spy.request(NONCE_SUBJECT, b"{}", timeout=5)).data).nonce
+            original = EnrollRequest.model_validate_json(recorded[0])
+            attacker_key = public_key(new_user_seed())
+            repointed = original.model_copy(update={"server_nonce": fresh, "node_public_key": attacker_key})
+            re_pointed = EnrollReply.model_validate_json(
+                (await spy.request(ENROLL_SUBJECT, repointed.model_dump_json().encode(), timeout=5)).data)
+            # The same, had the attacker guessed the token's proof bytes without the token: it cannot, shown by
+            # the one field it would need to forge.
+            assert repointed.token_proof == original.token_proof != token_proof(
+                "not-the-token-0123456789", server_nonce=fresh, token_id=original.token_id,
+                node_public_key=attacker_key, machine_id=original.machine_id,
+                reply_public_key=original.reply_public_key)
+        finally:
+            await spy.close()
+        return replayed, re_pointed, plane
+
+    replayed, re_pointed, plane = _run(_with_plane(nats_server.url, body))
+    assert (replayed.accepted, replayed.error) == (False, "nonce_invalid")
+    assert (re_pointed.accepted, re_pointed.error) == (False, "token_invalid")
+    assert len(plane.issued_credentials) == 1  # only the genuine enrollment earned a JWT

@@ -26,3 +26,16 @@ def test_only_a_well_formed_user_seed_is_accepted():
         with pytest.raises(NkeySeedError, match=why) as err:
             user_private_key(bad)
         assert user_seed not in str(err.value)
+
+
+def test_a_pair_born_here_is_a_user_seed_whose_public_key_the_reference_library_agrees_with():
+    from gpuaas_agent.control.nkeyseed import new_user_seed, public_key, sign, verify
+
+    seeds = {new_user_seed() for _ in range(20)}
+    assert len(seeds) == 20  # fresh randomness each time
+    for seed in seeds:
+        reference = nkeys.from_seed(bytearray(seed.encode()))
+        assert seed.startswith("SU") and public_key(seed) == reference.public_key.decode()
+        signature = sign(seed, b"renew")
+        assert reference.verify(b"renew", signature) and verify(public_key(seed), signature, b"renew")
+        assert not verify(public_key(seed), signature, b"other")

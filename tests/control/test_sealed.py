@@ -25,22 +25,30 @@ from gpuaas_agent.control.sealed import (
     public_key_text,
     seal_credentials,
 )
+from gpuaas_agent.control.tokenproof import token_id
 
 AGENT_KEY = X25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
 PLANE_KEY = X25519PrivateKey.from_private_bytes(bytes(range(33, 65)))
 NONCE = bytes(range(100, 112))
 NODE = "node-0123456789ab"
-REQUEST = EnrollRequest(bootstrap_token="bootstrap-token-0123456789", machine_id="0123456789abcdef0123456789abcdef",
+TOKEN = "bootstrap-token-0123456789"
+# The token proof's vector request (tests/control/test_tokenproof.py, docs/contract.md), reused: the seal binds its
+# token_id (= SHA-256 of the token, the fingerprint v1 bound) and machine id.
+REQUEST = EnrollRequest(token_id=token_id(TOKEN), server_nonce="yMnKy8zNzs_Q0dLT1NXW19jZ2tvc3d7f4OHi4-Tl5uc",
+                        token_proof="adk0VwLWEWmXV7NZ8aGJT_m6TrCji62nyjbaT3xT4ro",
+                        node_public_key="UCW4CQAR7AWRYVWZK2VE7HLT3CCYGYNGAYCIKJPA2CGGHDOHLXMMPNDB",
+                        machine_id="0123456789abcdef0123456789abcdef",
                         hostname="slice-host-01", agent_version="0.1.0", reply_public_key=public_key_text(AGENT_KEY))
 CREDENTIALS = NatsCredentials(user=NODE, password="s3cret-password", servers=["tls://nats.example:4222"])
 # Agent private key 01..20, control-plane ephemeral private key 21..40, nonce 64..6f (hex bytes), REQUEST,
-# node id NODE; plaintext b'{"user":"node-0123456789ab","password":"s3cret-password","creds":null,
-# "servers":["tls://nats.example:4222"]}'.
+# node id NODE; plaintext b'{"user":"node-0123456789ab","password":"s3cret-password","user_jwt":null,
+# "servers":["tls://nats.example:4222"]}' (the seal is the same for any NatsCredentials; the agent refuses a
+# password after opening it, control/enroll.py).
 VECTOR = SealedCredentials(
     ephemeral_public_key="WGmv9FBUlzLLqu1eXfmzCm2jHLDldCutWtShp2jxpns",
     nonce="ZGVmZ2hpamtsbW5v",
-    ciphertext="i_7qk1kaFQ5z_enrDNBXxBg1um4P6dD2rD-wb5L9eAPMIncY5k6ZFQrMEz1PGxaQHOjamdEIizF7viVXiZbsHEwdKgodDtas"
-               "hDAxamvjUeu5YcSMJijNy6st568N0wzPCsj12rrtBp046XkGhU7tDnPXxJVfWe0-M-yrVg",
+    ciphertext="i_7qk1kaFQ5z_enrDNBXxBg1um4P6dD2rD-wb5L9eAPMIncY5k6ZFQrMEz1PGxaQHOjamdEIizF7vjNWiYDAVAEHfVwfV5izzWA0"
+               "amvmFqORYYq7d2aOl_9jvLJCwgeAAsD40vC1UZU--RZJZyRo5MQLe1l_9y0irQtlzw3XnA",
 )
 
 
@@ -57,7 +65,7 @@ def test_the_seal_matches_the_fixed_vector_and_the_documented_construction_step_
     label = b"gpuaas.agent.enroll-seal/v1"
     key = HKDF(algorithm=hashes.SHA256(), length=32, salt=b"\0" * 32,
                info=_lp(label, server_pub, agent_pub, REQUEST.machine_id.encode())).derive(shared)
-    aad = _lp(label, hashlib.sha256(REQUEST.bootstrap_token.encode()).digest(), NODE.encode())
+    aad = _lp(label, hashlib.sha256(TOKEN.encode()).digest(), NODE.encode())
     plaintext = ChaCha20Poly1305(key).decrypt(b64url_decode(VECTOR.nonce), b64url_decode(VECTOR.ciphertext), aad)
     assert NatsCredentials.model_validate_json(plaintext) == CREDENTIALS
     assert open_credentials(VECTOR, AGENT_KEY, REQUEST, NODE) == CREDENTIALS
@@ -80,7 +88,7 @@ def test_a_seal_opens_only_for_the_request_key_and_node_it_was_made_for(change):
         sealed = seal_credentials(CREDENTIALS, REQUEST.model_copy(update={"reply_public_key": public_key_text(other_key)}),
                                   NODE)
     elif change == "another_token":  # a reply made for another request of the same host
-        sealed = seal_credentials(CREDENTIALS, REQUEST.model_copy(update={"bootstrap_token": "another-token-0123456789"}),
+        sealed = seal_credentials(CREDENTIALS, REQUEST.model_copy(update={"token_id": token_id("another-token-0123456789")}),
                                   NODE)
     elif change == "another_machine":
         sealed = seal_credentials(CREDENTIALS, REQUEST.model_copy(update={"machine_id": "f" * 32}), NODE)

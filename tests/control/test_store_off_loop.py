@@ -239,6 +239,7 @@ def test_task_handlers_waiting_for_the_state_write_lock_leave_the_event_loop_run
         plan = Gated(plan_handler(fixture), gate)
         plane = await ControlPlane.connect(nats_server.url)
         await plane.create_streams()
+        await plane.create_node_consumer(NODE, WorkerSettings(ack_wait_s=30.0))
         record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
                                   credentials=NatsCredentials(user=NODE, password="unused-by-test-server",
                                                               servers=[nats_server.url]))

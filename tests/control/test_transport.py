@@ -19,36 +19,31 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-import nats
 import pytest
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import parse_config
-from gpuaas_agent.contract.enrollment import (
-    CredsRotation,
-    CredsRotationReply,
-    EnrollReply,
-    EnrollRequest,
-    NatsCredentials,
-)
+from gpuaas_agent.contract.enrollment import CredsRotation, CredsRotationReply, NatsCredentials
 from gpuaas_agent.control.connection import NatsConnectError, connect_nats
 from gpuaas_agent.control.enroll import (
-    ENROLL_SUBJECT,
+    EnrollError,
     EnrollmentRecord,
     creds_path,
     enroll,
+    load_enrollment,
     login_options,
     record_path,
     store_creds,
 )
 from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS
-from gpuaas_agent.control.rotation import CredsRotator, rotation_subject
-from gpuaas_agent.control.sealed import seal_credentials
+from gpuaas_agent.control.rotation import CredsRotator, previous_path, rotation_subject
 from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
 from tests.control.conftest import NatsServer
 from tests.control.test_enroll import IDENTITY
+from tests.controlplane import ControlPlane
 from tests.natsauth.natsjwt import Operator
 from tests.natsauth.pki import CA
+from tests.support.deadline import wait_until
 
 NODE = "node-tls01"
 DEADLINE_S = 20.0
@@ -259,14 +254,21 @@ def test_config_refuses_half_a_client_certificate(tmp_path):
     assert "nats_tls_cert_file and nats_tls_key_file go together" in str(caught.value)
 
 
-def test_enrolled_creds_are_stored_0600_and_used_for_login(lab, tmp_path):
+def _jwt(creds: str) -> str:
+    return next(line for line in creds.splitlines() if line.startswith("eyJ"))
+
+
+def test_the_login_uses_nats_creds_and_a_missing_one_is_never_restored_from_the_record(lab, tmp_path):
     state = tmp_path / "state"
     record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
-                              credentials=NatsCredentials(creds=lab.creds, servers=[lab.url]))
+                              credentials=NatsCredentials(user_jwt=_jwt(lab.creds), servers=[lab.url]))
     config = parse_config({"state_dir": str(state), "nats_tls_ca_file": str(lab.ca.path),
                            "nats_tls_cert_file": str(lab.client.cert), "nats_tls_key_file": str(lab.client.key)})
+    with pytest.raises(EnrollError) as err:  # the seed exists nowhere else: say so, write nothing
+        login_options(config, record)
+    assert err.value.code == "creds_missing" and not creds_path(state).exists()
+    path = store_creds(state, lab.creds)
     options = login_options(config, record)
-    path = creds_path(state)
     assert options["security"].creds_file == path
     assert oct(path.stat().st_mode & 0o777) == oct(0o600)
     assert check_creds_file(path).user_key == lab.user.public
@@ -274,38 +276,66 @@ def test_enrolled_creds_are_stored_0600_and_used_for_login(lab, tmp_path):
     assert "password" not in options
 
 
+@pytest.mark.parametrize("creds_file_there", [True, False])
+def test_a_v1_record_that_kept_the_seed_is_scrubbed_on_load(lab, tmp_path, creds_file_there):
+    state = tmp_path / "state"
+    state.mkdir()
+    v1 = {"record_version": "gpuaas.agent.enrollment/v1", "node_id": NODE, "enrolled_at": "2026-01-01T00:00:00Z",
+          "credentials": {"user": None, "password": None, "creds": lab.creds, "servers": [lab.url]}}
+    record_path(state).write_text(json.dumps(v1))
+    if creds_file_there:
+        store_creds(state, lab.creds)
+    record = load_enrollment(state)
+    assert record is not None and record.credentials.user_jwt == _jwt(lab.creds)
+    assert b"NKEY SEED" not in record_path(state).read_bytes()
+    assert oct(record_path(state).stat().st_mode & 0o777) == oct(0o600)
+    assert check_creds_file(creds_path(state)).user_key == lab.user.public  # the seed's one home
+    assert load_enrollment(state) == record
+
+
+async def _plane(lab: TlsLab, name: str) -> ControlPlane:
+    return await ControlPlane.connect(lab.url, operator=lab.operator, tls=lab.security().ssl_context(),
+                                      user_credentials=str(lab.creds_file(name, lab.plane_creds)))
+
+
+def _logged_in_as(lab: TlsLab, key: str):
+    async def wait():
+        while not any(c.get("authorized_user") == key for c in lab.connz()):
+            await asyncio.sleep(0.05)  # poll interval of a condition with a deadline
+    return asyncio.wait_for(wait(), DEADLINE_S)
+
+
 @sync
-async def test_rotation_swaps_the_creds_and_reconnects_without_touching_subscriptions(lab, tmp_path):
+async def test_rotation_makes_a_new_key_here_asks_for_its_jwt_and_reconnects_without_touching_subscriptions(
+        lab, tmp_path):
     state = tmp_path / "state"
     path = store_creds(state, lab.creds)
-    nc = await _connect(lab, lab.security(creds_file=path), reconnect=None)
+    nc = await _connect(lab, lab.security(creds_file=path), reconnect=None, inbox_prefix=f"_INBOX.{NODE}")
     nc.options["allow_reconnect"] = True  # force_reconnect needs it (the daemon connects with reconnect=Backoff)
-    plane = await nats.connect(lab.url, tls=lab.security().ssl_context(),
-                               user_credentials=str(lab.creds_file("plane", lab.plane_creds)))
+    plane = await _plane(lab, "plane")
+    await plane.serve_rotation()
     rotator = CredsRotator(nc, NODE, path)
     try:
         await rotator.start()
-        work = await nc.subscribe("gpuaas.node.tls01.work")  # stands in for the running task consumer
+        # Stands in for the running task consumer; a subject the node's new JWT allows it (its terminal input).
+        work_subject = f"gpuaas.node.{NODE}.terminal.0f8fad5b-d9cb-469f-a165-70867728950e.in"
+        work = await nc.subscribe(work_subject)
         await nc.flush()
-        new_creds, new_user = lab.operator.user(NODE + "-rotated")
 
-        refused = await plane.request(rotation_subject(NODE), CredsRotation(node_id="node-other", creds=new_creds)
-                                      .model_dump_json().encode(), timeout=DEADLINE_S)
+        refused = await plane.nc.request(rotation_subject(NODE), CredsRotation(node_id="node-other")
+                                         .model_dump_json().encode(), timeout=DEADLINE_S)
         assert CredsRotationReply.model_validate_json(refused.data).error == "wrong_node"
         assert check_creds_file(path).user_key == lab.user.public  # the old file stays
 
-        reply = await plane.request(rotation_subject(NODE), CredsRotation(node_id=NODE, creds=new_creds)
-                                    .model_dump_json().encode(), timeout=DEADLINE_S)
-        assert CredsRotationReply.model_validate_json(reply.data).accepted
-        assert check_creds_file(path).user_key == new_user.public
+        reply = await plane.rotate(NODE)
+        assert reply.accepted and reply.node_public_key == plane.node_keys[NODE][-1]
+        assert check_creds_file(path).user_key == reply.node_public_key != lab.user.public
         assert oct(path.stat().st_mode & 0o777) == oct(0o600)
-
-        async def logged_in_as_new_user():
-            while not any(c.get("authorized_user") == new_user.public for c in lab.connz()):
-                await asyncio.sleep(0.05)  # poll interval of a condition with a deadline
-        await asyncio.wait_for(logged_in_as_new_user(), DEADLINE_S)
+        await _logged_in_as(lab, reply.node_public_key)
         assert nc.stats["reconnects"] >= 1
-        await plane.publish("gpuaas.node.tls01.work", b"still-here")
+        await wait_until(lambda: rotator.confirmed == 1, DEADLINE_S, "the new login confirmed")
+        assert not previous_path(path).exists()  # the old seed is gone once the new login worked
+        await plane.nc.publish(work_subject, b"still-here")
         assert (await work.next_msg(timeout=DEADLINE_S)).data == b"still-here"
     finally:
         await rotator.stop()
@@ -314,31 +344,21 @@ async def test_rotation_swaps_the_creds_and_reconnects_without_touching_subscrip
 
 
 @sync
-async def test_enrollment_over_tls_stores_the_returned_creds_0600_and_hears_on_an_unguessable_inbox(lab, tmp_path):
-    plane = await nats.connect(lab.url, tls=lab.security().ssl_context(),
-                               user_credentials=str(lab.creds_file("plane-enroll", lab.plane_creds)))
-    node_creds, node_user = lab.operator.user("node-enrolled")
-    replies_to: list[str] = []
-    on_inbox: list[bytes] = []  # what a full-access user subscribed to _INBOX.> reads
+async def test_enrollment_over_tls_stores_a_key_born_here_0600_and_hears_on_an_unguessable_inbox(lab, tmp_path):
+    plane = await _plane(lab, "plane-enroll")
+    await plane.serve_enrollment()
+    on_inbox: list[tuple[str, bytes]] = []  # what a full-access user subscribed to _INBOX.> reads
     heard = asyncio.Event()
 
-    async def answer(msg):
-        replies_to.append(msg.reply)
-        request = EnrollRequest.model_validate_json(msg.data)
-        assert request.bootstrap_token == "bootstrap-token-0123456789"
-        credentials = NatsCredentials(creds=node_creds, servers=[lab.url])
-        await msg.respond(EnrollReply(accepted=True, node_id="node-enrolled",
-                                      sealed_credentials=seal_credentials(credentials, request, "node-enrolled"))
-                          .model_dump_json().encode())
-
     async def eavesdrop(msg):
-        on_inbox.append(msg.data)
-        heard.set()
-    sub = await plane.subscribe(ENROLL_SUBJECT, cb=answer)
-    spy = await plane.subscribe("_INBOX.>", cb=eavesdrop)
-    await plane.flush()
+        if msg.subject.startswith("_INBOX.enroll."):  # not the plane's own JetStream replies
+            on_inbox.append((msg.subject, msg.data))
+        if len(on_inbox) >= 2:
+            heard.set()
+    spy = await plane.nc.subscribe("_INBOX.>", cb=eavesdrop)
+    await plane.nc.flush()
     token = tmp_path / "token"
-    token.write_text("bootstrap-token-0123456789\n")
+    token.write_text(plane.issue_token() + "\n")
     state = tmp_path / "state"
     try:
         # The bootstrap login: TLS + client certificate + a bootstrap user allowed only to enroll.
@@ -346,27 +366,24 @@ async def test_enrollment_over_tls_stores_the_returned_creds_0600_and_hears_on_a
                               security=lab.security(creds_file=lab.creds_file("bootstrap", lab.bootstrap_creds)))
         await asyncio.wait_for(heard.wait(), DEADLINE_S)
     finally:
-        await sub.unsubscribe()
         await spy.unsubscribe()
         await plane.close()
-    assert record.node_id == "node-enrolled"
-    # The eavesdropper heard the reply, and neither the NKEY seed nor the JWT is in it.
-    seed = next(line for line in node_creds.splitlines() if line.startswith("SU")).encode()
-    jwt = next(line for line in node_creds.splitlines() if line.startswith("eyJ")).encode()
-    assert on_inbox and all(seed not in data and jwt not in data for data in on_inbox)
-    [reply] = replies_to
-    assert reply.startswith("_INBOX.enroll.") and len(reply.split(".")[2]) == 32
     path = creds_path(state)
+    seed = next(line for line in path.read_text().splitlines() if line.startswith("SU")).encode()
+    # The eavesdropper heard the nonce and the reply, on one unguessable inbox, and no seed in either.
+    assert len(on_inbox) == 2 and all(seed not in data for _, data in on_inbox)
+    assert all(s.startswith("_INBOX.enroll.") and len(s.split(".")[2]) == 32 for s, _ in on_inbox)
     assert oct(path.stat().st_mode & 0o777) == oct(0o600)
-    assert check_creds_file(path).user_key == node_user.public
+    node_key = check_creds_file(path).user_key
+    assert node_key == plane.node_keys[record.node_id][0]  # the JWT is for the key born here
     assert oct(record_path(state).stat().st_mode & 0o777) == oct(0o600)
     assert not token.exists()
-    # ... and the daemon's login now uses that file over TLS.
+    # ... and the daemon's login now uses that file over TLS, verified by the server against the operator.
     config = parse_config({"state_dir": str(state), "nats_tls_ca_file": str(lab.ca.path),
                            "nats_tls_cert_file": str(lab.client.cert), "nats_tls_key_file": str(lab.client.key)})
     login = login_options(config, record)
     nc = await connect_nats([lab.url], timeout_s=5.0, name="enrolled", **login)
     try:
-        assert any(c.get("authorized_user") == node_user.public for c in lab.connz())
+        assert any(c.get("authorized_user") == node_key for c in lab.connz())
     finally:
         await nc.close()

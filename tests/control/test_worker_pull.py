@@ -7,11 +7,12 @@ would cost up to 30 s. Each test bounds a claim far below the expiry.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from tests.controlplane import TASK_STREAM
-from tests.support.deadline import run_bounded
+from tests.support.deadline import run_bounded, wait_until
 from tests.support.worker_harness import DISCOVER, NODE, Counting, Harness
 
 LONG_PULL_S = 30.0
@@ -67,14 +68,22 @@ def test_after_a_server_restart_the_pull_is_renewed_at_once(nats_server, tmp_pat
     run_bounded(body())
 
 
-def test_a_consumer_deleted_under_the_worker_is_created_again(nats_server, tmp_path):
-    # A pull on a deleted consumer is never answered: the periodic consumer check finds it gone.
+def test_a_consumer_deleted_under_the_worker_is_waited_for_until_the_control_plane_creates_it_again(
+        nats_server, tmp_path, caplog):
+    # A pull on a deleted consumer is never answered: the periodic consumer check finds it gone; the worker may
+    # not create it (no CONSUMER.CREATE permission), it looks it up until the control plane has.
+    caplog.set_level(logging.WARNING, logger="gpuaas_agent.control.worker")
+
     async def body():
         async with Harness(nats_server, tmp_path, {TaskType.topology_discover: Counting()}, fetch_timeout_s=2.0,
                            consumer_check_s=1.0) as h:
             await h.plane.js.delete_consumer(TASK_STREAM, h.settings.durable_name(NODE))
             envelope = h.plane.envelope(NODE, DISCOVER)
             await h.plane.enqueue(envelope)
+            await wait_until(lambda: any('"consumer_missing"' in r.getMessage() and "control plane" in r.getMessage()
+                                         for r in caplog.records), 30, "the worker waiting for its consumer")
+            assert not await h.plane.js.consumers_info(TASK_STREAM)  # the worker created nothing
+            await h.plane.create_node_consumer(NODE, h.settings)
             result = await h.plane.wait_result(envelope.task_id, timeout=30)
             assert result.status == ResultStatus.succeeded
             info = await h.plane.js.consumer_info(TASK_STREAM, h.settings.durable_name(NODE))

@@ -41,6 +41,7 @@ async def _bound_worker(nats_server, tmp_path):
     """The control plane, the agent's connection and a worker bound to its consumer (no run loop: the test reads)."""
     plane = await ControlPlane.connect(nats_server.url)
     await plane.create_streams()
+    await plane.create_node_consumer(NODE, WorkerSettings(ack_wait_s=ACK_WAIT_S, fetch_timeout_s=2.0))
     nc = await _agent_connection(nats_server, tmp_path)
     store = StateStore.open(tmp_path / "state" / "state.db")
     worker = TaskWorker(nc, store, NODE, {}, WorkerSettings(ack_wait_s=ACK_WAIT_S, fetch_timeout_s=2.0))

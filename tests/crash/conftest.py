@@ -39,6 +39,7 @@ def crash_lab() -> Iterator[tuple[Lab, LoopThread]]:
         config["ack_wait_s"] = 2.0
         config["keepalive_interval_s"] = 1.0
         lab.config_path.write_text(json.dumps(config, indent=2) + "\n")
+        runner.run(lab.sync_consumer(), timeout=60)  # the consumer is the control plane's: it applies ack_wait
         yield lab, runner
     finally:
         problems = runner.run(lab.stop(), timeout=300)

@@ -89,8 +89,17 @@ class Operator:
         token = encode_jwt(self.account, user.public, name, perms, expires_at=expires_at, issued_at=issued_at)
         return creds_text(token, user.seed), user
 
-    def revoke(self, user: Key, at: float | None = None) -> None:
-        self.revocations[user.public] = int(at or time.time())
+    def user_jwt_for(self, public_key: str, name: str, *, pub: list[str] | None = None, sub: list[str] | None = None,
+                     responses: int | None = None, expires_at: float | None = None) -> str:
+        """A user JWT for a key born elsewhere (the node's): the control plane never sees its seed."""
+        perms: dict = {"type": "user", "version": 2, "subs": -1, "data": -1, "payload": -1,
+                       "pub": {"allow": pub} if pub else {}, "sub": {"allow": sub} if sub else {}}
+        if responses is not None:
+            perms["resp"] = {"max": responses, "ttl": 0}
+        return encode_jwt(self.account, public_key, name, perms, expires_at=expires_at)
+
+    def revoke(self, user: Key | str, at: float | None = None) -> None:
+        self.revocations[user if isinstance(user, str) else user.public] = int(at or time.time())
 
     def server_config(self) -> str:
         """The resolver part of a nats-server config (memory resolver, accounts preloaded)."""

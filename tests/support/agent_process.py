@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from gpuaas_agent.config import load_config
 from gpuaas_agent.control.enroll import EnrollIdentity, enroll
 from gpuaas_agent.control.transport import TransportSecurity
+from gpuaas_agent.daemon import worker_settings
 from tests.conftest import REPO, fixture_host
 from tests.controlplane import ControlPlane
 
@@ -105,8 +107,6 @@ async def enrolled_setup(nats_server, tmp_path, **overrides):
     await plane.serve_enrollment()
     token = tmp_path / "token"
     token.write_text(plane.issue_token())
-    record = await enroll(nats_server.url, token, tmp_path / "state", IDENTITY, timeout=5,
-                          security=TransportSecurity(insecure=True))
     config = {
         "state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": nats_server.url, "insecure": True,
         "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, "shutdown_grace_s": 30,
@@ -115,6 +115,10 @@ async def enrolled_setup(nats_server, tmp_path, **overrides):
     }
     config_path = tmp_path / "agent.json"
     config_path.write_text(json.dumps(config))
+    # The consumer the plane creates at enrollment is the one an agent with this config expects (ack_wait...).
+    plane.consumer_settings = worker_settings(load_config(config_path))
+    record = await enroll(nats_server.url, token, tmp_path / "state", IDENTITY, timeout=5,
+                          security=TransportSecurity(insecure=True))
     return plane, record.node_id, config_path
 
 

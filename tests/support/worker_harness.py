@@ -33,6 +33,7 @@ class Harness:
     async def __aenter__(self):
         self.plane = await ControlPlane.connect(self.server.url)
         await self.plane.create_streams()
+        await self.plane.create_node_consumer(NODE, self.settings)  # the control plane's job: the node cannot
         # The daemon's own connect (its reconnect options are what the restart test exercises).
         record = EnrollmentRecord(node_id=NODE, enrolled_at=datetime.now(UTC),
                                   credentials=NatsCredentials(user=NODE, password="unused-by-test-server",
