@@ -100,6 +100,9 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     "discovery/sysread": ("bounded sysfs reads", ("tests/discovery/test_bars.py", "tests/discovery/test_traps.py")),
     # guards
     "guards/vfio": ("called inside the vfio driver, tested through it", ("tests/host/test_vfio.py",)),
+    "control/admission": ("the worker's admission", ("tests/control/test_worker_admission.py",)),
+    "control/consumer": ("the node's consumer shape, created by the control plane",
+                         ("tests/control/test_permissions.py", "tests/control/test_worker_pull_heartbeat.py")),
     "guards/gpureset": ("the reset choice under the GPU handover", ("tests/host/test_gpuhandover.py",
                                                                      "tests/guards/test_preconditions.py")),
     # host

@@ -26,7 +26,6 @@ from gpuaas_agent.control.enroll import (
     ENROLL_SUBJECT,
     NONCE_SUBJECT,
     EnrollError,
-    EnrollIdentity,
     creds_path,
     enroll,
     load_enrollment,
@@ -38,10 +37,9 @@ from gpuaas_agent.control.sealed import b64url, b64url_decode, new_reply_key, pu
 from gpuaas_agent.control.tokenproof import token_id, token_proof
 from gpuaas_agent.control.transport import CREDS_SEED_BEGIN, TransportSecurity, jwt_claims
 from tests.controlplane import ControlPlane
+from tests.support.enroll_identity import IDENTITY
 from tests.support.nats_server import NatsServer
 
-IDENTITY = EnrollIdentity(machine_id="0123456789abcdef0123456789abcdef", hostname="slice-host-01",
-                          dmi_serial="SN123", agent_version="0.1.0")
 INSECURE = TransportSecurity(insecure=True)
 DEADLINE_S = 20.0
 
