@@ -9,6 +9,8 @@ Layout under the cache root::
 A hit needs both the image and its marker (with the same size) and does not
 hash again: the digest was proven on the way in (DESIGN.md §7, "hashed once per
 cache entry, not once per clone"). The clone onto a slot disk is another driver.
+A digest is not a secret, so a hit is served only to a fetch whose own URL is the
+recorded source or answers for the cached bytes (:meth:`ImageCache.prove_source`).
 
 Bounded disk use: the cache holds at most ``cache_max_bytes`` of images and never
 lets a download take its file system below ``min_free_bytes`` (the cache often sits
@@ -37,7 +39,9 @@ import http.client
 import json
 import logging
 import os
+import secrets
 import ssl
+import stat
 import tempfile
 import threading
 import time
@@ -69,6 +73,8 @@ QEMU_IMG_INFO_TIMEOUT_S = 60.0
 DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_STALL_TIMEOUT_S = 60.0
 FREE_SPACE_CHECK_BYTES = 64 << 20  # re-check the free-space floor every 64 MiB written
+SOURCE_SAMPLES = 8  # ranges a source other than the recorded one must answer for a hit (ImageCache.prove_source)
+SOURCE_SAMPLE_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -143,11 +149,18 @@ class _Source:
     """An opened source: a readinto function, the length it announced, and how to close it."""
 
     def __init__(self, read_into: Callable[[memoryview], int], length: int | None, close: Callable[[], None],
-                 describe: dict) -> None:
+                 describe: dict, fileno: Callable[[], int] | None = None) -> None:
         self.read_into = read_into
         self.length = length
         self.close = close
         self.describe = describe
+        self._fileno = fileno
+
+    def fileno(self) -> int:
+        """The descriptor of a local file source (``pread`` of sampled ranges)."""
+        if self._fileno is None:
+            raise ValueError("not a file source")
+        return self._fileno()
 
 
 class _Progress:
@@ -386,10 +399,13 @@ class ImageCache:
             hit = self.lookup(expected)
             if hit is not None:
                 _check_final_size(hit.size_bytes, bound, size_bytes, {"url": url, "cached": True})
+                proof = await self.prove_source(url, hit, bound=bound, size_bytes=size_bytes, timeout_s=timeout_s)
                 self.hits += 1
                 with contextlib.suppress(OSError):
                     os.utime(self.marker_path(expected))  # last use, for LRU eviction
-                log.info("event=image_cache_hit sha256=%s size_bytes=%d", expected, hit.size_bytes)
+                log.info("event=image_cache_hit sha256=%s size_bytes=%d source_proof=%s", expected, hit.size_bytes,
+                         proof)
+                hit = hit.model_copy(update={"source_proof": proof})
                 if pin:
                     self.pin(expected)
                 return hit
@@ -406,6 +422,56 @@ class ImageCache:
             if evicted:
                 log.info("event=image_cache_trimmed evicted=%s", ",".join(evicted))
             return cached
+
+    async def prove_source(self, url: str, hit: CachedImage, *, bound: int, size_bytes: int | None = None,
+                           timeout_s: float | None = None) -> str:
+        """How ``url`` proved it answers for the cached bytes of ``hit``; raises as a miss from ``url`` would.
+
+        A hit is decided by the digest, and a digest is not a secret: without this, whoever knows
+        the digest of another tenant's private image (fetched through a presigned URL) would get it
+        by naming any allowed URL, even one that answers 404. So a hit is served only when:
+
+        - ``recorded_source``: ``url`` is the very URL the entry was fetched and verified from;
+        - ``ranges``: ``url`` has the entry's size and answers :data:`SOURCE_SAMPLES` ranges of
+          :data:`SOURCE_SAMPLE_BYTES` (the first, the last, the rest at offsets drawn now, so they
+          cannot be known in advance) with the cached bytes;
+        - ``full_read``: a server that answers a range request with the whole body (200) is read
+          whole through the digest, written nowhere, and must give ``hit.sha256``.
+
+        Failures carry the codes and messages of a download from ``url``: a 404 is ``fetch_failed``,
+        other bytes are ``digest_mismatch`` with nothing derived from what was read, so the answer
+        does not tell whether the digest was cached.
+        """
+        if url == hit.source_url:
+            return "recorded_source"
+        ranges = sample_ranges(hit.size_bytes)
+        try:
+            answered = await asyncio.to_thread(self._read_source_ranges, url, ranges, hit.size_bytes, bound,
+                                               size_bytes)
+        except httpfetch.RangesRefused:
+            fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            await self._download_in_thread(url, hit.sha256, fd, bound, size_bytes, timeout_s)
+            return "full_read"
+        with open(hit.path, "rb", buffering=0) as cached:
+            held = [os.pread(cached.fileno(), length, start) for start, length in ranges]
+        if answered != held:
+            raise _digest_mismatch(url, hit.sha256)
+        return "ranges"
+
+    def _read_source_ranges(self, url: str, ranges: list[tuple[int, int]], total: int, bound: int,
+                            size_bytes: int | None) -> list[bytes]:
+        """Runs in a thread: ``ranges`` of ``url`` (policy-checked like a download), or [] for another size."""
+        if urlsplit(url).scheme != "file":
+            return httpfetch.read_ranges(url, ranges, total, check_hop=self._check_redirect, verify=self.ssl_context,
+                                         stall_timeout_s=self.stall_timeout_s)
+        source = self._open(url, bound, size_bytes)
+        try:
+            if source.length != total:
+                return []
+            fd = source.fileno()
+            return [os.pread(fd, length, start) for start, length in ranges]
+        finally:
+            source.close()
 
     async def _fetch_miss(self, url: str, expected: str, *, bound: int, size_bytes: int | None,
                           timeout_s: float | None) -> CachedImage:
@@ -490,9 +556,7 @@ class ImageCache:
             cancel.set()  # the thread stops before its next write if it is still running
         actual, size = done.result()
         if actual != expected:
-            # Never the digest or size of what was read: that would reveal the content of a source.
-            raise ImageCacheError("downloaded image does not have the expected SHA-256", code="digest_mismatch",
-                                  evidence={"url": url, "expected_sha256": expected})
+            raise _digest_mismatch(url, expected)
         return size
 
     def _download(self, url: str, fd: int, bound: int, size_bytes: int | None, cancel: threading.Event,
@@ -569,7 +633,8 @@ class ImageCache:
             )
         _check_final_size(total, bound, size_bytes, source.describe)
         try:
-            os.fsync(fd)
+            if stat.S_ISREG(os.fstat(fd).st_mode):  # not /dev/null (a source proven by a full read)
+                os.fsync(fd)
         except OSError as exc:
             code = "cache_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "cache_write_failed"
             raise ImageCacheError(f"cannot flush the cache file: {exc.strerror}", code=code,
@@ -623,6 +688,25 @@ class ImageCache:
         return _Source(source.read_into, source.length, source.close, source.describe)
 
 
+def _digest_mismatch(url: str, expected: str) -> ImageCacheError:
+    # Never the digest or size of what was read: that would reveal the content of a source.
+    return ImageCacheError("downloaded image does not have the expected SHA-256", code="digest_mismatch",
+                           evidence={"url": url, "expected_sha256": expected})
+
+
+def sample_ranges(size: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of the ranges a source must answer for a hit: first, last, and random ones.
+
+    The random offsets come from :mod:`secrets`, drawn for each check: a source that answers
+    them all with the cached bytes holds (nearly) the whole image, not a few pieces someone learnt.
+    """
+    if size == 0:
+        return []
+    length = min(SOURCE_SAMPLE_BYTES, size)
+    starts = {0, size - length} | {secrets.randbelow(size - length + 1) for _ in range(SOURCE_SAMPLES - 2)}
+    return [(start, length) for start in sorted(starts)]
+
+
 def _check_final_size(size: int, bound: int, declared: int | None, describe: dict) -> None:
     """A whole image is within the bound and exactly the declared size, if one was declared."""
     if size > bound:
@@ -635,7 +719,7 @@ def _check_final_size(size: int, bound: int, declared: int | None, describe: dic
 
 def _open_file(policy: SourcePolicy, path: str, url: str) -> _Source:
     fh, length = imagesource.open_file(policy, path, url)
-    return _Source(fh.readinto, length, fh.close, {"url": url})
+    return _Source(fh.readinto, length, fh.close, {"url": url}, fh.fileno)
 
 
 async def _probe_format(path: Path, url: str) -> ImageFormat:

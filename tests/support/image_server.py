@@ -30,6 +30,8 @@ from gpuaas_agent.host.run import run
 #   /redirect/NAME  302 to /files/NAME
 #   /away/NAME      302 to https://localhost:PORT/files/NAME (same server, a host not in the allow-list)
 #   /tofile/NAME    302 to file://ROOT/NAME (the same file on this host's disk)
+#   /norange/NAME   the file, always whole (200): a Range header is ignored
+# /files/ and /redirect/ honour one ``Range: bytes=A-B`` with a 206 and its Content-Range.
 SERVER = r"""
 import http.server, os, shutil, ssl, sys, threading
 root, cert, key, portfile = sys.argv[1:5]
@@ -52,9 +54,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.redirect(f"https://localhost:{port}/files/{name}")
         if kind == "tofile":
             return self.redirect("file://" + path)
-        if kind not in ("files", "short", "nolength", "stall") or not os.path.isfile(path):
+        if kind not in ("files", "short", "nolength", "stall", "norange") or not os.path.isfile(path):
             self.send_response(404); self.send_header("Content-Length", "0"); self.end_headers(); return
         size = os.path.getsize(path)
+        wanted = self.headers.get("Range", "")
+        if kind == "files" and wanted.startswith("bytes="):
+            first, _, last = wanted[len("bytes="):].partition("-")
+            first, last = int(first), min(int(last or size - 1), size - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            self.send_header("Content-Length", str(last - first + 1))
+            self.end_headers()
+            with open(path, "rb") as fh:
+                fh.seek(first)
+                self.wfile.write(fh.read(last - first + 1))
+            return
         self.send_response(200)
         if kind == "nolength":
             self.send_header("Connection", "close")
