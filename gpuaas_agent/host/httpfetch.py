@@ -22,7 +22,9 @@ What stays ours, because it is the safety of the cache (host/images.py):
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
@@ -75,6 +77,29 @@ class HttpSource:
         if self._response is not None:
             self._response.close()
         self._client.close()
+
+    def interrupt(self) -> None:
+        """Wake a read blocked in another thread: shut the connection's socket down (any thread may call it).
+
+        Closing a descriptor does not wake a ``recv`` blocked on it; ``shutdown`` does, and it acts on
+        the socket, so a duplicate descriptor serves (the TLS object of the reading thread is left alone).
+        The socket comes from httpx's documented ``network_stream`` response extension.
+        """
+        response = self._response
+        stream = response.extensions.get("network_stream") if response is not None else None
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is None:
+            return
+        try:
+            dup = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError:
+            return  # already closed
+        try:
+            dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            dup.close()
 
     # -- opening --------------------------------------------------------------------------
 

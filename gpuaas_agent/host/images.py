@@ -174,13 +174,20 @@ class _Source:
 
     def __init__(self, read_into: Callable[[memoryview], int], length: int | None, close: Callable[[], None],
                  describe: dict, fileno: Callable[[], int] | None = None,
-                 set_cancel: Callable[[threading.Event], None] | None = None) -> None:
+                 set_cancel: Callable[[threading.Event], None] | None = None,
+                 interrupt: Callable[[], None] | None = None) -> None:
         self.read_into = read_into
         self.length = length
         self.close = close
         self.describe = describe
         self._fileno = fileno
         self._set_cancel = set_cancel
+        self._interrupt = interrupt
+
+    def interrupt(self) -> None:
+        """Wake a read blocked in the copy thread (a network source); files never block for long."""
+        if self._interrupt is not None:
+            self._interrupt()
 
     def follow(self, cancel: threading.Event) -> None:
         """Obey ``cancel`` from now on (a source opened under one watch and read under another)."""
@@ -666,14 +673,19 @@ class ImageCache:
 
     async def _watch(self, work: Callable[[threading.Event, _Progress], _T], url: str, timeout_s: float | None, *,
                      name: str, owns_fd: int | None = None, abandoned: Callable[[_T], None] | None = None,
-                     on_tick: Callable[[], None] | None = None) -> _T:
+                     on_tick: Callable[[], None] | None = None, finish: bool = False,
+                     interrupt: Callable[[], None] | None = None) -> _T:
         """Run ``work(cancel, progress)`` in a thread of its own while this coroutine watches the clock.
 
         No byte for ``stall_timeout_s``: ``fetch_stalled``; past ``timeout_s``: ``fetch_timeout``.
         Either way, or on cancellation, ``cancel`` is set and the thread writes nothing more
         (a blocked socket read returns within the stall timeout); a result it still produces
         goes to ``abandoned``. ``owns_fd`` is closed here only if the thread never started.
-        ``on_tick`` runs on the loop about once a second (progress events).
+        ``on_tick`` runs on the loop about once a second (progress events). ``interrupt`` wakes a
+        read the thread is blocked in, when this coroutine gives up. ``finish``: when this
+        coroutine gives up, it still waits for the thread to end (a stalled read ends within the
+        stall timeout), so the caller learns of the failure only once nothing holds or writes the
+        descriptors the thread owns (a slot disk).
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future[_T] = loop.create_future()
@@ -727,6 +739,12 @@ class ImageCache:
                     on_tick()
         finally:
             cancel.set()  # the thread stops before its next write if it is still running
+            if interrupt is not None and not done.done():
+                interrupt()  # and a read it is blocked in returns now
+            if finish and not done.done():
+                await asyncio.wait([done], timeout=self.stall_timeout_s + 5.0)
+                if done.done() and not done.cancelled():
+                    done.exception()  # retrieved: the error that made us give up is the one raised
         return done.result()
 
     def _download(self, url: str, fd: int, bound: int, size_bytes: int | None, cancel: threading.Event,
@@ -871,7 +889,7 @@ class ImageCache:
             source.close()
             raise
         return _Source(source.read_into, source.length, source.close, source.describe,
-                       set_cancel=lambda event: setattr(source, "cancel", event))
+                       set_cancel=lambda event: setattr(source, "cancel", event), interrupt=source.interrupt)
 
 
 class DiskSink(Protocol):
@@ -975,7 +993,7 @@ class StreamedMiss:
 
         try:
             actual, size = await cache._watch(work, self.url, self.timeout_s, name=f"image-stream-{self.sha256[:12]}",
-                                              on_tick=tick)
+                                              on_tick=tick, finish=True, interrupt=source.interrupt)
             if actual != self.sha256:
                 raise _digest_mismatch(self.url, self.sha256)
             image_format = await _probe_format(self._tmp, self.url)
