@@ -75,6 +75,8 @@ QEMU_IMG_INFO_TIMEOUT_S = 60.0
 DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_STALL_TIMEOUT_S = 60.0
 FREE_SPACE_CHECK_BYTES = 64 << 20  # re-check the free-space floor every 64 MiB written
+DIRECT_ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of every logical block size (512, 4096)
+CACHE_SYNC_BYTES = 64 << 20  # a streamed cache file is flushed every 64 MiB, not all at its end
 SOURCE_SAMPLES = 8  # ranges a source other than the recorded one must answer for a hit (ImageCache.prove_source)
 SOURCE_SAMPLE_BYTES = 64 << 10
 
@@ -151,6 +153,25 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 async def sha256_file_async(path: str | os.PathLike[str]) -> str:
     """:func:`sha256_file` in a worker thread: hashlib drops the GIL, so the event loop keeps running."""
     return await asyncio.to_thread(sha256_file, path)
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second, ``O_DIRECT`` descriptor of a partial file; None where the file system refuses it (tmpfs)."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
+
+
+def _datasync(fd: int, cache: ImageCache) -> None:
+    try:
+        os.fdatasync(fd)
+    except OSError as exc:
+        code = "cache_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "cache_write_failed"
+        raise ImageCacheError(f"cannot flush the cache file: {exc.strerror}", code=code,
+                              evidence={"cache": str(cache.entries), "errno": exc.errno}) from exc
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -786,12 +807,18 @@ class ImageCache:
 
         return read_into
 
-    def _cache_writer(self, fd: int, url: str) -> Callable[[memoryview], None]:
-        """Sequential writes into the partial file, with the free-space floor and typed errors."""
+    def _cache_writer(self, fd: int, url: str, *, direct_fd: int | None = None) -> Callable[..., None]:
+        """Writes into the partial file, with the free-space floor and typed errors.
+
+        ``write(chunk, None)`` appends through ``fd``; ``write(chunk, offset)`` puts the chunk at
+        ``offset`` through ``direct_fd`` (``O_DIRECT``: a streamed image's 4 MiB chunks skip the page
+        cache, which is not copied into and not written back behind the slot disk's writes), its
+        unaligned tail through ``fd``.
+        """
         write_all = _write_all(fd)
         written = [0, 0]  # bytes written, bytes at the last free-space check
 
-        def write(chunk: memoryview) -> None:
+        def write(chunk: memoryview, offset: int | None = None) -> None:
             written[0] += len(chunk)
             if self.min_free_bytes and written[0] - written[1] >= FREE_SPACE_CHECK_BYTES:
                 written[1] = written[0]
@@ -803,7 +830,14 @@ class ImageCache:
                         evidence={"cache": str(self.entries), "url": url, "free_bytes": free,
                                   "min_free_bytes": self.min_free_bytes, "written_bytes": written[0]})
             try:
-                write_all(chunk)
+                if offset is None or direct_fd is None:
+                    write_all(chunk)
+                else:
+                    aligned = len(chunk) - len(chunk) % DIRECT_ALIGN
+                    if aligned:
+                        _pwrite_all(direct_fd, chunk[:aligned], offset)
+                    if aligned < len(chunk):
+                        _pwrite_all(fd, chunk[aligned:], offset + aligned)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise ImageCacheError(
@@ -956,19 +990,34 @@ class StreamedMiss:
         handed = [0]
 
         def work(cancel: threading.Event, progress: _Progress) -> tuple[str, int]:
+            direct_fd: int | None = None
             try:
+                direct_fd = _open_direct(self._tmp)
                 source.follow(cancel)
                 digest = hashlib.sha256()
-                cache_write = cache._cache_writer(fd, self.url)
+                cache_write = cache._cache_writer(fd, self.url, direct_fd=direct_fd)
+                unsynced = [0]
+
+                def hash_sink(chunk: memoryview, offset: int) -> None:
+                    digest.update(chunk)
 
                 def cache_sink(chunk: memoryview, offset: int) -> None:
-                    digest.update(chunk)
                     already = max(0, len(head) - offset)  # the head is in the partial file since the probe
-                    if already < len(chunk):
-                        cache_write(chunk[already:])
+                    if already >= len(chunk):
+                        return
+                    if already or direct_fd is None:
+                        cache_write(chunk[already:], None)  # appended: the file's position is the head's end
+                    else:
+                        cache_write(chunk, offset)  # offset is a multiple of the chunk size: O_DIRECT aligned
+                        return
+                    unsynced[0] += len(chunk)
+                    if unsynced[0] >= CACHE_SYNC_BYTES:  # write-behind: the fsync after the last byte stays short
+                        unsynced[0] = 0
+                        _datasync(fd, cache)
 
                 try:
-                    total = imagestream.pump(cache._reader(source, progress), [cache_sink, disk], head=head,
+                    # Three sinks, three threads: the hash, the cache file and the disk each go at their own pace.
+                    total = imagestream.pump(cache._reader(source, progress), [hash_sink, cache_sink, disk], head=head,
                                              max_bytes=self.bound, cancel=cancel,
                                              on_chunk=lambda n: handed.__setitem__(0, n))
                 except imagestream.TooLarge as exc:
@@ -977,13 +1026,15 @@ class StreamedMiss:
                                                     "received_bytes_at_least": exc.received}) from None
                 except imagestream.PumpCancelled:
                     raise _Cancelled() from None
-                cache._end_checks(source, fd, total, self.bound, self.size_bytes)
+                cache._end_checks(source, fd, total, self.bound, self.size_bytes)  # fsync: both fds, one file
                 disk.flush()
                 return digest.hexdigest(), total
             finally:
                 try:
                     source.close()
                 finally:
+                    if direct_fd is not None:
+                        os.close(direct_fd)
                     os.close(fd)
                     disk.close()
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 Sink = Callable[[memoryview, int], None]  # (chunk, offset in the image); called in order, from one thread
 
 STREAM_CHUNK_BYTES = 4 << 20  # 4 MiB: hashlib and O_DIRECT writes at full speed, few wake-ups
-STREAM_BUFFERS = 4  # 16 MiB in flight at most: the reader can run ahead of the slowest sink by 3 chunks
+STREAM_BUFFERS = 8  # 32 MiB in flight at most: the reader runs ahead of the slowest sink by up to 7 chunks
 _POLL_S = 0.2  # how often a blocked queue wait looks at ``cancel``
 
 
