@@ -174,7 +174,7 @@ def _datasync(fd: int, cache: ImageCache) -> None:
                               evidence={"cache": str(cache.entries), "errno": exc.errno}) from exc
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     while view:
         written = os.pwrite(fd, view, offset)
