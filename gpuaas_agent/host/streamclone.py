@@ -142,10 +142,12 @@ async def stream_image(host: HostRoot, miss: StreamedMiss, by_id: str, *, lease:
     pending: set[asyncio.Future[Any]] = set()
     last = [-1.0]
 
-    def report(done_bytes: int) -> None:
+    def report(_handed: int | None = None) -> None:
+        # What reached the disk (written or skipped as zero), not what the reader handed out: up to
+        # 32 MiB are in flight, and a percent must mean the disk, as qemu-img's does.
         if on_progress is None or not miss.length:
             return
-        percent = round(min(100.0, 100.0 * done_bytes / miss.length), 2)
+        percent = round(min(100.0, 100.0 * (disk.written + disk.skipped) / miss.length), 2)
         if percent <= last[0]:
             return
         last[0] = percent
@@ -172,7 +174,7 @@ async def stream_image(host: HostRoot, miss: StreamedMiss, by_id: str, *, lease:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
     if on_progress is not None and last[0] < 100:
-        report(cached.size_bytes)
+        report()
         if pending:
             await asyncio.gather(*pending)
     return CloneResult(by_id=by_id, kernel_name=evidence.kernel_name, source=miss.url,

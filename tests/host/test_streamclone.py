@@ -171,8 +171,10 @@ def test_a_cancelled_stream_is_clone_cancelled_dirty_and_caches_nothing(realdev,
     err = asyncio.run(scenario())
     assert err.code == "clone_cancelled" and err.evidence["disk_dirty"] is True
     os.close(os.open(disk.dev, os.O_RDONLY | os.O_EXCL))  # the stream had let go of the disk before answering
-    # ...because its thread had ended: the read blocked on the silent server was woken, not waited out.
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("image-stream-")]
+    # ...because its thread ends: the read blocked on the silent server is woken, not waited out (60 s).
+    for thread in [t for t in threading.enumerate() if t.name.startswith("image-stream-")]:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
     (src_dir / f"{name}.go").touch()  # let the server finish; nothing may appear in the cache
     assert cache_leftovers(cache) == [] and _lock_is_free(cache, sha256_hex(data))
 
