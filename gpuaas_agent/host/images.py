@@ -76,6 +76,7 @@ DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_STALL_TIMEOUT_S = 60.0
 FREE_SPACE_CHECK_BYTES = 64 << 20  # re-check the free-space floor every 64 MiB written
 DIRECT_ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of every logical block size (512, 4096)
+TICK_S = 0.2  # how often a stream's progress is looked at (an event is sent only when the percent moved)
 CACHE_SYNC_BYTES = 64 << 20  # a streamed cache file is flushed every 64 MiB, not all at its end
 SOURCE_SAMPLES = 8  # ranges a source other than the recorded one must answer for a hit (ImageCache.prove_source)
 SOURCE_SAMPLE_BYTES = 64 << 10
@@ -702,7 +703,7 @@ class ImageCache:
         Either way, or on cancellation, ``cancel`` is set and the thread writes nothing more
         (a blocked socket read returns within the stall timeout); a result it still produces
         goes to ``abandoned``. ``owns_fd`` is closed here only if the thread never started.
-        ``on_tick`` runs on the loop about once a second (progress events). ``interrupt`` wakes a
+        ``on_tick`` runs on the loop every :data:`TICK_S` (progress events). ``interrupt`` wakes a
         read the thread is blocked in, when this coroutine gives up. ``finish``: when this
         coroutine gives up, it still waits for the thread to end (a stalled read ends within the
         stall timeout), so the caller learns of the failure only once nothing holds or writes the
@@ -755,7 +756,7 @@ class ImageCache:
                     raise ImageCacheError(f"no data from the image source for {self.stall_timeout_s:g}s",
                                           code="fetch_stalled",
                                           evidence={"url": url, "stall_timeout_s": self.stall_timeout_s})
-                await asyncio.wait([done], timeout=min(wait, 1.0) if on_tick is not None else wait)
+                await asyncio.wait([done], timeout=min(wait, TICK_S) if on_tick is not None else wait)
                 if on_tick is not None:
                     on_tick()
         finally:
@@ -980,8 +981,8 @@ class StreamedMiss:
         Returns the new verified cache entry, only once the digest matched. Fails with the codes of a
         download (``digest_mismatch``, ``truncated``, ``fetch_stalled``, ``fetch_timeout``, ``too_large``,
         ``cache_full``) or what ``disk`` raised; the partial file is removed and the lock released
-        whatever happens, and ``disk`` has been written up to where it stopped. ``on_bytes(n)``: about
-        once a second, the bytes handed to the disk so far.
+        whatever happens, and ``disk`` has been written up to where it stopped. ``on_bytes(n)``: every
+        :data:`TICK_S`, the bytes handed to the sinks so far.
         """
         if not self._pending:
             raise RuntimeError("this download was already written or abandoned")

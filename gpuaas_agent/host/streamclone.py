@@ -148,8 +148,8 @@ async def stream_image(host: HostRoot, miss: StreamedMiss, by_id: str, *, lease:
         if on_progress is None or not miss.length:
             return
         percent = round(min(100.0, 100.0 * (disk.written + disk.skipped) / miss.length), 2)
-        if percent <= last[0]:
-            return
+        if percent <= last[0] or (percent < 100 and last[0] >= 0 and percent - last[0] < 1.0):
+            return  # at most one event per percent, as qemu-img -p prints them
         last[0] = percent
         result = on_progress(CloneProgress(by_id=by_id, percent=percent))
         if asyncio.iscoroutine(result):
