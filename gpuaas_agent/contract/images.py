@@ -32,6 +32,9 @@ class CachedImage(WireModel):
     size_bytes: Annotated[int, Field(ge=0)]
     source_url: str
     format: ImageFormat
+    # A hit: how the provision's own URL answered for these bytes (recorded_source, ranges, full_read);
+    # None for an image this fetch downloaded. A digest alone never serves a hit (host/images.py).
+    source_proof: str | None = None
 
 
 class CacheEntryMarker(WireModel):

@@ -6,7 +6,7 @@ journal, so they are strict models: a proof that does not parse is no proof.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -126,3 +126,7 @@ class CloneResult(WireModel):
     target_is_zero: bool
     argv: list[str]
     duration_s: Annotated[float, Field(ge=0)]
+    # "stream": a raw image not yet cached, written onto the disk as it downloaded and hashed (argv is empty);
+    # "qemu-img": the cached image converted onto the disk by ``argv``.
+    method: Literal["qemu-img", "stream"] = "qemu-img"
+    zero_bytes_skipped: NonNegative = 0  # a stream onto a disk proven zero skips zero chunks

@@ -22,7 +22,9 @@ What stays ours, because it is the safety of the cache (host/images.py):
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
@@ -75,6 +77,29 @@ class HttpSource:
         if self._response is not None:
             self._response.close()
         self._client.close()
+
+    def interrupt(self) -> None:
+        """Wake a read blocked in another thread: shut the connection's socket down (any thread may call it).
+
+        Closing a descriptor does not wake a ``recv`` blocked on it; ``shutdown`` does, and it acts on
+        the socket, so a duplicate descriptor serves (the TLS object of the reading thread is left alone).
+        The socket comes from httpx's documented ``network_stream`` response extension.
+        """
+        response = self._response
+        stream = response.extensions.get("network_stream") if response is not None else None
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is None:
+            return
+        try:
+            dup = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError:
+            return  # already closed
+        try:
+            dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            dup.close()
 
     # -- opening --------------------------------------------------------------------------
 
@@ -201,3 +226,65 @@ def _causes(exc: BaseException) -> list[BaseException]:
 def _error_chain(exc: BaseException) -> str:
     """``repr`` of the error and of what caused it, down to the OS or TLS error (evidence, not prose)."""
     return " <- ".join(repr(e) for e in _causes(exc))
+
+
+class RangesRefused(Exception):
+    """The server answered a range request with the whole body (200): it does not serve ranges."""
+
+
+def read_ranges(url: str, ranges: list[tuple[int, int]], total: int, *, check_hop: Callable[[str, str], None],
+                verify: ssl.SSLContext, stall_timeout_s: float) -> list[bytes]:
+    """The bytes of each ``(start, length)`` range of ``url``, whose whole size must be ``total``.
+
+    Why: a cache hit under a URL other than the one the entry was fetched from is served only when
+    that URL answers for the entry's bytes (host/images.py). Each range is one GET with
+    ``Range: bytes=a-b``, following redirects hop by hop through ``check_hop`` like a download. An
+    answer must be ``206`` with ``Content-Range: bytes a-b/total``; any other status is
+    ``fetch_failed`` (a 404 is what it is for a download too), a 206 naming another range or total
+    is returned as empty bytes (the caller's mismatch). A plain ``200`` raises
+    :class:`RangesRefused` before its body is read.
+    """
+    out = []
+    with httpx.Client(verify=verify, trust_env=True, follow_redirects=False,
+                      timeout=httpx.Timeout(stall_timeout_s, connect=min(CONNECT_TIMEOUT_S, stall_timeout_s)),
+                      headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}) as client:
+        for start, length in ranges:
+            out.append(_read_range(client, url, start, length, total, check_hop, stall_timeout_s))
+    return out
+
+
+def _read_range(client: httpx.Client, first: str, start: int, length: int, total: int,
+                check_hop: Callable[[str, str], None], stall_timeout_s: float) -> bytes:
+    url = first
+    headers = {"Range": f"bytes={start}-{start + length - 1}"}
+    for _ in range(MAX_REDIRECTS + 1):
+        check_hop(url, first)
+        try:
+            with client.stream("GET", url, headers=headers) as response:
+                location = response.headers.get("location")
+                if response.status_code in (301, 302, 303, 307, 308) and location:
+                    url = urljoin(url, location)
+                    continue
+                if response.status_code == 200:
+                    raise RangesRefused()
+                if response.status_code != 206:
+                    raise ImageCacheError(
+                        f"image server answered HTTP {response.status_code} {response.reason_phrase}",
+                        code="fetch_failed", evidence={"url": url, "http_status": response.status_code})
+                match = CONTENT_RANGE_RE.match(response.headers.get("content-range", ""))
+                if not match or (int(match.group(1)), int(match.group(2)), int(match.group(3))) != (
+                        start, start + length - 1, total):
+                    return b""
+                body = bytearray()
+                for chunk in response.iter_raw():
+                    body += chunk
+                    if len(body) > length:
+                        return b""
+                return bytes(body)
+        except httpx.TimeoutException as exc:
+            raise ImageCacheError(f"no answer from the image server for {stall_timeout_s:g}s",
+                                  code="fetch_stalled", evidence={"url": url, "stall_timeout_s": stall_timeout_s}) from exc
+        except httpx.TransportError as exc:
+            raise ImageCacheError(f"cannot reach the image server: {exc}", code="fetch_failed",
+                                  evidence={"url": url, "error": _error_chain(exc)}) from exc
+    raise ImageCacheError("too many redirects", code="fetch_failed", evidence={"url": first})

@@ -50,7 +50,9 @@ from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
 from gpuaas_agent.host.dnsmasq import make_reservation
 from gpuaas_agent.host.egress import egress_target, wait_for_egress
+from gpuaas_agent.host.images import StreamedMiss
 from gpuaas_agent.host.readiness import wait_for_guest
+from gpuaas_agent.host.streamclone import stream_image
 from gpuaas_agent.host.vfio import bind_to_vfio
 from gpuaas_agent.host.wipepolicy import resolve_handover
 from gpuaas_agent.logs import log_event
@@ -452,45 +454,71 @@ async def guard_data_disks(run: ProvisionRun, validated: Validated) -> DataDisks
 
 
 class ImagePin:
-    """This run's pin of an image in the shared cache: released once, by the clone or by the image's undo."""
+    """This run's pin of an image in the shared cache: released once, by the clone or by the image's undo.
 
-    def __init__(self, images, sha256: str) -> None:
-        self._images, self._sha256, self._held = images, sha256, True
+    A streamed image holds no pin (it is not in the cache yet) but its open download: released the
+    same way, so a failure between the image and clone steps frees the digest for other provisions.
+    """
+
+    def __init__(self, images, sha256: str, *, held: bool = True, stream: StreamedMiss | None = None) -> None:
+        self._images, self._sha256, self._held, self._stream = images, sha256, held, stream
 
     def release(self) -> bool:
-        """Drop the pin if this run still holds it; True when it did."""
+        """Drop the pin (and abandon an unwritten stream) if this run still holds it; True when it did."""
+        abandoned = self._stream.abandon() if self._stream is not None else False
         if not self._held:
-            return False
+            return abandoned
         self._held = False
         self._images.unpin(self._sha256)
         return True
 
 
+# Why an image went the way it did, for the journal (the operator reads why a first boot took two passes).
+DELIVERY_WHY = {
+    "cache_hit": "cached and verified before; this provision's source answered for its bytes",
+    "stream": "raw and not cached: written onto the disk and into the cache in one pass, hashed as it arrived",
+    "cache_then_clone": "not raw (qcow2 needs random access): downloaded into the cache, then converted by qemu-img",
+}
+
+
 @dataclass(frozen=True)
 class FetchedImage:
-    path: str
+    path: str | None  # None while a streamed image is not in the cache yet
     sha256: str
-    size_bytes: int
+    size_bytes: int | None
     format: str
     pin: ImagePin
+    delivery: str = "cache_hit"  # a key of DELIVERY_WHY
+    source_proof: str | None = None
+    stream: StreamedMiss | None = None
 
     def journal(self) -> dict[str, Any]:
-        return {"sha256": self.sha256, "size_bytes": self.size_bytes, "format": self.format}
+        out = {"sha256": self.sha256, "size_bytes": self.size_bytes, "format": self.format,
+               "delivery": self.delivery, "why": DELIVERY_WHY[self.delivery]}
+        if self.source_proof is not None:
+            out["source_proof"] = self.source_proof
+        return out
 
 
 async def fetch_image(run: ProvisionRun) -> FetchedImage:
     # The config bounds the size; the task's declared size (if any) lowers the bound and must match.
     # Pinned until the clone has read it: the cache's LRU eviction never takes an image a provision holds.
+    # A raw image not yet cached is only opened here (its status, redirects and format are known before
+    # the disk is touched); the clone step streams it onto the disk and into the cache.
     image, images = run.payload.image, run.sh.images
-    cached = await images.fetch(image.url, image.sha256, size_bytes=image.size_bytes, pin=True)
-    return FetchedImage(path=cached.path, sha256=cached.sha256, size_bytes=cached.size_bytes,
-                        format=cached.format.value, pin=ImagePin(images, image.sha256))
+    got = await images.fetch_or_open(image.url, image.sha256, size_bytes=image.size_bytes, pin=True)
+    if isinstance(got, StreamedMiss):
+        return FetchedImage(path=None, sha256=got.sha256, size_bytes=got.length, format=got.format.value,
+                            pin=ImagePin(images, got.sha256, held=False, stream=got), delivery="stream", stream=got)
+    return FetchedImage(path=got.path, sha256=got.sha256, size_bytes=got.size_bytes, format=got.format.value,
+                        pin=ImagePin(images, image.sha256), source_proof=got.source_proof,
+                        delivery="cache_hit" if got.source_proof is not None else "cache_then_clone")
 
 
 async def unpin_image(run: ProvisionRun, undo: Undo) -> dict:
     fetched: FetchedImage | None = undo.output("image")
     if fetched is not None and fetched.pin.release():
-        return {"image": "unpinned"}
+        return {"image": "abandoned" if fetched.stream is not None else "unpinned"}
     return {"image": "not pinned"}
 
 
@@ -505,10 +533,17 @@ async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage):
         async def on_progress(p) -> None:
             await run.ctx.progress("clone", "progress", percent=p.percent)
 
+        wipe_proof = None if run.disk_written_before else await run.store.latest_wipe_proof(slot.slot_index)
+        if image.stream is not None:
+            result, _cached = await stream_image(
+                sh.discovered_root(), image.stream, slot.nvme_device, lease=run.disk_lease(validated),
+                domain_disks=others, wipe_proof=wipe_proof, on_progress=on_progress,
+                timeout=sh.slice.clone_timeout_s)
+            return result
+        assert image.path is not None
         return await clone_image(
             sh.discovered_root(), image.path, slot.nvme_device,
-            lease=run.disk_lease(validated), domain_disks=others,
-            wipe_proof=None if run.disk_written_before else await run.store.latest_wipe_proof(slot.slot_index),
+            lease=run.disk_lease(validated), domain_disks=others, wipe_proof=wipe_proof,
             on_progress=on_progress, timeout=sh.slice.clone_timeout_s)
     finally:
         image.pin.release()

@@ -30,6 +30,10 @@ from gpuaas_agent.host.run import run
 #   /redirect/NAME  302 to /files/NAME
 #   /away/NAME      302 to https://localhost:PORT/files/NAME (same server, a host not in the allow-list)
 #   /tofile/NAME    302 to file://ROOT/NAME (the same file on this host's disk)
+#   /norange/NAME   the file, always whole (200): a Range header is ignored
+#   /gated/NAME     the file, but after its first 6 MiB it waits until ROOT/NAME.go exists (a stream held open)
+# /files/ and /redirect/ honour one ``Range: bytes=A-B`` with a 206 and its Content-Range.
+# Every request's path is appended to ROOT/requests.log.
 SERVER = r"""
 import http.server, os, shutil, ssl, sys, threading
 root, cert, key, portfile = sys.argv[1:5]
@@ -43,6 +47,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(302); self.send_header("Location", location)
         self.send_header("Content-Length", "0"); self.end_headers()
     def do_GET(self):
+        with open(os.path.join(root, "requests.log"), "a") as log:
+            log.write(self.path + "\n")
         kind, _, name = self.path.lstrip("/").partition("/")
         path = os.path.join(root, os.path.basename(name))
         port = self.server.server_address[1]
@@ -52,9 +58,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.redirect(f"https://localhost:{port}/files/{name}")
         if kind == "tofile":
             return self.redirect("file://" + path)
-        if kind not in ("files", "short", "nolength", "stall") or not os.path.isfile(path):
+        if kind not in ("files", "short", "nolength", "stall", "norange", "gated") or not os.path.isfile(path):
             self.send_response(404); self.send_header("Content-Length", "0"); self.end_headers(); return
         size = os.path.getsize(path)
+        wanted = self.headers.get("Range", "")
+        if kind == "files" and wanted.startswith("bytes="):
+            first, _, last = wanted[len("bytes="):].partition("-")
+            first, last = int(first), min(int(last or size - 1), size - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            self.send_header("Content-Length", str(last - first + 1))
+            self.end_headers()
+            with open(path, "rb") as fh:
+                fh.seek(first)
+                self.wfile.write(fh.read(last - first + 1))
+            return
         self.send_response(200)
         if kind == "nolength":
             self.send_header("Connection", "close")
@@ -66,6 +84,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if kind == "stall":
                 self.wfile.write(fh.read(65536)); self.wfile.flush()
                 forever.wait()
+            if kind == "gated":
+                self.wfile.write(fh.read(6 << 20)); self.wfile.flush()
+                while not os.path.exists(path + ".go"):
+                    forever.wait(0.01)
             shutil.copyfileobj(fh, self.wfile)
         if kind == "short":
             self.close_connection = True

@@ -1,0 +1,221 @@
+"""First provision of an uncached raw image: the one-pass stream vs ``max(curl download, dd oflag=direct)``, one run.
+
+Goal (docs/performance.md): the provision's image work on a cache miss costs <= 1.15x
+``max(time to download the file with curl, time to write it with dd oflag=direct)``,
+not their sum. Everything is measured in the same run, interleaved round by round:
+
+- ``curl``: ``curl -o /dev/null`` of the image from a local HTTPS server that serves at a
+  fixed rate (``--rate-mib``; a token bucket in its own process, TLS with a throwaway CA);
+- ``dd``: ``dd bs=4M oflag=direct`` of the image (from the page cache) onto the target;
+- ``stream``: the agent's path with an empty cache: ``ImageCache.fetch_or_open`` (open,
+  head probe) then ``stream_image`` (guard, exclusive hold, one pass onto the disk and into
+  the cache, hashed, fsync, full-file probe, marker) from that same server onto the target;
+- ``two_pass``: for the record, what a miss cost before: ``ImageCache.fetch`` into the cache,
+  then ``clone_image`` (qemu-img) onto the target.
+
+Target: a loop device (``--direct-io=on``) over a sparse file in ``--dir`` behind a
+``/dev/disk/by-id/gpuaas-test-*`` link; the cache lives in ``--cache-dir`` (default the same
+file system: on this VM the cache and the "slot disk" share one disk, a real host's do not).
+Needs root. Prints medians and ratios; never asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import shutil
+import signal
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from gpuaas_agent.host.clone import clone_image
+from gpuaas_agent.host.images import ImageCache, SourcePolicy, StreamedMiss
+from gpuaas_agent.host.run import run
+from gpuaas_agent.host.streamclone import stream_image
+from gpuaas_agent.hostfs import HostRoot
+from tests.realdev import MiB, RealDevices
+
+LIVE = HostRoot.open("/")
+
+# A HTTPS server that sends every file at a fixed rate (token bucket, 256 KiB sends); honours nothing else.
+SERVER = r"""
+import http.server, os, ssl, sys, time
+root, cert, key, portfile, rate = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        path = os.path.join(root, os.path.basename(self.path))
+        size = os.path.getsize(path)
+        self.send_response(200)
+        self.send_header("Content-Length", str(size))
+        self.end_headers()
+        start, sent = time.monotonic(), 0
+        with open(path, "rb") as fh:
+            while True:
+                block = fh.read(256 << 10)
+                if not block:
+                    break
+                self.wfile.write(block)
+                sent += len(block)
+                ahead = sent / rate - (time.monotonic() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+server.daemon_threads = True
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(cert, key)
+server.socket = ctx.wrap_socket(server.socket, server_side=True)
+with open(portfile + ".tmp", "w") as fh:
+    fh.write(str(server.server_address[1]))
+os.replace(portfile + ".tmp", portfile)
+server.serve_forever()
+"""
+
+
+def _write_image(path: Path, size_mib: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "wb") as fh:
+        for _ in range(size_mib):
+            block = os.urandom(MiB)
+            digest.update(block)
+            fh.write(block)
+    return digest.hexdigest()
+
+
+def _warm(path: Path) -> None:
+    with open(path, "rb") as fh:
+        while fh.read(16 * MiB):
+            pass
+
+
+def _start_server(tmp: Path, root: Path, rate_bytes: float) -> tuple[subprocess.Popen, str, Path]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    asyncio.run(run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                     "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                     "-addext", "subjectAltName=IP:127.0.0.1"], timeout=30))
+    portfile = tmp / "port"
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(root), str(cert), str(key), str(portfile),
+                             str(rate_bytes)])
+    deadline = time.monotonic() + 10
+    while not portfile.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the HTTPS server did not start")
+        time.sleep(0.02)
+    return proc, f"https://127.0.0.1:{portfile.read_text()}", cert
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=512)
+    parser.add_argument("--rate-mib", type=float, default=200.0, help="the server's fixed rate, MiB/s")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dir", default="/var/tmp", help="where the image and the loop backing file live")
+    parser.add_argument("--cache-dir", default=None, help="the image cache's file system (default: --dir)")
+    parser.add_argument("--no-two-pass", action="store_true", help="skip the old fetch-then-clone timing")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench_stream needs root (losetup, /dev/disk/by-id)")
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="gpuaas-bench-stream-") as tmp:
+        tmp_path = Path(tmp)
+        cache_parent = Path(tempfile.mkdtemp(dir=args.cache_dir or tmp, prefix="cache-"))
+        src = tmp_path / "src"
+        src.mkdir()
+        image = src / "image.raw"
+        digest = _write_image(image, args.size_mib)
+        _warm(image)
+        proc, base, cert = _start_server(tmp_path, src, args.rate_mib * MiB)
+        url = f"{base}/image.raw"
+        context = ssl.create_default_context(cafile=str(cert))
+        devices = RealDevices(tmp_path)
+        samples: dict[str, list[float]] = {"curl": [], "dd": [], "stream": [], "two_pass": []}
+        try:
+            disk = devices.disk(args.size_mib + 16, direct_io=True)
+            lease = disk.lease()
+
+            def fresh_cache(i: int) -> ImageCache:
+                root = cache_parent / f"c{i}-{time.monotonic_ns()}"
+                return ImageCache(root, policy=SourcePolicy(https_hosts=(base.removeprefix("https://"),)),
+                                  ssl_context=context)
+
+            def curl() -> None:
+                asyncio.run(run(["curl", "-sSf", "--cacert", str(cert), "-o", "/dev/null", url], timeout=3600))
+
+            def dd() -> None:
+                asyncio.run(run(["dd", f"if={image}", f"of={disk.dev}", "bs=4M", "oflag=direct", "conv=notrunc",
+                                 "status=none"], timeout=3600))
+
+            def stream() -> None:
+                cache = fresh_cache(0)
+
+                async def go():
+                    miss = await cache.fetch_or_open(url, digest)
+                    assert isinstance(miss, StreamedMiss)
+                    result, _ = await stream_image(LIVE, miss, disk.by_id, lease=lease)
+                    assert result.method == "stream"
+
+                try:
+                    asyncio.run(go())
+                finally:
+                    shutil.rmtree(cache.root, ignore_errors=True)
+
+            def two_pass() -> None:
+                cache = fresh_cache(1)
+
+                async def go():
+                    cached = await cache.fetch(url, digest)
+                    await clone_image(LIVE, cached.path, disk.by_id, lease=lease)
+
+                try:
+                    asyncio.run(go())
+                finally:
+                    shutil.rmtree(cache.root, ignore_errors=True)
+
+            contenders = {"curl": curl, "dd": dd, "stream": stream}
+            if not args.no_two_pass:
+                contenders["two_pass"] = two_pass
+            for _ in range(args.runs):  # interleaved: a noisy neighbour slows every contender alike
+                for name, fn in contenders.items():
+                    samples[name].append(_timed(fn))
+        finally:
+            devices.close()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            shutil.rmtree(cache_parent, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    size = args.size_mib
+    print(f"image {size} MiB raw (random), server rate {args.rate_mib:g} MiB/s over TLS on loopback; target loop "
+          f"device (--direct-io=on) in {args.dir}; cache in {args.cache_dir or args.dir}; medians of {args.runs} "
+          f"interleaved runs")
+    for name, seconds in med.items():
+        print(f"{name:9s} {seconds:7.3f} s {size / seconds:8.1f} MiB/s  samples {[round(s, 3) for s in samples[name]]}")
+    floor = max(med["curl"], med["dd"])
+    print(f"ratio stream/max(curl, dd) = {med['stream'] / floor:.2f} (goal <= 1.15)")
+    if "two_pass" in med:
+        print(f"ratio two_pass/max(curl, dd) = {med['two_pass'] / floor:.2f} (the path before the stream); "
+              f"two_pass/stream = {med['two_pass'] / med['stream']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
