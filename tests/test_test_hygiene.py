@@ -107,6 +107,7 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
                                                                      "tests/guards/test_preconditions.py")),
     # host
     "host/gpuadmin": ("NVIDIA's tool as the GPU handover runs it", ("tests/host/test_gpuhandover.py",)),
+    "host/imagestream": ("the one-pass pump under the streamed clone", ("tests/host/test_streamclone.py",)),
     "host/httpfetch": ("the https source of the image cache", ("tests/host/test_images_http.py",)),
     "host/imagesource": ("the image source allow-list", ("tests/host/test_images.py", "tests/host/test_images_http.py")),
     "host/nvmecaps": ("NVMe capabilities behind the wipe policy", ("tests/host/test_nvmewipe.py",

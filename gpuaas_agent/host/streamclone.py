@@ -66,14 +66,14 @@ class DiskWriter:
         self._fds.append(fd)
         return fd
 
-    def _error(self, message: str, code: str = "clone_failed", **extra: Any) -> CloneError:
+    def _failure(self, message: str, code: str = "clone_failed", **extra: Any) -> CloneError:
         return CloneError(message, code=code, evidence={"disk": self.evidence, "dev": self.dev, "disk_dirty": True,
                                                         "written_bytes": self.written, **extra})
 
     def __call__(self, chunk: memoryview, offset: int) -> None:
         n = len(chunk)
         if offset + n > self.size_bytes:
-            raise self._error(f"the image is larger than {self.dev} ({self.size_bytes} bytes)", code="image_too_large",
+            raise self._failure(f"the image is larger than {self.dev} ({self.size_bytes} bytes)", code="image_too_large",
                               received_bytes_at_least=offset + n)
         if self.skip_zero and _is_zero(chunk):
             self.skipped += n
@@ -85,7 +85,7 @@ class DiskWriter:
             if aligned < n:
                 _pwrite_all(self._tail_fd, chunk[aligned:], offset + aligned)
         except OSError as exc:
-            raise self._error(f"write to {self.dev} failed: {exc.strerror}", errno=exc.errno,
+            raise self._failure(f"write to {self.dev} failed: {exc.strerror}", errno=exc.errno,
                               offset=offset) from exc
         self.written += n
 
@@ -94,7 +94,7 @@ class DiskWriter:
             for fd in dict.fromkeys((self._fd, self._tail_fd)):
                 os.fsync(fd)
         except OSError as exc:
-            raise self._error(f"flush of {self.dev} failed: {exc.strerror}", errno=exc.errno) from exc
+            raise self._failure(f"flush of {self.dev} failed: {exc.strerror}", errno=exc.errno) from exc
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
