@@ -36,6 +36,7 @@ from gpuaas_agent.operator.health import (
     run_checks,
     summarise,
 )
+from gpuaas_agent.operator.health_quarantine import quarantine_failing_devices
 from gpuaas_agent.operator.metrics import AgentMetrics
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
@@ -175,6 +176,10 @@ class Reporter:
                                           checked_at=datetime.now(UTC)))
         self.checks = sorted(checks, key=lambda c: c.name)
         self.checked.set()
+        try:  # a failing part is taken out of service by itself (one bad disk does not take the host's other slots)
+            await quarantine_failing_devices(self.health_settings.host_root, self.state)
+        except Exception:
+            log_event(log, "health_quarantine_failed", logging.ERROR, exc_info=True)
         state, reason = summarise(self.checks)
         if self.metrics is not None:
             self.metrics.health(self.health()[0], self.checks)

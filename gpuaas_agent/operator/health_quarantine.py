@@ -1,0 +1,90 @@
+"""Quarantine from the health loop: a slot device whose own hardware says it is failing is taken out of service.
+
+The health checks judge the host (``pcie_aer``, ``nvme_smart``); this pass turns the same readings
+into per-component quarantines, so one failing part costs its own slot and not the host's others:
+
+* a slot GPU or fabric VF whose fatal AER counter is above zero: ``gpu_aer_fatal``;
+* a slot disk whose SMART log has a critical warning, media errors or 100 % wear: ``smart_failing``.
+
+A component already quarantined keeps its first record; a quarantined part under a running tenant
+stays in service for that tenant (nothing is torn down) and is not offered again after its release.
+``slice.unquarantine`` re-runs the same check (``tasks/recheck.py``). A recorded host root is read for
+AER (its counters are files) but never for SMART (nvme-cli talks to a live controller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason, QuarantineRecord
+from gpuaas_agent.contract.topology import TopologyReport
+from gpuaas_agent.discovery.aer import aer_counts
+from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.run import run
+from gpuaas_agent.host.smart import Runner, judge_smart, read_smart_log
+from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.logs import log_event
+from gpuaas_agent.state.aio import StoreThread
+from gpuaas_agent.tasks.quarantine import quarantine_component
+
+log = logging.getLogger(__name__)
+TASK_ID = "health-loop"
+
+
+def failing_by_aer(host: HostRoot, report: TopologyReport) -> list[tuple[ComponentKind, str, int, dict[str, Any]]]:
+    """(kind, PCI address, slot index, AER counters) of every slot GPU or VF with a fatal error since boot."""
+    out = []
+    for slot in report.candidate_slots:
+        for kind, address in ((ComponentKind.gpu, slot.gpu_pci_address),
+                              (ComponentKind.fabric_vf, slot.fabric_vf_pci_address)):
+            if not address:
+                continue
+            counts = aer_counts(host, address)
+            if counts.get("fatal"):
+                out.append((kind, address, slot.slot_index, counts))
+    return out
+
+
+async def failing_by_smart(host: HostRoot, report: TopologyReport, *,
+                           runner: Runner = run) -> list[tuple[str, int, dict[str, Any]]]:
+    """(disk identity, slot index, SMART evidence) of every slot disk whose SMART log says it is failing."""
+    if not host.is_live:
+        return []
+    out = []
+    for slot in report.candidate_slots:
+        disk = next((d for d in report.nvme_devices if slot.nvme_device in (d.by_id, *d.by_id_links)), None)
+        if disk is None or not disk.disk_identity or not disk.kernel_name:
+            continue
+        try:
+            doc = await read_smart_log(f"/dev/{disk.kernel_name}", runner=runner)
+        except AgentError:
+            continue  # unreadable is the nvme_smart health check's to report, not a verdict on the disk
+        fit, detail, counters = judge_smart(doc)
+        if not fit:
+            out.append((disk.disk_identity, slot.slot_index, {"kernel_name": disk.kernel_name, "detail": detail,
+                                                              **counters}))
+    return out
+
+
+async def quarantine_failing_devices(host_root: Path, store: StoreThread, *,
+                                     runner: Runner = run) -> list[QuarantineRecord]:
+    """One pass: discover the slots, read AER and SMART, quarantine each failing part; returns the new records."""
+    host = HostRoot.open(host_root)
+    report = await asyncio.to_thread(discover, host)
+    already = {(r.kind, r.identity) for r in await store.quarantined()}
+    new: list[QuarantineRecord] = []
+    for kind, address, slot_index, counts in await asyncio.to_thread(failing_by_aer, host, report):
+        if (kind, address) not in already:
+            new.append(await quarantine_component(store, kind, address, QuarantineReason.gpu_aer_fatal,
+                                                  {"aer": counts}, TASK_ID, slot_index=slot_index))
+    for identity, slot_index, evidence in await failing_by_smart(host, report, runner=runner):
+        if (ComponentKind.nvme, identity) not in already:
+            new.append(await quarantine_component(store, ComponentKind.nvme, identity, QuarantineReason.smart_failing,
+                                                  evidence, TASK_ID, slot_index=slot_index))
+    if new:
+        log_event(log, "health_quarantined", logging.ERROR, components=[f"{r.kind.value}:{r.identity}" for r in new])
+    return new

@@ -1,0 +1,45 @@
+"""The health loop quarantines a slot part whose own hardware says it is failing, and only that part.
+
+Real pieces: a copy of the recorded 8xH200 host (its sysfs AER counters are files the test sets), the
+agent's discovery, the SQLite store; SMART is never read from a recorded root (nvme-cli needs a live
+controller), which the pass must not mistake for a verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from gpuaas_agent.discovery.quarantine import mark_quarantined
+from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.operator.health_quarantine import quarantine_failing_devices
+from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.state.store import StateStore
+
+HOST = "h200-slice-after-transition"
+
+
+def test_a_slot_gpu_with_a_fatal_aer_error_is_quarantined_alone_and_once(tmp_path, host_copy):
+    root = host_copy(HOST)
+    report = discover(HostRoot.open(root))
+    slot = report.candidate_slots[4]
+    device = (root / "sys/bus/pci/devices" / slot.gpu_pci_address).resolve()
+    store = StateStore.open(tmp_path / "state.db")
+    try:
+        state = as_store_thread(store)
+        assert asyncio.run(quarantine_failing_devices(root, state)) == []  # a healthy recording: nothing
+        (device / "aer_dev_fatal").write_text("Undefined 0\nDLP 1\nTOTAL_ERR_FATAL 1\n")
+        [record] = asyncio.run(quarantine_failing_devices(root, state))
+        assert (record.kind.value, record.identity, record.reason.value, record.slot_index) == (
+            "gpu", slot.gpu_pci_address, "gpu_aer_fatal", 4)
+        assert record.evidence["aer"]["fatal"] == 1 and record.task_id == "health-loop"
+        # The next pass finds it already out: no second record, no second log line.
+        assert asyncio.run(quarantine_failing_devices(root, state)) == []
+        assert [r.identity for r in store.quarantined()] == [slot.gpu_pci_address]
+        # Discovery now blocks that slot only; the other slots stay ready.
+        marked = mark_quarantined(discover(HostRoot.open(root)), store.quarantined())
+        blocked = [s.slot_index for s in marked.candidate_slots
+                   if any(b.code == "component_quarantined" for b in s.blockers)]
+        assert blocked == [4]
+    finally:
+        store.close()
