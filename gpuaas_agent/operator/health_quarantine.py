@@ -4,7 +4,9 @@ The health checks judge the host (``pcie_aer``, ``nvme_smart``); this pass turns
 into per-component quarantines, so one failing part costs its own slot and not the host's others:
 
 * a slot GPU or fabric VF whose fatal AER counter is above zero: ``gpu_aer_fatal``;
-* a slot disk whose SMART log has a critical warning, media errors or 100 % wear: ``smart_failing``.
+* a slot disk whose SMART log has a critical warning, media errors or 100 % wear: ``smart_failing``;
+* a GPU the HGX baseboard's BMC judges ``failed`` (read again only when the ``gpu_bmc`` check failed,
+  so a healthy host reads its BMC once per interval): ``bmc_failed``.
 
 A component already quarantined keeps its first record; a quarantined part under a running tenant
 stays in service for that tenant (nothing is torn down) and is not offered again after its release.
@@ -19,7 +21,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason, QuarantineRecord
+from gpuaas_agent.contract.bmc import BmcReading
+from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason, QuarantineRecord, RecheckVerdict
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.discovery.aer import aer_counts
 from gpuaas_agent.discovery.report import discover
@@ -28,8 +31,10 @@ from gpuaas_agent.host.run import run
 from gpuaas_agent.host.smart import Runner, judge_smart, read_smart_log
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.operator.bmc import read_bmc_verdicts
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.tasks.quarantine import quarantine_component
+from gpuaas_agent.tasks.recheck import RECHECKS, RecheckContext
 
 log = logging.getLogger(__name__)
 TASK_ID = "health-loop"
@@ -70,9 +75,17 @@ async def failing_by_smart(host: HostRoot, report: TopologyReport, *,
     return out
 
 
-async def quarantine_failing_devices(host_root: Path, store: StoreThread, *,
-                                     runner: Runner = run) -> list[QuarantineRecord]:
-    """One pass: discover the slots, read AER and SMART, quarantine each failing part; returns the new records."""
+def failing_by_bmc(reading: BmcReading) -> list[tuple[str, dict[str, Any]]]:
+    """(PCI address, evidence) of every GPU the BMC judged failed and the config maps to a host function."""
+    return [(v.pci_address, {"gpu_id": v.gpu_id, "reasons": list(v.reasons), "bmc_url": reading.bmc_url,
+                             "telemetry": v.telemetry.model_dump(mode="json") if v.telemetry else None})
+            for v in reading.gpus if v.status == "failed" and v.pci_address]
+
+
+async def quarantine_failing_devices(host_root: Path, store: StoreThread, *, runner: Runner = run,
+                                     bmc_reading: BmcReading | None = None) -> list[QuarantineRecord]:
+    """One pass: discover the slots, read AER and SMART (and judge the BMC's reading, when given), quarantine
+    each failing part; returns the new records."""
     host = HostRoot.open(host_root)
     report = await asyncio.to_thread(discover, host)
     already = {(r.kind, r.identity) for r in await store.quarantined()}
@@ -85,6 +98,32 @@ async def quarantine_failing_devices(host_root: Path, store: StoreThread, *,
         if (ComponentKind.nvme, identity) not in already:
             new.append(await quarantine_component(store, ComponentKind.nvme, identity, QuarantineReason.smart_failing,
                                                   evidence, TASK_ID, slot_index=slot_index))
+    if bmc_reading is not None:
+        slots = {a: s.slot_index for s in report.candidate_slots for a in (s.gpu_pci_address,)}
+        for address, evidence in failing_by_bmc(bmc_reading):
+            if (ComponentKind.gpu, address) not in already:
+                new.append(await quarantine_component(store, ComponentKind.gpu, address, QuarantineReason.bmc_failed,
+                                                      evidence, TASK_ID, slot_index=slots.get(address)))
     if new:
         log_event(log, "health_quarantined", logging.ERROR, components=[f"{r.kind.value}:{r.identity}" for r in new])
     return new
+
+
+async def recheck_bmc(ctx: RecheckContext, record: QuarantineRecord) -> RecheckVerdict:
+    """A GPU the BMC judged failed: the BMC, read now, judges it ``ok`` (unreadable or degraded is not a pass)."""
+    config = ctx.extra.get("bmc")
+    if config is None:
+        return RecheckVerdict(check="gpu_bmc", passed=False, detail="no [bmc] is configured to read the GPU from")
+    reading = await asyncio.to_thread(read_bmc_verdicts, config)
+    verdict = next((v for v in reading.gpus if v.pci_address == record.identity), None)
+    if verdict is None:
+        return RecheckVerdict(check="gpu_bmc", passed=False,
+                              detail=reading.error or f"the BMC reported nothing for {record.identity}")
+    return RecheckVerdict(check="gpu_bmc", passed=verdict.status == "ok", evidence={"reasons": list(verdict.reasons)},
+                          detail=f"{verdict.gpu_id}: {verdict.status}"
+                                 + (f" ({'; '.join(verdict.reasons)})" if verdict.reasons else ""))
+
+
+# The BMC is read in this room (operator/bmc.py), above the tasks that hold the re-check table: registered here,
+# which the daemon imports before it serves a task.
+RECHECKS.setdefault(QuarantineReason.bmc_failed, recheck_bmc)

@@ -28,6 +28,7 @@ from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat
 from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.operator import bmc
 from gpuaas_agent.operator.daemonstatus import AdmissionView, DaemonStatus, InFlightTask, write_status
 from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import (
@@ -177,7 +178,12 @@ class Reporter:
         self.checks = sorted(checks, key=lambda c: c.name)
         self.checked.set()
         try:  # a failing part is taken out of service by itself (one bad disk does not take the host's other slots)
-            await quarantine_failing_devices(self.health_settings.host_root, self.state)
+            reading = None
+            bmc_config = self.health_settings.bmc
+            if bmc_config is not None and any(c.name == bmc.CHECK_NAME and c.status == "failed" for c in self.checks):
+                reading = await asyncio.wait_for(asyncio.to_thread(bmc.read_bmc_verdicts, bmc_config),
+                                                 bmc_config.check_timeout_s)
+            await quarantine_failing_devices(self.health_settings.host_root, self.state, bmc_reading=reading)
         except Exception:
             log_event(log, "health_quarantine_failed", logging.ERROR, exc_info=True)
         state, reason = summarise(self.checks)

@@ -188,7 +188,7 @@ def unquarantine_handler(config: AgentConfig, drivers: Any = None,
         await ctx.progress("recheck", "started", detail={"reason": record.reason.value})
         try:
             verdict = await asyncio.wait_for(recheck(RecheckContext(host_root=config.host_root, drivers=drivers,
-                                                                    store=ctx.store),
+                                                                    store=ctx.store, extra={"bmc": config.bmc}),
                                                      record), RECHECK_TIMEOUT_S)
         except TimeoutError:
             raise QuarantineRefused(f"the {record.reason.value} re-check took over {RECHECK_TIMEOUT_S:.0f}s",

@@ -10,7 +10,8 @@ Wired here: ``gpu_aer_fatal`` (sysfs AER counters, ``discovery/aer.py``), ``smar
 a release retried since, covers every byte and no lease holds the disk), ``gpu_reset_failed`` /
 ``gpu_memory_clear_failed`` (a release's GPU handover of that device passed since),
 ``firmware_changed`` (the changed components read their recorded or a baseline version again) and
-``operator``. Not wired yet: ``gpu_xid`` (answered ``recheck_unavailable``); a new reason adds
+``operator``; ``bmc_failed`` is registered by the room that reads the BMC
+(``operator/health_quarantine.py``). Not wired yet: ``gpu_xid`` (answered ``recheck_unavailable``); a new reason adds
 ``RECHECKS[reason] = its_recheck`` with the :data:`Recheck` signature.
 """
 

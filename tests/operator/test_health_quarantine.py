@@ -8,13 +8,17 @@ controller), which the pass must not mistake for a verdict.
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 
+from gpuaas_agent.contract.bmc import BmcReading, GpuBmcVerdict
+from gpuaas_agent.contract.fleet import QuarantineReason
 from gpuaas_agent.discovery.quarantine import mark_quarantined
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.operator.health_quarantine import quarantine_failing_devices
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.recheck import RECHECKS, RecheckContext
 
 HOST = "h200-slice-after-transition"
 
@@ -41,5 +45,26 @@ def test_a_slot_gpu_with_a_fatal_aer_error_is_quarantined_alone_and_once(tmp_pat
         blocked = [s.slot_index for s in marked.candidate_slots
                    if any(b.code == "component_quarantined" for b in s.blockers)]
         assert blocked == [4]
+    finally:
+        store.close()
+
+
+def test_a_gpu_the_bmc_judges_failed_is_quarantined_and_its_recheck_needs_the_bmc(tmp_path, host_copy):
+    root = host_copy(HOST)
+    report = discover(HostRoot.open(root))
+    gpu = report.candidate_slots[2].gpu_pci_address
+    reading = BmcReading(bmc_url="https://bmc.example", read_at=datetime.now(UTC), gpus=(
+        GpuBmcVerdict(gpu_id="GPU_SXM_3", pci_address=gpu, status="failed", reasons=("row remap failure",)),
+        GpuBmcVerdict(gpu_id="GPU_SXM_4", pci_address=report.candidate_slots[3].gpu_pci_address, status="degraded",
+                      reasons=("temperature 87 C",)),
+        GpuBmcVerdict(gpu_id="GPU_SXM_9", status="failed", reasons=("no host function mapped",))))
+    store = StateStore.open(tmp_path / "state.db")
+    try:
+        [record] = asyncio.run(quarantine_failing_devices(root, as_store_thread(store), bmc_reading=reading))
+        assert (record.kind.value, record.identity, record.reason.value, record.slot_index) == (
+            "gpu", gpu, "bmc_failed", 2)
+        assert record.evidence["reasons"] == ["row remap failure"]  # degraded is not failed; unmapped is skipped
+        verdict = asyncio.run(RECHECKS[QuarantineReason.bmc_failed](RecheckContext(host_root=root), record))
+        assert not verdict.passed and "no [bmc]" in verdict.detail
     finally:
         store.close()
