@@ -663,6 +663,12 @@ class ImageCache:
         def work(cancel: threading.Event, progress: _Progress) -> tuple[_Source, bytes]:
             source = self._open(url, bound, size_bytes, cancel)
             try:
+                if source.length is not None and source.length > bound:
+                    # Announced (a file's size, a Content-Length) beyond the bound: refused before any byte
+                    # reaches the slot disk, which a streamed provision would otherwise leave to be wiped.
+                    raise ImageCacheError(f"image is {source.length} bytes, larger than the allowed {bound}",
+                                          code="too_large", evidence={**source.describe, "max_bytes": bound,
+                                                                      "announced_bytes": source.length})
                 progress.touch()
                 buf = bytearray(imagestream.STREAM_CHUNK_BYTES)
                 n = imagestream.fill(self._reader(source, progress), memoryview(buf))

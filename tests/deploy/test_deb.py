@@ -57,14 +57,14 @@ def assert_prepared(box: Chroot) -> None:
     expected = {"/var/lib/gpuaas-agent": 0o700, "/var/lib/gpuaas-agent/images": 0o700,
                 "/var/lib/libvirt/images/gpuaas-seeds": 0o711, "/var/lib/gpuaas-dnsmasq": 0o755,
                 "/var/lib/gpuaas/terminal": 0o700, "/var/lib/gpuaas/terminal/id_ed25519": 0o600,
-                "/var/lib/gpuaas/terminal/id_ed25519.pub": 0o644}
+                "/var/lib/gpuaas/terminal/id_ed25519.pub": 0o644, "/var/log/gpuaas-agent/console": 0o700}
     for inside, mode in expected.items():
         st = box.path(inside).stat()
         assert (st.st_mode & 0o777, st.st_uid) == (mode, 0), f"{inside}: {st.st_mode & 0o777:04o} uid {st.st_uid}"
     listed = box.run("ssh-keygen", "-l", "-f", "/var/lib/gpuaas/terminal/id_ed25519").stdout
     assert listed.endswith("(ED25519)\n")
     check = box.run("gpuaas-agent", "prepare-host", "--check", "--config", "/etc/gpuaas-agent/agent.toml")
-    assert check.stdout.count("outcome=ok") == 6
+    assert check.stdout.count("outcome=ok") == 7  # the six above and the console log dir
 
 
 @pytest.fixture(scope="module")

@@ -123,6 +123,27 @@ def refused(lab, tenant_b, task_type: str, payload: dict, code: str, *, field: s
     return result
 
 
+def refused_after_its_own_disk(lab, tenant_b, payload: dict, code: str, index: int = 0):
+    """A raw image streams onto the slot disk while it is hashed (docs/images.md): one found bad at its end
+    was written to the attacker's own disk. The task fails with ``code``, that slot alone is cleanup_blocked
+    until the attacker's own release wipes it, and then the host is exactly as before: the attack cost the
+    attacker a wipe, and no neighbour anything."""
+    lab_, _ = lab
+    before = snapshot(lab_)
+    result = _task(lab, "slice.vm_provision", payload)
+    assert result.status.value == "failed", result
+    assert result.error.code == code, result.error
+    assert [(o.slot_index, o.status.value) for o in result.slot_outcomes] == [(index, "cleanup_blocked")]
+    assert lab_.domains()[tenant_b["vm"]] == "running"
+    released = _task(lab, "slice.vm_release", lab_.release_payload(payload["allocation_id"], _slot(lab, index)))
+    assert released.status.value == "succeeded", released.error
+    assert released.output["cleanup_proof"]["wipe"]["verified"] is True
+    after = snapshot(lab_)
+    for part in before:
+        assert after[part] == before[part], f"{part} differs after the attacker's {code} and its release"
+    return result
+
+
 def attacker(lab, index: int, **slot_changes) -> dict:
     """A new allocation's provision payload for slot ``index``, with fields of the slot changed."""
     slot = _slot(lab, index)
@@ -173,7 +194,7 @@ def test_a_symlink_or_traversal_out_of_the_image_dir_is_refused(lab, tenant_b):
 def test_a_digest_mismatch_does_not_reveal_the_digest_of_what_was_read(lab, tenant_b):
     lab_, _ = lab
     payload = with_image(attacker(lab, 0), f"file://{lab_.image_path}", "1" * 64)
-    result = refused(lab, tenant_b, "slice.vm_provision", payload, "digest_mismatch")
+    result = refused_after_its_own_disk(lab, tenant_b, payload, "digest_mismatch")
     assert lab_.image_sha256 not in result.model_dump_json()
     assert "actual_sha256" not in json.dumps(result.error.evidence)
 
@@ -186,6 +207,7 @@ def test_a_download_larger_than_its_declared_size_is_refused_and_leaves_no_parti
     try:
         payload = with_image(attacker(lab, 0), f"file://{blob}", hashlib.sha256(data).hexdigest(),
                              size_bytes=1 << 20)
+        # The source announces its size (a file's, a Content-Length): refused before the disk is touched.
         refused(lab, tenant_b, "slice.vm_provision", payload, "too_large")
     finally:
         blob.unlink()
