@@ -47,7 +47,7 @@ def test_systemd_analyze_verify_accepts_the_unit(unit, tmp_path):
 
 @pytest.mark.parametrize("old,new", [
     ("Type=oneshot", "Type=sometimes"),                                  # reported as a parse problem
-    ("ExecStartPost=/bin/systemctl", "ExecStartPost=/nonexistent/systemctl"),  # verify exits non-zero
+    ("ExecStartPost=+/bin/systemctl", "ExecStartPost=+/nonexistent/systemctl"),  # verify exits non-zero
 ])
 def test_systemd_analyze_verify_can_fail(old, new, tmp_path):
     """The check above is not vacuous: a broken baseline unit is reported."""
