@@ -41,6 +41,12 @@ HOLDER_DEVICE_PREFIXES: dict[str, tuple[str, ...]] = {
     "mlx5_core": ("/dev/infiniband/",),
 }
 DEFAULT_HOLDER_PREFIXES = ("/dev/nvidia", "/dev/infiniband/", "/dev/vfio/")
+# Who usually holds them, by /proc/<pid>/comm (cut by the kernel at 15 characters; compared as a
+# prefix): named when the kernel refuses the agent that process's fd links (find_device_holders).
+KNOWN_HOLDERS: dict[str, tuple[str, ...]] = {
+    "/dev/nvidia": ("nvidia-persiste", "nv-fabricmanage", "nv-hostengine"),
+    "/dev/vfio/": ("qemu-system-",),
+}
 
 # Called after each write has landed, before the next one. On a live host nothing is
 # needed; on a fixture copy a test stands in for the kernel (e.g. re-points ``driver``).
@@ -135,31 +141,46 @@ def find_device_holders(host: HostRoot, prefixes: Collection[str] = DEFAULT_HOLD
 
     Reads on-disk paths without following links (``/proc/PID/fd/N`` targets are
     host paths, not paths inside the root). Processes that exit mid-scan are skipped.
+
+    The agent runs without ``CAP_SYS_PTRACE`` (the same capability would open every guest's
+    memory through ``/proc/<qemu>/mem``), so the kernel refuses the fd links of another user's
+    process, or of one with capabilities the agent lacks. Such a process is still named when its
+    ``comm`` is a known holder of ``prefixes`` (:data:`KNOWN_HOLDERS`), with ``devices`` empty:
+    what it holds could not be read, that it is the usual suspect could.
     """
     holders = []
     try:
         pids = sorted((name for name in os.listdir(host.real("/proc")) if name.isdigit()), key=int)
     except OSError:
         return []
+    suspects = tuple(name for prefix in prefixes for name in KNOWN_HOLDERS.get(prefix, ()))
     for pid in pids:
         fd_dir = host.real(f"/proc/{pid}/fd")
+        refused = False
         try:
             fds = os.listdir(fd_dir)
+        except PermissionError:
+            fds, refused = [], True
         except OSError:
             continue
         devices = set()
         for fd in fds:
             try:
                 target = os.readlink(fd_dir / fd)
+            except PermissionError:
+                refused = True
+                continue
             except OSError:
                 continue
             if target.startswith(tuple(prefixes)):
                 devices.add(target)
-        if devices:
-            try:
-                comm = host.real(f"/proc/{pid}/comm").read_text(errors="replace").strip() or None
-            except OSError:
-                comm = None
+        if not devices and not (refused and suspects):
+            continue
+        try:
+            comm = host.real(f"/proc/{pid}/comm").read_text(errors="replace").strip() or None
+        except OSError:
+            comm = None
+        if devices or (comm is not None and comm.startswith(suspects)):
             holders.append(DeviceHolder(pid=int(pid), comm=comm, devices=sorted(devices)))
     return holders
 

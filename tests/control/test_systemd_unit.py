@@ -36,9 +36,11 @@ def test_unit_is_notify_with_watchdog_and_restart():
     assert service["StateDirectory"] == ["gpuaas-agent"]
 
 
-def test_hardening_keeps_sys_writable_and_devices_visible():
+def test_hardening_keeps_the_pci_sysfs_writable_and_devices_visible():
     service = _service()
-    assert service["ProtectKernelTunables"] == ["no"]  # /sys/bus/pci/.../driver_override is written
+    # /proc/sys and /sys read-only, except the PCI trees driver_override, unbind and reset are written in.
+    assert service["ProtectKernelTunables"] == ["yes"]
+    assert "-/sys/devices -/sys/bus/pci" in service["ReadWritePaths"]
     assert service["PrivateDevices"] == ["no"]
     allowed = " ".join(service["DeviceAllow"])
     assert "block-blkext rw" in allowed and "char-vfio rw" in allowed

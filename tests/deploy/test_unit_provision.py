@@ -21,6 +21,9 @@ Negative controls prove the sandbox is applied: the agent process's capability b
 no_new_privs, seccomp mode and device cgroup are read from /proc and cgroupfs; without the
 seed directory in ReadWritePaths= the unit does not start (``prepare-host --check`` names it
 read-only); without CAP_NET_ADMIN a provision fails at its network step with a typed error.
+A probe run by the installed unit itself (an ``ExecStartPost=`` of a drop-in: the same sandbox as
+``ExecStart=``) finds kernel.core_pattern read-only, other processes' memory closed and PID 1's
+private socket unreachable, each of which succeeds from outside the sandbox.
 """
 
 from __future__ import annotations
@@ -201,6 +204,33 @@ def _in_manager(ulab: UnitLab, *argv: str) -> str:
     return ulab.manager.run(*argv).stdout
 
 
+# What code running as the agent could try: each attempt is reported as "ok" or the errno's name.
+# core_pattern is rewritten with its own value, so an open sandbox would change nothing.
+PROBE = r"""
+import errno, json, os, socket, sys
+out = {}
+def attempt(name, fn):
+    try:
+        fn(); out[name] = "ok"
+    except OSError as exc:
+        out[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+def rewrite(path):
+    with open(path) as fh:
+        value = fh.read()
+    with open(path, "w") as fh:
+        fh.write(value)
+attempt("core_pattern", lambda: rewrite("/proc/sys/kernel/core_pattern"))
+for pid in sys.argv[1:]:
+    attempt(f"mem {pid}", lambda: os.close(os.open(f"/proc/{pid}/mem", os.O_RDONLY)))
+def pid1():
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect("/run/systemd/private")
+attempt("systemd_private", pid1)
+print("sandbox-probe " + json.dumps(out), flush=True)
+"""
+
+
 def test_the_installed_unit_is_the_repositorys_and_systemd_applied_its_sandbox_to_the_agent(unit_lab):
     assert (unit_lab.manager.root / INSTALLED_UNIT.relative_to("/")).read_bytes() == AGENT_UNIT.read_bytes()
     pid = unit_lab.manager.show("gpuaas-agent.service", "MainPID")["MainPID"]
@@ -221,6 +251,39 @@ def test_the_installed_unit_is_the_repositorys_and_systemd_applied_its_sandbox_t
     mounts = {line.split()[4]: line.split()[5] for line in _in_manager(unit_lab, "cat", f"/proc/{pid}/mountinfo").splitlines()}
     assert "ro" in mounts["/"].split(",")
     assert "rw" in mounts[str(unit_lab.lab.work / "seeds")].split(",")
+
+
+def test_the_sandbox_closes_kernel_tunables_other_processes_memory_and_pid1s_socket(unit_lab):
+    pid = unit_lab.manager.show("gpuaas-agent.service", "MainPID")["MainPID"]
+    mounts = {line.split()[4]: line.split()[5].split(",")
+              for line in _in_manager(unit_lab, "cat", f"/proc/{pid}/mountinfo").splitlines()}
+    # ProtectKernelTunables=yes, with the PCI trees the agent writes open again (and nothing else in /sys/devices).
+    assert "ro" in mounts["/proc/sys"] and "ro" in mounts["/sys"], mounts
+    assert "rw" in mounts["/sys/devices"] and "rw" in mounts["/sys/bus/pci"], mounts
+    assert "ro" in mounts["/sys/devices/system"] and "ro" in mounts["/sys/devices/virtual"], mounts
+    # Another process of the manager (PID 1, root with every capability; the lab's dnsmasq; QEMU runs outside
+    # this PID namespace, tests/deploy/test_unit_sandbox.py opens another user's process the same way).
+    targets = ["1", unit_lab.manager.show("lab-dnsmasq.service", "MainPID")["MainPID"]]
+    unit_lab.write("/usr/local/lib/gpuaas-sandbox-probe.py", PROBE)
+    unit_lab.write(str(DROPIN_DIR / "zz-probe.conf"),
+                   "[Service]\nExecStartPost=/usr/bin/python3 /usr/local/lib/gpuaas-sandbox-probe.py "
+                   + " ".join(targets) + "\n")
+    try:
+        before = len(unit_lab.agent_log())
+        unit_lab.restart_agent()
+        said = [line for line in unit_lab.agent_log()[before:].splitlines() if line.startswith("sandbox-probe ")]
+    finally:
+        (unit_lab.manager.root / DROPIN_DIR.relative_to("/") / "zz-probe.conf").unlink()
+        unit_lab.restart_agent()
+    assert len(said) == 1, unit_lab.agent_log()[-3000:]
+    inside = json.loads(said[0].split(" ", 1)[1])
+    assert inside["core_pattern"] == "EROFS", inside
+    assert all(inside[f"mem {t}"] in ("EACCES", "EPERM") for t in targets), inside
+    assert inside["systemd_private"] in ("ECONNREFUSED", "ENOENT", "EACCES"), inside
+    # Control: the same probe outside the sandbox (as root in the manager) reaches all three.
+    outside = _in_manager(unit_lab, "/usr/bin/python3", "/usr/local/lib/gpuaas-sandbox-probe.py", *targets)
+    assert json.loads(outside.split(" ", 1)[1]) == {"core_pattern": "ok", "systemd_private": "ok",
+                                                     **{f"mem {t}": "ok" for t in targets}}, outside
 
 
 def test_the_lab_provision_and_release_succeed_inside_the_units_sandbox(unit_lab):

@@ -232,6 +232,17 @@ def test_holder_scan_names_processes_with_nvidia_nodes_open(host_copy):
     ]
 
 
+def test_a_known_holder_whose_fds_are_readable_is_named_only_when_it_holds_the_device(host_copy):
+    # A process's comm names it only when the kernel refused its fd links (the agent has no
+    # CAP_SYS_PTRACE; tests/deploy/test_unit_sandbox.py runs that case under the unit's capabilities).
+    root = host_copy("h200-slice-after-transition")
+    _fake_process(root, 4567, "nv-hostengine", {0: "/dev/null"})
+    _fake_process(root, 5678, "qemu-system-x86", {9: "/dev/vfio/12"})
+    assert find_device_holders(HostRoot.open(root), ("/dev/nvidia",)) == []
+    assert [(h.pid, h.devices) for h in find_device_holders(HostRoot.open(root), ("/dev/vfio/",))] == [
+        (5678, ["/dev/vfio/12"])]
+
+
 def test_failed_unbind_reports_holders_and_clears_the_override(host_copy):
     root = host_copy("h200-slice-after-transition")
     _holders_fixture(root)
