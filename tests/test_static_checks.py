@@ -19,6 +19,7 @@ STRICT_ROOMS = (
     "gpuaas_agent/contract",
     "gpuaas_agent/guards",
     "gpuaas_agent/state",
+    "gpuaas_agent/deploy",
 )
 
 
