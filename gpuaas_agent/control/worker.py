@@ -106,6 +106,7 @@ from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateError, StateStore
+from gpuaas_agent.tasks.context import Handler
 from gpuaas_agent.tasks.registry import default_concurrency
 
 log = logging.getLogger(__name__)
@@ -209,9 +210,6 @@ class TaskContext:
             await self._nc.publish(subjects.progress(self.node_id), event.model_dump_json().encode())
         except nats.errors.Error as exc:  # progress is advisory: losing one must not fail the task
             _warn("progress_publish_failed", task_id=self.envelope.task_id, error=repr(exc))
-
-
-Handler = Callable[[WireModel, TaskContext], Awaitable[dict]]
 
 
 def _not_implemented(task_type: TaskType) -> AgentError:
