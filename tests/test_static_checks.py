@@ -20,6 +20,7 @@ STRICT_ROOMS = (
     "gpuaas_agent/guards",
     "gpuaas_agent/state",
     "gpuaas_agent/deploy",
+    "gpuaas_agent/discovery",
 )
 
 
