@@ -21,6 +21,7 @@ STRICT_ROOMS = (
     "gpuaas_agent/state",
     "gpuaas_agent/deploy",
     "gpuaas_agent/discovery",
+    "gpuaas_agent/control",
 )
 
 
