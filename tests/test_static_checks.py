@@ -22,6 +22,7 @@ STRICT_ROOMS = (
     "gpuaas_agent/deploy",
     "gpuaas_agent/discovery",
     "gpuaas_agent/control",
+    "gpuaas_agent/operator",
 )
 
 
