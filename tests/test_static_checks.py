@@ -23,6 +23,7 @@ STRICT_ROOMS = (
     "gpuaas_agent/discovery",
     "gpuaas_agent/control",
     "gpuaas_agent/operator",
+    "gpuaas_agent/host",
 )
 
 
