@@ -59,7 +59,7 @@ from gpuaas_agent.control.enroll import (
 from gpuaas_agent.control.rotation import CredsRotator, revert_unconfirmed_rotation
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.uevent_watch import DriftWatcher, drift_subject
-from gpuaas_agent.control.worker import Handler, TaskWorker, WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.discovery.drift import topology_drift
 from gpuaas_agent.discovery.identity import read_identity
 from gpuaas_agent.discovery.report import discover
@@ -84,6 +84,7 @@ from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
+from gpuaas_agent.tasks.context import Handler
 from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host

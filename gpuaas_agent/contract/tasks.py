@@ -239,12 +239,17 @@ class ProgressEvent(WireModel):
     at: datetime
 
 
+# A health check's verdict, and the host's health state (the worst verdict, or unknown before the first round).
+CheckStatus = Literal["ok", "degraded", "failed", "unavailable"]
+HostHealth = Literal["unknown", "healthy", "degraded", "failed"]
+
+
 class HealthCheck(WireModel):
     """One host health check as last run: ``ok``, ``degraded``/``failed`` (it moves ``health_state``),
     or ``unavailable`` (this host cannot answer it: no nvme-cli, no NVML, a recording; never a pass)."""
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)
-    status: Literal["ok", "degraded", "failed", "unavailable"]
+    status: CheckStatus
     detail: str = Field(max_length=4000)
     checked_at: datetime
 
@@ -260,7 +265,7 @@ class Heartbeat(WireModel):
     schema_version: SchemaVersion = SCHEMA_VERSION
     node_id: str = Field(pattern=NODE_ID_PATTERN)
     agent_version: str
-    health_state: Literal["unknown", "healthy", "degraded", "failed"]
+    health_state: HostHealth
     health_reason: str | None = Field(default=None, max_length=4000)
     health: list[HealthCheck] = Field(default_factory=list)
     running_tasks: list[str] = Field(default_factory=list)

@@ -29,10 +29,11 @@ import os
 import random
 import ssl
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import nats.errors
-from nats.aio.client import Client
+from nats.aio.client import Client, Server
 
 from gpuaas_agent.control.transport import (
     TlsEnforcingClient,
@@ -65,7 +66,8 @@ class Backoff:
 
     def ceiling(self, attempt: int) -> float:
         """The upper bound of attempt ``attempt`` (0-based)."""
-        return min(self.max_s, self.initial_s * 2 ** min(max(attempt, 0), 62))
+        doubled: float = self.initial_s * 2 ** min(max(attempt, 0), 62)  # int ** int is Any to mypy
+        return min(self.max_s, doubled)
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         return rng.uniform(0.0, self.ceiling(attempt))
@@ -138,7 +140,7 @@ class _Callbacks:
         for listener in list(getattr(self.client, "reconnect_listeners", ())):
             listener()
 
-    def next_server(self, servers, server_info) -> tuple[None, float]:
+    def next_server(self, servers: list[Server], server_info: dict[str, Any]) -> tuple[None, float]:
         """``reconnect_to_server_handler``: nats.py's round robin picks the server, we pick the delay."""
         attempt = min((s.reconnects for s in servers), default=0)
         delay = self.backoff.delay(attempt, self.rng) if self.backoff is not None else 0.0
@@ -183,7 +185,7 @@ async def connect_nats(
     nc = TlsEnforcingClient()
     nc.require_tls = "tls" in secure_options
     callbacks.client = nc
-    options: dict = {
+    options: dict[str, Any] = {
         "servers": servers, "name": name, "connect_timeout": timeout_s,
         "allow_reconnect": reconnect is not None, "max_reconnect_attempts": 1, "reconnect_time_wait": 0,
         "error_cb": callbacks.error, "disconnected_cb": callbacks.disconnected,

@@ -31,13 +31,17 @@ import logging
 import secrets
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.compat import UTC
+from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.enrollment import (
@@ -137,7 +141,7 @@ def load_enrollment(state_dir: str | Path) -> EnrollmentRecord | None:
 
 
 
-def _scrub_v1_record(state_dir: Path, doc) -> bytes | None:
+def _scrub_v1_record(state_dir: Path, doc: object) -> bytes | None:
     """A v1 record kept the NKEY seed (``credentials.creds``): rewrite it without, once; None if not v1.
 
     The seed's only home is ``nats.creds``. When that file exists the seed in the record is a copy
@@ -229,7 +233,7 @@ def _open_reply(data: bytes, reply_key: X25519PrivateKey, request: EnrollRequest
     return credentials, reply.node_id
 
 
-async def _request(nc, subject: str, data: bytes, nats_url: str, timeout: float):
+async def _request(nc: Client, subject: str, data: bytes, nats_url: str, timeout: float) -> Msg:
     """One request/reply of enrollment; ``enroll_unreachable`` when nothing answers or the connection breaks."""
     try:
         return await nc.request(subject, data, timeout=timeout)
@@ -286,7 +290,7 @@ async def enroll(
         nonce = _nonce((await _request(nc, NONCE_SUBJECT, EnrollNonceRequest().model_dump_json().encode(),
                                        nats_url, timeout)).data)
         try:
-            fields = {"server_nonce": nonce, "token_id": token_id(token), "node_public_key": public_key(seed),
+            fields: dict[str, Any] = {"server_nonce": nonce, "token_id": token_id(token), "node_public_key": public_key(seed),
                       "machine_id": identity.machine_id, "reply_public_key": public_key_text(reply_key)}
             request = EnrollRequest(token_proof=token_proof(token, **fields), **fields,
                                     **identity.model_dump(exclude={"machine_id"}))
@@ -323,7 +327,7 @@ def node_inbox_prefix(node_id: str) -> str:
     return subjects.inbox_prefix(node_id)
 
 
-def login_options(config, record: EnrollmentRecord) -> dict:
+def login_options(config: AgentConfig, record: EnrollmentRecord) -> dict[str, Any]:
     """``connect_nats`` keyword arguments for the daemon: transport security, credentials, per-node inbox.
 
     The ``.creds`` used is ``nats_creds_file`` from the config, else ``<state_dir>/nats.creds``
@@ -331,7 +335,7 @@ def login_options(config, record: EnrollmentRecord) -> dict:
     password. A missing ``nats.creds`` is ``creds_missing``: the seed exists nowhere else, by design.
     """
     security = TransportSecurity.from_config(config)
-    options: dict = {"inbox_prefix": node_inbox_prefix(record.node_id)}
+    options: dict[str, Any] = {"inbox_prefix": node_inbox_prefix(record.node_id)}
     creds_file = config.nats_creds_file
     if creds_file is None and record.credentials.user_jwt is not None:
         creds_file = creds_path(config.state_dir)

@@ -18,6 +18,8 @@ and re-creates it when its cluster member is lost.
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpuaas_agent.contract import subjects
 
 
@@ -49,7 +51,7 @@ def node_permissions(node_id: str) -> dict[str, list[str]]:
     }
 
 
-def nats_server_user(node_id: str, password: str) -> dict:
+def nats_server_user(node_id: str, password: str) -> dict[str, Any]:
     """A nats-server config ``authorization.users`` entry with exactly :func:`node_permissions`."""
     perms = node_permissions(node_id)
     return {"user": node_id, "password": password,

@@ -33,6 +33,7 @@ from pathlib import Path
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
 from gpuaas_agent.atomicfile import write_atomic
@@ -91,10 +92,10 @@ class CredsRotator:
         self.confirm_s = confirm_s
         self.rotations = 0  # new credentials installed
         self.confirmed = 0  # ... and confirmed by a reconnect
-        self._sub = None
+        self._sub: Subscription | None = None
         self._lock = asyncio.Lock()
         self._confirm: asyncio.Event | None = None
-        self._watch: asyncio.Task | None = None
+        self._watch: asyncio.Task[None] | None = None
         listeners = getattr(nc, "reconnect_listeners", None)
         if listeners is not None:
             listeners.append(self._on_reconnect)
@@ -212,6 +213,6 @@ class CredsRotator:
             return
         try:
             await msg.respond(reply.model_dump_json().encode())
-            await self.nc.flush(timeout=self.timeout_s)
+            await self.nc.flush(timeout=self.timeout_s)  # type: ignore[arg-type]  # nats.py says int; seconds
         except (nats.errors.Error, TimeoutError) as exc:
             log_event(log, "creds_rotation_reply_failed", logging.WARNING, error=repr(exc))

@@ -32,13 +32,16 @@ import os
 import ssl
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import nats.errors
 from nats.aio.client import Client
 
+from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.control.nkeyseed import sign_nonce
 from gpuaas_agent.errors import AgentError
 
@@ -64,7 +67,7 @@ class TransportSecurity:
     insecure: bool = False
 
     @classmethod
-    def from_config(cls, config, *, enroll: bool = False) -> TransportSecurity:
+    def from_config(cls, config: AgentConfig, *, enroll: bool = False) -> TransportSecurity:
         """The daemon's settings; ``enroll``: the bootstrap login (``nats_enroll_creds_file``, if any)."""
         return cls(ca_file=config.nats_tls_ca_file, server_name=config.nats_tls_server_name,
                    cert_file=config.nats_tls_cert_file, key_file=config.nats_tls_key_file,
@@ -116,9 +119,9 @@ class TransportSecurity:
                                            "error": repr(exc)}) from None
         return context
 
-    def connect_options(self, servers: list[str]) -> dict:
+    def connect_options(self, servers: list[str]) -> dict[str, Any]:
         """nats.py ``connect()`` options for TLS and credentials; raises before anything is dialled."""
-        options: dict = {}
+        options: dict[str, Any] = {}
         if any(self.uses_tls(s) for s in servers):
             options["tls"] = self.ssl_context()
             if self.server_name:
@@ -137,9 +140,9 @@ class TlsEnforcingClient(Client):
     def __init__(self) -> None:
         super().__init__()
         # Called (no arguments) after every reconnect: the worker ends a pull the restarted server forgot.
-        self.reconnect_listeners: list = []
+        self.reconnect_listeners: list[Callable[[], None]] = []
 
-    async def _process_info(self, info, initial_connection: bool = False) -> None:
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
         if initial_connection and self.require_tls and not info.get("tls_required"):
             raise nats.errors.Error("nats: server offered no TLS on a tls:// connection (refused before CONNECT)")
         await super()._process_info(info, initial_connection=initial_connection)
@@ -214,7 +217,7 @@ def creds_text(user_jwt: str, seed: str) -> str:
             f"{CREDS_SEED_BEGIN}\n{seed}\n------END USER NKEY SEED------\n")
 
 
-def jwt_claims(user_jwt: str) -> dict:
+def jwt_claims(user_jwt: str) -> dict[str, Any]:
     """The claims of a JWT (read, not verified: the server verifies); ``{}`` when unreadable."""
     try:
         claims = json.loads(_b64url(user_jwt.split(".")[1]))

@@ -140,7 +140,7 @@ class DriftWatcher:
         """Core NATS publish + flush; a failure is logged (the report is in the log either way)."""
         try:
             await self.nc.publish(self.subject, report.model_dump_json().encode())
-            await self.nc.flush(timeout=self.publish_timeout_s)
+            await self.nc.flush(timeout=self.publish_timeout_s)  # type: ignore[arg-type]  # nats.py says int; seconds
             _event("drift_published", subject=self.subject, findings=len(report.findings))
             return True
         except (nats.errors.Error, TimeoutError) as exc:

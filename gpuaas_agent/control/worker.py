@@ -74,12 +74,15 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any, Protocol, TypeVar
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, Header
+from nats.js.client import JetStreamContext
 from pydantic import ValidationError
 
 from gpuaas_agent import compat
@@ -87,7 +90,7 @@ from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.slots import SlotOutcome
-from gpuaas_agent.contract.state import StepStatus
+from gpuaas_agent.contract.state import JournalEntry, StepStatus
 from gpuaas_agent.contract.tasks import (
     ProgressEvent,
     ResultStatus,
@@ -106,6 +109,7 @@ from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateError, StateStore
+from gpuaas_agent.tasks.context import Handler
 from gpuaas_agent.tasks.registry import default_concurrency
 
 log = logging.getLogger(__name__)
@@ -123,6 +127,14 @@ CRASH_CODE = "internal_error"  # what _run_handler reports for an exception that
 
 _event = functools.partial(log_event, log)
 _warn = functools.partial(log_event, log, level=logging.WARNING)
+
+T = TypeVar("T")
+
+
+class TaskObserver(Protocol):
+    """The daemon's metrics as the worker sees them (a ``step_finished`` it may have is read with getattr)."""
+
+    def task_finished(self, task_type: str, status: str, duration_s: float | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -188,7 +200,7 @@ class TaskContext:
     # (a provision that failed after writing the disk reports its slot cleanup_blocked).
     slot_outcomes: list[SlotOutcome] = field(default_factory=list)
     # Called by the step pipeline per finished step (task type, step, status, duration_s, output): metrics.
-    step_observer: Callable[[str, str, str, float, dict], None] | None = None
+    step_observer: Callable[[str, str, str, float, dict[str, Any]], None] | None = None
     # Set when the agent is stopping (SIGTERM): a pipeline cancelled then leaves its step journaled for the
     # next agent instead of compensating it (tasks/pipeline.py).
     agent_stopping: asyncio.Event | None = None
@@ -201,17 +213,17 @@ class TaskContext:
         """The NATS connection, for work that outlives the task (a terminal session's subjects)."""
         return self._nc
 
-    async def progress(self, step: str, status: str, *, percent: float | None = None, detail: dict | None = None) -> None:
+    async def progress(self, step: str, status: str, *, percent: float | None = None,
+                       detail: dict[str, Any] | None = None) -> None:
         """Publish a step event on ``gpuaas.node.<node>.progress`` (core NATS, fire and forget)."""
-        event = ProgressEvent(task_id=self.envelope.task_id, node_id=self.node_id, step=step, status=status,
+        # status: a str here (the pipeline passes StepStatus values); the model refuses one outside its Literal.
+        event = ProgressEvent(task_id=self.envelope.task_id, node_id=self.node_id, step=step,
+                              status=status,  # type: ignore[arg-type]
                               percent=percent, detail=detail or {}, at=datetime.now(UTC))
         try:
             await self._nc.publish(subjects.progress(self.node_id), event.model_dump_json().encode())
         except nats.errors.Error as exc:  # progress is advisory: losing one must not fail the task
             _warn("progress_publish_failed", task_id=self.envelope.task_id, error=repr(exc))
-
-
-Handler = Callable[[WireModel, TaskContext], Awaitable[dict]]
 
 
 def _not_implemented(task_type: TaskType) -> AgentError:
@@ -222,7 +234,7 @@ def _not_implemented(task_type: TaskType) -> AgentError:
 class ConsumerMissing(Exception):
     """Our consumer is not there (or not in the shape the control plane must create): wait for the control plane."""
 
-    def __init__(self, stream: str, consumer: str, **found) -> None:
+    def __init__(self, stream: str, consumer: str, **found: Any) -> None:
         super().__init__(f"consumer {consumer} on {stream} is missing")
         self.stream, self.consumer, self.found = stream, consumer, found
 
@@ -231,7 +243,7 @@ class TaskWorker:
     """Build once in the daemon; :meth:`run` until :meth:`stop`; then :meth:`drain`."""
 
     def __init__(self, nc: Client, store: StateStore | StoreThread, node_id: str, handlers: Mapping[TaskType, Handler],
-                 settings: WorkerSettings | None = None, *, observer=None) -> None:
+                 settings: WorkerSettings | None = None, *, observer: TaskObserver | None = None) -> None:
         self.nc = nc
         # Optional (the daemon's metrics): observer.task_finished(type, status, duration_s) per result
         # stored, observer.step_finished(...) per pipeline step.
@@ -250,10 +262,10 @@ class TaskWorker:
         self.admission = Admission(self.settings.concurrency,
                                    per_allocation=self.settings.interactive_per_allocation)
         self._stopping = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
-        self._inflight: dict[str, asyncio.Future] = {}
-        self._sub = None
-        self._fetching: asyncio.Future | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._inflight: dict[str, asyncio.Future[None]] = {}
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._fetching: asyncio.Future[list[Msg]] | None = None
         # A message a kicked or stopped pull had already taken off the subscription's queue: the next pull
         # hands it on (a stop hands it back). Cancelling a read that has taken one would drop it: JetStream
         # then redelivers it only ack_wait_s later (bench_fleet, server restart at 5,000 nodes).
@@ -278,7 +290,7 @@ class TaskWorker:
 
     # -- lifecycle ----------------------------------------------------------------
 
-    async def _bind(self):
+    async def _bind(self) -> JetStreamContext.PullSubscription:
         """Find the stream, look our consumer up (the control plane creates it), bind the pull to it."""
         name = self.settings.durable_name(self.node_id)
         stream = self.settings.task_stream
@@ -394,7 +406,7 @@ class TaskWorker:
             raise nats.js.errors.APIError(code=int(status) if status.isdigit() else None,
                                           description=headers.get("Description") or headers.get(Header.DESCRIPTION))
 
-    async def _take(self, sub, timeout: float) -> Msg:
+    async def _take(self, sub: Subscription, timeout: float) -> Msg:
         """The next message of the pull subscription's queue within ``timeout`` (else ``nats.errors.TimeoutError``).
 
         Cancellation-safe, unlike nats.py's ``next_msg``: there the message is taken off the queue by an inner
@@ -452,6 +464,7 @@ class TaskWorker:
         heartbeat = self._pull_heartbeat_s()
         timeout = self.settings.request_timeout_s if heartbeat is None else min(self.settings.request_timeout_s,
                                                                                 2 * heartbeat)
+        assert self.stream is not None  # bound before the first pull
         try:
             await self.js.consumer_info(self.stream, consumer, timeout=timeout)
         except nats.js.errors.NotFoundError:
@@ -507,7 +520,8 @@ class TaskWorker:
                     # Deleted; a pull limit of the consumer): pull again, paced. If nobody serves the consumer
                     # now, that pull's heartbeats never come and the heartbeat check finds out why; checking at
                     # once would ask a member that is still going down (or coming back: a restart).
-                    _warn("pull_ended_by_server", status=409, description=exc.description, retry_in_s=backoff)
+                    _warn("pull_ended_by_server", status=409, description=exc.description,  # type: ignore[union-attr]  # a 409 is an APIError
+                          retry_in_s=backoff)
                     await self._pause(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
@@ -533,7 +547,8 @@ class TaskWorker:
                     task = asyncio.create_task(self._turn_away(msg, ticket))
                 else:
                     task = asyncio.create_task(self._process(msg))
-                    task.add_done_callback(lambda _t, ticket=ticket: self.admission.release(ticket))
+                    # mypy cannot infer a lambda whose default argument binds this ticket: hence its ignore
+                    task.add_done_callback(lambda _t, ticket=ticket: self.admission.release(ticket))  # type: ignore[misc]
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -547,6 +562,7 @@ class TaskWorker:
         if self._sub is None or loop.time() - self._checked_at < self.settings.consumer_check_s:
             return
         self._checked_at = loop.time()
+        assert self.stream is not None  # bound with the subscription
         try:
             await self.js.consumer_info(self.stream, self.settings.durable_name(self.node_id),
                                         timeout=self.settings.request_timeout_s)
@@ -662,7 +678,7 @@ class TaskWorker:
             # Redelivered while still running here: wait for that run, then answer from the store.
             _event("task_redelivered_while_running", task_id=task_id)
             await self._keepalive_while(msg, asyncio.shield(running))
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inflight[task_id] = done
         self._received[task_id] = asyncio.get_running_loop().time()
         try:
@@ -687,7 +703,8 @@ class TaskWorker:
                                                                 "expected": expected})
 
     def _retry_delay(self, starts: int) -> float:
-        return min(self.settings.ack_wait_s, self.settings.retry_backoff_s * 2 ** max(starts - 1, 0))
+        backoff: float = self.settings.retry_backoff_s * 2 ** max(starts - 1, 0)  # int ** int is Any to mypy
+        return min(self.settings.ack_wait_s, backoff)
 
     async def _poison(self, msg: Msg, envelope: TaskEnvelope, starts: int, last_error: TaskErrorBody | None) -> None:
         last = f"{last_error.message}" if last_error is not None else "the agent stopped while it ran"
@@ -708,7 +725,7 @@ class TaskWorker:
         await self._finish(msg, envelope, ResultStatus.failed, error=error, slot_outcomes=outcomes)
 
     async def _recover(self, msg: Msg, envelope: TaskEnvelope,
-                       interrupted: list[str]) -> tuple[dict | None, list[SlotOutcome]]:
+                       interrupted: list[str]) -> tuple[dict[str, Any] | None, list[SlotOutcome]]:
         """Run the handler's ``recover`` hook for a task interrupted mid-run that will not run again.
 
         Returns (its evidence, the slot outcomes it reported); (None, []) when the type has no hook.
@@ -720,7 +737,7 @@ class TaskWorker:
             task_type, payload = task_payload(envelope)
         except ContractError:
             return None, []
-        recover = getattr(self.handlers.get(task_type), "recover", None)
+        recover: Handler | None = getattr(self.handlers.get(task_type), "recover", None)
         if recover is None:
             return None, []
         tries = sum(1 for e in await self.state.journal_of(envelope.task_id)
@@ -734,7 +751,7 @@ class TaskWorker:
         _warn("task_recovering", task_id=envelope.task_id, unfinished_steps=interrupted)
         await self.state.journal(envelope.task_id, RECOVER_STEP, StepStatus.started)
 
-        async def guarded() -> dict:
+        async def guarded() -> dict[str, Any]:
             async with self._semaphores[task_type], compat.timeout(self.settings.recovery_timeout_s):
                 return await recover(payload, ctx)
 
@@ -758,7 +775,7 @@ class TaskWorker:
         deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=UTC)
         now = datetime.now(UTC)
         if now >= deadline:
-            evidence: dict = {"deadline": deadline.isoformat()}
+            evidence: dict[str, Any] = {"deadline": deadline.isoformat()}
             outcomes: list[SlotOutcome] = []
             try:
                 interrupted = await self.state.unfinished_steps(envelope.task_id)
@@ -772,7 +789,7 @@ class TaskWorker:
                 recovery, outcomes = await self._recover(msg, envelope, interrupted)
                 if recovery is not None:
                     evidence["recovery"] = recovery
-            error = TaskErrorBody(code="expired", message=f"deadline {deadline.isoformat()} passed before the task ran",
+            error: TaskErrorBody | None = TaskErrorBody(code="expired", message=f"deadline {deadline.isoformat()} passed before the task ran",
                                   retryable=False, evidence=evidence)
             await self._finish(msg, envelope, ResultStatus.failed, error=error, slot_outcomes=outcomes)
             return
@@ -848,7 +865,7 @@ class TaskWorker:
         await self._finish(msg, envelope, status, output=output, error=error, slot_outcomes=ctx.slot_outcomes)
 
     async def _run_handler(self, task_type: TaskType, handler: Handler, payload: WireModel,
-                           ctx: TaskContext) -> tuple[ResultStatus, dict, TaskErrorBody | None]:
+                           ctx: TaskContext) -> tuple[ResultStatus, dict[str, Any], TaskErrorBody | None]:
         task_id = ctx.envelope.task_id
         async with self._semaphores[task_type]:
             await self.state.journal(task_id, TASK_STEP, StepStatus.started,
@@ -883,7 +900,7 @@ class TaskWorker:
             _event("task_succeeded", task_id=task_id, type=task_type.value)
             return ResultStatus.succeeded, dict(output), None
 
-    async def _keepalive_while(self, msg: Msg, work: Awaitable):
+    async def _keepalive_while(self, msg: Msg, work: Awaitable[T]) -> T:
         """Await ``work``, sending ``in_progress`` every keepalive interval so JetStream does not redeliver."""
         work = asyncio.ensure_future(work)
         while True:
@@ -896,7 +913,7 @@ class TaskWorker:
                 _warn("keepalive_failed", subject=msg.subject, error=repr(exc))
 
     async def _finish(self, msg: Msg, envelope: TaskEnvelope, status: ResultStatus, *,
-                      output: dict | None = None, error: TaskErrorBody | None = None,
+                      output: dict[str, Any] | None = None, error: TaskErrorBody | None = None,
                       slot_outcomes: list[SlotOutcome] | None = None) -> None:
         result = TaskResult(task_id=envelope.task_id, node_id=self.node_id, type=envelope.type,
                             attempt=envelope.attempt, status=status, output=output or {}, error=error,
@@ -956,7 +973,7 @@ def pull_status(msg: Msg) -> str | None:
     return msg.headers.get("Status")
 
 
-def _task_history(store: StateStore, task_id: str) -> tuple[dict | None, tuple[int, list[str]] | StateError]:
+def _task_history(store: StateStore, task_id: str) -> tuple[dict[str, Any] | None, tuple[int, list[str]] | StateError]:
     """The stored result of ``task_id``, else its journaled handler starts and unfinished steps (or the
     StateError reading the journal raised), read in one go on the store thread: every claim needs them, and
     each separate hop costs the event loop a thread round trip (bench_fleet: 5 hops per claim were ~30% of
@@ -970,7 +987,7 @@ def _task_history(store: StateStore, task_id: str) -> tuple[dict | None, tuple[i
         return None, exc
 
 
-def handler_starts(entries: list) -> int:
+def handler_starts(entries: list[JournalEntry]) -> int:
     """How many times a handler was started and neither finished nor was handed back at a stop.
 
     Journaled before it runs, so a kill -9 counts toward the poison bound; a clean stop's hand-back

@@ -22,16 +22,17 @@ import shutil
 from enum import Enum
 from ipaddress import IPv4Interface
 from pathlib import Path
+from typing import Any, cast
 
 from pydantic import Field, model_validator
 
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.contract.base import WireModel
-from gpuaas_agent.contract.ovs import IfName
+from gpuaas_agent.contract.ovs import BridgeEvidence, IfName
 from gpuaas_agent.contract.types import DATAPATH_TYPE_PATTERN
 from gpuaas_agent.errors import HostError
 from gpuaas_agent.host.ovs import OvsDriver
-from gpuaas_agent.host.run import run
+from gpuaas_agent.host.run import Completed, run
 
 DNSMASQ_CONF = Path("/etc/dnsmasq.d/gpuaas-slice-network.conf")
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
@@ -157,11 +158,11 @@ class NetworkBaseline:
     def _step(self, name: str, outcome: StepOutcome, detail: str = "") -> None:
         self.steps.append(BaselineStep(name=name, outcome=outcome, detail=detail))
 
-    async def _ip(self, *args: str, check: bool = True):
+    async def _ip(self, *args: str, check: bool = True) -> Completed:
         return await run(["ip", *args], timeout=self.spec.command_timeout_s, check=check)
 
     async def _bridge(self) -> None:
-        def ensure():
+        def ensure() -> BridgeEvidence:
             driver = OvsDriver(self.spec.ovs_remote, timeout_s=self.spec.command_timeout_s)
             try:
                 return driver.ensure_bridge(self.spec.bridge, create=True, datapath_type=self.spec.datapath_type)
@@ -186,12 +187,12 @@ class NetworkBaseline:
                                     code="baseline_bridge_link_missing", evidence={"bridge": name})
             await asyncio.sleep(0.1)
 
-    async def _link(self, name: str) -> dict | None:
+    async def _link(self, name: str) -> dict[str, Any] | None:
         done = await self._ip("-j", "link", "show", "dev", name, check=False)
         if done.returncode != 0:
             return None
         links = json.loads(done.stdout or b"[]")
-        return links[0] if links else None
+        return cast("dict[str, Any]", links[0]) if links else None
 
     async def _link_up(self, name: str, step: str) -> None:
         link = await self._link(name)

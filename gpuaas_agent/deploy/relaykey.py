@@ -31,6 +31,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from gpuaas_agent.atomicfile import fsync_dir, write_atomic
 from gpuaas_agent.errors import AgentError
@@ -93,7 +94,7 @@ class _Reader:
         return out
 
     def u32(self) -> int:
-        return struct.unpack(">I", self.take(4))[0]
+        return cast(int, struct.unpack(">I", self.take(4))[0])
 
     def string(self) -> bytes:
         return self.take(self.u32())

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import yaml
 from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, model_validator
@@ -169,7 +169,7 @@ def _toml_value(value: Any) -> str:
 def agent_toml(inputs: UserDataInputs) -> str:
     """The site part of agent.toml; checked by the agent's own config parser before it is shipped."""
     check_inputs(inputs)
-    values: dict = {"nats_url": inputs.nats_url, "token_file": str(TOKEN_PATH)}
+    values: dict[str, Any] = {"nats_url": inputs.nats_url, "token_file": str(TOKEN_PATH)}
     if inputs.insecure:
         values["insecure"] = True
     table = slice_table(inputs.slice, ca_pem=inputs.image_ca_pem)
@@ -187,11 +187,11 @@ def agent_toml(inputs: UserDataInputs) -> str:
     return "\n".join(lines) + "\n"
 
 
-class _Argv(list):
+class _Argv(list[str]):
     """A runcmd entry: dumped on one line (``[systemctl, enable, ...]``) so the document reads like the commands."""
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML ships no stubs: SafeDumper is Any to mypy
     """SafeDumper with readable shapes: argv lists inline, multi-line file contents as ``|`` blocks."""
 
 
@@ -267,4 +267,4 @@ def render_userdata(inputs: UserDataInputs) -> str:
         "write_files": files,
         "runcmd": [_Argv(cmd) for cmd in _runcmd(inputs)],
     }
-    return "#cloud-config\n" + yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
+    return "#cloud-config\n" + cast(str, yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000))

@@ -10,7 +10,7 @@ Pure: two reports in, findings out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
@@ -27,11 +27,11 @@ def topology_drift(before: TopologyReport, after: TopologyReport) -> list[DriftF
             *_fabric_drift(before.fabric_devices, after.fabric_devices)]
 
 
-def _by(items: Iterable[T], key) -> dict[str, T]:
+def _by(items: Iterable[T], key: Callable[[T], str]) -> dict[str, T]:
     return {key(item): item for item in items}
 
 
-def _pairs(before: dict[str, T], after: dict[str, T]):
+def _pairs(before: dict[str, T], after: dict[str, T]) -> Iterator[tuple[str, T | None, T | None]]:
     """(key, before or None, after or None) over the union of keys, in key order."""
     for key in sorted(before.keys() | after.keys()):
         yield key, before.get(key), after.get(key)
@@ -44,6 +44,7 @@ def _gpu_drift(before: list[GpuDevice], after: list[GpuDevice]) -> list[DriftFin
     out = []
     for address, old, new in _pairs(_by(before, lambda g: g.pci_address), _by(after, lambda g: g.pci_address)):
         if new is None:
+            assert old is not None  # _pairs: every key is on one side at least
             out.append(DriftFinding(kind=DriftKind.gpu_vanished, subject=address, expected=PRESENT, actual=ABSENT,
                                     severity=DriftSeverity.error, detail=_gpu_detail(old)))
         elif old is None:
@@ -107,6 +108,7 @@ def _nvme_drift(before: list[NvmeDevice], after: list[NvmeDevice]) -> list[Drift
     out = []
     for identity, old, new in _pairs(_by(before, nvme_identity), _by(after, nvme_identity)):
         if new is None:
+            assert old is not None  # _pairs: every key is on one side at least
             out.append(DriftFinding(kind=DriftKind.nvme_vanished, subject=identity, expected=PRESENT, actual=ABSENT,
                                     severity=DriftSeverity.error, detail=_nvme_detail(old)))
             continue
@@ -139,8 +141,9 @@ def _netdevs(fn: FabricDevice) -> set[str]:
 def _fabric_drift(before: list[FabricDevice], after: list[FabricDevice]) -> list[DriftFinding]:
     out = []
     for address, old, new in _pairs(_by(before, lambda f: f.pci_address), _by(after, lambda f: f.pci_address)):
-        vf = (new or old).is_vf
+        vf = (new or old).is_vf  # type: ignore[union-attr]  # _pairs: every key is on one side at least
         if new is None:
+            assert old is not None  # the same
             kind = DriftKind.fabric_vf_vanished if vf else DriftKind.fabric_pf_vanished
             out.append(DriftFinding(kind=kind, subject=address, expected=PRESENT, actual=ABSENT,
                                     severity=DriftSeverity.error, detail=_fabric_detail(old)))

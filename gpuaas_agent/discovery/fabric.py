@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from gpuaas_agent.contract.topology import FabricDevice
-from gpuaas_agent.discovery.pci import PCI_DEVICES, PciIndex, linked_address
+from gpuaas_agent.discovery.pci import PCI_DEVICES, PciFunction, PciIndex, linked_address
 from gpuaas_agent.discovery.sysread import SysReader
 
 MELLANOX_VENDOR = 0x15B3
@@ -48,11 +48,12 @@ def _port_state(raw: str | None) -> str | None:
 def read_fabric_devices(index: PciIndex) -> list[FabricDevice]:
     reader = index.reader
     devices = []
+    fn: PciFunction | None  # each function, then its detailed read
     for address, fn in index.functions.items():
         if not is_fabric(fn.vendor, fn.class_code):
             continue
         fn = index.detailed(address)
-        assert fn is not None
+        assert fn is not None and fn.vendor is not None  # is_fabric matched the vendor
         entry = f"{PCI_DEVICES}/{address}"
         names = reader.listdir(entry)
         virtfns = sorted(

@@ -19,8 +19,15 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
-from gpuaas_agent.contract.firmware import FirmwareBaselineRule, FirmwareChange, FirmwareComponent, FirmwareInventory
+from gpuaas_agent.contract.firmware import (
+    FirmwareBaselineRule,
+    FirmwareChange,
+    FirmwareComponent,
+    FirmwareInventory,
+    FirmwareKind,
+)
 from gpuaas_agent.contract.parity import ParityCheck, ParityStatus
 from gpuaas_agent.contract.topology import Finding, TopologyReport
 from gpuaas_agent.contract.types import PCI_ADDRESS_RE
@@ -79,6 +86,7 @@ def _nvidia_functions(host: HostRoot) -> list[tuple[str, int]]:
 
 def _gpu_and_switches(host: HostRoot) -> list[FirmwareComponent]:
     out = []
+    kind: FirmwareKind
     for addr, cls in _nvidia_functions(host):
         if cls >> 8 == 0x03:  # display controller: VGA 0x0300 or 3D 0x0302
             kind, info, pattern = "gpu_vbios", NVIDIA_GPU_INFO.format(addr=addr), _VBIOS_LINE
@@ -199,6 +207,8 @@ def firmware_changes(before: FirmwareInventory, after: FirmwareInventory,
     """
     old, new = before.by_key(), after.by_key()
     wanted: set[str] | None = None
+    component: FirmwareComponent | None
+    kind: Literal["changed", "appeared", "disappeared", "unreadable"]
     if devices is not None:
         wanted = set(devices)
         for component in (*before.components, *after.components):

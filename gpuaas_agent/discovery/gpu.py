@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from gpuaas_agent.contract.topology import GpuDevice
 from gpuaas_agent.discovery.bars import read_bars
-from gpuaas_agent.discovery.pci import PciIndex, iommu_group_members
+from gpuaas_agent.discovery.pci import PciFunction, PciIndex, iommu_group_members
 
 NVIDIA_VENDOR = 0x10DE
 GPU_CLASSES = frozenset({0x0300, 0x0302})
@@ -33,11 +33,12 @@ def is_gpu(vendor: int | None, class_code: int | None) -> bool:
 def read_gpus(index: PciIndex) -> list[GpuDevice]:
     """Every GPU function in address order."""
     gpus = []
+    fn: PciFunction | None  # each function, then its detailed read
     for address, fn in index.functions.items():
         if not is_gpu(fn.vendor, fn.class_code):
             continue
         fn = index.detailed(address)
-        assert fn is not None
+        assert fn is not None and fn.vendor is not None  # is_gpu matched the vendor
         gpus.append(
             GpuDevice(
                 pci_address=fn.address,

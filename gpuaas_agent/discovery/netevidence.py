@@ -29,6 +29,7 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from gpuaas_agent.contract.fixture import FIXTURE_META_DIR, MANIFEST_NAME
 from gpuaas_agent.contract.parity import (
@@ -181,7 +182,7 @@ def masquerade_in_nft(text: str, subnet: ipaddress.IPv4Network) -> str | None:
     return None
 
 
-def _nft_saddr_in(expr: dict, subnet: ipaddress.IPv4Network) -> bool:
+def _nft_saddr_in(expr: dict[str, Any], subnet: ipaddress.IPv4Network) -> bool:
     match = expr.get("match")
     if not match or match.get("op") not in ("==", "in"):
         return False
@@ -330,7 +331,10 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str] | str:
                                        done.stderr.decode("utf-8", "replace"))
 
 
-def _netlink(target: NetTarget):
+_FAMILIES: dict[int, Literal["inet", "inet6"]] = {socket.AF_INET: "inet", socket.AF_INET6: "inet6"}
+
+
+def _netlink(target: NetTarget) -> Any:  # pyroute2's IPRoute: the library is untyped
     """An IPRoute for the host's own namespace (a socket in this process: no child, no fork)."""
     from pyroute2 import IPRoute
 
@@ -344,6 +348,7 @@ def _read_netns_ip_json(target: NetTarget, snap: NetSnapshot) -> None:
     wake-up socket, so the SIGTERM that NetNS.close() sends its child woke the daemon's
     loop as if the daemon had been told to stop (seen as a daemon stopping 0.1 s after start).
     """
+    assert target.netns is not None  # the host's own namespace is read through netlink
     if not Path("/run/netns", target.netns).exists():
         raise NetEvidenceError(f"network namespace {target.netns!r} does not exist", code="netns_missing",
                                evidence={"netns": target.netns, "path": f"/run/netns/{target.netns}"})
@@ -375,7 +380,7 @@ def _read_netlink(target: NetTarget, snap: NetSnapshot) -> None:
             snap.links = [names[i] for i in sorted(names)]
             addresses = []
             for msg in nl.get_addr():
-                family = {socket.AF_INET: "inet", socket.AF_INET6: "inet6"}.get(msg["family"])
+                family = _FAMILIES.get(msg["family"])
                 local = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
                 if family and local:
                     addresses.append(NetAddress(ifname=names.get(msg["index"], str(msg["index"])), family=family,
@@ -417,7 +422,7 @@ def _live_nat(target: NetTarget, snap: NetSnapshot) -> NatEvidence:
         snap.cannot("nat_unreadable", done)
     elif done.returncode != 1:  # 1 is "no such rule"; anything else is iptables failing to answer
         snap.cannot("nat_unreadable", f"iptables -C exited {done.returncode}: {done.stderr.strip()[:200]}")
-    dumps = []
+    dumps: list[str | None] = []
     for name, cmd in (("iptables-save", ["iptables-save", "-t", "nat"]), ("nft", ["nft", "-j", "list", "ruleset"])):
         out = _run(_ns_argv(target, cmd))
         if isinstance(out, str) or out.returncode != 0:
@@ -642,6 +647,7 @@ def dnsmasq_process(host: HostRoot, pid: int, argv: list[str]) -> DnsmasqProcess
             i += 1
             continue
         i += used
+        assert value is not None  # an option that used a word has a value ("" when bare)
         if kind == "conf":
             explicit_conf = True
             if value:

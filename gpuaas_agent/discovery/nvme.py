@@ -17,6 +17,7 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuaas_agent.contract.topology import (
     Finding,
@@ -210,7 +211,7 @@ def identity_kind(link: str) -> StorageIdentityKind | None:
     return None
 
 
-_KIND_RANK = {
+_KIND_RANK: dict[StorageIdentityKind | None, int] = {
     StorageIdentityKind.nvme_eui_by_id: 0,
     StorageIdentityKind.nvme_wwn_by_id: 1,
     StorageIdentityKind.nvme_serial_by_id: 2,
@@ -353,7 +354,7 @@ def _read_namespace(
     signatures = [f"{label}={udev[key]}" for key, label in UDEV_SIGNATURES.items() if udev.get(key)]
     signatures += [f"{p.name}:{p.fstype}" for p in partitions if p.fstype]
 
-    device = dict(
+    device: dict[str, Any] = dict(
         by_id=f"{BY_ID}/{links[0]}" if links else None,
         by_id_links=[f"{BY_ID}/{l}" for l in links[1:]],
         storage_identity_kind=kind,
@@ -385,7 +386,7 @@ def _bytes(sectors: int | None) -> int | None:
     return None if sectors is None else sectors * SECTOR_BYTES
 
 
-def ineligible_reasons(d: dict, *, read_only: bool, os_mountpoints: list[str]) -> list[Finding]:
+def ineligible_reasons(d: dict[str, Any], *, read_only: bool, os_mountpoints: list[str]) -> list[Finding]:
     """Why a disk may not be a slice disk; empty means it is raw, unused and stably named."""
     name = d["kernel_name"]
     reasons = []

@@ -23,7 +23,7 @@ def enrich(gpus: list[GpuDevice], live: bool) -> tuple[list[GpuDevice], GpuEnric
     if not gpus:
         return gpus, GpuEnrichment(status="unavailable", detail="no GPUs found in sysfs")
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except ImportError:
         return gpus, GpuEnrichment(status="unavailable", detail="pynvml (nvidia-ml-py) is not installed")
     try:

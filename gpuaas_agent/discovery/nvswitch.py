@@ -13,7 +13,7 @@ from __future__ import annotations
 from gpuaas_agent.contract.parity import ParityCheck, ParityStatus
 from gpuaas_agent.contract.topology import NvSwitchDevice, TopologyReport
 from gpuaas_agent.discovery.gpu import NVIDIA_VENDOR
-from gpuaas_agent.discovery.pci import PciIndex
+from gpuaas_agent.discovery.pci import PciFunction, PciIndex
 
 CLASS_BRIDGE_OTHER = 0x0680
 
@@ -21,6 +21,7 @@ CLASS_BRIDGE_OTHER = 0x0680
 def read_nvswitches(index: PciIndex) -> list[NvSwitchDevice]:
     """Every NVSwitch function in address order."""
     out = []
+    fn: PciFunction | None  # each function, then its detailed read
     for address, fn in index.functions.items():
         if fn.vendor != NVIDIA_VENDOR or fn.base_class != CLASS_BRIDGE_OTHER:
             continue

@@ -9,6 +9,7 @@ function sits behind.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import overload
 
 from gpuaas_agent.contract.topology import Locality
 from gpuaas_agent.contract.types import PCI_ADDRESS_RE
@@ -53,6 +54,10 @@ class PciFunction:
         """domain:bus:device, shared by functions of one physical device."""
         return self.address.rsplit(".", 1)[0]
 
+    @overload
+    def hex_id(self, value: int) -> str: ...
+    @overload
+    def hex_id(self, value: None) -> None: ...
     def hex_id(self, value: int | None) -> str | None:
         return None if value is None else f"0x{value:04x}"
 
@@ -166,8 +171,9 @@ def iommu_enabled(reader: SysReader) -> bool:
     return bool(reader.listdir(IOMMU_GROUPS))
 
 
-def locality(a: PciFunction, b: PciFunction) -> Locality:
+def locality(a: PciFunction | None, b: PciFunction | None) -> Locality:
     """Same PCIe switch (a shared upstream bridge), else same NUMA node, else remote."""
+    assert a is not None and b is not None, "locality of a function missing from the index it was read from"
     if set(a.pci_path) & set(b.pci_path):
         return Locality.same_switch
     if a.numa_node is not None and b.numa_node is not None:

@@ -181,16 +181,17 @@ def check_hugepages(host: HostRoot, profiles: list[RuntimeProfile], slot_nodes: 
         nodes = [n for n in host.listdir(NODE_DIR) if re.fullmatch(r"node\d+", n)]
     except OSError:
         nodes = []
-    for node in sorted(nodes, key=lambda n: int(n[4:])):
-        base = f"{NODE_DIR}/{node}/hugepages/{HUGEPAGE_1G}"
+    free: int | None  # a node's free 1 GiB pages; None where its pool is unknown
+    for node_dir in sorted(nodes, key=lambda n: int(n[4:])):
+        base = f"{NODE_DIR}/{node_dir}/hugepages/{HUGEPAGE_1G}"
         try:
             nr, free = int(host.read_attr(f"{base}/nr_hugepages")), int(host.read_attr(f"{base}/free_hugepages"))
         except (OSError, ValueError):
-            parts.append(f"{node}=unknown")
-            pools[int(node[4:])] = None
+            parts.append(f"{node_dir}=unknown")
+            pools[int(node_dir[4:])] = None
             continue
-        pools[int(node[4:])] = free
-        parts.append(f"{node}={free}/{nr}")
+        pools[int(node_dir[4:])] = free
+        parts.append(f"{node_dir}={free}/{nr}")
     ev = f"{NODE_DIR}/node*/hugepages/{HUGEPAGE_1G}/free_hugepages/nr_hugepages: {' '.join(parts) or 'no NUMA nodes'}"
     wanting = [p for p in profiles if p.hugepages_1g]
     names = ",".join(p.name for p in profiles) or "none"

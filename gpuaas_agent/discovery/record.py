@@ -758,7 +758,7 @@ def _run_one(rec: _Recording, name: str, argv: list[str]) -> RecordedCommand:
     try:
         done = run_sync(argv, timeout=COMMAND_TIMEOUT_S, check=False)
     except HostError as exc:
-        error = {"command_not_found": f"{argv[0]} is not installed",
+        error: str | None = {"command_not_found": f"{argv[0]} is not installed",
                  "command_timeout": f"timed out after {COMMAND_TIMEOUT_S} s"}.get(exc.code, exc.message)
         return RecordedCommand(name=name, argv=argv, error=error)
     except OSError as exc:

@@ -108,6 +108,7 @@ def _gpu_blockers(gpu: GpuDevice, index: PciIndex) -> list[Finding]:
     if gpu.iommu_group is None:
         return [Finding(code="gpu_no_iommu_group", detail=f"{gpu.pci_address} has no IOMMU group (IOMMU off?)", path=path)]
     me = index.get(gpu.pci_address)
+    assert me is not None  # the GPU was read from this index
     strangers = []
     for member in gpu.iommu_group_members:
         fn = index.get(member)

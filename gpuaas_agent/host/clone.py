@@ -20,7 +20,7 @@ import re
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any
+from typing import Any, cast
 
 from gpuaas_agent.contract.images import ImageFormat
 from gpuaas_agent.contract.storage import (
@@ -72,7 +72,7 @@ async def image_info(source: str, *, runner: Runner = run, timeout: float = 60) 
     """``qemu-img info --output=json`` of a cached image; ``clone_failed`` when it cannot be read."""
     try:
         done = await runner(["qemu-img", "info", "--output=json", source], timeout=timeout)
-        return json.loads(done.stdout)
+        return cast("dict[str, Any]", json.loads(done.stdout))
     except HostError as exc:
         raise CloneError(
             f"cannot read image {source}: {exc.message}",

@@ -16,7 +16,8 @@ import hashlib
 import io
 import time
 from pathlib import Path
-from typing import Any
+from time import struct_time
+from typing import Any, cast
 
 # pycdlib and PyYAML are imported where a seed is built, not with the module: the daemon imports
 # this through the task registry, and an idle daemon never builds a seed (bench/bench_idle.py).
@@ -30,7 +31,7 @@ from gpuaas_agent.contract.cloudinit import (
     SeedSpec,
     SudoPolicy,
 )
-from gpuaas_agent.contract.egress import EGRESS_PROBE_TAG
+from gpuaas_agent.contract.egress import EGRESS_PROBE_TAG, EgressTarget
 from gpuaas_agent.errors import HostError
 
 # Every timestamp inside the ISO: 2000-01-01T00:00:00Z. A constant, not "now", so
@@ -87,7 +88,7 @@ def _dump(document: dict[str, Any]) -> str:
     import yaml
 
     # width: never fold a long scalar (an ssh-rsa key) over lines, keep files diff-able.
-    return yaml.safe_dump(document, sort_keys=False, default_flow_style=False, allow_unicode=False, width=1 << 16)
+    return cast(str, yaml.safe_dump(document, sort_keys=False, default_flow_style=False, allow_unicode=False, width=1 << 16))
 
 
 def _user_data(spec: SeedSpec) -> dict[str, Any]:
@@ -127,7 +128,7 @@ EGRESS_PROBE_SCRIPT = (
 )
 
 
-def egress_probe_command(target) -> list[str]:
+def egress_probe_command(target: EgressTarget) -> list[str]:
     """The runcmd entry (argv form: cloud-init execs it, no shell quoting of our values)."""
     return ["sh", "-c", EGRESS_PROBE_SCRIPT, EGRESS_PROBE_TAG, str(target.ip), str(target.port)]
 
@@ -173,14 +174,14 @@ class _PinnedClock:
     def time(self) -> float:
         return float(SEED_ISO_EPOCH)
 
-    def localtime(self, secs: float | None = None) -> time.struct_time:
+    def localtime(self, secs: float | None = None) -> struct_time:  # time: the method, in this class
         return time.gmtime(SEED_ISO_EPOCH if secs is None else secs)  # offset 0 whatever TZ says
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
 
 
-def _pycdlib_modules_with_clock() -> tuple:
+def _pycdlib_modules_with_clock() -> tuple[Any, ...]:
     import pycdlib.dates
     import pycdlib.headervd
     import pycdlib.pycdlib
@@ -202,7 +203,7 @@ def _pin_pycdlib_clock() -> None:
                 code="seed_iso_build_failed",
                 evidence={"module": module.__name__, "pycdlib": getattr(pycdlib, "__version__", "unknown")},
             )
-        module.time = _PinnedClock()  # type: ignore[attr-defined]
+        module.time = _PinnedClock()
 
 
 def build_seed_iso(files: dict[str, bytes]) -> bytes:
@@ -249,7 +250,9 @@ def _build_and_write(spec: SeedSpec, dest: Path) -> SeedIso:
         path=str(dest),
         size=len(image),
         sha256=_sha256(image),
-        files=tuple(SeedFile(name=name, size=len(data), sha256=_sha256(data)) for name, data in sorted(files.items())),
+        # the ignore: the names are the seed's own three (meta-data, user-data, network-config); the model checks them
+        files=tuple(SeedFile(name=name, size=len(data), sha256=_sha256(data))  # type: ignore[arg-type]
+                    for name, data in sorted(files.items())),
     )
 
 

@@ -16,6 +16,7 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection
+from typing import Any
 
 from gpuaas_agent.contract.nvmewipe import WholeDeviceCheck
 from gpuaas_agent.contract.storage import (
@@ -292,7 +293,7 @@ async def _step(runner: Runner, argv: list[str], timeout: float, evidence: DiskE
         ) from exc
 
 
-def _ev(evidence: DiskEvidence, done: Completed) -> dict:
+def _ev(evidence: DiskEvidence, done: Completed) -> dict[str, Any]:
     return {
         "argv": list(done.argv),
         "returncode": done.returncode,

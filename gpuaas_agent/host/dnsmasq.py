@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -72,7 +73,7 @@ def render_line(res: Reservation) -> str:
     return f"{res.mac},{res.ip},{res.hostname} {owner_comment(res.allocation_id, res.slot_index)}"
 
 
-def _refuse(code: str, message: str, **evidence) -> ReservationRefused:
+def _refuse(code: str, message: str, **evidence: Any) -> ReservationRefused:
     return ReservationRefused(message, code=code, evidence=evidence)
 
 
@@ -129,7 +130,8 @@ def _parse_owned(text: str) -> tuple[Reservation | None, str | None]:
         return None, "owner comment but not '<mac>,<ip>,<hostname> # gpuaas allocation=<id> slot=<n>'"
     try:
         slot = int(m["slot_index"]) if m["slot_index"].isdigit() else m["slot_index"]
-        res = make_reservation(m["allocation_id"], slot, m["mac"], m["ip"], m["hostname"])
+        # a non-numeric slot is passed on as text for make_reservation to refuse by name
+        res = make_reservation(m["allocation_id"], slot, m["mac"], m["ip"], m["hostname"])  # type: ignore[arg-type]
     except ReservationRefused as exc:
         return None, f"{exc.code}: {exc.message}"
     if m["mac"] != res.mac:
@@ -427,7 +429,7 @@ def status_of(leases: list[Lease], mac: str, expected_ip: IPv4Address | str, now
     mac, expected_ip = mac.lower(), IPv4Address(str(expected_ip))
     conflicting = next((ls.mac for ls in leases if ls.ip == expected_ip and ls.mac != mac and _live(ls, now)), None)
     mine = [ls for ls in leases if ls.mac == mac]
-    base = {"mac": mac, "expected_ip": expected_ip, "conflicting_mac": conflicting}
+    base: dict[str, Any] = {"mac": mac, "expected_ip": expected_ip, "conflicting_mac": conflicting}
     for ls in mine:
         if ls.ip == expected_ip and _live(ls, now):
             return LeaseStatus(**base, actual_ip=ls.ip, lease_state=LeaseState.bound, expires=ls.expires)

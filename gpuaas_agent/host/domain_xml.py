@@ -15,6 +15,7 @@ domains after a restart; :func:`read_metadata` is its inverse.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from typing import Any
 
 from gpuaas_agent.contract.domain import (
     METADATA_NS,
@@ -380,6 +381,7 @@ def read_metadata(agent_xml: str) -> DomainMetadata | None:
     except ET.ParseError:
         return None
     # virDomainGetMetadata returns the element with its namespace stripped (<agent>); XMLDesc keeps it.
+    element: ET.Element | None
     if root.tag in (_q(METADATA_ROOT), METADATA_ROOT):
         element = root
     else:
@@ -387,7 +389,7 @@ def read_metadata(agent_xml: str) -> DomainMetadata | None:
     if element is None:
         return None
     ns = element.tag[: -len(METADATA_ROOT)]
-    values = {}
+    values: dict[str, Any] = {}  # XML text, then slot_index as an int
     for field in _METADATA_FIELDS:
         child = element.find(ns + field)
         if child is None or child.text is None:

@@ -21,8 +21,11 @@ import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from ipaddress import IPv4Address
+from typing import Any
 
+from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.egress import EgressConnection, EgressEvidence, EgressTarget
+from gpuaas_agent.contract.runtime import RuntimeProfile
 from gpuaas_agent.errors import HostError
 
 # include/uapi/linux/netfilter/nf_conntrack_common.h
@@ -109,7 +112,7 @@ async def wait_for_egress(guest_ip: IPv4Address | str, target: EgressTarget, *, 
     """
     loop = asyncio.get_running_loop()
     guest = str(guest_ip)
-    tracked: dict[tuple, EgressConnection] = {}
+    tracked: dict[tuple[Any, ...], EgressConnection] = {}
     while True:
         proof, seen = judge(await asyncio.to_thread(reader), guest, target)
         for c in seen:
@@ -125,7 +128,7 @@ async def wait_for_egress(guest_ip: IPv4Address | str, target: EgressTarget, *, 
         await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))  # poll step of a deadline wait
 
 
-def egress_target(profile, cfg) -> EgressTarget | None:
+def egress_target(profile: RuntimeProfile, cfg: SliceConfig) -> EgressTarget | None:
     """The target readiness must prove for ``profile`` on this host, None when the profile does not ask.
 
     Refuses (``readiness_egress_unconfigured``) a profile that asks on a host that names no target:

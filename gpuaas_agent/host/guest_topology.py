@@ -22,6 +22,7 @@ Pure: a :class:`DomainSpec` in, a :class:`GuestLayout` out; ``domain_xml`` turns
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gpuaas_agent.contract.domain import DomainSpec, DomainSpecError, GuestSlot, cpulist_cpus
 from gpuaas_agent.contract.runtime import HUGEPAGE_1G_MIB
@@ -189,7 +190,7 @@ def plan_layout(spec: DomainSpec) -> GuestLayout:
     )
 
 
-def _check_unique(slots: list[GuestSlot], evidence: dict) -> None:
+def _check_unique(slots: list[GuestSlot], evidence: dict[str, Any]) -> None:
     """Two slots naming one GPU, VF, disk or slot index would hand one device to the guest twice."""
     seen: dict[str, int] = {}
     for slot in slots:

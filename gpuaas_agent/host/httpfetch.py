@@ -28,6 +28,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urljoin
 
 import httpx
@@ -70,7 +71,7 @@ class HttpSource:
             headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"})
 
     @property
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"url": self.url}
 
     def close(self) -> None:
@@ -184,7 +185,7 @@ class HttpSource:
         self.received += n
         return n
 
-    def _truncated(self, why: str, exc: BaseException, **evidence) -> ImageCacheError:
+    def _truncated(self, why: str, exc: BaseException, **evidence: Any) -> ImageCacheError:
         return ImageCacheError(f"source stopped before the end: {why}", code="truncated",
                                evidence={"url": self.url, "error": repr(exc), "received_bytes": self.received,
                                          "resumes": self.resumes, **evidence})

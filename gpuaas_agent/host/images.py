@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import ValidationError
@@ -195,7 +195,7 @@ class _Source:
     """An opened source: a readinto function, the length it announced, and how to close it."""
 
     def __init__(self, read_into: Callable[[memoryview], int], length: int | None, close: Callable[[], None],
-                 describe: dict, fileno: Callable[[], int] | None = None,
+                 describe: dict[str, Any], fileno: Callable[[], int] | None = None,
                  set_cancel: Callable[[threading.Event], None] | None = None,
                  interrupt: Callable[[], None] | None = None) -> None:
         self.read_into = read_into
@@ -1105,7 +1105,7 @@ def sample_ranges(size: int) -> list[tuple[int, int]]:
     return [(start, length) for start in sorted(starts)]
 
 
-def _check_final_size(size: int, bound: int, declared: int | None, describe: dict) -> None:
+def _check_final_size(size: int, bound: int, declared: int | None, describe: dict[str, Any]) -> None:
     """A whole image is within the bound and exactly the declared size, if one was declared."""
     if size > bound:
         raise ImageCacheError(f"image is larger than the allowed {bound} bytes", code="too_large",

@@ -19,12 +19,12 @@ the file system is asked anything about it.
 from __future__ import annotations
 
 import errno
+import io
 import ipaddress
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from gpuaas_agent.errors import HostError
@@ -190,7 +190,7 @@ def _check_file(policy: SourcePolicy, url: str, parts: SplitResult) -> str:
     return real
 
 
-def open_file(policy: SourcePolicy, path: str, url: str) -> tuple[BinaryIO, int]:
+def open_file(policy: SourcePolicy, path: str, url: str) -> tuple[io.FileIO, int]:
     """Open the path ``check_url`` resolved; the descriptor itself must pass the same rules.
 
     ``O_NOFOLLOW``: the last component cannot have become a symlink; ``O_NONBLOCK``: a FIFO

@@ -343,7 +343,7 @@ class LibvirtLifecycle:
                     raise
                 for source in root.findall("devices/disk[@type='block']/source"):
                     if source.get("dev"):
-                        disks.add(source.get("dev"))
+                        disks.add(source.get("dev"))  # type: ignore[arg-type]  # not None: checked above
             return sorted(disks)
 
         return await self._call("defined_domain_disks", op)
@@ -620,7 +620,8 @@ def _pci_address(source: ET.Element | None) -> str | None:
 def parse_domain_devices(name: str, xml: str) -> DomainDevices:
     """The devices a domain XML names: block disks, PCI hostdevs, interfaces, the numatune node (pure)."""
     root = ET.fromstring(xml)
-    disks = [s.get("dev") for s in root.findall("devices/disk[@type='block']/source") if s.get("dev")]
+    disks: list[str] = [s.get("dev") for s in root.findall("devices/disk[@type='block']/source")  # type: ignore[misc]
+                        if s.get("dev")]  # the ignore: get() is Optional to mypy, and the filter keeps only values
     hostdevs = [a for a in (_pci_address(h.find("source")) for h in root.findall("devices/hostdev[@type='pci']"))
                 if a is not None]
     interfaces = []

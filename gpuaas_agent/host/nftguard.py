@@ -54,7 +54,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from gpuaas_agent.contract.isolation import GUARD_SET, GuardSpec, GuardState
 from gpuaas_agent.contract.ovs import IFNAME_PATTERN
@@ -87,19 +87,19 @@ def _check_ifname(name: Any) -> str:
 # -- pure core: the table as nft JSON -----------------------------------------------------------------
 
 
-def _eq(left: dict, right: Any, op: str = "==") -> dict:
+def _eq(left: dict[str, Any], right: Any, op: str = "==") -> dict[str, Any]:
     return {"match": {"op": op, "left": left, "right": right}}
 
 
-def _meta(key: str) -> dict:
+def _meta(key: str) -> dict[str, Any]:
     return {"meta": {"key": key}}
 
 
-def _payload(protocol: str, field: str) -> dict:
+def _payload(protocol: str, field: str) -> dict[str, Any]:
     return {"payload": {"protocol": protocol, "field": field}}
 
 
-def expected_chains(spec: GuardSpec) -> dict[str, dict]:
+def expected_chains(spec: GuardSpec) -> dict[str, dict[str, Any]]:
     """Chain name -> its properties (hook, prio, policy; none for a regular chain) and rules (expr lists, in order).
 
     Written in the exact form ``nft -j list`` prints back, so a readback compares equal.
@@ -129,21 +129,21 @@ def expected_chains(spec: GuardSpec) -> dict[str, dict]:
     }
 
 
-def expected_arp_chains() -> dict[str, dict]:
+def expected_arp_chains() -> dict[str, dict[str, Any]]:
     return {"input": {"props": {"type": "filter", "hook": "input", "prio": 0, "policy": "accept"}, "rules": [
         [_eq(_meta("iifname"), f"@{GUARD_SET}"), {"drop": None}],
     ]}}
 
 
-def expected_tables(spec: GuardSpec) -> dict[str, dict[str, dict]]:
+def expected_tables(spec: GuardSpec) -> dict[str, dict[str, dict[str, Any]]]:
     """Family -> chain name -> props and rules."""
     return {FAMILY: expected_chains(spec), ARP_FAMILY: expected_arp_chains()}
 
 
-def _ensure_commands(spec: GuardSpec, ifnames: Iterable[str]) -> list[dict]:
+def _ensure_commands(spec: GuardSpec, ifnames: Iterable[str]) -> list[dict[str, Any]]:
     """Add-if-missing tables, sets and chains; flush and re-add every rule; add the elements (both families)."""
     names = sorted({_check_ifname(n) for n in ifnames})
-    cmds: list[dict] = []
+    cmds: list[dict[str, Any]] = []
     for family, chains in expected_tables(spec).items():
         t = {"family": family, "table": spec.table}
         cmds += [{"add": {"table": {"family": family, "name": spec.table}}},
@@ -157,29 +157,29 @@ def _ensure_commands(spec: GuardSpec, ifnames: Iterable[str]) -> list[dict]:
     return cmds
 
 
-def ensure_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict:
+def ensure_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict[str, Any]:
     return {"nftables": _ensure_commands(spec, ifnames)}
 
 
-def replace_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict:
+def replace_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict[str, Any]:
     """Both tables swapped in one transaction (``add`` first so ``delete`` cannot fail on a missing one)."""
-    cmds: list[dict] = []
+    cmds: list[dict[str, Any]] = []
     for family in FAMILIES:
         table = {"table": {"family": family, "name": spec.table}}
         cmds += [{"add": table}, {"delete": table}]
     return {"nftables": [*cmds, *_ensure_commands(spec, ifnames)]}
 
 
-def remove_document(spec: GuardSpec, ifname: str, families: Iterable[str]) -> dict:
+def remove_document(spec: GuardSpec, ifname: str, families: Iterable[str]) -> dict[str, Any]:
     return {"nftables": [{"delete": {"element": {"family": f, "table": spec.table, "name": GUARD_SET,
                                                  "elem": [ifname]}}} for f in families]}
 
 
-def _parse_family(family: str, expected: dict[str, dict], listing: dict) -> tuple[list[str], list[str]]:
+def _parse_family(family: str, expected: dict[str, dict[str, Any]], listing: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(differences, set elements) of one family's table listing."""
-    chains: dict[str, dict] = {}
-    rules: dict[str, list] = {}
-    sets: dict[str, dict] = {}
+    chains: dict[str, dict[str, Any]] = {}
+    rules: dict[str, list[Any]] = {}
+    sets: dict[str, dict[str, Any]] = {}
     for item in listing.get("nftables", []):
         if "chain" in item:
             c = item["chain"]
@@ -212,7 +212,7 @@ def _parse_family(family: str, expected: dict[str, dict], listing: dict) -> tupl
     return differences, elements
 
 
-def parse_tables(spec: GuardSpec, listings: dict[str, dict | None]) -> GuardState:
+def parse_tables(spec: GuardSpec, listings: dict[str, dict[str, Any] | None]) -> GuardState:
     """A :class:`GuardState` from ``nft -j list table`` of each family (None: that table does not exist)."""
     differences: list[str] = []
     elements: dict[str, list[str]] = {}
@@ -245,7 +245,7 @@ class NftGuard:
         self.timeout_s = timeout_s
         self._run = runner
 
-    async def _apply(self, document: dict, what: str) -> None:
+    async def _apply(self, document: dict[str, Any], what: str) -> None:
         await self._run(["nft", "-j", "-f", "-"], timeout=self.timeout_s, stdin=json.dumps(document).encode())
         log_event(log, "nft_guard_applied", table=self.spec.table, what=what)
 
@@ -253,7 +253,7 @@ class NftGuard:
         tables = await self._run(["nft", "-j", "list", "tables"], timeout=self.timeout_s)
         present = {i["table"]["family"] for i in _json(tables).get("nftables", [])
                    if "table" in i and i["table"].get("name") == self.spec.table}
-        listings: dict[str, dict | None] = {}
+        listings: dict[str, dict[str, Any] | None] = {}
         for family in FAMILIES:
             listings[family] = None
             if family in present:
@@ -302,9 +302,9 @@ class NftGuard:
         return await self.read()
 
 
-def _json(done: Completed) -> dict:
+def _json(done: Completed) -> dict[str, Any]:
     try:
-        return json.loads(done.stdout or b"{}")
+        return cast("dict[str, Any]", json.loads(done.stdout or b"{}"))
     except json.JSONDecodeError as exc:
         raise HostError("nft -j printed something that is not JSON", code="nft_output_unparsable",
                         evidence={"argv": list(done.argv), "stdout": done.stdout[:2000].decode("utf-8", "replace")}) \

@@ -43,7 +43,7 @@ class NvmeCapsError(HostError):
     default_code = "nvme_caps_unreadable"
 
 
-def _field(doc: dict, key: str, kind: type, what: str) -> Any:
+def _field(doc: dict[str, Any], key: str, kind: type, what: str) -> Any:
     value = doc.get(key)
     if kind is int and isinstance(value, str) and value.isdigit():
         value = int(value)  # nvme-cli prints 128-bit fields (and some others) as strings
@@ -63,7 +63,7 @@ def _hex_id(value: Any, length: int) -> str | None:
     return digits
 
 
-def parse_id_ctrl(doc: dict) -> NvmeControllerCaps:
+def parse_id_ctrl(doc: dict[str, Any]) -> NvmeControllerCaps:
     what = "nvme id-ctrl"
     try:
         return NvmeControllerCaps(
@@ -85,7 +85,7 @@ def parse_id_ctrl(doc: dict) -> NvmeControllerCaps:
                             include_input=False)}) from None
 
 
-def parse_id_ns(doc: dict, nsid: int, descs: dict | None = None) -> NvmeNamespaceCaps:
+def parse_id_ns(doc: dict[str, Any], nsid: int, descs: dict[str, Any] | None = None) -> NvmeNamespaceCaps:
     """``id-ns`` (+ ``ns-descs`` for the UUID) of namespace ``nsid`` (id-ns does not say its own nsid)."""
     what = "nvme id-ns"
     flbas = _field(doc, "flbas", int, what)
@@ -115,7 +115,7 @@ def parse_id_ns(doc: dict, nsid: int, descs: dict | None = None) -> NvmeNamespac
                             include_input=False)}) from None
 
 
-def parse_list_ns(doc: dict) -> list[int]:
+def parse_list_ns(doc: dict[str, Any]) -> list[int]:
     entries = doc.get("nsid_list")
     if not isinstance(entries, list):
         raise NvmeCapsError("nvme list-ns: no nsid_list", evidence={"keys": sorted(doc)[:20]})
@@ -128,8 +128,8 @@ def parse_list_ns(doc: dict) -> list[int]:
     return sorted(out)
 
 
-def parse_capabilities(id_ctrl: dict, id_ns: dict, nsid: int, *, descs: dict | None = None,
-                       list_ns: dict | None = None, list_ns_all: dict | None = None,
+def parse_capabilities(id_ctrl: dict[str, Any], id_ns: dict[str, Any], nsid: int, *, descs: dict[str, Any] | None = None,
+                       list_ns: dict[str, Any] | None = None, list_ns_all: dict[str, Any] | None = None,
                        source: str = "nvme-cli") -> NvmeCapabilities:
     """The typed capability model from recorded or live nvme-cli JSON (``list_ns_all``: ``list-ns --all``)."""
     active = parse_list_ns(list_ns) if list_ns is not None else [nsid]
@@ -138,7 +138,7 @@ def parse_capabilities(id_ctrl: dict, id_ns: dict, nsid: int, *, descs: dict | N
                             active_nsids=active, allocated_nsids=allocated, source=source)
 
 
-def parse_sanitize_log(doc: dict, *, estimate_key: str | None = None) -> SanitizeStatus:
+def parse_sanitize_log(doc: dict[str, Any], *, estimate_key: str | None = None) -> SanitizeStatus:
     """One sanitize status log (page 0x81) as nvme-cli prints it: ``{"<dev>": {"sprog": .., "sstat": {..}}}``.
 
     The status is read from the ``"(N) text"`` string nvme-cli writes (its key
@@ -208,7 +208,7 @@ def device_identities(caps: NvmeCapabilities) -> list[str]:
 # --- the shell: ask the device ----------------------------------------------------------------------
 
 
-async def _json(runner: Runner, argv: list[str], timeout: float) -> dict:
+async def _json(runner: Runner, argv: list[str], timeout: float) -> dict[str, Any]:
     try:
         done = await runner(argv, timeout=timeout)
     except HostError as exc:
@@ -235,7 +235,7 @@ async def read_capabilities(dev: str, nsid: int, *, runner: Runner, timeout: flo
     list_ns = await _json(runner, ["nvme", "list-ns", dev, "--output-format=json"], timeout)
     # Attached or not: a sanitize, or a format over all namespaces, erases the detached ones too.
     try:
-        list_ns_all: dict | None = await _json(runner, ["nvme", "list-ns", dev, "--all", "--output-format=json"],
+        list_ns_all: dict[str, Any] | None = await _json(runner, ["nvme", "list-ns", dev, "--all", "--output-format=json"],
                                                timeout)
     except NvmeCapsError:
         list_ns_all = None  # no namespace management: the scope check then refuses any subsystem-wide erase

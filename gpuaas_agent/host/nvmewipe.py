@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 
 from gpuaas_agent.contract.nvmewipe import (
     FormatErase,
@@ -78,7 +80,7 @@ class NvmeEraseError(HostError):
     default_code = "wipe_failed"
 
 
-def _caps_evidence(caps: NvmeCapabilities) -> dict:
+def _caps_evidence(caps: NvmeCapabilities) -> dict[str, Any]:
     c, n = caps.controller, caps.namespace
     return {
         "capabilities": caps.model_dump(mode="json"),
@@ -217,7 +219,7 @@ async def nvme_erase(
     policy: WipePolicy,
     by_id: str,
     runner: Runner,
-    clock=time.monotonic,
+    clock: Callable[[], float] = time.monotonic,
 ) -> NvmeEraseEvidence:
     """Check identity, capability and scope, then run the one erase command; returns its evidence.
 
@@ -246,7 +248,7 @@ async def nvme_erase(
 
 
 async def _poll_sanitize(dev: str, action: NvmeEraseAction, *, by_id: str, runner: Runner, deadline: float,
-                         clock) -> tuple[SanitizeStatus, int]:
+                         clock: Callable[[], float]) -> tuple[SanitizeStatus, int]:
     """Read the sanitize status log until the sanitize we started ends; interval from the controller's estimate."""
     polls = 0
     while True:

@@ -325,10 +325,10 @@ class OvsDriver:
                     if ext.get(key) != value:
                         iface.setkey("external_ids", key, value)
                         changed.append(key)
-                for column, value in (("ingress_policing_rate", rate), ("ingress_policing_burst", burst)):
+                for column, limit in (("ingress_policing_rate", rate), ("ingress_policing_burst", burst)):
                     iface.verify(column)
-                    if getattr(iface, column) != value:
-                        setattr(iface, column, value)
+                    if getattr(iface, column) != limit:
+                        setattr(iface, column, limit)
                         changed.append(column)
                 outcome["action"] = "merged" if changed else "unchanged"
                 outcome["changed"] = changed
@@ -373,6 +373,7 @@ class OvsDriver:
                     return False
                 br = bridges.get(bridge)
                 iface = self._check_owned_port(bridge, br, bridges, port, allocation_id, removing=True)
+                assert br is not None  # _check_owned_port refuses a missing bridge
                 br.delvalue("ports", port.uuid)
                 iface.delete()
                 port.delete()

@@ -39,7 +39,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import ovs.db.idl
 import ovs.jsonrpc
@@ -55,7 +55,7 @@ DB_NAME = "Open_vSwitch"
 # A TRY_AGAIN means someone else changed what we read; a few rounds settle any real race,
 # an endless stream of them means something is fighting us and must be reported.
 COMMIT_ATTEMPTS = 8
-Txn = ovs.db.idl.Transaction
+Txn: TypeAlias = ovs.db.idl.Transaction  # the ovs library is untyped: Any to mypy
 
 
 class OvsError(HostError):

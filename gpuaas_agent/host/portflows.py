@@ -51,6 +51,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -96,7 +97,7 @@ class IsolationInputError(ContractError):
     default_code = "port_isolation_invalid_input"
 
 
-def port_isolation(**fields) -> PortIsolation:
+def port_isolation(**fields: Any) -> PortIsolation:
     """A :class:`PortIsolation` from untrusted values, or :class:`IsolationInputError` naming what is wrong."""
     try:
         return PortIsolation.from_wire(fields)  # strict models: JSON rules for untrusted str values
@@ -139,7 +140,7 @@ def expected_flows(iso: PortIsolation) -> list[FlowRule]:
     return sorted(rules, key=_sort_key)
 
 
-def _sort_key(rule: FlowRule) -> tuple:
+def _sort_key(rule: FlowRule) -> tuple[Any, ...]:
     return (rule.cookie, -rule.priority, rule.match, rule.actions)
 
 
@@ -208,7 +209,7 @@ def claims(rules: Iterable[FlowRule]) -> dict[str, set[str]]:
     return out
 
 
-def find_conflict(iso: PortIsolation, others: dict[int, list[FlowRule]]) -> dict | None:
+def find_conflict(iso: PortIsolation, others: dict[int, list[FlowRule]]) -> dict[str, Any] | None:
     """The first other cookie whose rules claim this port's MAC, IP or ofport, as evidence; None if free."""
     mine = {"mac": {iso.mac}, "ip": {str(iso.ip)}, "ofport": {str(iso.ofport)} if iso.ofport else set()}
     for cookie, rules in sorted(others.items()):

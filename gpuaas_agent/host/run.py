@@ -14,6 +14,7 @@ import signal
 import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpuaas_agent.errors import HostError
 
@@ -28,7 +29,7 @@ class Completed:
     stderr: bytes
 
 
-def _evidence(argv: Sequence[str], returncode: int | None, stderr: bytes) -> dict:
+def _evidence(argv: Sequence[str], returncode: int | None, stderr: bytes) -> dict[str, Any]:
     return {
         "argv": list(argv),
         "returncode": returncode,
@@ -82,7 +83,8 @@ async def run(
     stdout_chunks: list[bytes] = []
     stderr_chunks: list[bytes] = []
 
-    async def pump(stream: asyncio.StreamReader | None, into: list[bytes], callback) -> None:
+    async def pump(stream: asyncio.StreamReader | None, into: list[bytes],
+                   callback: Callable[[bytes], Awaitable[None] | None] | None) -> None:
         assert stream is not None
         while chunk := await stream.read(4096):
             into.append(chunk)
@@ -122,6 +124,7 @@ async def run(
             code="command_failed",
             evidence=_evidence(argv, proc.returncode, stderr),
         )
+    assert proc.returncode is not None  # waited for above
     return Completed(argv=argv, returncode=proc.returncode, stdout=stdout, stderr=stderr)
 
 
@@ -153,7 +156,7 @@ def run_sync(argv: Sequence[str], *, timeout: float, check: bool = True) -> Comp
     return Completed(argv=argv, returncode=proc.returncode, stdout=stdout, stderr=stderr)
 
 
-def _kill_group_sync(proc: subprocess.Popen) -> None:
+def _kill_group_sync(proc: subprocess.Popen[bytes]) -> None:
     if proc.returncode is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -18,7 +18,7 @@ SMART_TIMEOUT_S = 10.0
 Runner = Callable[..., Awaitable[Completed]]
 
 
-def smart_value(doc: dict, *names: str) -> int | None:
+def smart_value(doc: dict[str, Any], *names: str) -> int | None:
     """A counter of the log by any of its nvme-cli spellings (1.x flat ints, 2.x ``{"value": N}``)."""
     for name in names:
         value = doc.get(name)
@@ -29,7 +29,7 @@ def smart_value(doc: dict, *names: str) -> int | None:
     return None
 
 
-def judge_smart(doc: dict, *, media_errors_baseline: int = 0) -> tuple[bool, str, dict[str, Any]]:
+def judge_smart(doc: dict[str, Any], *, media_errors_baseline: int = 0) -> tuple[bool, str, dict[str, Any]]:
     """(fit, one-line detail, the counters read). A log without ``critical_warning`` proves nothing: unfit."""
     critical = smart_value(doc, "critical_warning")
     media = smart_value(doc, "media_errors")
@@ -50,7 +50,7 @@ def judge_smart(doc: dict, *, media_errors_baseline: int = 0) -> tuple[bool, str
     return True, f"critical_warning=0, media_errors={media}, percentage_used={used}", counters
 
 
-async def read_smart_log(dev: str, *, runner: Runner = run, timeout: float = SMART_TIMEOUT_S) -> dict:
+async def read_smart_log(dev: str, *, runner: Runner = run, timeout: float = SMART_TIMEOUT_S) -> dict[str, Any]:
     """``nvme smart-log -o json <dev>`` as a dict; ``smart_log_unreadable`` when it fails or prints no object."""
     argv = ["nvme", "smart-log", "-o", "json", dev]
     try:

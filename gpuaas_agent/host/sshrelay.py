@@ -84,7 +84,7 @@ class SshPty:
     """A running PTY session: :meth:`read` the guest's output, :meth:`write` + :meth:`drain` its input."""
 
     conn: asyncssh.SSHClientConnection
-    process: asyncssh.SSHClientProcess
+    process: asyncssh.SSHClientProcess[bytes]
     host_key: asyncssh.SSHKey
 
     @property

@@ -26,7 +26,7 @@ import stat
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import get_args
+from typing import Any, get_args
 
 import pyudev
 
@@ -92,7 +92,7 @@ def parse_uevent(props: Mapping[str, str]) -> Uevent | None:
         return None
     seqnum = props.get("SEQNUM")
     return Uevent(
-        action=action,
+        action=action,  # type: ignore[arg-type]  # one of WATCHED_ACTIONS (checked above); the model checks it too
         subsystem=props.get("SUBSYSTEM", ""),
         name=devpath.rstrip("/").rsplit("/", 1)[-1],
         devpath=devpath,
@@ -132,8 +132,8 @@ class UeventMonitor:
     source: UeventSource | None = None  # None: udev when udevd answers, kernel otherwise
     control_socket: str = UDEV_CONTROL_SOCKET
     receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES
-    _queue: asyncio.Queue = field(init=False, repr=False)
-    _monitor: object | None = field(default=None, init=False, repr=False)
+    _queue: asyncio.Queue[Any] = field(init=False, repr=False)  # Uevents and the _OVERFLOW marker
+    _monitor: Any = field(default=None, init=False, repr=False)  # pyudev's Monitor (untyped)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
     _fd: int | None = field(default=None, init=False, repr=False)
     _errsock: socket.socket | None = field(default=None, init=False, repr=False)
@@ -182,7 +182,7 @@ class UeventMonitor:
     async def __aenter__(self) -> UeventMonitor:
         return self.start()
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
     # -- reading (event loop callback) ------------------------------------------------
@@ -217,14 +217,14 @@ class UeventMonitor:
         except OSError:
             return None
 
-    def _put(self, item) -> None:
+    def _put(self, item: object) -> None:
         try:
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
             self._dropped += 1
 
     def _fail(self, exc: OSError, socket_error: int | None) -> None:
-        evidence = {"source": self.source.value if self.source else None, "error": repr(exc),
+        evidence: dict[str, Any] = {"source": self.source.value if self.source else None, "error": repr(exc),
                     "socket_error": errno.errorcode.get(socket_error or 0, socket_error)}
         self._failure = UeventMonitorError(f"uevent monitor failed: {exc}", code="uevent_monitor_failed",
                                            evidence=evidence)
@@ -234,7 +234,7 @@ class UeventMonitor:
 
     # -- consuming --------------------------------------------------------------------
 
-    async def _get(self, timeout: float | None):
+    async def _get(self, timeout: float | None) -> Any:  # a Uevent or the _OVERFLOW marker
         if self._loop is None:
             raise UeventMonitorError("the monitor is not started", code="uevent_monitor_not_started")
         if self._failure is not None:
@@ -259,6 +259,7 @@ class UeventMonitor:
         """
         while True:
             items = [await self._get(None)]
+            assert self._loop is not None  # _get refuses an unstarted monitor
             closes_at = self._loop.time() + max_burst_s
             while (left := closes_at - self._loop.time()) > 0:
                 try:
@@ -267,7 +268,7 @@ class UeventMonitor:
                     break
             yield self._burst(items)
 
-    def _burst(self, items: Iterable) -> UeventBurst:
+    def _burst(self, items: Iterable[Any]) -> UeventBurst:
         events = [i for i in items if i is not _OVERFLOW]
         dropped = self._dropped + max(0, len(events) - MAX_EVENTS_PER_BURST)
         overflowed = self._overflowed

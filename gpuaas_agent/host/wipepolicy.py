@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any
 
 from gpuaas_agent.contract.handover import HandoverOrigin, LeaseHandover
 from gpuaas_agent.contract.nvmewipe import (
@@ -141,7 +142,7 @@ async def resolve_policy(
     lease: DiskLease,
     runner: Runner = run,
     candidates: tuple[WipePolicy, ...] = AUTO_CANDIDATES,
-) -> tuple[WipePolicy, bool, dict]:
+) -> tuple[WipePolicy, bool, dict[str, Any]]:
     """The concrete policy a lease stores for ``policy`` on this disk: (policy, zeros guaranteed, evidence).
 
     Writes nothing. ``auto`` (and ``candidates``) choose from the device's answers: the
@@ -182,10 +183,10 @@ def choose_from_capabilities(
     *,
     require_zeros: bool,
     timeout_s: float = DEFAULT_POLICY.timeout_s,
-) -> tuple[WipePolicy, bool, dict]:
+) -> tuple[WipePolicy, bool, dict[str, Any]]:
     """Pure: the first candidate the controller offers whose erase stays inside the lease (and, with
     ``require_zeros``, after which erased blocks read zero); else Write Zeroes. With the reasons for each pass-over."""
-    refusals: list[dict] = []
+    refusals: list[dict[str, Any]] = []
     for candidate in candidates:
         chosen = candidate.model_copy(update={"timeout_s": timeout_s})
         try:
@@ -215,7 +216,7 @@ async def resolve_handover(
     lease: DiskLease,
     runner: Runner = run,
     clock: Callable[[], float] = time.time,
-) -> tuple[LeaseHandover, dict]:
+) -> tuple[LeaseHandover, dict[str, Any]]:
     """The handover a provision's validate fixes in the slot's lease, with the evidence it was chosen on."""
     policy = (overrides or {}).get(profile.name) or profile.wipe_policy
     resolved, zeros, evidence = await resolve_policy(policy, host, by_id, lease=lease, runner=runner)
@@ -231,7 +232,7 @@ async def strictest_handover(
     lease: DiskLease,
     runner: Runner = run,
     clock: Callable[[], float] = time.time,
-) -> tuple[LeaseHandover, dict]:
+) -> tuple[LeaseHandover, dict[str, Any]]:
     """For a lease from before handover policies: the strictest erase the device supports, GPU handover on."""
     resolved, zeros, evidence = await resolve_policy(WipePolicy(), host, by_id, lease=lease, runner=runner,
                                                      candidates=STRICTEST_CANDIDATES)
@@ -260,7 +261,7 @@ async def check_wipe_policy(
     *,
     lease: DiskLease,
     runner: Runner = run,
-) -> dict:
+) -> dict[str, Any]:
     """Prove, writing nothing, that ``policy`` can wipe the leased disk: NVMe namespace, identity, capability, scope.
 
     For a provision's validate (docs/safety.md §8): a profile asking for an erase the

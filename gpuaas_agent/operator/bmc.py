@@ -27,6 +27,7 @@ import json
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
+from types import ModuleType
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
@@ -167,7 +168,7 @@ def unreadable(config: BmcConfig, error: str, *, read_at: datetime) -> BmcReadin
 # -- reading (blocking) ----------------------------------------------------------------------
 
 
-def _redfish():
+def _redfish() -> ModuleType:
     """The sushy-based reader, imported on first use (tests/test_import_graph.py LAZY_IMPORTS says why)."""
     from gpuaas_agent.operator import redfish
 

@@ -33,18 +33,19 @@ import posixpath
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any, TypeVar
 
 import libvirt
 
 from gpuaas_agent.compat import UTC
-from gpuaas_agent.config import BmcConfig
+from gpuaas_agent.config import AgentConfig, BmcConfig
 from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
-from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.contract.tasks import CheckStatus, HealthCheck, HostHealth
 from gpuaas_agent.discovery.aer import aer_counts
 from gpuaas_agent.discovery.netevidence import NetTarget, judge_dnsmasq, read_dnsmasq_evidence, read_network_evidence
 from gpuaas_agent.errors import AgentError
@@ -53,6 +54,7 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.operator import bmc, nvml
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHECK_TIMEOUT_S = 20.0
 NVME_TIMEOUT_S = 10.0
@@ -81,7 +83,7 @@ class HealthSettings:
     bmc: BmcConfig | None = None  # the HGX baseboard's BMC: the gpu_bmc check (operator/bmc.py)
 
     @classmethod
-    def from_config(cls, config) -> HealthSettings:
+    def from_config(cls, config: AgentConfig) -> HealthSettings:
         site = config.slice
         return cls(host_root=config.host_root, subnet=str(site.subnet), ovs_bridge=site.ovs_bridge,
                    netns=config.health_netns, dnsmasq_hosts_file=site.dnsmasq_hosts_file,
@@ -95,7 +97,7 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _check(name: str, status: str, detail: str) -> HealthCheck:
+def _check(name: str, status: CheckStatus, detail: str) -> HealthCheck:
     return HealthCheck(name=name, status=status, detail=detail[:4000], checked_at=_now())
 
 
@@ -141,7 +143,7 @@ def dnsmasq_check(settings: HealthSettings) -> HealthCheck:
     finding = judge_dnsmasq(ev)
     if finding is None:
         return _check("dnsmasq", "ok", f"{ev.via}")
-    status = "unavailable" if finding.code == "dnsmasq_unproven" else "degraded"
+    status: CheckStatus = "unavailable" if finding.code == "dnsmasq_unproven" else "degraded"
     return _check("dnsmasq", status, f"{finding.code}: {finding.detail}")
 
 
@@ -242,7 +244,7 @@ def pcie_aer_check(settings: HealthSettings) -> HealthCheck:
     return _check("pcie_aer", "ok", f"{seen} device(s), 0 fatal, 0 non-fatal, {correctable} correctable")
 
 
-def _smart_value(log_json: dict, *names: str) -> int | None:
+def _smart_value(log_json: dict[str, Any], *names: str) -> int | None:
     for name in names:
         value = log_json.get(name)
         if isinstance(value, dict):  # nvme-cli 2.x: {"value": N, ...} for critical_warning
@@ -291,12 +293,13 @@ async def nvme_smart_check(settings: HealthSettings) -> HealthCheck:
     return _check("nvme_smart", "ok", f"{read} controller(s): no critical warning, no media errors")
 
 
-def gpu_nvml_check(settings: HealthSettings, source=None) -> HealthCheck:
+def gpu_nvml_check(settings: HealthSettings, source: nvml.NvmlSource | None = None) -> HealthCheck:
     """XID events, uncorrected ECC, retired pages and remapped rows through NVML (operator/nvml.py).
 
     ``settings.nvml_fixture``: judge a recorded reading instead of the live NVML (tests, lab).
     A recorded root without one is ``unavailable``; so is a live host without the driver.
     """
+    reading: nvml.NvmlReading | str
     if settings.nvml_fixture is not None:
         try:
             reading = nvml.load_reading(settings.nvml_fixture)
@@ -319,7 +322,7 @@ ISOLATION_KINDS = frozenset({"flows_missing", "flows_altered", "flows_orphan",
                              "nft_guard_missing", "nft_guard_altered", "nft_guard_orphan"})
 
 
-def isolation_check(findings: list) -> HealthCheck:
+def isolation_check(findings: list[Any]) -> HealthCheck:
     """``port_isolation`` from a read-only reconcile's findings: a guest port without its rules is degraded."""
     broken = [f for f in findings if getattr(f.kind, "value", f.kind) in ISOLATION_KINDS]
     if not broken:
@@ -351,17 +354,18 @@ class CheckThreads:
         with self._lock:
             return self._running.get(name)
 
-    async def run(self, name: str, work: Callable[[], object]) -> object:
+    async def run(self, name: str, work: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        future: asyncio.Future[T] = loop.create_future()
         with self._lock:
             self._running[name] = time.monotonic()
 
-        def deliver(ok: bool, value) -> None:
+        def deliver(ok: bool, value: Any) -> None:
             if not future.done():
                 future.set_result(value) if ok else future.set_exception(value)
 
         def target() -> None:
+            outcome: tuple[bool, object]
             try:
                 outcome = (True, work())
             except BaseException as exc:
@@ -381,7 +385,7 @@ class CheckThreads:
 THREADS = CheckThreads()
 
 
-async def guarded_check(name: str, work: Callable[[], object], *, timeout_s: float = CHECK_TIMEOUT_S,
+async def guarded_check(name: str, work: Callable[[], HealthCheck | list[HealthCheck]], *, timeout_s: float = CHECK_TIMEOUT_S,
                    threads: CheckThreads = THREADS) -> list[HealthCheck]:
     """One check in a daemon thread under a deadline; what it raises becomes ``unavailable`` with the reason."""
     since = threads.stuck_since(name)
@@ -397,7 +401,7 @@ async def guarded_check(name: str, work: Callable[[], object], *, timeout_s: flo
     return result if isinstance(result, list) else [result]
 
 
-def bmc_checks(config: BmcConfig | None) -> list:
+def bmc_checks(config: BmcConfig | None) -> list[Awaitable[list[HealthCheck]]]:
     """The ``gpu_bmc`` check where a BMC is configured, under its own deadline (a whole baseboard read)."""
     if config is None:
         return []
@@ -426,11 +430,11 @@ async def run_checks(settings: HealthSettings, leases: list[SlotLease], records:
     return sorted((c for group in rounds for c in group), key=lambda c: c.name)
 
 
-def summarise(checks: list[HealthCheck]) -> tuple[str, str | None]:
+def summarise(checks: list[HealthCheck]) -> tuple[HostHealth, str | None]:
     """(health_state, reason): the worst verdict, and the checks that set it (``name: detail``)."""
     worst = max((_RANK[c.status] for c in checks), default=0)
     if worst == 0:
         return "healthy", None
-    state = "failed" if worst == 2 else "degraded"
+    state: HostHealth = "failed" if worst == 2 else "degraded"
     reason = "; ".join(f"{c.name}: {c.detail}" for c in checks if _RANK[c.status] == worst)
     return state, reason[:4000]

@@ -17,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from gpuaas_agent import compat
 from gpuaas_agent.atomicfile import write_atomic
@@ -64,7 +66,7 @@ class _LiveCollector:
     def __init__(self, sample: Callable[[], LiveState]) -> None:
         self._sample = sample
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         try:
             live = self._sample()
         except Exception as exc:
@@ -95,7 +97,7 @@ class _LiveCollector:
         yield from _fleet_families(live)
 
 
-def _fleet_families(live: LiveState):
+def _fleet_families(live: LiveState) -> Iterator[Metric]:
     """Maintenance, drain and quarantine: what docs/alerts.md's rules and the dashboard read."""
     if live.maintenance is not None:
         m = live.maintenance
@@ -160,7 +162,7 @@ class AgentMetrics:
         if duration_s is not None:
             self.task_duration.labels(task_type).observe(duration_s)
 
-    def step_finished(self, task_type: str, step: str, status: str, duration_s: float, output: dict) -> None:
+    def step_finished(self, task_type: str, step: str, status: str, duration_s: float, output: dict[str, Any]) -> None:
         """The pipeline's observer: durations of every step, bytes of the clone and wipe steps."""
         self.steps.labels(task_type, step, status).inc()
         self.step_duration.labels(task_type, step).observe(duration_s)
@@ -215,7 +217,8 @@ class MetricsServer:
     def port(self) -> int | None:
         if self._server is None or not self._server.sockets:
             return None
-        return self._server.sockets[0].getsockname()[1]
+        port: int = self._server.sockets[0].getsockname()[1]  # getsockname is Any in the stubs
+        return port
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -37,8 +37,12 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from typing import TYPE_CHECKING
+
+from nats.aio.client import Client
 
 from gpuaas_agent.compat import UTC
+from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.drift import (
     DriftFinding,
@@ -57,6 +61,9 @@ from gpuaas_agent.operator.health import (
     network_checks,
 )
 
+if TYPE_CHECKING:  # the reporter is the daemon's; the watch only merges checks into it
+    from gpuaas_agent.operator.reporter import Reporter
+
 log = logging.getLogger(__name__)
 
 SOL_NETLINK = 270
@@ -73,7 +80,7 @@ Probe = Callable[[], Awaitable[list[HealthCheck]]]
 
 def open_netlink_sockets() -> list[socket.socket]:
     """Non-blocking netlink sockets subscribed to the groups above (rtnetlink and nftables)."""
-    made = []
+    made: list[socket.socket] = []
     for proto, groups in ((socket.NETLINK_ROUTE, ROUTE_GROUPS), (NETLINK_NETFILTER, (NFNLGRP_NFTABLES,))):
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK, proto)
         try:
@@ -114,7 +121,7 @@ def drift_findings(before: dict[str, HealthCheck], after: dict[str, HealthCheck]
 class NetWatch:
     """The watch of one daemon: runs rounds, merges their checks into the reporter, reports changes."""
 
-    def __init__(self, settings: HealthSettings, reporter, *, interval_s: float, node_id: str | None = None,
+    def __init__(self, settings: HealthSettings, reporter: Reporter, *, interval_s: float, node_id: str | None = None,
                  isolation: Probe | None = None, publish: Callable[[str, bytes], Awaitable[None]] | None = None,
                  subject: str | None = None, debounce_s: float = 0.5, min_gap_s: float = 2.0,
                  repair: Callable[[], Awaitable[object]] | None = None) -> None:
@@ -145,6 +152,7 @@ class NetWatch:
         return [c for group in await asyncio.gather(*jobs) for c in group]
 
     async def _isolation(self) -> list[HealthCheck]:
+        assert self.isolation is not None  # checks() asks only with a probe
         try:
             return await asyncio.wait_for(self.isolation(), CHECK_TIMEOUT_S)
         except Exception as exc:
@@ -181,6 +189,7 @@ class NetWatch:
 
     async def _repair(self, check: HealthCheck) -> None:
         self.repairs += 1
+        assert self.repair is not None  # round() repairs only with one
         try:
             outcome = await self.repair()
         except Exception as exc:
@@ -234,15 +243,15 @@ def serialized(fn: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[ob
     """``fn`` with one run at a time: the reconcile timer and the watch's repair share it."""
     lock = asyncio.Lock()
 
-    async def run():
+    async def run() -> object:
         async with lock:
             return await fn()
 
     return run
 
 
-def start_netwatch(config, reporter, nc, node_id: str, isolation: Probe | None,
-                   repair: Callable[[], Awaitable[object]] | None = None) -> asyncio.Task:
+def start_netwatch(config: AgentConfig, reporter: Reporter, nc: Client, node_id: str, isolation: Probe | None,
+                   repair: Callable[[], Awaitable[object]] | None = None) -> asyncio.Task[None]:
     """The daemon's hook: the watch as a background task publishing on the node's drift subject."""
     watch = NetWatch(HealthSettings.from_config(config), reporter, interval_s=config.netwatch_interval_s,
                      node_id=node_id, isolation=isolation, publish=nc.publish, subject=subjects.drift(node_id),

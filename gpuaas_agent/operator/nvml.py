@@ -27,6 +27,7 @@ import argparse
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -35,9 +36,10 @@ from pydantic import Field, ValidationError
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.base import WireModel, first_error
+from gpuaas_agent.contract.tasks import CheckStatus
 from gpuaas_agent.errors import AgentError
 
-FORMAT = "gpuaas-nvml/1"
+FORMAT: Literal["gpuaas-nvml/1"] = "gpuaas-nvml/1"
 # How long after an unusable NVML (no library, no driver) the next round tries again: a driver
 # that loads later is seen within this, and a host without one does not dlopen every round.
 NVML_RETRY_S = 600.0
@@ -115,7 +117,7 @@ def load_reading(path: Path) -> NvmlReading:
 # -- the verdict -----------------------------------------------------------------------------
 
 
-def judge(reading: NvmlReading, now: datetime | None = None) -> tuple[str, str]:
+def judge(reading: NvmlReading, now: datetime | None = None) -> tuple[CheckStatus, str]:
     """``(status, detail)`` of the ``gpu_nvml`` check: ``failed``, ``degraded`` or ``ok``.
 
     failed: a row remap failed, or a fatal XID within :data:`XID_WINDOW`.
@@ -183,7 +185,7 @@ class NvmlSource:
     most every :data:`NVML_RETRY_S`. ``nvml``: the binding (``pynvml``) or a stand-in for it.
     """
 
-    def __init__(self, nvml: Any = None, clock=time.monotonic) -> None:
+    def __init__(self, nvml: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._nvml = nvml
         self._clock = clock
         self._lock = threading.Lock()
@@ -194,7 +196,7 @@ class NvmlSource:
         self.init_calls = 0
         self.xids: list[XidEvent] = []
 
-    def _binding(self):
+    def _binding(self) -> Any:  # pynvml is untyped
         if self._nvml is None:
             import pynvml  # nvidia-ml-py; imported on first use, not with the daemon
 
@@ -221,7 +223,7 @@ class NvmlSource:
         self._register_xids(nvml)
         return None
 
-    def _register_xids(self, nvml) -> None:
+    def _register_xids(self, nvml: Any) -> None:
         try:
             self._events = nvml.nvmlEventSetCreate()
             for i in range(nvml.nvmlDeviceGetCount()):
@@ -234,7 +236,7 @@ class NvmlSource:
         except nvml.NVMLError:
             self._events = None
 
-    def _drain_xids(self, nvml) -> None:
+    def _drain_xids(self, nvml: Any) -> None:
         if self._events is None:
             return
         for _ in range(MAX_EVENTS_PER_ROUND):
@@ -253,10 +255,10 @@ class NvmlSource:
             self.xids.append(XidEvent(xid=int(data.eventData), gpu_index=index, seen_at=datetime.now(UTC)))
         del self.xids[:-KEEP_EVENTS]
 
-    def _gpu(self, nvml, index: int) -> NvmlGpu:
+    def _gpu(self, nvml: Any, index: int) -> NvmlGpu:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
 
-        def ask(fn, *args):
+        def ask(fn: Callable[..., Any], *args: Any) -> Any:
             try:
                 return fn(handle, *args)
             except nvml.NVMLError:

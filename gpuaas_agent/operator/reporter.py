@@ -18,14 +18,15 @@ from datetime import datetime
 from pathlib import Path
 
 import nats.errors
+from nats.aio.client import Client
 
 from gpuaas_agent import __version__
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.fleet import DrainReport, QuarantinedComponent
 from gpuaas_agent.contract.state import StepStatus
-from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat
-from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP
+from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat, HostHealth
+from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP, TaskWorker
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator import bmc
@@ -39,7 +40,7 @@ from gpuaas_agent.operator.health import (
 )
 from gpuaas_agent.operator.health_quarantine import quarantine_failing_devices
 from gpuaas_agent.operator.metrics import AgentMetrics
-from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.maintenance import drain_changed, log_drained, observe_drain
 
@@ -50,7 +51,7 @@ def _utc(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, UTC)
 
 
-def in_flight(store: StateStore, task_ids: list[str]) -> list[InFlightTask]:
+def in_flight(store: StateStore | BlockingStore, task_ids: list[str]) -> list[InFlightTask]:
     """Each running task's type, start, and the step it is in now, from the journal."""
     out = []
     for task_id in task_ids:
@@ -90,8 +91,8 @@ class Reporter:
         self.metrics = metrics
         self._notify = notify
         self.started_at = datetime.now(UTC)
-        self.nc = None
-        self.worker = None
+        self.nc: Client | None = None
+        self.worker: TaskWorker | None = None
         self.connect_attempts = 0
         self.stopping = False
         self.checks: list[HealthCheck] | None = None
@@ -101,13 +102,13 @@ class Reporter:
         # Maintenance/drain and quarantined components as of the last tick (operator/fleetview.py).
         self.drain: DrainReport | None = None
         self.quarantined: list[QuarantinedComponent] = []
-        self._drain_write: asyncio.Task | None = None
+        self._drain_write: asyncio.Task[None] | None = None
         # Checks that need the slice drivers (the daemon adds them when it serves slices).
         self.extra_checks: list[Callable[[], Awaitable[list[HealthCheck]]]] = []
 
     # -- what the daemon tells us ---------------------------------------------------------
 
-    def attach(self, nc, worker) -> None:
+    def attach(self, nc: Client, worker: TaskWorker) -> None:
         self.nc, self.worker = nc, worker
 
     def connect_attempt(self, attempt: int) -> None:
@@ -135,8 +136,10 @@ class Reporter:
     def reconnects(self) -> int:
         return int(self.nc.stats.get("reconnects", 0)) if self.nc is not None else 0
 
-    def health(self) -> tuple[str, str | None]:
+    def health(self) -> tuple[HostHealth, str | None]:
         """The host's health_state and why: the worst check, NATS trouble, or unknown before the first round."""
+        state: HostHealth
+        reason: str | None
         if self.checks is None:
             state, reason = "unknown", "health checks have not run yet"
         else:
@@ -263,7 +266,8 @@ class Reporter:
             note += f"; {len(self.quarantined)} quarantined"
         return note
 
-    async def _publish(self, state: str, reason: str | None) -> None:
+    async def _publish(self, state: HostHealth, reason: str | None) -> None:
+        assert self.nc is not None  # tick publishes only while connected
         leased = [lease.slot_index for lease in await self.state.leases()]
         beat = Heartbeat(
             node_id=self.settings.node_id, agent_version=__version__, health_state=state, health_reason=reason,
@@ -273,7 +277,7 @@ class Reporter:
             at=datetime.now(UTC))
         try:
             await self.nc.publish(subjects.heartbeat(self.settings.node_id), beat.model_dump_json().encode())
-            await self.nc.flush(timeout=self.settings.request_timeout_s)
+            await self.nc.flush(timeout=self.settings.request_timeout_s)  # type: ignore[arg-type]  # nats.py says int; seconds
         except (nats.errors.Error, TimeoutError) as exc:
             log_event(log, "heartbeat_failed", logging.WARNING, error=repr(exc))
             return

@@ -29,6 +29,7 @@ from pydantic import Field, ValidationError
 
 from gpuaas_agent import __version__
 from gpuaas_agent.compat import UTC
+from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.fleet import DrainReport, MaintenanceState, QuarantineRecord
 from gpuaas_agent.contract.naming import domain_name
@@ -218,7 +219,7 @@ def vm_states(uri: str, names: dict[int, str]) -> tuple[dict[int, str], str]:
     return states, f"reachable: {uri}"
 
 
-def _reserved_ips(config) -> dict[int, str]:
+def _reserved_ips(config: AgentConfig) -> dict[int, str]:
     site = config.slice
     try:
         reservations = DnsmasqReservations(site.dnsmasq_hosts_file, site.subnet, site.gateway,
@@ -228,7 +229,7 @@ def _reserved_ips(config) -> dict[int, str]:
     return {r.slot_index: str(r.ip) for r in reservations}
 
 
-def collect(config, *, run_checks: bool = True, now: float | None = None) -> StatusReport:
+def collect(config: AgentConfig, *, run_checks: bool = True, now: float | None = None) -> StatusReport:
     """Everything the status command shows; never raises for a missing source, says so instead."""
     now = time.time() if now is None else now
     reasons: list[str] = []
@@ -299,15 +300,16 @@ def collect(config, *, run_checks: bool = True, now: float | None = None) -> Sta
         for s in slots.values():
             try:  # rows as the store wrote them; one that does not validate is left out of the checks
                 if s.lease_task_id:
-                    leases.append(SlotLease(allocation_id=s.allocation_id, slot_index=s.slot_index,
+                    # model_validate: the view's optional fields are what validation judges here
+                    leases.append(SlotLease.model_validate(dict(allocation_id=s.allocation_id, slot_index=s.slot_index,
                                             gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
                                             disk_identity=s.disk_identity or f"path:{s.nvme_device}",
                                             fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=s.lease_task_id,
-                                            taken_at=s.leased_at.timestamp()))
+                                            taken_at=s.leased_at.timestamp())))  # type: ignore[union-attr]  # a lease row has its time
                 if s.status:
-                    records.append(SlotRecord(slot_index=s.slot_index, allocation_id=s.allocation_id or "",
+                    records.append(SlotRecord.model_validate(dict(slot_index=s.slot_index, allocation_id=s.allocation_id or "",
                                               status=s.status, health_state=s.health_state,
-                                              task_id=s.last_task_id or "", updated_at=0.0))
+                                              task_id=s.last_task_id or "", updated_at=0.0)))
             except ValidationError:
                 reasons.append(f"slot {s.slot_index}: stored lease or record does not validate")
         checks = asyncio.run(run_health(HealthSettings.from_config(config), leases, records))

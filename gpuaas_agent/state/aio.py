@@ -44,6 +44,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuaas_agent.state.store import StateStore
@@ -88,7 +89,7 @@ class StoreThread:
         self.sync = BlockingStore(self)
 
     @classmethod
-    def open(cls, path) -> StoreThread:
+    def open(cls, path: str | Path) -> StoreThread:
         """The daemon's store: the writer connection (runs the migrations) and a reader connection."""
         store = StateStore.open(path)
         try:

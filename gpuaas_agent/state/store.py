@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import Any, cast
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.fabric import PartitionLease
@@ -184,6 +185,7 @@ LEASE_COLUMNS = ", ".join(LEASE_FIELDS)
 
 class StateError(AgentError):
     default_code = "state_error"
+    retryable = False  # state_locked sets it: nothing was written, the caller may try again
 
 
 class LeaseConflict(StateError):
@@ -262,7 +264,7 @@ class StateStore:
 
     @property
     def schema_version(self) -> int:
-        return self._conn.execute("PRAGMA user_version").fetchone()[0]
+        return cast(int, self._conn.execute("PRAGMA user_version").fetchone()[0])
 
     def _migrate(self) -> None:
         current = self.schema_version
@@ -374,7 +376,7 @@ class StateStore:
         return None if row is None else self._lease(row)
 
     @staticmethod
-    def _lease(row: tuple) -> SlotLease:
+    def _lease(row: tuple[Any, ...]) -> SlotLease:
         fields = dict(zip(LEASE_FIELDS, row))
         stored = fields.pop("handover")
         handover = None
@@ -390,7 +392,7 @@ class StateStore:
 
     # -- journal ------------------------------------------------------------------
 
-    def journal(self, task_id: str, step: str, status: StepStatus, detail: dict | None = None) -> JournalEntry:
+    def journal(self, task_id: str, step: str, status: StepStatus, detail: dict[str, Any] | None = None) -> JournalEntry:
         """Append one step event; sequence numbers are per task and gap-free."""
         with self._transaction():
             (seq,) = self._conn.execute(
@@ -429,7 +431,7 @@ class StateStore:
 
     # -- idempotency --------------------------------------------------------------
 
-    def store_result(self, task_id: str, result: dict) -> dict:
+    def store_result(self, task_id: str, result: dict[str, Any]) -> dict[str, Any]:
         """Keep a task's final result; a second store of a different result is refused."""
         payload = json.dumps(result, sort_keys=True)
         with self._transaction():
@@ -441,7 +443,7 @@ class StateStore:
                         code="result_conflict",
                         evidence={"stored": json.loads(row[0]), "new": result},
                     )
-                return json.loads(row[0])
+                return cast("dict[str, Any]", json.loads(row[0]))
             self._conn.execute("INSERT INTO task_result VALUES (?, ?, ?)", (task_id, payload, self._clock()))
         return result
 
@@ -460,7 +462,7 @@ class StateStore:
             results = self._conn.execute("DELETE FROM task_result WHERE stored_at < ?", (before,)).rowcount
         return results, rows
 
-    def result_of(self, task_id: str) -> dict | None:
+    def result_of(self, task_id: str) -> dict[str, Any] | None:
         row = self._conn.execute("SELECT result FROM task_result WHERE task_id = ?", (task_id,)).fetchone()
         return None if row is None else json.loads(row[0])
 
@@ -535,7 +537,7 @@ class StateStore:
                  recheck.model_dump_json(), task_id))
         return held
 
-    def quarantine_history(self, ref: ComponentRef) -> list[dict]:
+    def quarantine_history(self, ref: ComponentRef) -> list[dict[str, Any]]:
         """Every return of a component to service, oldest first: its record, who, why, the re-check."""
         rows = self._conn.execute(
             "SELECT record, released_at, released_by, release_reason, recheck, task_id FROM quarantine_released"
@@ -544,7 +546,7 @@ class StateStore:
                  "recheck": json.loads(r[4]), "task_id": r[5]} for r in rows]
 
     @staticmethod
-    def _quarantine_record(row: tuple) -> QuarantineRecord:
+    def _quarantine_record(row: tuple[Any, ...]) -> QuarantineRecord:
         return QuarantineRecord.from_wire({
             "kind": row[0], "identity": row[1], "reason": row[2], "evidence": json.loads(row[3]),
             "quarantined_at": datetime.fromtimestamp(row[4], UTC).isoformat(), "task_id": row[5],
@@ -580,7 +582,7 @@ class StateStore:
             self._conn.execute("DELETE FROM slot_state WHERE slot_index = ?", (slot_index,))
 
     @staticmethod
-    def _slot_record(row: tuple) -> SlotRecord:
+    def _slot_record(row: tuple[Any, ...]) -> SlotRecord:
         return SlotRecord(slot_index=row[0], allocation_id=row[1], status=row[2], health_state=row[3],
                           detail=json.loads(row[4]), task_id=row[5], updated_at=row[6])
 
@@ -643,7 +645,7 @@ class StateStore:
         return [self._terminal(r) for r in rows]
 
     @staticmethod
-    def _terminal(row: tuple) -> TerminalAudit:
+    def _terminal(row: tuple[Any, ...]) -> TerminalAudit:
         keys = ("session_id", "allocation_id", "slot_index", "requested_by", "user", "target_host", "target_port",
                 "host_key_fingerprint", "open_task_id", "opened_at", "closed_at", "close_reason", "close_detail",
                 "bytes_in", "bytes_out")
@@ -698,7 +700,7 @@ class StateStore:
             self._conn.execute("DELETE FROM fabric_partition_lease WHERE allocation_id = ?", (allocation_id,))
         return held
 
-    def _partition_rows(self, where: str, params: tuple) -> list[PartitionLease]:
+    def _partition_rows(self, where: str, params: tuple[Any, ...]) -> list[PartitionLease]:
         rows = self._conn.execute(
             "SELECT allocation_id, partition_id, gpu_pci_addresses, state, task_id, recorded_at"
             f" FROM fabric_partition_lease {where} ORDER BY partition_id", params).fetchall()

@@ -20,6 +20,7 @@ from gpuaas_agent.contract.tasks import ConsoleLogPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.consolelog import ConsoleLogError, read_tail
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks.context import TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 
 
@@ -38,7 +39,7 @@ def holder_of(store, slot_index: int) -> str | None:
     return record.allocation_id if record is not None else None
 
 
-async def console_log(sh: SliceDrivers, payload: ConsoleLogPayload, ctx) -> dict:
+async def console_log(sh: SliceDrivers, payload: ConsoleLogPayload, ctx: TaskContext) -> dict:
     alloc, index = payload.allocation_id.lower(), payload.slot_index
     try:
         tail = await asyncio.to_thread(read_tail, sh.slice.console_log_dir, alloc, index, payload.tail_kib << 10)
@@ -58,7 +59,7 @@ async def console_log(sh: SliceDrivers, payload: ConsoleLogPayload, ctx) -> dict
 
 
 def console_log_handler(sh: SliceDrivers):
-    async def handle(payload: ConsoleLogPayload, ctx) -> dict:
+    async def handle(payload: ConsoleLogPayload, ctx: TaskContext) -> dict:
         return await console_log(sh, payload, ctx)
 
     return handle

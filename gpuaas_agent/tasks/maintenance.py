@@ -25,6 +25,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateError, StateStore
+from gpuaas_agent.tasks.context import TaskContext
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def log_drained(report: DrainReport) -> None:
 def maintenance_handler():
     """``slice.maintenance``: on or off, with the operator's reason; the result is the state and the drain."""
 
-    async def handle(payload: MaintenancePayload, ctx) -> dict:
+    async def handle(payload: MaintenancePayload, ctx: TaskContext) -> dict:
         state = as_store_thread(ctx.store)
         now, changed = await state.run(set_maintenance, payload, ctx.envelope.task_id, write=True)
         log_event(log, "maintenance_on" if now.on else "maintenance_off", logging.WARNING,

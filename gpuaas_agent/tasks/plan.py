@@ -33,6 +33,7 @@ from gpuaas_agent.host.fabricmanager import FabricManager
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.context import TaskContext
 from gpuaas_agent.tasks.fabric_partitions import choose_partition, fabric_for
 from gpuaas_agent.tasks.maintenance import check_not_in_maintenance
 from gpuaas_agent.tasks.placement import assess_placement, enforce_placement
@@ -183,7 +184,7 @@ def plan_handler(host_root: Path, plan_config: PlanConfig | None = None, fabric:
     profile on an NVSwitch host; FM not answering refuses the plan before anything is leased.
     """
 
-    async def handle(payload: PlanPayload, ctx) -> dict:
+    async def handle(payload: PlanPayload, ctx: TaskContext) -> dict:
         await ctx.progress("validate", "started")
         state = as_store_thread(ctx.store)  # SQLite on the store thread, never on the loop (state/aio.py)
         await state.run(check_not_in_maintenance)  # host_in_maintenance: before anything else

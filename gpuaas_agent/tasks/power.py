@@ -57,6 +57,7 @@ from gpuaas_agent.contract.tasks import VmPowerPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks.context import TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
@@ -184,7 +185,7 @@ async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease,
     return target, port
 
 
-async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
+async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
     """One power operation, in its turn on the slot's power line (superseded when a newer one wins)."""
     async with sh.power_line.turn(payload.slot_index, ctx.envelope.task_id, payload.operation):
         store = as_store_thread(ctx.store)
@@ -204,7 +205,7 @@ def graceful_timeout(sh: SliceDrivers, payload: VmPowerPayload) -> tuple[int, di
     return cap, {"requested_s": payload.graceful_timeout_s, "max_graceful_timeout_s": cap}
 
 
-async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
+async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
     store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
     op = payload.operation
     name = domain_name(payload.allocation_id)
@@ -290,7 +291,7 @@ async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx) -> dict:
 
 
 def power_handler(sh: SliceDrivers):
-    async def handle(payload: VmPowerPayload, ctx) -> dict:
+    async def handle(payload: VmPowerPayload, ctx: TaskContext) -> dict:
         return await power(sh, payload, ctx)
 
     return handle

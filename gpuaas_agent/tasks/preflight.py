@@ -33,6 +33,7 @@ from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import GuardError
 from gpuaas_agent.guards.preconditions import KVM_DEVICE, check_kvm, check_seed_dir, qemu_user
 from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.tasks.context import TaskContext
 
 PASS, WARN, FAIL = ParityStatus.PASS, ParityStatus.WARN, ParityStatus.FAIL
 LIBVIRT_IMAGES = "/var/lib/libvirt/images"
@@ -139,7 +140,7 @@ def preflight_handler(host_root: Path, *, subnet: str = "10.100.0.0/24", ovs_bri
     ``ovs_bridge`` are taken from it when given.
     """
 
-    async def handle(payload: PreflightPayload, ctx) -> dict:
+    async def handle(payload: PreflightPayload, ctx: TaskContext) -> dict:
         await ctx.progress("preflight", "started")
         if slice_config is not None:
             target = NetTarget(subnet=slice_config.subnet, ovs_bridge=slice_config.ovs_bridge)

@@ -65,6 +65,7 @@ from gpuaas_agent.tasks.admission import (
     check_reservation,
     slice_plan_config,
 )
+from gpuaas_agent.tasks.context import TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.firmware_check import slot_firmware
@@ -118,7 +119,7 @@ class ProvisionRun:
     disk_written_before: bool = False
 
     @classmethod
-    def for_task(cls, sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> ProvisionRun:
+    def for_task(cls, sh: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> ProvisionRun:
         return cls(sh=sh, payload=payload, profile=get_profile(payload.runtime_profile),
                    task_id=ctx.envelope.task_id, ctx=ctx)
 
@@ -837,7 +838,7 @@ async def close_interrupted(run: ProvisionRun, reached: list[str], *, why: str) 
     return detail
 
 
-async def recover_provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> dict[str, Any]:
+async def recover_provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
     """The worker's recovery of an interrupted provision it will not run again (its deadline passed, or it
     is poison): compensation only, no new side effect. Returns the evidence for the result."""
     run = ProvisionRun.for_task(sh, payload, ctx)
@@ -850,7 +851,7 @@ async def recover_provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) 
         return await close_interrupted(run, reached, why="provision_interrupted")
 
 
-async def provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> dict:
+async def provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> dict:
     run = ProvisionRun.for_task(sh, payload, ctx)
     async with contextlib.AsyncExitStack() as locks:
         # Every slot of the set, in index order (two sets sharing slots never wait on each other in a cycle).
@@ -905,7 +906,7 @@ async def provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx) -> dict:
     return result
 
 
-async def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> None:
+async def _report_failure(run: ProvisionRun, ctx: TaskContext, failure: PipelineFailed) -> None:
     """Every slot of the set: cleanup_blocked if its disk may hold data (its own evidence), else released."""
     detail = {"failed_step": failure.failed_step, "code": failure.code, "message": failure.message,
               "evidence": failure.evidence, "cancelled": failure.cancelled}
@@ -929,10 +930,10 @@ async def _report_failure(run: ProvisionRun, ctx, failure: PipelineFailed) -> No
 
 
 def provision_handler(sh: SliceDrivers):
-    async def handle(payload: VmProvisionPayload, ctx) -> dict:
+    async def handle(payload: VmProvisionPayload, ctx: TaskContext) -> dict:
         return await provision(sh, payload, ctx)
 
-    async def recover(payload: VmProvisionPayload, ctx) -> dict:
+    async def recover(payload: VmProvisionPayload, ctx: TaskContext) -> dict:
         return await recover_provision(sh, payload, ctx)
 
     handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py

@@ -44,6 +44,7 @@ from gpuaas_agent.host.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.tasks import fabric_partitions
+from gpuaas_agent.tasks.context import TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import ActivePort, isolation_drift
 from gpuaas_agent.tasks.slot_topology import slot_topology_findings
@@ -220,7 +221,7 @@ def store_disk(leases, record) -> str | None:
 
 
 def reconcile_handler(sh: SliceDrivers):
-    async def handle(payload: ReconcilePayload, ctx) -> dict:
+    async def handle(payload: ReconcilePayload, ctx: TaskContext) -> dict:
         await ctx.progress("reconcile", "started")
         report = await reconcile(sh, ctx.store, repair=payload.repair, node_id=ctx.node_id)
         await ctx.progress("reconcile", "succeeded", detail={"findings": len(report.findings)})

@@ -12,9 +12,8 @@ that ``needs_slice_host`` is served only when the daemon built the slice drivers
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.base import WireModel
@@ -22,6 +21,7 @@ from gpuaas_agent.contract.tasks import PAYLOADS, TaskType
 from gpuaas_agent.discovery.prereqs import SocketPaths
 from gpuaas_agent.tasks.admission import slice_plan_config
 from gpuaas_agent.tasks.console_log import console_log_handler
+from gpuaas_agent.tasks.context import Handler
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.maintenance import maintenance_handler
 from gpuaas_agent.tasks.plan import plan_handler
@@ -33,8 +33,6 @@ from gpuaas_agent.tasks.reconcile import reconcile_handler
 from gpuaas_agent.tasks.release_set import release_set_handler
 from gpuaas_agent.tasks.terminal import terminal_handler
 from gpuaas_agent.tasks.topology import topology_discover_handler
-
-Handler = Callable[[Any, Any], Awaitable[dict]]  # (validated payload, TaskContext) -> output
 
 
 @dataclass(frozen=True)

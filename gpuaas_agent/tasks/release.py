@@ -49,6 +49,7 @@ from gpuaas_agent.host.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks import fabric_partitions
+from gpuaas_agent.tasks.context import TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.firmware_check import check_slot_firmware
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
@@ -107,7 +108,7 @@ class ReleaseRun:
         return bool(self.holders) or (self.record is not None and self.record.allocation_id == self.alloc)
 
     @classmethod
-    async def for_task(cls, sh: SliceDrivers, payload: VmReleasePayload, ctx) -> ReleaseRun:
+    async def for_task(cls, sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> ReleaseRun:
         """Read the slot's lease and record; refuse (nothing touched) a slot another allocation holds."""
         store, slot, alloc = as_store_thread(ctx.store), payload.slot, payload.allocation_id
         # The disk this release may wipe is the one its lease holds (by identity), whatever the
@@ -438,7 +439,7 @@ def release_steps(run: ReleaseRun, outputs: dict[str, Any] | None = None) -> lis
     return bind_steps(RELEASE_STEPS, run, outputs=outputs)
 
 
-async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
+async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict:
     store = as_store_thread(ctx.store)
     slot = payload.slot
     alloc = payload.allocation_id
@@ -531,7 +532,7 @@ def released_before(store, task_id: str) -> bool:
     return any(e.step == "lease_release" for e in store.journal_of(task_id))
 
 
-async def recover_release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict[str, Any]:
+async def recover_release(sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
     """The worker's recovery of an interrupted release it will not run again (deadline passed, or poison):
     no new side effect; a slot this allocation still holds is recorded ``cleanup_blocked`` (its disk is
     not proven empty), so reconcile names it and the next release finishes it."""
@@ -551,10 +552,10 @@ async def recover_release(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> d
 
 
 def release_handler(sh: SliceDrivers):
-    async def handle(payload: VmReleasePayload, ctx) -> dict:
+    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict:
         return await release(sh, payload, ctx)
 
-    async def recover(payload: VmReleasePayload, ctx) -> dict:
+    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict:
         return await recover_release(sh, payload, ctx)
 
     handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.tasks.context import TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.release import recover_release, release
 from gpuaas_agent.tasks.slotset import check_slot_set
 
 
-async def release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
+async def release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict:
     slots = check_slot_set(payload.slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot: nothing touched
     if len(slots) == 1:
         return await release(sh, payload.model_copy(update={"slots": []}), ctx)
@@ -39,7 +40,7 @@ async def release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
             "releases": {str(index): result for index, result in results.items()}}
 
 
-async def recover_release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx) -> dict:
+async def recover_release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict:
     """The worker's recovery of an interrupted release it will not run again: each slot's, as release.py does."""
     slots = check_slot_set(payload.slot, payload.slots)
     out = {s.slot_index: await recover_release(sh, payload.model_copy(update={"slot": s, "slots": []}), ctx)
@@ -48,10 +49,10 @@ async def recover_release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx) 
 
 
 def release_set_handler(sh: SliceDrivers):
-    async def handle(payload: VmReleasePayload, ctx) -> dict:
+    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict:
         return await release_set(sh, payload, ctx)
 
-    async def recover(payload: VmReleasePayload, ctx) -> dict:
+    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict:
         return await recover_release_set(sh, payload, ctx)
 
     handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py

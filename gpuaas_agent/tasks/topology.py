@@ -13,6 +13,7 @@ from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks.context import TaskContext
 
 
 def topology_discover_handler(host_root: Path, gateway: ipaddress.IPv4Address | None = None):
@@ -22,7 +23,7 @@ def topology_discover_handler(host_root: Path, gateway: ipaddress.IPv4Address | 
     it, so the suggested IPs are the ones a provision's validate compares against.
     """
 
-    async def handle(payload: TopologyDiscoverPayload, ctx) -> dict:
+    async def handle(payload: TopologyDiscoverPayload, ctx: TaskContext) -> dict:
         await ctx.progress("discover", "started")
         subnet = ipaddress.IPv4Network(payload.subnet, strict=True)
         plan = PlanConfig(subnet=subnet, gateway=gateway if gateway is not None and gateway in subnet else None,
