@@ -112,6 +112,8 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     "host/imagesource": ("the image source allow-list", ("tests/host/test_images.py", "tests/host/test_images_http.py")),
     "host/nvmecaps": ("NVMe capabilities behind the wipe policy", ("tests/host/test_nvmewipe.py",
                                                                     "tests/host/test_wipepolicy.py")),
+    "tasks/context": ("the handlers' TaskContext protocol and Handler type, checked by mypy --strict",
+                      ("tests/test_static_checks.py", "tests/control/test_worker.py")),
     "tasks/firmware_check": ("the release's firmware step and its re-check", ("tests/tasks/test_release_gpu_handover.py",)),
     "host/ovsdb_idl": ("the OVS IDL adapter under the OVS driver", ("tests/host/test_ovs.py",)),
     "host/sshrelay": ("the SSH PTY of the terminal relay", ("tests/tasks/test_terminal.py",)),
