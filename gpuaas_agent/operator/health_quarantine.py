@@ -5,6 +5,7 @@ into per-component quarantines, so one failing part costs its own slot and not t
 
 * a slot GPU or fabric VF whose fatal AER counter is above zero: ``gpu_aer_fatal``;
 * a slot disk whose SMART log has a critical warning, media errors or 100 % wear: ``smart_failing``;
+* a GPU with a fatal XID (NVML, where the host still drives it) within the XID window: ``gpu_xid``;
 * a GPU the HGX baseboard's BMC judges ``failed`` (read again only when the ``gpu_bmc`` check failed,
   so a healthy host reads its BMC once per interval): ``bmc_failed``.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,10 @@ from gpuaas_agent.host.run import run
 from gpuaas_agent.host.smart import Runner, judge_smart, read_smart_log
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.operator import nvml
 from gpuaas_agent.operator.bmc import read_bmc_verdicts
+from gpuaas_agent.operator.health import HealthSettings
+from gpuaas_agent.operator.nvml import FATAL_XIDS, XID_WINDOW, NvmlReading
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.tasks.quarantine import quarantine_component
 from gpuaas_agent.tasks.recheck import RECHECKS, RecheckContext
@@ -82,8 +87,39 @@ def failing_by_bmc(reading: BmcReading) -> list[tuple[str, dict[str, Any]]]:
             for v in reading.gpus if v.status == "failed" and v.pci_address]
 
 
+def nvml_reading(settings: HealthSettings) -> NvmlReading | None:
+    """The NVML reading the ``gpu_nvml`` check judged (its recorded fixture, or the daemon's live session)."""
+    if settings.nvml_fixture is not None:
+        return nvml.load_reading(settings.nvml_fixture)
+    if not HostRoot.open(settings.host_root).is_live:
+        return None
+    reading = nvml.SOURCE.read()
+    return None if isinstance(reading, str) else reading
+
+
+def pci_address_of(bus_id: str) -> str:
+    """NVML's ``00000000:18:00.0`` as the host's ``0000:18:00.0`` (lower case, 4-digit domain)."""
+    domain, _, rest = bus_id.strip().lower().partition(":")
+    return f"{int(domain, 16):04x}:{rest}" if rest else bus_id.lower()
+
+
+def failing_by_xid(reading: NvmlReading, now: datetime | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(PCI address, evidence) of every GPU with a fatal XID within the window (NVIDIA's catalogue)."""
+    now = now or datetime.now(UTC)
+    by_index = {g.index: pci_address_of(g.pci_bus_id) for g in reading.gpus}
+    out: dict[str, dict[str, Any]] = {}
+    for event in reading.xid_events:
+        if event.xid not in FATAL_XIDS or event.gpu_index not in by_index or now - event.seen_at > XID_WINDOW:
+            continue
+        address = by_index[event.gpu_index]
+        out.setdefault(address, {"xids": []})["xids"].append(
+            {"xid": event.xid, "meaning": FATAL_XIDS[event.xid], "seen_at": event.seen_at.isoformat()})
+    return sorted(out.items())
+
+
 async def quarantine_failing_devices(host_root: Path, store: StoreThread, *, runner: Runner = run,
-                                     bmc_reading: BmcReading | None = None) -> list[QuarantineRecord]:
+                                     bmc_reading: BmcReading | None = None,
+                                     nvml_reading: NvmlReading | None = None) -> list[QuarantineRecord]:
     """One pass: discover the slots, read AER and SMART (and judge the BMC's reading, when given), quarantine
     each failing part; returns the new records."""
     host = HostRoot.open(host_root)
@@ -98,8 +134,13 @@ async def quarantine_failing_devices(host_root: Path, store: StoreThread, *, run
         if (ComponentKind.nvme, identity) not in already:
             new.append(await quarantine_component(store, ComponentKind.nvme, identity, QuarantineReason.smart_failing,
                                                   evidence, TASK_ID, slot_index=slot_index))
+    slots = {s.gpu_pci_address: s.slot_index for s in report.candidate_slots}
+    if nvml_reading is not None:
+        for address, evidence in failing_by_xid(nvml_reading):
+            if (ComponentKind.gpu, address) not in already:
+                new.append(await quarantine_component(store, ComponentKind.gpu, address, QuarantineReason.gpu_xid,
+                                                      evidence, TASK_ID, slot_index=slots.get(address)))
     if bmc_reading is not None:
-        slots = {a: s.slot_index for s in report.candidate_slots for a in (s.gpu_pci_address,)}
         for address, evidence in failing_by_bmc(bmc_reading):
             if (ComponentKind.gpu, address) not in already:
                 new.append(await quarantine_component(store, ComponentKind.gpu, address, QuarantineReason.bmc_failed,
@@ -124,6 +165,23 @@ async def recheck_bmc(ctx: RecheckContext, record: QuarantineRecord) -> RecheckV
                                  + (f" ({'; '.join(verdict.reasons)})" if verdict.reasons else ""))
 
 
-# The BMC is read in this room (operator/bmc.py), above the tasks that hold the re-check table: registered here,
+async def recheck_xid(ctx: RecheckContext, record: QuarantineRecord) -> RecheckVerdict:
+    """A GPU with a fatal XID: NVML reads it now, and no fatal XID of it was seen after it was quarantined
+    (an XID is an event: the GPU must have been reset or the host rebooted, and stayed quiet since)."""
+    reading = await asyncio.to_thread(nvml.SOURCE.read)
+    if isinstance(reading, str):
+        return RecheckVerdict(check="gpu_xid", passed=False, detail=f"NVML unavailable: {reading}")
+    if record.identity not in {pci_address_of(g.pci_bus_id) for g in reading.gpus}:
+        return RecheckVerdict(check="gpu_xid", passed=False, detail=f"NVML does not see {record.identity}")
+    later = [x for address, e in failing_by_xid(reading) if address == record.identity for x in e["xids"]
+             if datetime.fromisoformat(x["seen_at"]) > record.quarantined_at]
+    if later:
+        return RecheckVerdict(check="gpu_xid", passed=False, evidence={"xids": later},
+                              detail=f"{record.identity}: fatal XID {later[-1]['xid']} since it was quarantined")
+    return RecheckVerdict(check="gpu_xid", passed=True, detail=f"{record.identity}: no fatal XID since it was quarantined")
+
+
+# The BMC and NVML are read in this room (operator/), above the tasks that hold the re-check table: registered here,
 # which the daemon imports before it serves a task.
 RECHECKS.setdefault(QuarantineReason.bmc_failed, recheck_bmc)
+RECHECKS.setdefault(QuarantineReason.gpu_xid, recheck_xid)

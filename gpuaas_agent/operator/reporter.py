@@ -38,7 +38,7 @@ from gpuaas_agent.operator.health import (
     run_checks,
     summarise,
 )
-from gpuaas_agent.operator.health_quarantine import quarantine_failing_devices
+from gpuaas_agent.operator.health_quarantine import nvml_reading, quarantine_failing_devices
 from gpuaas_agent.operator.metrics import AgentMetrics
 from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
@@ -186,7 +186,11 @@ class Reporter:
             if bmc_config is not None and any(c.name == bmc.CHECK_NAME and c.status == "failed" for c in self.checks):
                 reading = await asyncio.wait_for(asyncio.to_thread(bmc.read_bmc_verdicts, bmc_config),
                                                  bmc_config.check_timeout_s)
-            await quarantine_failing_devices(self.health_settings.host_root, self.state, bmc_reading=reading)
+            xids = None
+            if any(c.name == "gpu_nvml" and c.status == "failed" for c in self.checks):
+                xids = await asyncio.to_thread(nvml_reading, self.health_settings)
+            await quarantine_failing_devices(self.health_settings.host_root, self.state, bmc_reading=reading,
+                                             nvml_reading=xids)
         except Exception:
             log_event(log, "health_quarantine_failed", logging.ERROR, exc_info=True)
         state, reason = summarise(self.checks)

@@ -8,14 +8,15 @@ controller), which the pass must not mistake for a verdict.
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from gpuaas_agent.contract.bmc import BmcReading, GpuBmcVerdict
 from gpuaas_agent.contract.fleet import QuarantineReason
 from gpuaas_agent.discovery.quarantine import mark_quarantined
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
-from gpuaas_agent.operator.health_quarantine import quarantine_failing_devices
+from gpuaas_agent.operator.health_quarantine import pci_address_of, quarantine_failing_devices
+from gpuaas_agent.operator.nvml import NvmlGpu, NvmlReading, XidEvent
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.recheck import RECHECKS, RecheckContext
@@ -66,5 +67,28 @@ def test_a_gpu_the_bmc_judges_failed_is_quarantined_and_its_recheck_needs_the_bm
         assert record.evidence["reasons"] == ["row remap failure"]  # degraded is not failed; unmapped is skipped
         verdict = asyncio.run(RECHECKS[QuarantineReason.bmc_failed](RecheckContext(host_root=root), record))
         assert not verdict.passed and "no [bmc]" in verdict.detail
+    finally:
+        store.close()
+
+
+def test_a_gpu_with_a_recent_fatal_xid_is_quarantined_and_an_old_or_benign_one_is_not(tmp_path, host_copy):
+    root = host_copy(HOST)
+    report = discover(HostRoot.open(root))
+    now = datetime.now(UTC)
+    gpus = [NvmlGpu(index=i, name="NVIDIA H200", pci_bus_id=f"0000{s.gpu_pci_address.upper()}")
+            for i, s in enumerate(report.candidate_slots[:3])]
+    reading = NvmlReading(provenance="test: constructed", recorded_at=now, gpus=gpus, xid_events=[
+        XidEvent(xid=79, gpu_index=1, seen_at=now - timedelta(minutes=5)),  # fell off the bus: fatal, recent
+        XidEvent(xid=79, gpu_index=0, seen_at=now - timedelta(days=2)),  # fatal, but before the window
+        XidEvent(xid=13, gpu_index=2, seen_at=now),  # a guest program's fault: judges nothing
+    ])
+    assert pci_address_of(gpus[1].pci_bus_id) == report.candidate_slots[1].gpu_pci_address
+    store = StateStore.open(tmp_path / "state.db")
+    try:
+        [record] = asyncio.run(quarantine_failing_devices(root, as_store_thread(store), nvml_reading=reading))
+        assert (record.identity, record.reason.value, record.slot_index) == (
+            report.candidate_slots[1].gpu_pci_address, "gpu_xid", 1)
+        assert [x["xid"] for x in record.evidence["xids"]] == [79]
+        assert QuarantineReason.gpu_xid in RECHECKS  # slice.unquarantine can re-check it
     finally:
         store.close()
