@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.bmc import BmcReading
 from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason, QuarantineRecord, RecheckVerdict
 from gpuaas_agent.contract.topology import TopologyReport
