@@ -645,6 +645,9 @@ class TaskWorker:
         except ContractError:
             await self._process(msg)  # junk is rejected there (terminated, never answered)
             return
+        if await self.state.run(lambda store: store.result_of(envelope.task_id)) is not None:
+            await self._process(msg)  # a redelivery of a task that ran: its stored result is replayed, never "busy"
+            return
         _warn("task_tenant_busy", task_id=envelope.task_id, type=envelope.type,
               bound=self.settings.interactive_per_allocation)
         error = TaskErrorBody(
