@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 
 from gpuaas_agent.config import AgentConfig
-from gpuaas_agent.contract.fleet import ComponentKind, ComponentRef
+from gpuaas_agent.contract.fleet import ComponentKind, ComponentRef, QuarantineReason
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.daemon import default_handlers
 from gpuaas_agent.tasks.quarantine import quarantine_component
+from gpuaas_agent.tasks.recheck import RECHECKS
 from tests.conftest import fixture_host
 from tests.support.deadline import run_bounded
 from tests.support.provision_inputs import PLAN_ALLOCATION_ID, approved_slot, plan_payload, topology_of
@@ -124,7 +125,8 @@ def test_operator_quarantine_refuses_unknown_and_held_components_and_unquarantin
     run_bounded(body())
 
 
-def test_unquarantine_reruns_the_failed_check_and_refuses_while_it_fails(nats_server, tmp_path, host_copy):
+def test_unquarantine_reruns_the_failed_check_and_refuses_while_it_fails(nats_server, tmp_path, host_copy,
+                                                                        monkeypatch):
     root = host_copy(HOST)
     config = AgentConfig(host_root=root, state_dir=tmp_path / "state")
     report = topology_of()
@@ -152,7 +154,10 @@ def test_unquarantine_reruns_the_failed_check_and_refuses_while_it_fails(nats_se
             assert back.status == ResultStatus.succeeded, back.error
             assert back.output["recheck"]["evidence"]["aer"]["fatal"] == 0
 
-            # A GPU with a fatal XID: no re-check wired on this agent, it stays out.
+            # A reason with no re-check on this agent stays out. The XID re-check is registered by the daemon's
+            # operator room (operator/health_quarantine.py) when it is imported: removed here, whatever the
+            # suite imported before, to pin the refusal.
+            monkeypatch.delitem(RECHECKS, QuarantineReason.gpu_xid, raising=False)
             reset = report.candidate_slots[5].gpu_pci_address
             await quarantine_component(h.store, "gpu", reset, "gpu_xid", {"xid": 79}, "task-r")
             unwired = await unquarantine(h, "gpu", reset)
