@@ -142,12 +142,13 @@ async def resolve_policy(
     lease: DiskLease,
     runner: Runner = run,
     candidates: tuple[WipePolicy, ...] = AUTO_CANDIDATES,
+    require_zeros: bool = True,
 ) -> tuple[WipePolicy, bool, dict[str, Any]]:
     """The concrete policy a lease stores for ``policy`` on this disk: (policy, zeros guaranteed, evidence).
 
     Writes nothing. ``auto`` (and ``candidates``) choose from the device's answers: the
-    first candidate the controller offers, whose erase stays inside the lease and — for
-    ``auto`` — whose namespace reads erased blocks as zero; else Write Zeroes. A named
+    first candidate the controller offers, whose erase stays inside the lease and — with
+    ``require_zeros`` (``auto``'s rule) — whose namespace reads erased blocks as zero; else Write Zeroes. A named
     NVMe method the device cannot carry out is refused (``wipe_method_unsupported``,
     ``wipe_scope_exceeds_lease``): the profile asked for it, the tenant's data must not
     land on a disk that cannot be erased that way.
@@ -172,7 +173,7 @@ async def resolve_policy(
         return fallback, True, {"policy": "zeroout", "chosen_from": policy.method.value,
                                 "reason": f"the controller's capabilities could not be read: {exc.message}"}
     check_identity(caps, lease.disk_identity, by_id=by_id, dev=dev)  # another disk behind the path: refused
-    resolved, zeros, evidence = choose_from_capabilities(caps, candidates, require_zeros=candidates is AUTO_CANDIDATES,
+    resolved, zeros, evidence = choose_from_capabilities(caps, candidates, require_zeros=require_zeros,
                                                          timeout_s=policy.timeout_s)
     return resolved, zeros, {**evidence, "chosen_from": policy.method.value}
 
@@ -218,8 +219,8 @@ async def resolve_handover(
     clock: Callable[[], float] = time.time,
 ) -> tuple[LeaseHandover, dict[str, Any]]:
     """The handover a provision's validate fixes in the slot's lease, with the evidence it was chosen on."""
-    policy = (overrides or {}).get(profile.name) or profile.wipe_policy
-    resolved, zeros, evidence = await resolve_policy(policy, host, by_id, lease=lease, runner=runner)
+    resolved, zeros, evidence = await resolve_policy(policy_for_profile(profile.name, overrides), host, by_id,
+                                                     lease=lease, runner=runner)
     return LeaseHandover(profile=profile.name, wipe=resolved, zeros_guaranteed=zeros,
                          gpu=profile.gpu_handover if profile.hostdevs else None, fixed_at=clock(),
                          origin=HandoverOrigin.validate), evidence
@@ -235,7 +236,7 @@ async def strictest_handover(
 ) -> tuple[LeaseHandover, dict[str, Any]]:
     """For a lease from before handover policies: the strictest erase the device supports, GPU handover on."""
     resolved, zeros, evidence = await resolve_policy(WipePolicy(), host, by_id, lease=lease, runner=runner,
-                                                     candidates=STRICTEST_CANDIDATES)
+                                                     candidates=STRICTEST_CANDIDATES, require_zeros=False)
     default = PROFILES[DEFAULT_PROFILE]
     return LeaseHandover(profile=DEFAULT_PROFILE, wipe=resolved, zeros_guaranteed=zeros, gpu=default.gpu_handover,
                          fixed_at=clock(), origin=HandoverOrigin.legacy), evidence
@@ -277,7 +278,7 @@ async def check_wipe_policy(
         dev, nsid=_namespace_id(host, evidence, policy), lease_identity=lease.disk_identity, policy=policy,
         by_id=by_id, runner=runner)
     return {"policy": policy.method.value, "action": action.value, "argv": argv, "device_identity": matched,
-            "zeros_guaranteed": caps.namespace.deallocated_reads_zero}
+            "zeros_guaranteed": _zeros_after(action.value, caps)}
 
 
 async def prove_erased(
@@ -334,11 +335,8 @@ async def prove_erased(
 
 def _namespace_id(host: HostRoot, evidence: DiskEvidence, policy: WipePolicy) -> int:
     """The NVMe namespace id sysfs gives the guarded disk; a disk that is not an NVMe namespace is refused."""
-    try:
-        nsid = int(host.read_attr(f"/sys/class/block/{evidence.kernel_name}/nsid"))
-    except (OSError, ValueError):
-        nsid = 0
-    if not 1 <= nsid <= 0xFFFFFFFE:
+    nsid = _nsid(host, evidence)
+    if nsid is None:
         raise WipeRefused(
             f"wipe method {policy.method.value} needs an NVMe namespace; {evidence.by_id} "
             f"({evidence.kernel_name}) reports no NVMe namespace id: nothing sent",
