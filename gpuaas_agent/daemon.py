@@ -78,6 +78,8 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import HealthSettings, isolation_check
+from gpuaas_agent.operator.health_fabric import fabric_probe
+from gpuaas_agent.operator.health_quarantine import all_rechecks
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.netwatch import serialized, start_netwatch
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
@@ -87,6 +89,7 @@ from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boo
 from gpuaas_agent.tasks.context import Handler
 from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.quarantine import unquarantine_handler
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
 from gpuaas_agent.tasks.registry import build_handlers, concurrency_for
 from systemd import daemon
@@ -148,7 +151,11 @@ def default_handlers(config: AgentConfig, slice_host: SliceDrivers | None = None
     ``slice_host``: the drivers the slice pipelines share (built once per daemon); without
     it only the read-only tasks are served.
     """
-    return dict(build_handlers(config, slice_host))
+    handlers = dict(build_handlers(config, slice_host))
+    # -- begin: slice.unquarantine with the operator room's re-checks (BMC, NVML), injected explicitly --
+    handlers[TaskType.unquarantine] = unquarantine_handler(config, slice_host, rechecks=all_rechecks())
+    # -- end: operator re-checks --
+    return handlers
 
 
 def port_isolation_probe(slice_host: SliceDrivers, store):
@@ -409,6 +416,10 @@ async def run_agent(
             state, HealthSettings.from_config(config), None, notifier.notify)
         if slice_host is not None:
             reporter.extra_checks.append(port_isolation_probe(slice_host, state))
+        # -- begin: Fabric Manager restarts found on the health interval (operator/health_fabric.py) --
+        if slice_host is not None and slice_host.fabric is not None:
+            reporter.extra_checks.append(fabric_probe(slice_host.fabric, state))
+        # -- end: Fabric Manager health --
         # state.sync: a scrape renders on a worker thread (operator/metrics.py), never on the loop
         metrics = AgentMetrics(live_state(state.sync, reporter, slice_host, uevents))
         reporter.metrics = metrics

@@ -11,7 +11,8 @@ into per-component quarantines, so one failing part costs its own slot and not t
 
 A component already quarantined keeps its first record; a quarantined part under a running tenant
 stays in service for that tenant (nothing is torn down) and is not offered again after its release.
-``slice.unquarantine`` re-runs the same check (``tasks/recheck.py``). A recorded host root is read for
+``slice.unquarantine`` re-runs the same check (``tasks/recheck.py``; the BMC and XID ones are here,
+:data:`OPERATOR_RECHECKS`, which the daemon passes to the handler). A recorded host root is read for
 AER (its counters are files) but never for SMART (nvme-cli talks to a live controller).
 """
 
@@ -40,7 +41,7 @@ from gpuaas_agent.operator.health import HealthSettings
 from gpuaas_agent.operator.nvml import FATAL_XIDS, XID_WINDOW, NvmlReading
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.tasks.quarantine import quarantine_component
-from gpuaas_agent.tasks.recheck import RECHECKS, RecheckContext
+from gpuaas_agent.tasks.recheck import RECHECKS, Recheck, RecheckContext
 
 log = logging.getLogger(__name__)
 TASK_ID = "health-loop"
@@ -182,7 +183,14 @@ async def recheck_xid(ctx: RecheckContext, record: QuarantineRecord) -> RecheckV
     return RecheckVerdict(check="gpu_xid", passed=True, detail=f"{record.identity}: no fatal XID since it was quarantined")
 
 
-# The BMC and NVML are read in this room (operator/), above the tasks that hold the re-check table: registered here,
-# which the daemon imports before it serves a task.
-RECHECKS.setdefault(QuarantineReason.bmc_failed, recheck_bmc)
-RECHECKS.setdefault(QuarantineReason.gpu_xid, recheck_xid)
+# The BMC and NVML are read in this room (operator/), above the tasks that hold the re-check table. Nothing is
+# registered by importing this module: the daemon hands slice.unquarantine the whole table (all_rechecks()).
+OPERATOR_RECHECKS: dict[QuarantineReason, Recheck] = {
+    QuarantineReason.bmc_failed: recheck_bmc,
+    QuarantineReason.gpu_xid: recheck_xid,
+}
+
+
+def all_rechecks() -> dict[QuarantineReason, Recheck]:
+    """tasks/recheck.py's table with this room's re-checks: what the daemon's ``slice.unquarantine`` runs."""
+    return {**RECHECKS, **OPERATOR_RECHECKS}

@@ -15,7 +15,7 @@ from gpuaas_agent.contract.fleet import QuarantineReason
 from gpuaas_agent.discovery.quarantine import mark_quarantined
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
-from gpuaas_agent.operator.health_quarantine import pci_address_of, quarantine_failing_devices
+from gpuaas_agent.operator.health_quarantine import all_rechecks, pci_address_of, quarantine_failing_devices
 from gpuaas_agent.operator.nvml import NvmlGpu, NvmlReading, XidEvent
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
@@ -65,7 +65,7 @@ def test_a_gpu_the_bmc_judges_failed_is_quarantined_and_its_recheck_needs_the_bm
         assert (record.kind.value, record.identity, record.reason.value, record.slot_index) == (
             "gpu", gpu, "bmc_failed", 2)
         assert record.evidence["reasons"] == ["row remap failure"]  # degraded is not failed; unmapped is skipped
-        verdict = asyncio.run(RECHECKS[QuarantineReason.bmc_failed](RecheckContext(host_root=root), record))
+        verdict = asyncio.run(all_rechecks()[QuarantineReason.bmc_failed](RecheckContext(host_root=root), record))
         assert not verdict.passed and "no [bmc]" in verdict.detail
     finally:
         store.close()
@@ -89,6 +89,25 @@ def test_a_gpu_with_a_recent_fatal_xid_is_quarantined_and_an_old_or_benign_one_i
         assert (record.identity, record.reason.value, record.slot_index) == (
             report.candidate_slots[1].gpu_pci_address, "gpu_xid", 1)
         assert [x["xid"] for x in record.evidence["xids"]] == [79]
-        assert QuarantineReason.gpu_xid in RECHECKS  # slice.unquarantine can re-check it
+        assert QuarantineReason.gpu_xid in all_rechecks()  # the daemon's slice.unquarantine can re-check it
     finally:
         store.close()
+
+
+def test_importing_the_operator_room_registers_no_recheck_and_the_daemon_injects_them():
+    """tasks/recheck.RECHECKS is what tasks/ defines, whatever was imported; the daemon's handler gets the rest."""
+    import subprocess
+    import sys
+
+    probe = (
+        "from gpuaas_agent.tasks.recheck import RECHECKS\n"
+        "before = sorted(r.value for r in RECHECKS)\n"
+        "import gpuaas_agent.operator.health_quarantine, gpuaas_agent.daemon\n"
+        "assert sorted(r.value for r in RECHECKS) == before, (before, sorted(RECHECKS))\n"
+        "print(' '.join(before))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "gpu_xid" not in done.stdout.split() and "bmc_failed" not in done.stdout.split()
+    assert {QuarantineReason.gpu_xid, QuarantineReason.bmc_failed} <= set(all_rechecks())
+    assert {QuarantineReason.gpu_xid, QuarantineReason.bmc_failed}.isdisjoint(RECHECKS)
