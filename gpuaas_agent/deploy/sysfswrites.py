@@ -92,7 +92,8 @@ def write_set(host: HostRoot, functions: Iterable[tuple[str, str, str]]) -> list
         add(item, device)
         if kind == "gpu":
             for bridge in _bridges(device):
-                add(f"{item}.bridge", f"{bridge}/config")
+                if host.exists(f"{bridge}/config"):  # always on a live host; a recording may lack it
+                    add(f"{item}.bridge", f"{bridge}/config")
         current = host.link_name(f"{device}/driver")
         for driver in (current, *USUAL_DRIVERS.get(kind, ())):
             if driver and driver != VFIO_DRIVER and host.is_dir(f"{PCI_DRIVERS}/{driver}"):
