@@ -37,6 +37,7 @@ from pathlib import Path
 
 from gpuaas_agent.contract.parity import ParityCheck, ParityStatus
 from gpuaas_agent.contract.topology import TopologyReport
+from gpuaas_agent.contract.types import PCI_ADDRESS_RE
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
 
@@ -47,7 +48,6 @@ DRIVERS_PROBE = "/sys/bus/pci/drivers_probe"
 VFIO_DRIVER = "vfio-pci"
 # The driver a function of each kind usually sits on before its first bind (after every boot).
 USUAL_DRIVERS = {"gpu": ("nvidia", "nouveau"), "fabric_vf": ("mlx5_core",)}
-_PCI_FUNCTION = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 REMEDY = "systemctl daemon-reload && systemctl restart gpuaas-agent (prepare-host rewrote the drop-in at this start)"
 
 
@@ -71,7 +71,7 @@ def _bridges(device: str) -> list[str]:
     """Host paths of the PCI bridges above ``device`` (a resolved ``/sys/devices/pci…/ADDR``), nearest first."""
     out = []
     parent = posixpath.dirname(device)
-    while _PCI_FUNCTION.match(posixpath.basename(parent)):
+    while PCI_ADDRESS_RE.fullmatch(posixpath.basename(parent)):
         out.append(parent)
         parent = posixpath.dirname(parent)
     return out
@@ -81,7 +81,7 @@ def write_set(host: HostRoot, functions: Iterable[tuple[str, str, str]]) -> list
     """Every path the agent writes for ``functions``, deduplicated, in a stable order (see the module doc)."""
     found: dict[str, WritablePath] = {}
 
-    def add(item: str, host_path: str) -> None:
+    def keep_path(item: str, host_path: str) -> None:
         found.setdefault(str(host.real(host_path)), WritablePath(item, str(host.real(host_path))))
 
     drivers: dict[str, None] = {}
@@ -89,19 +89,19 @@ def write_set(host: HostRoot, functions: Iterable[tuple[str, str, str]]) -> list
         device = host.resolve(f"{PCI_DEVICES}/{address}")
         if not host.is_dir(device):
             continue  # not on this host (any more): nothing to open
-        add(item, device)
+        keep_path(item, device)
         if kind == "gpu":
             for bridge in _bridges(device):
                 if host.exists(f"{bridge}/config"):  # always on a live host; a recording may lack it
-                    add(f"{item}.bridge", f"{bridge}/config")
+                    keep_path(f"{item}.bridge", f"{bridge}/config")
         current = host.link_name(f"{device}/driver")
         for driver in (current, *USUAL_DRIVERS.get(kind, ())):
             if driver and driver != VFIO_DRIVER and host.is_dir(f"{PCI_DRIVERS}/{driver}"):
                 drivers.setdefault(driver)
     for driver in drivers:
-        add(f"driver.{driver}.unbind", f"{PCI_DRIVERS}/{driver}/unbind")
+        keep_path(f"driver.{driver}.unbind", f"{PCI_DRIVERS}/{driver}/unbind")
     if found:
-        add("drivers_probe", DRIVERS_PROBE)
+        keep_path("drivers_probe", DRIVERS_PROBE)
     return list(found.values())
 
 
