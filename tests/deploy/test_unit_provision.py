@@ -356,6 +356,12 @@ def test_sysfs_is_writable_only_where_the_slot_devices_files_are_and_the_agents_
     assert opened == [p.path for p in expected] and opened, generated
     gpus = [p for p in expected if p.item.endswith(".gpu")]
     assert gpus and all(str(lab.host.root) in p for p in opened)
+    # The first start ran under the drop-in the postinst wrote for the machine's own (GPU-less) host, as after a
+    # hot-add: prepare-host --check inside the sandbox named every slot path read-only, with the fix, and the unit
+    # still started (it costs those slots, which preflight's sysfs_writable refuses, not the node).
+    first_start = unit_lab.agent_log()
+    for p in expected:
+        assert f"item=sysfs.{p.item} path={p.path} outcome=read_only fix='systemctl daemon-reload" in first_start, p
 
     # A stand-in for a slot GPU on the real sysfs of this machine (it has no GPU): the last PCI function,
     # its write set rendered by the same code; the other functions of the same PCI root stay outside.
