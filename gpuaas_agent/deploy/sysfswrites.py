@@ -96,7 +96,7 @@ def write_set(host: HostRoot, functions: Iterable[tuple[str, str, str]]) -> list
                     keep_path(f"{item}.bridge", f"{bridge}/config")
         current = host.link_name(f"{device}/driver")
         for driver in (current, *USUAL_DRIVERS.get(kind, ())):
-            if driver and driver != VFIO_DRIVER and host.is_dir(f"{PCI_DRIVERS}/{driver}"):
+            if driver and driver != VFIO_DRIVER and host.exists(f"{PCI_DRIVERS}/{driver}/unbind"):
                 drivers.setdefault(driver)
     for driver in drivers:
         keep_path(f"driver.{driver}.unbind", f"{PCI_DRIVERS}/{driver}/unbind")
