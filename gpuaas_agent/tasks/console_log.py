@@ -39,10 +39,10 @@ def holder_of(store, slot_index: int) -> str | None:
     return record.allocation_id if record is not None else None
 
 
-async def console_log(sh: SliceDrivers, payload: ConsoleLogPayload, ctx: TaskContext) -> dict:
+async def console_log(drivers: SliceDrivers, payload: ConsoleLogPayload, ctx: TaskContext) -> dict:
     alloc, index = payload.allocation_id.lower(), payload.slot_index
     try:
-        tail = await asyncio.to_thread(read_tail, sh.slice.console_log_dir, alloc, index, payload.tail_kib << 10)
+        tail = await asyncio.to_thread(read_tail, drivers.slice.console_log_dir, alloc, index, payload.tail_kib << 10)
     except ConsoleLogError as exc:
         if exc.code == "console_log_missing":
             holder = await as_store_thread(ctx.store).run(holder_of, index)
@@ -58,8 +58,8 @@ async def console_log(sh: SliceDrivers, payload: ConsoleLogPayload, ctx: TaskCon
     }
 
 
-def console_log_handler(sh: SliceDrivers):
+def console_log_handler(drivers: SliceDrivers):
     async def handle(payload: ConsoleLogPayload, ctx: TaskContext) -> dict:
-        return await console_log(sh, payload, ctx)
+        return await console_log(drivers, payload, ctx)
 
     return handle

@@ -60,7 +60,7 @@ async def put_port(ovs: OvsDriver, port: SlicePort, vm_uuid: str) -> OvsPort:
         ingress_policing_burst_kb=port.policing.burst_kb if port.policing else None)
 
 
-async def guarded_start(sh: SliceDrivers, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort,
+async def guarded_start(drivers: SliceDrivers, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort,
                         data_slots: Sequence[SlotLease] = ()) -> dict:
     """Run the guards of a start, start the domain, put the port's ids back; returns the evidence.
 
@@ -77,29 +77,29 @@ async def guarded_start(sh: SliceDrivers, target: StartTarget, *, disk_lease: Di
                                 *(f for s in data_slots for f in (s.gpu_pci_address, s.fabric_vf_pci_address)))
                     if a is not None]
         for address in approved:
-            evidence = await asyncio.to_thread(check_vfio_bindable, sh.discovered_root().fresh(), address, approved)
+            evidence = await asyncio.to_thread(check_vfio_bindable, drivers.discovered_root().fresh(), address, approved)
             groups.append(evidence.model_dump(mode="json"))
     # Every defined domain's disks but this allocation's own domain (it holds the boot and the data disks).
-    others = await sh.libvirt.defined_domain_disks(exclude_allocation=disk_lease.allocation_id,
+    others = await drivers.libvirt.defined_domain_disks(exclude_allocation=disk_lease.allocation_id,
                                                    exclude_slot=disk_lease.slot_index)
-    disk = await asyncio.to_thread(check_disk_writable, sh.discovered_root(), target.nvme_device, lease=disk_lease,
+    disk = await asyncio.to_thread(check_disk_writable, drivers.discovered_root(), target.nvme_device, lease=disk_lease,
                                    domain_disks=others)
     data_disks = []
     for held in data_slots:  # each data disk under its own slot's lease, never another domain's disk
         data_disks.append((await asyncio.to_thread(
-            check_disk_writable, sh.discovered_root(), held.nvme_device,
+            check_disk_writable, drivers.discovered_root(), held.nvme_device,
             lease=DiskLease(allocation_id=held.allocation_id, slot_index=held.slot_index,
                             nvme_device=held.nvme_device, disk_identity=held.disk_identity),
             domain_disks=others)).model_dump(mode="json"))
-    async with sh.ovs() as ovs:
+    async with drivers.ovs() as ovs:
         evidence = await asyncio.to_thread(
-            check_vm_start, sh.discovered_root() if target.profile.hostdevs else sh.local_root(), target,
+            check_vm_start, drivers.discovered_root() if target.profile.hostdevs else drivers.local_root(), target,
             bridge_exists=await asyncio.to_thread(ovs.bridge_exists, target.ovs_bridge), disk=disk)
-        info = await sh.libvirt.start(name, preconditions=evidence)
+        info = await drivers.libvirt.start(name, preconditions=evidence)
         # libvirt re-creates the port at start with only its own external_ids: put ours back.
         ovs_port = await put_port(ovs, port, info.uuid)
-    ovs_port = await opened_port(sh, ovs_port)  # the tap's ofport, so the in_port rules go in now
-    isolation = await isolate_port(sh, ovs_port, mac=port.mac, ip=port.ip)
+    ovs_port = await opened_port(drivers, ovs_port)  # the tap's ofport, so the in_port rules go in now
+    isolation = await isolate_port(drivers, ovs_port, mac=port.mac, ip=port.ip)
     out = {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
            "ofport": ovs_port.ofport, "isolation": isolation}
     if groups:

@@ -40,27 +40,27 @@ class PortHost(Protocol):
     def ovs(self) -> AbstractAsyncContextManager[OvsDriver]: ...
 
 
-def port_flows(sh: PortHost) -> PortFlows:
+def port_flows(drivers: PortHost) -> PortFlows:
     """The OpenFlow driver of the host's vswitchd (its sockets sit beside the ovsdb socket)."""
-    return PortFlows(ovs_rundir(sh.slice.ovsdb_remote))
+    return PortFlows(ovs_rundir(drivers.slice.ovsdb_remote))
 
 
-def nft_guard(sh: PortHost) -> NftGuard:
-    return NftGuard(GuardSpec(subnet=sh.slice.subnet, gateway=sh.slice.gateway))
+def nft_guard(drivers: PortHost) -> NftGuard:
+    return NftGuard(GuardSpec(subnet=drivers.slice.subnet, gateway=drivers.slice.gateway))
 
 
-def isolation_of(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> PortIsolation:
+def isolation_of(drivers: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> PortIsolation:
     """What the port's reservation implies.
 
     :class:`IsolationInputError` for a port or address that cannot be a guest's.
     """
     address = IPv4Address(str(ip)) if _is_ipv4(ip) else None
-    if address is None or address not in sh.slice.subnet or address in (
-            sh.slice.gateway, sh.slice.subnet.network_address, sh.slice.subnet.broadcast_address):
+    if address is None or address not in drivers.slice.subnet or address in (
+            drivers.slice.gateway, drivers.slice.subnet.network_address, drivers.slice.subnet.broadcast_address):
         raise IsolationInputError(
-            f"ip {ip} is not a guest address of {sh.slice.subnet} (gateway {sh.slice.gateway})",
-            evidence={"port": port.name, "ip": str(ip), "subnet": str(sh.slice.subnet),
-                      "gateway": str(sh.slice.gateway)})
+            f"ip {ip} is not a guest address of {drivers.slice.subnet} (gateway {drivers.slice.gateway})",
+            evidence={"port": port.name, "ip": str(ip), "subnet": str(drivers.slice.subnet),
+                      "gateway": str(drivers.slice.gateway)})
     if port.slot_index is None:
         raise IsolationInputError(f"port {port.name} carries no slot index", evidence={"port": port.name})
     # ofport -1: vswitchd could not open the tap yet (the domain is not started); the MAC is closed meanwhile.
@@ -69,15 +69,15 @@ def isolation_of(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address
                           slot_index=port.slot_index, ofport=ofport, mac=mac, ip=address)
 
 
-async def isolate_port(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict:
+async def isolate_port(drivers: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict:
     """Install the port's flows (one bundle) and add its vNIC to the nft guard; returns the evidence.
 
     Refuses with ``port_isolation_conflict`` (nothing written) when another port's flows
     hold the same MAC, IP or ofport.
     """
-    iso = isolation_of(sh, port, mac=mac, ip=ip)
-    rules = await port_flows(sh).install(iso)
-    guard = await nft_guard(sh).add_port(port.name)
+    iso = isolation_of(drivers, port, mac=mac, ip=ip)
+    rules = await port_flows(drivers).install(iso)
+    guard = await nft_guard(drivers).add_port(port.name)
     return {"cookie": f"{iso.cookie:#x}", "ofport": iso.ofport, "flows": len(rules), "nft_table": guard.table,
             "nft_guarded": port.name in guard.guest_ports}
 
@@ -85,7 +85,7 @@ async def isolate_port(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4A
 OFPORT_WAIT_S = 10.0
 
 
-async def opened_port(sh: PortHost, port: OvsPort, *, within_s: float = OFPORT_WAIT_S) -> OvsPort:
+async def opened_port(drivers: PortHost, port: OvsPort, *, within_s: float = OFPORT_WAIT_S) -> OvsPort:
     """The port as ovsdb shows it once vswitchd has opened its tap (``ofport`` set), or as it is after ``within_s``.
 
     Why: libvirt creates the tap at domain start and vswitchd opens it a moment later. Isolating
@@ -98,20 +98,20 @@ async def opened_port(sh: PortHost, port: OvsPort, *, within_s: float = OFPORT_W
     current = port
     while current.ofport is None and loop.time() < deadline:
         await asyncio.sleep(0.2)  # poll step of a deadline wait (vswitchd writes ofport asynchronously)
-        async with sh.ovs() as ovs:
+        async with drivers.ovs() as ovs:
             found = [p for p in await asyncio.to_thread(ovs.list_agent_ports, port.bridge) if p.name == port.name]
         if found:
             current = found[0]
     return current
 
 
-async def unisolate_port(sh: PortHost, bridge: str, port_name: str) -> dict:
+async def unisolate_port(drivers: PortHost, bridge: str, port_name: str) -> dict:
     """Remove the port's flows (by its cookie only) and its nft set element; idempotent."""
     cookie = cookie_of_port_name(port_name)
     if cookie is None:  # not a vNIC name of ours: we never installed anything for it
         return {"flows_removed": 0, "nft_removed": False}
-    removed = await port_flows(sh).remove(bridge, cookie)
-    unguarded = await nft_guard(sh).remove_port(port_name)
+    removed = await port_flows(drivers).remove(bridge, cookie)
+    unguarded = await nft_guard(drivers).remove_port(port_name)
     return {"flows_removed": len(removed), "nft_removed": unguarded}
 
 
@@ -135,7 +135,7 @@ class ActivePort:
     ip: str
 
 
-async def isolation_drift(sh: PortHost, *, ports: list[OvsPort], active: list[ActivePort], known: set[str],
+async def isolation_drift(drivers: PortHost, *, ports: list[OvsPort], active: list[ActivePort], known: set[str],
                           repair: bool) -> list[DriftFinding]:
     """Findings for flows and the nft guard; with ``repair``, reinstall what an active port lacks and remove orphans.
 
@@ -144,11 +144,11 @@ async def isolation_drift(sh: PortHost, *, ports: list[OvsPort], active: list[Ac
     port of a known allocation are orphans. Repairs never loosen anything: they
     restore the rules a reservation implies or delete rules nobody owns.
     """
-    flows, guard = port_flows(sh), nft_guard(sh)
+    flows, guard = port_flows(drivers), nft_guard(drivers)
     findings: list[DriftFinding] = []
     kept = {p.name for p in ports if p.allocation_id in known}
-    bridges = sorted({sh.slice.ovs_bridge, *(p.bridge for p in ports)})
-    async with sh.ovs() as ovs:
+    bridges = sorted({drivers.slice.ovs_bridge, *(p.bridge for p in ports)})
+    async with drivers.ovs() as ovs:
         present = [b for b in bridges if await asyncio.to_thread(ovs.bridge_exists, b)]
 
     for bridge in present:
@@ -164,7 +164,7 @@ async def isolation_drift(sh: PortHost, *, ports: list[OvsPort], active: list[Ac
     for entry in active:
         port = entry.port
         try:
-            iso = isolation_of(sh, port, mac=entry.mac, ip=entry.ip)
+            iso = isolation_of(drivers, port, mac=entry.mac, ip=entry.ip)
         except AgentError as exc:
             findings.append(_finding(DriftKind.flows_missing, port.allocation_id, DriftSeverity.error,
                                      expected="flows of the port's reservation", actual=exc.code,
@@ -178,7 +178,7 @@ async def isolation_drift(sh: PortHost, *, ports: list[OvsPort], active: list[Ac
         done, error = False, None
         if repair:
             try:
-                await isolate_port(sh, port, mac=entry.mac, ip=entry.ip)
+                await isolate_port(drivers, port, mac=entry.mac, ip=entry.ip)
                 done = True
             except AgentError as exc:  # a conflict with another port's rules: reported, never forced
                 error = {"code": exc.code, "message": exc.message, "evidence": exc.evidence}

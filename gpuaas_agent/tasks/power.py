@@ -136,14 +136,14 @@ def check_domain(info: DomainInfo | None, payload: VmPowerPayload) -> DomainInfo
     return info
 
 
-async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease,
+async def start_plan(drivers: SliceDrivers, info: DomainInfo, lease: SlotLease,
                      data_slots: Sequence[SlotLease] = ()) -> tuple[StartTarget, SlicePort]:
     """What the guarded start checks, from the leases and the domain's own XML; the two must agree.
 
     ``lease`` is the boot slot's (its disk boots, its vNIC is the domain's one interface); ``data_slots``
     the allocation's other leased slots, whose disks, GPUs and VFs the domain holds too.
     """
-    devices = await sh.libvirt.devices(info.name)
+    devices = await drivers.libvirt.devices(info.name)
     assert info.metadata is not None  # check_domain proved it ours
     profile = get_profile(info.metadata.profile)  # unknown_profile: refused, nothing started
     vnic = vnic_name(lease.allocation_id, lease.slot_index)
@@ -172,7 +172,7 @@ async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease,
         nvme_device=lease.nvme_device, ovs_bridge=ifaces[0].bridge,
         numa_node=int(nodeset) if nodeset is not None and nodeset.isdigit() else None)
     # The port's isolation rules are built from the slot's reservation: no reservation, no start.
-    reserved = [r for r in await asyncio.to_thread(sh.reservations().reservations)
+    reserved = [r for r in await asyncio.to_thread(drivers.reservations().reservations)
                 if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
     if len(reserved) != 1 or reserved[0].mac != ifaces[0].mac:
         raise PowerRefused(f"slot {lease.slot_index} of allocation {lease.allocation_id} has no reservation for "
@@ -185,35 +185,35 @@ async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease,
     return target, port
 
 
-async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
+async def power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
     """One power operation, in its turn on the slot's power line (superseded when a newer one wins)."""
-    async with sh.power_line.turn(payload.slot_index, ctx.envelope.task_id, payload.operation):
+    async with drivers.power_line.turn(payload.slot_index, ctx.envelope.task_id, payload.operation):
         store = as_store_thread(ctx.store)
         held = {lease.slot_index for lease in await store.leases_of(payload.allocation_id)}
         async with contextlib.AsyncExitStack() as locks:
             # Every slot of the slice, in index order (as provision takes them: no cycle with another set).
             for index in sorted(held | {payload.slot_index}):
-                await locks.enter_async_context(sh.slot_lock(index))
-            return await _power(sh, payload, ctx)
+                await locks.enter_async_context(drivers.slot_lock(index))
+            return await _power(drivers, payload, ctx)
 
 
-def graceful_timeout(sh: SliceDrivers, payload: VmPowerPayload) -> tuple[int, dict | None]:
+def graceful_timeout(drivers: SliceDrivers, payload: VmPowerPayload) -> tuple[int, dict | None]:
     """The payload's graceful timeout cut to the host's cap, and what was cut (``None`` when nothing)."""
-    cap = sh.slice.max_graceful_timeout_s
+    cap = drivers.slice.max_graceful_timeout_s
     if payload.graceful_timeout_s <= cap:
         return payload.graceful_timeout_s, None
     return cap, {"requested_s": payload.graceful_timeout_s, "max_graceful_timeout_s": cap}
 
 
-async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
+async def _power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
     store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
     op = payload.operation
     name = domain_name(payload.allocation_id)
     task_id = ctx.envelope.task_id
-    grace, capped = graceful_timeout(sh, payload)
+    grace, capped = graceful_timeout(drivers, payload)
 
     lease, record, data_slots = await store.run(admit_slice, payload)
-    info = check_domain(await sh.libvirt.lookup(name), payload)
+    info = check_domain(await drivers.libvirt.lookup(name), payload)
     before = info.state
     if op == "reset" and before not in ON:
         raise PowerRefused(f"domain {name} is {before.value}; a reset needs a running domain (start it instead)",
@@ -222,16 +222,16 @@ async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) ->
                            nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
 
     async def stop() -> dict:
-        outcome = await sh.libvirt.shutdown(name, deadline_s=grace)
+        outcome = await drivers.libvirt.shutdown(name, deadline_s=grace)
         return outcome.model_dump(mode="json")
 
     async def start() -> dict:
-        target, port = await start_plan(sh, info, lease, data_slots)
+        target, port = await start_plan(drivers, info, lease, data_slots)
         # Each data slot's GPU, VF and disk guarded under its own lease, as provision's start does.
-        return await guarded_start(sh, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
+        return await guarded_start(drivers, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
 
     async def reset() -> dict:
-        return (await sh.libvirt.reset(name)).model_dump(mode="json")
+        return (await drivers.libvirt.reset(name)).model_dump(mode="json")
 
     steps: list[Step] = []
     if op in ("stop", "reboot") and before is not DomainState.shutoff:
@@ -249,7 +249,7 @@ async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) ->
         except PipelineFailed as exc:
             failure = exc
     try:
-        after = await sh.libvirt.lookup(name)
+        after = await drivers.libvirt.lookup(name)
     except AgentError:  # libvirt gone after the operation: record "unknown", never mask the operation's error
         after = None
     state = after.state if after is not None else None
@@ -290,8 +290,8 @@ async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) ->
     return out
 
 
-def power_handler(sh: SliceDrivers):
+def power_handler(drivers: SliceDrivers):
     async def handle(payload: VmPowerPayload, ctx: TaskContext) -> dict:
-        return await power(sh, payload, ctx)
+        return await power(drivers, payload, ctx)
 
     return handle

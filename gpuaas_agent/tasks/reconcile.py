@@ -58,19 +58,19 @@ def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected
                         repaired=repaired, detail=detail)
 
 
-async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrigger = DriftTrigger.task,
+async def reconcile(drivers: SliceDrivers, store, *, repair: bool, trigger: DriftTrigger = DriftTrigger.task,
                     node_id: str | None = None) -> DriftReport:
     started = time.monotonic()
     state = as_store_thread(store)  # SQLite off the loop (state/aio.py)
     leases = await state.leases()
     records = {r.slot_index: r for r in await state.slot_states()}
-    domains = await sh.libvirt.list_agent_domains()
-    reservations_file = sh.reservations()
+    domains = await drivers.libvirt.list_agent_domains()
+    reservations_file = drivers.reservations()
     reservations = await asyncio.to_thread(reservations_file.reservations)
-    async with sh.ovs() as ovs:
+    async with drivers.ovs() as ovs:
         ports = await asyncio.to_thread(ovs.list_agent_ports)
-    dhcp = await asyncio.to_thread(parse_leases, sh.slice.dnsmasq_lease_file)
-    host = sh.discovered_root().fresh()
+    dhcp = await asyncio.to_thread(parse_leases, drivers.slice.dnsmasq_lease_file)
+    host = drivers.discovered_root().fresh()
 
     leased = {lease.allocation_id for lease in leases}
     recorded = {r.allocation_id for r in records.values()}
@@ -97,7 +97,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
                                      slot_index=lease.slot_index, slot_status=status.value if status else None))
         if domain is not None and status is SlotStatus.active and domain.state.value == "shutoff":
             findings.append(shutoff_finding(lease, record, domain))
-        findings += await topology_findings(sh, lease, domain)
+        findings += await topology_findings(drivers, lease, domain)
         mine = [r for r in reservations if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
         # A data slot of a multi-slot allocation (docs/multi-gpu.md) has no vNIC and no reservation of its own.
         data_slot = record is not None and record.detail.get("boot_slot_index") not in (None, lease.slot_index)
@@ -157,7 +157,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
             continue
         done = False
         if repair:
-            async with sh.ovs() as ovs:
+            async with drivers.ovs() as ovs:
                 done = await asyncio.to_thread(ovs.remove_vm_port, port.bridge, port.name,
                                                allocation_id=port.allocation_id)
         findings.append(_finding(DriftKind.port_orphan, port.allocation_id or port.name, DriftSeverity.warn,
@@ -172,10 +172,10 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
               for port in ports if (port.allocation_id, port.slot_index) == (lease.allocation_id, lease.slot_index)
               for res in reservations if (res.allocation_id, res.slot_index) == (lease.allocation_id,
                                                                                    lease.slot_index)]
-    findings += await isolation_drift(sh, ports=ports, active=active, known=known, repair=repair)
+    findings += await isolation_drift(drivers, ports=ports, active=active, known=known, repair=repair)
     # NVSwitch hosts: Fabric Manager's active partitions vs. the partition leases and the running domains.
     findings += await fabric_partitions.reconcile_findings(
-        sh.fabric, state, {a for a, d in by_alloc.items() if d.state.value == "running"}, repair=repair)
+        drivers.fabric, state, {a for a, d in by_alloc.items() if d.state.value == "running"}, repair=repair)
 
     report = DriftReport(node_id=node_id, trigger=trigger, findings=findings, at=datetime.now(UTC))
     log_event(log, "reconciled", trigger=trigger.value, findings=len(findings),
@@ -200,19 +200,19 @@ def shutoff_finding(lease, record, domain) -> DriftFinding:
                     last_power_operation=record.detail.get("last_power_operation") if record else None)
 
 
-async def topology_findings(sh: SliceDrivers, lease, domain) -> list[DriftFinding]:
+async def topology_findings(drivers: SliceDrivers, lease, domain) -> list[DriftFinding]:
     """The lease's devices against live sysfs and the domain's XML (``tasks/slot_topology.py``)."""
     devices, hostdevs = None, True
     if domain is not None and domain.metadata is not None:
         try:
-            devices = await sh.libvirt.devices(domain.name)
+            devices = await drivers.libvirt.devices(domain.name)
         except AgentError:  # gone between list and read: the domain findings above say so
             devices = None
         try:
             hostdevs = get_profile(domain.metadata.profile).hostdevs
         except UnknownProfileError:
             hostdevs = True
-    host = sh.discovered_root()
+    host = drivers.discovered_root()
     return await asyncio.to_thread(slot_topology_findings, host, lease, devices, hostdevs=hostdevs)
 
 
@@ -220,10 +220,10 @@ def store_disk(leases, record) -> str | None:
     return next((lease.nvme_device for lease in leases if lease.slot_index == record.slot_index), None)
 
 
-def reconcile_handler(sh: SliceDrivers):
+def reconcile_handler(drivers: SliceDrivers):
     async def handle(payload: ReconcilePayload, ctx: TaskContext) -> dict:
         await ctx.progress("reconcile", "started")
-        report = await reconcile(sh, ctx.store, repair=payload.repair, node_id=ctx.node_id)
+        report = await reconcile(drivers, ctx.store, repair=payload.repair, node_id=ctx.node_id)
         await ctx.progress("reconcile", "succeeded", detail={"findings": len(report.findings)})
         return report.model_dump(mode="json")
 

@@ -57,37 +57,37 @@ def preflight_sockets(config: AgentConfig) -> SocketPaths:
 
 TASKS: tuple[TaskSpec, ...] = (
     TaskSpec(TaskType.topology_discover,
-             lambda config, sh: topology_discover_handler(config.host_root, config.slice.gateway), concurrency=2),
+             lambda config, drivers: topology_discover_handler(config.host_root, config.slice.gateway), concurrency=2),
     TaskSpec(TaskType.preflight,
-             lambda config, sh: preflight_handler(config.host_root, sockets=preflight_sockets(config),
+             lambda config, drivers: preflight_handler(config.host_root, sockets=preflight_sockets(config),
                                                   slice_config=config.slice), concurrency=1),
-    TaskSpec(TaskType.plan, lambda config, sh: plan_handler(config.host_root, slice_plan_config(config.slice),
-                                                            fabric=sh.fabric if sh is not None else None),
+    TaskSpec(TaskType.plan, lambda config, drivers: plan_handler(config.host_root, slice_plan_config(config.slice),
+                                                            fabric=drivers.fabric if drivers is not None else None),
              concurrency=1),
     # One per slot: 8 concurrent provisions take as long as the slowest.
-    TaskSpec(TaskType.vm_provision, lambda config, sh: provision_handler(sh), concurrency=8, needs_slice_host=True),
+    TaskSpec(TaskType.vm_provision, lambda config, drivers: provision_handler(drivers), concurrency=8, needs_slice_host=True),
     # A multi-slot payload (v1.1 ``slots``) releases every slot of the set; one slot: tasks/release.py as before.
-    TaskSpec(TaskType.vm_release, lambda config, sh: release_set_handler(sh), concurrency=8, needs_slice_host=True),
-    TaskSpec(TaskType.reconcile, lambda config, sh: reconcile_handler(sh), concurrency=1, needs_slice_host=True),
+    TaskSpec(TaskType.vm_release, lambda config, drivers: release_set_handler(drivers), concurrency=8, needs_slice_host=True),
+    TaskSpec(TaskType.reconcile, lambda config, drivers: reconcile_handler(drivers), concurrency=1, needs_slice_host=True),
     # One per slot; the slot lock serialises power, provision and release of one slot.
-    TaskSpec(TaskType.vm_power, lambda config, sh: power_handler(sh), concurrency=8, needs_slice_host=True),
+    TaskSpec(TaskType.vm_power, lambda config, drivers: power_handler(drivers), concurrency=8, needs_slice_host=True),
     # The terminal relay: the sessions outlive their open task; these bound the tasks, the config bounds
     # the sessions ([slice.terminal] max_sessions, max_sessions_per_slice).
-    TaskSpec(TaskType.terminal_open, lambda config, sh: terminal_handler(sh, "open"), concurrency=4,
+    TaskSpec(TaskType.terminal_open, lambda config, drivers: terminal_handler(drivers, "open"), concurrency=4,
              needs_slice_host=True),
-    TaskSpec(TaskType.terminal_data, lambda config, sh: terminal_handler(sh, "data"), concurrency=8,
+    TaskSpec(TaskType.terminal_data, lambda config, drivers: terminal_handler(drivers, "data"), concurrency=8,
              needs_slice_host=True),
-    TaskSpec(TaskType.terminal_resize, lambda config, sh: terminal_handler(sh, "resize"), concurrency=4,
+    TaskSpec(TaskType.terminal_resize, lambda config, drivers: terminal_handler(drivers, "resize"), concurrency=4,
              needs_slice_host=True),
-    TaskSpec(TaskType.terminal_close, lambda config, sh: terminal_handler(sh, "close"), concurrency=4,
+    TaskSpec(TaskType.terminal_close, lambda config, drivers: terminal_handler(drivers, "close"), concurrency=4,
              needs_slice_host=True),
     # Reads a file: no slot lock, so it never waits behind a provision or release of the slot.
-    TaskSpec(TaskType.console_log, lambda config, sh: console_log_handler(sh), concurrency=4, needs_slice_host=True),
+    TaskSpec(TaskType.console_log, lambda config, drivers: console_log_handler(drivers), concurrency=4, needs_slice_host=True),
     # Fleet operations: the host's own state (store and a read of the host), so served with or without slice
     # drivers; one at a time, they are rare and an operator's.
-    TaskSpec(TaskType.maintenance, lambda config, sh: maintenance_handler(), concurrency=1),
-    TaskSpec(TaskType.quarantine, lambda config, sh: quarantine_handler(config), concurrency=1),
-    TaskSpec(TaskType.unquarantine, lambda config, sh: unquarantine_handler(config, sh), concurrency=1),
+    TaskSpec(TaskType.maintenance, lambda config, drivers: maintenance_handler(), concurrency=1),
+    TaskSpec(TaskType.quarantine, lambda config, drivers: quarantine_handler(config), concurrency=1),
+    TaskSpec(TaskType.unquarantine, lambda config, drivers: unquarantine_handler(config, drivers), concurrency=1),
 )
 
 

@@ -98,9 +98,9 @@ def _refused(exc: PowerRefused) -> TerminalRefused:
 class TerminalRelay:
     """The node's terminal sessions; one per daemon (:func:`relay_of`)."""
 
-    def __init__(self, sh: SliceDrivers) -> None:
-        self.sh = sh
-        self.config = sh.slice.terminal
+    def __init__(self, drivers: SliceDrivers) -> None:
+        self.drivers = drivers
+        self.config = drivers.slice.terminal
         self.sessions: dict[str, _Live] = {}
         self._opening: dict[str, tuple[str, int]] = {}  # session id -> (allocation, slot) while connecting
         self._revoked: set[str] = set()  # sessions still connecting that a release closed: they never open
@@ -148,8 +148,8 @@ class TerminalRelay:
 
     async def _target(self, payload: TerminalOpenPayload) -> tuple[str, int]:
         """The slot's reserved address (from the agent's own hosts file) and the configured SSH port."""
-        slice_cfg = self.sh.slice
-        reserved = [r for r in await asyncio.to_thread(self.sh.reservations().reservations)
+        slice_cfg = self.drivers.slice
+        reserved = [r for r in await asyncio.to_thread(self.drivers.reservations().reservations)
                     if r.allocation_id == payload.allocation_id and r.slot_index == payload.slot_index]
         if len(reserved) != 1:
             raise TerminalRefused(f"slot {payload.slot_index} of allocation {payload.allocation_id} has "
@@ -177,7 +177,7 @@ class TerminalRelay:
 
     async def _running_domain(self, payload: TerminalOpenPayload) -> None:
         try:
-            info = check_domain(await self.sh.libvirt.lookup(domain_name(payload.allocation_id)), payload)
+            info = check_domain(await self.drivers.libvirt.lookup(domain_name(payload.allocation_id)), payload)
         except PowerRefused as exc:
             raise _refused(exc) from None
         if info.state is not DomainState.running:
@@ -185,7 +185,7 @@ class TerminalRelay:
                                   code="slice_not_running", evidence={"domain": info.name, "state": info.state.value})
 
     def _client_key(self):
-        public = self.sh.slice.terminal_relay_key_file
+        public = self.drivers.slice.terminal_relay_key_file
         found = relaykey.inspect(public)  # a key with loose permissions or the wrong type: refused, typed
         if found.key is None:
             raise TerminalRefused(f"terminal relay key {public} is missing: run gpuaas-agent prepare-host",
@@ -195,7 +195,7 @@ class TerminalRelay:
     @contextlib.asynccontextmanager
     async def _slot_locked(self, payload: TerminalOpenPayload) -> AsyncIterator[None]:
         """The slot lock (release and power hold it), waited for at most ``connect_timeout_s``."""
-        lock = self.sh.slot_lock(payload.slot_index)
+        lock = self.drivers.slot_lock(payload.slot_index)
         wait_s = self.config.connect_timeout_s
         acquiring = asyncio.ensure_future(lock.acquire())
         try:
@@ -416,15 +416,15 @@ _ORDINARY = frozenset({CloseReason.client_closed, CloseReason.remote_closed, Clo
                        CloseReason.absolute_timeout, CloseReason.agent_shutdown})
 
 
-def relay_of(sh: SliceDrivers) -> TerminalRelay:
+def relay_of(drivers: SliceDrivers) -> TerminalRelay:
     """The node's one relay, kept by the drivers (which end its sessions on shutdown and on release)."""
-    return sh.terminals(TerminalRelay)
+    return drivers.terminals(TerminalRelay)
 
 
-def terminal_handler(sh: SliceDrivers, operation: str):
+def terminal_handler(drivers: SliceDrivers, operation: str):
     """The handler of one of the four task types, all served by the node's one :class:`TerminalRelay`."""
     async def handle(payload, ctx: TaskContext) -> dict:
-        relay = relay_of(sh)
+        relay = relay_of(drivers)
         return await getattr(relay, operation)(payload, ctx)
 
     return handle
