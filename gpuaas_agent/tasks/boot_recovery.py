@@ -40,6 +40,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import nats.errors
 
@@ -226,7 +227,7 @@ async def recover_after_boot(drivers: SliceDrivers, store, *, boot_id: str | Non
             detail = {**record.detail, "boot_recovery": {
                 "boot_id": boot_id, "outcome": rec.outcome, "at": time.time(),
                 "findings": sorted({f.kind.value for f in rec.findings})}}
-            update: dict = {"detail": detail, "updated_at": time.time()}
+            update: dict[str, Any] = {"detail": detail, "updated_at": time.time()}
             if rec.outcome == "restarted":
                 detail["power_state"] = "running"
                 update["health_state"] = HealthState.healthy

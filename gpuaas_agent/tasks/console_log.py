@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from typing import Any
 
 from gpuaas_agent.contract.tasks import ConsoleLogPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.consolelog import ConsoleLogError, read_tail
 from gpuaas_agent.state.aio import as_store_thread
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 
 
@@ -39,7 +40,7 @@ def holder_of(store, slot_index: int) -> str | None:
     return record.allocation_id if record is not None else None
 
 
-async def console_log(drivers: SliceDrivers, payload: ConsoleLogPayload, ctx: TaskContext) -> dict:
+async def console_log(drivers: SliceDrivers, payload: ConsoleLogPayload, ctx: TaskContext) -> dict[str, Any]:
     alloc, index = payload.allocation_id.lower(), payload.slot_index
     try:
         tail = await asyncio.to_thread(read_tail, drivers.slice.console_log_dir, alloc, index, payload.tail_kib << 10)
@@ -58,8 +59,8 @@ async def console_log(drivers: SliceDrivers, payload: ConsoleLogPayload, ctx: Ta
     }
 
 
-def console_log_handler(drivers: SliceDrivers):
-    async def handle(payload: ConsoleLogPayload, ctx: TaskContext) -> dict:
+def console_log_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: ConsoleLogPayload, ctx: TaskContext) -> dict[str, Any]:
         return await console_log(drivers, payload, ctx)
 
     return handle

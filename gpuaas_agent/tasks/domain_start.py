@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpuaas_agent.contract.domain import StartTarget
 from gpuaas_agent.contract.ovs import OvsPort
@@ -61,7 +62,7 @@ async def put_port(ovs: OvsDriver, port: SlicePort, vm_uuid: str) -> OvsPort:
 
 
 async def guarded_start(drivers: SliceDrivers, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort,
-                        data_slots: Sequence[SlotLease] = ()) -> dict:
+                        data_slots: Sequence[SlotLease] = ()) -> dict[str, Any]:
     """Run the guards of a start, start the domain, put the port's ids back; returns the evidence.
 
     ``data_slots``: the allocation's other leased slots (a multi-GPU domain): their GPUs/VFs and data

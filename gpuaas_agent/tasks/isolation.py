@@ -13,7 +13,7 @@ import asyncio
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from ipaddress import IPv4Address
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
@@ -69,7 +69,7 @@ def isolation_of(drivers: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Ad
                           slot_index=port.slot_index, ofport=ofport, mac=mac, ip=address)
 
 
-async def isolate_port(drivers: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict:
+async def isolate_port(drivers: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict[str, Any]:
     """Install the port's flows (one bundle) and add its vNIC to the nft guard; returns the evidence.
 
     Refuses with ``port_isolation_conflict`` (nothing written) when another port's flows
@@ -105,7 +105,7 @@ async def opened_port(drivers: PortHost, port: OvsPort, *, within_s: float = OFP
     return current
 
 
-async def unisolate_port(drivers: PortHost, bridge: str, port_name: str) -> dict:
+async def unisolate_port(drivers: PortHost, bridge: str, port_name: str) -> dict[str, Any]:
     """Remove the port's flows (by its cookie only) and its nft set element; idempotent."""
     cookie = cookie_of_port_name(port_name)
     if cookie is None:  # not a vNIC name of ours: we never installed anything for it

@@ -66,7 +66,7 @@ class PipelineContext(Protocol):
     envelope: Any
 
     async def progress(self, step: str, status: str, *, percent: float | None = None,
-                       detail: dict | None = None) -> None: ...
+                       detail: dict[str, Any] | None = None) -> None: ...
 
 
 StepObserver = Callable[[str, str, str, float, dict[str, Any]], None]
@@ -135,7 +135,8 @@ def journal_detail(output: Any) -> dict[str, Any]:
     if output is None:
         return {}
     if hasattr(output, "journal"):
-        return output.journal()
+        detail: dict[str, Any] = output.journal()
+        return detail
     if isinstance(output, BaseModel):
         return output.model_dump(mode="json")
     return dict(output)

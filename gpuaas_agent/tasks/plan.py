@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from gpuaas_agent.contract.fabric import FabricPartitionList, PartitionLease, PartitionState
 from gpuaas_agent.contract.placement import Placement
@@ -33,7 +34,7 @@ from gpuaas_agent.host.fabricmanager import FabricManager
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.fabric_partitions import choose_partition, fabric_for
 from gpuaas_agent.tasks.maintenance import check_not_in_maintenance
 from gpuaas_agent.tasks.placement import assess_placement, enforce_placement
@@ -175,7 +176,7 @@ def _take_slot_leases(store: StateStore, plan: BundlePlan, task_id: str, taken_a
     ])
 
 
-def plan_handler(host_root: Path, plan_config: PlanConfig | None = None, fabric: FabricManager | None = None):
+def plan_handler(host_root: Path, plan_config: PlanConfig | None = None, fabric: FabricManager | None = None) -> Handler:
     """The worker's handler for ``slice.plan`` (discovery runs off the event loop).
 
     ``plan_config``: the host's slice subnet, gateway and bridge (``SliceConfig``), so the
@@ -184,7 +185,7 @@ def plan_handler(host_root: Path, plan_config: PlanConfig | None = None, fabric:
     profile on an NVSwitch host; FM not answering refuses the plan before anything is leased.
     """
 
-    async def handle(payload: PlanPayload, ctx: TaskContext) -> dict:
+    async def handle(payload: PlanPayload, ctx: TaskContext) -> dict[str, Any]:
         await ctx.progress("validate", "started")
         state = as_store_thread(ctx.store)  # SQLite on the store thread, never on the loop (state/aio.py)
         await state.run(check_not_in_maintenance)  # host_in_maintenance: before anything else

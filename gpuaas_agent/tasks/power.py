@@ -46,6 +46,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from gpuaas_agent.contract.domain import DomainInfo, DomainState, StartTarget
 from gpuaas_agent.contract.naming import domain_name, vnic_name
@@ -57,7 +58,7 @@ from gpuaas_agent.contract.tasks import VmPowerPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
@@ -185,7 +186,7 @@ async def start_plan(drivers: SliceDrivers, info: DomainInfo, lease: SlotLease,
     return target, port
 
 
-async def power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
+async def power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict[str, Any]:
     """One power operation, in its turn on the slot's power line (superseded when a newer one wins)."""
     async with drivers.power_line.turn(payload.slot_index, ctx.envelope.task_id, payload.operation):
         store = as_store_thread(ctx.store)
@@ -205,7 +206,7 @@ def graceful_timeout(drivers: SliceDrivers, payload: VmPowerPayload) -> tuple[in
     return cap, {"requested_s": payload.graceful_timeout_s, "max_graceful_timeout_s": cap}
 
 
-async def _power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
+async def _power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict[str, Any]:
     store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
     op = payload.operation
     name = domain_name(payload.allocation_id)
@@ -221,16 +222,16 @@ async def _power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContex
     disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                            nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
 
-    async def stop() -> dict:
+    async def stop() -> dict[str, Any]:
         outcome = await drivers.libvirt.shutdown(name, deadline_s=grace)
         return outcome.model_dump(mode="json")
 
-    async def start() -> dict:
+    async def start() -> dict[str, Any]:
         target, port = await start_plan(drivers, info, lease, data_slots)
         # Each data slot's GPU, VF and disk guarded under its own lease, as provision's start does.
         return await guarded_start(drivers, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
 
-    async def reset() -> dict:
+    async def reset() -> dict[str, Any]:
         return (await drivers.libvirt.reset(name)).model_dump(mode="json")
 
     steps: list[Step] = []
@@ -242,7 +243,7 @@ async def _power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContex
         steps.append(Step("reset", reset))
 
     failure: PipelineFailed | None = None
-    outputs: dict = {}
+    outputs: dict[str, Any] = {}
     if steps:
         try:
             outputs = await run_pipeline(ctx, steps)
@@ -290,8 +291,8 @@ async def _power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContex
     return out
 
 
-def power_handler(drivers: SliceDrivers):
-    async def handle(payload: VmPowerPayload, ctx: TaskContext) -> dict:
+def power_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: VmPowerPayload, ctx: TaskContext) -> dict[str, Any]:
         return await power(drivers, payload, ctx)
 
     return handle

@@ -65,7 +65,7 @@ from gpuaas_agent.tasks.admission import (
     check_reservation,
     slice_plan_config,
 )
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.firmware_check import slot_firmware
@@ -162,13 +162,13 @@ class ProvisionRun:
                          nvme_device=self.slot.nvme_device, disk_identity=validated.lease.disk_identity)
 
 
-def _outcome(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict,
+def _outcome(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict[str, Any],
              slot_index: int | None = None) -> SlotOutcome:
     index = run.slot.slot_index if slot_index is None else slot_index
     return SlotOutcome(slot_index=index, status=status, health_state=health, health_detail=detail)
 
 
-def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict,
+def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict[str, Any],
             slot_index: int | None = None) -> SlotRecord:
     index = run.slot.slot_index if slot_index is None else slot_index
     if index != run.slot.slot_index:
@@ -386,7 +386,7 @@ async def validate(run: ProvisionRun) -> Validated:
                      data_leases=tuple(leases[1:]), placement=plan.placement)
 
 
-async def unlease(run: ProvisionRun, undo: Undo) -> dict:
+async def unlease(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     store, alloc = run.store, run.payload.allocation_id
     touched = touched_slots(run.slot.slot_index, [s.slot_index for s in run.slots], undo.started,
                            undo.disk_touched or run.disk_written_before)
@@ -516,7 +516,7 @@ async def fetch_image(run: ProvisionRun) -> FetchedImage:
                         delivery="cache_hit" if got.source_proof is not None else "cache_then_clone")
 
 
-async def unpin_image(run: ProvisionRun, undo: Undo) -> dict:
+async def unpin_image(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     fetched: FetchedImage | None = undo.output("image")
     if fetched is not None and fetched.pin.release():
         return {"image": "abandoned" if fetched.stream is not None else "unpinned"}
@@ -564,7 +564,7 @@ async def seed(run: ProvisionRun, validated: Validated) -> Seeded:
     return Seeded(path=iso.path, sha256=iso.sha256)
 
 
-async def unseed(run: ProvisionRun, undo: Undo) -> dict:
+async def unseed(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     return run.drivers.remove_seed(run.payload.allocation_id, run.slot.slot_index)
 
 
@@ -588,7 +588,7 @@ async def ovs_port(run: ProvisionRun) -> Plugged:
     return Plugged(port=port, isolation=isolation)
 
 
-async def unplug(run: ProvisionRun, undo: Undo) -> dict:
+async def unplug(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     return await run.drivers.unplug(run.slot.ovs_bridge, run.vnic, run.payload.allocation_id)
 
 
@@ -612,7 +612,7 @@ async def reservation(run: ProvisionRun) -> Reserved:
     return Reserved(reservation=res, changed=changed, dnsmasq_pid=pid)
 
 
-async def unreserve(run: ProvisionRun, undo: Undo) -> dict:
+async def unreserve(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     return await run.drivers.unreserve(run.payload.allocation_id, run.slot.slot_index)
 
 
@@ -672,7 +672,7 @@ async def _ours(run: ProvisionRun, undo: Undo) -> tuple[Any, str | None]:
                                   defined.uuid if defined is not None else None)
 
 
-async def undefine(run: ProvisionRun, undo: Undo) -> dict:
+async def undefine(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     found, foreign = await _ours(run, undo)
     if found is None:
         return {"domain": run.name, "found": False}
@@ -697,7 +697,7 @@ async def start(run: ProvisionRun, validated: Validated, defined: Defined) -> St
                                        port=run.port, data_slots=validated.data_leases))
 
 
-async def stop(run: ProvisionRun, undo: Undo) -> dict:
+async def stop(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     found, foreign = await _ours(run, undo)
     if found is None or foreign:
         return {"domain": run.name, "found": found is not None, **({"left": foreign} if foreign else {})}
@@ -708,7 +708,7 @@ async def stop(run: ProvisionRun, undo: Undo) -> dict:
 async def readiness(run: ProvisionRun) -> GuestReadiness:
     loop = asyncio.get_running_loop()
 
-    async def progress(event: str, fields: dict) -> None:
+    async def progress(event: str, fields: dict[str, Any]) -> None:
         await run.ctx.progress("readiness", "progress", detail={"event": event, **fields})
 
     slot = run.slot
@@ -727,17 +727,17 @@ async def readiness(run: ProvisionRun) -> GuestReadiness:
 # -- NVSwitch hosts: the Fabric Manager partition slice.plan leased (tasks/fabric_partitions.py) ---------------
 
 
-async def activate_fabric_partition(run: ProvisionRun) -> dict:
+async def activate_fabric_partition(run: ProvisionRun) -> dict[str, Any]:
     """Activate the allocation's partition before the domain starts (nothing leased: nothing to do)."""
     return await fabric_partitions.activate_leased(run.drivers.fabric, run.store, run.payload.allocation_id)
 
 
-async def deactivate_fabric_partition(run: ProvisionRun, undo: Undo) -> dict:
+async def deactivate_fabric_partition(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     return await fabric_partitions.deactivate_leased(run.drivers.fabric, run.store, run.payload.allocation_id,
                                                      release=False)
 
 
-async def check_fabric_partition(run: ProvisionRun) -> dict:
+async def check_fabric_partition(run: ProvisionRun) -> dict[str, Any]:
     """After start: FM still lists the partition active (an FM restart in between is restored or fails)."""
     return await fabric_partitions.confirm_active(run.drivers.fabric, run.store, run.payload.allocation_id)
 
@@ -851,7 +851,7 @@ async def recover_provision(drivers: SliceDrivers, payload: VmProvisionPayload, 
         return await close_interrupted(run, reached, why="provision_interrupted")
 
 
-async def provision(drivers: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> dict:
+async def provision(drivers: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
     run = ProvisionRun.for_task(drivers, payload, ctx)
     async with contextlib.AsyncExitStack() as locks:
         # Every slot of the set, in index order (two sets sharing slots never wait on each other in a cycle).
@@ -929,11 +929,11 @@ async def _report_failure(run: ProvisionRun, ctx: TaskContext, failure: Pipeline
                                               slot.slot_index))
 
 
-def provision_handler(drivers: SliceDrivers):
-    async def handle(payload: VmProvisionPayload, ctx: TaskContext) -> dict:
+def provision_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
         return await provision(drivers, payload, ctx)
 
-    async def recover(payload: VmProvisionPayload, ctx: TaskContext) -> dict:
+    async def recover(payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
         return await recover_provision(drivers, payload, ctx)
 
     handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py

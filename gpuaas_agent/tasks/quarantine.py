@@ -44,7 +44,7 @@ from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.admission import slice_plan_config
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.recheck import RECHECKS, Recheck, RecheckContext
 
 log = logging.getLogger(__name__)
@@ -142,10 +142,10 @@ def _refuse_if_held(store: StateStore, ref: ComponentRef, what: str) -> None:
                       "slot_index": holder.slot_index})
 
 
-def quarantine_handler(config: AgentConfig):
+def quarantine_handler(config: AgentConfig) -> Handler:
     """``slice.quarantine``: an operator takes out a component of this host that no allocation holds."""
 
-    async def handle(payload: QuarantinePayload, ctx: TaskContext) -> dict:
+    async def handle(payload: QuarantinePayload, ctx: TaskContext) -> dict[str, Any]:
         state = as_store_thread(ctx.store)
         ref = payload.component
         report = await asyncio.to_thread(lambda: discover(HostRoot.open(config.host_root),
@@ -164,11 +164,11 @@ def quarantine_handler(config: AgentConfig):
 
 
 def unquarantine_handler(config: AgentConfig, drivers: Any = None,
-                         rechecks: dict[QuarantineReason, Recheck] | None = None):
+                         rechecks: dict[QuarantineReason, Recheck] | None = None) -> Handler:
     """``slice.unquarantine``: re-run the failed check; return the component only when it passes."""
     table = RECHECKS if rechecks is None else rechecks
 
-    async def handle(payload: UnquarantinePayload, ctx: TaskContext) -> dict:
+    async def handle(payload: UnquarantinePayload, ctx: TaskContext) -> dict[str, Any]:
         state = as_store_thread(ctx.store)
         ref = payload.component
         record = await state.quarantine_of(ref)

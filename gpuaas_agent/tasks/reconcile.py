@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from datetime import datetime
+from typing import Any
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.dhcp import LeaseState
@@ -44,7 +45,7 @@ from gpuaas_agent.host.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.tasks import fabric_partitions
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import ActivePort, isolation_drift
 from gpuaas_agent.tasks.slot_topology import slot_topology_findings
@@ -220,8 +221,8 @@ def store_disk(leases, record) -> str | None:
     return next((lease.nvme_device for lease in leases if lease.slot_index == record.slot_index), None)
 
 
-def reconcile_handler(drivers: SliceDrivers):
-    async def handle(payload: ReconcilePayload, ctx: TaskContext) -> dict:
+def reconcile_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: ReconcilePayload, ctx: TaskContext) -> dict[str, Any]:
         await ctx.progress("reconcile", "started")
         report = await reconcile(drivers, ctx.store, repair=payload.repair, node_id=ctx.node_id)
         await ctx.progress("reconcile", "succeeded", detail={"findings": len(report.findings)})

@@ -49,7 +49,7 @@ from gpuaas_agent.host.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks import fabric_partitions
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.firmware_check import check_slot_firmware
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
@@ -62,7 +62,7 @@ class ReleaseRefused(AgentError):
     default_code = "release_refused"
 
 
-def _outcome(slot_index: int, status: SlotStatus, health: HealthState, detail: dict) -> SlotOutcome:
+def _outcome(slot_index: int, status: SlotStatus, health: HealthState, detail: dict[str, Any]) -> SlotOutcome:
     return SlotOutcome(slot_index=slot_index, status=status, health_state=health, health_detail=detail)
 
 
@@ -405,7 +405,7 @@ async def lease_release(run: ReleaseRun) -> LeaseReleased | Skipped:
     return LeaseReleased([released.slot_index] if released else [])
 
 
-async def fabric_partition_release(run: ReleaseRun) -> dict:
+async def fabric_partition_release(run: ReleaseRun) -> dict[str, Any]:
     """After the domain is gone: deactivate the allocation's Fabric Manager partition and drop its record
     (NVSwitch hosts; nothing leased: nothing to do). Before the wipe: a GPU leaves its partition first."""
     return await fabric_partitions.deactivate_leased(run.drivers.fabric, run.store, run.alloc, release=True)
@@ -439,7 +439,7 @@ def release_steps(run: ReleaseRun, outputs: dict[str, Any] | None = None) -> lis
     return bind_steps(RELEASE_STEPS, run, outputs=outputs)
 
 
-async def release(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict:
+async def release(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
     store = as_store_thread(ctx.store)
     slot = payload.slot
     alloc = payload.allocation_id
@@ -551,11 +551,11 @@ async def recover_release(drivers: SliceDrivers, payload: VmReleasePayload, ctx:
         return {"interrupted": True, "slot": "cleanup_blocked"}
 
 
-def release_handler(drivers: SliceDrivers):
-    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict:
+def release_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
         return await release(drivers, payload, ctx)
 
-    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict:
+    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
         return await recover_release(drivers, payload, ctx)
 
     handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py

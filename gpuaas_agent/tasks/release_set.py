@@ -10,15 +10,17 @@ the task fails with the first failure (naming the slots released and failed).
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.release import recover_release, release
 from gpuaas_agent.tasks.slotset import check_slot_set
 
 
-async def release_set(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict:
+async def release_set(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
     slots = check_slot_set(payload.slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot: nothing touched
     if len(slots) == 1:
         return await release(drivers, payload.model_copy(update={"slots": []}), ctx)
@@ -40,7 +42,7 @@ async def release_set(drivers: SliceDrivers, payload: VmReleasePayload, ctx: Tas
             "releases": {str(index): result for index, result in results.items()}}
 
 
-async def recover_release_set(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict:
+async def recover_release_set(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
     """The worker's recovery of an interrupted release it will not run again: each slot's, as release.py does."""
     slots = check_slot_set(payload.slot, payload.slots)
     out = {s.slot_index: await recover_release(drivers, payload.model_copy(update={"slot": s, "slots": []}), ctx)
@@ -48,11 +50,11 @@ async def recover_release_set(drivers: SliceDrivers, payload: VmReleasePayload, 
     return out[slots[0].slot_index] if len(slots) == 1 else {str(i): r for i, r in out.items()}
 
 
-def release_set_handler(drivers: SliceDrivers):
-    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict:
+def release_set_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
         return await release_set(drivers, payload, ctx)
 
-    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict:
+    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
         return await recover_release_set(drivers, payload, ctx)
 
     handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py

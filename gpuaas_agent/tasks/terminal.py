@@ -47,7 +47,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 from ipaddress import IPv4Address
-from typing import Literal
+from typing import Any, Literal
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.domain import DomainState
@@ -70,7 +70,7 @@ from gpuaas_agent.host import sshrelay
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateError
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.power import PowerRefused, admit, check_domain
 from gpuaas_agent.tasks.terminal_session import FlowSettings, SessionClosed, TerminalSession
@@ -219,7 +219,7 @@ class TerminalRelay:
 
     # -- open ----------------------------------------------------------------------------------
 
-    async def open(self, payload: TerminalOpenPayload, ctx: TaskContext) -> dict:
+    async def open(self, payload: TerminalOpenPayload, ctx: TaskContext) -> dict[str, Any]:
         store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
         stale = await store.close_stale_terminal_sessions(set(self.sessions) | set(self._opening),
                                                           reason=CloseReason.agent_restarted.value)
@@ -358,7 +358,7 @@ class TerminalRelay:
                               code="session_not_found", evidence={"session_id": session_id,
                                                                   "allocation_id": allocation_id})
 
-    async def data(self, payload: TerminalDataPayload, ctx: TaskContext) -> dict:
+    async def data(self, payload: TerminalDataPayload, ctx: TaskContext) -> dict[str, Any]:
         live = await self._live(as_store_thread(ctx.store), payload.session_id, payload.allocation_id)
         raw = payload.raw
         if len(raw) > self.config.max_frame_bytes:
@@ -369,14 +369,14 @@ class TerminalRelay:
         return TerminalDataResult(session_id=payload.session_id, bytes_written=written,
                                   totals=live.session.totals).model_dump(mode="json")
 
-    async def resize(self, payload: TerminalResizePayload, ctx: TaskContext) -> dict:
+    async def resize(self, payload: TerminalResizePayload, ctx: TaskContext) -> dict[str, Any]:
         live = await self._live(as_store_thread(ctx.store), payload.session_id, payload.allocation_id)
         live.session.resize(payload.cols, payload.rows)
         log_event(log, "terminal_resized", session_id=payload.session_id, cols=payload.cols, rows=payload.rows)
         return TerminalResizeResult(session_id=payload.session_id, cols=payload.cols,
                                     rows=payload.rows).model_dump(mode="json")
 
-    async def close(self, payload: TerminalClosePayload, ctx: TaskContext) -> dict:
+    async def close(self, payload: TerminalClosePayload, ctx: TaskContext) -> dict[str, Any]:
         store = as_store_thread(ctx.store)
         try:
             live = await self._live(store, payload.session_id, payload.allocation_id)
@@ -421,9 +421,9 @@ def relay_of(drivers: SliceDrivers) -> TerminalRelay:
     return drivers.terminals(TerminalRelay)
 
 
-def terminal_handler(drivers: SliceDrivers, operation: str):
+def terminal_handler(drivers: SliceDrivers, operation: str) -> Handler:
     """The handler of one of the four task types, all served by the node's one :class:`TerminalRelay`."""
-    async def handle(payload, ctx: TaskContext) -> dict:
+    async def handle(payload, ctx: TaskContext) -> dict[str, Any]:
         relay = relay_of(drivers)
         return await getattr(relay, operation)(payload, ctx)
 
