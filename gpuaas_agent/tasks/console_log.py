@@ -21,6 +21,7 @@ from gpuaas_agent.contract.tasks import ConsoleLogPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.consolelog import ConsoleLogError, read_tail
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 
@@ -31,7 +32,7 @@ class ConsoleLogRefused(AgentError):
     default_code = "not_this_allocation"
 
 
-def holder_of(store, slot_index: int) -> str | None:
+def holder_of(store: StateStore, slot_index: int) -> str | None:
     """The allocation that holds the slot now (lease, else slot record), or None."""
     lease = next((held for held in store.leases() if held.slot_index == slot_index), None)
     if lease is not None:

@@ -68,7 +68,7 @@ def _no_shared_devices(slots: list[ApprovedSlot]) -> None:
                             code="duplicate_binding", evidence={"field": field, "values": dupes})
 
 
-def _not_on_this_node(slot: ApprovedSlot, what: str, detail: str, **evidence) -> PlanError:
+def _not_on_this_node(slot: ApprovedSlot, what: str, detail: str, **evidence: Any) -> PlanError:
     """A binding this host does not have cannot belong to an approved slot of this node."""
     return PlanError(f"slot {slot.slot_id}: {detail}", code="not_approved",
                      evidence={"slot_id": slot.slot_id, "binding": what, **evidence})
@@ -115,14 +115,15 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport, *, placement: Plac
                 evidence={"slot_id": slot.slot_id, "kernel_name": disk.kernel_name,
                           "reasons": [r.model_dump() for r in disk.ineligible_reasons]},
             )
-        planned.append(PlannedSlot(
+        # Validated as a whole: a disk discovery read no identity for (None) fails PlannedSlot's validation.
+        planned.append(PlannedSlot.model_validate(dict(
             slot_id=slot.slot_id, slot_index=slot.slot_index,
             gpu_pci_address=gpu.pci_address, gpu_numa_node=gpu.numa_node, gpu_local_cpulist=gpu.local_cpulist,
             fabric_vf_pci_address=vf.pci_address, fabric_pf_pci_address=vf.physfn,
             nvme_device=slot.nvme_device, nvme_kernel_name=disk.kernel_name, disk_identity=disk.disk_identity,
             nvme_size_bytes=disk.size_bytes,
             mac=slot.mac, private_ip=slot.private_ip, ovs_bridge=slot.ovs_bridge,
-        ))
+        )))
     partition = None
     if fabric is not None:
         partition = choose_partition(fabric, [p.gpu_pci_address for p in planned], held=held_partitions).partition_id

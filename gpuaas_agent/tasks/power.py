@@ -58,6 +58,7 @@ from gpuaas_agent.contract.tasks import VmPowerPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
@@ -86,7 +87,7 @@ def power_state(state: DomainState | None) -> str:
     return {DomainState.shutoff: "stopped", DomainState.running: "running"}.get(state, state.value)
 
 
-def admit(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord]:
+def admit(store: StateStore, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord]:
     """The lease and the active record of this allocation on the slot, or a refusal naming why not."""
     index, alloc = payload.slot_index, payload.allocation_id
     record = store.slot_state(index)
@@ -107,7 +108,7 @@ def admit(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord]:
     return lease, record
 
 
-def admit_slice(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord, list[SlotLease]]:
+def admit_slice(store: StateStore, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord, list[SlotLease]]:
     """:func:`admit`, and the allocation's other leased slots (a multi-slot slice), each still ``active`` for it."""
     lease, record = admit(store, payload)
     data = sorted((held for held in store.leases_of(payload.allocation_id) if held.slot_index != lease.slot_index),
@@ -166,11 +167,13 @@ async def start_plan(drivers: SliceDrivers, info: DomainInfo, lease: SlotLease,
                            evidence={"problems": problems, "devices": devices.model_dump(mode="json"),
                                      "leases": [held.model_dump() for held in slots]})
     nodeset = devices.numa_nodeset
+    bridge = ifaces[0].bridge
+    assert bridge, "ifaces keeps only interfaces on a bridge"
     target = StartTarget(
         allocation_id=lease.allocation_id, slot_index=lease.slot_index, profile=profile,
         gpu_pci_address=lease.gpu_pci_address if profile.hostdevs else None,
         fabric_vf_pci_address=lease.fabric_vf_pci_address if profile.hostdevs else None,
-        nvme_device=lease.nvme_device, ovs_bridge=ifaces[0].bridge,
+        nvme_device=lease.nvme_device, ovs_bridge=bridge,
         numa_node=int(nodeset) if nodeset is not None and nodeset.isdigit() else None)
     # The port's isolation rules are built from the slot's reservation: no reservation, no start.
     reserved = [r for r in await asyncio.to_thread(drivers.reservations().reservations)
@@ -180,7 +183,7 @@ async def start_plan(drivers: SliceDrivers, info: DomainInfo, lease: SlotLease,
                            f"{ifaces[0].mac}: its port could not be isolated", code="reservation_missing",
                            evidence={"reservations": [r.model_dump(mode="json") for r in reserved],
                                      "mac": ifaces[0].mac})
-    port = SlicePort(bridge=ifaces[0].bridge, vnic=vnic, mac=ifaces[0].mac, ip=str(reserved[0].ip),
+    port = SlicePort(bridge=bridge, vnic=vnic, mac=ifaces[0].mac, ip=str(reserved[0].ip),
                      allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                      policing=profile.ingress_policing)
     return target, port
@@ -198,7 +201,7 @@ async def power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext
             return await _power(drivers, payload, ctx)
 
 
-def graceful_timeout(drivers: SliceDrivers, payload: VmPowerPayload) -> tuple[int, dict | None]:
+def graceful_timeout(drivers: SliceDrivers, payload: VmPowerPayload) -> tuple[int, dict[str, Any] | None]:
     """The payload's graceful timeout cut to the host's cap, and what was cut (``None`` when nothing)."""
     cap = drivers.slice.max_graceful_timeout_s
     if payload.graceful_timeout_s <= cap:

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from gpuaas_agent.contract.domain import ShutdownOutcome, UndefineOutcome
 from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason
@@ -36,7 +36,7 @@ from gpuaas_agent.contract.gpuhandover import SlotGpuHandover, handover_meta_key
 from gpuaas_agent.contract.handover import GpuHandoverPolicy, LeaseHandover
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import PROFILES
-from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
+from gpuaas_agent.contract.slots import ApprovedSlot, HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
@@ -48,6 +48,7 @@ from gpuaas_agent.host.gpuhandover import hand_over_gpu, reset_fabric_vf
 from gpuaas_agent.host.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
@@ -88,7 +89,7 @@ class ReleaseRun:
         return as_store_thread(self.ctx.store)
 
     @property
-    def slot(self):
+    def slot(self) -> ApprovedSlot:
         return self.payload.slot
 
     @property
@@ -215,7 +216,7 @@ async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
     if not run.holders:
         return GpuHandedOver(None, "this host holds no lease of this allocation on the slot: its devices are not ours")
     lease = run.holders[0]
-    source = "lease"
+    source: Literal["lease", "catalog_default"] = "lease"
     if lease.handover is not None:
         policy = lease.handover.gpu
         if policy is None:
@@ -527,7 +528,7 @@ async def quarantine_failed_component(run: ReleaseRun, failure: PipelineFailed) 
                                slot_index=lease.slot_index)
 
 
-def released_before(store, task_id: str) -> bool:
+def released_before(store: StateStore, task_id: str) -> bool:
     """Whether an earlier run of ``task_id`` reached ``lease_release`` (which runs only after a verified wipe)."""
     return any(e.step == "lease_release" for e in store.journal_of(task_id))
 

@@ -24,7 +24,7 @@ async def release_set(drivers: SliceDrivers, payload: VmReleasePayload, ctx: Tas
     slots = check_slot_set(payload.slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot: nothing touched
     if len(slots) == 1:
         return await release(drivers, payload.model_copy(update={"slots": []}), ctx)
-    results: dict[int, dict] = {}
+    results: dict[int, dict[str, Any]] = {}
     failures: list[tuple[int, AgentError]] = []
     for slot in slots:
         try:
