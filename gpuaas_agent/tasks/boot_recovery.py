@@ -43,6 +43,7 @@ from datetime import datetime
 from typing import Any
 
 import nats.errors
+from nats.aio.client import Client
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
@@ -71,6 +72,7 @@ from gpuaas_agent.host.vfio import AfterWrite, bind_to_vfio
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks.context import AnyStore
 from gpuaas_agent.tasks.domain_start import guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.power import ON, start_plan
@@ -110,14 +112,14 @@ class SlotRecovery:
     outcome: str = "validated"  # validated | restarted | held | refused
 
     def add(self, kind: DriftKind, severity: DriftSeverity, *, expected: str | None = None,
-            actual: str | None = None, subject: str | None = None, **detail) -> None:
+            actual: str | None = None, subject: str | None = None, **detail: Any) -> None:
         self.findings.append(DriftFinding(
             kind=kind, subject=subject or self.lease.allocation_id, severity=severity, expected=expected,
             actual=actual, detail={"allocation_id": self.lease.allocation_id, "slot_index": self.lease.slot_index,
                                    **detail}))
 
 
-def _refused(rec: SlotRecovery, kind: DriftKind, exc: AgentError, **detail) -> None:
+def _refused(rec: SlotRecovery, kind: DriftKind, exc: AgentError, **detail: Any) -> None:
     rec.outcome = "refused"
     rec.add(kind, DriftSeverity.error, expected="restored", actual=f"{exc.code}: {exc.message}",
             code=exc.code, evidence=exc.evidence, **detail)
@@ -195,7 +197,7 @@ async def recover_slot(drivers: SliceDrivers, lease: SlotLease, record: SlotReco
     return rec
 
 
-async def recover_after_boot(drivers: SliceDrivers, store, *, boot_id: str | None = None, previous_boot_id: str | None = None,
+async def recover_after_boot(drivers: SliceDrivers, store: AnyStore, *, boot_id: str | None = None, previous_boot_id: str | None = None,
                              node_id: str | None = None, after_write: AfterWrite | None = None) -> DriftReport:
     """One pass over the active slots (see the module docstring); the slot records get the outcome."""
     state = as_store_thread(store)
@@ -239,7 +241,7 @@ async def recover_after_boot(drivers: SliceDrivers, store, *, boot_id: str | Non
     return DriftReport(node_id=node_id, trigger=DriftTrigger.boot, findings=findings, at=datetime.now(UTC))
 
 
-async def check_boot(drivers: SliceDrivers, store, *, node_id: str | None = None,
+async def check_boot(drivers: SliceDrivers, store: AnyStore, *, node_id: str | None = None,
                      after_write: AfterWrite | None = None) -> DriftReport | None:
     """Run :func:`recover_after_boot` when the host booted since the boot_id was stored; None when it did not.
 
@@ -261,7 +263,7 @@ async def check_boot(drivers: SliceDrivers, store, *, node_id: str | None = None
     return report
 
 
-async def boot_recovery_at_start(drivers: SliceDrivers, store) -> DriftReport | None:
+async def boot_recovery_at_start(drivers: SliceDrivers, store: AnyStore) -> DriftReport | None:
     """The daemon's call before it pulls tasks: :func:`check_boot`, a failure logged (the reconcile timer and the
     next start try again: the boot_id is stored only after a pass ran), never fatal."""
     try:
@@ -272,13 +274,13 @@ async def boot_recovery_at_start(drivers: SliceDrivers, store) -> DriftReport | 
         return None
 
 
-async def publish_boot_report(nc, node_id: str, report: DriftReport | None, timeout_s: float) -> None:
+async def publish_boot_report(nc: Client, node_id: str, report: DriftReport | None, timeout_s: float) -> None:
     """The boot report on ``gpuaas.node.<node>.drift`` when it has findings (best effort, like the timer's)."""
     if report is None or not report.findings:
         return
     data = report.model_copy(update={"node_id": node_id}).model_dump_json().encode()
     try:
         await nc.publish(subjects.drift(node_id), data)
-        await nc.flush(timeout=timeout_s)
+        await nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # nats.py says int; seconds
     except (nats.errors.Error, TimeoutError) as exc:
         log_event(log, "boot_report_publish_failed", logging.WARNING, error=repr(exc))

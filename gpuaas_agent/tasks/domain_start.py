@@ -72,20 +72,20 @@ async def guarded_start(drivers: SliceDrivers, target: StartTarget, *, disk_leas
     Raises the first guard's typed refusal with nothing started.
     """
     name = target.domain_name
-    groups = []
+    groups: list[dict[str, Any]] = []
     if target.profile.hostdevs:
         approved = [a for a in (target.gpu_pci_address, target.fabric_vf_pci_address,
                                 *(f for s in data_slots for f in (s.gpu_pci_address, s.fabric_vf_pci_address)))
                     if a is not None]
         for address in approved:
-            evidence = await asyncio.to_thread(check_vfio_bindable, drivers.discovered_root().fresh(), address, approved)
-            groups.append(evidence.model_dump(mode="json"))
+            bindable = await asyncio.to_thread(check_vfio_bindable, drivers.discovered_root().fresh(), address, approved)
+            groups.append(bindable.model_dump(mode="json"))
     # Every defined domain's disks but this allocation's own domain (it holds the boot and the data disks).
     others = await drivers.libvirt.defined_domain_disks(exclude_allocation=disk_lease.allocation_id,
-                                                   exclude_slot=disk_lease.slot_index)
+                                                        exclude_slot=disk_lease.slot_index)
     disk = await asyncio.to_thread(check_disk_writable, drivers.discovered_root(), target.nvme_device, lease=disk_lease,
                                    domain_disks=others)
-    data_disks = []
+    data_disks: list[dict[str, Any]] = []
     for held in data_slots:  # each data disk under its own slot's lease, never another domain's disk
         data_disks.append((await asyncio.to_thread(
             check_disk_writable, drivers.discovered_root(), held.nvme_device,
@@ -101,7 +101,7 @@ async def guarded_start(drivers: SliceDrivers, target: StartTarget, *, disk_leas
         ovs_port = await put_port(ovs, port, info.uuid)
     ovs_port = await opened_port(drivers, ovs_port)  # the tap's ofport, so the in_port rules go in now
     isolation = await isolate_port(drivers, ovs_port, mac=port.mac, ip=port.ip)
-    out = {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
+    out: dict[str, Any] = {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
            "ofport": ovs_port.ofport, "isolation": isolation}
     if groups:
         out["iommu_groups"] = groups

@@ -20,6 +20,7 @@ from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
 from gpuaas_agent.contract.isolation import (
     FlowState,
     GuardSpec,
+    GuardState,
     PortIsolation,
     cookie_of_port_name,
     port_name_of_cookie,
@@ -224,7 +225,7 @@ async def isolation_drift(drivers: PortHost, *, ports: list[OvsPort], active: li
 _GUARD_KINDS = (DriftKind.nft_guard_missing, DriftKind.nft_guard_altered, DriftKind.nft_guard_orphan)
 
 
-def _guard_repaired(finding: DriftFinding, after, kept: set[str]) -> bool:
+def _guard_repaired(finding: DriftFinding, after: GuardState, kept: set[str]) -> bool:
     if not (after.present and after.rules_match):
         return False
     port = finding.detail.get("port")
@@ -235,7 +236,7 @@ def _guard_repaired(finding: DriftFinding, after, kept: set[str]) -> bool:
     return all(p in after.guest_ports for p in finding.detail.get("ports", []))
 
 
-def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected=None, actual=None,
-             repaired=False, **detail) -> DriftFinding:
+def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected: str | None = None,
+             actual: str | None = None, repaired: bool = False, **detail: Any) -> DriftFinding:
     return DriftFinding(kind=kind, subject=subject, severity=severity, expected=expected, actual=actual,
                         repaired=repaired, detail=detail)

@@ -59,7 +59,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.context import Handler, TaskContext
+from gpuaas_agent.tasks.context import Handler, SlotRequest, TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
@@ -87,7 +87,7 @@ def power_state(state: DomainState | None) -> str:
     return {DomainState.shutoff: "stopped", DomainState.running: "running"}.get(state, state.value)
 
 
-def admit(store: StateStore, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord]:
+def admit(store: StateStore, payload: SlotRequest) -> tuple[SlotLease, SlotRecord]:
     """The lease and the active record of this allocation on the slot, or a refusal naming why not."""
     index, alloc = payload.slot_index, payload.allocation_id
     record = store.slot_state(index)
@@ -125,7 +125,7 @@ def admit_slice(store: StateStore, payload: VmPowerPayload) -> tuple[SlotLease, 
     return lease, record, data
 
 
-def check_domain(info: DomainInfo | None, payload: VmPowerPayload) -> DomainInfo:
+def check_domain(info: DomainInfo | None, payload: SlotRequest) -> DomainInfo:
     name = domain_name(payload.allocation_id)
     if info is None:
         raise PowerRefused(f"slot {payload.slot_index} is active but domain {name} does not exist",

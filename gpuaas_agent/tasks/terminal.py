@@ -43,11 +43,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from ipaddress import IPv4Address
 from typing import Any, Literal
+
+import asyncssh
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.domain import DomainState
@@ -70,7 +72,7 @@ from gpuaas_agent.host import sshrelay
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateError
-from gpuaas_agent.tasks.context import Handler, TaskContext
+from gpuaas_agent.tasks.context import Handler, SlotRequest, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.power import PowerRefused, admit, check_domain
 from gpuaas_agent.tasks.terminal_session import FlowSettings, SessionClosed, TerminalSession
@@ -115,7 +117,7 @@ class TerminalRelay:
 
     # -- admission ---------------------------------------------------------------------------
 
-    async def _admit_slot(self, state: StoreThread, payload) -> None:
+    async def _admit_slot(self, state: StoreThread, payload: SlotRequest) -> None:
         try:
             await state.run(admit, payload)
         except PowerRefused as exc:
@@ -184,7 +186,7 @@ class TerminalRelay:
             raise TerminalRefused(f"domain {info.name} is {info.state.value}: start the slice first",
                                   code="slice_not_running", evidence={"domain": info.name, "state": info.state.value})
 
-    def _client_key(self):
+    def _client_key(self) -> asyncssh.SSHKey:
         public = self.drivers.slice.terminal_relay_key_file
         found = relaykey.inspect(public)  # a key with loose permissions or the wrong type: refused, typed
         if found.key is None:
@@ -309,13 +311,13 @@ class TerminalRelay:
             opened_at=datetime.fromtimestamp(now, UTC)).model_dump(mode="json")
 
     @staticmethod
-    def _tick_callback(store: StoreThread):
+    def _tick_callback(store: StoreThread) -> Callable[[TerminalSession], Awaitable[None]]:
         async def tick(session: TerminalSession) -> None:
             await store.record_terminal_bytes(session.session_id, session.counters.bytes_in, session.counters.out_sent)
 
         return tick
 
-    def _closed_callback(self, store: StoreThread):
+    def _closed_callback(self, store: StoreThread) -> Callable[[TerminalSession], Awaitable[None]]:
         async def closed(session: TerminalSession) -> None:
             live = self.sessions.pop(session.session_id, None)
             final = session.final
@@ -333,7 +335,8 @@ class TerminalRelay:
 
         return closed
 
-    def _recheck_callback(self, store: StoreThread, payload: TerminalOpenPayload):
+    def _recheck_callback(self, store: StoreThread,
+                          payload: TerminalOpenPayload) -> Callable[[], Awaitable[str | None]]:
         async def recheck() -> str | None:
             try:
                 await store.run(admit, payload)
@@ -381,13 +384,13 @@ class TerminalRelay:
         try:
             live = await self._live(store, payload.session_id, payload.allocation_id)
         except SessionClosed:
-            row = await store.terminal_session(payload.session_id)
+            row: TerminalAudit | None = await store.terminal_session(payload.session_id)
             assert row is not None
             return row.model_dump(mode="json")  # closed before: its audit record, nothing else to do
         await live.session.close(CloseReason.client_closed, f"slice.terminal_close task {ctx.envelope.task_id}")
-        row = await store.terminal_session(payload.session_id)
-        assert row is not None
-        return row.model_dump(mode="json")
+        closed: TerminalAudit | None = await store.terminal_session(payload.session_id)
+        assert closed is not None
+        return closed.model_dump(mode="json")
 
     async def close_slot(self, allocation_id: str, slot_index: int, reason: CloseReason) -> int:
         """Close the sessions into one slot of one allocation (its release, under the slot lock); returns how many.
@@ -421,10 +424,11 @@ def relay_of(drivers: SliceDrivers) -> TerminalRelay:
     return drivers.terminals(TerminalRelay)
 
 
-def terminal_handler(drivers: SliceDrivers, operation: str) -> Handler:
+def terminal_handler(drivers: SliceDrivers, operation: Literal["open", "data", "resize", "close"]) -> Handler:
     """The handler of one of the four task types, all served by the node's one :class:`TerminalRelay`."""
-    async def handle(payload, ctx: TaskContext) -> dict[str, Any]:
+    async def handle(payload: Any, ctx: TaskContext) -> dict[str, Any]:
         relay = relay_of(drivers)
-        return await getattr(relay, operation)(payload, ctx)
+        method: Handler = getattr(relay, operation)
+        return await method(payload, ctx)
 
     return handle
