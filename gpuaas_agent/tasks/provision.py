@@ -23,19 +23,22 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpuaas_agent import __version__
 from gpuaas_agent.contract.cloudinit import SeedSpec
 from gpuaas_agent.contract.dhcp import GuestReadiness
-from gpuaas_agent.contract.domain import DomainSpec, GuestSlot
+from gpuaas_agent.contract.domain import DomainInfo, DomainSpec, GuestSlot
 from gpuaas_agent.contract.naming import domain_name, vnic_name
+from gpuaas_agent.contract.placement import PlacementReport
 from gpuaas_agent.contract.plan import PlannedSlot
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
-from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
+from gpuaas_agent.contract.slots import ApprovedSlot, HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
-from gpuaas_agent.contract.storage import DiskLease
+from gpuaas_agent.contract.storage import CloneProgress, CloneResult, DiskLease
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
+from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.discovery.bars import function_bars
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
@@ -50,13 +53,14 @@ from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
 from gpuaas_agent.host.dnsmasq import make_reservation
 from gpuaas_agent.host.egress import egress_target, wait_for_egress
-from gpuaas_agent.host.images import StreamedMiss
+from gpuaas_agent.host.images import ImageCache, StreamedMiss
 from gpuaas_agent.host.readiness import wait_for_guest
 from gpuaas_agent.host.streamclone import stream_image
 from gpuaas_agent.host.vfio import bind_to_vfio
 from gpuaas_agent.host.wipepolicy import resolve_handover
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.admission import (
     build_seed_spec,
@@ -129,17 +133,17 @@ class ProvisionRun:
         return as_store_thread(self.ctx.store)
 
     @property
-    def slot(self):
+    def slot(self) -> ApprovedSlot:
         """The boot slot (the only slot of a single-slot provision)."""
         return self.payload.slot
 
     @property
-    def slots(self) -> list:
+    def slots(self) -> list[ApprovedSlot]:
         """Every slot of the allocation, boot slot first (validate refuses a bad set)."""
         return slot_set(self.payload.slot, self.payload.slots)
 
     @property
-    def data_slots(self) -> list:
+    def data_slots(self) -> list[ApprovedSlot]:
         return self.slots[1:]
 
     @property
@@ -190,7 +194,7 @@ async def check_admissible(run: ProvisionRun) -> None:
         _check_admissible_slot(run, slot, await run.store.slot_state(slot.slot_index))
 
 
-def _check_admissible_slot(run: ProvisionRun, slot, record: SlotRecord | None) -> None:
+def _check_admissible_slot(run: ProvisionRun, slot: ApprovedSlot, record: SlotRecord | None) -> None:
     if slot.status is SlotStatus.cleanup_blocked or (record and record.status is SlotStatus.cleanup_blocked):
         raise ProvisionRefused(
             f"slot {slot.slot_index} is cleanup_blocked: its disk must be wiped and verified by a release first",
@@ -210,7 +214,7 @@ def _check_admissible_slot(run: ProvisionRun, slot, record: SlotRecord | None) -
             evidence={"slot_index": slot.slot_index, "host_record": record.model_dump(mode="json")})
 
 
-def domain_not_ours(found, allocation_id: str, slot_index: int, created_uuid: str | None) -> str | None:
+def domain_not_ours(found: DomainInfo | None, allocation_id: str, slot_index: int, created_uuid: str | None) -> str | None:
     """Why a compensation must leave the domain ``found`` alone, or None when it is this run's to undo.
 
     Ours means: our metadata naming this allocation *and* this slot, and, once define
@@ -229,14 +233,14 @@ def domain_not_ours(found, allocation_id: str, slot_index: int, created_uuid: st
     return None
 
 
-def _relay_key(path) -> str:
+def _relay_key(path: Path) -> str:
     """The node's terminal relay public key (seed 004), added to every slice's authorized keys.
 
     A key that is not one ed25519 line is the host's fault (``relay_key_invalid``), not the tenant's:
     it must not surface as the seed's ``invalid_payload``.
     """
     try:
-        text = path.read_text().strip()
+        text: str = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise HostError(f"terminal relay key {path} cannot be read: {getattr(exc, 'strerror', None) or exc}",
                         code="relay_key_missing", evidence={"path": str(path)}) from None
@@ -262,10 +266,10 @@ class Validated:
     # The other slots of a multi-slot allocation (data disks), in set order; empty for one slot.
     data_planned: tuple[PlannedSlot, ...] = ()
     data_leases: tuple[SlotLease, ...] = ()
-    placement: Any = None  # PlacementReport of a multi-slot set
+    placement: PlacementReport | None = None  # of a multi-slot set
 
     def journal(self) -> dict[str, Any]:
-        out = {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
+        out: dict[str, Any] = {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
                "disk_identity": self.planned.disk_identity,
                "lease": "held_before" if self.lease_was_held else "taken",
                "preconditions": self.preconditions}
@@ -315,7 +319,8 @@ async def _slot_preconditions(run: ProvisionRun, slot: Any, planned: PlannedSlot
     return proven.model_dump(mode="json")
 
 
-def _enough_free(store, report, allocation_id: str, slots: list) -> list[int]:
+def _enough_free(store: StateStore, report: TopologyReport, allocation_id: str,
+                 slots: list[ApprovedSlot]) -> list[int]:
     """:func:`check_enough_free` with the store first, as ``StoreThread.run`` calls it (on the store thread)."""
     return check_enough_free(report, store, allocation_id, slots)
 
@@ -461,7 +466,7 @@ class ImagePin:
     same way, so a failure between the image and clone steps frees the digest for other provisions.
     """
 
-    def __init__(self, images, sha256: str, *, held: bool = True, stream: StreamedMiss | None = None) -> None:
+    def __init__(self, images: ImageCache, sha256: str, *, held: bool = True, stream: StreamedMiss | None = None) -> None:
         self._images, self._sha256, self._held, self._stream = images, sha256, held, stream
 
     def release(self) -> bool:
@@ -523,7 +528,7 @@ async def unpin_image(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     return {"image": "not pinned"}
 
 
-async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage):
+async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage) -> CloneResult:
     # touches_disk: from its start, nothing but a verified wipe makes this disk clean.
     drivers, slot = run.drivers, run.slot
     try:
@@ -531,7 +536,7 @@ async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage):
         others = await drivers.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
                                                        exclude_slot=slot.slot_index)
 
-        async def on_progress(p) -> None:
+        async def on_progress(p: CloneProgress) -> None:
             await run.ctx.progress("clone", "progress", percent=p.percent)
 
         wipe_proof = None if run.disk_written_before else await run.store.latest_wipe_proof(slot.slot_index)
@@ -778,7 +783,7 @@ def provision_steps(run: ProvisionRun) -> list[Step]:
 RESTARTABLE = ("validate", "bind_vfio", "image", "data_disks", "clone")
 
 
-def reached_steps(store, task_id: str) -> list[str]:
+def reached_steps(store: StateStore, task_id: str) -> list[str]:
     """The pipeline steps an earlier run of ``task_id`` started, in declaration order."""
     started = {e.step for e in store.journal_of(task_id) if e.status is StepStatus.started}
     return [d.name for d in PROVISION_STEPS if d.name in started]
