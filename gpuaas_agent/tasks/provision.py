@@ -449,7 +449,7 @@ async def guard_data_disks(run: ProvisionRun, validated: Validated) -> DataDisks
     if not validated.data_leases:
         return DataDisks()
     others = await run.drivers.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
-                                                       exclude_slot=run.slot.slot_index)
+                                                            exclude_slot=run.slot.slot_index)
     evidence = []
     for lease in validated.data_leases:
         disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
@@ -534,7 +534,7 @@ async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage) ->
     try:
         # Disks of every defined domain, running or shut off, except this allocation+slot's own.
         others = await drivers.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
-                                                       exclude_slot=slot.slot_index)
+                                                            exclude_slot=slot.slot_index)
 
         async def on_progress(p: CloneProgress) -> None:
             await run.ctx.progress("clone", "progress", percent=p.percent)

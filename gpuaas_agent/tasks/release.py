@@ -368,7 +368,7 @@ async def wipe_leased_disk(run: ReleaseRun, found: Found, disk_lease: DiskLease)
         handover.wipe, drivers.discovered_root(), disk_lease.nvme_device, lease=disk_lease,
         zeros_guaranteed=handover.zeros_guaranteed,
         domain_disks=await drivers.libvirt.defined_domain_disks(exclude_allocation=run.alloc,
-                                                           exclude_slot=run.slot.slot_index))
+                                                                exclude_slot=run.slot.slot_index))
 
 
 async def wipe(run: ReleaseRun, found: Found) -> Wiped:
