@@ -28,9 +28,10 @@ from typing import Any
 
 from gpuaas_agent import __version__
 from gpuaas_agent.contract.cloudinit import SeedSpec
-from gpuaas_agent.contract.dhcp import GuestReadiness
+from gpuaas_agent.contract.dhcp import GuestReadiness, Reservation
 from gpuaas_agent.contract.domain import DomainInfo, DomainSpec, GuestSlot
 from gpuaas_agent.contract.naming import domain_name, vnic_name
+from gpuaas_agent.contract.ovs import OvsPort
 from gpuaas_agent.contract.placement import PlacementReport
 from gpuaas_agent.contract.plan import PlannedSlot
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
@@ -117,7 +118,7 @@ class ProvisionRun:
     payload: VmProvisionPayload
     profile: RuntimeProfile
     task_id: str
-    ctx: Any
+    ctx: TaskContext
     # An earlier run of this very task started the clone (the agent was killed or stopped under it):
     # the disk is dirty whatever this run does, and the old wipe proof no longer says it is zero.
     disk_written_before: bool = False
@@ -302,7 +303,7 @@ async def _preconditions(run: ProvisionRun, planned: PlannedSlot,
     return {"slots": out}
 
 
-async def _slot_preconditions(run: ProvisionRun, slot: Any, planned: PlannedSlot,
+async def _slot_preconditions(run: ProvisionRun, slot: ApprovedSlot, planned: PlannedSlot,
                               profile: RuntimeProfile) -> dict[str, Any]:
     drivers, payload = run.drivers, run.payload
     async with drivers.ovs() as ovs:
@@ -575,7 +576,7 @@ async def unseed(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Plugged:
-    port: Any  # OvsPort
+    port: OvsPort
     isolation: dict[str, Any]
 
     def journal(self) -> dict[str, Any]:
@@ -599,7 +600,7 @@ async def unplug(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Reserved:
-    reservation: Any  # DhcpReservation
+    reservation: Reservation
     changed: bool
     dnsmasq_pid: int | None
 
@@ -652,7 +653,7 @@ async def define(run: ProvisionRun, validated: Validated) -> Defined:
     return Defined(spec=spec, domain=outcome.domain.name, uuid=outcome.domain.uuid, action=outcome.action)
 
 
-async def _guest_slot(run: ProvisionRun, slot: Any, planned: PlannedSlot) -> GuestSlot:
+async def _guest_slot(run: ProvisionRun, slot: ApprovedSlot, planned: PlannedSlot) -> GuestSlot:
     """A data slot of the domain: its devices, NUMA node and BARs, resolved on this host now."""
     hostdevs = run.profile.hostdevs
     numa = planned.gpu_numa_node if hostdevs else None

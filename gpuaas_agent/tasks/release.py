@@ -79,7 +79,7 @@ class ReleaseRun:
     drivers: SliceDrivers
     payload: VmReleasePayload
     task_id: str
-    ctx: Any
+    ctx: TaskContext
     holders: tuple[SlotLease, ...]
     record: SlotRecord | None
 
@@ -267,7 +267,7 @@ class Unplugged:
     """The allocation's port gone from the bridge, with its isolation teardown (flows by cookie, nft element)."""
 
     port: str
-    removed: Any  # what ovs.remove_vm_port reports (the port row removed, or nothing there)
+    removed: bool  # False: the port was already gone
     isolation: dict[str, Any]
 
     def journal(self) -> dict[str, Any]:
