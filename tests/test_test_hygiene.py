@@ -131,7 +131,6 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
                            ("tests/tasks/test_power.py", "tests/tasks/test_boot_recovery.py")),
     "tasks/drivers": ("the drivers every slice task test builds", ("tests/tasks/test_provision_admission.py",
                                                                    "tests/host/test_portflows.py")),
-    "tasks/isolation": ("port isolation on real OVS and nft", ("tests/host/test_portflows.py",)),
     "tasks/release_set": ("the release of a multi-slot set", ("tests/tasks/test_provision_multislot.py",)),
     "tasks/terminal_session": ("one session's flow control, tested with the relay",
                                ("tests/tasks/test_terminal.py",)),

@@ -20,9 +20,10 @@ which answers with a release.
 One pass is three phases, so the judgement can be read and tested on its own:
 :func:`gather` reads every source once into a :class:`HostSnapshot`; :func:`judge` turns
 the snapshot into findings and the repairs they allow (pure: no I/O, no clock); :func:`apply_repairs`
-applies those repairs when asked. The port isolation (``tasks/isolation.py``) and the Fabric
-Manager partitions (``tasks/fabric_partitions.py``) then add their own findings, judged and
-repaired in their modules, from the snapshot's ports, active slots and running domains.
+applies those repairs when asked. The port isolation's reading, judgement and repairs
+(``tasks/isolation.py``) are parts of the same three phases. The Fabric Manager partitions
+(``tasks/fabric_partitions.py``) come last: read, judged and repaired in that module, from
+the snapshot's running domains.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from datetime import datetime
 from typing import Any
 
 from gpuaas_agent.compat import UTC
+from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.dhcp import Lease, LeaseState, Reservation
 from gpuaas_agent.contract.domain import DomainInfo, DomainState
 from gpuaas_agent.contract.drift import (
@@ -59,7 +61,14 @@ from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.context import AnyStore, Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
-from gpuaas_agent.tasks.isolation import ActivePort, isolation_drift
+from gpuaas_agent.tasks.isolation import (
+    ActivePort,
+    IsolationJudgement,
+    IsolationSnapshot,
+    judge_isolation,
+    read_isolation,
+    repair_isolation,
+)
 from gpuaas_agent.tasks.slot_topology import slot_topology_findings
 
 log = logging.getLogger(__name__)
@@ -89,6 +98,8 @@ class HostSnapshot:
     pci_drivers: Mapping[str, str | None] = field(default_factory=dict)
     # Per leased slot: its devices against live sysfs and its domain's XML (tasks/slot_topology.py).
     device_findings: Mapping[int, tuple[DriftFinding, ...]] = field(default_factory=dict)
+    # The bridges' isolation flows and the nft guard (tasks/isolation.py); None: not read.
+    isolation: IsolationSnapshot | None = None
 
     @property
     def domains_by_allocation(self) -> dict[str, DomainInfo]:
@@ -128,8 +139,10 @@ async def gather(drivers: SliceDrivers, state: StoreThread) -> HostSnapshot:
     by_alloc = HostSnapshot(domains=domains).domains_by_allocation
     device_findings = {lease.slot_index: tuple(await _device_findings(drivers, lease, by_alloc.get(lease.allocation_id)))
                        for lease in leases}
+    isolation = await read_isolation(drivers, ports)
     return HostSnapshot(leases=leases, records=records, domains=domains, reservations=reservations, ports=ports,
-                        dhcp=dhcp, read_at=read_at, pci_drivers=pci_drivers, device_findings=device_findings)
+                        dhcp=dhcp, read_at=read_at, pci_drivers=pci_drivers, device_findings=device_findings,
+                        isolation=isolation)
 
 
 def _hostdevs(domain: DomainInfo) -> bool:
@@ -179,12 +192,13 @@ Repair = RemoveReservation | RemovePort
 
 @dataclass(frozen=True)
 class Judgement:
-    """What the snapshot shows: findings in report order (none repaired yet), the repairs they allow,
-    and the active slots' ports whose isolation is checked next."""
+    """What the snapshot shows: findings in report order (none repaired yet) and the repairs they allow;
+    the isolation's (flows and guard) come after them in the report."""
 
     findings: list[DriftFinding]
     repairs: list[Repair]
-    active: list[ActivePort]
+    active: list[ActivePort]  # the active slots' ports, with the reservation their rules follow
+    isolation: IsolationJudgement | None = None  # None: the snapshot holds no isolation reading
 
 
 def lease_findings(snap: HostSnapshot, lease: SlotLease) -> list[DriftFinding]:
@@ -276,8 +290,11 @@ def active_ports(snap: HostSnapshot) -> list[ActivePort]:
                                                                                       lease.slot_index)]
 
 
-def judge(snap: HostSnapshot) -> Judgement:
-    """The snapshot's findings in report order and the repairs reconcile may make (none applied)."""
+def judge(snap: HostSnapshot, slice_config: SliceConfig) -> Judgement:
+    """The snapshot's findings in report order and the repairs reconcile may make (none applied).
+
+    ``slice_config``: the slice's subnet and gateway, which an active port's isolation rules follow.
+    """
     findings: list[DriftFinding] = []
     for lease in snap.leases:
         findings += lease_findings(snap, lease)
@@ -290,7 +307,10 @@ def judge(snap: HostSnapshot) -> Judgement:
     for finding, port in orphan_ports(snap):
         repairs.append(RemovePort(len(findings), port))
         findings.append(finding)
-    return Judgement(findings=findings, repairs=repairs, active=active_ports(snap))
+    active = active_ports(snap)
+    isolation = None if snap.isolation is None else judge_isolation(
+        slice_config, snap.isolation, ports=snap.ports, active=active, known=snap.known)
+    return Judgement(findings=findings, repairs=repairs, active=active, isolation=isolation)
 
 
 def tenant_stopped(record: SlotRecord | None) -> bool:
@@ -318,7 +338,8 @@ def store_disk(leases: tuple[SlotLease, ...] | list[SlotLease], record: SlotReco
 async def apply_repairs(drivers: SliceDrivers, judgement: Judgement) -> list[DriftFinding]:
     """Apply the judgement's repairs; returns its findings with ``repaired`` set where one took effect.
 
-    Reservations first (dnsmasq is signalled once, after them), then ports: each idempotent.
+    Reservations first (dnsmasq is signalled once, after them), then ports: each idempotent. The
+    isolation's repairs (``tasks/isolation.py``) are applied after these, by the caller.
     """
     findings = list(judgement.findings)
     reservations = [r for r in judgement.repairs if isinstance(r, RemoveReservation)]
@@ -342,10 +363,11 @@ async def reconcile(drivers: SliceDrivers, store: AnyStore, *, repair: bool,
     started = time.monotonic()
     state = as_store_thread(store)  # SQLite off the loop (state/aio.py)
     snap = await gather(drivers, state)
-    judgement = judge(snap)
+    judgement = judge(snap, drivers.slice)
     findings = await apply_repairs(drivers, judgement) if repair else list(judgement.findings)
-    findings += await isolation_drift(drivers, ports=list(snap.ports), active=judgement.active, known=set(snap.known),
-                                      repair=repair)
+    if judgement.isolation is not None:
+        findings += (await repair_isolation(drivers, judgement.isolation) if repair
+                     else judgement.isolation.findings)
     # NVSwitch hosts: Fabric Manager's active partitions vs. the partition leases and the running domains.
     findings += await fabric_partitions.reconcile_findings(drivers.fabric, state, set(snap.running), repair=repair)
 

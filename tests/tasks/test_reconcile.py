@@ -10,21 +10,30 @@ from __future__ import annotations
 
 from ipaddress import IPv4Address
 
+from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.dhcp import Lease, Reservation
 from gpuaas_agent.contract.domain import DomainInfo, DomainMetadata, DomainState
 from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
+from gpuaas_agent.contract.isolation import GuardState
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.ovs import OvsPort
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
-from gpuaas_agent.tasks.reconcile import HostSnapshot, RemovePort, RemoveReservation, judge
+from gpuaas_agent.tasks import reconcile
+from gpuaas_agent.tasks.isolation import IsolationSnapshot, Reisolate
+from gpuaas_agent.tasks.reconcile import HostSnapshot, Judgement, RemovePort, RemoveReservation
 
 A = "0a1b2c3d-0000-4000-8000-000000000001"
 B = "0a1b2c3d-0000-4000-8000-000000000002"
 GONE = "0a1b2c3d-0000-4000-8000-0000000000ff"  # an allocation this host knows nothing of
 NOW = 1_700_000_000.0
 GPU, VF = "0000:18:00.0", "0000:19:00.2"
+SLICE = SliceConfig()  # 10.100.0.0/24, gateway .1, ovsbr0
+
+
+def judge(snap: HostSnapshot) -> Judgement:
+    return reconcile.judge(snap, SLICE)
 
 
 def _lease(alloc: str = A, slot: int = 0) -> SlotLease:
@@ -162,3 +171,16 @@ def test_the_snapshot_knows_allocations_by_lease_record_or_domain_and_which_run(
                           records={0: _record(), 4: _record(GONE, 4, status=SlotStatus.cleanup_blocked)})
     assert snap.known == {A, B, GONE}
     assert snap.running == {A}
+
+
+def test_the_active_ports_isolation_is_judged_from_the_same_snapshot():
+    assert judge(_healthy_slice()).isolation is None  # nothing read of the bridges: nothing judged
+    name = vnic_name(A, 0)
+    read = IsolationSnapshot(bridges=("ovsbr0",), flows={"ovsbr0": {}},
+                             guard=GuardState(table="gpuaas_slice_guard", present=True, rules_match=True,
+                                              guest_ports=[name], elements={"inet": [name]}))
+    judged = judge(_healthy_slice(isolation=read))
+    assert judged.findings == [] and judged.isolation is not None
+    (finding,) = judged.isolation.findings
+    assert (finding.kind, finding.subject, finding.detail["port"]) == (DriftKind.flows_missing, A, name)
+    assert judged.isolation.repairs == [Reisolate(0, judged.active[0])]
