@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -83,9 +83,20 @@ def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected
 # -- gather: every source read once ---------------------------------------------------------------------
 
 
+def by_allocation(domains: Iterable[DomainInfo]) -> dict[str, DomainInfo]:
+    """The domains by the allocation their metadata (else their name) names; unnamed ones left out."""
+    found = {}
+    for d in domains:
+        alloc = d.metadata.allocation_id if d.metadata else allocation_from_domain_name(d.name)
+        if alloc:
+            found[alloc] = d
+    return found
+
+
 @dataclass(frozen=True)
 class HostSnapshot:
-    """Everything one reconcile reads, read once, before anything is judged or repaired."""
+    """What one reconcile reads of the store and the host, read once before anything is judged or repaired
+    (Fabric Manager's partitions excepted: ``tasks/fabric_partitions.py`` reads and judges those)."""
 
     leases: tuple[SlotLease, ...] = ()
     records: Mapping[int, SlotRecord] = field(default_factory=dict)  # the store's slot records by slot index
@@ -96,20 +107,15 @@ class HostSnapshot:
     read_at: float = 0.0  # Unix time of the lease file's read: a lease's expiry is judged against it
     # The driver each leased PCI function is bound to now (sysfs; None: none).
     pci_drivers: Mapping[str, str | None] = field(default_factory=dict)
-    # Per leased slot: its devices against live sysfs and its domain's XML (tasks/slot_topology.py).
+    # Per leased slot: its devices against live sysfs and its domain's XML, as tasks/slot_topology.py reads and
+    # compares them (the same check boot recovery makes; reconcile adds its findings to the lease's).
     device_findings: Mapping[int, tuple[DriftFinding, ...]] = field(default_factory=dict)
     # The bridges' isolation flows and the nft guard (tasks/isolation.py); None: not read.
     isolation: IsolationSnapshot | None = None
 
     @property
     def domains_by_allocation(self) -> dict[str, DomainInfo]:
-        """The domains by the allocation their metadata (else their name) names; unnamed ones left out."""
-        by_alloc = {}
-        for d in self.domains:
-            alloc = d.metadata.allocation_id if d.metadata else allocation_from_domain_name(d.name)
-            if alloc:
-                by_alloc[alloc] = d
-        return by_alloc
+        return by_allocation(self.domains)
 
     @property
     def known(self) -> frozenset[str]:
@@ -136,7 +142,7 @@ async def gather(drivers: SliceDrivers, state: StoreThread) -> HostSnapshot:
     host = drivers.discovered_root().fresh()
     pci_drivers = {address: host.link_name(f"/sys/bus/pci/devices/{address}/driver")
                    for lease in leases for address in (lease.gpu_pci_address, lease.fabric_vf_pci_address)}
-    by_alloc = HostSnapshot(domains=domains).domains_by_allocation
+    by_alloc = by_allocation(domains)
     device_findings = {lease.slot_index: tuple(await _device_findings(drivers, lease, by_alloc.get(lease.allocation_id)))
                        for lease in leases}
     isolation = await read_isolation(drivers, ports)
