@@ -18,10 +18,14 @@ import sqlite3
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from gpuaas_agent import __version__
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.exitcodes import EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, exit_code_for
+
+if TYPE_CHECKING:  # the CLI imports the package lazily, per command (start-up stays fast)
+    from gpuaas_agent.contract.topology import TopologyReport
 
 DEFAULT_CONFIG = Path("/etc/gpuaas-agent/agent.toml")
 
@@ -29,7 +33,7 @@ DEFAULT_CONFIG = Path("/etc/gpuaas-agent/agent.toml")
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as one line (``usage: ...``), exit 2; ``--help`` as usual."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"gpuaas-agent: error: usage: {self.prog}: {message} (see --help)\n")
 
 
@@ -132,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_human(report) -> None:
+def _print_human(report: TopologyReport) -> None:
     """One summary line (the seed's format), then one line per slot and per finding."""
     print(report.summary.as_line())
     for slot in report.candidate_slots:

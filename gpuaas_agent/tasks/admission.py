@@ -19,15 +19,18 @@ each raising a typed refusal with a stable code and ``evidence.field``:
 from __future__ import annotations
 
 from ipaddress import IPv4Address, IPv4Interface
+from uuid import UUID
 
 from pydantic import ValidationError
 
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.cloudinit import GuestAddressing, GuestNetwork, GuestUser, SeedSpec
+from gpuaas_agent.contract.dhcp import Reservation
 from gpuaas_agent.contract.tasks import VmProvisionPayload, invalid_payload
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.dnsmasq import DnsmasqReservations, Reservation, make_reservation
+from gpuaas_agent.host.dnsmasq import DnsmasqReservations, make_reservation
+from gpuaas_agent.state.store import StateStore
 
 
 class AdmissionRefused(AgentError):
@@ -57,7 +60,7 @@ def check_guest_address(private_ip: str, cfg: SliceConfig) -> IPv4Address:
     return ip
 
 
-def check_one_slot_per_allocation(store, allocation_id: str, slot_index: int) -> None:
+def check_one_slot_per_allocation(store: StateStore, allocation_id: str, slot_index: int) -> None:
     """``allocation_has_slot`` when the allocation holds a lease or a slot record on another slot.
 
     The libvirt domain is named per allocation: a second slot's provision would meet the
@@ -81,7 +84,8 @@ def build_seed_spec(payload: VmProvisionPayload, relay_key: str, cfg: SliceConfi
     slot = payload.slot
     try:
         return SeedSpec(
-            instance_id=payload.allocation_id, hostname=payload.hostname,
+            # The payload's pattern already made the allocation id a UUID's text.
+            instance_id=UUID(payload.allocation_id), hostname=payload.hostname,
             user=GuestUser(name=payload.user, ssh_authorized_keys=tuple(payload.ssh_authorized_keys)),
             terminal_relay_key=relay_key,
             network=GuestNetwork(mac=slot.mac, address=IPv4Interface(f"{slot.private_ip}/{cfg.subnet.prefixlen}"),

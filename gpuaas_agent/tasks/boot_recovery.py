@@ -40,8 +40,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import nats.errors
+from nats.aio.client import Client
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
@@ -70,6 +72,7 @@ from gpuaas_agent.host.vfio import AfterWrite, bind_to_vfio
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks.context import AnyStore
 from gpuaas_agent.tasks.domain_start import guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.power import ON, start_plan
@@ -109,25 +112,25 @@ class SlotRecovery:
     outcome: str = "validated"  # validated | restarted | held | refused
 
     def add(self, kind: DriftKind, severity: DriftSeverity, *, expected: str | None = None,
-            actual: str | None = None, subject: str | None = None, **detail) -> None:
+            actual: str | None = None, subject: str | None = None, **detail: Any) -> None:
         self.findings.append(DriftFinding(
             kind=kind, subject=subject or self.lease.allocation_id, severity=severity, expected=expected,
             actual=actual, detail={"allocation_id": self.lease.allocation_id, "slot_index": self.lease.slot_index,
                                    **detail}))
 
 
-def _refused(rec: SlotRecovery, kind: DriftKind, exc: AgentError, **detail) -> None:
+def _refused(rec: SlotRecovery, kind: DriftKind, exc: AgentError, **detail: Any) -> None:
     rec.outcome = "refused"
     rec.add(kind, DriftSeverity.error, expected="restored", actual=f"{exc.code}: {exc.message}",
             code=exc.code, evidence=exc.evidence, **detail)
 
 
-async def rebind(sh: SliceDrivers, lease: SlotLease, rec: SlotRecovery, after_write: AfterWrite | None) -> bool:
+async def rebind(drivers: SliceDrivers, lease: SlotLease, rec: SlotRecovery, after_write: AfterWrite | None) -> bool:
     """Put the slot's GPU and VF back on vfio-pci (guarded, idempotent); False after a refusal (finding made)."""
     approved = [lease.gpu_pci_address, lease.fabric_vf_pci_address]
     for address in approved:
         try:
-            result = await bind_to_vfio(sh.discovered_root(), address, approved, after_write=after_write)
+            result = await bind_to_vfio(drivers.discovered_root(), address, approved, after_write=after_write)
         except AgentError as exc:
             _refused(rec, DriftKind.slot_rebind_failed, exc, address=address)
             rec.findings[-1] = rec.findings[-1].model_copy(update={"subject": address, "expected": VFIO_DRIVER})
@@ -138,7 +141,7 @@ async def rebind(sh: SliceDrivers, lease: SlotLease, rec: SlotRecovery, after_wr
     return True
 
 
-async def recover_slot(sh: SliceDrivers, lease: SlotLease, record: SlotRecord, domain: DomainInfo | None,
+async def recover_slot(drivers: SliceDrivers, lease: SlotLease, record: SlotRecord, domain: DomainInfo | None,
                        *, after_write: AfterWrite | None = None, data_slots: tuple[SlotLease, ...] = ()) -> SlotRecovery:
     """One active slice after a boot: ``lease`` is its boot slot; ``data_slots`` the other slots of a
     multi-GPU allocation (one domain), re-bound and guarded with it, never started on their own."""
@@ -154,12 +157,12 @@ async def recover_slot(sh: SliceDrivers, lease: SlotLease, record: SlotRecord, d
         _refused(rec, DriftKind.boot_restart_refused, exc, domain=domain.name)
         return rec
     try:
-        devices = await sh.libvirt.devices(domain.name)
+        devices = await drivers.libvirt.devices(domain.name)
     except AgentError as exc:
         _refused(rec, DriftKind.boot_restart_refused, exc, domain=domain.name)
         return rec
     # Devices first, whatever the domain's state: a disk that is not the leased one is never started.
-    topology = await asyncio.to_thread(slot_topology_findings, sh.discovered_root(), lease, devices, hostdevs=profile.hostdevs)
+    topology = await asyncio.to_thread(slot_topology_findings, drivers.discovered_root(), lease, devices, hostdevs=profile.hostdevs)
     if topology:
         rec.findings += topology
         rec.outcome = "refused"
@@ -178,13 +181,13 @@ async def recover_slot(sh: SliceDrivers, lease: SlotLease, record: SlotRecord, d
         return rec
     if profile.hostdevs:
         for held in (lease, *data_slots):
-            if not await rebind(sh, held, rec, after_write):
+            if not await rebind(drivers, held, rec, after_write):
                 return rec
     disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                            nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
     try:
-        target, port = await start_plan(sh, domain, lease, data_slots)
-        started = await guarded_start(sh, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
+        target, port = await start_plan(drivers, domain, lease, data_slots)
+        started = await guarded_start(drivers, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
     except AgentError as exc:
         _refused(rec, DriftKind.boot_restart_refused, exc, domain=domain.name)
         return rec
@@ -194,7 +197,7 @@ async def recover_slot(sh: SliceDrivers, lease: SlotLease, record: SlotRecord, d
     return rec
 
 
-async def recover_after_boot(sh: SliceDrivers, store, *, boot_id: str | None = None, previous_boot_id: str | None = None,
+async def recover_after_boot(drivers: SliceDrivers, store: AnyStore, *, boot_id: str | None = None, previous_boot_id: str | None = None,
                              node_id: str | None = None, after_write: AfterWrite | None = None) -> DriftReport:
     """One pass over the active slots (see the module docstring); the slot records get the outcome."""
     state = as_store_thread(store)
@@ -203,7 +206,7 @@ async def recover_after_boot(sh: SliceDrivers, store, *, boot_id: str | None = N
     active = [lease for lease in leases if (r := records.get(lease.slot_index)) is not None
               and r.status is SlotStatus.active and r.allocation_id == lease.allocation_id]
     by_alloc: dict[str, DomainInfo] = {}
-    for d in await sh.libvirt.list_agent_domains() if active else []:
+    for d in await drivers.libvirt.list_agent_domains() if active else []:
         alloc = d.metadata.allocation_id if d.metadata else allocation_from_domain_name(d.name)
         if alloc:
             by_alloc[alloc] = d
@@ -218,15 +221,15 @@ async def recover_after_boot(sh: SliceDrivers, store, *, boot_id: str | None = N
         record = records[lease.slot_index]
         if record.detail.get("boot_slot_index") is not None:
             continue
-        async with sh.slot_lock(lease.slot_index):
-            rec = await recover_slot(sh, lease, record, by_alloc.get(lease.allocation_id), after_write=after_write,
+        async with drivers.slot_lock(lease.slot_index):
+            rec = await recover_slot(drivers, lease, record, by_alloc.get(lease.allocation_id), after_write=after_write,
                                      data_slots=tuple(data_of.get(lease.allocation_id, ())))
             findings += rec.findings
             outcomes[rec.outcome] = outcomes.get(rec.outcome, 0) + 1
             detail = {**record.detail, "boot_recovery": {
                 "boot_id": boot_id, "outcome": rec.outcome, "at": time.time(),
                 "findings": sorted({f.kind.value for f in rec.findings})}}
-            update: dict = {"detail": detail, "updated_at": time.time()}
+            update: dict[str, Any] = {"detail": detail, "updated_at": time.time()}
             if rec.outcome == "restarted":
                 detail["power_state"] = "running"
                 update["health_state"] = HealthState.healthy
@@ -238,7 +241,7 @@ async def recover_after_boot(sh: SliceDrivers, store, *, boot_id: str | None = N
     return DriftReport(node_id=node_id, trigger=DriftTrigger.boot, findings=findings, at=datetime.now(UTC))
 
 
-async def check_boot(sh: SliceDrivers, store, *, node_id: str | None = None,
+async def check_boot(drivers: SliceDrivers, store: AnyStore, *, node_id: str | None = None,
                      after_write: AfterWrite | None = None) -> DriftReport | None:
     """Run :func:`recover_after_boot` when the host booted since the boot_id was stored; None when it did not.
 
@@ -246,7 +249,7 @@ async def check_boot(sh: SliceDrivers, store, *, node_id: str | None = None,
     pass too: it restarts nothing that is running and re-validates what is held.
     """
     state = as_store_thread(store)
-    current = await asyncio.to_thread(read_boot_id, sh.discovered_root())
+    current = await asyncio.to_thread(read_boot_id, drivers.discovered_root())
     if current is None:
         log_event(log, "boot_id_unreadable", logging.WARNING, path=BOOT_ID_PATH,
                   message="cannot tell whether the host rebooted: boot recovery skipped; reconcile still reports")
@@ -254,30 +257,30 @@ async def check_boot(sh: SliceDrivers, store, *, node_id: str | None = None,
     previous = await state.meta(BOOT_ID_KEY)
     if previous == current:
         return None
-    report = await recover_after_boot(sh, state, boot_id=current, previous_boot_id=previous, node_id=node_id,
+    report = await recover_after_boot(drivers, state, boot_id=current, previous_boot_id=previous, node_id=node_id,
                                       after_write=after_write)
     await state.set_meta(BOOT_ID_KEY, current)
     return report
 
 
-async def boot_recovery_at_start(sh: SliceDrivers, store) -> DriftReport | None:
+async def boot_recovery_at_start(drivers: SliceDrivers, store: AnyStore) -> DriftReport | None:
     """The daemon's call before it pulls tasks: :func:`check_boot`, a failure logged (the reconcile timer and the
     next start try again: the boot_id is stored only after a pass ran), never fatal."""
     try:
-        return await check_boot(sh, store)
+        return await check_boot(drivers, store)
     except AgentError as exc:
         log_event(log, "boot_recovery_failed", logging.WARNING, code=exc.code, message=exc.message,
                   evidence=exc.evidence)
         return None
 
 
-async def publish_boot_report(nc, node_id: str, report: DriftReport | None, timeout_s: float) -> None:
+async def publish_boot_report(nc: Client, node_id: str, report: DriftReport | None, timeout_s: float) -> None:
     """The boot report on ``gpuaas.node.<node>.drift`` when it has findings (best effort, like the timer's)."""
     if report is None or not report.findings:
         return
     data = report.model_copy(update={"node_id": node_id}).model_dump_json().encode()
     try:
         await nc.publish(subjects.drift(node_id), data)
-        await nc.flush(timeout=timeout_s)
+        await nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # nats.py says int; seconds
     except (nats.errors.Error, TimeoutError) as exc:
         log_event(log, "boot_report_publish_failed", logging.WARNING, error=repr(exc))

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from typing import Any
 
 from gpuaas_agent.contract.tasks import ConsoleLogPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.consolelog import ConsoleLogError, read_tail
 from gpuaas_agent.state.aio import as_store_thread
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 
 
@@ -30,7 +32,7 @@ class ConsoleLogRefused(AgentError):
     default_code = "not_this_allocation"
 
 
-def holder_of(store, slot_index: int) -> str | None:
+def holder_of(store: StateStore, slot_index: int) -> str | None:
     """The allocation that holds the slot now (lease, else slot record), or None."""
     lease = next((held for held in store.leases() if held.slot_index == slot_index), None)
     if lease is not None:
@@ -39,10 +41,10 @@ def holder_of(store, slot_index: int) -> str | None:
     return record.allocation_id if record is not None else None
 
 
-async def console_log(sh: SliceDrivers, payload: ConsoleLogPayload, ctx: TaskContext) -> dict:
+async def console_log(drivers: SliceDrivers, payload: ConsoleLogPayload, ctx: TaskContext) -> dict[str, Any]:
     alloc, index = payload.allocation_id.lower(), payload.slot_index
     try:
-        tail = await asyncio.to_thread(read_tail, sh.slice.console_log_dir, alloc, index, payload.tail_kib << 10)
+        tail = await asyncio.to_thread(read_tail, drivers.slice.console_log_dir, alloc, index, payload.tail_kib << 10)
     except ConsoleLogError as exc:
         if exc.code == "console_log_missing":
             holder = await as_store_thread(ctx.store).run(holder_of, index)
@@ -58,8 +60,8 @@ async def console_log(sh: SliceDrivers, payload: ConsoleLogPayload, ctx: TaskCon
     }
 
 
-def console_log_handler(sh: SliceDrivers):
-    async def handle(payload: ConsoleLogPayload, ctx: TaskContext) -> dict:
-        return await console_log(sh, payload, ctx)
+def console_log_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: ConsoleLogPayload, ctx: TaskContext) -> dict[str, Any]:
+        return await console_log(drivers, payload, ctx)
 
     return handle

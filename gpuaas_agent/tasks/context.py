@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from nats.aio.client import Client
 
 from gpuaas_agent.contract.slots import SlotOutcome
 from gpuaas_agent.contract.tasks import TaskEnvelope
-from gpuaas_agent.state.aio import StoreThread
+from gpuaas_agent.state.aio import BlockingStore, StoreThread
+from gpuaas_agent.state.store import StateStore
+
+# What a task function outside a handler may be handed as its store: the daemon's store thread, its blocking
+# view, or (tests, the CLI) a plain store; ``state.aio.as_store_thread`` makes each a StoreThread.
+AnyStore: TypeAlias = StateStore | StoreThread | BlockingStore
 
 
 class TaskContext(Protocol):
@@ -43,6 +48,16 @@ class TaskContext(Protocol):
                        detail: dict[str, Any] | None = None) -> None:
         """Publish a step event (advisory: a lost one does not fail the task)."""
         ...
+
+
+class SlotRequest(Protocol):
+    """A task aimed at one slot of one allocation (a power operation, a terminal): what slot admission reads."""
+
+    @property
+    def allocation_id(self) -> str: ...
+
+    @property
+    def slot_index(self) -> int: ...
 
 
 # (validated payload, the model its TaskSpec names; the context) -> the task's output.

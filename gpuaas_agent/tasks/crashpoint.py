@@ -26,13 +26,22 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from typing import Protocol
 
+from gpuaas_agent.contract.tasks import TaskEnvelope
 from gpuaas_agent.logs import log_event
 
 log = logging.getLogger(__name__)
 
 ENV = "GPUAAS_AGENT_CRASH_AT"
 WHEN = ("before", "after")
+
+
+class CrashContext(Protocol):
+    """What a crash point reads of the pipeline's context: the task's envelope (its type and id)."""
+
+    @property
+    def envelope(self) -> TaskEnvelope: ...
 
 
 def armed() -> str | None:
@@ -49,7 +58,7 @@ def _matches(spec: str, task_type: str, task_id: str, step: str, when: str) -> b
     return len(parts) == 3 or parts[3] == task_id
 
 
-def crash_point(ctx, step: str, when: str) -> None:
+def crash_point(ctx: CrashContext, step: str, when: str) -> None:
     """SIGKILL this process if ``GPUAAS_AGENT_CRASH_AT`` names this task's ``step`` at ``when``."""
     spec = os.environ.get(ENV)
     if not spec:

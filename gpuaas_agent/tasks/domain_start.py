@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpuaas_agent.contract.domain import StartTarget
 from gpuaas_agent.contract.ovs import OvsPort
@@ -60,8 +61,8 @@ async def put_port(ovs: OvsDriver, port: SlicePort, vm_uuid: str) -> OvsPort:
         ingress_policing_burst_kb=port.policing.burst_kb if port.policing else None)
 
 
-async def guarded_start(sh: SliceDrivers, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort,
-                        data_slots: Sequence[SlotLease] = ()) -> dict:
+async def guarded_start(drivers: SliceDrivers, target: StartTarget, *, disk_lease: DiskLease, port: SlicePort,
+                        data_slots: Sequence[SlotLease] = ()) -> dict[str, Any]:
     """Run the guards of a start, start the domain, put the port's ids back; returns the evidence.
 
     ``data_slots``: the allocation's other leased slots (a multi-GPU domain): their GPUs/VFs and data
@@ -71,36 +72,36 @@ async def guarded_start(sh: SliceDrivers, target: StartTarget, *, disk_lease: Di
     Raises the first guard's typed refusal with nothing started.
     """
     name = target.domain_name
-    groups = []
+    groups: list[dict[str, Any]] = []
     if target.profile.hostdevs:
         approved = [a for a in (target.gpu_pci_address, target.fabric_vf_pci_address,
                                 *(f for s in data_slots for f in (s.gpu_pci_address, s.fabric_vf_pci_address)))
                     if a is not None]
         for address in approved:
-            evidence = await asyncio.to_thread(check_vfio_bindable, sh.discovered_root().fresh(), address, approved)
-            groups.append(evidence.model_dump(mode="json"))
+            bindable = await asyncio.to_thread(check_vfio_bindable, drivers.discovered_root().fresh(), address, approved)
+            groups.append(bindable.model_dump(mode="json"))
     # Every defined domain's disks but this allocation's own domain (it holds the boot and the data disks).
-    others = await sh.libvirt.defined_domain_disks(exclude_allocation=disk_lease.allocation_id,
-                                                   exclude_slot=disk_lease.slot_index)
-    disk = await asyncio.to_thread(check_disk_writable, sh.discovered_root(), target.nvme_device, lease=disk_lease,
+    others = await drivers.libvirt.defined_domain_disks(exclude_allocation=disk_lease.allocation_id,
+                                                        exclude_slot=disk_lease.slot_index)
+    disk = await asyncio.to_thread(check_disk_writable, drivers.discovered_root(), target.nvme_device, lease=disk_lease,
                                    domain_disks=others)
-    data_disks = []
+    data_disks: list[dict[str, Any]] = []
     for held in data_slots:  # each data disk under its own slot's lease, never another domain's disk
         data_disks.append((await asyncio.to_thread(
-            check_disk_writable, sh.discovered_root(), held.nvme_device,
+            check_disk_writable, drivers.discovered_root(), held.nvme_device,
             lease=DiskLease(allocation_id=held.allocation_id, slot_index=held.slot_index,
                             nvme_device=held.nvme_device, disk_identity=held.disk_identity),
             domain_disks=others)).model_dump(mode="json"))
-    async with sh.ovs() as ovs:
+    async with drivers.ovs() as ovs:
         evidence = await asyncio.to_thread(
-            check_vm_start, sh.discovered_root() if target.profile.hostdevs else sh.local_root(), target,
+            check_vm_start, drivers.discovered_root() if target.profile.hostdevs else drivers.local_root(), target,
             bridge_exists=await asyncio.to_thread(ovs.bridge_exists, target.ovs_bridge), disk=disk)
-        info = await sh.libvirt.start(name, preconditions=evidence)
+        info = await drivers.libvirt.start(name, preconditions=evidence)
         # libvirt re-creates the port at start with only its own external_ids: put ours back.
         ovs_port = await put_port(ovs, port, info.uuid)
-    ovs_port = await opened_port(sh, ovs_port)  # the tap's ofport, so the in_port rules go in now
-    isolation = await isolate_port(sh, ovs_port, mac=port.mac, ip=port.ip)
-    out = {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
+    ovs_port = await opened_port(drivers, ovs_port)  # the tap's ofport, so the in_port rules go in now
+    isolation = await isolate_port(drivers, ovs_port, mac=port.mac, ip=port.ip)
+    out: dict[str, Any] = {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
            "ofport": ovs_port.ofport, "isolation": isolation}
     if groups:
         out["iommu_groups"] = groups

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from gpuaas_agent.config import AgentConfig, FabricManagerConfig, SliceConfig, tls_context
 from gpuaas_agent.contract.terminal import CloseReason
@@ -126,21 +126,21 @@ class SliceDrivers:
 
     # -- teardown shared by provision's compensations and release's steps (idempotent) --------------
 
-    async def unplug(self, bridge: str, port: str, allocation_id: str) -> dict:
+    async def unplug(self, bridge: str, port: str, allocation_id: str) -> dict[str, Any]:
         """Remove the port, then its isolation flows (by its cookie) and its nft guard element."""
         async with self.ovs() as ovs:
             removed = await asyncio.to_thread(ovs.remove_vm_port, bridge, port, allocation_id=allocation_id)
         isolation = await unisolate_port(self, bridge, port)
         return {"port": port, "removed": removed, **isolation}
 
-    async def unreserve(self, allocation_id: str, slot_index: int) -> dict:
+    async def unreserve(self, allocation_id: str, slot_index: int) -> dict[str, Any]:
         """Remove the slot's reservation; dnsmasq is signalled only when the file changed."""
         reservations = self.reservations()
         removed = await asyncio.to_thread(reservations.remove, allocation_id, slot_index)
         pid = await asyncio.to_thread(reservations.reload) if removed else None
         return {"removed": [r.model_dump(mode="json") for r in removed], "dnsmasq_pid": pid}
 
-    def remove_seed(self, allocation_id: str, slot_index: int) -> dict:
+    def remove_seed(self, allocation_id: str, slot_index: int) -> dict[str, Any]:
         path = self.seed_path(allocation_id, slot_index)
         existed = path.exists()
         path.unlink(missing_ok=True)

@@ -46,7 +46,7 @@ class PartitionRefused(AgentError):
     default_code = "fabric_partition_unsupported"
 
 
-def _sets(listed: FabricPartitionList) -> list[dict]:
+def _sets(listed: FabricPartitionList) -> list[dict[str, Any]]:
     return [{"partition_id": p.partition_id, "gpus": sorted(p.gpu_addresses), "active": p.active}
             for p in listed.partitions]
 

@@ -10,16 +10,19 @@ may change), and reconcile calls it to repair a port whose rules drifted.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence, Set
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from ipaddress import IPv4Address
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
 from gpuaas_agent.contract.isolation import (
+    FlowRule,
     FlowState,
     GuardSpec,
+    GuardState,
     PortIsolation,
     cookie_of_port_name,
     port_name_of_cookie,
@@ -28,7 +31,14 @@ from gpuaas_agent.contract.ovs import OvsPort
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.nftguard import NftGuard
 from gpuaas_agent.host.ovs import OvsDriver
-from gpuaas_agent.host.portflows import IsolationInputError, PortFlows, expected_flows, ovs_rundir, port_isolation
+from gpuaas_agent.host.portflows import (
+    IsolationInputError,
+    PortFlows,
+    compare_flows,
+    expected_flows,
+    ovs_rundir,
+    port_isolation,
+)
 
 
 class PortHost(Protocol):
@@ -40,27 +50,27 @@ class PortHost(Protocol):
     def ovs(self) -> AbstractAsyncContextManager[OvsDriver]: ...
 
 
-def port_flows(sh: PortHost) -> PortFlows:
+def port_flows(drivers: PortHost) -> PortFlows:
     """The OpenFlow driver of the host's vswitchd (its sockets sit beside the ovsdb socket)."""
-    return PortFlows(ovs_rundir(sh.slice.ovsdb_remote))
+    return PortFlows(ovs_rundir(drivers.slice.ovsdb_remote))
 
 
-def nft_guard(sh: PortHost) -> NftGuard:
-    return NftGuard(GuardSpec(subnet=sh.slice.subnet, gateway=sh.slice.gateway))
+def nft_guard(drivers: PortHost) -> NftGuard:
+    return NftGuard(GuardSpec(subnet=drivers.slice.subnet, gateway=drivers.slice.gateway))
 
 
-def isolation_of(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> PortIsolation:
-    """What the port's reservation implies.
+def isolation_of(slice_config: SliceConfig, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> PortIsolation:
+    """What the port's reservation implies, in the slice's subnet (pure).
 
     :class:`IsolationInputError` for a port or address that cannot be a guest's.
     """
+    subnet, gateway = slice_config.subnet, slice_config.gateway
     address = IPv4Address(str(ip)) if _is_ipv4(ip) else None
-    if address is None or address not in sh.slice.subnet or address in (
-            sh.slice.gateway, sh.slice.subnet.network_address, sh.slice.subnet.broadcast_address):
+    if address is None or address not in subnet or address in (
+            gateway, subnet.network_address, subnet.broadcast_address):
         raise IsolationInputError(
-            f"ip {ip} is not a guest address of {sh.slice.subnet} (gateway {sh.slice.gateway})",
-            evidence={"port": port.name, "ip": str(ip), "subnet": str(sh.slice.subnet),
-                      "gateway": str(sh.slice.gateway)})
+            f"ip {ip} is not a guest address of {subnet} (gateway {gateway})",
+            evidence={"port": port.name, "ip": str(ip), "subnet": str(subnet), "gateway": str(gateway)})
     if port.slot_index is None:
         raise IsolationInputError(f"port {port.name} carries no slot index", evidence={"port": port.name})
     # ofport -1: vswitchd could not open the tap yet (the domain is not started); the MAC is closed meanwhile.
@@ -69,15 +79,15 @@ def isolation_of(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address
                           slot_index=port.slot_index, ofport=ofport, mac=mac, ip=address)
 
 
-async def isolate_port(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict:
+async def isolate_port(drivers: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict[str, Any]:
     """Install the port's flows (one bundle) and add its vNIC to the nft guard; returns the evidence.
 
     Refuses with ``port_isolation_conflict`` (nothing written) when another port's flows
     hold the same MAC, IP or ofport.
     """
-    iso = isolation_of(sh, port, mac=mac, ip=ip)
-    rules = await port_flows(sh).install(iso)
-    guard = await nft_guard(sh).add_port(port.name)
+    iso = isolation_of(drivers.slice, port, mac=mac, ip=ip)
+    rules = await port_flows(drivers).install(iso)
+    guard = await nft_guard(drivers).add_port(port.name)
     return {"cookie": f"{iso.cookie:#x}", "ofport": iso.ofport, "flows": len(rules), "nft_table": guard.table,
             "nft_guarded": port.name in guard.guest_ports}
 
@@ -85,7 +95,7 @@ async def isolate_port(sh: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4A
 OFPORT_WAIT_S = 10.0
 
 
-async def opened_port(sh: PortHost, port: OvsPort, *, within_s: float = OFPORT_WAIT_S) -> OvsPort:
+async def opened_port(drivers: PortHost, port: OvsPort, *, within_s: float = OFPORT_WAIT_S) -> OvsPort:
     """The port as ovsdb shows it once vswitchd has opened its tap (``ofport`` set), or as it is after ``within_s``.
 
     Why: libvirt creates the tap at domain start and vswitchd opens it a moment later. Isolating
@@ -98,20 +108,20 @@ async def opened_port(sh: PortHost, port: OvsPort, *, within_s: float = OFPORT_W
     current = port
     while current.ofport is None and loop.time() < deadline:
         await asyncio.sleep(0.2)  # poll step of a deadline wait (vswitchd writes ofport asynchronously)
-        async with sh.ovs() as ovs:
+        async with drivers.ovs() as ovs:
             found = [p for p in await asyncio.to_thread(ovs.list_agent_ports, port.bridge) if p.name == port.name]
         if found:
             current = found[0]
     return current
 
 
-async def unisolate_port(sh: PortHost, bridge: str, port_name: str) -> dict:
+async def unisolate_port(drivers: PortHost, bridge: str, port_name: str) -> dict[str, Any]:
     """Remove the port's flows (by its cookie only) and its nft set element; idempotent."""
     cookie = cookie_of_port_name(port_name)
     if cookie is None:  # not a vNIC name of ours: we never installed anything for it
         return {"flows_removed": 0, "nft_removed": False}
-    removed = await port_flows(sh).remove(bridge, cookie)
-    unguarded = await nft_guard(sh).remove_port(port_name)
+    removed = await port_flows(drivers).remove(bridge, cookie)
+    unguarded = await nft_guard(drivers).remove_port(port_name)
     return {"flows_removed": len(removed), "nft_removed": unguarded}
 
 
@@ -135,72 +145,120 @@ class ActivePort:
     ip: str
 
 
-async def isolation_drift(sh: PortHost, *, ports: list[OvsPort], active: list[ActivePort], known: set[str],
-                          repair: bool) -> list[DriftFinding]:
-    """Findings for flows and the nft guard; with ``repair``, reinstall what an active port lacks and remove orphans.
+@dataclass(frozen=True)
+class IsolationSnapshot:
+    """What the bridges and the nft guard hold, read once before anything is judged or repaired."""
+
+    bridges: tuple[str, ...]  # the bridges that exist: the configured one and every agent port's
+    flows: Mapping[str, Mapping[int, list[FlowRule]]]  # per existing bridge: our rules by port cookie
+    guard: GuardState
+
+
+async def read_isolation(drivers: PortHost, ports: Sequence[OvsPort]) -> IsolationSnapshot:
+    """Read which bridges exist, the agent's rules on each (by port cookie) and the nft guard."""
+    bridges = sorted({drivers.slice.ovs_bridge, *(p.bridge for p in ports)})
+    async with drivers.ovs() as ovs:
+        present = [b for b in bridges if await asyncio.to_thread(ovs.bridge_exists, b)]
+    flows = port_flows(drivers)
+    return IsolationSnapshot(bridges=tuple(present), flows={b: await flows.ours(b) for b in present},
+                             guard=await nft_guard(drivers).read())
+
+
+@dataclass(frozen=True)
+class RemoveFlows:
+    """Delete the rules under a cookie no port of a known allocation owns; ``finding``: its index."""
+
+    finding: int
+    bridge: str
+    cookie: int
+
+
+@dataclass(frozen=True)
+class Reisolate:
+    """Reinstall an active port's rules (they only ever close the port again); ``finding``: its index."""
+
+    finding: int
+    entry: ActivePort
+
+
+@dataclass(frozen=True)
+class RepairGuard:
+    """Rewrite the guard table with ``names`` (``replace``), or add the missing ``names`` to its set."""
+
+    replace: bool
+    names: tuple[str, ...]
+
+
+IsolationRepair = RemoveFlows | Reisolate | RepairGuard
+
+
+@dataclass(frozen=True)
+class IsolationJudgement:
+    """The isolation findings in report order (none repaired yet) and the repairs they allow."""
+
+    findings: list[DriftFinding]
+    repairs: list[IsolationRepair]
+    kept: frozenset[str]  # the ports of known allocations: what the guard may keep
+
+
+def judge_isolation(slice_config: SliceConfig, snap: IsolationSnapshot, *, ports: Sequence[OvsPort],
+                    active: Sequence[ActivePort], known: Set[str]) -> IsolationJudgement:
+    """Findings for flows and the nft guard, and the repairs that restore them (pure).
 
     ``ports``: every agent port in ovsdb; ``known``: allocations this host still knows
     (lease, slot record or domain). Rules or guard elements of a port that is not a
     port of a known allocation are orphans. Repairs never loosen anything: they
     restore the rules a reservation implies or delete rules nobody owns.
     """
-    flows, guard = port_flows(sh), nft_guard(sh)
     findings: list[DriftFinding] = []
-    kept = {p.name for p in ports if p.allocation_id in known}
-    bridges = sorted({sh.slice.ovs_bridge, *(p.bridge for p in ports)})
-    async with sh.ovs() as ovs:
-        present = [b for b in bridges if await asyncio.to_thread(ovs.bridge_exists, b)]
+    repairs: list[IsolationRepair] = []
+    kept = frozenset(p.name for p in ports if p.allocation_id in known)
 
-    for bridge in present:
-        for cookie, rules in sorted((await flows.ours(bridge)).items()):
+    for bridge in snap.bridges:
+        for cookie, rules in sorted(snap.flows[bridge].items()):
             name = port_name_of_cookie(cookie)
             if name in kept:
                 continue
-            done = bool(await flows.remove(bridge, cookie)) if repair else False
+            repairs.append(RemoveFlows(len(findings), bridge, cookie))
             findings.append(_finding(DriftKind.flows_orphan, name or f"{cookie:#x}", DriftSeverity.warn,
                                      expected="no flows (no such port)", actual=f"{len(rules)} rules on {bridge}",
-                                     repaired=done, cookie=f"{cookie:#x}", bridge=bridge))
+                                     cookie=f"{cookie:#x}", bridge=bridge))
 
     for entry in active:
         port = entry.port
         try:
-            iso = isolation_of(sh, port, mac=entry.mac, ip=entry.ip)
+            iso = isolation_of(slice_config, port, mac=entry.mac, ip=entry.ip)
         except AgentError as exc:
             findings.append(_finding(DriftKind.flows_missing, port.allocation_id, DriftSeverity.error,
                                      expected="flows of the port's reservation", actual=exc.code,
                                      port=port.name, error=exc.message))
             continue
-        if port.bridge not in present:
+        if port.bridge not in snap.bridges:
             continue  # the bridge itself is gone: the port's own findings say so
-        seen = await flows.compare(iso)
+        seen = compare_flows(iso, snap.flows[port.bridge].get(iso.cookie, []))
         if seen.state is FlowState.ok:
             continue
-        done, error = False, None
-        if repair:
-            try:
-                await isolate_port(sh, port, mac=entry.mac, ip=entry.ip)
-                done = True
-            except AgentError as exc:  # a conflict with another port's rules: reported, never forced
-                error = {"code": exc.code, "message": exc.message, "evidence": exc.evidence}
         kind = DriftKind.flows_missing if seen.state is FlowState.missing else DriftKind.flows_altered
+        repairs.append(Reisolate(len(findings), entry))
         findings.append(_finding(
             kind, port.allocation_id, DriftSeverity.error, expected=f"{len(expected_flows(iso))} rules",
-            actual=f"{len(seen.missing)} missing, {len(seen.extra)} extra", repaired=done, port=port.name,
+            actual=f"{len(seen.missing)} missing, {len(seen.extra)} extra", port=port.name,
             cookie=f"{iso.cookie:#x}", ofport=iso.ofport, slot_index=port.slot_index,
             missing=[r.model_dump(mode="json") for r in seen.missing][:20],
-            extra=[r.model_dump(mode="json") for r in seen.extra][:20], repair_error=error))
+            extra=[r.model_dump(mode="json") for r in seen.extra][:20], repair_error=None))
 
-    state = await guard.read()
+    state = snap.guard
     wanted = {entry.port.name: entry.port.allocation_id for entry in active}
     listed = sorted({n for names in state.elements.values() for n in names})
     orphans = [name for name in listed if name not in kept]
+    unguarded = sorted(set(wanted) - set(state.guest_ports))
     if wanted and not state.present:
         findings.append(_finding(DriftKind.nft_guard_missing, state.table, DriftSeverity.error,
                                  expected=f"table inet {state.table}", actual="absent", ports=sorted(wanted)))
     elif state.present and not state.rules_match:
         findings.append(_finding(DriftKind.nft_guard_altered, state.table, DriftSeverity.error,
                                  expected="the guard's chains and rules", actual="; ".join(state.differences)))
-    for name in sorted(set(wanted) - set(state.guest_ports)):
+    for name in unguarded:
         if state.present:
             findings.append(_finding(DriftKind.nft_guard_missing, wanted[name], DriftSeverity.error,
                                      expected=f"{name} in the guard's set", actual="absent", port=name))
@@ -208,15 +266,44 @@ async def isolation_drift(sh: PortHost, *, ports: list[OvsPort], active: list[Ac
         findings.append(_finding(DriftKind.nft_guard_orphan, name, DriftSeverity.warn,
                                  expected="not in the guard's set (no such port)", actual="in the set", port=name))
     needs_table = (wanted and not state.present) or (state.present and not state.rules_match)
-    if repair and (needs_table or orphans or set(wanted) - set(state.guest_ports)):
-        if needs_table or orphans:
-            keep = [n for n in listed if n in kept]
-            await guard.replace([*keep, *wanted])
+    if needs_table or orphans:
+        keep = [n for n in listed if n in kept]
+        repairs.append(RepairGuard(replace=True, names=tuple(dict.fromkeys([*keep, *wanted]))))
+    elif unguarded:
+        repairs.append(RepairGuard(replace=False, names=tuple(unguarded)))
+    return IsolationJudgement(findings=findings, repairs=repairs, kept=kept)
+
+
+async def repair_isolation(drivers: PortHost, judgement: IsolationJudgement) -> list[DriftFinding]:
+    """Apply the judgement's repairs in order; returns its findings with ``repaired`` (and a reinstall's
+    ``repair_error``) set. The guard's findings count as repaired by what the guard holds afterwards."""
+    findings = list(judgement.findings)
+    flows, guard = port_flows(drivers), nft_guard(drivers)
+    guard_repaired = False
+    for fix in judgement.repairs:
+        if isinstance(fix, RemoveFlows):
+            done = bool(await flows.remove(fix.bridge, fix.cookie))
+            findings[fix.finding] = findings[fix.finding].model_copy(update={"repaired": done})
+        elif isinstance(fix, Reisolate):
+            done, error = False, None
+            try:
+                await isolate_port(drivers, fix.entry.port, mac=fix.entry.mac, ip=fix.entry.ip)
+                done = True
+            except AgentError as exc:  # a conflict with another port's rules: reported, never forced
+                error = {"code": exc.code, "message": exc.message, "evidence": exc.evidence}
+            finding = findings[fix.finding]
+            findings[fix.finding] = finding.model_copy(
+                update={"repaired": done, "detail": {**finding.detail, "repair_error": error}})
         else:
-            for name in sorted(set(wanted) - set(state.guest_ports)):
-                await guard.add_port(name)
+            if fix.replace:
+                await guard.replace(list(fix.names))
+            else:
+                for name in fix.names:
+                    await guard.add_port(name)
+            guard_repaired = True
+    if guard_repaired:
         after = await guard.read()
-        findings = [f.model_copy(update={"repaired": _guard_repaired(f, after, kept)})
+        findings = [f.model_copy(update={"repaired": _guard_repaired(f, after, set(judgement.kept))})
                     if f.kind in _GUARD_KINDS else f for f in findings]
     return findings
 
@@ -224,7 +311,7 @@ async def isolation_drift(sh: PortHost, *, ports: list[OvsPort], active: list[Ac
 _GUARD_KINDS = (DriftKind.nft_guard_missing, DriftKind.nft_guard_altered, DriftKind.nft_guard_orphan)
 
 
-def _guard_repaired(finding: DriftFinding, after, kept: set[str]) -> bool:
+def _guard_repaired(finding: DriftFinding, after: GuardState, kept: set[str]) -> bool:
     if not (after.present and after.rules_match):
         return False
     port = finding.detail.get("port")
@@ -235,7 +322,7 @@ def _guard_repaired(finding: DriftFinding, after, kept: set[str]) -> bool:
     return all(p in after.guest_ports for p in finding.detail.get("ports", []))
 
 
-def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected=None, actual=None,
-             repaired=False, **detail) -> DriftFinding:
+def _finding(kind: DriftKind, subject: str, severity: DriftSeverity, *, expected: str | None = None,
+             actual: str | None = None, repaired: bool = False, **detail: Any) -> DriftFinding:
     return DriftFinding(kind=kind, subject=subject, severity=severity, expected=expected, actual=actual,
                         repaired=repaired, detail=detail)

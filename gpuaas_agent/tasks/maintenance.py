@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -25,7 +26,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateError, StateStore
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +131,10 @@ def log_drained(report: DrainReport) -> None:
               message=f"maintenance drain done: no slice left on this host (maintenance: {report.reason})")
 
 
-def maintenance_handler():
+def maintenance_handler() -> Handler:
     """``slice.maintenance``: on or off, with the operator's reason; the result is the state and the drain."""
 
-    async def handle(payload: MaintenancePayload, ctx: TaskContext) -> dict:
+    async def handle(payload: MaintenancePayload, ctx: TaskContext) -> dict[str, Any]:
         state = as_store_thread(ctx.store)
         now, changed = await state.run(set_maintenance, payload, ctx.envelope.task_id, write=True)
         log_event(log, "maintenance_on" if now.on else "maintenance_off", logging.WARNING,

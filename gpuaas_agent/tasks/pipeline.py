@@ -40,10 +40,11 @@ from typing import Any, Generic, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from gpuaas_agent.contract.state import StepStatus
-from gpuaas_agent.contract.tasks import invalid_payload
+from gpuaas_agent.contract.tasks import TaskEnvelope, invalid_payload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.tasks.context import AnyStore
 from gpuaas_agent.tasks.crashpoint import crash_point
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,14 @@ class PipelineContext(Protocol):
     write is awaited on the store thread, never run on the loop (a commit's fsync would stall every task).
     """
 
-    store: Any
-    envelope: Any
+    @property
+    def store(self) -> AnyStore: ...
+
+    @property
+    def envelope(self) -> TaskEnvelope: ...
 
     async def progress(self, step: str, status: str, *, percent: float | None = None,
-                       detail: dict | None = None) -> None: ...
+                       detail: dict[str, Any] | None = None) -> None: ...
 
 
 StepObserver = Callable[[str, str, str, float, dict[str, Any]], None]
@@ -135,7 +139,8 @@ def journal_detail(output: Any) -> dict[str, Any]:
     if output is None:
         return {}
     if hasattr(output, "journal"):
-        return output.journal()
+        detail: dict[str, Any] = output.journal()
+        return detail
     if isinstance(output, BaseModel):
         return output.model_dump(mode="json")
     return dict(output)

@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from gpuaas_agent.contract.fabric import FabricPartitionList, PartitionLease, PartitionState
 from gpuaas_agent.contract.placement import Placement
@@ -33,7 +34,7 @@ from gpuaas_agent.host.fabricmanager import FabricManager
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.fabric_partitions import choose_partition, fabric_for
 from gpuaas_agent.tasks.maintenance import check_not_in_maintenance
 from gpuaas_agent.tasks.placement import assess_placement, enforce_placement
@@ -67,7 +68,7 @@ def _no_shared_devices(slots: list[ApprovedSlot]) -> None:
                             code="duplicate_binding", evidence={"field": field, "values": dupes})
 
 
-def _not_on_this_node(slot: ApprovedSlot, what: str, detail: str, **evidence) -> PlanError:
+def _not_on_this_node(slot: ApprovedSlot, what: str, detail: str, **evidence: Any) -> PlanError:
     """A binding this host does not have cannot belong to an approved slot of this node."""
     return PlanError(f"slot {slot.slot_id}: {detail}", code="not_approved",
                      evidence={"slot_id": slot.slot_id, "binding": what, **evidence})
@@ -114,14 +115,15 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport, *, placement: Plac
                 evidence={"slot_id": slot.slot_id, "kernel_name": disk.kernel_name,
                           "reasons": [r.model_dump() for r in disk.ineligible_reasons]},
             )
-        planned.append(PlannedSlot(
+        # Validated as a whole: a disk discovery read no identity for (None) fails PlannedSlot's validation.
+        planned.append(PlannedSlot.model_validate(dict(
             slot_id=slot.slot_id, slot_index=slot.slot_index,
             gpu_pci_address=gpu.pci_address, gpu_numa_node=gpu.numa_node, gpu_local_cpulist=gpu.local_cpulist,
             fabric_vf_pci_address=vf.pci_address, fabric_pf_pci_address=vf.physfn,
             nvme_device=slot.nvme_device, nvme_kernel_name=disk.kernel_name, disk_identity=disk.disk_identity,
             nvme_size_bytes=disk.size_bytes,
             mac=slot.mac, private_ip=slot.private_ip, ovs_bridge=slot.ovs_bridge,
-        ))
+        )))
     partition = None
     if fabric is not None:
         partition = choose_partition(fabric, [p.gpu_pci_address for p in planned], held=held_partitions).partition_id
@@ -175,7 +177,7 @@ def _take_slot_leases(store: StateStore, plan: BundlePlan, task_id: str, taken_a
     ])
 
 
-def plan_handler(host_root: Path, plan_config: PlanConfig | None = None, fabric: FabricManager | None = None):
+def plan_handler(host_root: Path, plan_config: PlanConfig | None = None, fabric: FabricManager | None = None) -> Handler:
     """The worker's handler for ``slice.plan`` (discovery runs off the event loop).
 
     ``plan_config``: the host's slice subnet, gateway and bridge (``SliceConfig``), so the
@@ -184,7 +186,7 @@ def plan_handler(host_root: Path, plan_config: PlanConfig | None = None, fabric:
     profile on an NVSwitch host; FM not answering refuses the plan before anything is leased.
     """
 
-    async def handle(payload: PlanPayload, ctx: TaskContext) -> dict:
+    async def handle(payload: PlanPayload, ctx: TaskContext) -> dict[str, Any]:
         await ctx.progress("validate", "started")
         state = as_store_thread(ctx.store)  # SQLite on the store thread, never on the loop (state/aio.py)
         await state.run(check_not_in_maintenance)  # host_in_maintenance: before anything else

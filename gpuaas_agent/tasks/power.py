@@ -46,6 +46,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from gpuaas_agent.contract.domain import DomainInfo, DomainState, StartTarget
 from gpuaas_agent.contract.naming import domain_name, vnic_name
@@ -57,7 +58,8 @@ from gpuaas_agent.contract.tasks import VmPowerPayload
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.context import Handler, SlotRequest, TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, run_pipeline
@@ -85,7 +87,7 @@ def power_state(state: DomainState | None) -> str:
     return {DomainState.shutoff: "stopped", DomainState.running: "running"}.get(state, state.value)
 
 
-def admit(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord]:
+def admit(store: StateStore, payload: SlotRequest) -> tuple[SlotLease, SlotRecord]:
     """The lease and the active record of this allocation on the slot, or a refusal naming why not."""
     index, alloc = payload.slot_index, payload.allocation_id
     record = store.slot_state(index)
@@ -106,7 +108,7 @@ def admit(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord]:
     return lease, record
 
 
-def admit_slice(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord, list[SlotLease]]:
+def admit_slice(store: StateStore, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord, list[SlotLease]]:
     """:func:`admit`, and the allocation's other leased slots (a multi-slot slice), each still ``active`` for it."""
     lease, record = admit(store, payload)
     data = sorted((held for held in store.leases_of(payload.allocation_id) if held.slot_index != lease.slot_index),
@@ -123,7 +125,7 @@ def admit_slice(store, payload: VmPowerPayload) -> tuple[SlotLease, SlotRecord, 
     return lease, record, data
 
 
-def check_domain(info: DomainInfo | None, payload: VmPowerPayload) -> DomainInfo:
+def check_domain(info: DomainInfo | None, payload: SlotRequest) -> DomainInfo:
     name = domain_name(payload.allocation_id)
     if info is None:
         raise PowerRefused(f"slot {payload.slot_index} is active but domain {name} does not exist",
@@ -136,14 +138,14 @@ def check_domain(info: DomainInfo | None, payload: VmPowerPayload) -> DomainInfo
     return info
 
 
-async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease,
+async def start_plan(drivers: SliceDrivers, info: DomainInfo, lease: SlotLease,
                      data_slots: Sequence[SlotLease] = ()) -> tuple[StartTarget, SlicePort]:
     """What the guarded start checks, from the leases and the domain's own XML; the two must agree.
 
     ``lease`` is the boot slot's (its disk boots, its vNIC is the domain's one interface); ``data_slots``
     the allocation's other leased slots, whose disks, GPUs and VFs the domain holds too.
     """
-    devices = await sh.libvirt.devices(info.name)
+    devices = await drivers.libvirt.devices(info.name)
     assert info.metadata is not None  # check_domain proved it ours
     profile = get_profile(info.metadata.profile)  # unknown_profile: refused, nothing started
     vnic = vnic_name(lease.allocation_id, lease.slot_index)
@@ -165,55 +167,57 @@ async def start_plan(sh: SliceDrivers, info: DomainInfo, lease: SlotLease,
                            evidence={"problems": problems, "devices": devices.model_dump(mode="json"),
                                      "leases": [held.model_dump() for held in slots]})
     nodeset = devices.numa_nodeset
+    bridge = ifaces[0].bridge
+    assert bridge, "ifaces keeps only interfaces on a bridge"
     target = StartTarget(
         allocation_id=lease.allocation_id, slot_index=lease.slot_index, profile=profile,
         gpu_pci_address=lease.gpu_pci_address if profile.hostdevs else None,
         fabric_vf_pci_address=lease.fabric_vf_pci_address if profile.hostdevs else None,
-        nvme_device=lease.nvme_device, ovs_bridge=ifaces[0].bridge,
+        nvme_device=lease.nvme_device, ovs_bridge=bridge,
         numa_node=int(nodeset) if nodeset is not None and nodeset.isdigit() else None)
     # The port's isolation rules are built from the slot's reservation: no reservation, no start.
-    reserved = [r for r in await asyncio.to_thread(sh.reservations().reservations)
+    reserved = [r for r in await asyncio.to_thread(drivers.reservations().reservations)
                 if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
     if len(reserved) != 1 or reserved[0].mac != ifaces[0].mac:
         raise PowerRefused(f"slot {lease.slot_index} of allocation {lease.allocation_id} has no reservation for "
                            f"{ifaces[0].mac}: its port could not be isolated", code="reservation_missing",
                            evidence={"reservations": [r.model_dump(mode="json") for r in reserved],
                                      "mac": ifaces[0].mac})
-    port = SlicePort(bridge=ifaces[0].bridge, vnic=vnic, mac=ifaces[0].mac, ip=str(reserved[0].ip),
+    port = SlicePort(bridge=bridge, vnic=vnic, mac=ifaces[0].mac, ip=str(reserved[0].ip),
                      allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                      policing=profile.ingress_policing)
     return target, port
 
 
-async def power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
+async def power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict[str, Any]:
     """One power operation, in its turn on the slot's power line (superseded when a newer one wins)."""
-    async with sh.power_line.turn(payload.slot_index, ctx.envelope.task_id, payload.operation):
+    async with drivers.power_line.turn(payload.slot_index, ctx.envelope.task_id, payload.operation):
         store = as_store_thread(ctx.store)
         held = {lease.slot_index for lease in await store.leases_of(payload.allocation_id)}
         async with contextlib.AsyncExitStack() as locks:
             # Every slot of the slice, in index order (as provision takes them: no cycle with another set).
             for index in sorted(held | {payload.slot_index}):
-                await locks.enter_async_context(sh.slot_lock(index))
-            return await _power(sh, payload, ctx)
+                await locks.enter_async_context(drivers.slot_lock(index))
+            return await _power(drivers, payload, ctx)
 
 
-def graceful_timeout(sh: SliceDrivers, payload: VmPowerPayload) -> tuple[int, dict | None]:
+def graceful_timeout(drivers: SliceDrivers, payload: VmPowerPayload) -> tuple[int, dict[str, Any] | None]:
     """The payload's graceful timeout cut to the host's cap, and what was cut (``None`` when nothing)."""
-    cap = sh.slice.max_graceful_timeout_s
+    cap = drivers.slice.max_graceful_timeout_s
     if payload.graceful_timeout_s <= cap:
         return payload.graceful_timeout_s, None
     return cap, {"requested_s": payload.graceful_timeout_s, "max_graceful_timeout_s": cap}
 
 
-async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict:
+async def _power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) -> dict[str, Any]:
     store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
     op = payload.operation
     name = domain_name(payload.allocation_id)
     task_id = ctx.envelope.task_id
-    grace, capped = graceful_timeout(sh, payload)
+    grace, capped = graceful_timeout(drivers, payload)
 
     lease, record, data_slots = await store.run(admit_slice, payload)
-    info = check_domain(await sh.libvirt.lookup(name), payload)
+    info = check_domain(await drivers.libvirt.lookup(name), payload)
     before = info.state
     if op == "reset" and before not in ON:
         raise PowerRefused(f"domain {name} is {before.value}; a reset needs a running domain (start it instead)",
@@ -221,17 +225,17 @@ async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) ->
     disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                            nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
 
-    async def stop() -> dict:
-        outcome = await sh.libvirt.shutdown(name, deadline_s=grace)
+    async def stop() -> dict[str, Any]:
+        outcome = await drivers.libvirt.shutdown(name, deadline_s=grace)
         return outcome.model_dump(mode="json")
 
-    async def start() -> dict:
-        target, port = await start_plan(sh, info, lease, data_slots)
+    async def start() -> dict[str, Any]:
+        target, port = await start_plan(drivers, info, lease, data_slots)
         # Each data slot's GPU, VF and disk guarded under its own lease, as provision's start does.
-        return await guarded_start(sh, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
+        return await guarded_start(drivers, target, disk_lease=disk_lease, port=port, data_slots=data_slots)
 
-    async def reset() -> dict:
-        return (await sh.libvirt.reset(name)).model_dump(mode="json")
+    async def reset() -> dict[str, Any]:
+        return (await drivers.libvirt.reset(name)).model_dump(mode="json")
 
     steps: list[Step] = []
     if op in ("stop", "reboot") and before is not DomainState.shutoff:
@@ -242,14 +246,14 @@ async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) ->
         steps.append(Step("reset", reset))
 
     failure: PipelineFailed | None = None
-    outputs: dict = {}
+    outputs: dict[str, Any] = {}
     if steps:
         try:
             outputs = await run_pipeline(ctx, steps)
         except PipelineFailed as exc:
             failure = exc
     try:
-        after = await sh.libvirt.lookup(name)
+        after = await drivers.libvirt.lookup(name)
     except AgentError:  # libvirt gone after the operation: record "unknown", never mask the operation's error
         after = None
     state = after.state if after is not None else None
@@ -290,8 +294,8 @@ async def _power(sh: SliceDrivers, payload: VmPowerPayload, ctx: TaskContext) ->
     return out
 
 
-def power_handler(sh: SliceDrivers):
-    async def handle(payload: VmPowerPayload, ctx: TaskContext) -> dict:
-        return await power(sh, payload, ctx)
+def power_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: VmPowerPayload, ctx: TaskContext) -> dict[str, Any]:
+        return await power(drivers, payload, ctx)
 
     return handle

@@ -18,6 +18,7 @@ import asyncio
 import ipaddress
 import os
 from pathlib import Path
+from typing import Any
 
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.parity import ParityCheck, ParityReport, ParityStatus, SliceNetworkEvidence
@@ -34,13 +35,13 @@ from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import GuardError
 from gpuaas_agent.guards.preconditions import KVM_DEVICE, check_kvm, check_seed_dir, qemu_user
 from gpuaas_agent.hostfs import HostRoot
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 
 PASS, WARN, FAIL = ParityStatus.PASS, ParityStatus.WARN, ParityStatus.FAIL
 LIBVIRT_IMAGES = "/var/lib/libvirt/images"
 
 
-def _kv(evidence: dict) -> str:
+def _kv(evidence: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in evidence.items() if v not in (None, [], {}))
 
 
@@ -134,7 +135,7 @@ def build_parity_report(host: HostRoot, target: NetTarget | None = None, sockets
 
 def preflight_handler(host_root: Path, *, subnet: str = "10.100.0.0/24", ovs_bridge: str = "ovsbr0",
                       sockets: prereqs.SocketPaths | None = None, slice_config: SliceConfig | None = None,
-                      profiles: list[RuntimeProfile] | None = None):
+                      profiles: list[RuntimeProfile] | None = None) -> Handler:
     """The worker's handler: the parity report as output; hard failures are in it, not a task failure.
 
     The control plane reads ``failures`` and the checks; a preflight that ran
@@ -143,7 +144,7 @@ def preflight_handler(host_root: Path, *, subnet: str = "10.100.0.0/24", ovs_bri
     ``ovs_bridge`` are taken from it when given.
     """
 
-    async def handle(payload: PreflightPayload, ctx: TaskContext) -> dict:
+    async def handle(payload: PreflightPayload, ctx: TaskContext) -> dict[str, Any]:
         await ctx.progress("preflight", "started")
         if slice_config is not None:
             target = NetTarget(subnet=slice_config.subnet, ovs_bridge=slice_config.ovs_bridge)

@@ -23,19 +23,23 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpuaas_agent import __version__
 from gpuaas_agent.contract.cloudinit import SeedSpec
-from gpuaas_agent.contract.dhcp import GuestReadiness
-from gpuaas_agent.contract.domain import DomainSpec, GuestSlot
+from gpuaas_agent.contract.dhcp import GuestReadiness, Reservation
+from gpuaas_agent.contract.domain import DomainInfo, DomainSpec, GuestSlot
 from gpuaas_agent.contract.naming import domain_name, vnic_name
+from gpuaas_agent.contract.ovs import OvsPort
+from gpuaas_agent.contract.placement import PlacementReport
 from gpuaas_agent.contract.plan import PlannedSlot
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
-from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
+from gpuaas_agent.contract.slots import ApprovedSlot, HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
-from gpuaas_agent.contract.storage import DiskLease
+from gpuaas_agent.contract.storage import CloneProgress, CloneResult, DiskLease
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
+from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.discovery.bars import function_bars
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.ovmf import find_ovmf
@@ -50,13 +54,14 @@ from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.cloudinit import write_seed_iso
 from gpuaas_agent.host.dnsmasq import make_reservation
 from gpuaas_agent.host.egress import egress_target, wait_for_egress
-from gpuaas_agent.host.images import StreamedMiss
+from gpuaas_agent.host.images import ImageCache, StreamedMiss
 from gpuaas_agent.host.readiness import wait_for_guest
 from gpuaas_agent.host.streamclone import stream_image
 from gpuaas_agent.host.vfio import bind_to_vfio
 from gpuaas_agent.host.wipepolicy import resolve_handover
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.admission import (
     build_seed_spec,
@@ -65,7 +70,7 @@ from gpuaas_agent.tasks.admission import (
     check_reservation,
     slice_plan_config,
 )
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.firmware_check import slot_firmware
@@ -109,18 +114,18 @@ class ProvisionRun:
     produces is its typed output, handed to the steps that declare they take it.
     """
 
-    sh: SliceDrivers
+    drivers: SliceDrivers
     payload: VmProvisionPayload
     profile: RuntimeProfile
     task_id: str
-    ctx: Any
+    ctx: TaskContext
     # An earlier run of this very task started the clone (the agent was killed or stopped under it):
     # the disk is dirty whatever this run does, and the old wipe proof no longer says it is zero.
     disk_written_before: bool = False
 
     @classmethod
-    def for_task(cls, sh: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> ProvisionRun:
-        return cls(sh=sh, payload=payload, profile=get_profile(payload.runtime_profile),
+    def for_task(cls, drivers: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> ProvisionRun:
+        return cls(drivers=drivers, payload=payload, profile=get_profile(payload.runtime_profile),
                    task_id=ctx.envelope.task_id, ctx=ctx)
 
     @property
@@ -129,17 +134,17 @@ class ProvisionRun:
         return as_store_thread(self.ctx.store)
 
     @property
-    def slot(self):
+    def slot(self) -> ApprovedSlot:
         """The boot slot (the only slot of a single-slot provision)."""
         return self.payload.slot
 
     @property
-    def slots(self) -> list:
+    def slots(self) -> list[ApprovedSlot]:
         """Every slot of the allocation, boot slot first (validate refuses a bad set)."""
         return slot_set(self.payload.slot, self.payload.slots)
 
     @property
-    def data_slots(self) -> list:
+    def data_slots(self) -> list[ApprovedSlot]:
         return self.slots[1:]
 
     @property
@@ -162,13 +167,13 @@ class ProvisionRun:
                          nvme_device=self.slot.nvme_device, disk_identity=validated.lease.disk_identity)
 
 
-def _outcome(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict,
+def _outcome(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict[str, Any],
              slot_index: int | None = None) -> SlotOutcome:
     index = run.slot.slot_index if slot_index is None else slot_index
     return SlotOutcome(slot_index=index, status=status, health_state=health, health_detail=detail)
 
 
-def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict,
+def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: dict[str, Any],
             slot_index: int | None = None) -> SlotRecord:
     index = run.slot.slot_index if slot_index is None else slot_index
     if index != run.slot.slot_index:
@@ -182,7 +187,7 @@ async def check_admissible(run: ProvisionRun) -> None:
 
     A multi-slot provision asks them of every slot of its set (any cleanup_blocked slot refuses the set).
     """
-    if run.profile.domain_type is DomainType.qemu and not run.sh.slice.allow_emulated_domains:
+    if run.profile.domain_type is DomainType.qemu and not run.drivers.slice.allow_emulated_domains:
         raise ProvisionRefused(
             f"runtime profile {run.profile.name} runs under emulation (TCG); this host only runs KVM slices",
             code="emulated_domain_not_allowed", evidence={"profile": run.profile.name})
@@ -190,7 +195,7 @@ async def check_admissible(run: ProvisionRun) -> None:
         _check_admissible_slot(run, slot, await run.store.slot_state(slot.slot_index))
 
 
-def _check_admissible_slot(run: ProvisionRun, slot, record: SlotRecord | None) -> None:
+def _check_admissible_slot(run: ProvisionRun, slot: ApprovedSlot, record: SlotRecord | None) -> None:
     if slot.status is SlotStatus.cleanup_blocked or (record and record.status is SlotStatus.cleanup_blocked):
         raise ProvisionRefused(
             f"slot {slot.slot_index} is cleanup_blocked: its disk must be wiped and verified by a release first",
@@ -210,7 +215,7 @@ def _check_admissible_slot(run: ProvisionRun, slot, record: SlotRecord | None) -
             evidence={"slot_index": slot.slot_index, "host_record": record.model_dump(mode="json")})
 
 
-def domain_not_ours(found, allocation_id: str, slot_index: int, created_uuid: str | None) -> str | None:
+def domain_not_ours(found: DomainInfo | None, allocation_id: str, slot_index: int, created_uuid: str | None) -> str | None:
     """Why a compensation must leave the domain ``found`` alone, or None when it is this run's to undo.
 
     Ours means: our metadata naming this allocation *and* this slot, and, once define
@@ -229,14 +234,14 @@ def domain_not_ours(found, allocation_id: str, slot_index: int, created_uuid: st
     return None
 
 
-def _relay_key(path) -> str:
+def _relay_key(path: Path) -> str:
     """The node's terminal relay public key (seed 004), added to every slice's authorized keys.
 
     A key that is not one ed25519 line is the host's fault (``relay_key_invalid``), not the tenant's:
     it must not surface as the seed's ``invalid_payload``.
     """
     try:
-        text = path.read_text().strip()
+        text: str = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise HostError(f"terminal relay key {path} cannot be read: {getattr(exc, 'strerror', None) or exc}",
                         code="relay_key_missing", evidence={"path": str(path)}) from None
@@ -262,10 +267,10 @@ class Validated:
     # The other slots of a multi-slot allocation (data disks), in set order; empty for one slot.
     data_planned: tuple[PlannedSlot, ...] = ()
     data_leases: tuple[SlotLease, ...] = ()
-    placement: Any = None  # PlacementReport of a multi-slot set
+    placement: PlacementReport | None = None  # of a multi-slot set
 
     def journal(self) -> dict[str, Any]:
-        out = {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
+        out: dict[str, Any] = {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
                "disk_identity": self.planned.disk_identity,
                "lease": "held_before" if self.lease_was_held else "taken",
                "preconditions": self.preconditions}
@@ -298,24 +303,25 @@ async def _preconditions(run: ProvisionRun, planned: PlannedSlot,
     return {"slots": out}
 
 
-async def _slot_preconditions(run: ProvisionRun, slot: Any, planned: PlannedSlot,
+async def _slot_preconditions(run: ProvisionRun, slot: ApprovedSlot, planned: PlannedSlot,
                               profile: RuntimeProfile) -> dict[str, Any]:
-    sh, payload = run.sh, run.payload
-    async with sh.ovs() as ovs:
+    drivers, payload = run.drivers, run.payload
+    async with drivers.ovs() as ovs:
         bridge_exists = await asyncio.to_thread(ovs.bridge_exists, slot.ovs_bridge)
-    cached = sh.images.lookup(payload.image.sha256)
+    cached = drivers.images.lookup(payload.image.sha256)
     proven = await asyncio.to_thread(
-        check_provision_preconditions, sh.discovered_root(), sh.local_root(),
-        sh.slice.model_copy(update={"ovs_bridge": slot.ovs_bridge}), profile,
+        check_provision_preconditions, drivers.discovered_root(), drivers.local_root(),
+        drivers.slice.model_copy(update={"ovs_bridge": slot.ovs_bridge}), profile,
         numa_node=planned.gpu_numa_node if profile.hostdevs else None,
         gpu_pci_address=slot.gpu_pci_address if profile.hostdevs else None,
         fabric_vf_pci_address=slot.fabric_vf_pci_address if profile.hostdevs else None,
-        bridge_exists=bridge_exists, image_cache_dir=sh.images.root,
+        bridge_exists=bridge_exists, image_cache_dir=drivers.images.root,
         image_size_hint=0 if cached else payload.image.size_bytes)
     return proven.model_dump(mode="json")
 
 
-def _enough_free(store, report, allocation_id: str, slots: list) -> list[int]:
+def _enough_free(store: StateStore, report: TopologyReport, allocation_id: str,
+                 slots: list[ApprovedSlot]) -> list[int]:
     """:func:`check_enough_free` with the store first, as ``StoreThread.run`` calls it (on the store thread)."""
     return check_enough_free(report, store, allocation_id, slots)
 
@@ -323,26 +329,26 @@ def _enough_free(store, report, allocation_id: str, slots: list) -> list[int]:
 async def validate(run: ProvisionRun) -> Validated:
     # Everything that can refuse this task is asked now, before the lease (docs/safety.md §8):
     # inputs the later steps need, the tenant's seed, the address, the slot binding, the reservation.
-    sh, payload, slot, store = run.sh, run.payload, run.slot, run.store
+    drivers, payload, slot, store = run.drivers, run.payload, run.slot, run.store
     await store.run(check_not_in_maintenance)  # host_in_maintenance: first, before anything is read or leased
     slots = check_slot_set(slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot
-    relay_key = await asyncio.to_thread(_relay_key, sh.slice.terminal_relay_key_file)
-    check_guest_address(slot.private_ip, sh.slice)
-    seed_spec = build_seed_spec(payload, relay_key, sh.slice)
-    if (egress := egress_target(run.profile, sh.slice)) is not None:  # readiness proves egress beyond the NAT
+    relay_key = await asyncio.to_thread(_relay_key, drivers.slice.terminal_relay_key_file)
+    check_guest_address(slot.private_ip, drivers.slice)
+    seed_spec = build_seed_spec(payload, relay_key, drivers.slice)
+    if (egress := egress_target(run.profile, drivers.slice)) is not None:  # readiness proves egress beyond the NAT
         seed_spec = seed_spec.model_copy(update={"egress_probe": egress})
     if len(slots) == 1:
         await store.run(check_one_slot_per_allocation, payload.allocation_id, slot.slot_index)
     else:
         await store.run(check_allocation_holds_only, payload.allocation_id, {s.slot_index for s in slots})
-    report = await asyncio.to_thread(lambda: discover(sh.discovered_root(), slice_plan_config(sh.slice)))
+    report = await asyncio.to_thread(lambda: discover(drivers.discovered_root(), slice_plan_config(drivers.slice)))
     free = await store.run(_enough_free, report, payload.allocation_id, slots) if len(slots) > 1 else []
     # Each approved record must be exactly the host's candidate slot of its index, as slice.plan checks
     # (a slot of another host has bindings this host lacks: not_approved); a set that crosses the profile's
     # placement constraint is placement_violated.
     # NVSwitch host, fabric_partitions profile: Fabric Manager answers and the set is still exactly a free,
     # healthy partition (fabric_manager_missing / fabric_partition_*), before any disk is touched.
-    fabric = await fabric_partitions.fabric_for(run.profile, report, sh.fabric)
+    fabric = await fabric_partitions.fabric_for(run.profile, report, drivers.fabric)
     held_partition = await store.partition_of(payload.allocation_id)
     plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[s.slot_id for s in slots],
                                    slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots]),
@@ -350,13 +356,13 @@ async def validate(run: ProvisionRun) -> Validated:
                        held_partitions=[held_partition.partition_id] if held_partition else [])
     planned = plan.slots[0]
     await store.run(check_not_quarantined, plan)  # component_quarantined: a slot with a quarantined part
-    await asyncio.to_thread(check_reservation, sh.reservations(), payload)
+    await asyncio.to_thread(check_reservation, drivers.reservations(), payload)
     preconditions = await _preconditions(run, planned, tuple(plan.slots[1:]))
     # The handover each slot's next tenant is owed is fixed now and kept with its lease: the wipe method
     # resolved from the device's own answers (an nvme_format/nvme_sanitize profile on a drive without that
     # capability, or whose erase would reach beyond the lease, is refused now, not found at release as
     # cleanup_blocked), whether it guarantees zeroes, and the GPU state to restore.
-    handovers = [await resolve_handover(run.profile, sh.slice.wipe_policies, sh.discovered_root(), s.nvme_device,
+    handovers = [await resolve_handover(run.profile, drivers.slice.wipe_policies, drivers.discovered_root(), s.nvme_device,
                                         lease=DiskLease(allocation_id=payload.allocation_id, slot_index=s.slot_index,
                                                         nvme_device=s.nvme_device, disk_identity=p.disk_identity))
                  for s, p in zip(slots, plan.slots)]
@@ -386,7 +392,7 @@ async def validate(run: ProvisionRun) -> Validated:
                      data_leases=tuple(leases[1:]), placement=plan.placement)
 
 
-async def unlease(run: ProvisionRun, undo: Undo) -> dict:
+async def unlease(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     store, alloc = run.store, run.payload.allocation_id
     touched = touched_slots(run.slot.slot_index, [s.slot_index for s in run.slots], undo.started,
                            undo.disk_touched or run.disk_written_before)
@@ -423,7 +429,7 @@ async def bind_vfio(run: ProvisionRun) -> VfioBound:
     if not run.profile.hostdevs:
         return VfioBound(skipped=f"profile {run.profile.name} passes no PCI devices through")
     approved = [a for s in run.slots for a in (s.gpu_pci_address, s.fabric_vf_pci_address)]
-    return VfioBound(results=tuple([await bind_to_vfio(run.sh.discovered_root(), address, approved) for address in approved]))
+    return VfioBound(results=tuple([await bind_to_vfio(run.drivers.discovered_root(), address, approved) for address in approved]))
 
 
 @dataclass(frozen=True)
@@ -443,13 +449,13 @@ async def guard_data_disks(run: ProvisionRun, validated: Validated) -> DataDisks
     """
     if not validated.data_leases:
         return DataDisks()
-    others = await run.sh.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
-                                                       exclude_slot=run.slot.slot_index)
+    others = await run.drivers.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
+                                                            exclude_slot=run.slot.slot_index)
     evidence = []
     for lease in validated.data_leases:
         disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                                nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
-        evidence.append(await asyncio.to_thread(check_disk_writable, run.sh.discovered_root(), lease.nvme_device,
+        evidence.append(await asyncio.to_thread(check_disk_writable, run.drivers.discovered_root(), lease.nvme_device,
                                                 lease=disk_lease, domain_disks=others))
     return DataDisks(evidence=tuple(evidence))
 
@@ -461,7 +467,7 @@ class ImagePin:
     same way, so a failure between the image and clone steps frees the digest for other provisions.
     """
 
-    def __init__(self, images, sha256: str, *, held: bool = True, stream: StreamedMiss | None = None) -> None:
+    def __init__(self, images: ImageCache, sha256: str, *, held: bool = True, stream: StreamedMiss | None = None) -> None:
         self._images, self._sha256, self._held, self._stream = images, sha256, held, stream
 
     def release(self) -> bool:
@@ -506,7 +512,7 @@ async def fetch_image(run: ProvisionRun) -> FetchedImage:
     # Pinned until the clone has read it: the cache's LRU eviction never takes an image a provision holds.
     # A raw image not yet cached is only opened here (its status, redirects and format are known before
     # the disk is touched); the clone step streams it onto the disk and into the cache.
-    image, images = run.payload.image, run.sh.images
+    image, images = run.payload.image, run.drivers.images
     got = await images.fetch_or_open(image.url, image.sha256, size_bytes=image.size_bytes, pin=True)
     if isinstance(got, StreamedMiss):
         return FetchedImage(path=None, sha256=got.sha256, size_bytes=got.length, format=got.format.value,
@@ -516,36 +522,36 @@ async def fetch_image(run: ProvisionRun) -> FetchedImage:
                         delivery="cache_hit" if got.source_proof is not None else "cache_then_clone")
 
 
-async def unpin_image(run: ProvisionRun, undo: Undo) -> dict:
+async def unpin_image(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     fetched: FetchedImage | None = undo.output("image")
     if fetched is not None and fetched.pin.release():
         return {"image": "abandoned" if fetched.stream is not None else "unpinned"}
     return {"image": "not pinned"}
 
 
-async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage):
+async def clone(run: ProvisionRun, validated: Validated, image: FetchedImage) -> CloneResult:
     # touches_disk: from its start, nothing but a verified wipe makes this disk clean.
-    sh, slot = run.sh, run.slot
+    drivers, slot = run.drivers, run.slot
     try:
         # Disks of every defined domain, running or shut off, except this allocation+slot's own.
-        others = await sh.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
-                                                       exclude_slot=slot.slot_index)
+        others = await drivers.libvirt.defined_domain_disks(exclude_allocation=run.payload.allocation_id,
+                                                            exclude_slot=slot.slot_index)
 
-        async def on_progress(p) -> None:
+        async def on_progress(p: CloneProgress) -> None:
             await run.ctx.progress("clone", "progress", percent=p.percent)
 
         wipe_proof = None if run.disk_written_before else await run.store.latest_wipe_proof(slot.slot_index)
         if image.stream is not None:
             result, _cached = await stream_image(
-                sh.discovered_root(), image.stream, slot.nvme_device, lease=run.disk_lease(validated),
+                drivers.discovered_root(), image.stream, slot.nvme_device, lease=run.disk_lease(validated),
                 domain_disks=others, wipe_proof=wipe_proof, on_progress=on_progress,
-                timeout=sh.slice.clone_timeout_s)
+                timeout=drivers.slice.clone_timeout_s)
             return result
         assert image.path is not None
         return await clone_image(
-            sh.discovered_root(), image.path, slot.nvme_device,
+            drivers.discovered_root(), image.path, slot.nvme_device,
             lease=run.disk_lease(validated), domain_disks=others, wipe_proof=wipe_proof,
-            on_progress=on_progress, timeout=sh.slice.clone_timeout_s)
+            on_progress=on_progress, timeout=drivers.slice.clone_timeout_s)
     finally:
         image.pin.release()
 
@@ -560,17 +566,17 @@ class Seeded:
 
 
 async def seed(run: ProvisionRun, validated: Validated) -> Seeded:
-    iso = await write_seed_iso(validated.seed_spec, run.sh.seed_path(run.payload.allocation_id, run.slot.slot_index))
+    iso = await write_seed_iso(validated.seed_spec, run.drivers.seed_path(run.payload.allocation_id, run.slot.slot_index))
     return Seeded(path=iso.path, sha256=iso.sha256)
 
 
-async def unseed(run: ProvisionRun, undo: Undo) -> dict:
-    return run.sh.remove_seed(run.payload.allocation_id, run.slot.slot_index)
+async def unseed(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
+    return run.drivers.remove_seed(run.payload.allocation_id, run.slot.slot_index)
 
 
 @dataclass(frozen=True)
 class Plugged:
-    port: Any  # OvsPort
+    port: OvsPort
     isolation: dict[str, Any]
 
     def journal(self) -> dict[str, Any]:
@@ -579,22 +585,22 @@ class Plugged:
 
 async def ovs_port(run: ProvisionRun) -> Plugged:
     slot = run.slot
-    async with run.sh.ovs() as ovs:
+    async with run.drivers.ovs() as ovs:
         await asyncio.to_thread(ovs.ensure_bridge, slot.ovs_bridge)  # never created here: missing is a blocker
         port = await put_port(ovs, run.port, run.payload.allocation_id)
     # Closed from the moment it exists: the MAC is the slot's only (docs/safety.md §9); the tap and its
     # ofport appear at start, when the full per-port rules go in.
-    isolation = await isolate_port(run.sh, port, mac=slot.mac, ip=slot.private_ip)
+    isolation = await isolate_port(run.drivers, port, mac=slot.mac, ip=slot.private_ip)
     return Plugged(port=port, isolation=isolation)
 
 
-async def unplug(run: ProvisionRun, undo: Undo) -> dict:
-    return await run.sh.unplug(run.slot.ovs_bridge, run.vnic, run.payload.allocation_id)
+async def unplug(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
+    return await run.drivers.unplug(run.slot.ovs_bridge, run.vnic, run.payload.allocation_id)
 
 
 @dataclass(frozen=True)
 class Reserved:
-    reservation: Any  # DhcpReservation
+    reservation: Reservation
     changed: bool
     dnsmasq_pid: int | None
 
@@ -605,15 +611,15 @@ class Reserved:
 
 async def reservation(run: ProvisionRun) -> Reserved:
     payload, slot = run.payload, run.slot
-    reservations = run.sh.reservations()
+    reservations = run.drivers.reservations()
     res = make_reservation(payload.allocation_id, slot.slot_index, slot.mac, slot.private_ip, payload.hostname)
     changed = await asyncio.to_thread(reservations.add, res)
     pid = await asyncio.to_thread(reservations.reload)
     return Reserved(reservation=res, changed=changed, dnsmasq_pid=pid)
 
 
-async def unreserve(run: ProvisionRun, undo: Undo) -> dict:
-    return await run.sh.unreserve(run.payload.allocation_id, run.slot.slot_index)
+async def unreserve(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
+    return await run.drivers.unreserve(run.payload.allocation_id, run.slot.slot_index)
 
 
 @dataclass(frozen=True)
@@ -628,31 +634,31 @@ class Defined:
 
 
 async def define(run: ProvisionRun, validated: Validated) -> Defined:
-    sh, payload, slot, profile = run.sh, run.payload, run.slot, run.profile
-    firmware = await asyncio.to_thread(find_ovmf, sh.local_root())
+    drivers, payload, slot, profile = run.drivers, run.payload, run.slot, run.profile
+    firmware = await asyncio.to_thread(find_ovmf, drivers.local_root())
     numa = validated.planned.gpu_numa_node if profile.hostdevs else None
-    cpulist = await asyncio.to_thread(node_cpulist, sh.discovered_root(), numa) if numa is not None else None
+    cpulist = await asyncio.to_thread(node_cpulist, drivers.discovered_root(), numa) if numa is not None else None
     spec = DomainSpec(
         allocation_id=payload.allocation_id, slot_index=slot.slot_index, task_id=run.task_id,
         profile=profile,
         gpu_pci_address=slot.gpu_pci_address if profile.hostdevs else None,
         fabric_vf_pci_address=slot.fabric_vf_pci_address if profile.hostdevs else None,
         nvme_device=slot.nvme_device, mac=slot.mac, ovs_bridge=slot.ovs_bridge,
-        seed_iso_path=str(sh.seed_path(payload.allocation_id, slot.slot_index)),
-        serial_log_path=str(sh.console_log_path(payload.allocation_id, slot.slot_index)),
+        seed_iso_path=str(drivers.seed_path(payload.allocation_id, slot.slot_index)),
+        serial_log_path=str(drivers.console_log_path(payload.allocation_id, slot.slot_index)),
         numa_node=numa, numa_cpulist=cpulist, firmware=firmware, agent_version=__version__,
-        **(await asyncio.to_thread(_passthrough_bars, sh.discovered_root(), slot) if profile.hostdevs else {}),
+        **(await asyncio.to_thread(_passthrough_bars, drivers.discovered_root(), slot) if profile.hostdevs else {}),
         extra_slots=[await _guest_slot(run, s, p) for s, p in zip(run.data_slots, validated.data_planned)])
-    outcome = await sh.libvirt.define(spec)
+    outcome = await drivers.libvirt.define(spec)
     return Defined(spec=spec, domain=outcome.domain.name, uuid=outcome.domain.uuid, action=outcome.action)
 
 
-async def _guest_slot(run: ProvisionRun, slot: Any, planned: PlannedSlot) -> GuestSlot:
+async def _guest_slot(run: ProvisionRun, slot: ApprovedSlot, planned: PlannedSlot) -> GuestSlot:
     """A data slot of the domain: its devices, NUMA node and BARs, resolved on this host now."""
     hostdevs = run.profile.hostdevs
     numa = planned.gpu_numa_node if hostdevs else None
-    cpulist = await asyncio.to_thread(node_cpulist, run.sh.discovered_root(), numa) if numa is not None else None
-    bars = await asyncio.to_thread(_passthrough_bars, run.sh.discovered_root(), slot) if hostdevs else {}
+    cpulist = await asyncio.to_thread(node_cpulist, run.drivers.discovered_root(), numa) if numa is not None else None
+    bars = await asyncio.to_thread(_passthrough_bars, run.drivers.discovered_root(), slot) if hostdevs else {}
     return GuestSlot(slot_index=slot.slot_index, gpu_pci_address=slot.gpu_pci_address if hostdevs else None,
                      fabric_vf_pci_address=slot.fabric_vf_pci_address if hostdevs else None,
                      nvme_device=slot.nvme_device, numa_node=numa, numa_cpulist=cpulist, **bars)
@@ -666,20 +672,20 @@ def _passthrough_bars(host: Any, slot: Any) -> dict[str, Any]:
 
 async def _ours(run: ProvisionRun, undo: Undo) -> tuple[Any, str | None]:
     """The slot's own domain, or why the one of that name is left alone (undo never goes by name alone)."""
-    found = await run.sh.libvirt.lookup(run.name)
+    found = await run.drivers.libvirt.lookup(run.name)
     defined: Defined | None = undo.output("define")
     return found, domain_not_ours(found, run.payload.allocation_id, run.slot.slot_index,
                                   defined.uuid if defined is not None else None)
 
 
-async def undefine(run: ProvisionRun, undo: Undo) -> dict:
+async def undefine(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     found, foreign = await _ours(run, undo)
     if found is None:
         return {"domain": run.name, "found": False}
     if foreign:
         return {"domain": run.name, "found": True, "left": foreign}
-    stopped = await run.sh.libvirt.shutdown(run.name, deadline_s=0)  # compensation: no grace, destroy now
-    gone = await run.sh.libvirt.undefine(run.name)
+    stopped = await run.drivers.libvirt.shutdown(run.name, deadline_s=0)  # compensation: no grace, destroy now
+    gone = await run.drivers.libvirt.undefine(run.name)
     return {"domain": run.name, "destroyed": stopped.destroyed, "nvram_removed": gone.nvram_removed}
 
 
@@ -693,53 +699,53 @@ class Started:
 
 async def start(run: ProvisionRun, validated: Validated, defined: Defined) -> Started:
     # The guards, the start, our port ids back, and the full isolation rules for the tap's ofport.
-    return Started(await guarded_start(run.sh, defined.spec.start_target(), disk_lease=run.disk_lease(validated),
+    return Started(await guarded_start(run.drivers, defined.spec.start_target(), disk_lease=run.disk_lease(validated),
                                        port=run.port, data_slots=validated.data_leases))
 
 
-async def stop(run: ProvisionRun, undo: Undo) -> dict:
+async def stop(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     found, foreign = await _ours(run, undo)
     if found is None or foreign:
         return {"domain": run.name, "found": found is not None, **({"left": foreign} if foreign else {})}
-    stopped = await run.sh.libvirt.shutdown(run.name, deadline_s=0)
+    stopped = await run.drivers.libvirt.shutdown(run.name, deadline_s=0)
     return stopped.model_dump(mode="json")
 
 
 async def readiness(run: ProvisionRun) -> GuestReadiness:
     loop = asyncio.get_running_loop()
 
-    async def progress(event: str, fields: dict) -> None:
+    async def progress(event: str, fields: dict[str, Any]) -> None:
         await run.ctx.progress("readiness", "progress", detail={"event": event, **fields})
 
     slot = run.slot
-    timeout = run.payload.readiness_timeout_s or run.sh.slice.readiness_timeout_s
+    timeout = run.payload.readiness_timeout_s or run.drivers.slice.readiness_timeout_s
     deadline = loop.time() + timeout
-    ready = await wait_for_guest(run.sh.slice.dnsmasq_lease_file, slot.mac, slot.private_ip,
+    ready = await wait_for_guest(run.drivers.slice.dnsmasq_lease_file, slot.mac, slot.private_ip,
                                  deadline=deadline, progress=progress)
-    if (target := egress_target(run.profile, run.sh.slice)) is None:
+    if (target := egress_target(run.profile, run.drivers.slice)) is None:
         return ready
     await progress("egress_wait", {"target": target.model_dump(mode="json")})
     proof = await wait_for_egress(slot.private_ip, target,
-                                  deadline=min(deadline, loop.time() + run.sh.slice.readiness_egress_timeout_s))
+                                  deadline=min(deadline, loop.time() + run.drivers.slice.readiness_egress_timeout_s))
     return ready.model_copy(update={"egress": proof})
 
 
 # -- NVSwitch hosts: the Fabric Manager partition slice.plan leased (tasks/fabric_partitions.py) ---------------
 
 
-async def activate_fabric_partition(run: ProvisionRun) -> dict:
+async def activate_fabric_partition(run: ProvisionRun) -> dict[str, Any]:
     """Activate the allocation's partition before the domain starts (nothing leased: nothing to do)."""
-    return await fabric_partitions.activate_leased(run.sh.fabric, run.store, run.payload.allocation_id)
+    return await fabric_partitions.activate_leased(run.drivers.fabric, run.store, run.payload.allocation_id)
 
 
-async def deactivate_fabric_partition(run: ProvisionRun, undo: Undo) -> dict:
-    return await fabric_partitions.deactivate_leased(run.sh.fabric, run.store, run.payload.allocation_id,
+async def deactivate_fabric_partition(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
+    return await fabric_partitions.deactivate_leased(run.drivers.fabric, run.store, run.payload.allocation_id,
                                                      release=False)
 
 
-async def check_fabric_partition(run: ProvisionRun) -> dict:
+async def check_fabric_partition(run: ProvisionRun) -> dict[str, Any]:
     """After start: FM still lists the partition active (an FM restart in between is restored or fails)."""
-    return await fabric_partitions.confirm_active(run.sh.fabric, run.store, run.payload.allocation_id)
+    return await fabric_partitions.confirm_active(run.drivers.fabric, run.store, run.payload.allocation_id)
 
 
 # The provision pipeline, in order (docs/operations.md names the same steps).
@@ -778,7 +784,7 @@ def provision_steps(run: ProvisionRun) -> list[Step]:
 RESTARTABLE = ("validate", "bind_vfio", "image", "data_disks", "clone")
 
 
-def reached_steps(store, task_id: str) -> list[str]:
+def reached_steps(store: StateStore, task_id: str) -> list[str]:
     """The pipeline steps an earlier run of ``task_id`` started, in declaration order."""
     started = {e.step for e in store.journal_of(task_id) if e.status is StepStatus.started}
     return [d.name for d in PROVISION_STEPS if d.name in started]
@@ -838,25 +844,25 @@ async def close_interrupted(run: ProvisionRun, reached: list[str], *, why: str) 
     return detail
 
 
-async def recover_provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
+async def recover_provision(drivers: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
     """The worker's recovery of an interrupted provision it will not run again (its deadline passed, or it
     is poison): compensation only, no new side effect. Returns the evidence for the result."""
-    run = ProvisionRun.for_task(sh, payload, ctx)
+    run = ProvisionRun.for_task(drivers, payload, ctx)
     async with contextlib.AsyncExitStack() as locks:
         for index in sorted({s.slot_index for s in run.slots}):
-            await locks.enter_async_context(sh.slot_lock(index))
+            await locks.enter_async_context(drivers.slot_lock(index))
         reached = await interrupted_run(run)
         if reached is None:
             return {"interrupted": False}
         return await close_interrupted(run, reached, why="provision_interrupted")
 
 
-async def provision(sh: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> dict:
-    run = ProvisionRun.for_task(sh, payload, ctx)
+async def provision(drivers: SliceDrivers, payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
+    run = ProvisionRun.for_task(drivers, payload, ctx)
     async with contextlib.AsyncExitStack() as locks:
         # Every slot of the set, in index order (two sets sharing slots never wait on each other in a cycle).
         for index in sorted({s.slot_index for s in run.slots}):
-            await locks.enter_async_context(sh.slot_lock(index))
+            await locks.enter_async_context(drivers.slot_lock(index))
         reached = await interrupted_run(run)
         if reached:
             if any(step not in RESTARTABLE for step in reached):
@@ -929,12 +935,12 @@ async def _report_failure(run: ProvisionRun, ctx: TaskContext, failure: Pipeline
                                               slot.slot_index))
 
 
-def provision_handler(sh: SliceDrivers):
-    async def handle(payload: VmProvisionPayload, ctx: TaskContext) -> dict:
-        return await provision(sh, payload, ctx)
+def provision_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
+        return await provision(drivers, payload, ctx)
 
-    async def recover(payload: VmProvisionPayload, ctx: TaskContext) -> dict:
-        return await recover_provision(sh, payload, ctx)
+    async def recover(payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
+        return await recover_provision(drivers, payload, ctx)
 
     handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
     return handle

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from pydantic_core import to_json
@@ -36,15 +37,18 @@ from gpuaas_agent.contract.fleet import (
 )
 from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.state import SlotLease
+from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.discovery.quarantine import mark_quarantined, slot_components
 from gpuaas_agent.discovery.report import discover
+from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.admission import slice_plan_config
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.recheck import RECHECKS, Recheck, RecheckContext
 
 log = logging.getLogger(__name__)
@@ -60,7 +64,8 @@ def _bounded(evidence: dict[str, Any]) -> dict[str, Any]:
     """Evidence as JSON-safe data, at most MAX_EVIDENCE_CHARS of it (a huge proof is cut, and says so)."""
     text = to_json(evidence, fallback=str).decode()
     if len(text) <= MAX_EVIDENCE_CHARS:
-        return json.loads(text)
+        bounded: dict[str, Any] = json.loads(text)
+        return bounded
     return {"truncated": True, "chars": len(text), "head": text[:MAX_EVIDENCE_CHARS - 200]}
 
 
@@ -78,6 +83,8 @@ async def quarantine_component(store: StateStore | StoreThread, kind: ComponentK
     record = QuarantineRecord(kind=ComponentKind(kind), identity=identity, reason=QuarantineReason(reason),
                               evidence=_bounded(evidence), quarantined_at=datetime.now(UTC), task_id=task_id,
                               slot_index=slot_index)
+    held: QuarantineRecord
+    new: bool
     held, new = await as_store_thread(store).quarantine(record)
     log_event(log, "component_quarantined" if new else "component_already_quarantined", logging.ERROR if new else
               logging.WARNING, kind=held.kind.value, identity=held.identity, reason=record.reason.value,
@@ -118,12 +125,12 @@ def check_not_quarantined(store: StateStore, plan: BundlePlan) -> None:
                           "quarantined": [r.model_dump(mode="json", exclude={"evidence"}) for r in found]})
 
 
-def discover_with_quarantine(host_root, plan_config, store: StateStore):
+def discover_with_quarantine(host_root: Path, plan_config: PlanConfig | None, store: StateStore) -> TopologyReport:
     """Discovery of the host with quarantined components marked (blocking: run it off the loop)."""
     return mark_quarantined(discover(HostRoot.open(host_root), plan_config), store.quarantined())
 
 
-def _on_this_host(report, ref: ComponentRef) -> bool:
+def _on_this_host(report: TopologyReport, ref: ComponentRef) -> bool:
     components = {c for slot in report.candidate_slots for c in slot_components(slot, report)}
     components |= {(ComponentKind.gpu, g.pci_address) for g in report.gpus}
     components |= {(ComponentKind.fabric_vf, f.pci_address) for f in report.fabric_devices if f.is_vf}
@@ -142,10 +149,10 @@ def _refuse_if_held(store: StateStore, ref: ComponentRef, what: str) -> None:
                       "slot_index": holder.slot_index})
 
 
-def quarantine_handler(config: AgentConfig):
+def quarantine_handler(config: AgentConfig) -> Handler:
     """``slice.quarantine``: an operator takes out a component of this host that no allocation holds."""
 
-    async def handle(payload: QuarantinePayload, ctx: TaskContext) -> dict:
+    async def handle(payload: QuarantinePayload, ctx: TaskContext) -> dict[str, Any]:
         state = as_store_thread(ctx.store)
         ref = payload.component
         report = await asyncio.to_thread(lambda: discover(HostRoot.open(config.host_root),
@@ -163,12 +170,12 @@ def quarantine_handler(config: AgentConfig):
     return handle
 
 
-def unquarantine_handler(config: AgentConfig, drivers: Any = None,
-                         rechecks: dict[QuarantineReason, Recheck] | None = None):
+def unquarantine_handler(config: AgentConfig, drivers: SliceDrivers | None = None,
+                         rechecks: dict[QuarantineReason, Recheck] | None = None) -> Handler:
     """``slice.unquarantine``: re-run the failed check; return the component only when it passes."""
     table = RECHECKS if rechecks is None else rechecks
 
-    async def handle(payload: UnquarantinePayload, ctx: TaskContext) -> dict:
+    async def handle(payload: UnquarantinePayload, ctx: TaskContext) -> dict[str, Any]:
         state = as_store_thread(ctx.store)
         ref = payload.component
         record = await state.quarantine_of(ref)

@@ -35,7 +35,9 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.run import run
 from gpuaas_agent.host.smart import Runner, judge_smart, read_smart_log
 from gpuaas_agent.hostfs import HostRoot
-from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.firmware_check import firmware_restored
 
 
@@ -46,8 +48,8 @@ class RecheckContext:
 
     host_root: Path
     runner: Runner = run
-    drivers: Any = None  # SliceDrivers | None
-    store: Any = None  # the agent's StateStore (or its StoreThread): the wipe proofs and leases
+    drivers: SliceDrivers | None = None
+    store: StateStore | StoreThread | None = None  # the agent's store: the wipe proofs and leases
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.base import WireModel
@@ -34,18 +35,23 @@ from gpuaas_agent.tasks.release_set import release_set_handler
 from gpuaas_agent.tasks.terminal import terminal_handler
 from gpuaas_agent.tasks.topology import topology_discover_handler
 
+# A row's payload model (named outside TaskSpec, whose ``type`` field hides the builtin there).
+PayloadModel: TypeAlias = type[WireModel]
+# How a row builds its handler: from the config and the slice drivers (None: the daemon built none).
+HandlerFactory: TypeAlias = Callable[[AgentConfig, SliceDrivers | None], Handler]
+
 
 @dataclass(frozen=True)
 class TaskSpec:
     """One task type: how to build its handler and how many may run at once on this host."""
 
     type: TaskType
-    make_handler: Callable[[AgentConfig, SliceDrivers | None], Handler]
+    make_handler: HandlerFactory
     concurrency: int
     needs_slice_host: bool = False
 
     @property
-    def payload_model(self) -> type[WireModel]:
+    def payload_model(self) -> PayloadModel:
         return PAYLOADS[self.type]
 
 
@@ -55,39 +61,50 @@ def preflight_sockets(config: AgentConfig) -> SocketPaths:
     return SocketPaths(ovsdb=remote.removeprefix("unix:")) if remote.startswith("unix:") else SocketPaths()
 
 
+def with_drivers(make: Callable[[SliceDrivers], Handler]) -> HandlerFactory:
+    """The factory of a row that ``needs_slice_host``: :func:`build_handlers` builds it only with the drivers."""
+
+    def build(config: AgentConfig, drivers: SliceDrivers | None) -> Handler:
+        assert drivers is not None, "a needs_slice_host row is built only when the daemon built the slice drivers"
+        return make(drivers)
+
+    return build
+
+
 TASKS: tuple[TaskSpec, ...] = (
     TaskSpec(TaskType.topology_discover,
-             lambda config, sh: topology_discover_handler(config.host_root, config.slice.gateway), concurrency=2),
+             lambda config, drivers: topology_discover_handler(config.host_root, config.slice.gateway), concurrency=2),
     TaskSpec(TaskType.preflight,
-             lambda config, sh: preflight_handler(config.host_root, sockets=preflight_sockets(config),
-                                                  slice_config=config.slice), concurrency=1),
-    TaskSpec(TaskType.plan, lambda config, sh: plan_handler(config.host_root, slice_plan_config(config.slice),
-                                                            fabric=sh.fabric if sh is not None else None),
+             lambda config, drivers: preflight_handler(config.host_root, sockets=preflight_sockets(config),
+                                                       slice_config=config.slice), concurrency=1),
+    TaskSpec(TaskType.plan,
+             lambda config, drivers: plan_handler(config.host_root, slice_plan_config(config.slice),
+                                                  fabric=drivers.fabric if drivers is not None else None),
              concurrency=1),
     # One per slot: 8 concurrent provisions take as long as the slowest.
-    TaskSpec(TaskType.vm_provision, lambda config, sh: provision_handler(sh), concurrency=8, needs_slice_host=True),
+    TaskSpec(TaskType.vm_provision, with_drivers(provision_handler), concurrency=8, needs_slice_host=True),
     # A multi-slot payload (v1.1 ``slots``) releases every slot of the set; one slot: tasks/release.py as before.
-    TaskSpec(TaskType.vm_release, lambda config, sh: release_set_handler(sh), concurrency=8, needs_slice_host=True),
-    TaskSpec(TaskType.reconcile, lambda config, sh: reconcile_handler(sh), concurrency=1, needs_slice_host=True),
+    TaskSpec(TaskType.vm_release, with_drivers(release_set_handler), concurrency=8, needs_slice_host=True),
+    TaskSpec(TaskType.reconcile, with_drivers(reconcile_handler), concurrency=1, needs_slice_host=True),
     # One per slot; the slot lock serialises power, provision and release of one slot.
-    TaskSpec(TaskType.vm_power, lambda config, sh: power_handler(sh), concurrency=8, needs_slice_host=True),
+    TaskSpec(TaskType.vm_power, with_drivers(power_handler), concurrency=8, needs_slice_host=True),
     # The terminal relay: the sessions outlive their open task; these bound the tasks, the config bounds
     # the sessions ([slice.terminal] max_sessions, max_sessions_per_slice).
-    TaskSpec(TaskType.terminal_open, lambda config, sh: terminal_handler(sh, "open"), concurrency=4,
+    TaskSpec(TaskType.terminal_open, with_drivers(lambda drivers: terminal_handler(drivers, "open")), concurrency=4,
              needs_slice_host=True),
-    TaskSpec(TaskType.terminal_data, lambda config, sh: terminal_handler(sh, "data"), concurrency=8,
+    TaskSpec(TaskType.terminal_data, with_drivers(lambda drivers: terminal_handler(drivers, "data")), concurrency=8,
              needs_slice_host=True),
-    TaskSpec(TaskType.terminal_resize, lambda config, sh: terminal_handler(sh, "resize"), concurrency=4,
+    TaskSpec(TaskType.terminal_resize, with_drivers(lambda drivers: terminal_handler(drivers, "resize")), concurrency=4,
              needs_slice_host=True),
-    TaskSpec(TaskType.terminal_close, lambda config, sh: terminal_handler(sh, "close"), concurrency=4,
+    TaskSpec(TaskType.terminal_close, with_drivers(lambda drivers: terminal_handler(drivers, "close")), concurrency=4,
              needs_slice_host=True),
     # Reads a file: no slot lock, so it never waits behind a provision or release of the slot.
-    TaskSpec(TaskType.console_log, lambda config, sh: console_log_handler(sh), concurrency=4, needs_slice_host=True),
+    TaskSpec(TaskType.console_log, with_drivers(console_log_handler), concurrency=4, needs_slice_host=True),
     # Fleet operations: the host's own state (store and a read of the host), so served with or without slice
     # drivers; one at a time, they are rare and an operator's.
-    TaskSpec(TaskType.maintenance, lambda config, sh: maintenance_handler(), concurrency=1),
-    TaskSpec(TaskType.quarantine, lambda config, sh: quarantine_handler(config), concurrency=1),
-    TaskSpec(TaskType.unquarantine, lambda config, sh: unquarantine_handler(config, sh), concurrency=1),
+    TaskSpec(TaskType.maintenance, lambda config, drivers: maintenance_handler(), concurrency=1),
+    TaskSpec(TaskType.quarantine, lambda config, drivers: quarantine_handler(config), concurrency=1),
+    TaskSpec(TaskType.unquarantine, lambda config, drivers: unquarantine_handler(config, drivers), concurrency=1),
 )
 
 

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from gpuaas_agent.contract.domain import ShutdownOutcome, UndefineOutcome
 from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason
@@ -36,7 +36,7 @@ from gpuaas_agent.contract.gpuhandover import SlotGpuHandover, handover_meta_key
 from gpuaas_agent.contract.handover import GpuHandoverPolicy, LeaseHandover
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import PROFILES
-from gpuaas_agent.contract.slots import HealthState, SlotOutcome, SlotStatus
+from gpuaas_agent.contract.slots import ApprovedSlot, HealthState, SlotOutcome, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
@@ -48,8 +48,9 @@ from gpuaas_agent.host.gpuhandover import hand_over_gpu, reset_fabric_vf
 from gpuaas_agent.host.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks import fabric_partitions
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.firmware_check import check_slot_firmware
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
@@ -62,7 +63,7 @@ class ReleaseRefused(AgentError):
     default_code = "release_refused"
 
 
-def _outcome(slot_index: int, status: SlotStatus, health: HealthState, detail: dict) -> SlotOutcome:
+def _outcome(slot_index: int, status: SlotStatus, health: HealthState, detail: dict[str, Any]) -> SlotOutcome:
     return SlotOutcome(slot_index=slot_index, status=status, health_state=health, health_detail=detail)
 
 
@@ -75,10 +76,10 @@ class ReleaseRun:
     the disk is this release's to wipe only when this host holds it for this allocation.
     """
 
-    sh: SliceDrivers
+    drivers: SliceDrivers
     payload: VmReleasePayload
     task_id: str
-    ctx: Any
+    ctx: TaskContext
     holders: tuple[SlotLease, ...]
     record: SlotRecord | None
 
@@ -88,7 +89,7 @@ class ReleaseRun:
         return as_store_thread(self.ctx.store)
 
     @property
-    def slot(self):
+    def slot(self) -> ApprovedSlot:
         return self.payload.slot
 
     @property
@@ -108,7 +109,7 @@ class ReleaseRun:
         return bool(self.holders) or (self.record is not None and self.record.allocation_id == self.alloc)
 
     @classmethod
-    async def for_task(cls, sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> ReleaseRun:
+    async def for_task(cls, drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> ReleaseRun:
         """Read the slot's lease and record; refuse (nothing touched) a slot another allocation holds."""
         store, slot, alloc = as_store_thread(ctx.store), payload.slot, payload.allocation_id
         # The disk this release may wipe is the one its lease holds (by identity), whatever the
@@ -121,7 +122,7 @@ class ReleaseRun:
             raise ReleaseRefused(
                 f"slot {slot.slot_index} is leased by allocation {foreign[0].allocation_id}, not {alloc}: nothing touched",
                 code="lease_conflict", evidence={"held": [lease.model_dump() for lease in foreign]})
-        return cls(sh=sh, payload=payload, task_id=ctx.envelope.task_id, ctx=ctx, holders=tuple(holders),
+        return cls(drivers=drivers, payload=payload, task_id=ctx.envelope.task_id, ctx=ctx, holders=tuple(holders),
                    record=await store.slot_state(slot.slot_index))
 
 
@@ -157,11 +158,11 @@ class Skipped:
 
 async def find(run: ReleaseRun) -> Found:
     """Look at the domain, ports, reservations, lease and record; refuse a domain of that name not ours."""
-    sh, alloc = run.sh, run.alloc
-    info = await sh.libvirt.lookup(run.name)
-    async with sh.ovs() as ovs:
+    drivers, alloc = run.drivers, run.alloc
+    info = await drivers.libvirt.lookup(run.name)
+    async with drivers.ovs() as ovs:
         ports = await asyncio.to_thread(ovs.list_agent_ports)
-    reservations = await asyncio.to_thread(sh.reservations().reservations)
+    reservations = await asyncio.to_thread(drivers.reservations().reservations)
     found = Found(
         domain=info.model_dump(mode="json") if info else None,
         ports=[p.name for p in ports if p.allocation_id == alloc],
@@ -177,20 +178,20 @@ async def find(run: ReleaseRun) -> Found:
 async def shutdown(run: ReleaseRun, found: Found) -> ShutdownOutcome | Skipped:
     """Graceful power-off up to the payload's deadline, then destroy; only the domain ``find`` proved ours."""
     # A browser terminal into the slice ends now, audited as allocation_inactive, not when the guest dies.
-    closed = await run.sh.close_slot_terminals(run.alloc, run.slot.slot_index)
+    closed = await run.drivers.close_slot_terminals(run.alloc, run.slot.slot_index)
     if closed:
         log_event(log, "release_closed_terminals", task_id=run.task_id, allocation_id=run.alloc,
                   slot_index=run.slot.slot_index, sessions=closed)
     if found.domain is None:
         return Skipped("no domain")
-    return await run.sh.libvirt.shutdown(run.name, deadline_s=run.payload.graceful_timeout_s)
+    return await run.drivers.libvirt.shutdown(run.name, deadline_s=run.payload.graceful_timeout_s)
 
 
 async def undefine(run: ReleaseRun, found: Found) -> UndefineOutcome | Skipped:
     """Undefine with its NVRAM: the domain no longer names the disk, so the wipe's guard lets it go."""
     if found.domain is None:
         return Skipped("no domain")
-    return await run.sh.libvirt.undefine(run.name)
+    return await run.drivers.libvirt.undefine(run.name)
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
     if not run.holders:
         return GpuHandedOver(None, "this host holds no lease of this allocation on the slot: its devices are not ours")
     lease = run.holders[0]
-    source = "lease"
+    source: Literal["lease", "catalog_default"] = "lease"
     if lease.handover is not None:
         policy = lease.handover.gpu
         if policy is None:
@@ -225,14 +226,14 @@ async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
         profile = PROFILES.get(metadata.get("profile") or "")
         if profile is not None and not profile.hostdevs:
             return GpuHandedOver(None, f"lease from before handover policies; profile {profile.name} passes no GPU through")
-        driver = gpu_driver(run.sh.discovered_root(), lease.gpu_pci_address)
+        driver = gpu_driver(run.drivers.discovered_root(), lease.gpu_pci_address)
         if driver != VFIO_DRIVER:  # bind_vfio puts a passed-through GPU there and nothing takes it back
             return GpuHandedOver(None, f"lease from before handover policies; {lease.gpu_pci_address} is on "
                                        f"{driver or 'no driver'}, not vfio-pci: it was never passed through")
         policy, source = GpuHandoverPolicy(), "catalog_default"
-    sh, host = run.sh, run.sh.discovered_root()
-    held = await sh.libvirt.defined_domain_hostdevs()
-    gpu = await hand_over_gpu(host, lease.gpu_pci_address, policy, held=held, tool=sh.gpu_admin())
+    drivers, host = run.drivers, run.drivers.discovered_root()
+    held = await drivers.libvirt.defined_domain_hostdevs()
+    gpu = await hand_over_gpu(host, lease.gpu_pci_address, policy, held=held, tool=drivers.gpu_admin())
     vf = await reset_fabric_vf(host, lease.fabric_vf_pci_address, held=held)
     done = SlotGpuHandover(policy_source=source, gpus=[gpu], fabric_vf=vf)
     # Remembered per device: slice.unquarantine's re-check of a GPU or VF reads that a handover passed since.
@@ -258,7 +259,7 @@ async def firmware_check(run: ReleaseRun) -> FirmwareChecked:
     (``firmware_changed``): the slot stays cleanup_blocked and is quarantined, never offered silently."""
     if not run.holders:
         return FirmwareChecked({"skipped": "this host holds no lease of this allocation on the slot"})
-    return FirmwareChecked(await check_slot_firmware(run.sh.discovered_root(), run.holders[0]))
+    return FirmwareChecked(await check_slot_firmware(run.drivers.discovered_root(), run.holders[0]))
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,7 @@ class Unplugged:
     """The allocation's port gone from the bridge, with its isolation teardown (flows by cookie, nft element)."""
 
     port: str
-    removed: Any  # what ovs.remove_vm_port reports (the port row removed, or nothing there)
+    removed: bool  # False: the port was already gone
     isolation: dict[str, Any]
 
     def journal(self) -> dict[str, Any]:
@@ -296,20 +297,20 @@ class SeedRemoved:
 
 async def ovs_unplug(run: ReleaseRun) -> Unplugged:
     """The allocation's port on the slot's bridge, its isolation flows and guard element (if there)."""
-    done = await run.sh.unplug(run.slot.ovs_bridge, run.port, run.alloc)
+    done = await run.drivers.unplug(run.slot.ovs_bridge, run.port, run.alloc)
     return Unplugged(port=done["port"], removed=done["removed"],
                      isolation={k: v for k, v in done.items() if k not in ("port", "removed")})
 
 
 async def reservation_remove(run: ReleaseRun) -> Unreserved:
     """The slot's reservation of this allocation (another allocation's entry is never matched)."""
-    done = await run.sh.unreserve(run.alloc, run.slot.slot_index)
+    done = await run.drivers.unreserve(run.alloc, run.slot.slot_index)
     return Unreserved(removed=done["removed"], dnsmasq_pid=done["dnsmasq_pid"])
 
 
 async def seed_remove(run: ReleaseRun) -> SeedRemoved:
     """The slot's seed ISO of this allocation (it holds the tenant's user-data)."""
-    return SeedRemoved(removed=run.sh.remove_seed(run.alloc, run.slot.slot_index)["removed"])
+    return SeedRemoved(removed=run.drivers.remove_seed(run.alloc, run.slot.slot_index)["removed"])
 
 
 async def held_disk(run: ReleaseRun) -> DiskLease:
@@ -320,7 +321,7 @@ async def held_disk(run: ReleaseRun) -> DiskLease:
         held = run.holders[0]
         return DiskLease(allocation_id=alloc, slot_index=slot.slot_index, nvme_device=held.nvme_device,
                          disk_identity=held.disk_identity)
-    identity = await asyncio.to_thread(read_disk_identity, run.sh.discovered_root(), slot.nvme_device)
+    identity = await asyncio.to_thread(read_disk_identity, run.drivers.discovered_root(), slot.nvme_device)
     other = [lease for lease in await run.store.leases() if lease.disk_identity == identity]
     if other:
         raise ReleaseRefused(
@@ -351,7 +352,7 @@ async def lease_handover(run: ReleaseRun, disk_lease: DiskLease) -> LeaseHandove
     """
     if run.holders and run.holders[0].handover is not None:
         return run.holders[0].handover
-    handover, evidence = await strictest_handover(run.sh.discovered_root(), disk_lease.nvme_device, lease=disk_lease)
+    handover, evidence = await strictest_handover(run.drivers.discovered_root(), disk_lease.nvme_device, lease=disk_lease)
     log_event(log, "release_handover_legacy", task_id=run.task_id, allocation_id=run.alloc,
               slot_index=run.slot.slot_index, method=handover.wipe.method.value,
               action=evidence.get("action", handover.wipe.method.value))
@@ -361,13 +362,13 @@ async def lease_handover(run: ReleaseRun, disk_lease: DiskLease) -> LeaseHandove
 async def wipe_leased_disk(run: ReleaseRun, found: Found, disk_lease: DiskLease) -> WipeProof:
     """The one call that wipes and proves the leased disk with the policy fixed in its lease
     (guards: the lease, the NVMe identity, no other domain's disk)."""
-    sh = run.sh
+    drivers = run.drivers
     handover = await lease_handover(run, disk_lease)
     return await wipe_slot_disk(
-        handover.wipe, sh.discovered_root(), disk_lease.nvme_device, lease=disk_lease,
+        handover.wipe, drivers.discovered_root(), disk_lease.nvme_device, lease=disk_lease,
         zeros_guaranteed=handover.zeros_guaranteed,
-        domain_disks=await sh.libvirt.defined_domain_disks(exclude_allocation=run.alloc,
-                                                           exclude_slot=run.slot.slot_index))
+        domain_disks=await drivers.libvirt.defined_domain_disks(exclude_allocation=run.alloc,
+                                                                exclude_slot=run.slot.slot_index))
 
 
 async def wipe(run: ReleaseRun, found: Found) -> Wiped:
@@ -405,10 +406,10 @@ async def lease_release(run: ReleaseRun) -> LeaseReleased | Skipped:
     return LeaseReleased([released.slot_index] if released else [])
 
 
-async def fabric_partition_release(run: ReleaseRun) -> dict:
+async def fabric_partition_release(run: ReleaseRun) -> dict[str, Any]:
     """After the domain is gone: deactivate the allocation's Fabric Manager partition and drop its record
     (NVSwitch hosts; nothing leased: nothing to do). Before the wipe: a GPU leaves its partition first."""
-    return await fabric_partitions.deactivate_leased(run.sh.fabric, run.store, run.alloc, release=True)
+    return await fabric_partitions.deactivate_leased(run.drivers.fabric, run.store, run.alloc, release=True)
 
 
 _TEARDOWN = "a teardown step that looks first: running the release again finishes it"
@@ -439,13 +440,13 @@ def release_steps(run: ReleaseRun, outputs: dict[str, Any] | None = None) -> lis
     return bind_steps(RELEASE_STEPS, run, outputs=outputs)
 
 
-async def release(sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict:
+async def release(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
     store = as_store_thread(ctx.store)
     slot = payload.slot
     alloc = payload.allocation_id
 
-    async with sh.slot_lock(slot.slot_index):
-        run = await ReleaseRun.for_task(sh, payload, ctx)
+    async with drivers.slot_lock(slot.slot_index):
+        run = await ReleaseRun.for_task(drivers, payload, ctx)
         record = run.record
         if record is not None and record.allocation_id == alloc:
             await store.set_slot_state(record.model_copy(update={"status": SlotStatus.releasing, "task_id": run.task_id,
@@ -527,17 +528,17 @@ async def quarantine_failed_component(run: ReleaseRun, failure: PipelineFailed) 
                                slot_index=lease.slot_index)
 
 
-def released_before(store, task_id: str) -> bool:
+def released_before(store: StateStore, task_id: str) -> bool:
     """Whether an earlier run of ``task_id`` reached ``lease_release`` (which runs only after a verified wipe)."""
     return any(e.step == "lease_release" for e in store.journal_of(task_id))
 
 
-async def recover_release(sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
+async def recover_release(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
     """The worker's recovery of an interrupted release it will not run again (deadline passed, or poison):
     no new side effect; a slot this allocation still holds is recorded ``cleanup_blocked`` (its disk is
     not proven empty), so reconcile names it and the next release finishes it."""
     store, slot, alloc = as_store_thread(ctx.store), payload.slot, payload.allocation_id
-    async with sh.slot_lock(slot.slot_index):
+    async with drivers.slot_lock(slot.slot_index):
         holds = any(lease.allocation_id == alloc and lease.slot_index == slot.slot_index
                     for lease in await store.leases())
         record = await store.slot_state(slot.slot_index)
@@ -551,12 +552,12 @@ async def recover_release(sh: SliceDrivers, payload: VmReleasePayload, ctx: Task
         return {"interrupted": True, "slot": "cleanup_blocked"}
 
 
-def release_handler(sh: SliceDrivers):
-    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict:
-        return await release(sh, payload, ctx)
+def release_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
+        return await release(drivers, payload, ctx)
 
-    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict:
-        return await recover_release(sh, payload, ctx)
+    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
+        return await recover_release(drivers, payload, ctx)
 
     handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
     return handle

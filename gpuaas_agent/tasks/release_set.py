@@ -10,23 +10,25 @@ the task fails with the first failure (naming the slots released and failed).
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.release import recover_release, release
 from gpuaas_agent.tasks.slotset import check_slot_set
 
 
-async def release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict:
+async def release_set(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
     slots = check_slot_set(payload.slot, payload.slots)  # boot_slot_not_in_set, duplicate_slot: nothing touched
     if len(slots) == 1:
-        return await release(sh, payload.model_copy(update={"slots": []}), ctx)
-    results: dict[int, dict] = {}
+        return await release(drivers, payload.model_copy(update={"slots": []}), ctx)
+    results: dict[int, dict[str, Any]] = {}
     failures: list[tuple[int, AgentError]] = []
     for slot in slots:
         try:
-            results[slot.slot_index] = await release(sh, payload.model_copy(update={"slot": slot, "slots": []}), ctx)
+            results[slot.slot_index] = await release(drivers, payload.model_copy(update={"slot": slot, "slots": []}), ctx)
         except AgentError as exc:
             failures.append((slot.slot_index, exc))
     if failures:
@@ -40,20 +42,20 @@ async def release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskCont
             "releases": {str(index): result for index, result in results.items()}}
 
 
-async def recover_release_set(sh: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict:
+async def recover_release_set(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
     """The worker's recovery of an interrupted release it will not run again: each slot's, as release.py does."""
     slots = check_slot_set(payload.slot, payload.slots)
-    out = {s.slot_index: await recover_release(sh, payload.model_copy(update={"slot": s, "slots": []}), ctx)
+    out = {s.slot_index: await recover_release(drivers, payload.model_copy(update={"slot": s, "slots": []}), ctx)
            for s in slots}
     return out[slots[0].slot_index] if len(slots) == 1 else {str(i): r for i, r in out.items()}
 
 
-def release_set_handler(sh: SliceDrivers):
-    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict:
-        return await release_set(sh, payload, ctx)
+def release_set_handler(drivers: SliceDrivers) -> Handler:
+    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
+        return await release_set(drivers, payload, ctx)
 
-    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict:
-        return await recover_release_set(sh, payload, ctx)
+    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
+        return await recover_release_set(drivers, payload, ctx)
 
     handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
     return handle

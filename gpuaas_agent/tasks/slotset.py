@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.topology import TopologyReport
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.admission import AdmissionRefused
 
 # Steps after which a data disk (a slot other than the boot slot) may hold tenant data.
@@ -59,7 +60,7 @@ def check_slot_set(boot: ApprovedSlot, slots: list[ApprovedSlot]) -> list[Approv
     return slot_set(boot, slots)
 
 
-def check_allocation_holds_only(store, allocation_id: str, indexes: set[int]) -> None:
+def check_allocation_holds_only(store: StateStore, allocation_id: str, indexes: set[int]) -> None:
     """``allocation_has_slot`` when the allocation holds a lease or record on a slot outside the set.
 
     The domain is named per allocation: a slot outside the set would meet this set's domain.
@@ -76,7 +77,7 @@ def check_allocation_holds_only(store, allocation_id: str, indexes: set[int]) ->
                       "held_slots": held, "leased_slots": sorted(leases), "recorded_slots": sorted(records)})
 
 
-def free_slot_indexes(report: TopologyReport, store, allocation_id: str) -> list[int]:
+def free_slot_indexes(report: TopologyReport, store: StateStore, allocation_id: str) -> list[int]:
     """Candidate slots of this host with no blocker that no other allocation holds and no record keeps busy."""
     taken = {lease.slot_index for lease in store.leases() if lease.allocation_id != allocation_id}
     records = {r.slot_index: r for r in store.slot_states()}
@@ -92,7 +93,7 @@ def free_slot_indexes(report: TopologyReport, store, allocation_id: str) -> list
     return free
 
 
-def check_enough_free(report: TopologyReport, store, allocation_id: str, slots: list[ApprovedSlot]) -> list[int]:
+def check_enough_free(report: TopologyReport, store: StateStore, allocation_id: str, slots: list[ApprovedSlot]) -> list[int]:
     """``not_enough_free_slots`` when the set is larger than what this host can give the allocation now."""
     free = free_slot_indexes(report, store, allocation_id)
     if len(slots) > len(free):

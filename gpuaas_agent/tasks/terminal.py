@@ -43,11 +43,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from ipaddress import IPv4Address
-from typing import Literal
+from typing import Any, Literal
+
+import asyncssh
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.domain import DomainState
@@ -70,7 +72,7 @@ from gpuaas_agent.host import sshrelay
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateError
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, SlotRequest, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.power import PowerRefused, admit, check_domain
 from gpuaas_agent.tasks.terminal_session import FlowSettings, SessionClosed, TerminalSession
@@ -98,9 +100,9 @@ def _refused(exc: PowerRefused) -> TerminalRefused:
 class TerminalRelay:
     """The node's terminal sessions; one per daemon (:func:`relay_of`)."""
 
-    def __init__(self, sh: SliceDrivers) -> None:
-        self.sh = sh
-        self.config = sh.slice.terminal
+    def __init__(self, drivers: SliceDrivers) -> None:
+        self.drivers = drivers
+        self.config = drivers.slice.terminal
         self.sessions: dict[str, _Live] = {}
         self._opening: dict[str, tuple[str, int]] = {}  # session id -> (allocation, slot) while connecting
         self._revoked: set[str] = set()  # sessions still connecting that a release closed: they never open
@@ -115,7 +117,7 @@ class TerminalRelay:
 
     # -- admission ---------------------------------------------------------------------------
 
-    async def _admit_slot(self, state: StoreThread, payload) -> None:
+    async def _admit_slot(self, state: StoreThread, payload: SlotRequest) -> None:
         try:
             await state.run(admit, payload)
         except PowerRefused as exc:
@@ -148,8 +150,8 @@ class TerminalRelay:
 
     async def _target(self, payload: TerminalOpenPayload) -> tuple[str, int]:
         """The slot's reserved address (from the agent's own hosts file) and the configured SSH port."""
-        slice_cfg = self.sh.slice
-        reserved = [r for r in await asyncio.to_thread(self.sh.reservations().reservations)
+        slice_cfg = self.drivers.slice
+        reserved = [r for r in await asyncio.to_thread(self.drivers.reservations().reservations)
                     if r.allocation_id == payload.allocation_id and r.slot_index == payload.slot_index]
         if len(reserved) != 1:
             raise TerminalRefused(f"slot {payload.slot_index} of allocation {payload.allocation_id} has "
@@ -177,15 +179,15 @@ class TerminalRelay:
 
     async def _running_domain(self, payload: TerminalOpenPayload) -> None:
         try:
-            info = check_domain(await self.sh.libvirt.lookup(domain_name(payload.allocation_id)), payload)
+            info = check_domain(await self.drivers.libvirt.lookup(domain_name(payload.allocation_id)), payload)
         except PowerRefused as exc:
             raise _refused(exc) from None
         if info.state is not DomainState.running:
             raise TerminalRefused(f"domain {info.name} is {info.state.value}: start the slice first",
                                   code="slice_not_running", evidence={"domain": info.name, "state": info.state.value})
 
-    def _client_key(self):
-        public = self.sh.slice.terminal_relay_key_file
+    def _client_key(self) -> asyncssh.SSHKey:
+        public = self.drivers.slice.terminal_relay_key_file
         found = relaykey.inspect(public)  # a key with loose permissions or the wrong type: refused, typed
         if found.key is None:
             raise TerminalRefused(f"terminal relay key {public} is missing: run gpuaas-agent prepare-host",
@@ -195,7 +197,7 @@ class TerminalRelay:
     @contextlib.asynccontextmanager
     async def _slot_locked(self, payload: TerminalOpenPayload) -> AsyncIterator[None]:
         """The slot lock (release and power hold it), waited for at most ``connect_timeout_s``."""
-        lock = self.sh.slot_lock(payload.slot_index)
+        lock = self.drivers.slot_lock(payload.slot_index)
         wait_s = self.config.connect_timeout_s
         acquiring = asyncio.ensure_future(lock.acquire())
         try:
@@ -219,7 +221,7 @@ class TerminalRelay:
 
     # -- open ----------------------------------------------------------------------------------
 
-    async def open(self, payload: TerminalOpenPayload, ctx: TaskContext) -> dict:
+    async def open(self, payload: TerminalOpenPayload, ctx: TaskContext) -> dict[str, Any]:
         store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
         stale = await store.close_stale_terminal_sessions(set(self.sessions) | set(self._opening),
                                                           reason=CloseReason.agent_restarted.value)
@@ -309,13 +311,13 @@ class TerminalRelay:
             opened_at=datetime.fromtimestamp(now, UTC)).model_dump(mode="json")
 
     @staticmethod
-    def _tick_callback(store: StoreThread):
+    def _tick_callback(store: StoreThread) -> Callable[[TerminalSession], Awaitable[None]]:
         async def tick(session: TerminalSession) -> None:
             await store.record_terminal_bytes(session.session_id, session.counters.bytes_in, session.counters.out_sent)
 
         return tick
 
-    def _closed_callback(self, store: StoreThread):
+    def _closed_callback(self, store: StoreThread) -> Callable[[TerminalSession], Awaitable[None]]:
         async def closed(session: TerminalSession) -> None:
             live = self.sessions.pop(session.session_id, None)
             final = session.final
@@ -333,7 +335,8 @@ class TerminalRelay:
 
         return closed
 
-    def _recheck_callback(self, store: StoreThread, payload: TerminalOpenPayload):
+    def _recheck_callback(self, store: StoreThread,
+                          payload: TerminalOpenPayload) -> Callable[[], Awaitable[str | None]]:
         async def recheck() -> str | None:
             try:
                 await store.run(admit, payload)
@@ -358,7 +361,7 @@ class TerminalRelay:
                               code="session_not_found", evidence={"session_id": session_id,
                                                                   "allocation_id": allocation_id})
 
-    async def data(self, payload: TerminalDataPayload, ctx: TaskContext) -> dict:
+    async def data(self, payload: TerminalDataPayload, ctx: TaskContext) -> dict[str, Any]:
         live = await self._live(as_store_thread(ctx.store), payload.session_id, payload.allocation_id)
         raw = payload.raw
         if len(raw) > self.config.max_frame_bytes:
@@ -369,25 +372,25 @@ class TerminalRelay:
         return TerminalDataResult(session_id=payload.session_id, bytes_written=written,
                                   totals=live.session.totals).model_dump(mode="json")
 
-    async def resize(self, payload: TerminalResizePayload, ctx: TaskContext) -> dict:
+    async def resize(self, payload: TerminalResizePayload, ctx: TaskContext) -> dict[str, Any]:
         live = await self._live(as_store_thread(ctx.store), payload.session_id, payload.allocation_id)
         live.session.resize(payload.cols, payload.rows)
         log_event(log, "terminal_resized", session_id=payload.session_id, cols=payload.cols, rows=payload.rows)
         return TerminalResizeResult(session_id=payload.session_id, cols=payload.cols,
                                     rows=payload.rows).model_dump(mode="json")
 
-    async def close(self, payload: TerminalClosePayload, ctx: TaskContext) -> dict:
+    async def close(self, payload: TerminalClosePayload, ctx: TaskContext) -> dict[str, Any]:
         store = as_store_thread(ctx.store)
         try:
             live = await self._live(store, payload.session_id, payload.allocation_id)
         except SessionClosed:
-            row = await store.terminal_session(payload.session_id)
+            row: TerminalAudit | None = await store.terminal_session(payload.session_id)
             assert row is not None
             return row.model_dump(mode="json")  # closed before: its audit record, nothing else to do
         await live.session.close(CloseReason.client_closed, f"slice.terminal_close task {ctx.envelope.task_id}")
-        row = await store.terminal_session(payload.session_id)
-        assert row is not None
-        return row.model_dump(mode="json")
+        closed: TerminalAudit | None = await store.terminal_session(payload.session_id)
+        assert closed is not None
+        return closed.model_dump(mode="json")
 
     async def close_slot(self, allocation_id: str, slot_index: int, reason: CloseReason) -> int:
         """Close the sessions into one slot of one allocation (its release, under the slot lock); returns how many.
@@ -416,15 +419,16 @@ _ORDINARY = frozenset({CloseReason.client_closed, CloseReason.remote_closed, Clo
                        CloseReason.absolute_timeout, CloseReason.agent_shutdown})
 
 
-def relay_of(sh: SliceDrivers) -> TerminalRelay:
+def relay_of(drivers: SliceDrivers) -> TerminalRelay:
     """The node's one relay, kept by the drivers (which end its sessions on shutdown and on release)."""
-    return sh.terminals(TerminalRelay)
+    return drivers.terminals(TerminalRelay)
 
 
-def terminal_handler(sh: SliceDrivers, operation: str):
+def terminal_handler(drivers: SliceDrivers, operation: Literal["open", "data", "resize", "close"]) -> Handler:
     """The handler of one of the four task types, all served by the node's one :class:`TerminalRelay`."""
-    async def handle(payload, ctx: TaskContext) -> dict:
-        relay = relay_of(sh)
-        return await getattr(relay, operation)(payload, ctx)
+    async def handle(payload: Any, ctx: TaskContext) -> dict[str, Any]:
+        relay = relay_of(drivers)
+        method: Handler = getattr(relay, operation)
+        return await method(payload, ctx)
 
     return handle

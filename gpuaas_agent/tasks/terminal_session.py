@@ -45,6 +45,7 @@ from typing import Protocol
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
 from gpuaas_agent.contract import subjects
@@ -106,7 +107,7 @@ class _Input:
     """Bytes queued for the PTY: an ``.in`` frame's (``waiter`` None) or a data task's."""
 
     data: bytes
-    waiter: asyncio.Future | None
+    waiter: asyncio.Future[int] | None
     from_frame: bool
     dropped: bool = False  # its task gave up before the PTY took it: never written
 
@@ -151,10 +152,10 @@ class TerminalSession:
         self._draining = False  # the input pump waits for the guest to take what it was given
         self._taken: _Input | None = None  # the entry the input pump holds (waiting for the drain)
         self._publish_lock = asyncio.Lock()
-        self._tasks: list[asyncio.Task] = []
-        self._closer: asyncio.Task | None = None
-        self._starting: asyncio.Future | None = None
-        self._sub = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closer: asyncio.Task[None] | None = None
+        self._starting: asyncio.Future[None] | None = None
+        self._sub: Subscription | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -190,7 +191,7 @@ class TerminalSession:
     def totals(self) -> SessionTotals:
         return SessionTotals(bytes_in=self.counters.bytes_in, bytes_out=self.counters.out_sent)
 
-    def request_close(self, reason: CloseReason, detail: str = "") -> asyncio.Task:
+    def request_close(self, reason: CloseReason, detail: str = "") -> asyncio.Task[None]:
         """Close from inside a pump or a callback (a task cannot cancel itself and wait for itself)."""
         if self._closer is None:
             self._closer = asyncio.ensure_future(self._close(reason, detail))

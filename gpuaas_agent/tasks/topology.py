@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 from pathlib import Path
+from typing import Any
 
 from gpuaas_agent.contract.tasks import TopologyDiscoverPayload
 from gpuaas_agent.discovery.netevidence import NetTarget, read_network_evidence
@@ -13,17 +14,17 @@ from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
-from gpuaas_agent.tasks.context import TaskContext
+from gpuaas_agent.tasks.context import Handler, TaskContext
 
 
-def topology_discover_handler(host_root: Path, gateway: ipaddress.IPv4Address | None = None):
+def topology_discover_handler(host_root: Path, gateway: ipaddress.IPv4Address | None = None) -> Handler:
     """Discovery over the configured host root, the report as JSON.
 
     ``gateway``: the host's slice gateway (``SliceConfig``); used when the payload's subnet holds
     it, so the suggested IPs are the ones a provision's validate compares against.
     """
 
-    async def handle(payload: TopologyDiscoverPayload, ctx: TaskContext) -> dict:
+    async def handle(payload: TopologyDiscoverPayload, ctx: TaskContext) -> dict[str, Any]:
         await ctx.progress("discover", "started")
         subnet = ipaddress.IPv4Network(payload.subnet, strict=True)
         plan = PlanConfig(subnet=subnet, gateway=gateway if gateway is not None and gateway in subnet else None,

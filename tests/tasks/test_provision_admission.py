@@ -183,7 +183,7 @@ def test_undo_after_a_define_conflict_leaves_another_slots_domain_running(loop_h
     sh = slice_drivers_for(loop_host, tmp_path, prepared_host)
     store = StateStore.open(tmp_path / "state.db")
     payload = provision_payload(approved_slot_of_host(loop_host, 1, ovs_bridge=prepared_host.bridge), alloc=alloc)
-    run = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-second",
+    run = ProvisionRun(drivers=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-second",
                        ctx=task_ctx(store, "t-second"))
     steps = {step.name: step for step in provision_steps(run)}
 

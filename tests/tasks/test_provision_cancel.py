@@ -147,7 +147,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
                    slice=SliceConfig(allow_emulated_domains=True, seed_dir=tmp_path / "seeds"),
                    images=ImageCache(tmp_path / "cache"), libvirt=LibvirtLifecycle("test:///default"))
     ctx = task_ctx(store, "t-crash")
-    run = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash", ctx=ctx)
+    run = ProvisionRun(drivers=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-crash", ctx=ctx)
     steps = asyncio.run(interrupted_run(run))
     assert steps == names[:names.index(reached) + 1]
     if reached in RESTARTABLE:
@@ -163,7 +163,7 @@ def test_a_provision_redelivered_after_an_agent_crash(tmp_path, reached):
         assert store.slot_state(0).status is SlotStatus.cleanup_blocked
         assert [(o.status.value, o.health_state.value) for o in ctx.slot_outcomes] == [("cleanup_blocked", "failed")]
     # Another task of the same allocation is never let in while the slot is busy or blocked.
-    other = ProvisionRun(sh=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-other",
+    other = ProvisionRun(drivers=sh, payload=payload, profile=get_profile("lab_tcg_1c_512m"), task_id="t-other",
                          ctx=task_ctx(store, "t-other"))
     with pytest.raises(ProvisionRefused) as info:
         asyncio.run(check_admissible(other))

@@ -20,7 +20,7 @@ from tests.support.image_server import cache_leftovers, image_cache, sha256_hex
 
 def _run(cache, url: str, digest: str):
     return SimpleNamespace(payload=SimpleNamespace(image=ImageRef(url=url, sha256=digest)),
-                           sh=SimpleNamespace(images=cache))
+                           drivers=SimpleNamespace(images=cache))
 
 
 def test_a_raw_miss_is_opened_for_the_clone_step_and_its_undo_abandons_it(tmp_path, src_dir):

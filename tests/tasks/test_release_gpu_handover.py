@@ -151,7 +151,7 @@ def _run(root, tmp_path, prepared, lease: SlotLease | None, domain: dict | None 
     payload = VmReleasePayload(allocation_id=lease.allocation_id if lease else str(uuid.uuid4()),
                                slot=approved_slot_of_host(type("H", (), {"root": root}), 0))
     store = StateStore.open(tmp_path / f"state-{uuid.uuid4().hex[:8]}.db")
-    run = ReleaseRun(sh=sh, payload=payload, task_id="t", ctx=task_ctx(store, "t"), holders=(lease,) if lease else (),
+    run = ReleaseRun(drivers=sh, payload=payload, task_id="t", ctx=task_ctx(store, "t"), holders=(lease,) if lease else (),
                      record=None)
     found = Found(domain=domain, ports=[], reservations=[], lease=[], slot_record=None)
 

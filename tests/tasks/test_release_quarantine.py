@@ -45,7 +45,7 @@ def test_an_unverified_wipe_quarantines_the_disk_until_a_later_proof_covers_ever
     try:
         alloc = str(uuid.uuid4())
         lease = store.take_lease(_lease(alloc))
-        run = ReleaseRun(sh=None, payload=None, task_id="t-release", ctx=task_ctx(store, "t-release"),
+        run = ReleaseRun(drivers=None, payload=None, task_id="t-release", ctx=task_ctx(store, "t-release"),
                          holders=(lease,), record=None)
         asyncio.run(quarantine_failed_component(run, _failed("wipe_unverified")))
         [record] = store.quarantined()
@@ -70,7 +70,7 @@ def test_a_failure_that_is_no_verdict_on_the_device_quarantines_nothing(tmp_path
     store = StateStore.open(tmp_path / "state.db")
     try:
         lease = store.take_lease(_lease(str(uuid.uuid4())))
-        run = ReleaseRun(sh=None, payload=None, task_id="t", ctx=task_ctx(store, "t"), holders=(lease,), record=None)
+        run = ReleaseRun(drivers=None, payload=None, task_id="t", ctx=task_ctx(store, "t"), holders=(lease,), record=None)
         for code, step in (("wipe_failed", "wipe"), ("busy", "wipe"), ("gpu_handover_tool_missing", "gpu_handover"),
                            ("gpu_held_by_domain", "gpu_handover"), ("domain_not_ours", "find")):
             asyncio.run(quarantine_failed_component(run, _failed(code, step)))
