@@ -115,7 +115,7 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport, *, placement: Plac
                 evidence={"slot_id": slot.slot_id, "kernel_name": disk.kernel_name,
                           "reasons": [r.model_dump() for r in disk.ineligible_reasons]},
             )
-        # Validated as a whole: a disk discovery read no identity for (None) fails PlannedSlot's validation.
+        # A disk with no identity never gets here: check_slot_binding holds the slot's disk by identity (slot_mismatch).
         planned.append(PlannedSlot.model_validate(dict(
             slot_id=slot.slot_id, slot_index=slot.slot_index,
             gpu_pci_address=gpu.pci_address, gpu_numa_node=gpu.numa_node, gpu_local_cpulist=gpu.local_cpulist,

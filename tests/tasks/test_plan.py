@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuaas_agent.contract.slots import ApprovedSlot
+from gpuaas_agent.errors import AgentError
 from gpuaas_agent.state.store import LeaseConflict, StateStore
 from gpuaas_agent.tasks.plan import PlanError, lease_bundle, plan_bundle
 from tests.support.provision_inputs import PLAN_ALLOCATION_ID, approved_slot, plan_payload, topology_of
@@ -182,3 +183,15 @@ def test_a_string_slot_index_is_not_coerced():
     # the same record with the integer goes through, enums spelled as strings as JSON does
     env = env.model_copy(update={"payload": {**env.payload, "slots": [raw]}})
     assert task_payload(env)[1].slots[0].slot_index == 2
+
+
+def test_a_disk_discovery_read_no_identity_for_is_a_typed_refusal_never_a_validation_error():
+    report = topology_of()
+    approved = approved_slot(report, 0)
+    kernel_name = plan_bundle(plan_payload(approved), report).slots[0].nvme_kernel_name
+    blind = report.model_copy(update={"nvme_devices": [
+        d.model_copy(update={"disk_identity": None}) if d.kernel_name == kernel_name else d
+        for d in report.nvme_devices]})
+    with pytest.raises(AgentError) as err:
+        plan_bundle(plan_payload(approved), blind)
+    assert err.value.code == "slot_mismatch"  # the slot's disk is held by identity: none read, not this slot's
