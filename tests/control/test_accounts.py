@@ -109,7 +109,7 @@ def test_the_layout_is_what_accounts_py_says():
     """The plane's exports are fixed (the fleet's size does not change the plane's JWT); a node imports its own."""
     exports = {e.subject: e for e in accounts.plane_exports()}
     assert all(e.token_req for e in exports.values())  # nothing importable without an activation for it
-    assert exports[f"$JS.API.CONSUMER.MSG.NEXT.*.*"].response_type == "Stream"
+    assert exports["$JS.API.CONSUMER.MSG.NEXT.*.*"].response_type == "Stream"
     imports = accounts.node_imports(A, TASK_STREAM)
     assert {i.subject for i in imports} == {
         "$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(A)}",
@@ -164,8 +164,9 @@ def test_a_node_in_its_own_account_runs_its_tasks_publishes_and_rotates(lab, tmp
                     assert reply.accepted, reply
                     assert reply.node_public_key != key
                     await wait_until(lambda: rotator.confirmed == 1, DEADLINE_S, "the new login confirmed")
-                    await wait_until(lambda: any(c.get("authorized_user") == reply.node_public_key
-                                                 for c in lab.connz()), DEADLINE_S, "logged in with the new key")
+                    await wait_until(lambda k=reply.node_public_key: any(c.get("authorized_user") == k
+                                                                         for c in lab.connz()),
+                                     DEADLINE_S, "logged in with the new key")
             await wait_until(lambda: nc.is_connected, DEADLINE_S, "connected")
             await wait_until(lambda: worker.ready.is_set(), DEADLINE_S, "worker bound again")
             assert (await plane.pending_tasks()) == 0
