@@ -53,7 +53,9 @@ class Export:
     name: str
     subject: str
     kind: Kind
-    response_type: ResponseType = "Singleton"  # services: Stream when one request gets many answers (a pull)
+    # Services: Stream when one request gets many answers (a pull). The server keeps a request's way back for the
+    # export's response threshold (nats-server's default, 2 min), which must outlast a pull's expiry (30 s).
+    response_type: ResponseType = "Singleton"
     token_req: bool = True  # only an account holding an activation for (a part of) it may import it
 
     def claim(self) -> dict[str, Any]:
