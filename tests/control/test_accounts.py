@@ -174,6 +174,11 @@ def test_a_node_in_its_own_account_runs_its_tasks_publishes_and_rotates(lab, tmp
                 await nc.publish(subject, b"{}")
             await nc.flush()
             await wait_until(lambda: len(heard) == 3, DEADLINE_S, "heartbeat, drift and terminal output at the plane")
+            # The gateway's terminal input crosses into A's account (a stream import), as rotation orders do.
+            terminal_in = await nc.subscribe(subjects.terminal_in(A, SESSION))
+            await nc.flush()
+            await plane.nc.publish(subjects.terminal_in(A, SESSION), b"keys")
+            assert (await terminal_in.next_msg(timeout=DEADLINE_S)).data == b"keys"
         finally:
             await rotator.stop()
             await worker.drain(5)
