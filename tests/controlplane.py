@@ -328,6 +328,10 @@ class ControlPlane:
         except NotFoundError:
             return False  # create_streams / create_task_partitions creates it once the stream exists
         await self.js.add_consumer(stream, settings.consumer_config(node_id), timeout=timeout)
+        fleet = self.fleet
+        if fleet is not None and node_id in fleet.nodes and fleet.streams.get(node_id) != stream \
+                and self.system_nc is not None:
+            await self.push_node_account(node_id)  # its imports name the stream: re-issued when it moves
         return True
 
     async def _create_known_consumers(self) -> None:

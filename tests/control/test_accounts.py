@@ -24,6 +24,7 @@ import urllib.request
 
 import nats
 import pytest
+from nats.js.api import RetentionPolicy, StreamConfig
 
 from gpuaas_agent.config import parse_config
 from gpuaas_agent.contract import subjects
@@ -339,3 +340,45 @@ def test_a_node_can_make_the_server_speak_only_for_itself(lab):
             await spy.close()
             await plane.close()
     run_bounded(body(), 120)
+
+
+def test_a_node_whose_consumer_moves_to_another_stream_gets_its_account_reissued(tmp_path):
+    """A node account's imports name its stream: the plane that moves the node re-issues and pushes the account,
+    and the worker, on its next bind, finds the new stream and pulls there."""
+    node = "node-acctc"
+    lab = FleetServer(tmp_path)
+    lab.operator.node_account(node, "OLD_TASKS")
+    (tmp_path / "nats.conf").write_text(lab.operator.resolver_config(tmp_path / "jwt"))
+    lab.server.start()
+
+    async def body():
+        plane = await lab.plane()
+        nc = None
+        try:
+            await plane.js.add_stream(StreamConfig(name="OLD_TASKS", subjects=[subjects.tasks(node)],
+                                                   retention=RetentionPolicy.WORK_QUEUE))
+            await plane.create_node_consumer(node, SETTINGS)
+            assert lab.operator.streams[node] == "OLD_TASKS"
+            # Moved: the old stream goes, a new one holds the node's subject, its consumer is created there.
+            await plane.js.delete_stream("OLD_TASKS")
+            await plane.js.add_stream(StreamConfig(name="NEW_TASKS", subjects=[subjects.tasks(node)],
+                                                   retention=RetentionPolicy.WORK_QUEUE))
+            await plane.js.add_stream(StreamConfig(name="GPUAAS_RESULTS", subjects=[subjects.every_node(subjects.result)]))
+            await plane.create_node_consumer(node, SETTINGS)
+            assert lab.operator.streams[node] == "NEW_TASKS"  # re-issued and pushed
+            nc = await nats.connect(lab.server.url, user_credentials=str(lab.node_creds(node, "c")),
+                                    inbox_prefix=node_inbox_prefix(node))
+            js = nc.jetstream(timeout=5, prefix=PREFIX)
+            assert await js.find_stream_name_by_subject(subjects.tasks(node)) == "NEW_TASKS"
+            await plane.js.publish(subjects.task(node, TaskType.topology_discover.value), b"{}")
+            sub = await js.pull_subscribe_bind(consumer_name(node), stream="NEW_TASKS")
+            (msg,) = await sub.fetch(1, timeout=5)
+            await msg.ack_sync()
+        finally:
+            if nc is not None:
+                await nc.close()
+            await plane.close()
+    try:
+        run_bounded(body(), 60)
+    finally:
+        lab.server.stop()
