@@ -21,6 +21,7 @@ import asyncio
 import json
 import shutil
 import urllib.request
+from dataclasses import replace
 
 import nats
 import pytest
@@ -138,7 +139,9 @@ def test_a_node_in_its_own_account_runs_its_tasks_publishes_and_rotates(lab, tmp
 
         async def handler(payload, ctx):
             return {"ran_on": ctx.node_id}
-        worker = TaskWorker(nc, store, A, {TaskType.topology_discover: handler}, SETTINGS)
+        # Pull heartbeats on: the server's idle status messages come back over the Stream-type service too.
+        worker = TaskWorker(nc, store, A, {TaskType.topology_discover: handler},
+                            replace(SETTINGS, fetch_timeout_s=4.0, fetch_heartbeat_s=0.5))
         heard: dict[str, list[bytes]] = {}
 
         async def record(msg):
@@ -171,6 +174,7 @@ def test_a_node_in_its_own_account_runs_its_tasks_publishes_and_rotates(lab, tmp
             await wait_until(lambda: nc.is_connected, DEADLINE_S, "connected")
             await wait_until(lambda: worker.ready.is_set(), DEADLINE_S, "worker bound again")
             assert (await plane.pending_tasks()) == 0
+            await wait_until(lambda: worker.pull_heartbeats > 0, DEADLINE_S, "a pull's idle heartbeat")
             for subject in (subjects.heartbeat(A), subjects.drift(A), subjects.terminal_out(A, SESSION)):
                 await nc.publish(subject, b"{}")
             await nc.flush()
