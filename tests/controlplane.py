@@ -308,6 +308,8 @@ class ControlPlane:
         try:
             await self.nc.publish(subjects.creds(node_id), order, reply=reply)
             msg = await sub.next_msg(timeout=timeout)
+            if not msg.data:
+                raise RuntimeError(f"empty answer to the rotation order: headers {msg.headers}")
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
