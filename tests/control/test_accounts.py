@@ -232,6 +232,8 @@ def test_a_node_enrolls_into_an_account_of_its_own(lab, tmp_path):
             assert reply.accepted, reply
             await wait_until(lambda: rotator.confirmed == 1, DEADLINE_S, "the new login confirmed")
             await rotator.stop()
+            with pytest.raises(nats.errors.TimeoutError):  # another node's consumer: refused (and not imported)
+                await nc.request(f"{PREFIX}.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(A)}", b"", timeout=2)
         finally:
             await nc.close()
             await plane.close()
