@@ -374,6 +374,10 @@ class AgentConfig(BaseModel):
     # R1 memory consumers, set it (5): a lost member then costs seconds, not the pull expiry. Off by default:
     # ~30 % more idle server CPU, for nothing where a lost server drops the agent's own connection too.
     pull_heartbeat_s: float | None = Field(default=None, gt=0, le=60)
+    # Where the agent sends its JetStream requests (consumer lookup, pull, stream names). "$JS.API" where the
+    # node's login shares the control plane's account; "gpuaas.js.API" in the account-per-node layout
+    # (docs/security-auth.md: its account imports the plane's JetStream API there).
+    js_api_prefix: str = Field(default="$JS.API", pattern=r"^[$A-Za-z0-9_-]+(\.[$A-Za-z0-9_-]+)*$")
     slice: SliceConfig = Field(default_factory=SliceConfig)
     # The HGX baseboard's BMC: per-GPU and NVSwitch health on the health interval (None: not read).
     bmc: BmcConfig | None = None

@@ -212,7 +212,7 @@ def worker_settings(config: AgentConfig) -> WorkerSettings:
                           max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,
                           fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
                           consumer_memory=config.task_consumer_memory,
-                          fetch_heartbeat_s=config.pull_heartbeat_s)
+                          fetch_heartbeat_s=config.pull_heartbeat_s, js_api_prefix=config.js_api_prefix)
 
 async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.Event,
                   *, rng: random.Random | None = None,

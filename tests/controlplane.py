@@ -19,6 +19,11 @@ uses (``gpuaas_agent.contract``), so a test exercises the wire, not a mock:
   (:meth:`create_node_consumer`: the node cannot).
 * :meth:`serve_rotation` answers ``gpuaas.node.*.creds.renew`` (a JWT for a node's new key,
   whose possession the request proves); :meth:`rotate` orders a rotation.
+* The account-per-node layout (``operator`` a :class:`~tests.natsauth.fleet.FleetOperator`,
+  :meth:`connect_system` given the system account's login): enrollment also creates the node's
+  account (imports of ``gpuaas_agent/control/accounts.py``) and pushes it to the server's resolver;
+  node JWTs are signed by the node's account; a rotation order names a reply the node's account
+  imports (``gpuaas.node.<node>.creds.reply.<token>``), since a stream import carries no way back.
 * :meth:`watch_consumers` re-creates a node consumer whose cluster member is lost.
 * :meth:`enqueue` / :meth:`enqueue_raw` put tasks on the queue; :meth:`wait_result`
   waits (with a deadline) for a result seen live; :meth:`stored_results` reads
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -61,6 +67,7 @@ from gpuaas_agent.control.rotation import renew_message
 from gpuaas_agent.control.sealed import b64url, b64url_decode, seal_credentials
 from gpuaas_agent.control.tokenproof import proof_holds, token_id
 from gpuaas_agent.control.worker import WorkerSettings
+from tests.natsauth.fleet import CLAIMS_UPDATE, FleetOperator
 from tests.natsauth.natsjwt import Operator
 
 TASK_STREAM = "GPUAAS_TASKS"
@@ -112,6 +119,32 @@ class ControlPlane:
         self._clock = clock
         self._subs: list = []
         self.partitioned = False  # tasks go to whichever stream holds their subject
+        self.system_nc: Client | None = None  # the system account's login (account-per-node: pushes accounts)
+
+    @property
+    def fleet(self) -> FleetOperator | None:
+        """The account-per-node layout's operator, or None (one account for everyone)."""
+        return self.operator if isinstance(self.operator, FleetOperator) else None
+
+    async def connect_system(self, credentials: str) -> None:
+        """Log in to the system account (a creds file): :meth:`push_node_account` needs it."""
+        self.system_nc = await nats.connect(self.url, connect_timeout=REQUEST_TIMEOUT_S, name="test-control-plane-sys",
+                                            user_credentials=credentials)
+
+    async def push_node_account(self, node_id: str) -> None:
+        """Create (or re-issue) the node's account, its imports naming the stream that holds its tasks, and push
+        it to the server's resolver as ``nsc push`` does."""
+        assert self.fleet is not None and self.system_nc is not None, "account-per-node needs connect_system()"
+        try:
+            stream = await self.js.find_stream_name_by_subject(subjects.tasks(node_id))
+        except NotFoundError:
+            stream = TASK_STREAM
+        self.fleet.node_account(node_id, stream)
+        reply = await self.system_nc.request(CLAIMS_UPDATE, self.fleet.node_jwt(node_id).encode(),
+                                             timeout=REQUEST_TIMEOUT_S)
+        answer = json.loads(reply.data)
+        if answer.get("error") or (answer.get("data") or {}).get("code") != 200:
+            raise RuntimeError(f"the resolver refused {node_id}'s account: {answer}")
 
     @classmethod
     async def connect(cls, url, *, operator: Operator | None = None, **options) -> ControlPlane:
@@ -130,6 +163,8 @@ class ControlPlane:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
+        if self.system_nc is not None:
+            await asyncio.wait_for(self.system_nc.close(), REQUEST_TIMEOUT_S)
         await asyncio.wait_for(self.nc.close(), REQUEST_TIMEOUT_S)
 
     # -- streams ------------------------------------------------------------------
@@ -187,8 +222,11 @@ class ControlPlane:
 
     def mint_jwt(self, node_id: str, public_key: str) -> str:
         """A user JWT for the node's own key with exactly the node's permissions (control/permissions.py)."""
-        perms = node_permissions(node_id)
         self.node_keys.setdefault(node_id, []).append(public_key)
+        if self.fleet is not None:  # signed by the node's own account (made here on enrollment)
+            self.fleet.node_account(node_id, self.fleet.streams.get(node_id, TASK_STREAM))
+            return self.fleet.node_user_jwt(node_id, public_key)
+        perms = node_permissions(node_id)
         return self.operator.user_jwt_for(public_key, node_id, pub=perms["publish"], sub=perms["subscribe"],
                                           responses=1)
 
@@ -227,6 +265,8 @@ class ControlPlane:
             # agent waits for it (consumer_missing); create_streams or watch_consumers creates it later.
             with contextlib.suppress(Exception):
                 await self.create_node_consumer(reply.node_id)
+            if self.fleet is not None:  # its account exists before its first login
+                await self.push_node_account(reply.node_id)
         await msg.respond(reply.model_dump_json().encode())
 
     # -- rotation -----------------------------------------------------------------
@@ -257,8 +297,22 @@ class ControlPlane:
 
     async def rotate(self, node_id: str, *, timeout: float = 15.0) -> CredsRotationReply:
         """Order ``node_id`` to rotate its key; the agent's answer (sent before it reconnects)."""
-        msg = await self.nc.request(subjects.creds(node_id), CredsRotation(node_id=node_id).model_dump_json().encode(),
-                                    timeout=timeout)
+        order = CredsRotation(node_id=node_id).model_dump_json().encode()
+        if self.fleet is None:
+            msg = await self.nc.request(subjects.creds(node_id), order, timeout=timeout)
+            return CredsRotationReply.model_validate_json(msg.data)
+        # The order crosses into the node's account by a stream import, which carries no way back: the reply
+        # names a subject the node's account imports as a service from ours.
+        reply = subjects.creds_reply(node_id, secrets.token_hex(8))
+        sub = await self.nc.subscribe(reply, max_msgs=1)
+        try:
+            await self.nc.publish(subjects.creds(node_id), order, reply=reply)
+            msg = await sub.next_msg(timeout=timeout)
+            if not msg.data:
+                raise RuntimeError(f"empty answer to the rotation order: headers {msg.headers}")
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
         return CredsRotationReply.model_validate_json(msg.data)
 
     # -- node consumers -----------------------------------------------------------
@@ -276,6 +330,10 @@ class ControlPlane:
         except NotFoundError:
             return False  # create_streams / create_task_partitions creates it once the stream exists
         await self.js.add_consumer(stream, settings.consumer_config(node_id), timeout=timeout)
+        fleet = self.fleet
+        if fleet is not None and node_id in fleet.nodes and fleet.streams.get(node_id) != stream \
+                and self.system_nc is not None:
+            await self.push_node_account(node_id)  # its imports name the stream: re-issued when it moves
         return True
 
     async def _create_known_consumers(self) -> None:

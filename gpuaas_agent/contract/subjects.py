@@ -11,6 +11,8 @@ package for subjects spelled anywhere else).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gpuaas_agent.contract.types import UUID_RE
 
 ENROLL = "gpuaas.enroll"
@@ -83,6 +85,32 @@ def creds(node_id: str) -> str:
 def creds_renew(node_id: str) -> str:
     """Agent -> control plane: a user JWT for the node's new public key (request/reply)."""
     return f"{_node(node_id)}.creds.renew"
+
+
+def creds_reply(node_id: str, token: str) -> str:
+    """Agent -> control plane: the answer to one rotation order, where the order named it as its reply.
+
+    The account-per-node layout (control/accounts.py): an order reaches the node by a stream import,
+    which carries no way back, so the plane names a reply the node's account imports as a service.
+    """
+    if not token or any(c in token for c in ".*> \t\r\n"):
+        raise ValueError(f"reply token {token!r} cannot be a subject token")
+    return f"{_node(node_id)}.creds.reply.{token}"
+
+
+def creds_reply_any(node_id: str) -> str:
+    """Every rotation answer of the node (an import or a permission, never a subscription of the node)."""
+    return f"{_node(node_id)}.creds.reply.*"
+
+
+_ANY_NODE = "any-node"
+
+
+def every_node(subject_of: Callable[[str], str]) -> str:
+    """``subject_of``'s subject with ``*`` in the node's slot: a control plane's stream or export, never a
+    node's permission (``every_node(result)`` is ``gpuaas.node.*.result``)."""
+    subject = subject_of(_ANY_NODE)
+    return subject.replace(f"{_node(_ANY_NODE)}.", "gpuaas.node.*.", 1)
 
 
 def inbox_prefix(node_id: str) -> str:

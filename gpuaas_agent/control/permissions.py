@@ -27,8 +27,12 @@ def consumer_name(node_id: str) -> str:
     return f"gpuaas-agent-{node_id}"
 
 
-def node_permissions(node_id: str) -> dict[str, list[str]]:
-    """``{"publish": [...], "subscribe": [...]}`` for ``node_id`` (any task stream: ``*`` in its slot)."""
+def node_permissions(node_id: str, js_api_prefix: str = "$JS.API") -> dict[str, list[str]]:
+    """``{"publish": [...], "subscribe": [...]}`` for ``node_id`` (any task stream: ``*`` in its slot).
+
+    ``js_api_prefix``: where the node sends its JetStream requests (``control/accounts.py``'s
+    ``NODE_JS_API_PREFIX`` in the account-per-node layout; acks keep ``$JS.ACK``).
+    """
     consumer = consumer_name(node_id)
     return {
         "publish": [
@@ -37,10 +41,10 @@ def node_permissions(node_id: str) -> dict[str, list[str]]:
             subjects.heartbeat(node_id),
             subjects.drift(node_id),
             subjects.terminal_out_any(node_id),  # a terminal session's guest output (slice.terminal_*)
-            "$JS.API.STREAM.NAMES",  # which task stream holds gpuaas.node.<node>.task.> (names only)
+            f"{js_api_prefix}.STREAM.NAMES",  # which task stream holds gpuaas.node.<node>.task.> (names only)
             subjects.creds_renew(node_id),  # a JWT for its new key (rotation; the key is born on the node)
-            f"$JS.API.CONSUMER.INFO.*.{consumer}",  # look its consumer up; the control plane creates it
-            f"$JS.API.CONSUMER.MSG.NEXT.*.{consumer}",
+            f"{js_api_prefix}.CONSUMER.INFO.*.{consumer}",  # look its consumer up; the control plane creates it
+            f"{js_api_prefix}.CONSUMER.MSG.NEXT.*.{consumer}",
             f"$JS.ACK.*.{consumer}.>",
         ],
         "subscribe": [

@@ -170,6 +170,8 @@ class WorkerSettings:
     interactive_per_allocation: int = 4
     # A task whose class or type is full goes back to JetStream with this delay, doubled per delivery (at most 8x).
     handback_delay_s: float = 0.5
+    # JetStream's API prefix as the node's account sees it (control/accounts.py: another in a node account).
+    js_api_prefix: str = "$JS.API"
 
     # The fields below down to consumer_memory describe the consumer the control plane creates for an agent
     # configured this way (consumer_config); the worker itself creates nothing.
@@ -249,7 +251,8 @@ class TaskWorker:
         # stored, observer.step_finished(...) per pipeline step.
         self.observer = observer
         self._received: dict[str, float] = {}
-        self.js = nc.jetstream(timeout=(settings or WorkerSettings()).request_timeout_s)
+        self.js = nc.jetstream(timeout=(settings or WorkerSettings()).request_timeout_s,
+                               prefix=(settings or WorkerSettings()).js_api_prefix)
         # Every SQLite call of the worker runs on the one store thread, off the event loop (state/aio.py):
         # a commit waiting for another process's write lock must not stop keepalives and heartbeats.
         self.state = as_store_thread(store)  # also what handlers get as ctx.store (they await it)

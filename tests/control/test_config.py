@@ -8,6 +8,8 @@ import pytest
 
 from gpuaas_agent.config import AgentConfig, ConfigError, load_config
 from gpuaas_agent.contract.tasks import TaskType
+from gpuaas_agent.control.accounts import NODE_JS_API_PREFIX
+from gpuaas_agent.daemon import worker_settings
 from gpuaas_agent.tasks.registry import concurrency_for
 
 
@@ -159,3 +161,16 @@ def test_pull_heartbeat_is_off_by_default_and_bounded(tmp_path):
         with pytest.raises(ConfigError) as err:
             load_config(path)
         assert "pull_heartbeat_s" in str(err.value)
+
+
+def test_js_api_prefix_defaults_to_jetstreams_own_and_reaches_the_worker(tmp_path):
+    """The account-per-node layout imports JetStream's API under another prefix (docs/security-auth.md)."""
+    assert AgentConfig().js_api_prefix == "$JS.API" and worker_settings(AgentConfig()).js_api_prefix == "$JS.API"
+    path = tmp_path / "agent.toml"
+    path.write_text(f'js_api_prefix = "{NODE_JS_API_PREFIX}"\n')
+    assert worker_settings(load_config(path)).js_api_prefix == NODE_JS_API_PREFIX
+    for bad in ("", "a b", "gpuaas.js.>", "gpuaas.*.API", "gpuaas..API", "gpuaas.js.API."):
+        path.write_text(f'js_api_prefix = "{bad}"\n')
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert "js_api_prefix" in str(err.value)

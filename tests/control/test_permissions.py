@@ -1,4 +1,6 @@
-"""Least privilege per node, against a real nats-server whose node users hold exactly ``node_permissions``.
+"""Least privilege per node in ONE shared account (the lab's and tests' layout), against a real nats-server whose
+node users hold exactly ``node_permissions``. The supported layout, an account per node, is
+``tests/control/test_accounts.py``.
 
 Node A runs the real worker with only its permissions (find the stream, look up the consumer
 the control plane created, pull, ack, publish results). Then A, as an attacker with the same
@@ -8,10 +10,11 @@ deliver onto B's subjects: a push consumer's deliver subject, a stream mirroring
 task stream, a republish, direct gets. The server refuses each (a permissions violation), and
 nothing reaches B or A.
 
-One way is not refusable by NATS permissions: a reply subject is checked against nothing, so A
-can name B's subject as the reply of its own JetStream request and the server answers there (an
-API response, or A's own pulled task). The last test pins that, and that B acts on none of it
-(docs/security-auth.md "Residual: reply subjects").
+One way is not refusable by NATS permissions in one account: a reply subject is checked against
+nothing, so A can name B's subject as the reply of its own JetStream request and the server answers
+there (an API response, or A's own pulled task). The last test pins that for this layout, and that B
+acts on none of it (docs/security-auth.md "The single-account layout"); in the account-per-node
+layout the answer stays in A's account (test_accounts.py).
 """
 
 from __future__ import annotations
@@ -316,7 +319,8 @@ def test_a_reply_subject_naming_another_node_reaches_it_and_it_acts_on_none_of_i
                 while len(heard) < 3:
                     await asyncio.sleep(0.05)  # poll interval of a condition with a deadline
             await asyncio.wait_for(three(), DEADLINE_S)
-            # Pinned: the day NATS refuses such replies this fails, and docs/security-auth.md's residual goes.
+            # Pinned for one shared account: the day NATS refuses such replies this fails. An account per node
+            # closes it today (test_accounts.py).
             assert {m.subject for m in heard} >= {target, f"gpuaas.node.{A}.task.{TaskType.topology_discover.value}"}
             await b.flush()
             assert rotator.rotations == 0 and creds.read_text() == "unchanged"

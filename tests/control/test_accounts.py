@@ -1,0 +1,397 @@
+"""The account-per-node layout against a real nats-server 2.9.10: a node makes the server speak only for itself.
+
+One server in operator mode with a full resolver: the control plane's account (JetStream, the
+exports of ``gpuaas_agent/control/accounts.py``), a bootstrap account, and one account per node
+importing only its own subjects. In it the real worker finds its stream, looks up its consumer,
+pulls, runs, acks and publishes results under the configured ``js_api_prefix``; heartbeats,
+drift, progress and terminal output reach the plane; a rotation goes through (order in by a
+stream import, answer out by a service import); a node enrolls and its account is pushed.
+
+Then node A names node B's subjects as the reply of every request it may make — consumer
+lookup, pull, stream names, an ack, a result the stream acknowledges, a renewal — and repeats
+the earlier attacks (consumer and stream creation with B's subject as deliver subject, mirror,
+republish, direct get, publishing on B's subjects). A spy in B's account subscribed to ``>``,
+and the plane watching B's subjects, receive nothing; the same requests with A's own inbox as
+reply are answered (so each one really ran).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import urllib.request
+from dataclasses import replace
+
+import nats
+import pytest
+from nats.js.api import RetentionPolicy, StreamConfig
+
+from gpuaas_agent.config import parse_config
+from gpuaas_agent.contract import subjects
+from gpuaas_agent.contract.tasks import ResultStatus, TaskType
+from gpuaas_agent.control import accounts
+from gpuaas_agent.control.connection import Backoff, connect_nats
+from gpuaas_agent.control.enroll import creds_path, enroll, login_options, node_inbox_prefix
+from gpuaas_agent.control.permissions import consumer_name
+from gpuaas_agent.control.rotation import CredsRotator
+from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
+from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.state.store import StateStore
+from tests.controlplane import TASK_STREAM, ControlPlane
+from tests.natsauth.fleet import FleetOperator
+from tests.support.deadline import run_bounded, wait_until
+from tests.support.enroll_identity import IDENTITY
+from tests.support.nats_server import NatsServer
+
+A, B = "node-accta", "node-acctb"
+SESSION = "0f8fad5b-d9cb-469f-a165-70867728950e"
+DEADLINE_S = 20.0
+PREFIX = accounts.NODE_JS_API_PREFIX
+SETTINGS = WorkerSettings(keepalive_interval_s=0.5, ack_wait_s=5.0, js_api_prefix=PREFIX)
+
+
+class FleetServer:
+    """One nats-server for the module: operator mode, full resolver, nodes A and B provisioned."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self.operator = FleetOperator()
+        for node in (A, B):
+            self.operator.node_account(node, TASK_STREAM)
+        config = root / "nats.conf"
+        (root / "jwt").mkdir()
+        config.write_text(self.operator.resolver_config(root / "jwt"))
+        store = root / "store"
+        store.mkdir()
+        binary = shutil.which("nats-server")
+        if binary is None:
+            pytest.fail("nats-server is not installed (apt-get install nats-server): the auth tests need a real server")
+        self.server = NatsServer(binary, store, root / "nats.log", extra_args=("-c", str(config)))
+
+    def creds_file(self, name: str, text: str):
+        path = self.root / f"{name}.creds"
+        path.write_text(text)
+        path.chmod(0o600)
+        return path
+
+    def node_creds(self, node: str, name: str):
+        return self.creds_file(name, self.operator.node_user(node)[0])
+
+    async def plane(self) -> ControlPlane:
+        plane_creds, _ = self.operator.user("control-plane")
+        plane = await ControlPlane.connect(self.server.url, operator=self.operator,
+                                           user_credentials=str(self.creds_file("plane", plane_creds)))
+        await plane.connect_system(str(self.creds_file("sys", self.operator.system_user())))
+        return plane
+
+    def connz(self) -> list[dict]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.server.http_port}/connz?auth=1", timeout=5) as resp:
+            return json.load(resp).get("connections") or []
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    lab = FleetServer(tmp_path_factory.mktemp("fleet"))
+    lab.server.start()
+    try:
+        async def setup():
+            plane = await lab.plane()
+            await plane.create_streams()
+            for node in (A, B):
+                await plane.create_node_consumer(node, SETTINGS)
+            await plane.close()
+        run_bounded(setup(), 60)
+        yield lab
+    finally:
+        lab.server.stop()
+
+
+def test_the_layout_is_what_accounts_py_says():
+    """The plane's exports are fixed (the fleet's size does not change the plane's JWT); a node imports its own."""
+    exports = {e.subject: e for e in accounts.plane_exports()}
+    assert all(e.token_req for e in exports.values())  # nothing importable without an activation for it
+    assert exports["$JS.API.CONSUMER.MSG.NEXT.*.*"].response_type == "Stream"
+    imports = accounts.node_imports(A, TASK_STREAM)
+    assert {i.subject for i in imports} == {
+        "$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(A)}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{TASK_STREAM}.{consumer_name(A)}", f"$JS.ACK.{TASK_STREAM}.{consumer_name(A)}.>",
+        subjects.result(A), subjects.progress(A), subjects.heartbeat(A), subjects.drift(A),
+        subjects.terminal_out_any(A), subjects.creds_renew(A), subjects.creds_reply_any(A), subjects.creds(A),
+        subjects.terminal_in_any(A)}
+    assert all(i.local_subject is None or i.local_subject.startswith(PREFIX + ".") for i in imports)
+    # What the plane sends crosses in as a stream; everything else (answered or acknowledged) is a service.
+    assert {i.subject for i in imports if i.kind == "stream"} == {subjects.creds(A), subjects.terminal_in_any(A)}
+    assert not any(B in i.subject for i in imports)
+    assert accounts.NODE_ACCOUNT_LIMITS["disk_storage"] == accounts.NODE_ACCOUNT_LIMITS["mem_storage"] == 0
+
+
+def test_a_node_in_its_own_account_runs_its_tasks_publishes_and_rotates(lab, tmp_path):
+    async def body():
+        plane = await lab.plane()
+        await plane.serve_rotation()
+        creds = lab.node_creds(A, "a")
+        nc = await connect_nats([lab.server.url], timeout_s=5.0, name="node-a", inbox_prefix=node_inbox_prefix(A),
+                                reconnect=Backoff(0.1, 0.5),
+                                security=TransportSecurity(insecure=True, creds_file=creds))
+        rotator = CredsRotator(nc, A, creds, timeout_s=5.0)
+        store = StateStore.open(tmp_path / "state.db")
+
+        async def handler(payload, ctx):
+            return {"ran_on": ctx.node_id}
+        # Pull heartbeats on: the server's idle status messages come back over the Stream-type service too.
+        worker = TaskWorker(nc, store, A, {TaskType.topology_discover: handler},
+                            replace(SETTINGS, fetch_timeout_s=4.0, fetch_heartbeat_s=0.5))
+        heard: dict[str, list[bytes]] = {}
+
+        async def record(msg):
+            heard.setdefault(msg.subject, []).append(msg.data)
+        for subject in (subjects.heartbeat(A), subjects.drift(A), subjects.terminal_out(A, SESSION)):
+            await plane.nc.subscribe(subject, cb=record)
+        await plane.nc.flush()
+        run = asyncio.create_task(worker.run())
+        try:
+            await rotator.start()
+            await asyncio.wait_for(worker.ready.wait(), DEADLINE_S)
+            assert worker.stream == TASK_STREAM  # found by subject through the imported STREAM.NAMES
+            for round_ in (1, 2):
+                envelope = plane.envelope(A, TaskType.topology_discover.value)
+                await plane.enqueue(envelope)
+                result = await plane.wait_result(envelope.task_id, timeout=DEADLINE_S)
+                assert result.status == ResultStatus.succeeded and result.output == {"ran_on": A}
+                # Acked: the work queue is empty again; the result stream acknowledged the publish (the
+                # worker waits for that PubAck, which comes back across the accounts).
+                assert envelope.task_id in [r.task_id for r in await plane.stored_results(A)]
+                if round_ == 1:
+                    key = check_creds_file(creds).user_key
+                    reply = await plane.rotate(A)  # order in by a stream import, answer out by a service import
+                    assert reply.accepted, reply
+                    assert reply.node_public_key != key
+                    await wait_until(lambda: rotator.confirmed == 1, DEADLINE_S, "the new login confirmed")
+                    await wait_until(lambda k=reply.node_public_key: any(c.get("authorized_user") == k
+                                                                         for c in lab.connz()),
+                                     DEADLINE_S, "logged in with the new key")
+            await wait_until(lambda: nc.is_connected, DEADLINE_S, "connected")
+            await wait_until(lambda: worker.ready.is_set(), DEADLINE_S, "worker bound again")
+            assert (await plane.pending_tasks()) == 0
+            await wait_until(lambda: worker.pull_heartbeats > 0, DEADLINE_S, "a pull's idle heartbeat")
+            for subject in (subjects.heartbeat(A), subjects.drift(A), subjects.terminal_out(A, SESSION)):
+                await nc.publish(subject, b"{}")
+            await nc.flush()
+            await wait_until(lambda: len(heard) == 3, DEADLINE_S, "heartbeat, drift and terminal output at the plane")
+            # The gateway's terminal input crosses into A's account (a stream import), as rotation orders do.
+            terminal_in = await nc.subscribe(subjects.terminal_in(A, SESSION))
+            await nc.flush()
+            # Published until it arrives (deadline): twice under heavy load the first one after the rotation's
+            # reconnect did not arrive (not reproduced since; docs/security-auth.md "Open"). A lost interest
+            # would still fail here.
+            async def arrives() -> bytes:
+                while True:
+                    await plane.nc.publish(subjects.terminal_in(A, SESSION), b"keys")
+                    try:
+                        return (await terminal_in.next_msg(timeout=0.5)).data
+                    except nats.errors.TimeoutError:
+                        continue
+            assert await asyncio.wait_for(arrives(), DEADLINE_S) == b"keys"
+        finally:
+            await rotator.stop()
+            await worker.drain(5)
+            await asyncio.wait_for(run, DEADLINE_S)
+            await nc.close()
+            await plane.close()
+            store.close()
+    run_bounded(body(), 120)
+
+
+def test_a_node_enrolls_into_an_account_of_its_own(lab, tmp_path):
+    """Enrollment over the bootstrap account: the plane creates the node's account, pushes it to the resolver,
+    and the node's own JWT (signed by that account) looks up the consumer the plane created, and only its own."""
+    async def body():
+        plane = await lab.plane()
+        await plane.serve_enrollment()
+        await plane.serve_rotation()
+        state, token = tmp_path / "state", tmp_path / "token"
+        token.write_text(plane.issue_token())
+        record = await enroll(lab.server.url, token, state, IDENTITY, timeout=DEADLINE_S,
+                              security=TransportSecurity(insecure=True,
+                                                         creds_file=lab.creds_file("boot", lab.operator.bootstrap_user())))
+        config = parse_config({"state_dir": str(state), "insecure": True, "js_api_prefix": PREFIX})
+        nc = await connect_nats(record.credentials.servers, timeout_s=5.0, name="node", reconnect=Backoff(0.1, 0.5),
+                                **login_options(config, record))
+        try:
+            account = lab.operator.nodes[record.node_id].public
+            await wait_until(lambda: any(c.get("account") == account for c in lab.connz()), DEADLINE_S,
+                             "the node logged in to its own account")
+            js = nc.jetstream(timeout=5, prefix=config.js_api_prefix)
+            info = await js.consumer_info(TASK_STREAM, consumer_name(record.node_id))
+            assert info.config.filter_subject == subjects.tasks(record.node_id)
+            rotator = CredsRotator(nc, record.node_id, creds_path(state), timeout_s=5.0)
+            await rotator.start()
+            await nc.flush()
+            reply = await plane.rotate(record.node_id)
+            assert reply.accepted, reply
+            await wait_until(lambda: rotator.confirmed == 1, DEADLINE_S, "the new login confirmed")
+            await rotator.stop()
+            with pytest.raises(nats.errors.TimeoutError):  # another node's consumer: refused (and not imported)
+                await nc.request(f"{PREFIX}.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(A)}", b"", timeout=2)
+        finally:
+            await nc.close()
+            await plane.close()
+    run_bounded(body(), 90)
+
+
+def _earlier_attacks() -> dict[str, dict]:
+    """The attacks of the single-account tests, under both prefixes: each is refused before any account sees it."""
+    mine, b_creds = consumer_name(A), subjects.creds(B)
+    push = {"name": mine, "durable_name": mine, "ack_policy": "none", "deliver_subject": b_creds,
+            "filter_subject": subjects.tasks(A)}
+    out: dict[str, dict] = {}
+    for prefix in ("$JS.API", PREFIX):
+        out |= {
+            f"{prefix}.CONSUMER.CREATE.{TASK_STREAM}.{mine}.{subjects.tasks(A)}": {"stream_name": TASK_STREAM,
+                                                                                  "config": push},
+            f"{prefix}.CONSUMER.DURABLE.CREATE.{TASK_STREAM}.{mine}": {"stream_name": TASK_STREAM, "config": push},
+            f"{prefix}.CONSUMER.CREATE.{TASK_STREAM}": {"stream_name": TASK_STREAM, "config": push},
+            f"{prefix}.STREAM.CREATE.EVIL_MIRROR": {"name": "EVIL_MIRROR", "mirror": {"name": TASK_STREAM},
+                                                    "republish": {"src": ">", "dest": b_creds}},
+            f"{prefix}.STREAM.CREATE.EVIL_CAPTURE": {"name": "EVIL_CAPTURE", "subjects": [b_creds]},
+            f"{prefix}.STREAM.UPDATE.{TASK_STREAM}": {"name": TASK_STREAM, "republish": {"src": ">", "dest": b_creds}},
+            f"{prefix}.DIRECT.GET.{TASK_STREAM}": {"last_by_subj": subjects.task(B, "x")},
+            f"{prefix}.STREAM.MSG.GET.{TASK_STREAM}": {"seq": 1},
+            f"{prefix}.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(B)}": {},
+            f"{prefix}.CONSUMER.MSG.NEXT.{TASK_STREAM}.{consumer_name(B)}": {"batch": 1},
+        }
+    for subject in (subjects.creds(B), subjects.terminal_in(B, SESSION), subjects.result(B), subjects.heartbeat(B),
+                    subjects.creds_renew(B), subjects.creds_reply(B, "x"), subjects.task(B, "x"),
+                    f"$JS.ACK.{TASK_STREAM}.{consumer_name(B)}.1.1.1.0.0"):
+        out[subject] = {}
+    return out
+
+
+def test_a_node_can_make_the_server_speak_only_for_itself(lab):
+    """Every request A may make, with B's subjects as the reply, and every earlier attack: B hears nothing."""
+    async def body():
+        plane = await lab.plane()
+        errors: list[str] = []
+
+        async def on_error(exc):
+            errors.append(str(exc))
+        a = await nats.connect(lab.server.url, user_credentials=str(lab.node_creds(A, "attacker")),
+                               inbox_prefix=node_inbox_prefix(A), error_cb=on_error, allow_reconnect=False)
+        # A user of A's account with no permission limits (a mis-minted node JWT): only the account bounds it.
+        wide = await nats.connect(lab.server.url, user_credentials=str(lab.creds_file("wide-a", lab.operator.wide_user(A))),
+                                  allow_reconnect=False)
+        spy = await nats.connect(lab.server.url, user_credentials=str(lab.creds_file("spy-b", lab.operator.wide_user(B))))
+        await plane.serve_rotation()
+        heard_b: list[tuple[str, bytes]] = []
+        heard_plane: list[tuple[str, bytes]] = []
+
+        async def in_b(msg):
+            heard_b.append((msg.subject, msg.data))
+
+        async def at_plane(msg):
+            heard_plane.append((msg.subject, msg.data))
+        answered: list[str] = []
+
+        async def own(msg):
+            answered.append(msg.subject)
+        try:
+            await spy.subscribe(">", cb=in_b)  # anything at all arriving in B's account
+            await spy.flush()
+            await plane.nc.subscribe(f"gpuaas.node.{B}.>", cb=at_plane)  # what the plane reads as B's
+            await plane.nc.flush()
+            await a.subscribe(f"{node_inbox_prefix(A)}.own.>", cb=own)
+            await a.flush()
+            # Something to pull, and one task A holds unacked (its ack subject, to ack with a reply).
+            for _ in range(4):
+                await plane.enqueue(plane.envelope(A, TaskType.topology_discover.value))
+            js = a.jetstream(timeout=5, prefix=PREFIX)
+            held = (await (await js.pull_subscribe_bind(consumer_name(A), stream=TASK_STREAM)).fetch(1, timeout=5))[0]
+            targets = [subjects.creds(B), f"{node_inbox_prefix(B)}.x", subjects.terminal_in(B, SESSION),
+                       subjects.result(B), subjects.heartbeat(B), subjects.creds_reply(B, "x")]
+            requests = [  # A's own, allowed requests: each answered by the server or the plane
+                (f"{PREFIX}.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(A)}", b""),
+                (f"{PREFIX}.CONSUMER.MSG.NEXT.{TASK_STREAM}.{consumer_name(A)}",
+                 json.dumps({"batch": 1, "expires": 1_000_000_000}).encode()),
+                (f"{PREFIX}.STREAM.NAMES", b"{}"),
+                (subjects.result(A), b"{}"),  # the result stream acknowledges it
+                (subjects.creds_renew(A), b"{}"),  # the plane answers it (a refusal)
+            ]
+            for attacker in (a, wide):
+                for target in targets:
+                    for subject, data in requests:
+                        await attacker.publish(subject, data, reply=target)
+                    await attacker.publish(held.reply, b"+WPI", reply=target)  # in progress, confirmed on the reply
+                for subject, data in _earlier_attacks().items():
+                    await attacker.publish(subject, json.dumps(data).encode(), reply=subjects.creds(B))
+                    await attacker.publish(subject, json.dumps(data).encode(), reply=f"{node_inbox_prefix(B)}.x")
+            await wide.flush()
+            # The same requests with A's own inbox as reply are answered: each one really ran.
+            for k, (subject, data) in enumerate(requests):
+                await a.publish(subject, data, reply=f"{node_inbox_prefix(A)}.own.{k}")
+            await a.publish(held.reply, b"+ACK", reply=f"{node_inbox_prefix(A)}.own.ack")
+            await a.flush()
+            await wait_until(lambda: len({s.rsplit(".", 1)[1] for s in answered}) == len(requests) + 1, DEADLINE_S,
+                             "A's own requests answered")
+            # Ordered after everything above on the same paths: B's account and the plane saw none of it.
+            await plane.nc.publish(subjects.creds(B), b"sentinel")
+            await wait_until(lambda: heard_b, DEADLINE_S, "the plane's sentinel in B's account")
+            assert heard_b == [(subjects.creds(B), b"sentinel")]
+            await plane.nc.flush()
+            assert [s for s, _ in heard_plane] == [subjects.creds(B)]  # the sentinel itself, nothing of A's
+            # The earlier attacks: each a permissions violation of A's user, before any account sees it.
+            expected = [s for s in _earlier_attacks()]
+            await wait_until(lambda: all(any(f'to "{s}"'.lower() in e.lower() for e in errors) for s in expected),
+                             DEADLINE_S, "each earlier attack refused")
+            info = await plane.js.stream_info(TASK_STREAM)
+            assert info.config.republish is None
+            assert all(i.config.deliver_subject is None for i in await plane.js.consumers_info(TASK_STREAM))
+            assert sorted(i.config.name for i in await plane.js.streams_info()) == ["GPUAAS_RESULTS", TASK_STREAM]
+        finally:
+            await a.close()
+            await wide.close()
+            await spy.close()
+            await plane.close()
+    run_bounded(body(), 120)
+
+
+def test_a_node_whose_consumer_moves_to_another_stream_gets_its_account_reissued(tmp_path):
+    """A node account's imports name its stream: the plane that moves the node re-issues and pushes the account,
+    and the worker, on its next bind, finds the new stream and pulls there."""
+    node = "node-acctc"
+    lab = FleetServer(tmp_path)
+    lab.operator.node_account(node, "OLD_TASKS")
+    (tmp_path / "nats.conf").write_text(lab.operator.resolver_config(tmp_path / "jwt"))
+    lab.server.start()
+
+    async def body():
+        plane = await lab.plane()
+        nc = None
+        try:
+            await plane.js.add_stream(StreamConfig(name="OLD_TASKS", subjects=[subjects.tasks(node)],
+                                                   retention=RetentionPolicy.WORK_QUEUE))
+            await plane.create_node_consumer(node, SETTINGS)
+            assert lab.operator.streams[node] == "OLD_TASKS"
+            # Moved: the old stream goes, a new one holds the node's subject, its consumer is created there.
+            await plane.js.delete_stream("OLD_TASKS")
+            await plane.js.add_stream(StreamConfig(name="NEW_TASKS", subjects=[subjects.tasks(node)],
+                                                   retention=RetentionPolicy.WORK_QUEUE))
+            await plane.js.add_stream(StreamConfig(name="GPUAAS_RESULTS", subjects=[subjects.every_node(subjects.result)]))
+            await plane.create_node_consumer(node, SETTINGS)
+            assert lab.operator.streams[node] == "NEW_TASKS"  # re-issued and pushed
+            nc = await nats.connect(lab.server.url, user_credentials=str(lab.node_creds(node, "c")),
+                                    inbox_prefix=node_inbox_prefix(node))
+            js = nc.jetstream(timeout=5, prefix=PREFIX)
+            assert await js.find_stream_name_by_subject(subjects.tasks(node)) == "NEW_TASKS"
+            await plane.js.publish(subjects.task(node, TaskType.topology_discover.value), b"{}")
+            sub = await js.pull_subscribe_bind(consumer_name(node), stream="NEW_TASKS")
+            (msg,) = await sub.fetch(1, timeout=5)
+            await msg.ack_sync()
+        finally:
+            if nc is not None:
+                await nc.close()
+            await plane.close()
+    try:
+        run_bounded(body(), 60)
+    finally:
+        lab.server.stop()
