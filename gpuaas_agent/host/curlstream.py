@@ -46,8 +46,15 @@ import urllib.request
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from gpuaas_agent.host.httpfetch import (CONNECT_TIMEOUT_S, CONTENT_RANGE_RE, DEFAULT_BACKOFF_S, DEFAULT_RETRIES,
-                                         MAX_REDIRECTS, RETRY_STATUSES, USER_AGENT)
+from gpuaas_agent.host.httpfetch import (
+    CONNECT_TIMEOUT_S,
+    CONTENT_RANGE_RE,
+    DEFAULT_BACKOFF_S,
+    DEFAULT_RETRIES,
+    MAX_REDIRECTS,
+    RETRY_STATUSES,
+    USER_AGENT,
+)
 from gpuaas_agent.host.imagesource import ImageCacheError
 
 CURL = "curl"
@@ -74,7 +81,7 @@ def curl_path() -> str:
     path = shutil.which(CURL, path=CLEAN_ENV["PATH"])
     if path is None:
         raise CurlMissing("curl is not installed: https image downloads need it (apt-get install curl; the "
-                          "gpuaas-agent package depends on it)", code="fetch_tool_missing",
+                          "gpuaas-agent package recommends it for slice hosts)", code="fetch_tool_missing",
                           evidence={"tool": CURL, "path": CLEAN_ENV["PATH"]})
     return path
 
@@ -93,7 +100,7 @@ def ca_pem(context: ssl.SSLContext) -> bytes:
         probe.load_verify_locations(cafile=paths.cafile if paths.cafile and os.path.isfile(paths.cafile) else None,
                                     capath=paths.capath if paths.capath and os.path.isdir(paths.capath) else None)
         certs = probe.get_ca_certs(binary_form=True)
-    return "".join(ssl.DER_cert_to_PEM_cert(c) for c in certs).encode()  # type: ignore[arg-type]
+    return "".join(ssl.DER_cert_to_PEM_cert(c) for c in certs).encode()
 
 
 def _quoted(value: str) -> str:
@@ -112,8 +119,7 @@ def environment_proxy(url: str) -> str | None:
         return None
     host = parts.hostname or ""
     netloc = f"{host}:{parts.port}" if parts.port else host
-    if urllib.request.proxy_bypass_environment(netloc, proxies) or \
-            urllib.request.proxy_bypass_environment(host, proxies):
+    if urllib.request.proxy_bypass(netloc) or urllib.request.proxy_bypass(host):  # no_proxy (on Linux: the environment's)
         return None
     return proxy
 
