@@ -41,7 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.host import httpfetch, images
+from bench.httpx_reader import HttpSource
+from gpuaas_agent.host import images
 from gpuaas_agent.host.clone import clone_image
 from gpuaas_agent.host.images import ImageCache, SourcePolicy, StreamedMiss
 from gpuaas_agent.host.run import run
@@ -130,8 +131,8 @@ def _cpu() -> float:
 
 def _open_httpx(self, url, cancel=None, bound=None):
     """The opener before the curl child: httpx reads TLS in this process (16 KiB per read)."""
-    source = httpfetch.HttpSource(url, check_hop=self._check_redirect, verify=self.ssl_context,
-                                  stall_timeout_s=self.stall_timeout_s, cancel=cancel)
+    source = HttpSource(url, check_hop=self._check_redirect, verify=self.ssl_context,
+                        stall_timeout_s=self.stall_timeout_s, cancel=cancel)
     source.open()
     return images._Source(source.read_into, source.length, source.close, source.describe,
                           set_cancel=lambda event: setattr(source, "cancel", event), interrupt=source.interrupt)

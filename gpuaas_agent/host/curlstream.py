@@ -193,7 +193,8 @@ class _Request:
 class CurlSource:
     """One download: :meth:`open` follows redirects, :meth:`read_into` streams and resumes, :meth:`close`.
 
-    The interface of ``host.httpfetch.HttpSource``, so the cache uses either the same way.
+    What the cache reads a source through (``open``, ``read_into``, ``length``, ``describe``, ``interrupt``,
+    ``close``), as the httpx reader it replaced (kept for the benchmark in bench/httpx_reader.py).
     """
 
     def __init__(self, url: str, *, check_hop: Any, verify: ssl.SSLContext, stall_timeout_s: float,
