@@ -12,6 +12,9 @@ not their sum. Everything is measured in the same run, interleaved round by roun
   the cache, hashed, fsync, full-file probe, marker) from that same server onto the target;
 - ``stream_httpx`` (``--compare-httpx``): the same stream with the body read by httpx in this
   process (the reader before the curl child), for the record;
+- ``read`` and ``read_hash`` (``--diagnose``): the agent's reader alone (the curl child's body
+  read into the pump's 4 MiB buffers, written nowhere), then with the SHA-256: where the
+  stream's time goes, each against the same run's curl;
 - ``two_pass``: for the record, what a miss cost before: ``ImageCache.fetch`` into the cache,
   then ``clone_image`` (qemu-img) onto the target.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import mmap
 import os
 import resource
 import shutil
@@ -44,7 +48,9 @@ sys.path.insert(0, str(REPO))
 from bench.httpx_reader import HttpSource
 from gpuaas_agent.host import images
 from gpuaas_agent.host.clone import clone_image
+from gpuaas_agent.host.curlstream import CurlSource
 from gpuaas_agent.host.images import ImageCache, SourcePolicy, StreamedMiss
+from gpuaas_agent.host.imagestream import STREAM_CHUNK_BYTES, fill
 from gpuaas_agent.host.run import run
 from gpuaas_agent.host.streamclone import stream_image
 from gpuaas_agent.hostfs import HostRoot
@@ -152,6 +158,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dir", default="/var/tmp", help="where the image and the loop backing file live")
     parser.add_argument("--cache-dir", default=None, help="the image cache's file system (default: --dir)")
+    parser.add_argument("--diagnose", action="store_true", help="also time the reader alone and reader + hash")
     parser.add_argument("--compare-httpx", action="store_true", help="also time the stream read by httpx")
     parser.add_argument("--no-two-pass", action="store_true", help="skip the old fetch-then-clone timing")
     args = parser.parse_args()
@@ -169,7 +176,8 @@ def main() -> int:
         url = f"{base}/image.raw"
         context = ssl.create_default_context(cafile=str(cert))
         devices = RealDevices(tmp_path)
-        samples: dict[str, list[float]] = {"curl": [], "dd": [], "stream": [], "stream_httpx": [], "two_pass": []}
+        samples: dict[str, list[float]] = {"curl": [], "dd": [], "stream": [], "stream_httpx": [], "read": [],
+                                           "read_hash": [], "two_pass": []}
         cpu: dict[str, list[float]] = {name: [] for name in samples}
         try:
             disk = devices.disk(args.size_mib + 16, direct_io=True)
@@ -209,6 +217,16 @@ def main() -> int:
                 finally:
                     ImageCache._open_http = original  # type: ignore[method-assign]
 
+            def read(hashing: bool) -> None:
+                source = CurlSource(url, check_hop=lambda hop, first: None, verify=context, stall_timeout_s=60).open()
+                buf, digest = memoryview(mmap.mmap(-1, STREAM_CHUNK_BYTES)), hashlib.sha256()
+                try:
+                    while got := fill(source.read_into, buf):
+                        if hashing:
+                            digest.update(buf[:got])
+                finally:
+                    source.close()
+
             def two_pass() -> None:
                 cache = fresh_cache(1)
 
@@ -222,6 +240,9 @@ def main() -> int:
                     shutil.rmtree(cache.root, ignore_errors=True)
 
             contenders = {"curl": curl, "dd": dd, "stream": stream}
+            if args.diagnose:
+                contenders["read"] = lambda: read(False)
+                contenders["read_hash"] = lambda: read(True)
             if args.compare_httpx:
                 contenders["stream_httpx"] = stream_httpx
             if not args.no_two_pass:
@@ -246,6 +267,9 @@ def main() -> int:
               f"samples {[round(s, 3) for s in samples[name]]}")
     floor = max(med["curl"], med["dd"])
     print(f"ratio stream/max(curl, dd) = {med['stream'] / floor:.2f} (goal <= 1.15)")
+    for name in ("read", "read_hash"):
+        if name in med:
+            print(f"ratio {name}/curl = {med[name] / med['curl']:.2f} (diagnosis: the reader alone / with the hash)")
     if "stream_httpx" in med:
         print(f"ratio stream_httpx/max(curl, dd) = {med['stream_httpx'] / floor:.2f} (httpx reader, same run)")
     if "two_pass" in med:
