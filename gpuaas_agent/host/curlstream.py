@@ -106,9 +106,14 @@ def ca_pem(context: ssl.SSLContext) -> bytes:
     return "".join(ssl.DER_cert_to_PEM_cert(c) for c in certs).encode()
 
 
+def _writable(value: str) -> bool:
+    """No control characters: a config value cannot end its line early and start another option."""
+    return not any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)
+
+
 def _quoted(value: str) -> str:
     """A curl config value: double-quoted, backslash and quote escaped; control characters refused."""
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    if not _writable(value):
         raise ValueError("control character in a curl config value")
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -443,7 +448,10 @@ class CurlSource:
             self.length = int(length) if length and length.isdigit() else None
             etag = request.headers.get("etag")
             # If-Range needs a strong validator; a weak ETag never matches, so fall back to Last-Modified.
-            self._validator = etag if etag and not etag.startswith("W/") else request.headers.get("last-modified")
+            validator = etag if etag and not etag.startswith("W/") else request.headers.get("last-modified")
+            # A validator that cannot be written into curl's config is not used: no If-Range, so a resume
+            # gets a 200 and ends ``truncated`` rather than trusting bytes it cannot pin to this version.
+            self._validator = validator if validator and _writable(validator) else None
             return self
         raise ImageCacheError("too many redirects", code="fetch_failed", evidence={"url": self.first})
 

@@ -172,3 +172,4 @@ def test_config_values_are_quoted_and_control_characters_refused():
     assert curlstream._quoted('https://h/a"b\\c') == '"https://h/a\\"b\\\\c"'
     with pytest.raises(ValueError):
         curlstream._quoted("https://h/a\nurl = https://elsewhere/")
+    assert not curlstream._writable('"v1"\tx') and curlstream._writable('"v1-abc"')
