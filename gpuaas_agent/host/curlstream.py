@@ -56,6 +56,7 @@ from gpuaas_agent.host.httpfetch import (
     USER_AGENT,
 )
 from gpuaas_agent.host.imagesource import ImageCacheError
+from gpuaas_agent.host.run import spawn_reader
 
 CURL = "curl"
 PIPE_BYTES = 1 << 20  # the pipe from curl: one read takes up to 1 MiB (the default 64 KiB means 16x the wake-ups)
@@ -274,8 +275,7 @@ class CurlSource:
         try:
             os.write(ca_fd, self._ca)
             ca = f"/dev/fd/{ca_fd}"
-            proc = subprocess.Popen(self._argv(url, ca), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=CLEAN_ENV, pass_fds=(ca_fd,), close_fds=True)
+            proc = spawn_reader(self._argv(url, ca), env=CLEAN_ENV, pass_fds=(ca_fd,))
         except BaseException:
             os.close(ca_fd)
             raise
