@@ -10,6 +10,11 @@ not their sum. Everything is measured in the same run, interleaved round by roun
 - ``stream``: the agent's path with an empty cache: ``ImageCache.fetch_or_open`` (open,
   head probe) then ``stream_image`` (guard, exclusive hold, one pass onto the disk and into
   the cache, hashed, fsync, full-file probe, marker) from that same server onto the target;
+- ``stream_httpx`` (``--compare-httpx``): the same stream with the body read by httpx in this
+  process (the reader before the curl child), for the record;
+- ``read`` and ``read_hash`` (``--diagnose``): the agent's reader alone (the curl child's body
+  read into the pump's 4 MiB buffers, written nowhere), then with the SHA-256: where the
+  stream's time goes, each against the same run's curl;
 - ``two_pass``: for the record, what a miss cost before: ``ImageCache.fetch`` into the cache,
   then ``clone_image`` (qemu-img) onto the target.
 
@@ -24,7 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import mmap
 import os
+import resource
 import shutil
 import signal
 import ssl
@@ -38,8 +45,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.httpx_reader import HttpSource
+from gpuaas_agent.host import images
 from gpuaas_agent.host.clone import clone_image
+from gpuaas_agent.host.curlstream import CurlSource
 from gpuaas_agent.host.images import ImageCache, SourcePolicy, StreamedMiss
+from gpuaas_agent.host.imagestream import STREAM_CHUNK_BYTES, fill
 from gpuaas_agent.host.run import run
 from gpuaas_agent.host.streamclone import stream_image
 from gpuaas_agent.hostfs import HostRoot
@@ -118,9 +129,25 @@ def _start_server(tmp: Path, root: Path, rate_bytes: float) -> tuple[subprocess.
     return proc, f"https://127.0.0.1:{portfile.read_text()}", cert
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def _cpu() -> float:
+    """CPU seconds of this process and its waited-for children (curl, dd, qemu-img), user + system."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _open_httpx(self, url, cancel=None, bound=None):
+    """The opener before the curl child: httpx reads TLS in this process (16 KiB per read)."""
+    source = HttpSource(url, check_hop=self._check_redirect, verify=self.ssl_context,
+                        stall_timeout_s=self.stall_timeout_s, cancel=cancel)
+    source.open()
+    return images._Source(source.read_into, source.length, source.close, source.describe,
+                          set_cancel=lambda event: setattr(source, "cancel", event), interrupt=source.interrupt)
+
+
+def _timed(fn, cpu: list[float]) -> float:
+    start, used = time.perf_counter(), _cpu()
     fn()
+    cpu.append(_cpu() - used)
     return time.perf_counter() - start
 
 
@@ -131,6 +158,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dir", default="/var/tmp", help="where the image and the loop backing file live")
     parser.add_argument("--cache-dir", default=None, help="the image cache's file system (default: --dir)")
+    parser.add_argument("--diagnose", action="store_true", help="also time the reader alone and reader + hash")
+    parser.add_argument("--compare-httpx", action="store_true", help="also time the stream read by httpx")
     parser.add_argument("--no-two-pass", action="store_true", help="skip the old fetch-then-clone timing")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -147,7 +176,9 @@ def main() -> int:
         url = f"{base}/image.raw"
         context = ssl.create_default_context(cafile=str(cert))
         devices = RealDevices(tmp_path)
-        samples: dict[str, list[float]] = {"curl": [], "dd": [], "stream": [], "two_pass": []}
+        samples: dict[str, list[float]] = {"curl": [], "dd": [], "stream": [], "stream_httpx": [], "read": [],
+                                           "read_hash": [], "two_pass": []}
+        cpu: dict[str, list[float]] = {name: [] for name in samples}
         try:
             disk = devices.disk(args.size_mib + 16, direct_io=True)
             lease = disk.lease()
@@ -178,6 +209,24 @@ def main() -> int:
                 finally:
                     shutil.rmtree(cache.root, ignore_errors=True)
 
+            def stream_httpx() -> None:
+                original = ImageCache._open_http
+                ImageCache._open_http = _open_httpx  # type: ignore[method-assign]
+                try:
+                    stream()
+                finally:
+                    ImageCache._open_http = original  # type: ignore[method-assign]
+
+            def read(hashing: bool) -> None:
+                source = CurlSource(url, check_hop=lambda hop, first: None, verify=context, stall_timeout_s=60).open()
+                buf, digest = memoryview(mmap.mmap(-1, STREAM_CHUNK_BYTES)), hashlib.sha256()
+                try:
+                    while got := fill(source.read_into, buf):
+                        if hashing:
+                            digest.update(buf[:got])
+                finally:
+                    source.close()
+
             def two_pass() -> None:
                 cache = fresh_cache(1)
 
@@ -191,11 +240,16 @@ def main() -> int:
                     shutil.rmtree(cache.root, ignore_errors=True)
 
             contenders = {"curl": curl, "dd": dd, "stream": stream}
+            if args.diagnose:
+                contenders["read"] = lambda: read(False)
+                contenders["read_hash"] = lambda: read(True)
+            if args.compare_httpx:
+                contenders["stream_httpx"] = stream_httpx
             if not args.no_two_pass:
                 contenders["two_pass"] = two_pass
             for _ in range(args.runs):  # interleaved: a noisy neighbour slows every contender alike
                 for name, fn in contenders.items():
-                    samples[name].append(_timed(fn))
+                    samples[name].append(_timed(fn, cpu[name]))
         finally:
             devices.close()
             os.kill(proc.pid, signal.SIGKILL)
@@ -203,14 +257,21 @@ def main() -> int:
             shutil.rmtree(cache_parent, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in samples.items() if v}
+    print(f"load average at the end {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
     size = args.size_mib
     print(f"image {size} MiB raw (random), server rate {args.rate_mib:g} MiB/s over TLS on loopback; target loop "
           f"device (--direct-io=on) in {args.dir}; cache in {args.cache_dir or args.dir}; medians of {args.runs} "
           f"interleaved runs")
     for name, seconds in med.items():
-        print(f"{name:9s} {seconds:7.3f} s {size / seconds:8.1f} MiB/s  samples {[round(s, 3) for s in samples[name]]}")
+        print(f"{name:12s} {seconds:7.3f} s {size / seconds:8.1f} MiB/s  cpu {statistics.median(cpu[name]):6.2f} s  "
+              f"samples {[round(s, 3) for s in samples[name]]}")
     floor = max(med["curl"], med["dd"])
     print(f"ratio stream/max(curl, dd) = {med['stream'] / floor:.2f} (goal <= 1.15)")
+    for name in ("read", "read_hash"):
+        if name in med:
+            print(f"ratio {name}/curl = {med[name] / med['curl']:.2f} (diagnosis: the reader alone / with the hash)")
+    if "stream_httpx" in med:
+        print(f"ratio stream_httpx/max(curl, dd) = {med['stream_httpx'] / floor:.2f} (httpx reader, same run)")
     if "two_pass" in med:
         print(f"ratio two_pass/max(curl, dd) = {med['two_pass'] / floor:.2f} (the path before the stream); "
               f"two_pass/stream = {med['two_pass'] / med['stream']:.2f}x")

@@ -361,6 +361,7 @@ class ErrorCode(StrEnum):
     IMAGE_URL_REFUSED = "image_url_refused", "host_images", "The image URL is not allowed by policy; use an allowed URL."
     FETCH_FAILED = "fetch_failed", "host_images", "Downloading the image failed; evidence has the HTTP status or error."
     FETCH_STALLED = "fetch_stalled", "host_images", "The download made no progress; check the mirror and network."
+    FETCH_TOOL_MISSING = "fetch_tool_missing", "host_images", "curl is not installed, so https images cannot be downloaded; install curl (the package depends on it)."
     FETCH_TIMEOUT = "fetch_timeout", "host_images", "The download did not finish in time; check the mirror and network."
     TOO_LARGE = "too_large", "host_images", "The download is larger than allowed; fix the image or the limit."
     TRUNCATED = "truncated", "host_images", "The download ended before its declared length; retry."

@@ -59,7 +59,7 @@ from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.images import CachedImage, CacheEntryMarker, ImageFormat
 from gpuaas_agent.contract.types import SHA256_RE
 from gpuaas_agent.errors import ContractError, HostError
-from gpuaas_agent.host import httpfetch, imagesource, imagestream
+from gpuaas_agent.host import curlstream, httpfetch, imagesource, imagestream
 from gpuaas_agent.host.imagesource import ImageCacheError, SourcePolicy
 from gpuaas_agent.host.run import run
 
@@ -890,7 +890,7 @@ class ImageCache:
         if parts.scheme == "file":
             source = _open_file(self.policy, imagesource.check_url(self.policy, url) or "", url)
         else:
-            source = self._open_http(url, cancel)
+            source = self._open_http(url, cancel, bound)
         if source.length is not None and source.length > bound:
             source.close()
             raise ImageCacheError(
@@ -918,12 +918,12 @@ class ImageCache:
                 exc.evidence["redirected_from"] = first
             raise
 
-    def _open_http(self, url: str, cancel: threading.Event | None = None) -> _Source:
-        """httpx with the environment's proxies and this cache's TLS context (host/httpfetch.py);
+    def _open_http(self, url: str, cancel: threading.Event | None = None, bound: int | None = None) -> _Source:
+        """A curl child with the environment's proxies and this cache's CA trust (host/curlstream.py);
         every redirect hop passes :meth:`_check_redirect`; a dropped body resumes with Range."""
-        source = httpfetch.HttpSource(url, check_hop=self._check_redirect, verify=self.ssl_context,
-                                      stall_timeout_s=self.stall_timeout_s, cancel=cancel,
-                                      retries=self.http_retries, backoff_s=self.http_backoff_s)
+        source = curlstream.CurlSource(url, check_hop=self._check_redirect, verify=self.ssl_context,
+                                       stall_timeout_s=self.stall_timeout_s, cancel=cancel,
+                                       retries=self.http_retries, backoff_s=self.http_backoff_s, max_bytes=bound)
         try:
             source.open()
         except BaseException:

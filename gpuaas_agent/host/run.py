@@ -156,6 +156,24 @@ def run_sync(argv: Sequence[str], *, timeout: float, check: bool = True) -> Comp
     return Completed(argv=argv, returncode=proc.returncode, stdout=stdout, stderr=stderr)
 
 
+def spawn_reader(argv: Sequence[str], *, env: dict[str, str], pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
+    """A child whose stdout is read while it runs (a download's ``curl``): argv only, pipes, own process group.
+
+    The one exception to "run to completion with a timeout": the caller reads the output as it
+    comes, so the caller owns the deadline (host/curlstream.py: no byte for the stall timeout,
+    the whole download's timeout, a cancel) and kills the child by its PID when it gives up, then
+    waits for it. stdin, stdout and stderr are pipes; ``env`` replaces the environment.
+    """
+    if isinstance(argv, str) or not argv:
+        raise TypeError("argv must be a non-empty sequence of strings, never a shell string")
+    argv = tuple(str(a) for a in argv)
+    try:
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, pass_fds=tuple(pass_fds), close_fds=True, start_new_session=True)
+    except FileNotFoundError as exc:
+        raise HostError(f"{argv[0]} is not installed", code="command_not_found", evidence={"argv": list(argv)}) from exc
+
+
 def _kill_group_sync(proc: subprocess.Popen[bytes]) -> None:
     if proc.returncode is None:
         try:

@@ -678,4 +678,5 @@ def test_connection_refused_is_fetch_failed(tmp_path):
     with pytest.raises(ImageCacheError) as err:
         fetch_image(image_cache(tmp_path, hosts=(f"127.0.0.1:{port}",)), f"https://127.0.0.1:{port}/x.raw", sha256_hex(b""))
     assert err.value.code == "fetch_failed"
-    assert "ConnectionRefusedError" in err.value.evidence["error"]
+    assert "curl exit 7" in err.value.evidence["error"]  # curl's "couldn't connect", retried then given up
+    assert err.value.evidence["attempts"] == 4

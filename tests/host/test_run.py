@@ -6,7 +6,7 @@ import time
 import pytest
 
 from gpuaas_agent.errors import HostError
-from gpuaas_agent.host.run import run, run_sync
+from gpuaas_agent.host.run import run, run_sync, spawn_reader
 
 
 def _running(pid: int) -> bool:
@@ -115,6 +115,19 @@ def test_run_sync_timeout_kills_the_whole_process_group(tmp_path):
         run_sync(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], timeout=0.5)
     assert err.value.code == "command_timeout"
     assert _gone_within(int(pidfile.read_text()))
+
+
+def test_spawn_reader_gives_a_child_in_its_own_session_with_only_the_given_environment(tmp_path):
+    with pytest.raises(TypeError):
+        spawn_reader("echo hi", env={})
+    proc = spawn_reader(["sh", "-c", 'read line; echo "$line:$ONLY"; ps -o sid= -p $$'], env={"ONLY": "x",
+                        "PATH": "/usr/bin:/bin"})
+    out, _ = proc.communicate(b"in\n", timeout=10)
+    first, sid = out.decode().split("\n")[:2]
+    assert first == "in:x" and int(sid) == proc.pid  # a session (and process group) of its own
+    with pytest.raises(HostError) as err:
+        spawn_reader([str(tmp_path / "absent")], env={})
+    assert err.value.code == "command_not_found"
 
 
 def test_no_module_starts_a_process_outside_host_run():
