@@ -35,6 +35,12 @@ Order per message is the contract's (docs/contract.md "Tasks"):
 8. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
    await the PubAck → only then ack the task (``ack_sync``: the server confirms it).
 
+Steps 2 to 8 are :data:`TASK_GATES`, an ordered sequence of named gates (``replay``, ``expired``,
+``horizon``, ``payload``, ``handler``, ``journal``, ``poison``, ``run``, ``crash``, ``answer``), each a
+method that settles the task or lets it through; before them, ``run`` admits or hands back a pulled
+message (control/admission.py) and ``_process`` checks its route. The pull itself (requests, the
+cancellation-safe read, nats.py's internals) is control/pull.py.
+
 The consumer keeps ``max_deliver=-1``: JetStream's own bound would drop a task silently
 (no result, the control plane waits for the deadline), and it counts deliveries that were
 no start at all (a shutdown's handed-back tasks, a lost ack). The journal's start count above
@@ -80,8 +86,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerConfig, Header
+from nats.js.api import ConsumerConfig
 from nats.js.client import JetStreamContext
 from pydantic import ValidationError
 
@@ -105,6 +110,7 @@ from gpuaas_agent.contract.tasks import (
 from gpuaas_agent.control.admission import Admission, Refusal
 from gpuaas_agent.control.consumer import node_consumer_config
 from gpuaas_agent.control.permissions import consumer_name
+from gpuaas_agent.control.pull import PullSilent, TaskPull
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
@@ -264,15 +270,12 @@ class TaskWorker:
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight: dict[str, asyncio.Future[None]] = {}
-        self._sub: JetStreamContext.PullSubscription | None = None
+        # The pull (control/pull.py, the one reader of nats.py's internals); it keeps a message a kicked or
+        # stopped read had already taken (``carried``) across a rebind, to hand on or back.
+        self.pull = TaskPull(nc)
         self._fetching: asyncio.Future[list[Msg]] | None = None
-        # A message a kicked or stopped pull had already taken off the subscription's queue: the next pull
-        # hands it on (a stop hands it back). Cancelling a read that has taken one would drop it: JetStream
-        # then redelivers it only ack_wait_s later (bench_fleet, server restart at 5,000 nodes).
-        self._carried: list[Msg] = []
         self._checked_at = 0.0
         self._silent_pulls = 0  # pulls in a row that went silent (no heartbeat): paces the consumer checks
-        self.pull_heartbeats = 0  # idle heartbeats the server sent on our pulls (observability, tests)
         self.pull_heartbeats_missed = 0  # pulls ended because their heartbeats stopped
         self.stream: str | None = None
         self.ready = asyncio.Event()
@@ -283,6 +286,11 @@ class TaskWorker:
     @property
     def subject_filter(self) -> str:
         return subjects.tasks(self.node_id)
+
+    @property
+    def pull_heartbeats(self) -> int:
+        """Idle heartbeats the server sent on our pulls (observability, tests)."""
+        return self.pull.heartbeats
 
     @property
     def running_task_ids(self) -> list[str]:
@@ -314,9 +322,9 @@ class TaskWorker:
             self._fetching.cancel()
 
     async def _fetch(self) -> list[Msg] | None:
-        """One pull (:meth:`_pull_one`); None when :meth:`stop` or :meth:`kick` ended it first."""
-        assert self._sub is not None
-        fetching = self._fetching = asyncio.ensure_future(self._pull_one(self._pull_heartbeat_s()))
+        """One pull (:meth:`TaskPull.pull_one`); None when :meth:`stop` or :meth:`kick` ended it first."""
+        fetching = self._fetching = asyncio.ensure_future(
+            self.pull.pull_one(self.settings.fetch_timeout_s, self._pull_heartbeat_s()))
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({fetching, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -330,7 +338,7 @@ class TaskWorker:
         if not fetching.done():  # cancelled just now: let it unwind (an outer cancel still reaches us)
             await asyncio.wait({fetching})
             if not fetching.cancelled() and fetching.exception() is None:
-                self._carried.extend(fetching.result())  # it got a task as it was ended: handed on, or back at stop
+                self.pull.carried.extend(fetching.result())  # it got a task as it was ended: handed on, or back at stop
             return None
         return fetching.result()
 
@@ -340,95 +348,6 @@ class TaskWorker:
         if heartbeat is None or heartbeat <= 0 or 2 * heartbeat >= self.settings.fetch_timeout_s:
             return None
         return heartbeat
-
-    async def _pull_one(self, heartbeat_s: float | None) -> list[Msg]:
-        """One message by a pull that (with ``heartbeat_s``) asks the server for idle heartbeats, and notices when
-        they stop.
-
-        nats.py's ``fetch(heartbeat=)`` asks for them but waits out the whole expiry when they stop.
-        They stop when the consumer's server is lost while ours is not (an R1 consumer of a cluster
-        member that died): our connection never drops, so no reconnect ends the pull. Raises
-        :class:`PullSilent` after ``2 * heartbeat_s`` without a message or a status;
-        ``nats.errors.TimeoutError`` when the pull expired (404/408, as ``fetch``); ``APIError`` for any
-        other status (409: the consumer was deleted, a pull limit of the consumer).
-
-        Same wire as ``fetch``: the request goes to the consumer's next-message subject with the
-        subscription's deliver inbox as reply, and answers are read from that subscription — by
-        :meth:`_take`, which a kick or stop (cancelling this pull) cannot make drop a message.
-        """
-        assert self._sub is not None
-        if self._carried:
-            return [self._carried.pop(0)]
-        sub = self._sub._sub  # the deliver inbox's subscription (nats.py PullSubscription; the same in 2.x)
-        pending = sub._pending_queue
-        while not pending.empty():  # left from an earlier pull: a message is ours, a status was that pull's
-            msg = pending.get_nowait()
-            sub._pending_size -= len(msg.data)
-            if pull_status(msg) is None:
-                return [msg]
-        expiry = self.settings.fetch_timeout_s
-        request = {"batch": 1, "expires": int(expiry * 1e9) - 100_000}
-        if heartbeat_s is not None:
-            request["idle_heartbeat"] = int(heartbeat_s * 1e9)
-        await self.nc.publish(self._sub._nms, json.dumps(request).encode(), self._sub._deliver)
-        loop = asyncio.get_running_loop()
-        # The server counts the expiry from when it got the request: its 408 comes a little after ours would.
-        # Waiting for it keeps it out of the next pull (taken there as that pull's end, it doubled the pulls
-        # of 2,000 idle nodes under load: bench_fleet). The bound counts from the request, never from a
-        # heartbeat: nats-server < 2.9.16 drops the 408 of a pull that expires as a message arrives (PR #3942;
-        # seen in bench_fleet bursts), and that message then waits for our next pull, here <= 1 s.
-        end = loop.time() + expiry + min(1.0, heartbeat_s or 1.0)
-        last = loop.time()  # the last sign of life of this pull: its request, a heartbeat, a status
-        while True:
-            now = loop.time()
-            if now >= end:
-                raise nats.errors.TimeoutError  # expired without its 408: what fetch() raises too
-            try:
-                msg = await self._take(sub, (end if heartbeat_s is None else min(end, last + 2 * heartbeat_s)) - now)
-            except nats.errors.TimeoutError:
-                now = loop.time()
-                if heartbeat_s is not None and now < end and now - last >= 2 * heartbeat_s:
-                    if not self.nc.is_connected:  # the reconnect ends this pull (kick); nothing to tell
-                        last = now
-                        continue
-                    raise PullSilent(now - last) from None
-                continue
-            status = pull_status(msg)
-            if status is None:
-                return [msg]
-            last = loop.time()
-            if status == "100":
-                self.pull_heartbeats += 1
-                continue
-            if status in ("404", "408"):
-                raise nats.errors.TimeoutError
-            headers = msg.headers or {}
-            raise nats.js.errors.APIError(code=int(status) if status.isdigit() else None,
-                                          description=headers.get("Description") or headers.get(Header.DESCRIPTION))
-
-    async def _take(self, sub: Subscription, timeout: float) -> Msg:
-        """The next message of the pull subscription's queue within ``timeout`` (else ``nats.errors.TimeoutError``).
-
-        Cancellation-safe, unlike nats.py's ``next_msg``: there the message is taken off the queue by an inner
-        task, and a cancel (a kick at reconnect, a stop) that lands before the caller resumes drops it. Here
-        a cancelled ``Queue.get`` leaves the message queued, and one already taken is carried to the next pull.
-        """
-        getter = asyncio.ensure_future(sub._pending_queue.get())
-        try:
-            await asyncio.wait({getter}, timeout=max(timeout, 0.0))
-        except asyncio.CancelledError:
-            if getter.done() and not getter.cancelled():
-                self._carried.append(getter.result())
-                sub._pending_size -= len(self._carried[-1].data)
-            else:
-                getter.cancel()
-            raise
-        if not getter.done():
-            getter.cancel()
-            raise nats.errors.TimeoutError
-        msg = getter.result()
-        sub._pending_size -= len(msg.data)
-        return msg
 
     async def _pull_went_silent(self, silent_s: float) -> None:
         """A pull's heartbeats stopped while our connection is up: check the consumer, then pull again.
@@ -481,9 +400,9 @@ class TaskWorker:
         """Pull and dispatch until :meth:`stop`. Connection trouble is logged and retried, never fatal."""
         backoff = 0.2
         while not self._stopping.is_set():
-            if self._sub is None:
+            if not self.pull.bound:
                 try:
-                    self._sub = await self._bind()
+                    self.pull.bind(await self._bind())
                     self._checked_at = asyncio.get_running_loop().time()
                     self.ready.set()
                     _event("worker_ready", node_id=self.node_id, consumer=self.settings.durable_name(self.node_id))
@@ -559,7 +478,7 @@ class TaskWorker:
         server restart) is simply never answered, which looks exactly like "no task".
         """
         loop = asyncio.get_running_loop()
-        if self._sub is None or loop.time() - self._checked_at < self.settings.consumer_check_s:
+        if not self.pull.bound or loop.time() - self._checked_at < self.settings.consumer_check_s:
             return
         self._checked_at = loop.time()
         assert self.stream is not None  # bound with the subscription
@@ -573,10 +492,7 @@ class TaskWorker:
             pass  # the server is busy or away: the connection's own PINGs and reconnects deal with that
 
     async def _unbind(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
-                await asyncio.wait_for(sub.unsubscribe(), self.settings.request_timeout_s)
+        await self.pull.unbind(self.settings.request_timeout_s)
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -592,21 +508,12 @@ class TaskWorker:
         Returns the task ids that were cancelled.
         """
         self.stop()
-        if self._sub is not None:
-            # Unsubscribe first: the server then has no interest in this agent's waiting pull, so a task it
-            # would deliver during the grace, or one a cancelled handler hands back below (nak), goes to the
-            # next agent at once instead of into this exiting process (redelivered only ack_wait_s later).
-            # Also before the connection drains, or drain() hangs on the pull inbox.
-            sub, self._sub = self._sub, None
-            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
-                await asyncio.wait_for(sub.unsubscribe(), self.settings.request_timeout_s)
-            # Tasks the stopped pull had already taken (carried) or left queued: handed back now, not at ack_wait.
-            queued = sub._sub._pending_queue
-            while not queued.empty():
-                msg = queued.get_nowait()
-                if pull_status(msg) is None:
-                    self._carried.append(msg)
-        carried, self._carried = self._carried, []
+        # Unsubscribe first: the server then has no interest in this agent's waiting pull, so a task it
+        # would deliver during the grace, or one a cancelled handler hands back below (nak), goes to the
+        # next agent at once instead of into this exiting process (redelivered only ack_wait_s later).
+        # Also before the connection drains, or drain() hangs on the pull inbox. Tasks the stopped pull
+        # had already taken (carried) or left queued: handed back now, not at ack_wait.
+        carried = await self.pull.close(self.settings.request_timeout_s)
         for msg in carried:
             with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
                 await asyncio.wait_for(msg.nak(), self.settings.request_timeout_s)
@@ -769,74 +676,111 @@ class TaskWorker:
         return evidence, list(ctx.slot_outcomes)
 
     async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:
+        """Put a routed task through :data:`TASK_GATES` in order; the first gate that settles it ends the walk."""
         stored, history = await self.state.run(_task_history, envelope.task_id)  # one store-thread hop per claim
-        if stored is not None:
-            _event("task_result_replayed", task_id=envelope.task_id)
-            await self._publish_and_ack(msg, TaskResult.from_wire(stored))
-            return
+        claim = Claim(msg=msg, envelope=envelope, stored=stored, history=history,
+                      deadline=envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=UTC))
+        for name, gate in TASK_GATES:
+            if await gate(self, claim):
+                claim.settled_by = name
+                return
 
-        deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=UTC)
-        now = datetime.now(UTC)
-        if now >= deadline:
-            evidence: dict[str, Any] = {"deadline": deadline.isoformat()}
-            outcomes: list[SlotOutcome] = []
-            try:
-                interrupted = await self.state.unfinished_steps(envelope.task_id)
-            except StateError as exc:  # journal_unreadable: still expired; the result names the journal's problem
-                interrupted, evidence["journal_error"] = [], _error_body(exc, retryable=False).model_dump()
-            if interrupted:
-                # Interrupted mid-run (the agent was killed or stopped under it) and not to run again: the
-                # handler's recovery undoes what the interrupted run left (compensation only), then expired.
-                evidence["unfinished_steps"] = interrupted
-                _warn("expired_task_interrupted", task_id=envelope.task_id, unfinished_steps=interrupted)
-                recovery, outcomes = await self._recover(msg, envelope, interrupted)
-                if recovery is not None:
-                    evidence["recovery"] = recovery
-            error: TaskErrorBody | None = TaskErrorBody(code="expired", message=f"deadline {deadline.isoformat()} passed before the task ran",
-                                  retryable=False, evidence=evidence)
-            await self._finish(msg, envelope, ResultStatus.failed, error=error, slot_outcomes=outcomes)
-            return
-        horizon = self.settings.max_task_deadline_s
-        if (deadline - now).total_seconds() > horizon:
-            error = TaskErrorBody(code="invalid_deadline", retryable=False,
-                                  message=f"deadline {deadline.isoformat()} is more than {horizon:g}s ahead",
-                                  evidence={"deadline": deadline.isoformat(), "max_task_deadline_s": horizon})
-            await self._finish(msg, envelope, ResultStatus.failed, error=error)
-            return
+    # -- the gates, in TASK_GATES order: each returns True once the task is settled (answered, handed back) --
 
+    async def _gate_replay(self, claim: Claim) -> bool:
+        """A stored result is the answer: published again (same message id) and acked; nothing runs."""
+        if claim.stored is None:
+            return False
+        _event("task_result_replayed", task_id=claim.envelope.task_id)
+        await self._publish_and_ack(claim.msg, TaskResult.from_wire(claim.stored))
+        return True
+
+    async def _gate_expired(self, claim: Claim) -> bool:
+        """The deadline passed: ``expired``, after the recover hook of a run interrupted mid-way."""
+        envelope, deadline = claim.envelope, claim.deadline
+        if datetime.now(UTC) < deadline:
+            return False
+        evidence: dict[str, Any] = {"deadline": deadline.isoformat()}
+        outcomes: list[SlotOutcome] = []
         try:
-            task_type, payload = task_payload(envelope)
+            interrupted = await self.state.unfinished_steps(envelope.task_id)
+        except StateError as exc:  # journal_unreadable: still expired; the result names the journal's problem
+            interrupted, evidence["journal_error"] = [], _error_body(exc, retryable=False).model_dump()
+        if interrupted:
+            # Interrupted mid-run (the agent was killed or stopped under it) and not to run again: the
+            # handler's recovery undoes what the interrupted run left (compensation only), then expired.
+            evidence["unfinished_steps"] = interrupted
+            _warn("expired_task_interrupted", task_id=envelope.task_id, unfinished_steps=interrupted)
+            recovery, outcomes = await self._recover(claim.msg, envelope, interrupted)
+            if recovery is not None:
+                evidence["recovery"] = recovery
+        error = TaskErrorBody(code="expired", message=f"deadline {deadline.isoformat()} passed before the task ran",
+                              retryable=False, evidence=evidence)
+        await self._finish(claim.msg, envelope, ResultStatus.failed, error=error, slot_outcomes=outcomes)
+        return True
+
+    async def _gate_horizon(self, claim: Claim) -> bool:
+        """A deadline further ahead than ``max_task_deadline_s``: ``invalid_deadline``."""
+        horizon, deadline = self.settings.max_task_deadline_s, claim.deadline
+        if (deadline - datetime.now(UTC)).total_seconds() <= horizon:
+            return False
+        error = TaskErrorBody(code="invalid_deadline", retryable=False,
+                              message=f"deadline {deadline.isoformat()} is more than {horizon:g}s ahead",
+                              evidence={"deadline": deadline.isoformat(), "max_task_deadline_s": horizon})
+        await self._finish(claim.msg, claim.envelope, ResultStatus.failed, error=error)
+        return True
+
+    async def _gate_payload(self, claim: Claim) -> bool:
+        """The payload must parse for its type (``unsupported_task``, ``invalid_payload``)."""
+        try:
+            claim.task_type, claim.payload = task_payload(claim.envelope)
         except ContractError as exc:
-            await self._finish(msg, envelope, ResultStatus.failed, error=_error_body(exc, retryable=False))
-            return
+            await self._finish(claim.msg, claim.envelope, ResultStatus.failed, error=_error_body(exc, retryable=False))
+            return True
+        return False
 
-        handler = self.handlers.get(task_type)
-        if handler is None:
-            await self._finish(msg, envelope, ResultStatus.failed,
-                               error=_error_body(_not_implemented(task_type), retryable=False))
-            return
+    async def _gate_handler(self, claim: Claim) -> bool:
+        """This agent must have a handler for the type (``not_implemented``)."""
+        assert claim.task_type is not None  # set by the payload gate
+        claim.handler = self.handlers.get(claim.task_type)
+        if claim.handler is not None:
+            return False
+        await self._finish(claim.msg, claim.envelope, ResultStatus.failed,
+                           error=_error_body(_not_implemented(claim.task_type), retryable=False))
+        return True
 
+    async def _gate_journal(self, claim: Claim) -> bool:
+        """The task's journal must be readable: else the handler cannot know what was done (``journal_unreadable``)."""
+        if not isinstance(claim.history, StateError):
+            claim.starts, claim.resumed = claim.history
+            return False
+        # journal_unreadable (a row an older version wrote): the handler does not run; the answer names the
+        # row. A redelivery answers the same from the stored result.
+        exc = claim.history
+        _warn("task_journal_unreadable", task_id=claim.envelope.task_id, code=exc.code, evidence=exc.evidence)
+        await self._finish(claim.msg, claim.envelope, ResultStatus.failed, error=_error_body(exc, retryable=False))
+        return True
+
+    async def _gate_poison(self, claim: Claim) -> bool:
+        """``max_task_starts`` starts without a finish: ``poison_task``, not run again (its recover hook runs)."""
+        if claim.starts < self.settings.max_task_starts:
+            return False
+        await self._poison(claim.msg, claim.envelope, claim.starts, None)
+        return True
+
+    async def _gate_run(self, claim: Claim) -> bool:
+        """Run the handler under keepalives. A stop cancelling it hands the task back (settled, no answer)."""
+        envelope, msg = claim.envelope, claim.msg
+        assert claim.task_type is not None and claim.handler is not None and claim.payload is not None
+        if claim.resumed:
+            _event("task_resumed", task_id=envelope.task_id, unfinished_steps=claim.resumed)
+        ctx = claim.ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.state,
+                                      resumed_steps=claim.resumed, _nc=self.nc,
+                                      step_observer=getattr(self.observer, "step_finished", None),
+                                      agent_stopping=self._stopping)
+        run = asyncio.ensure_future(self._run_handler(claim.task_type, claim.handler, claim.payload, ctx))
         try:
-            if isinstance(history, StateError):
-                raise history
-            starts, resumed = history
-        except StateError as exc:
-            # journal_unreadable (a row an older version wrote): the handler cannot know what was done, so it
-            # does not run; the answer names the row. A redelivery answers the same from the stored result.
-            _warn("task_journal_unreadable", task_id=envelope.task_id, code=exc.code, evidence=exc.evidence)
-            await self._finish(msg, envelope, ResultStatus.failed, error=_error_body(exc, retryable=False))
-            return
-        if starts >= self.settings.max_task_starts:
-            await self._poison(msg, envelope, starts, None)
-            return
-
-        if resumed:
-            _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
-        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.state, resumed_steps=resumed, _nc=self.nc,
-                          step_observer=getattr(self.observer, "step_finished", None), agent_stopping=self._stopping)
-        run = asyncio.ensure_future(self._run_handler(task_type, handler, payload, ctx))
-        try:
-            status, output, error = await self._keepalive_while(msg, run)
+            claim.status, claim.output, claim.error = await self._keepalive_while(msg, run)
         except asyncio.CancelledError:
             run.cancel()
             # Let the handler see its cancellation through (a clone kills qemu-img) before the agent exits.
@@ -852,20 +796,30 @@ class TaskWorker:
                     await asyncio.wait_for(msg.nak(), self.settings.request_timeout_s)
                 _warn("task_handed_back_at_stop", task_id=envelope.task_id)
             raise
-        if _is_handler_crash(error):
-            starts += 1
-            if starts >= self.settings.max_task_starts:
-                await self._poison(msg, envelope, starts, error)
-                return
-            # A crash is not an answer: deliver it again later (bounded by max_task_starts).
-            delay = self._retry_delay(starts)
-            _warn("task_crash_retry", task_id=envelope.task_id, starts=starts, retry_in_s=delay)
-            try:
-                await msg.nak(delay=delay)
-            except (nats.errors.Error, OSError) as exc:  # not nak'ed: ack_wait redelivers it all the same
-                _warn("task_nak_failed", task_id=envelope.task_id, error=repr(exc))
-            return
-        await self._finish(msg, envelope, status, output=output, error=error, slot_outcomes=ctx.slot_outcomes)
+        return False
+
+    async def _gate_crash(self, claim: Claim) -> bool:
+        """A crash is not an answer: nak'ed with a delay to run again, or ``poison_task`` at the bound."""
+        if not _is_handler_crash(claim.error):
+            return False
+        claim.starts += 1
+        if claim.starts >= self.settings.max_task_starts:
+            await self._poison(claim.msg, claim.envelope, claim.starts, claim.error)
+            return True
+        delay = self._retry_delay(claim.starts)
+        _warn("task_crash_retry", task_id=claim.envelope.task_id, starts=claim.starts, retry_in_s=delay)
+        try:
+            await claim.msg.nak(delay=delay)
+        except (nats.errors.Error, OSError) as exc:  # not nak'ed: ack_wait redelivers it all the same
+            _warn("task_nak_failed", task_id=claim.envelope.task_id, error=repr(exc))
+        return True
+
+    async def _gate_answer(self, claim: Claim) -> bool:
+        """Store the result, publish it (PubAck), then ack the task."""
+        assert claim.status is not None and claim.ctx is not None  # set by the run gate
+        await self._finish(claim.msg, claim.envelope, claim.status, output=claim.output, error=claim.error,
+                           slot_outcomes=claim.ctx.slot_outcomes)
+        return True
 
     async def _run_handler(self, task_type: TaskType, handler: Handler, payload: WireModel,
                            ctx: TaskContext) -> tuple[ResultStatus, dict[str, Any], TaskErrorBody | None]:
@@ -957,23 +911,43 @@ class TaskWorker:
             _warn("task_ack_failed", task_id=result.task_id, error=repr(exc))
 
 
-class PullSilent(Exception):
-    """A pull got neither a message nor a heartbeat for two heartbeat intervals (its server lost it)."""
+@dataclass
+class Claim:
+    """One routed task on its way through the gates: what they read, and what each learns for the next."""
 
-    def __init__(self, silent_s: float) -> None:
-        super().__init__(f"no heartbeat for {silent_s:.1f}s")
-        self.silent_s = silent_s
+    msg: Msg
+    envelope: TaskEnvelope
+    stored: dict[str, Any] | None  # the stored result, if the task already ran
+    history: tuple[int, list[str]] | StateError  # (handler starts, unfinished steps), or the journal's error
+    deadline: datetime  # aware (a naive deadline is UTC)
+    task_type: TaskType | None = None  # the payload gate's
+    payload: WireModel | None = None
+    handler: Handler | None = None  # the handler gate's
+    starts: int = 0  # the journal gate's; the crash gate counts the run that crashed
+    resumed: list[str] = field(default_factory=list)
+    ctx: TaskContext | None = None  # the run gate's
+    status: ResultStatus | None = None
+    output: dict[str, Any] = field(default_factory=dict)
+    error: TaskErrorBody | None = None
+    settled_by: str | None = None  # the gate that settled it
 
 
-def pull_status(msg: Msg) -> str | None:
-    """A JetStream status on a pull (100 heartbeat, 404/408 no message/expired, 409 ...); None for a message.
+Gate = Callable[[TaskWorker, Claim], Awaitable[bool]]
 
-    A stored message always comes with its ack subject as reply, a status never: a task published
-    with a ``Status`` header of its own is still a task (and answered or refused as one).
-    """
-    if msg.reply or not msg.headers:
-        return None
-    return msg.headers.get("Status")
+# The task policy, in order (the module docstring's steps 2 to 8): the first gate returning True settled the
+# task; the ones after it never see it. Route checks and admission come before (``_process``, ``run``).
+TASK_GATES: tuple[tuple[str, Gate], ...] = (
+    ("replay", TaskWorker._gate_replay),      # a stored result is the answer
+    ("expired", TaskWorker._gate_expired),    # deadline passed (recover hook first when interrupted)
+    ("horizon", TaskWorker._gate_horizon),    # deadline too far ahead
+    ("payload", TaskWorker._gate_payload),    # unsupported type, invalid payload
+    ("handler", TaskWorker._gate_handler),    # not implemented here
+    ("journal", TaskWorker._gate_journal),    # journal unreadable
+    ("poison", TaskWorker._gate_poison),      # started too often without finishing
+    ("run", TaskWorker._gate_run),            # the handler, under keepalives; a stop hands it back
+    ("crash", TaskWorker._gate_crash),        # a crash: nak to run again, or poison at the bound
+    ("answer", TaskWorker._gate_answer),      # store, publish, ack
+)
 
 
 def _task_history(store: StateStore, task_id: str) -> tuple[dict[str, Any] | None, tuple[int, list[str]] | StateError]:
@@ -986,7 +960,7 @@ def _task_history(store: StateStore, task_id: str) -> tuple[dict[str, Any] | Non
         return stored, (0, [])
     try:
         return None, (handler_starts(store.journal_of(task_id)), store.unfinished_steps(task_id))
-    except StateError as exc:  # journal_unreadable: answered by _process_envelope, after the deadline checks
+    except StateError as exc:  # journal_unreadable: answered by the journal gate, after the deadline checks
         return None, exc
 
 
