@@ -24,6 +24,7 @@ STRICT_ROOMS = (
     "gpuaas_agent/control",
     "gpuaas_agent/operator",
     "gpuaas_agent/host",
+    "gpuaas_agent/daemon.py",
 )
 
 
