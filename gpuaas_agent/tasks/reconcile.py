@@ -37,6 +37,7 @@ from gpuaas_agent.contract.drift import (
 from gpuaas_agent.contract.naming import allocation_from_domain_name
 from gpuaas_agent.contract.runtime import UnknownProfileError, get_profile
 from gpuaas_agent.contract.slots import SlotStatus
+from gpuaas_agent.contract.state import PowerState
 from gpuaas_agent.contract.tasks import ReconcilePayload
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
@@ -100,7 +101,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
         findings += await topology_findings(sh, lease, domain)
         mine = [r for r in reservations if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
         # A data slot of a multi-slot allocation (docs/multi-gpu.md) has no vNIC and no reservation of its own.
-        data_slot = record is not None and record.detail.get("boot_slot_index") not in (None, lease.slot_index)
+        data_slot = record is not None and record.detail.boot_slot_index not in (None, lease.slot_index)
         if status is SlotStatus.active and not mine and not data_slot:
             findings.append(_finding(DriftKind.reservation_missing, lease.allocation_id, DriftSeverity.error,
                                      expected="a dnsmasq reservation", actual="none",
@@ -130,7 +131,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
             findings.append(_finding(DriftKind.disk_not_wiped, store_disk(leases, record) or str(record.slot_index),
                                      DriftSeverity.error, expected="wiped and verified", actual="cleanup_blocked",
                                      slot_index=record.slot_index, allocation_id=record.allocation_id,
-                                     failed_step=record.detail.get("failed_step")))
+                                     failed_step=record.detail.failed_step))
 
     for alloc, domain in sorted(by_alloc.items()):
         if alloc not in leased:
@@ -187,7 +188,7 @@ async def reconcile(sh: SliceDrivers, store, *, repair: bool, trigger: DriftTrig
 
 def tenant_stopped(record) -> bool:
     """The slot record says the tenant's own ``slice.vm_power stop`` (or a reboot whose start failed) left it off."""
-    return record is not None and record.detail.get("power_state") == "stopped"
+    return record is not None and record.detail.power_state is PowerState.stopped
 
 
 def shutoff_finding(lease, record, domain) -> DriftFinding:
@@ -196,8 +197,9 @@ def shutoff_finding(lease, record, domain) -> DriftFinding:
     return _finding(DriftKind.domain_shutoff, lease.allocation_id, DriftSeverity.info if stopped else DriftSeverity.error,
                     expected="running" if not stopped else "stopped by the tenant", actual=domain.state.value,
                     slot_index=lease.slot_index, domain=domain.name,
-                    power_state=record.detail.get("power_state") if record else None,
-                    last_power_operation=record.detail.get("last_power_operation") if record else None)
+                    power_state=record.detail.power_state.value if record and record.detail.power_state else None,
+                    last_power_operation=record.detail.last_power_operation.model_dump(mode="json")
+                    if record and record.detail.last_power_operation else None)
 
 
 async def topology_findings(sh: SliceDrivers, lease, domain) -> list[DriftFinding]:
