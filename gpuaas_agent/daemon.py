@@ -188,6 +188,8 @@ class NodeHost(Protocol):
 
     def isolation_probe(self, store: StoreThread) -> Probe | None: ...
 
+    def health_probes(self, store: StoreThread) -> list[Probe]: ...
+
     def sample(self, live: LiveState) -> None: ...
 
     def loops(self, config: AgentConfig, store: StoreThread) -> list[tuple[str, Coroutine[Any, Any, None]]]: ...
@@ -225,6 +227,10 @@ class SliceHost:
 
     def isolation_probe(self, store: StoreThread) -> Probe | None:
         return port_isolation_probe(self.drivers, store)
+
+    def health_probes(self, store: StoreThread) -> list[Probe]:
+        """The health round's checks of the slice host, beside the reporter's own."""
+        return [port_isolation_probe(self.drivers, store)]
 
     def sample(self, live: LiveState) -> None:
         stats = self.drivers.images.stats()
@@ -535,9 +541,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
                          health_interval_s=config.health_interval_s, request_timeout_s=config.request_timeout_s,
                          metrics_textfile=config.metrics_textfile),
         state, HealthSettings.from_config(config), None, notifier.notify)
-    isolation = host.isolation_probe(state)
-    if isolation is not None:
-        reporter.extra_checks.append(isolation)
+    reporter.extra_checks.extend(host.health_probes(state))
     # state.sync: a scrape renders on a worker thread (operator/metrics.py), never on the loop
     metrics = AgentMetrics(live_state(state.sync, reporter, host, uevents))
     reporter.metrics = metrics
@@ -599,14 +603,16 @@ async def _until_stopped(config: AgentConfig, stop: asyncio.Event, record: Enrol
     """Serve until ``stop`` (drain: stop pulling, let running tasks finish for the grace) or the worker dies."""
     ready = asyncio.create_task(worker.ready.wait())
     stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({ready, stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
-    if ready.done():
-        reporter.status_line(f"node {record.node_id}: pulling tasks")
-        _event("agent_ready", node_id=record.node_id, version=__version__)
-        await reporter.tick()  # the first heartbeat and status file now, not one interval later
-    await asyncio.wait({stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
-    for waiter in (ready, stopping):
-        waiter.cancel()
+    try:
+        await asyncio.wait({ready, stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done():
+            reporter.status_line(f"node {record.node_id}: pulling tasks")
+            _event("agent_ready", node_id=record.node_id, version=__version__)
+            await reporter.tick()  # the first heartbeat and status file now, not one interval later
+        await asyncio.wait({stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in (ready, stopping):
+            waiter.cancel()
 
     if worker_task.done() and not stop.is_set():
         exc = worker_task.exception()
@@ -620,7 +626,6 @@ async def _until_stopped(config: AgentConfig, stop: asyncio.Event, record: Enrol
     await worker.drain(config.shutdown_grace_s)
     await host.close_terminals()  # while NATS is still up: each gateway gets its session's closing frame
     return EXIT_OK
-
 
 
 async def _run_with_signals(config: AgentConfig) -> int:

@@ -37,6 +37,9 @@ class ReadOnlyHost:
     def isolation_probe(self, store: StoreThread) -> Probe | None:
         return None
 
+    def health_probes(self, store: StoreThread) -> list[Probe]:
+        return []
+
     def sample(self, live: LiveState) -> None:
         pass
 
