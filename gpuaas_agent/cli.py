@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=f"agent config (default {DEFAULT_CONFIG})")
     prepare.add_argument("--check", action="store_true",
                          help="write nothing: verify everything exists and the agent can write where it must")
+    prepare.add_argument("--sysfs-dropin", type=Path, default=None, metavar="PATH",
+                         help="also write the unit drop-in opening the sysfs files the slots' devices need "
+                              "(with --check: report whether they are writable here)")
 
     baseline = sub.add_parser("network-baseline",
                               help="converge ovsbr0 + gateway, dnsmasq subnet config, NAT, ip_forward (idempotent)")
@@ -282,7 +285,8 @@ def _cmd_prepare_host(args: argparse.Namespace) -> int:
     from gpuaas_agent.config import load_config
     from gpuaas_agent.deploy.prepare import prepare_host
 
-    for line in asyncio.run(prepare_host(load_config(args.config), check_only=args.check)):
+    for line in asyncio.run(prepare_host(load_config(args.config), check_only=args.check,
+                                        sysfs_dropin=args.sysfs_dropin)):
         print(line)
     return EXIT_OK
 

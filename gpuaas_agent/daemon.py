@@ -79,6 +79,8 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import HealthSettings, isolation_check
+from gpuaas_agent.operator.health_fabric import fabric_probe
+from gpuaas_agent.operator.health_quarantine import all_rechecks
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.netwatch import Probe, serialized, start_netwatch
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
@@ -88,6 +90,7 @@ from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boo
 from gpuaas_agent.tasks.context import Handler
 from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.quarantine import unquarantine_handler
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
 from gpuaas_agent.tasks.registry import build_handlers, concurrency_for
 from systemd import daemon  # type: ignore[attr-defined]  # python-systemd ships no stubs for its submodules
@@ -149,7 +152,11 @@ def default_handlers(config: AgentConfig, slice_host: SliceDrivers | None = None
     ``slice_host``: the drivers the slice pipelines share (built once per daemon); without
     it only the read-only tasks are served.
     """
-    return dict(build_handlers(config, slice_host))
+    handlers = dict(build_handlers(config, slice_host))
+    # -- begin: slice.unquarantine with the operator room's re-checks (BMC, NVML), injected explicitly --
+    handlers[TaskType.unquarantine] = unquarantine_handler(config, slice_host, rechecks=all_rechecks())
+    # -- end: operator re-checks --
+    return handlers
 
 
 Reconcile = Callable[[], Awaitable[object]]
@@ -230,7 +237,12 @@ class SliceHost:
 
     def health_probes(self, store: StoreThread) -> list[Probe]:
         """The health round's checks of the slice host, beside the reporter's own."""
-        return [port_isolation_probe(self.drivers, store)]
+        probes = [port_isolation_probe(self.drivers, store)]
+        # -- begin: Fabric Manager restarts found on the health interval (operator/health_fabric.py) --
+        if self.drivers.fabric is not None:
+            probes.append(fabric_probe(self.drivers.fabric, store))
+        # -- end: Fabric Manager health --
+        return probes
 
     def sample(self, live: LiveState) -> None:
         stats = self.drivers.images.stats()

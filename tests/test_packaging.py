@@ -23,10 +23,27 @@ def _norm(name: str) -> str:
 FROM_DISTRO = {"libvirt-python", "systemd-python", "ovs"}
 # Ubuntu 22.04, Debian 12, Ubuntu 24.04 (packaging/README.md).
 SUPPORTED_PYTHONS = ("3.10", "3.11", "3.12")
+# The optional extras the .deb carries (pyproject's [project.optional-dependencies]): `bmc` is the Redfish
+# reader of the gpu_bmc check, which a packaged host must be able to run.
+DEB_EXTRAS = ("bmc",)
+
+
+def _deb_requirements() -> list[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return [*project["dependencies"], *(r for extra in DEB_EXTRAS for r in project["optional-dependencies"][extra])]
+
+
+def _lock_pins() -> dict[str, str]:
+    return {_norm(line.split("==", 1)[0]): line.split("==", 1)[1].split()[0]
+            for line in (REPO / "packaging/requirements.lock").read_text().splitlines()
+            if "==" in line and not line.startswith((" ", "#"))}
 
 
 def test_the_deb_lock_pins_every_runtime_dependency_and_theirs():
-    """A dependency missing from packaging/requirements.lock is absent from the installed venv (--no-deps)."""
+    """A dependency missing from packaging/requirements.lock is absent from the installed venv (--no-deps).
+
+    The .deb's extras count: sushy and its tree (pbr, stevedore, requests...) are walked too.
+    """
     from importlib import metadata
 
     from packaging.requirements import Requirement
@@ -37,7 +54,7 @@ def test_the_deb_lock_pins_every_runtime_dependency_and_theirs():
     # Every Python the one .deb supports: a dependency only 3.10 needs (tomli) is locked too.
     for python in SUPPORTED_PYTHONS:
         env = {"extra": "", "python_version": python, "python_full_version": f"{python}.0"}
-        queue = [Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]]
+        queue = [Requirement(r) for r in _deb_requirements()]
         while queue:
             req = queue.pop()
             name = _norm(req.name)
@@ -61,3 +78,16 @@ def test_debian_copyright_names_every_bundled_wheel():
                if f"wheels/{name.lower().replace('-', '_')}-*" in copyright_text
                or f"wheels/{name.lower()}-*" in copyright_text}
     assert sorted(lock - covered) == []
+
+
+def test_the_deb_lock_pins_what_the_packaged_extras_ask_for():
+    """The locked release of each extra's requirement satisfies the extra's specifier (sushy>=5.11,<6: 5.11.1)."""
+    from packaging.requirements import Requirement
+
+    pins = _lock_pins()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    for extra in DEB_EXTRAS:
+        for text in project["optional-dependencies"][extra]:
+            req = Requirement(text)
+            assert _norm(req.name) in pins, f"{req.name} of the {extra} extra is not locked"
+            assert req.specifier.contains(pins[_norm(req.name)]), (req, pins[_norm(req.name)])

@@ -50,8 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuaas_agent.config import AgentConfig
-from gpuaas_agent.deploy import relaykey
+from gpuaas_agent.deploy import relaykey, sysfswrites
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.hostfs import HostRoot
 
 # Kernel and device filesystems: a config naming a path there is a mistake (or an attack), never a directory to make.
 FORBIDDEN_ROOTS = (Path("/dev"), Path("/proc"), Path("/sys"))
@@ -166,8 +167,13 @@ def _make_dir(spec: DirSpec) -> str:
     return "created"
 
 
-async def prepare_host(config: AgentConfig, *, check_only: bool = False) -> list[str]:
+async def prepare_host(config: AgentConfig, *, check_only: bool = False, sysfs_dropin: Path | None = None) -> list[str]:
     """Create (or with ``check_only`` only verify) what a provision needs; one line per item.
+
+    ``sysfs_dropin``: also write the unit drop-in that opens the sysfs files the agent writes
+    (deploy/sysfswrites.py); with ``check_only``, report each of those files' writability here
+    instead (a line per file, never fatal: a device added since the drop-in was loaded costs
+    its slot, which preflight's ``sysfs_writable`` refuses, not the whole node).
 
     Raises :class:`PrepareError` or :class:`relaykey.RelayKeyError` before writing anything.
     """
@@ -180,8 +186,9 @@ async def prepare_host(config: AgentConfig, *, check_only: bool = False) -> list
         _check_not_writable_by_others(spec)
     key_file = config.slice.terminal_relay_key_file
     found = relaykey.inspect(key_file)  # refuses a key it must not use before anything is created
+    sysfs = _sysfs_write_set(config) if sysfs_dropin is not None else None
     if check_only:
-        return _verify(specs, found, key_file)
+        return _verify(specs, found, key_file) + (sysfswrites.check_lines(sysfs) if sysfs is not None else [])
 
     lines, done = [], set()
     for spec in specs:
@@ -196,7 +203,24 @@ async def prepare_host(config: AgentConfig, *, check_only: bool = False) -> list
         lines.append(_line(spec.item, spec.path, outcome, mode=f"{stat.S_IMODE(spec.path.stat().st_mode):04o}"))
     outcome, key = await relaykey.ensure(key_file)
     lines.append(_line("terminal_relay_key", key_file, outcome, type=relaykey.KEY_TYPE, fingerprint=key.fingerprint))
+    if sysfs_dropin is not None and sysfs is not None:
+        text = sysfswrites.render_dropin(sysfs, host_root=str(config.host_root))
+        try:
+            outcome = sysfswrites.write_dropin(sysfs_dropin, text)
+        except OSError as exc:
+            raise PrepareError(f"cannot write the sysfs drop-in {sysfs_dropin}: {exc.strerror}",
+                               code="host_path_write_failed",
+                               evidence={"item": "sysfs_dropin", "path": str(sysfs_dropin), "errno": exc.errno}) from None
+        lines.append(_line("sysfs_dropin", sysfs_dropin, outcome, paths=str(len(sysfs))))
     return lines
+
+
+def _sysfs_write_set(config: AgentConfig) -> list[sysfswrites.WritablePath]:
+    try:
+        return sysfswrites.host_write_set(HostRoot.open(config.host_root))
+    except OSError as exc:
+        raise PrepareError(f"cannot read the PCI devices under {config.host_root}: {exc.strerror or exc}",
+                           code="host_path_refused", evidence={"host_root": str(config.host_root)}) from None
 
 
 def _verify(specs: list[DirSpec], found: relaykey.Inspection, key_file: Path) -> list[str]:

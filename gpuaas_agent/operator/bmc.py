@@ -226,6 +226,10 @@ def summarise_reading(reading: BmcReading) -> tuple[BmcStatus, str]:
 
 def bmc_check(config: BmcConfig) -> HealthCheck:
     """The ``gpu_bmc`` health check (blocking): one read, the worst verdict, every non-ok component named."""
-    reading = read_bmc_verdicts(config)
+    return check_of(read_bmc_verdicts(config))
+
+
+def check_of(reading: BmcReading) -> HealthCheck:
+    """The ``gpu_bmc`` check of a reading already made (the health round keeps the reading for quarantine)."""
     status, detail = summarise_reading(reading)
     return HealthCheck(name=CHECK_NAME, status=status, detail=detail[:4000], checked_at=reading.read_at)

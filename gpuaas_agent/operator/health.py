@@ -43,6 +43,7 @@ import libvirt
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import AgentConfig, BmcConfig
+from gpuaas_agent.contract.bmc import BmcReading
 from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import CheckStatus, HealthCheck, HostHealth
@@ -91,6 +92,17 @@ class HealthSettings:
                    nvml_fixture=getattr(config, "health_nvml_fixture", None),
                    network_root=Path("/") if getattr(config, "health_network_live", False) else None,
                    bmc=getattr(config, "bmc", None))
+
+
+@dataclass
+class RoundReadings:
+    """What one health round read, kept for the quarantine pass (operator/health_quarantine.py) to judge
+    the same reading instead of reading the hardware a second time. A field is set only when its check
+    finished reading (a check past its deadline leaves it None, and the pass then reads for itself)."""
+
+    aer: dict[str, dict[str, int]] | None = None  # PCI address -> AER counters (pcie_aer)
+    nvml: nvml.NvmlReading | None = None  # the reading gpu_nvml judged
+    bmc: BmcReading | None = None  # the reading gpu_bmc judged
 
 
 def _now() -> datetime:
@@ -211,7 +223,7 @@ def vfio_check(settings: HealthSettings, leases: list[SlotLease], records: list[
 # -- hardware ------------------------------------------------------------------------------
 
 
-def pcie_aer_check(settings: HealthSettings) -> HealthCheck:
+def pcie_aer_check(settings: HealthSettings, readings: RoundReadings | None = None) -> HealthCheck:
     """AER counters of the slot's PCI functions: fatal errors fail the host, non-fatal degrade it."""
     host = HostRoot.open(settings.host_root)
     try:
@@ -219,6 +231,7 @@ def pcie_aer_check(settings: HealthSettings) -> HealthCheck:
     except OSError:
         return _check("pcie_aer", "unavailable", f"{PCI_DEVICES} unreadable")
     fatal, nonfatal, correctable, seen = [], [], 0, 0
+    read: dict[str, dict[str, int]] = {}
     for address in addresses:
         base = f"{PCI_DEVICES}/{address}"
         try:
@@ -231,12 +244,15 @@ def pcie_aer_check(settings: HealthSettings) -> HealthCheck:
         counts = aer_counts(host, address)
         if not counts:
             continue
+        read[address] = counts
         seen += 1
         if counts.get("fatal"):
             fatal.append(f"{address} fatal={counts['fatal']}")
         if counts.get("nonfatal"):
             nonfatal.append(f"{address} nonfatal={counts['nonfatal']}")
         correctable += counts.get("correctable", 0)
+    if readings is not None:
+        readings.aer = read
     if not seen:
         return _check("pcie_aer", "unavailable", "no slot device exposes AER counters")
     if fatal or nonfatal:
@@ -293,7 +309,8 @@ async def nvme_smart_check(settings: HealthSettings) -> HealthCheck:
     return _check("nvme_smart", "ok", f"{read} controller(s): no critical warning, no media errors")
 
 
-def gpu_nvml_check(settings: HealthSettings, source: nvml.NvmlSource | None = None) -> HealthCheck:
+def gpu_nvml_check(settings: HealthSettings, source: nvml.NvmlSource | None = None,
+                   readings: RoundReadings | None = None) -> HealthCheck:
     """XID events, uncorrected ECC, retired pages and remapped rows through NVML (operator/nvml.py).
 
     ``settings.nvml_fixture``: judge a recorded reading instead of the live NVML (tests, lab).
@@ -305,6 +322,8 @@ def gpu_nvml_check(settings: HealthSettings, source: nvml.NvmlSource | None = No
             reading = nvml.load_reading(settings.nvml_fixture)
         except AgentError as exc:
             return _check("gpu_nvml", "unavailable", f"{exc.code}: {exc.message}")
+        if readings is not None:
+            readings.nvml = reading
         status, detail = nvml.judge(reading, now=reading.recorded_at)
         return _check("gpu_nvml", status, detail)
     if not HostRoot.open(settings.host_root).is_live:
@@ -312,6 +331,8 @@ def gpu_nvml_check(settings: HealthSettings, source: nvml.NvmlSource | None = No
     reading = (source or nvml.SOURCE).read()
     if isinstance(reading, str):
         return _check("gpu_nvml", "unavailable", reading)
+    if readings is not None:
+        readings.nvml = reading
     status, detail = nvml.judge(reading)
     return _check("gpu_nvml", status, detail)
 
@@ -401,15 +422,26 @@ async def guarded_check(name: str, work: Callable[[], HealthCheck | list[HealthC
     return result if isinstance(result, list) else [result]
 
 
-def bmc_checks(config: BmcConfig | None) -> list[Awaitable[list[HealthCheck]]]:
+def bmc_checks(config: BmcConfig | None, readings: RoundReadings | None = None) -> list[Awaitable[list[HealthCheck]]]:
     """The ``gpu_bmc`` check where a BMC is configured, under its own deadline (a whole baseboard read)."""
     if config is None:
         return []
-    return [guarded_check(bmc.CHECK_NAME, lambda: bmc.bmc_check(config), timeout_s=config.check_timeout_s)]
+
+    def read_and_judge() -> HealthCheck:
+        reading = bmc.read_bmc_verdicts(config)
+        if readings is not None:
+            readings.bmc = reading
+        return bmc.check_of(reading)
+
+    return [guarded_check(bmc.CHECK_NAME, read_and_judge, timeout_s=config.check_timeout_s)]
 
 
-async def run_checks(settings: HealthSettings, leases: list[SlotLease], records: list[SlotRecord]) -> list[HealthCheck]:
-    """Every check once, concurrently; sorted by name so heartbeats compare line by line."""
+async def run_checks(settings: HealthSettings, leases: list[SlotLease], records: list[SlotRecord],
+                     readings: RoundReadings | None = None) -> list[HealthCheck]:
+    """Every check once, concurrently; sorted by name so heartbeats compare line by line.
+
+    ``readings``: filled with what the AER, NVML and BMC checks read (the quarantine pass judges those).
+    """
     async def nvme() -> list[HealthCheck]:
         try:
             return [await asyncio.wait_for(nvme_smart_check(settings), CHECK_TIMEOUT_S)]
@@ -422,10 +454,10 @@ async def run_checks(settings: HealthSettings, leases: list[SlotLease], records:
         guarded_check("libvirtd", lambda: libvirtd_check(settings)),
         guarded_check("slot_disks", lambda: slot_disk_check(settings, leases)),
         guarded_check("vfio_binding", lambda: vfio_check(settings, leases, records)),
-        guarded_check("pcie_aer", lambda: pcie_aer_check(settings)),
-        guarded_check("gpu_nvml", lambda: gpu_nvml_check(settings)),
+        guarded_check("pcie_aer", lambda: pcie_aer_check(settings, readings)),
+        guarded_check("gpu_nvml", lambda: gpu_nvml_check(settings, readings=readings)),
         nvme(),
-        *bmc_checks(settings.bmc),
+        *bmc_checks(settings.bmc, readings),
     )
     return sorted((c for group in rounds for c in group), key=lambda c: c.name)
 

@@ -6,12 +6,17 @@ into per-component quarantines, so one failing part costs its own slot and not t
 * a slot GPU or fabric VF whose fatal AER counter is above zero: ``gpu_aer_fatal``;
 * a slot disk whose SMART log has a critical warning, media errors or 100 % wear: ``smart_failing``;
 * a GPU with a fatal XID (NVML, where the host still drives it) within the XID window: ``gpu_xid``;
-* a GPU the HGX baseboard's BMC judges ``failed`` (read again only when the ``gpu_bmc`` check failed,
-  so a healthy host reads its BMC once per interval): ``bmc_failed``.
+* a GPU the HGX baseboard's BMC judges ``failed``: ``bmc_failed``.
+
+One reading per round: the pass judges what the checks read (``operator/health.RoundReadings``: the
+AER counters, the NVML and BMC readings of a failed ``gpu_nvml`` / ``gpu_bmc``), never reads the BMC
+or NVML again, reads SMART only when ``nvme_smart`` found a failing controller, and discovers the
+slots only when something names a failing part.
 
 A component already quarantined keeps its first record; a quarantined part under a running tenant
 stays in service for that tenant (nothing is torn down) and is not offered again after its release.
-``slice.unquarantine`` re-runs the same check (``tasks/recheck.py``). A recorded host root is read for
+``slice.unquarantine`` re-runs the same check (``tasks/recheck.py``; the BMC and XID ones are here,
+:data:`OPERATOR_RECHECKS`, which the daemon passes to the handler). A recorded host root is read for
 AER (its counters are files) but never for SMART (nvme-cli talks to a live controller).
 """
 
@@ -36,25 +41,28 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator import nvml
 from gpuaas_agent.operator.bmc import read_bmc_verdicts
-from gpuaas_agent.operator.health import HealthSettings
 from gpuaas_agent.operator.nvml import FATAL_XIDS, XID_WINDOW, NvmlReading
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.tasks.quarantine import quarantine_component
-from gpuaas_agent.tasks.recheck import RECHECKS, RecheckContext
+from gpuaas_agent.tasks.recheck import RECHECKS, Recheck, RecheckContext
 
 log = logging.getLogger(__name__)
 TASK_ID = "health-loop"
 
 
-def failing_by_aer(host: HostRoot, report: TopologyReport) -> list[tuple[ComponentKind, str, int, dict[str, Any]]]:
-    """(kind, PCI address, slot index, AER counters) of every slot GPU or VF with a fatal error since boot."""
+def failing_by_aer(host: HostRoot, report: TopologyReport, read: dict[str, dict[str, int]] | None = None,
+                   ) -> list[tuple[ComponentKind, str, int, dict[str, Any]]]:
+    """(kind, PCI address, slot index, AER counters) of every slot GPU or VF with a fatal error since boot.
+
+    ``read``: the counters the round's ``pcie_aer`` check read (by PCI address); None: read them here.
+    """
     out = []
     for slot in report.candidate_slots:
         for kind, address in ((ComponentKind.gpu, slot.gpu_pci_address),
                               (ComponentKind.fabric_vf, slot.fabric_vf_pci_address)):
             if not address:
                 continue
-            counts = aer_counts(host, address)
+            counts = aer_counts(host, address) if read is None else read.get(address, {})
             if counts.get("fatal"):
                 out.append((kind, address, slot.slot_index, counts))
     return out
@@ -88,16 +96,6 @@ def failing_by_bmc(reading: BmcReading) -> list[tuple[str, dict[str, Any]]]:
             for v in reading.gpus if v.status == "failed" and v.pci_address]
 
 
-def nvml_reading(settings: HealthSettings) -> NvmlReading | None:
-    """The NVML reading the ``gpu_nvml`` check judged (its recorded fixture, or the daemon's live session)."""
-    if settings.nvml_fixture is not None:
-        return nvml.load_reading(settings.nvml_fixture)
-    if not HostRoot.open(settings.host_root).is_live:
-        return None
-    reading = nvml.SOURCE.read()
-    return None if isinstance(reading, str) else reading
-
-
 def pci_address_of(bus_id: str) -> str:
     """NVML's ``00000000:18:00.0`` as the host's ``0000:18:00.0`` (lower case, 4-digit domain)."""
     domain, _, rest = bus_id.strip().lower().partition(":")
@@ -120,18 +118,31 @@ def failing_by_xid(reading: NvmlReading, now: datetime | None = None) -> list[tu
 
 async def quarantine_failing_devices(host_root: Path, store: StoreThread, *, runner: Runner = run,
                                      bmc_reading: BmcReading | None = None,
-                                     nvml_reading: NvmlReading | None = None) -> list[QuarantineRecord]:
-    """One pass: discover the slots, read AER and SMART (and judge the BMC's reading, when given), quarantine
-    each failing part; returns the new records."""
+                                     nvml_reading: NvmlReading | None = None,
+                                     aer: dict[str, dict[str, int]] | None = None,
+                                     read_smart: bool = True) -> list[QuarantineRecord]:
+    """One pass: judge what the health round read, quarantine each failing part; returns the new records.
+
+    The round's readings are judged, not read again: ``aer`` (the ``pcie_aer`` check's counters; None:
+    read here), ``nvml_reading`` / ``bmc_reading`` (what ``gpu_nvml`` / ``gpu_bmc`` judged; None: not
+    failed). SMART is read per slot disk only with ``read_smart`` (the ``nvme_smart`` check found a
+    failing controller). The slots are discovered only when one of these names a failing part: a healthy
+    round costs no discovery.
+    """
     host = HostRoot.open(host_root)
+    suspect = (aer is None or any(c.get("fatal") for c in aer.values()) or (read_smart and host.is_live)
+               or (nvml_reading is not None and bool(failing_by_xid(nvml_reading)))
+               or (bmc_reading is not None and bool(failing_by_bmc(bmc_reading))))
+    if not suspect:
+        return []
     report = await asyncio.to_thread(discover, host)
     already = {(r.kind, r.identity) for r in await store.quarantined()}
     new: list[QuarantineRecord] = []
-    for kind, address, slot_index, counts in await asyncio.to_thread(failing_by_aer, host, report):
+    for kind, address, slot_index, counts in await asyncio.to_thread(failing_by_aer, host, report, aer):
         if (kind, address) not in already:
             new.append(await quarantine_component(store, kind, address, QuarantineReason.gpu_aer_fatal,
                                                   {"aer": counts}, TASK_ID, slot_index=slot_index))
-    for identity, slot_index, evidence in await failing_by_smart(host, report, runner=runner):
+    for identity, slot_index, evidence in (await failing_by_smart(host, report, runner=runner) if read_smart else []):
         if (ComponentKind.nvme, identity) not in already:
             new.append(await quarantine_component(store, ComponentKind.nvme, identity, QuarantineReason.smart_failing,
                                                   evidence, TASK_ID, slot_index=slot_index))
@@ -182,7 +193,14 @@ async def recheck_xid(ctx: RecheckContext, record: QuarantineRecord) -> RecheckV
     return RecheckVerdict(check="gpu_xid", passed=True, detail=f"{record.identity}: no fatal XID since it was quarantined")
 
 
-# The BMC and NVML are read in this room (operator/), above the tasks that hold the re-check table: registered here,
-# which the daemon imports before it serves a task.
-RECHECKS.setdefault(QuarantineReason.bmc_failed, recheck_bmc)
-RECHECKS.setdefault(QuarantineReason.gpu_xid, recheck_xid)
+# The BMC and NVML are read in this room (operator/), above the tasks that hold the re-check table. Nothing is
+# registered by importing this module: the daemon hands slice.unquarantine the whole table (all_rechecks()).
+OPERATOR_RECHECKS: dict[QuarantineReason, Recheck] = {
+    QuarantineReason.bmc_failed: recheck_bmc,
+    QuarantineReason.gpu_xid: recheck_xid,
+}
+
+
+def all_rechecks() -> dict[QuarantineReason, Recheck]:
+    """tasks/recheck.py's table with this room's re-checks: what the daemon's ``slice.unquarantine`` runs."""
+    return {**RECHECKS, **OPERATOR_RECHECKS}

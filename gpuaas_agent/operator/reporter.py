@@ -35,10 +35,11 @@ from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
     HealthSettings,
+    RoundReadings,
     run_checks,
     summarise,
 )
-from gpuaas_agent.operator.health_quarantine import nvml_reading, quarantine_failing_devices
+from gpuaas_agent.operator.health_quarantine import quarantine_failing_devices
 from gpuaas_agent.operator.metrics import AgentMetrics
 from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
@@ -170,7 +171,8 @@ class Reporter:
 
     async def check_health(self) -> None:
         leases, records = await self.state.leases(), await self.state.slot_states()
-        checks = await run_checks(self.health_settings, leases, records)
+        readings = RoundReadings()
+        checks = await run_checks(self.health_settings, leases, records, readings)
         for extra in self.extra_checks:
             try:
                 checks += await asyncio.wait_for(extra(), CHECK_TIMEOUT_S)
@@ -181,16 +183,13 @@ class Reporter:
         self.checks = sorted(checks, key=lambda c: c.name)
         self.checked.set()
         try:  # a failing part is taken out of service by itself (one bad disk does not take the host's other slots)
-            reading = None
-            bmc_config = self.health_settings.bmc
-            if bmc_config is not None and any(c.name == bmc.CHECK_NAME and c.status == "failed" for c in self.checks):
-                reading = await asyncio.wait_for(asyncio.to_thread(bmc.read_bmc_verdicts, bmc_config),
-                                                 bmc_config.check_timeout_s)
-            xids = None
-            if any(c.name == "gpu_nvml" and c.status == "failed" for c in self.checks):
-                xids = await asyncio.to_thread(nvml_reading, self.health_settings)
-            await quarantine_failing_devices(self.health_settings.host_root, self.state, bmc_reading=reading,
-                                             nvml_reading=xids)
+            status = {c.name: c.status for c in self.checks}
+            # The round's own readings, judged again per component: nothing is read a second time.
+            await quarantine_failing_devices(
+                self.health_settings.host_root, self.state, aer=readings.aer,
+                bmc_reading=readings.bmc if status.get(bmc.CHECK_NAME) == "failed" else None,
+                nvml_reading=readings.nvml if status.get("gpu_nvml") == "failed" else None,
+                read_smart=status.get("nvme_smart") in ("failed", "degraded"))
         except Exception:
             log_event(log, "health_quarantine_failed", logging.ERROR, exc_info=True)
         state, reason = summarise(self.checks)

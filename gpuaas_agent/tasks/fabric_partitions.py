@@ -31,6 +31,7 @@ from gpuaas_agent.contract.fabric import (
 )
 from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.runtime import RuntimeProfile
+from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.preconditions import check_fabric_manager
@@ -225,21 +226,41 @@ async def confirm_active(fabric: FabricManager | None, store: Any, allocation_id
 
 
 async def restore_after_restart(fabric: FabricManager, store: Any,
-                                listed: FabricPartitionList | None = None) -> list[int]:
+                                listed: FabricPartitionList | None = None, *,
+                                settled: set[str] | None = None) -> list[int]:
     """After an FM restart: set active again every partition an ``active`` lease holds that FM lost.
 
     Only partitions provision activated (state ``active``) are restored, never a merely planned one.
     Returns the partitions restored (empty: nothing was lost). ``fm_restore_unverified`` when FM does
     not list them active afterwards.
+
+    ``settled``: the allocations no task is changing (every slot ``active``), for a caller that holds no
+    slot lock (the health loop). Only their lost partitions count, and the list set again is theirs plus
+    what FM lists active now: a partition a release has just deactivated (its lease not yet dropped) is
+    never switched back on, and one a provision has just activated stays on.
     """
     leases = [p for p in await store.partition_leases() if p.state is PartitionState.active]
     listed = listed or await fabric.partitions()
-    lost = partitions_to_restore(listed, leases)
+    if settled is None:
+        lost = partitions_to_restore(listed, leases)
+        keep = sorted({p.partition_id for p in leases})
+    else:
+        lost = partitions_to_restore(listed, [p for p in leases if p.allocation_id in settled])
+        keep = sorted({p.partition_id for p in leases
+                       if p.allocation_id in settled or ((q := listed.by_id(p.partition_id)) and q.active)})
     if not lost:
         return []
-    keep = sorted({p.partition_id for p in leases})
     await fabric.set_activated(keep)
     return lost
+
+
+def settled_allocations(records: Iterable[Any]) -> set[str]:
+    """Allocations whose every slot record is ``active`` (slot records: ``store.slot_states()``)."""
+    by_allocation: dict[str, bool] = {}
+    for record in records:
+        by_allocation[record.allocation_id] = (by_allocation.get(record.allocation_id, True)
+                                               and record.status is SlotStatus.active)
+    return {allocation for allocation, settled in by_allocation.items() if settled}
 
 
 _DRIFT_KINDS = {

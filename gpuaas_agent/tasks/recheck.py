@@ -10,9 +10,11 @@ Wired here: ``gpu_aer_fatal`` (sysfs AER counters, ``discovery/aer.py``), ``smar
 a release retried since, covers every byte and no lease holds the disk), ``gpu_reset_failed`` /
 ``gpu_memory_clear_failed`` (a release's GPU handover of that device passed since),
 ``firmware_changed`` (the changed components read their recorded or a baseline version again) and
-``operator``; ``bmc_failed`` is registered by the room that reads the BMC
-(``operator/health_quarantine.py``). Not wired yet: ``gpu_xid`` (answered ``recheck_unavailable``); a new reason adds
-``RECHECKS[reason] = its_recheck`` with the :data:`Recheck` signature.
+``operator``. ``bmc_failed`` and ``gpu_xid`` read the BMC and NVML, in the room above
+(``operator/health_quarantine.py`` ``OPERATOR_RECHECKS``): the daemon passes the merged table to
+``tasks/quarantine.unquarantine_handler`` explicitly; importing that room changes nothing here. A handler
+built without it answers those reasons ``recheck_unavailable``. A new reason adds ``RECHECKS[reason] =
+its_recheck`` (or, read above tasks/, an entry of ``OPERATOR_RECHECKS``) with the :data:`Recheck` signature.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pkgutil
 import re
@@ -34,6 +35,7 @@ import gpuaas_agent
 from tests.conftest import REPO, fixture_host
 from tests.deploy.chroot import APT_TIMEOUT_S, CACHE, CMD_TIMEOUT_S, distro_root, run_checked, ubuntu_tarball
 from tests.deploy.machine import BUILD
+from tests.support.redfish_server import PCI, started_server
 
 FIXTURE = "h200-slice-after-transition"
 SLICE_ONLY = ("libvirt-daemon-system", "qemu-system-x86", "openvswitch-switch", "dnsmasq", "ovmf", "nvme-cli")
@@ -127,9 +129,9 @@ def test_control_names_the_supported_pythons_and_keeps_slice_packages_recommende
 # Every module of the package, imported by the installed venv's python: what a 3.11-only import
 # (tomllib, datetime.UTC, enum.StrEnum, typing.Self...) or a dependency missing on that python breaks.
 # Modules of an optional extra the .deb does not lock (pyproject's [project.optional-dependencies]): each may
-# fail to import only for want of that extra's package, by name. operator/redfish.py is the `bmc` extra's
-# Redfish reader (sushy); without it the gpu_bmc check reads `unavailable` (docs/hgx.md "Packaging").
-OPTIONAL_EXTRAS = {"gpuaas_agent.operator.redfish": ("sushy", "requests")}
+# fail to import only for want of that extra's package, by name. None today: the `bmc` extra (sushy, for
+# operator/redfish.py) is locked, so a packaged host can read its BMC.
+OPTIONAL_EXTRAS: dict[str, tuple[str, ...]] = {}
 IMPORT_EVERY_MODULE = """
 import importlib, pkgutil, gpuaas_agent
 optional = '__OPTIONAL__'
@@ -148,6 +150,41 @@ print("\\n".join(failed))
 """.replace("'__OPTIONAL__'", repr(OPTIONAL_EXTRAS))
 
 
+READ_BMC = """
+import json, sys
+from gpuaas_agent.config import BmcConfig
+from gpuaas_agent.operator import bmc
+import sushy
+config = BmcConfig(**json.loads(sys.argv[1]))
+reading = bmc.read_bmc_verdicts(config)
+print(json.dumps({"sushy": sushy.__file__, "error": reading.error,
+                  "gpus": {v.gpu_id: v.status for v in reading.gpus},
+                  "nvswitches": {v.switch_id: v.status for v in reading.nvswitches},
+                  "check": bmc.bmc_check(config).status}))
+"""
+
+
+def _packaged_venv_reads_the_bmc(box, tmp_path: Path) -> None:
+    (tmp_path / "bmc").mkdir()
+    server = started_server(tmp_path / "bmc")
+    try:
+        inside = box.path("/tmp/bmc")
+        inside.mkdir()
+        for name, src in (("cert.pem", server.cert), ("bmc.json", server.creds)):
+            shutil.copyfile(src, inside / name)
+        (inside / "bmc.json").chmod(0o600)
+        config = {"url": f"https://127.0.0.1:{server.port}", "credentials_file": "/tmp/bmc/bmc.json",
+                  "ca_file": "/tmp/bmc/cert.pem", "gpu_pci_addresses": PCI, "request_timeout_s": 5.0}
+        answer = json.loads(box.run("/opt/gpuaas-agent/bin/python", "-c", READ_BMC, json.dumps(config)).stdout)
+    finally:
+        server.stop()
+    assert answer["sushy"].startswith("/opt/gpuaas-agent/lib/python"), answer
+    assert answer["error"] is None, answer
+    assert answer["gpus"] == dict.fromkeys(PCI, "ok") and answer["check"] == "ok", answer
+    assert answer["nvswitches"] == {f"NVSwitch_{n}": "ok" for n in range(4)}, answer
+    assert "Authorization: Basic " in server.requests_seen()
+
+
 def _source_modules() -> int:
     return sum(1 for m in pkgutil.walk_packages(gpuaas_agent.__path__, "gpuaas_agent.") if m.name != "gpuaas_agent.__main__")
 
@@ -155,7 +192,8 @@ def _source_modules() -> int:
 @pytest.mark.parametrize(("codename", "version_id", "python"), [("jammy", "22.04", "3.10"), ("noble", "24.04", "3.12")],
                          ids=["ubuntu-22.04", "ubuntu-24.04"])
 def test_the_same_deb_installs_imports_every_module_and_runs_on_ubuntu_without_slice_packages(two_builds, codename,
-                                                                                            version_id, python):
+                                                                                            version_id, python,
+                                                                                            tmp_path):
     deb = two_builds[0]
     with distro_root(ubuntu_tarball(codename), CACHE / f"apt-archives-{codename}") as box:
         assert box.path("/etc/os-release").read_text().count(f'VERSION_ID="{version_id}"') == 1
@@ -172,6 +210,9 @@ def test_the_same_deb_installs_imports_every_module_and_runs_on_ubuntu_without_s
                             "import importlib.util as u; print([n for n in ('tomli', 'exceptiongroup') if u.find_spec(n)])")
         assert backports.stdout.strip() == ("['tomli', 'exceptiongroup']" if python == "3.10" else "[]")
         assert box.path("/opt/gpuaas-agent/pyvenv.cfg").read_text().startswith("home = /usr/bin\n")
+        # The gpu_bmc check of the packaged venv reads a real Redfish server (sushy-static, on this machine: the
+        # chroot shares its network) with the locked sushy: 8 GPUs and 4 NVSwitches judged ok, basic auth sent.
+        _packaged_venv_reads_the_bmc(box, tmp_path)
         # The distro's compiled bindings are the ones the venv imports (never built on the host).
         where = box.run("/opt/gpuaas-agent/bin/python", "-c",
                         "import libvirt, systemd.journal, ovs, pydantic_core, gpuaas_agent.host.images; "

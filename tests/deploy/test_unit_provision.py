@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import shutil
 import subprocess
 import tempfile
@@ -40,6 +41,8 @@ from pathlib import Path
 
 import pytest
 
+from gpuaas_agent.deploy import sysfswrites
+from gpuaas_agent.hostfs import HostRoot
 from lab.harness import Lab, LabSettings
 from lab.systemd_manager import SystemdManager
 from tests.conftest import REPO
@@ -257,10 +260,10 @@ def test_the_sandbox_closes_kernel_tunables_other_processes_memory_and_pid1s_soc
     pid = unit_lab.manager.show("gpuaas-agent.service", "MainPID")["MainPID"]
     mounts = {line.split()[4]: line.split()[5].split(",")
               for line in _in_manager(unit_lab, "cat", f"/proc/{pid}/mountinfo").splitlines()}
-    # ProtectKernelTunables=yes, with the PCI trees the agent writes open again (and nothing else in /sys/devices).
+    # ProtectKernelTunables=yes: /proc/sys and all of /sys read-only, no sysfs tree opened by the unit itself
+    # (the slot devices' files are, by prepare-host's drop-in: test_sysfs_is_writable_only_...).
     assert "ro" in mounts["/proc/sys"] and "ro" in mounts["/sys"], mounts
-    assert "rw" in mounts["/sys/devices"] and "rw" in mounts["/sys/bus/pci"], mounts
-    assert "ro" in mounts["/sys/devices/system"] and "ro" in mounts["/sys/devices/virtual"], mounts
+    assert not any(m.startswith("/sys/") and "rw" in o for m, o in mounts.items()), mounts
     # Another process of the manager (PID 1, root with every capability; the lab's dnsmasq; QEMU runs outside
     # this PID namespace, tests/deploy/test_unit_sandbox.py opens another user's process the same way).
     targets = ["1", unit_lab.manager.show("lab-dnsmasq.service", "MainPID")["MainPID"]]
@@ -284,6 +287,157 @@ def test_the_sandbox_closes_kernel_tunables_other_processes_memory_and_pid1s_soc
     outside = _in_manager(unit_lab, "/usr/bin/python3", "/usr/local/lib/gpuaas-sandbox-probe.py", *targets)
     assert json.loads(outside.split(" ", 1)[1]) == {"core_pattern": "ok", "systemd_private": "ok",
                                                      **{f"mem {t}": "ok" for t in targets}}, outside
+
+
+# Each attempt: "open_w" opens for writing and closes, writing nothing (a read-only mount refuses at
+# open(2) with EROFS; a real sysfs attribute stores only on write(2)), "open_rw" likewise read-write (as
+# gpu-admin-tools opens a config space), "rewrite" writes a lab fixture file's own content back.
+SYSFS_PROBE = r"""
+import errno, json, os, sys
+out = {}
+def attempt(name, fn):
+    try:
+        fn(); out[name] = "ok"
+    except OSError as exc:
+        out[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+def open_w(path):
+    os.close(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+def open_rw(path):
+    os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+def rewrite(path):
+    with open(path, "rb") as fh:
+        value = fh.read()
+    with open(path, "r+b") as fh:
+        fh.write(value)
+with open(sys.argv[1]) as fh:
+    attempts = json.load(fh)
+for name, (how, path) in attempts.items():
+    attempt(name, lambda: {"open_w": open_w, "open_rw": open_rw, "rewrite": rewrite}[how](path))
+print("sysfs-probe " + json.dumps(out), flush=True)
+"""
+
+# The agent's own vfio binding (host/vfio.py) of one slot GPU of the lab's recorded host, run by the installed
+# agent's interpreter inside the unit; the fixture's kernel stand-in re-points ``driver`` after drivers_probe.
+BIND_PROBE = r"""
+import asyncio, json, os, sys
+from gpuaas_agent.host.vfio import bind_to_vfio
+from gpuaas_agent.hostfs import HostRoot
+root, address = sys.argv[1:3]
+host = HostRoot.open(root)
+device = host.real(host.resolve(f"/sys/bus/pci/devices/{address}"))
+def kernel(step):
+    if step.path.endswith("drivers_probe"):
+        (device / "driver").unlink()
+        (device / "driver").symlink_to(os.path.relpath(host.real("/sys/bus/pci/drivers/vfio-pci"), device))
+try:
+    result = asyncio.run(bind_to_vfio(host, address, [address], after_write=kernel))
+    out = {"driver": result.driver, "writes": [w.path for w in result.writes]}
+except Exception as exc:
+    out = {"error": getattr(exc, "code", type(exc).__name__), "message": str(exc)}
+print("bind-probe " + json.dumps(out), flush=True)
+"""
+
+GENERATED_DROPIN = DROPIN_DIR / "50-sysfs-writes.conf"
+
+
+def _probe_lines(ulab: UnitLab, before: int, prefix: str) -> list[dict]:
+    return [json.loads(line.split(" ", 1)[1]) for line in ulab.agent_log()[before:].splitlines()
+            if line.startswith(prefix + " ")]
+
+
+def test_sysfs_is_writable_only_where_the_slot_devices_files_are_and_the_agents_bind_still_writes_them(unit_lab):
+    lab, manager = unit_lab.lab, unit_lab.manager
+    host = HostRoot.open(lab.host.root)
+    # The drop-in prepare-host --sysfs-dropin wrote (ExecStartPre=+) from the lab's recorded host, as on a slice
+    # host: exactly the write set of its candidate slots, nothing of the machine's own /sys.
+    generated = (manager.root / GENERATED_DROPIN.relative_to("/")).read_text()
+    expected = sysfswrites.host_write_set(host)
+    opened = [line.removeprefix("ReadWritePaths=-") for line in generated.splitlines() if line.startswith("ReadWritePaths=")]
+    assert opened == [p.path for p in expected] and opened, generated
+    gpus = [p for p in expected if p.item.endswith(".gpu")]
+    assert gpus and all(str(lab.host.root) in p for p in opened)
+    # The first start ran under the drop-in the postinst wrote for the machine's own (GPU-less) host, as after a
+    # hot-add: prepare-host --check inside the sandbox named every slot path read-only, with the fix, and the unit
+    # still started (it costs those slots, which preflight's sysfs_writable refuses, not the node).
+    first_start = unit_lab.agent_log()
+    for p in expected:
+        assert f"item=sysfs.{p.item} path={p.path} outcome=read_only fix='systemctl daemon-reload" in first_start, p
+
+    # A stand-in for a slot GPU on the real sysfs of this machine (it has no GPU): the last PCI function,
+    # its write set rendered by the same code; the other functions of the same PCI root stay outside.
+    real = HostRoot.open("/")
+    functions = sorted(os.listdir("/sys/bus/pci/devices"))
+    standin, outsider = functions[-1], functions[0]
+    standin_set = sysfswrites.write_set(real, [("standin.gpu", "gpu", standin)])
+    standin_dir = real.resolve(f"/sys/bus/pci/devices/{standin}")
+    outsider_dir = real.resolve(f"/sys/bus/pci/devices/{outsider}")
+    assert posixpath.dirname(standin_dir) == posixpath.dirname(outsider_dir)  # the same PCI root
+    platform = sorted(Path("/sys/devices/platform").glob("*/uevent"))[0]
+    # The lab host's boot disk: another PCI root than any slot, its driver (nvme) never unbound by the agent.
+    boot_disk = sorted(n for n in os.listdir(host.real("/sys/bus/pci/drivers/nvme")) if n.startswith("0000:01:"))[0]
+    boot_dir = host.real(host.resolve(f"/sys/bus/pci/devices/{boot_disk}"))
+    gpu_dir = Path(gpus[-1].path)
+    attempts = {
+        "standin_driver_override": ("open_w", f"{standin_dir}/driver_override"),
+        "standin_config": ("open_rw", f"{standin_dir}/config"),
+        "same_root_other_device": ("open_w", f"{outsider_dir}/driver_override"),
+        "pci_rescan": ("open_w", "/sys/bus/pci/rescan"),
+        "kernel_mm": ("open_w", "/sys/kernel/mm/transparent_hugepage/enabled"),
+        "platform_device": ("open_w", str(platform)),
+        "lab_slot_gpu_driver_override": ("rewrite", str(gpu_dir / "driver_override")),
+        "lab_slot_gpu_reset": ("rewrite", str(gpu_dir / "reset")),
+        "lab_other_root_device": ("rewrite", str(boot_dir / "driver_override")),
+        "lab_boot_disk_driver_unbind": ("rewrite", host.real("/sys/bus/pci/drivers/nvme/unbind").as_posix()),
+    }
+    address = gpu_dir.name
+    saved_link = os.readlink(gpu_dir / "driver")
+    saved_override = (gpu_dir / "driver_override").read_bytes()
+    unit_lab.write("/usr/local/lib/gpuaas-sysfs-probe.py", SYSFS_PROBE)
+    unit_lab.write("/usr/local/lib/gpuaas-bind-probe.py", BIND_PROBE)
+    unit_lab.write("/usr/local/lib/gpuaas-sysfs-probe.json", json.dumps(attempts))
+    dropin = ("[Service]\n" + sysfswrites.render_dropin(standin_set, host_root="/").split("[Service]\n", 1)[1]
+              + "ExecStartPost=/usr/bin/python3 /usr/local/lib/gpuaas-sysfs-probe.py /usr/local/lib/gpuaas-sysfs-probe.json\n"
+              + f"ExecStartPost={INSTALLED_AGENT.parent / 'python'} /usr/local/lib/gpuaas-bind-probe.py "
+              + f"{lab.host.root} {address}\n")
+    unit_lab.write(str(DROPIN_DIR / "zz-sysfs-probe.conf"), dropin)
+    try:
+        before = len(unit_lab.agent_log())
+        unit_lab.restart_agent()
+        log = unit_lab.agent_log()[before:]
+        said, bound = _probe_lines(unit_lab, before, "sysfs-probe"), _probe_lines(unit_lab, before, "bind-probe")
+        pid = manager.show("gpuaas-agent.service", "MainPID")["MainPID"]
+        mounts = {line.split()[4]: line.split()[5].split(",")
+                  for line in _in_manager(unit_lab, "cat", f"/proc/{pid}/mountinfo").splitlines()}
+    finally:
+        (manager.root / DROPIN_DIR.relative_to("/") / "zz-sysfs-probe.conf").unlink()
+        (gpu_dir / "driver").unlink()
+        (gpu_dir / "driver").symlink_to(saved_link)
+        (gpu_dir / "driver_override").write_bytes(saved_override)
+        unit_lab.restart_agent()
+    assert len(said) == 1 and len(bound) == 1, log[-3000:]
+    inside = said[0]
+    # Open: the slot devices' own files (the real stand-in and the lab host's slot GPU).
+    assert {k: inside[k] for k in ("standin_driver_override", "standin_config", "lab_slot_gpu_driver_override",
+                                   "lab_slot_gpu_reset")} == dict.fromkeys(
+        ("standin_driver_override", "standin_config", "lab_slot_gpu_driver_override", "lab_slot_gpu_reset"), "ok"), inside
+    # Closed: another device of the same PCI root, the PCI rescan, /sys/kernel, a platform device, and on the lab
+    # host another root's device and the boot disk's driver.
+    for name in ("same_root_other_device", "pci_rescan", "kernel_mm", "platform_device", "lab_other_root_device",
+                 "lab_boot_disk_driver_unbind"):
+        assert inside[name] == "EROFS", (name, inside)
+    # The agent's bind wrote driver_override, the leaving driver's unbind and drivers_probe under the unit.
+    assert bound[0] == {"driver": "vfio-pci", "writes": [f"/sys/bus/pci/devices/{address}/driver_override",
+                                                         "/sys/bus/pci/drivers/nvidia/unbind",
+                                                         "/sys/bus/pci/drivers_probe"]}, bound
+    # In the agent's mount namespace each opened path is its own read-write mount over the read-only /sys.
+    assert "ro" in mounts["/sys"] and all("rw" in mounts[p] for p in opened), mounts
+    assert "rw" in mounts[standin_dir], mounts
+    # prepare-host --check (inside the sandbox) found every slot file writable.
+    assert all(f"item=sysfs.{p.item} path={p.path} outcome=ok" in log for p in expected), log[-3000:]
+    # Control: outside the sandbox (root in the manager) every attempt succeeds.
+    outside = json.loads(_in_manager(unit_lab, "/usr/bin/python3", "/usr/local/lib/gpuaas-sysfs-probe.py",
+                                     "/usr/local/lib/gpuaas-sysfs-probe.json").split(" ", 1)[1])
+    assert outside == dict.fromkeys(attempts, "ok"), outside
 
 
 def test_the_lab_provision_and_release_succeed_inside_the_units_sandbox(unit_lab):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuaas_agent.deploy.sysfswrites import DROPIN
 from tests.conftest import REPO
 from tests.deploy.units import AGENT_UNIT, BASELINE_UNIT, agent_capabilities, directive
 
@@ -67,10 +68,17 @@ def test_kernel_tunables_and_the_managers_sockets_are_closed_by_the_unit(unit):
         assert all("systemctl" not in v or v.startswith("+") for v in directive(unit, key)), key
 
 
-def test_the_agent_writes_sysfs_only_where_pci_functions_and_their_drivers_live():
+def test_the_unit_opens_no_sysfs_tree_itself_and_both_prepare_host_lines_name_the_generated_dropin():
+    # All of /sys read-only; only the drop-in prepare-host generates from the host's discovery opens files.
     writable = " ".join(directive(AGENT_UNIT, "ReadWritePaths")).split()
-    assert [p for p in writable if "/sys" in p] == ["-/sys/devices", "-/sys/bus/pci"]
-    assert " ".join(directive(AGENT_UNIT, "ReadOnlyPaths")).split() == ["-/sys/devices/system", "-/sys/devices/virtual"]
+    assert [p for p in writable if "/sys" in p] == []
+    assert directive(AGENT_UNIT, "ReadOnlyPaths") == []
+    prepare = [v for v in directive(AGENT_UNIT, "ExecStartPre") if " prepare-host " in v]
+    assert len(prepare) == 2 and prepare[0].startswith("+") and not prepare[1].startswith("+")
+    assert all(v.split().count("--sysfs-dropin") == 1 and v.split()[-1] == str(DROPIN) for v in prepare), prepare
+    postinst = (REPO / "packaging" / "debian" / "postinst").read_text()
+    assert f"--sysfs-dropin {DROPIN}; then" in postinst
+    assert f"rm -f {DROPIN}" in (REPO / "packaging" / "debian" / "postrm").read_text()
     assert "CAP_SYS_PTRACE" not in agent_capabilities()  # it would open every guest's memory
 
 

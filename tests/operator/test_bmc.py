@@ -9,91 +9,26 @@ agent sent (basic auth) and what it did not send (anything, when the credentials
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from gpuaas_agent.config import BmcConfig, ConfigError, parse_config
+from gpuaas_agent.config import ConfigError, parse_config
 from gpuaas_agent.contract.bmc import GpuTelemetry, NvSwitchTelemetry
 from gpuaas_agent.host.run import run
 from gpuaas_agent.operator import bmc, health
 from lab.hgx_redfish_mockup import ROOT, baseboard, set_field, write_mockup
-from tests.daemons import stop_pid
 from tests.support.deadline import run_bounded
+from tests.support.redfish_server import PCI, started_server
 
-SUSHY_STATIC = Path(sys.executable).parent / "sushy-static"
 SYSTEM = f"{ROOT}/Systems/HGX_Baseboard_0"
 SWITCHES = f"{ROOT}/Fabrics/HGX_NVLinkFabric_0/Switches"
-PCI = {f"GPU_SXM_{n}": f"0000:{0x18 + 0x10 * (n - 1):02x}:00.0" for n in range(1, 9)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedfishServer:
-    def __init__(self, tmp_path: Path) -> None:
-        self.mockup = tmp_path / "mockup"
-        self.log = tmp_path / "requests.log"
-        tls = tmp_path / "tls"
-        tls.mkdir()
-        self.cert, self.key = tls / "cert.pem", tls / "key.pem"
-        asyncio.run(run([
-            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", str(self.key), "-out", str(self.cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-            "-addext", "subjectAltName=IP:127.0.0.1",
-        ], timeout=30))
-        self.creds = tmp_path / "bmc.json"
-        self.creds.write_text(json.dumps({"username": "agent-ro", "password": "s3cret-pw"}))
-        self.creds.chmod(0o600)
-        self.proc: subprocess.Popen | None = None
-        self.port = 0
-
-    def start(self) -> None:
-        self.port = _free_port()
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([str(SUSHY_STATIC), "-i", "127.0.0.1", "-p", str(self.port),
-                                          "-m", str(self.mockup), "-c", str(self.cert), "-k", str(self.key)],
-                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                     "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 20
-        while True:  # deadline-bounded wait until the server accepts connections
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                assert time.monotonic() < deadline, "sushy-static did not listen within 20 s"
-                time.sleep(0.05)  # poll step of the deadline wait above
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-        stop_pid(self.proc)
-
-    def config(self, **kw) -> BmcConfig:
-        base = {"url": f"https://127.0.0.1:{self.port}", "credentials_file": self.creds, "ca_file": self.cert,
-                "gpu_pci_addresses": PCI, "request_timeout_s": 3.0}
-        return BmcConfig(**{**base, **kw})
-
-    def requests_seen(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
 
 
 @pytest.fixture
 def redfish(tmp_path):
-    server = RedfishServer(tmp_path)
-    write_mockup(server.mockup)
-    server.start()
+    server = started_server(tmp_path)
     yield server
     server.stop()
 
