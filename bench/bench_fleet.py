@@ -78,8 +78,9 @@ from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.tasks import ResultStatus, TaskResult, TaskType
 from gpuaas_agent.control.connection import Backoff, connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
+from gpuaas_agent.control.pull import TaskPull, pull_status
 from gpuaas_agent.control.transport import TransportSecurity
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings, pull_status
+from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.operator.health import HealthSettings
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
@@ -318,13 +319,13 @@ def _trace_agents() -> None:
         TRACE.setdefault(self.node_id, []).append((round(time.time(), 3), "kick", self._fetching is not None))
         return original_kick(self)
 
-    original_pull_one, original_fetch = TaskWorker._pull_one, TaskWorker._fetch
+    original_pull_one, original_fetch = TaskPull.pull_one, TaskWorker._fetch
 
-    async def pull_one(self, heartbeat_s):
-        trace = TRACE.setdefault(self.node_id, [])
-        trace.append((round(time.time(), 3), "pull_one", self._sub._sub._pending_queue.qsize()))
+    async def pull_one(self, expiry_s, heartbeat_s):
+        trace = TRACE.setdefault(self.nc.options.get("name") or "?", [])
+        trace.append((round(time.time(), 3), "pull_one", self.queued()))
         try:
-            msgs = await original_pull_one(self, heartbeat_s)
+            msgs = await original_pull_one(self, expiry_s, heartbeat_s)
         except BaseException as exc:
             trace.append((round(time.time(), 3), "pull_one raised", type(exc).__name__))
             raise
@@ -339,7 +340,7 @@ def _trace_agents() -> None:
     nats_client.Client._process_msg = process_msg
     TaskWorker._process = process
     TaskWorker.kick = kick
-    TaskWorker._pull_one = pull_one
+    TaskPull.pull_one = pull_one
     TaskWorker._fetch = fetch
 
 
@@ -354,38 +355,36 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
         events.put(("claim", ctx.envelope.task_id, time.time()))
         return {}
 
-    async def wire_pull_loop(nc, worker: TaskWorker, psub) -> None:
+    async def wire_pull_loop(worker: TaskWorker) -> None:
         """``--node-impl wire``: the server-side traffic of a claim, without the agent's Python around it.
 
-        The consumer is the worker's own (``TaskWorker._bind``); per task: one pull request (with the
+        The consumer is the worker's own (``TaskWorker._bind``) and so is the pull (``worker.pull``,
+        control/pull.py: the same request and the same reader); per task: one pull request (with the
         worker's idle heartbeat), the delivery, a result published with its PubAck awaited, an ack.
         "Claim" is the delivery.
         """
         expiry, heartbeat = args["pull_expiry"], worker._pull_heartbeat_s()
-        pull = {"batch": 1, "expires": int(expiry * 1e9) - 100_000}  # as the worker (and nats.py's fetch)
-        if heartbeat is not None:  # the worker's idle heartbeat, as its pulls ask for it
-            pull["idle_heartbeat"] = int(heartbeat * 1e9)
         bound = pull_bound_s(expiry, heartbeat)
-        request = json.dumps(pull).encode()
         loop = asyncio.get_running_loop()
         result_subject = f"gpuaas.node.{worker.node_id}.result"
         trace = TRACE.setdefault(worker.node_id, []) if TRACE_PATH else None
         while True:
-            await nc.publish(psub._nms, request, reply=psub._deliver)
+            try:
+                await worker.pull.request(expiry, heartbeat)
+            except nats.errors.ConnectionClosedError:
+                return  # the bench is closing the connections
             end = loop.time() + bound
             if trace is not None:
                 trace.append((round(time.time(), 3), "pull"))
             msg = status = None
             while True:
                 try:
-                    msg = await psub._sub.next_msg(timeout=max(0.001, end - loop.time()))
+                    msg = await worker.pull.take(max(0.001, end - loop.time()))
                 except (nats.errors.TimeoutError, TimeoutError):
                     msg = None
                     if trace is not None:
                         trace.append((round(time.time(), 3), "client-timeout"))
                     break
-                except nats.errors.ConnectionClosedError:
-                    return  # the bench is closing the connections
                 status = pull_status(msg)
                 if trace is not None:
                     trace.append((round(time.time(), 3), f"status {status}" if status else "msg"))
@@ -425,8 +424,8 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
                                                ack_wait_s=60, request_timeout_s=30,
                                                consumer_replicas=1 if args["consumer_memory"] else None,
                                                consumer_memory=args["consumer_memory"]))
-            psub = await worker._bind()
-            next_subject, heartbeat = psub._nms, worker._pull_heartbeat_s()
+            worker.pull.bind(await worker._bind())
+            next_subject, heartbeat = worker.pull.next_subject, worker._pull_heartbeat_s()
             await nc.close()
             url = urlsplit(urls[len(protocol_nodes) % len(urls)])
             node = ProtocolNode(node_id=node_id, host=url.hostname, port=url.port, inbox_prefix=node_inbox_prefix(node_id),
@@ -475,7 +474,8 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
                                 None, lambda **_: True)
             reporter.attach(nc, worker)
             if args["node_impl"] == "wire":
-                run = asyncio.create_task(wire_pull_loop(nc, worker, await worker._bind()))
+                worker.pull.bind(await worker._bind())
+                run = asyncio.create_task(wire_pull_loop(worker))
                 worker.ready.set()
             else:
                 run = asyncio.create_task(worker.run())
@@ -502,7 +502,7 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
 def pull_bound_s(expiry_s: float, heartbeat_s: float | None) -> float:
     """How long a simulated node waits on one pull, from sending it; never restarted by a heartbeat.
 
-    The worker's ``_pull_one`` waits ``min(1 s, heartbeat)`` past the expiry for the server's 408 (nats.py's
+    The worker's pull (``TaskPull.pull_one``) waits ``min(1 s, heartbeat)`` past the expiry for the server's 408 (nats.py's
     ``fetch`` gives up at the expiry and drops a late 408 itself); a node here waits 1 s past it without a
     heartbeat, so a 408 normally ends the pull and is never taken for the end of the next one.
     nats-server before 2.9.16 may drop that 408 when a message arrives as the pull expires (nats-server

@@ -24,6 +24,7 @@ from datetime import datetime
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.tasks import ResultStatus, TaskResult
 from gpuaas_agent.control.connection import Backoff
+from gpuaas_agent.control.pull import pull_request
 
 CRLF = b"\r\n"
 
@@ -50,10 +51,7 @@ class ProtocolNode(asyncio.Protocol):
         self.pull_inbox = f"{inbox_prefix}.p.pull"
         self.ack_inbox = f"{inbox_prefix}.p.ack"
         self.result_subject = f"gpuaas.node.{node_id}.result"
-        request = {"batch": 1, "expires": int(expiry_s * 1e9) - 100_000}  # as the worker
-        if heartbeat_s:
-            request["idle_heartbeat"] = int(heartbeat_s * 1e9)
-        body = json.dumps(request).encode()
+        body = pull_request(expiry_s, heartbeat_s or None)  # the worker's own request body (control/pull.py)
         self._pull = b"PUB %s %s %d\r\n%s\r\n" % (next_subject.encode(), self.pull_inbox.encode(), len(body), body)
         self._hello = (b"CONNECT " + json.dumps({
             "verbose": False, "pedantic": False, "name": node_id, "lang": "python-bench", "version": "0",

@@ -31,17 +31,18 @@ import signal
 import sqlite3
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import nats
 import nats.errors
 from nats.aio.client import Client
 
 from gpuaas_agent import __version__
-from gpuaas_agent.config import AgentConfig, load_config
-from gpuaas_agent.contract.drift import DriftTrigger
-from gpuaas_agent.contract.tasks import TaskType
+from gpuaas_agent.config import AgentConfig, SliceConfig, load_config
+from gpuaas_agent.contract.drift import DriftReport, DriftTrigger
+from gpuaas_agent.contract.tasks import HealthCheck, TaskType
 from gpuaas_agent.control.connection import (
     Backoff,
     NatsConnectError,
@@ -58,7 +59,7 @@ from gpuaas_agent.control.enroll import (
 )
 from gpuaas_agent.control.rotation import CredsRotator, revert_unconfirmed_rotation
 from gpuaas_agent.control.transport import TransportSecurity
-from gpuaas_agent.control.uevent_watch import DriftWatcher, drift_subject
+from gpuaas_agent.control.uevent_watch import Burst, DriftWatcher, drift_subject
 from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.discovery.drift import topology_drift
 from gpuaas_agent.discovery.identity import read_identity
@@ -81,9 +82,9 @@ from gpuaas_agent.operator.health import HealthSettings, isolation_check
 from gpuaas_agent.operator.health_fabric import fabric_probe
 from gpuaas_agent.operator.health_quarantine import all_rechecks
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
-from gpuaas_agent.operator.netwatch import serialized, start_netwatch
+from gpuaas_agent.operator.netwatch import Probe, serialized, start_netwatch
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
-from gpuaas_agent.state.aio import StoreThread, as_store_thread
+from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
 from gpuaas_agent.tasks.context import Handler
@@ -92,7 +93,7 @@ from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.quarantine import unquarantine_handler
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
 from gpuaas_agent.tasks.registry import build_handlers, concurrency_for
-from systemd import daemon
+from systemd import daemon  # type: ignore[attr-defined]  # python-systemd ships no stubs for its submodules
 
 log = logging.getLogger("gpuaas_agent.daemon")
 
@@ -158,19 +159,23 @@ def default_handlers(config: AgentConfig, slice_host: SliceDrivers | None = None
     return handlers
 
 
-def port_isolation_probe(slice_host: SliceDrivers, store):
+Reconcile = Callable[[], Awaitable[object]]
+
+
+def port_isolation_probe(slice_host: SliceDrivers, store: StateStore | StoreThread) -> Probe:
     """The health round's ``port_isolation`` check: a read-only reconcile, its isolation findings only."""
 
-    async def port_isolation():
+    async def port_isolation() -> list[HealthCheck]:
         report = await reconcile_host(slice_host, store, repair=False, trigger=DriftTrigger.timer)
         return [isolation_check(report.findings)]
 
     return port_isolation
 
 
-def timer_reconcile(slice_host, store: StateStore | StoreThread, nc: Client, node_id: str) -> Callable[[], Awaitable[dict]]:
+def timer_reconcile(slice_host: SliceDrivers, store: StateStore | StoreThread, nc: Client,
+                    node_id: str) -> Callable[[], Awaitable[dict[str, int]]]:
     """The periodic reconcile: repairs what is safe, publishes its findings on the drift subject."""
-    async def run() -> dict:
+    async def run() -> dict[str, int]:
         report = await reconcile_host(slice_host, store, repair=True, trigger=DriftTrigger.timer, node_id=node_id)
         if report.findings:
             with contextlib.suppress(nats.errors.Error):
@@ -178,6 +183,89 @@ def timer_reconcile(slice_host, store: StateStore | StoreThread, nc: Client, nod
         return {"findings": len(report.findings), "repaired": sum(f.repaired for f in report.findings)}
 
     return run
+
+
+class NodeHost(Protocol):
+    """What the daemon does with the host's slice drivers. Production runs :class:`SliceHost`; a test injects
+    its own (tests/support/daemon_hosts.py) instead of the daemon branching on "no drivers"."""
+
+    def handlers(self, config: AgentConfig) -> dict[TaskType, Handler]: ...
+
+    def start(self) -> None: ...
+
+    def isolation_probe(self, store: StoreThread) -> Probe | None: ...
+
+    def health_probes(self, store: StoreThread) -> list[Probe]: ...
+
+    def sample(self, live: LiveState) -> None: ...
+
+    def loops(self, config: AgentConfig, store: StoreThread) -> list[tuple[str, Coroutine[Any, Any, None]]]: ...
+
+    async def boot_recovery(self, store: StoreThread) -> DriftReport | None: ...
+
+    def reconcile(self, store: StoreThread, nc: Client, node_id: str) -> Reconcile | None: ...
+
+    async def close_terminals(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class SliceHost:
+    """The slice drivers as the daemon runs them (built once per daemon from the config)."""
+
+    def __init__(self, drivers: SliceDrivers) -> None:
+        self.drivers = drivers
+
+    @classmethod
+    def from_config(cls, config: AgentConfig) -> SliceHost:
+        return cls(SliceDrivers.from_config(config))
+
+    def handlers(self, config: AgentConfig) -> dict[TaskType, Handler]:
+        return default_handlers(config, self.drivers)
+
+    def start(self) -> None:
+        """Leftovers of a crashed agent: partial image downloads, a cache over its bounds."""
+        removed = self.drivers.images.remove_stale_partials()
+        if removed:
+            _event("image_partials_removed", files=removed)
+        evicted = self.drivers.images.enforce_bounds()
+        if evicted:
+            _event("image_cache_evicted", files=evicted, reason="bounds at start")
+
+    def isolation_probe(self, store: StoreThread) -> Probe | None:
+        return port_isolation_probe(self.drivers, store)
+
+    def health_probes(self, store: StoreThread) -> list[Probe]:
+        """The health round's checks of the slice host, beside the reporter's own."""
+        probes = [port_isolation_probe(self.drivers, store)]
+        # -- begin: Fabric Manager restarts found on the health interval (operator/health_fabric.py) --
+        if self.drivers.fabric is not None:
+            probes.append(fabric_probe(self.drivers.fabric, store))
+        # -- end: Fabric Manager health --
+        return probes
+
+    def sample(self, live: LiveState) -> None:
+        stats = self.drivers.images.stats()
+        live.image_cache_bytes, live.image_cache_entries = stats.size_bytes, stats.entries
+        live.image_cache_hits, live.image_cache_misses = stats.hits, stats.misses
+        live.image_cache_evictions = stats.evictions
+
+    def loops(self, config: AgentConfig, store: StoreThread) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        return [("console-logs", console_log_loop(store, config.slice))]
+
+    async def boot_recovery(self, store: StoreThread) -> DriftReport | None:
+        return await boot_recovery_at_start(self.drivers, store)
+
+    def reconcile(self, store: StoreThread, nc: Client, node_id: str) -> Reconcile | None:
+        return timer_reconcile(self.drivers, store, nc, node_id)
+
+    async def close_terminals(self) -> None:
+        await self.drivers.close_terminals()
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(Exception):  # closing the libvirt connection must not mask the exit
+            await self.drivers.close()
+
 
 
 def identity_from_host(host_root: Path) -> EnrollIdentity:
@@ -275,27 +363,33 @@ async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.E
 class CountingBursts:
     """The uevent source, counting the device events it hands on (``gpuaas_agent_uevents_total``)."""
 
-    def __init__(self, source) -> None:
-        self.source = source
+    def __init__(self, monitor: UeventMonitor) -> None:
+        self.monitor = monitor
+        self.source: object = monitor.source  # udev or kernel: the monitor chooses at start
         self.events = 0
 
-    def __getattr__(self, name: str):
-        return getattr(self.source, name)
+    def start(self) -> object:
+        started = self.monitor.start()
+        self.source = self.monitor.source
+        return started
 
-    async def bursts(self, debounce_s: float, max_burst_s: float):
-        async for burst in self.source.bursts(debounce_s, max_burst_s):
+    def close(self) -> None:
+        self.monitor.close()
+
+    async def bursts(self, debounce_s: float, max_burst_s: float) -> AsyncIterator[Burst]:
+        async for burst in self.monitor.bursts(debounce_s, max_burst_s):
             self.events += len(burst.events)
             yield burst
 
 
-def uevent_watch_task(config: AgentConfig, nc: Client, node_id: str, counter: list[CountingBursts]) -> asyncio.Task:
+def uevent_watch_loop(config: AgentConfig, nc: Client, node_id: str,
+                      counter: list[CountingBursts]) -> Coroutine[Any, Any, None]:
     """The drift watcher wired to discovery of ``host_root`` and the host's device events."""
     watcher = DriftWatcher(nc, node_id, lambda: discover(HostRoot.open(config.host_root)), topology_drift,
                            publish_timeout_s=config.request_timeout_s)
     source = CountingBursts(UeventMonitor())
     counter.append(source)
-    return asyncio.create_task(watcher.watch(source, debounce_s=config.uevent_debounce_s,
-                                             max_burst_s=DEFAULT_MAX_BURST_S), name="uevent_watch")
+    return watcher.watch(source, debounce_s=config.uevent_debounce_s, max_burst_s=DEFAULT_MAX_BURST_S)
 
 
 async def watchdog_loop(notifier: SdNotifier, interval_s: float) -> None:
@@ -317,7 +411,7 @@ async def prune_loop(store: StateStore | StoreThread, retention_s: float, interv
         await asyncio.sleep(interval_s)  # the retention period's tick
 
 
-async def console_log_loop(store: StateStore | StoreThread, settings) -> None:
+async def console_log_loop(store: StateStore | StoreThread, settings: SliceConfig) -> None:
     """Cap the slices' console logs (host/consolelog.py): at start, then every console_log_sweep_interval_s."""
     state = as_store_thread(store)
     while True:
@@ -333,7 +427,8 @@ async def console_log_loop(store: StateStore | StoreThread, settings) -> None:
         await asyncio.sleep(settings.console_log_sweep_interval_s)  # the sweep's tick
 
 
-def live_state(store: StateStore, reporter: Reporter, slice_host, uevents: list[CountingBursts]) -> Callable[[], LiveState]:
+def live_state(store: StateStore | BlockingStore, reporter: Reporter, host: NodeHost,
+               uevents: list[CountingBursts]) -> Callable[[], LiveState]:
     """What a scrape reads at that moment: cache, slot records, NATS, uevents."""
     def sample() -> LiveState:
         live = LiveState(nats_connected=reporter.nats_state == "connected", nats_reconnects=reporter.reconnects,
@@ -342,18 +437,14 @@ def live_state(store: StateStore, reporter: Reporter, slice_host, uevents: list[
         for record in store.slot_states():
             counts[record.status.value] = counts.get(record.status.value, 0) + 1
         live.slot_states = counts
-        live.maintenance, live.quarantined = fleet_view(store)
-        if slice_host is not None:
-            stats = slice_host.images.stats()
-            live.image_cache_bytes, live.image_cache_entries = stats.size_bytes, stats.entries
-            live.image_cache_hits, live.image_cache_misses = stats.hits, stats.misses
-            live.image_cache_evictions = stats.evictions
+        live.maintenance, live.quarantined = fleet_view(cast(StateStore, store))  # a BlockingStore is its view
+        host.sample(live)
         return live
 
     return sample
 
 
-async def reconcile_loop(reconcile: Callable[[], Awaitable[dict]], interval_s: float, timeout_s: float) -> None:
+async def reconcile_loop(reconcile: Reconcile, interval_s: float, timeout_s: float) -> None:
     """Run the host reconcile every ``interval_s``; one run at most ``timeout_s``; a failure is logged, not fatal."""
     while True:
         await asyncio.sleep(interval_s)  # the reconcile period
@@ -366,154 +457,187 @@ async def reconcile_loop(reconcile: Callable[[], Awaitable[dict]], interval_s: f
             _event("reconcile_failed", logging.WARNING, code="reconcile_timeout", timeout_s=timeout_s)
 
 
-# -- main --------------------------------------------------------------------------
+# -- assembly ------------------------------------------------------------------------
+
+
+class Background:
+    """Starts the daemon's loops, each owned by the exit stack: cancelled (and awaited, bounded) when the stack
+    unwinds, in the reverse order of their start, whether the daemon stops or a later part fails to start."""
+
+    def __init__(self, stack: contextlib.AsyncExitStack, settle_s: float) -> None:
+        self.stack, self.settle_s = stack, settle_s
+
+    def start(self, name: str, loop: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        return self.own(asyncio.create_task(loop, name=name))
+
+    def own(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        """A task started elsewhere (the network watch, the worker), cancelled like the loops."""
+        self.stack.push_async_callback(self._cancel, task)
+        return task
+
+    async def _cancel(self, task: asyncio.Task[None]) -> None:
+        task.cancel()
+        await asyncio.wait({task}, timeout=self.settle_s)
+
+
+class Connection:
+    """The NATS connection, closed by the exit stack at the place it was registered: after every loop that
+    uses it is cancelled, before the store; registered before the loops start (the connect comes later)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.nc: Client | None = None
+        self.timeout_s = timeout_s
+
+    async def aclose(self) -> None:
+        if self.nc is not None:
+            # OSError: the socket broke under the close (server killed); closing is all that was left to do.
+            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
+                await asyncio.wait_for(self.nc.close(), self.timeout_s)
 
 
 async def run_agent(
     config: AgentConfig,
     stop: asyncio.Event,
     *,
+    host: NodeHost | None = None,
     handlers: dict[TaskType, Handler] | None = None,
     notifier: SdNotifier | None = None,
-    reconcile: Callable[[], Awaitable[dict]] | None = None,
+    reconcile: Reconcile | None = None,
 ) -> int:
     """Run until ``stop`` is set; returns the exit code.
 
-    ``reconcile``: the periodic host reconcile (every ``reconcile_interval_s``); None until the
-    ``slice.reconcile`` room lands, and then the timer is off (logged once at start).
+    ``host``: the slice drivers as the daemon runs them (default :meth:`SliceHost.from_config`); tests inject
+    theirs. ``handlers``: every task type's handler (default the host's). ``reconcile``: the periodic host
+    reconcile (every ``reconcile_interval_s``; default the host's, None: the timer is off, logged once).
+
+    Everything it opens or starts is owned by one exit stack, so it is closed or cancelled in reverse
+    order however the run ends (a stop, a worker that died, a part that failed to start).
     """
     notifier = notifier or SdNotifier.from_env()
     record = load_enrollment(config.state_dir)
     if record is None:
         raise AgentError(f"not enrolled: no enrollment record in {config.state_dir}; run `gpuaas-agent enroll` first",
                          code="not_enrolled", evidence={"state_dir": str(config.state_dir)})
-    # Every SQLite call of the daemon runs on this one thread, off the event loop (state/aio.py).
+    # Every SQLite call of the daemon runs on this one thread, off the event loop (state/aio.py). A store that
+    # cannot be opened ends the run before anything started (no agent_stopped: it never started).
     state = StoreThread.open(config.state_db)
-    background: list[asyncio.Task] = []
-    nc: Client | None = None
-    slice_host = None
-    metrics_server: MetricsServer | None = None
-    uevents: list[CountingBursts] = []
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(_event, "agent_stopped")  # the last line, after everything below is closed
+        stack.push_async_callback(state.aclose)
         _event("agent_starting", node_id=record.node_id, version=__version__,
                servers=[safe_url(s) for s in record.credentials.servers])
         if crash_point_armed():  # tests only (tasks/crashpoint.py): say so loudly if it is ever set in production
             _event("crash_point_armed", level=logging.WARNING, spec=crash_point_armed())
+        if host is None:
+            host = SliceHost.from_config(config)
+        stack.push_async_callback(host.aclose)
+        host.start()
         if handlers is None:
-            slice_host = SliceDrivers.from_config(config)
-            removed = slice_host.images.remove_stale_partials()  # downloads a crashed agent left behind
-            if removed:
-                _event("image_partials_removed", files=removed)
-            evicted = slice_host.images.enforce_bounds()
-            if evicted:
-                _event("image_cache_evicted", files=evicted, reason="bounds at start")
-            handlers = default_handlers(config, slice_host)
-        reporter = Reporter(
-            ReporterSettings(node_id=record.node_id, state_dir=config.state_dir,
-                             heartbeat_interval_s=config.heartbeat_interval_s,
-                             health_interval_s=config.health_interval_s, request_timeout_s=config.request_timeout_s,
-                             metrics_textfile=config.metrics_textfile),
-            state, HealthSettings.from_config(config), None, notifier.notify)
-        if slice_host is not None:
-            reporter.extra_checks.append(port_isolation_probe(slice_host, state))
-        # -- begin: Fabric Manager restarts found on the health interval (operator/health_fabric.py) --
-        if slice_host is not None and slice_host.fabric is not None:
-            reporter.extra_checks.append(fabric_probe(slice_host.fabric, state))
-        # -- end: Fabric Manager health --
-        # state.sync: a scrape renders on a worker thread (operator/metrics.py), never on the loop
-        metrics = AgentMetrics(live_state(state.sync, reporter, slice_host, uevents))
-        reporter.metrics = metrics
-        # Config and state are loaded: tell systemd we are up, whatever NATS does (see the module docstring).
-        notifier.notify(READY=1, STATUS=f"node {record.node_id}: waiting for NATS (attempt 1)")
-        if (wd := watchdog_interval_s()) is not None:
-            background.append(asyncio.create_task(watchdog_loop(notifier, wd), name="watchdog"))
-        if config.metrics_listen:
-            metrics_server = MetricsServer(metrics)
-            if not await metrics_server.start(config.metrics_listen):
-                metrics_server = None
-        background.append(asyncio.create_task(reporter.loop(), name="report"))
-        background.append(asyncio.create_task(reporter.health_loop(), name="health"))
-        background.append(asyncio.create_task(
-            prune_loop(state, config.task_retention_days * 86400), name="prune"))
-        if slice_host is not None:
-            background.append(asyncio.create_task(console_log_loop(state, config.slice), name="console-logs"))
+            handlers = host.handlers(config)
+        connection = Connection(config.request_timeout_s)
+        stack.push_async_callback(connection.aclose)
+        background = Background(stack, config.request_timeout_s)
+        return await _serve(config, stop, record, state, host, handlers, notifier, reconcile, connection, background,
+                            stack)
+    raise AssertionError("unreachable: the exit stack suppresses nothing")  # pragma: no cover
 
-        # After a host reboot: re-validate and restore the active slices before any task runs
-        # (after READY and with the watchdog going: a restart of several slices takes a while).
-        boot_report = await boot_recovery_at_start(slice_host, state) if slice_host is not None else None
-        nc = await connect(config, record, stop, on_attempt=reporter.connect_attempt)
-        if nc is None:
-            reporter.stopping = True
-            notifier.notify(STOPPING=1, STATUS="stopping: NATS never answered")
-            return EXIT_OK  # stopped before the first connect
-        settings = worker_settings(config)
-        if reconcile is None and slice_host is not None:
-            reconcile = timer_reconcile(slice_host, state, nc, record.node_id)
-        if reconcile is not None:
-            reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
-        await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
-        worker = TaskWorker(nc, state, record.node_id, handlers, settings, observer=metrics)
-        if config.nats_creds_file is None and record.credentials.user_jwt is not None:
-            # Enrolled with a key of its own: the control plane may order a rotation (control/rotation.py).
-            await CredsRotator(nc, record.node_id, creds_path(config.state_dir),
-                               timeout_s=config.request_timeout_s).start()
-        reporter.attach(nc, worker)
-        reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
-        worker_task = asyncio.create_task(worker.run(), name="worker")
-        if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events
-            background.append(start_netwatch(config, reporter, nc, record.node_id,
-                                             port_isolation_probe(slice_host, state) if slice_host else None,
-                                             repair=reconcile))
-        if config.uevent_watch:
-            background.append(uevent_watch_task(config, nc, record.node_id, uevents))
-        else:
-            _event("uevent_watch_disabled", reason="config")
-        if reconcile is not None:
-            background.append(asyncio.create_task(
-                reconcile_loop(reconcile, config.reconcile_interval_s, config.reconcile_interval_s), name="reconcile"))
-        else:
-            _event("reconcile_timer_disabled", reason="no_reconcile_handler")
 
-        ready = asyncio.create_task(worker.ready.wait())
-        stopping = asyncio.create_task(stop.wait())
+async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRecord, state: StoreThread,
+                 host: NodeHost, handlers: dict[TaskType, Handler], notifier: SdNotifier, reconcile: Reconcile | None,
+                 connection: Connection, background: Background, stack: contextlib.AsyncExitStack) -> int:
+    """The agent's run, its parts started in order (each owned by ``stack``); see :func:`run_agent`."""
+    uevents: list[CountingBursts] = []
+    reporter = Reporter(
+        ReporterSettings(node_id=record.node_id, state_dir=config.state_dir,
+                         heartbeat_interval_s=config.heartbeat_interval_s,
+                         health_interval_s=config.health_interval_s, request_timeout_s=config.request_timeout_s,
+                         metrics_textfile=config.metrics_textfile),
+        state, HealthSettings.from_config(config), None, notifier.notify)
+    reporter.extra_checks.extend(host.health_probes(state))
+    # state.sync: a scrape renders on a worker thread (operator/metrics.py), never on the loop
+    metrics = AgentMetrics(live_state(state.sync, reporter, host, uevents))
+    reporter.metrics = metrics
+    # Config and state are loaded: tell systemd we are up, whatever NATS does (see the module docstring).
+    notifier.notify(READY=1, STATUS=f"node {record.node_id}: waiting for NATS (attempt 1)")
+    if (wd := watchdog_interval_s()) is not None:
+        background.start("watchdog", watchdog_loop(notifier, wd))
+    if config.metrics_listen:
+        metrics_server = MetricsServer(metrics)
+        if await metrics_server.start(config.metrics_listen):
+            stack.push_async_callback(metrics_server.close)
+    background.start("report", reporter.loop())
+    background.start("health", reporter.health_loop())
+    background.start("prune", prune_loop(state, config.task_retention_days * 86400))
+    for name, loop in host.loops(config, state):
+        background.start(name, loop)
+
+    # After a host reboot: re-validate and restore the active slices before any task runs
+    # (after READY and with the watchdog going: a restart of several slices takes a while).
+    boot_report = await host.boot_recovery(state)
+    nc = connection.nc = await connect(config, record, stop, on_attempt=reporter.connect_attempt)
+    if nc is None:
+        reporter.stopping = True
+        notifier.notify(STOPPING=1, STATUS="stopping: NATS never answered")
+        return EXIT_OK  # stopped before the first connect
+    if reconcile is None:
+        reconcile = host.reconcile(state, nc, record.node_id)
+    if reconcile is not None:
+        reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
+    await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
+    worker = TaskWorker(nc, state, record.node_id, handlers, worker_settings(config), observer=metrics)
+    if config.nats_creds_file is None and record.credentials.user_jwt is not None:
+        # Enrolled with a key of its own: the control plane may order a rotation (control/rotation.py).
+        await CredsRotator(nc, record.node_id, creds_path(config.state_dir),
+                           timeout_s=config.request_timeout_s).start()
+    reporter.attach(nc, worker)
+    reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
+    worker_task = asyncio.create_task(worker.run(), name="worker")
+    if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events
+        netwatch = start_netwatch(config, reporter, nc, record.node_id, host.isolation_probe(state), repair=reconcile)
+        background.own(netwatch)
+    if config.uevent_watch:
+        background.start("uevent_watch", uevent_watch_loop(config, nc, record.node_id, uevents))
+    else:
+        _event("uevent_watch_disabled", reason="config")
+    if reconcile is not None:
+        background.start("reconcile", reconcile_loop(reconcile, config.reconcile_interval_s,
+                                                      config.reconcile_interval_s))
+    else:
+        _event("reconcile_timer_disabled", reason="no_reconcile_handler")
+    # The worker is stopped and drained below, not cancelled; an exception before that still cancels it.
+    background.own(worker_task)
+    return await _until_stopped(config, stop, record, reporter, notifier, worker, worker_task, host)
+
+
+async def _until_stopped(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRecord, reporter: Reporter,
+                         notifier: SdNotifier, worker: TaskWorker, worker_task: asyncio.Task[None],
+                         host: NodeHost) -> int:
+    """Serve until ``stop`` (drain: stop pulling, let running tasks finish for the grace) or the worker dies."""
+    ready = asyncio.create_task(worker.ready.wait())
+    stopping = asyncio.create_task(stop.wait())
+    try:
         await asyncio.wait({ready, stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
             reporter.status_line(f"node {record.node_id}: pulling tasks")
             _event("agent_ready", node_id=record.node_id, version=__version__)
             await reporter.tick()  # the first heartbeat and status file now, not one interval later
         await asyncio.wait({stopping, worker_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
         for waiter in (ready, stopping):
             waiter.cancel()
 
-        if worker_task.done() and not stop.is_set():
-            exc = worker_task.exception()
-            _event("worker_died", logging.ERROR, error=repr(exc))
-            return EXIT_FAILED
-        reporter.stopping = True
-        notifier.notify(STOPPING=1, STATUS="stopping: finishing running tasks")
-        _event("agent_stopping", running_tasks=worker.running_task_ids, grace_s=config.shutdown_grace_s)
-        worker.stop()
-        await asyncio.wait({worker_task}, timeout=config.request_timeout_s * 2)
-        await worker.drain(config.shutdown_grace_s)
-        if slice_host is not None:  # while NATS is still up: each gateway gets its session's closing frame
-            await slice_host.close_terminals()
-        return EXIT_OK
-    finally:
-        for task in background:
-            task.cancel()
-        if background:
-            await asyncio.wait(background, timeout=config.request_timeout_s)
-        if metrics_server is not None:
-            await metrics_server.close()
-        if nc is not None:
-            # OSError: the socket broke under the close (server killed); closing is all that was left to do.
-            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
-                await asyncio.wait_for(nc.close(), config.request_timeout_s)
-        if slice_host is not None:
-            with contextlib.suppress(Exception):  # closing the libvirt connection must not mask the exit
-                await slice_host.close()
-        await state.aclose()
-        _event("agent_stopped")
+    if worker_task.done() and not stop.is_set():
+        exc = worker_task.exception()
+        _event("worker_died", logging.ERROR, error=repr(exc))
+        return EXIT_FAILED
+    reporter.stopping = True
+    notifier.notify(STOPPING=1, STATUS="stopping: finishing running tasks")
+    _event("agent_stopping", running_tasks=worker.running_task_ids, grace_s=config.shutdown_grace_s)
+    worker.stop()
+    await asyncio.wait({worker_task}, timeout=config.request_timeout_s * 2)
+    await worker.drain(config.shutdown_grace_s)
+    await host.close_terminals()  # while NATS is still up: each gateway gets its session's closing frame
+    return EXIT_OK
 
 
 async def _run_with_signals(config: AgentConfig) -> int:

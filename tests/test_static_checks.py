@@ -26,6 +26,7 @@ STRICT_ROOMS = (
     "gpuaas_agent/host",
     "gpuaas_agent/tasks",
     "gpuaas_agent/cli.py",
+    "gpuaas_agent/daemon.py",
 )
 
 

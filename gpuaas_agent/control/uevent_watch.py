@@ -46,11 +46,16 @@ def drift_subject(node_id: str) -> str:
 
 
 class Burst(Protocol):
-    """What a trigger from the event source carries (``host.uevents.UeventBurst``)."""
+    """What a trigger from the event source carries (``host.uevents.UeventBurst``, a frozen dataclass: read-only)."""
 
-    events: Sequence[Uevent]
-    dropped: int
-    overflowed: bool
+    @property
+    def events(self) -> Sequence[Uevent]: ...
+
+    @property
+    def dropped(self) -> int: ...
+
+    @property
+    def overflowed(self) -> bool: ...
 
 
 class BurstSource(Protocol):

@@ -1,44 +1,9 @@
-"""JetStream task worker: pull this node's tasks, run their handlers, store + publish results, then ack.
+"""JetStream task worker: pull this node's tasks and hand each to the task policy; bind, kick, drain.
 
-Order per message is the contract's (docs/contract.md "Tasks"):
-
-1. ``parse_task`` — junk is terminated and logged; the loop goes on. So is a task whose
-   envelope names another node (``wrong_node``) or that arrived on a subject other than
-   ``gpuaas.node.<node>.task.<its type>`` (``wrong_subject``): logged at WARNING, nothing
-   runs, and **no result is stored or published** — a result keyed by a forged
-   ``task_id`` would shadow the genuine task's (our stored-result replay, and the result
-   stream's ``Nats-Msg-Id`` dedupe), which is what a forger would want.
-2. A stored result for ``task_id`` → publish it again (same ``Nats-Msg-Id``, so the
-   result stream keeps it once) and ack; nothing runs. Whatever the redelivery's
-   ``attempt``: the stored result (with its own attempt) is the answer.
-3. ``deadline`` passed → ``failed``/``expired``; a deadline further ahead than
-   ``max_task_deadline_s`` → ``failed``/``invalid_deadline``. When the journal shows the
-   task was interrupted mid-run (the agent was killed or stopped under it), the handler's
-   ``recover`` hook (an attribute of the handler, e.g. provision's) runs first —
-   compensation only, no new side effect — and its evidence and slot outcomes go into
-   the ``expired`` result: an interrupted provision is never left half built.
-4./5. ``task_payload`` errors → ``failed`` with its code (``unsupported_task``, ``invalid_payload``).
-6. Poison bound: the journal counts the handler's starts for ``task_id``; at
-   ``max_task_starts`` starts without a finish (the handler crashed, or the agent died
-   under it each time) → ``failed``/``poison_task`` without running it again (its
-   ``recover`` hook runs, as for 3.).
-7. The handler runs under its type's semaphore; ``in_progress`` keepalives every
-   ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile. A crash (an
-   exception that is not an ``AgentError``) below the bound is nak'ed with a delay
-   (``retry_backoff_s`` doubled per start, at most ``ack_wait_s``), not answered. A stop
-   (SIGTERM: ``drain``) cancels a handler still running after the grace: its pipeline step
-   stays journaled ``started``, nothing is undone, no result; once the handler has seen the
-   cancellation through (its children reaped, ``cancel_settle_s``) the task is nak'ed, so the
-   next agent (an upgrade's new version) resumes it at once; the hand-back is journaled
-   (``task.handed_back``) and that start is not counted toward the poison bound, so upgrades,
-   rollbacks and restarts during one long clone never make it ``poison_task``.
-8. ``StateStore.store_result`` → publish with ``Nats-Msg-Id: <task_id>-<attempt>`` and
-   await the PubAck → only then ack the task (``ack_sync``: the server confirms it).
-
-The consumer keeps ``max_deliver=-1``: JetStream's own bound would drop a task silently
-(no result, the control plane waits for the deadline), and it counts deliveries that were
-no start at all (a shutdown's handed-back tasks, a lost ack). The journal's start count above
-is the bound instead, and it also holds across agent restarts.
+Two parts: the pull (control/pull.py, the one reader of nats.py's internals) and the task policy
+(control/taskpolicy.py: replay, deadline, poison, run, crash, answer, as ordered named gates).
+This module binds the consumer, runs the pull loop, admits or hands back what it pulled
+(control/admission.py) and drains at a stop.
 
 The consumer is the control plane's: it creates it (``control/consumer.py``) at enrollment and
 again when its cluster member is lost, and the node may only look it up (``CONSUMER.INFO``), pull
@@ -56,11 +21,6 @@ without a heartbeat (``pull_heartbeat_missed``) check the consumer: gone → bin
 answer for an R1 consumer (``consumer_leaderless``) → look it up again until the control plane has
 created it on a member that is up (see :meth:`TaskWorker._check_served`). A 409 ending the pull
 (``pull_ended_by_server``: Server Shutdown, Consumer Deleted) is followed by a new pull, paced.
-
-A crash anywhere before the ack means redelivery; the stored result makes that
-redelivery a republish, never a second run. A crash before the result is stored
-means the handler runs again: the journal's ``unfinished_steps`` are handed to it
-(``ctx.resumed_steps``) so a pipeline can resume or compensate.
 """
 
 from __future__ import annotations
@@ -68,169 +28,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
-import uuid
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any, Protocol, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerConfig, Header
 from nats.js.client import JetStreamContext
-from pydantic import ValidationError
 
-from gpuaas_agent import compat
-from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
-from gpuaas_agent.contract.base import WireModel
-from gpuaas_agent.contract.slots import SlotOutcome
-from gpuaas_agent.contract.state import JournalEntry, StepStatus
-from gpuaas_agent.contract.tasks import (
-    ProgressEvent,
-    ResultStatus,
-    TaskEnvelope,
-    TaskErrorBody,
-    TaskResult,
-    TaskType,
-    invalid_payload,
-    parse_task,
-    task_payload,
-)
+from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.control.admission import Admission, Refusal
-from gpuaas_agent.control.consumer import node_consumer_config
-from gpuaas_agent.control.permissions import consumer_name
-from gpuaas_agent.errors import AgentError, ContractError
+from gpuaas_agent.control.pull import PullSilent, TaskPull
+from gpuaas_agent.control.taskpolicy import (
+    CRASH_CODE,
+    RECOVER_STEP,
+    RESULT_STREAM,
+    STOPPED_STEP,
+    TASK_GATES,
+    TASK_STEP,
+    TASK_STREAM,
+    TaskContext,
+    TaskObserver,
+    TaskPolicy,
+    WorkerSettings,
+    handler_starts,
+)
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
-from gpuaas_agent.state.store import StateError, StateStore
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.context import Handler
-from gpuaas_agent.tasks.registry import default_concurrency
+
+# Names importers of the worker have always used; their home is control/taskpolicy.py.
+__all__ = ["CRASH_CODE", "RECOVER_STEP", "RESULT_STREAM", "STOPPED_STEP", "TASK_GATES", "TASK_STEP", "TASK_STREAM",
+           "ConsumerMissing", "TaskContext", "TaskObserver", "TaskWorker", "WorkerSettings", "handler_starts"]
 
 log = logging.getLogger(__name__)
 
-TASK_STREAM = "GPUAAS_TASKS"
-RESULT_STREAM = "GPUAAS_RESULTS"
-TASK_STEP = "task"  # the worker's own journal step around a handler run
-RECOVER_STEP = "recover"  # the worker's own journal step around a handler's recover hook
-# Journaled when a stop (SIGTERM: an upgrade, a restart) hands a task back after its handler saw the
-# cancellation through: that start was no crash, so it does not count toward ``max_task_starts``.
-STOPPED_STEP = "task.handed_back"
-CRASH_CODE = "internal_error"  # what _run_handler reports for an exception that is not an AgentError
-
-
-
 _event = functools.partial(log_event, log)
 _warn = functools.partial(log_event, log, level=logging.WARNING)
-
-T = TypeVar("T")
-
-
-class TaskObserver(Protocol):
-    """The daemon's metrics as the worker sees them (a ``step_finished`` it may have is read with getattr)."""
-
-    def task_finished(self, task_type: str, status: str, duration_s: float | None) -> None: ...
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    task_stream: str | None = None  # None: the stream that holds gpuaas.node.<node>.task.> (asked by subject)
-    result_stream: str = RESULT_STREAM
-    concurrency: Mapping[TaskType, int] = field(default_factory=default_concurrency)  # the registry's
-    keepalive_interval_s: float = 10.0
-    ack_wait_s: float = 60.0  # must be well above keepalive_interval_s
-    max_deliver: int = -1  # a task is never dropped for having been redelivered; its deadline ends it
-    fetch_timeout_s: float = 30.0  # pull expiry: how long one pull request waits on the server
-    # The server sends an idle heartbeat on a waiting pull this often; none for 2x this long ends the pull and
-    # checks the consumer (its server may be gone while ours is not). None (or >= half the expiry): no heartbeat.
-    # Off by default (config pull_heartbeat_s): it costs the server ~30 % more idle CPU and buys nothing where a
-    # lost server drops our connection too (one server; replicated consumers). On an R1-consumer cluster set it (5).
-    fetch_heartbeat_s: float | None = None
-    # None: the consumer lives until the control plane deletes it (a node cannot create it again itself).
-    inactive_threshold_s: float | None = None
-    consumer_replicas: int | None = None  # None: the stream's; 1 keeps a 5,000-node cluster off per-node Raft groups
-    consumer_check_s: float = 300.0  # after this long of empty pulls, check that the consumer still exists
-    consumer_memory: bool = False  # consumer state in memory (with R1 on a replicated stream: docs/performance.md "Fleet layout")
-    request_timeout_s: float = 5.0  # one JetStream API call / PubAck / ack confirmation
-    publish_deadline_s: float = 60.0  # retrying a result publish across a reconnect, then give up (redelivery retries)
-    max_task_deadline_s: float = 86400.0  # a deadline further ahead is refused: invalid_deadline
-    max_task_starts: int = 3  # handler starts without a finish before a task is poison_task
-    retry_backoff_s: float = 5.0  # nak delay after a crash: doubled per start, at most ack_wait_s
-    recovery_timeout_s: float = 600.0  # a handler's recover hook (compensations of an interrupted run)
-    # At a stop, a cancelled handler gets this long to see its cancellation through (a clone's qemu-img killed,
-    # its in-flight writes done, reaped) before the agent exits: no writer of a slot disk outlives the agent.
-    cancel_settle_s: float = 20.0
-    # Interactive tasks (power, terminal, console) one allocation may have in flight; more are answered
-    # tenant_busy at once (control/admission.py). 4 x 8 slots stays under the interactive capacity.
-    interactive_per_allocation: int = 4
-    # A task whose class or type is full goes back to JetStream with this delay, doubled per delivery (at most 8x).
-    handback_delay_s: float = 0.5
-    # JetStream's API prefix as the node's account sees it (control/accounts.py: another in a node account).
-    js_api_prefix: str = "$JS.API"
-
-    # The fields below down to consumer_memory describe the consumer the control plane creates for an agent
-    # configured this way (consumer_config); the worker itself creates nothing.
-
-    def durable_name(self, node_id: str) -> str:
-        return consumer_name(node_id)
-
-    def consumer_config(self, node_id: str) -> ConsumerConfig:
-        """What the control plane creates for an agent with these settings (``control/consumer.py``)."""
-        inflight = max(1, sum(self.concurrency.get(t, 1) for t in TaskType))
-        return node_consumer_config(node_id, ack_wait_s=self.ack_wait_s, max_ack_pending=inflight * 4,
-                                    replicas=self.consumer_replicas, memory=self.consumer_memory,
-                                    inactive_threshold_s=self.inactive_threshold_s)
-
-
-@dataclass
-class TaskContext:
-    """What a handler gets besides its payload."""
-
-    envelope: TaskEnvelope
-    node_id: str
-    # The daemon's store thread (state/aio.py): handlers ``await ctx.store.journal(...)``, never block the loop.
-    # A plain StateStore or its blocking view (tests) is wrapped into its StoreThread.
-    store: StoreThread
-    resumed_steps: list[str]
-    _nc: Client
-    # What the task did to slots; reported with the result whether it succeeded or not
-    # (a provision that failed after writing the disk reports its slot cleanup_blocked).
-    slot_outcomes: list[SlotOutcome] = field(default_factory=list)
-    # Called by the step pipeline per finished step (task type, step, status, duration_s, output): metrics.
-    step_observer: Callable[[str, str, str, float, dict[str, Any]], None] | None = None
-    # Set when the agent is stopping (SIGTERM): a pipeline cancelled then leaves its step journaled for the
-    # next agent instead of compensating it (tasks/pipeline.py).
-    agent_stopping: asyncio.Event | None = None
-
-    def __post_init__(self) -> None:
-        self.store = as_store_thread(self.store)
-
-    @property
-    def nc(self) -> Client:
-        """The NATS connection, for work that outlives the task (a terminal session's subjects)."""
-        return self._nc
-
-    async def progress(self, step: str, status: str, *, percent: float | None = None,
-                       detail: dict[str, Any] | None = None) -> None:
-        """Publish a step event on ``gpuaas.node.<node>.progress`` (core NATS, fire and forget)."""
-        # status: a str here (the pipeline passes StepStatus values); the model refuses one outside its Literal.
-        event = ProgressEvent(task_id=self.envelope.task_id, node_id=self.node_id, step=step,
-                              status=status,  # type: ignore[arg-type]
-                              percent=percent, detail=detail or {}, at=datetime.now(UTC))
-        try:
-            await self._nc.publish(subjects.progress(self.node_id), event.model_dump_json().encode())
-        except nats.errors.Error as exc:  # progress is advisory: losing one must not fail the task
-            _warn("progress_publish_failed", task_id=self.envelope.task_id, error=repr(exc))
-
-
-def _not_implemented(task_type: TaskType) -> AgentError:
-    return AgentError(f"{task_type.value} is not implemented by this agent yet", code="not_implemented",
-                      evidence={"type": task_type.value})
 
 
 class ConsumerMissing(Exception):
@@ -240,8 +78,7 @@ class ConsumerMissing(Exception):
         super().__init__(f"consumer {consumer} on {stream} is missing")
         self.stream, self.consumer, self.found = stream, consumer, found
 
-
-class TaskWorker:
+class TaskWorker(TaskPolicy):
     """Build once in the daemon; :meth:`run` until :meth:`stop`; then :meth:`drain`."""
 
     def __init__(self, nc: Client, store: StateStore | StoreThread, node_id: str, handlers: Mapping[TaskType, Handler],
@@ -267,15 +104,12 @@ class TaskWorker:
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight: dict[str, asyncio.Future[None]] = {}
-        self._sub: JetStreamContext.PullSubscription | None = None
+        # The pull (control/pull.py, the one reader of nats.py's internals); it keeps a message a kicked or
+        # stopped read had already taken (``carried``) across a rebind, to hand on or back.
+        self.pull = TaskPull(nc)
         self._fetching: asyncio.Future[list[Msg]] | None = None
-        # A message a kicked or stopped pull had already taken off the subscription's queue: the next pull
-        # hands it on (a stop hands it back). Cancelling a read that has taken one would drop it: JetStream
-        # then redelivers it only ack_wait_s later (bench_fleet, server restart at 5,000 nodes).
-        self._carried: list[Msg] = []
         self._checked_at = 0.0
         self._silent_pulls = 0  # pulls in a row that went silent (no heartbeat): paces the consumer checks
-        self.pull_heartbeats = 0  # idle heartbeats the server sent on our pulls (observability, tests)
         self.pull_heartbeats_missed = 0  # pulls ended because their heartbeats stopped
         self.stream: str | None = None
         self.ready = asyncio.Event()
@@ -286,6 +120,11 @@ class TaskWorker:
     @property
     def subject_filter(self) -> str:
         return subjects.tasks(self.node_id)
+
+    @property
+    def pull_heartbeats(self) -> int:
+        """Idle heartbeats the server sent on our pulls (observability, tests)."""
+        return self.pull.heartbeats
 
     @property
     def running_task_ids(self) -> list[str]:
@@ -317,9 +156,9 @@ class TaskWorker:
             self._fetching.cancel()
 
     async def _fetch(self) -> list[Msg] | None:
-        """One pull (:meth:`_pull_one`); None when :meth:`stop` or :meth:`kick` ended it first."""
-        assert self._sub is not None
-        fetching = self._fetching = asyncio.ensure_future(self._pull_one(self._pull_heartbeat_s()))
+        """One pull (:meth:`TaskPull.pull_one`); None when :meth:`stop` or :meth:`kick` ended it first."""
+        fetching = self._fetching = asyncio.ensure_future(
+            self.pull.pull_one(self.settings.fetch_timeout_s, self._pull_heartbeat_s()))
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait({fetching, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -333,7 +172,7 @@ class TaskWorker:
         if not fetching.done():  # cancelled just now: let it unwind (an outer cancel still reaches us)
             await asyncio.wait({fetching})
             if not fetching.cancelled() and fetching.exception() is None:
-                self._carried.extend(fetching.result())  # it got a task as it was ended: handed on, or back at stop
+                self.pull.carried.extend(fetching.result())  # it got a task as it was ended: handed on, or back at stop
             return None
         return fetching.result()
 
@@ -343,95 +182,6 @@ class TaskWorker:
         if heartbeat is None or heartbeat <= 0 or 2 * heartbeat >= self.settings.fetch_timeout_s:
             return None
         return heartbeat
-
-    async def _pull_one(self, heartbeat_s: float | None) -> list[Msg]:
-        """One message by a pull that (with ``heartbeat_s``) asks the server for idle heartbeats, and notices when
-        they stop.
-
-        nats.py's ``fetch(heartbeat=)`` asks for them but waits out the whole expiry when they stop.
-        They stop when the consumer's server is lost while ours is not (an R1 consumer of a cluster
-        member that died): our connection never drops, so no reconnect ends the pull. Raises
-        :class:`PullSilent` after ``2 * heartbeat_s`` without a message or a status;
-        ``nats.errors.TimeoutError`` when the pull expired (404/408, as ``fetch``); ``APIError`` for any
-        other status (409: the consumer was deleted, a pull limit of the consumer).
-
-        Same wire as ``fetch``: the request goes to the consumer's next-message subject with the
-        subscription's deliver inbox as reply, and answers are read from that subscription — by
-        :meth:`_take`, which a kick or stop (cancelling this pull) cannot make drop a message.
-        """
-        assert self._sub is not None
-        if self._carried:
-            return [self._carried.pop(0)]
-        sub = self._sub._sub  # the deliver inbox's subscription (nats.py PullSubscription; the same in 2.x)
-        pending = sub._pending_queue
-        while not pending.empty():  # left from an earlier pull: a message is ours, a status was that pull's
-            msg = pending.get_nowait()
-            sub._pending_size -= len(msg.data)
-            if pull_status(msg) is None:
-                return [msg]
-        expiry = self.settings.fetch_timeout_s
-        request = {"batch": 1, "expires": int(expiry * 1e9) - 100_000}
-        if heartbeat_s is not None:
-            request["idle_heartbeat"] = int(heartbeat_s * 1e9)
-        await self.nc.publish(self._sub._nms, json.dumps(request).encode(), self._sub._deliver)
-        loop = asyncio.get_running_loop()
-        # The server counts the expiry from when it got the request: its 408 comes a little after ours would.
-        # Waiting for it keeps it out of the next pull (taken there as that pull's end, it doubled the pulls
-        # of 2,000 idle nodes under load: bench_fleet). The bound counts from the request, never from a
-        # heartbeat: nats-server < 2.9.16 drops the 408 of a pull that expires as a message arrives (PR #3942;
-        # seen in bench_fleet bursts), and that message then waits for our next pull, here <= 1 s.
-        end = loop.time() + expiry + min(1.0, heartbeat_s or 1.0)
-        last = loop.time()  # the last sign of life of this pull: its request, a heartbeat, a status
-        while True:
-            now = loop.time()
-            if now >= end:
-                raise nats.errors.TimeoutError  # expired without its 408: what fetch() raises too
-            try:
-                msg = await self._take(sub, (end if heartbeat_s is None else min(end, last + 2 * heartbeat_s)) - now)
-            except nats.errors.TimeoutError:
-                now = loop.time()
-                if heartbeat_s is not None and now < end and now - last >= 2 * heartbeat_s:
-                    if not self.nc.is_connected:  # the reconnect ends this pull (kick); nothing to tell
-                        last = now
-                        continue
-                    raise PullSilent(now - last) from None
-                continue
-            status = pull_status(msg)
-            if status is None:
-                return [msg]
-            last = loop.time()
-            if status == "100":
-                self.pull_heartbeats += 1
-                continue
-            if status in ("404", "408"):
-                raise nats.errors.TimeoutError
-            headers = msg.headers or {}
-            raise nats.js.errors.APIError(code=int(status) if status.isdigit() else None,
-                                          description=headers.get("Description") or headers.get(Header.DESCRIPTION))
-
-    async def _take(self, sub: Subscription, timeout: float) -> Msg:
-        """The next message of the pull subscription's queue within ``timeout`` (else ``nats.errors.TimeoutError``).
-
-        Cancellation-safe, unlike nats.py's ``next_msg``: there the message is taken off the queue by an inner
-        task, and a cancel (a kick at reconnect, a stop) that lands before the caller resumes drops it. Here
-        a cancelled ``Queue.get`` leaves the message queued, and one already taken is carried to the next pull.
-        """
-        getter = asyncio.ensure_future(sub._pending_queue.get())
-        try:
-            await asyncio.wait({getter}, timeout=max(timeout, 0.0))
-        except asyncio.CancelledError:
-            if getter.done() and not getter.cancelled():
-                self._carried.append(getter.result())
-                sub._pending_size -= len(self._carried[-1].data)
-            else:
-                getter.cancel()
-            raise
-        if not getter.done():
-            getter.cancel()
-            raise nats.errors.TimeoutError
-        msg = getter.result()
-        sub._pending_size -= len(msg.data)
-        return msg
 
     async def _pull_went_silent(self, silent_s: float) -> None:
         """A pull's heartbeats stopped while our connection is up: check the consumer, then pull again.
@@ -484,9 +234,9 @@ class TaskWorker:
         """Pull and dispatch until :meth:`stop`. Connection trouble is logged and retried, never fatal."""
         backoff = 0.2
         while not self._stopping.is_set():
-            if self._sub is None:
+            if not self.pull.bound:
                 try:
-                    self._sub = await self._bind()
+                    self.pull.bind(await self._bind())
                     self._checked_at = asyncio.get_running_loop().time()
                     self.ready.set()
                     _event("worker_ready", node_id=self.node_id, consumer=self.settings.durable_name(self.node_id))
@@ -562,7 +312,7 @@ class TaskWorker:
         server restart) is simply never answered, which looks exactly like "no task".
         """
         loop = asyncio.get_running_loop()
-        if self._sub is None or loop.time() - self._checked_at < self.settings.consumer_check_s:
+        if not self.pull.bound or loop.time() - self._checked_at < self.settings.consumer_check_s:
             return
         self._checked_at = loop.time()
         assert self.stream is not None  # bound with the subscription
@@ -576,10 +326,7 @@ class TaskWorker:
             pass  # the server is busy or away: the connection's own PINGs and reconnects deal with that
 
     async def _unbind(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None:
-            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
-                await asyncio.wait_for(sub.unsubscribe(), self.settings.request_timeout_s)
+        await self.pull.unbind(self.settings.request_timeout_s)
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -595,21 +342,12 @@ class TaskWorker:
         Returns the task ids that were cancelled.
         """
         self.stop()
-        if self._sub is not None:
-            # Unsubscribe first: the server then has no interest in this agent's waiting pull, so a task it
-            # would deliver during the grace, or one a cancelled handler hands back below (nak), goes to the
-            # next agent at once instead of into this exiting process (redelivered only ack_wait_s later).
-            # Also before the connection drains, or drain() hangs on the pull inbox.
-            sub, self._sub = self._sub, None
-            with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
-                await asyncio.wait_for(sub.unsubscribe(), self.settings.request_timeout_s)
-            # Tasks the stopped pull had already taken (carried) or left queued: handed back now, not at ack_wait.
-            queued = sub._sub._pending_queue
-            while not queued.empty():
-                msg = queued.get_nowait()
-                if pull_status(msg) is None:
-                    self._carried.append(msg)
-        carried, self._carried = self._carried, []
+        # Unsubscribe first: the server then has no interest in this agent's waiting pull, so a task it
+        # would deliver during the grace, or one a cancelled handler hands back below (nak), goes to the
+        # next agent at once instead of into this exiting process (redelivered only ack_wait_s later).
+        # Also before the connection drains, or drain() hangs on the pull inbox. Tasks the stopped pull
+        # had already taken (carried) or left queued: handed back now, not at ack_wait.
+        carried = await self.pull.close(self.settings.request_timeout_s)
         for msg in carried:
             with contextlib.suppress(nats.errors.Error, TimeoutError, OSError):
                 await asyncio.wait_for(msg.nak(), self.settings.request_timeout_s)
@@ -624,402 +362,3 @@ class TaskWorker:
                 await asyncio.wait(pending, timeout=self.settings.cancel_settle_s + self.settings.request_timeout_s)
                 _warn("tasks_cancelled_at_shutdown", task_ids=cancelled)
         return cancelled
-
-    # -- one message --------------------------------------------------------------
-
-    async def _turn_away(self, msg: Msg, refusal: Refusal) -> None:
-        """A task that may not start now: over its allocation's bound it is answered ``tenant_busy`` (retryable)
-        and acked, so a tenant's flood waits nowhere, not even in JetStream's ack-pending window, which every
-        tenant of the node shares; a full class or type hands it back with a short delay (those are bounded by
-        the node's slots). Nothing is journaled or stored: it did not run."""
-        if refusal.reason != "allocation_full":
-            try:
-                delivered = max(1, int(msg.metadata.num_delivered))
-            except Exception:  # not a JetStream delivery (tests): the base delay
-                delivered = 1
-            delay = self.settings.handback_delay_s * 2 ** min(delivered - 1, 3)
-            _event("task_handed_back", subject=msg.subject, reason=refusal.reason, delay_s=delay)
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await msg.nak(delay=delay)
-            return
-        try:
-            envelope = parse_task(msg.data)
-            self._check_route(msg.subject, envelope)
-        except ContractError:
-            await self._process(msg)  # junk is rejected there (terminated, never answered)
-            return
-        if await self.state.run(lambda store: store.result_of(envelope.task_id)) is not None:
-            await self._process(msg)  # a redelivery of a task that ran: its stored result is replayed, never "busy"
-            return
-        _warn("task_tenant_busy", task_id=envelope.task_id, type=envelope.type,
-              bound=self.settings.interactive_per_allocation)
-        error = TaskErrorBody(
-            code="tenant_busy", retryable=True,
-            message=f"this allocation already has {self.settings.interactive_per_allocation} interactive tasks in "
-                    "flight on this node: not started, send it again later",
-            evidence={"bound": self.settings.interactive_per_allocation, "type": envelope.type})
-        result = TaskResult(task_id=envelope.task_id, node_id=self.node_id, type=envelope.type,
-                            attempt=envelope.attempt, status=ResultStatus.failed, error=error,
-                            finished_at=datetime.now(UTC))
-        # Not stored: a later delivery of the same task must run it, and its real result is published under
-        # the task's own message id, which this answer must not take.
-        await self._publish_and_ack(msg, result, msg_id=f"{envelope.task_id}-{envelope.attempt}-busy-"
-                                                        f"{uuid.uuid4().hex[:12]}")
-
-    async def _process(self, msg: Msg) -> None:
-        try:
-            envelope = parse_task(msg.data)
-            self._check_route(msg.subject, envelope)
-        except ContractError as exc:
-            # Terminated, never answered: see the module docstring (1.) for why no result is published.
-            _warn("task_rejected", code=exc.code, subject=msg.subject, task_id=exc.evidence.get("task_id"),
-                  evidence=exc.evidence)
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await msg.term()
-            return
-
-        task_id = envelope.task_id
-        running = self._inflight.get(task_id)
-        if running is not None:
-            # Redelivered while still running here: wait for that run, then answer from the store.
-            _event("task_redelivered_while_running", task_id=task_id)
-            await self._keepalive_while(msg, asyncio.shield(running))
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._inflight[task_id] = done
-        self._received[task_id] = asyncio.get_running_loop().time()
-        try:
-            await self._process_envelope(msg, envelope)
-        except Exception:  # e.g. the store refused (result_conflict): leave it unacked, JetStream redelivers
-            log_event(log, "task_processing_error", logging.ERROR, task_id=task_id, exc_info=True)
-        finally:
-            self._inflight.pop(task_id, None)
-            self._received.pop(task_id, None)
-            done.set_result(None)
-
-    def _check_route(self, subject: str, envelope: TaskEnvelope) -> None:
-        """The envelope must be ours and must have come on our subject for its own type."""
-        if envelope.node_id != self.node_id:
-            raise ContractError(f"task {envelope.task_id} names node {envelope.node_id}, this is {self.node_id}",
-                                code="wrong_node", evidence={"task_id": envelope.task_id, "node_id": envelope.node_id,
-                                                             "subject": subject})
-        expected = subjects.task(self.node_id, envelope.type)
-        if subject != expected:
-            raise ContractError(f"task {envelope.task_id} of type {envelope.type} arrived on {subject}",
-                                code="wrong_subject", evidence={"task_id": envelope.task_id, "subject": subject,
-                                                                "expected": expected})
-
-    def _retry_delay(self, starts: int) -> float:
-        backoff: float = self.settings.retry_backoff_s * 2 ** max(starts - 1, 0)  # int ** int is Any to mypy
-        return min(self.settings.ack_wait_s, backoff)
-
-    async def _poison(self, msg: Msg, envelope: TaskEnvelope, starts: int, last_error: TaskErrorBody | None) -> None:
-        last = f"{last_error.message}" if last_error is not None else "the agent stopped while it ran"
-        _warn("task_poisoned", task_id=envelope.task_id, starts=starts, last_error=last)
-        evidence = {"starts": starts, "max_task_starts": self.settings.max_task_starts,
-                    "last_error": last_error.model_dump() if last_error is not None else None}
-        outcomes: list[SlotOutcome] = []
-        interrupted = await self.state.unfinished_steps(envelope.task_id)
-        if interrupted:
-            recovery, outcomes = await self._recover(msg, envelope, interrupted)
-            if recovery is not None:
-                evidence.update(unfinished_steps=interrupted, recovery=recovery)
-        error = TaskErrorBody(
-            code="poison_task", retryable=False,
-            message=f"handler started {starts} times without finishing (bound {self.settings.max_task_starts}); "
-                    f"last: {last}",
-            evidence=evidence)
-        await self._finish(msg, envelope, ResultStatus.failed, error=error, slot_outcomes=outcomes)
-
-    async def _recover(self, msg: Msg, envelope: TaskEnvelope,
-                       interrupted: list[str]) -> tuple[dict[str, Any] | None, list[SlotOutcome]]:
-        """Run the handler's ``recover`` hook for a task interrupted mid-run that will not run again.
-
-        Returns (its evidence, the slot outcomes it reported); (None, []) when the type has no hook.
-        A failing hook is reported in the evidence, never raised: the task must still get its answer.
-        Its starts are journaled and bounded like the handler's: a hook that kills the agent every
-        time is not run again after ``max_task_starts`` (no crash loop on recovery either).
-        """
-        try:
-            task_type, payload = task_payload(envelope)
-        except ContractError:
-            return None, []
-        recover: Handler | None = getattr(self.handlers.get(task_type), "recover", None)
-        if recover is None:
-            return None, []
-        tries = sum(1 for e in await self.state.journal_of(envelope.task_id)
-                    if e.step == RECOVER_STEP and e.status == StepStatus.started)
-        if tries >= self.settings.max_task_starts:
-            return {"ok": False, "code": "recovery_poison", "message": f"recovery started {tries} times without "
-                    "finishing: not run again; the slot is left to reconcile and a release"}, []
-        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.state,
-                          resumed_steps=[s for s in interrupted if s != RECOVER_STEP],
-                          _nc=self.nc, agent_stopping=self._stopping)
-        _warn("task_recovering", task_id=envelope.task_id, unfinished_steps=interrupted)
-        await self.state.journal(envelope.task_id, RECOVER_STEP, StepStatus.started)
-
-        async def guarded() -> dict[str, Any]:
-            async with self._semaphores[task_type], compat.timeout(self.settings.recovery_timeout_s):
-                return await recover(payload, ctx)
-
-        try:
-            evidence = await self._keepalive_while(msg, guarded())
-        except AgentError as exc:
-            evidence = {"ok": False, "code": exc.code, "message": exc.message, "evidence": exc.evidence}
-        except Exception as exc:
-            log.exception(json.dumps({"event": "task_recovery_crashed", "task_id": envelope.task_id}))
-            evidence = {"ok": False, "code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
-        await self.state.journal(envelope.task_id, RECOVER_STEP, StepStatus.succeeded)
-        return evidence, list(ctx.slot_outcomes)
-
-    async def _process_envelope(self, msg: Msg, envelope: TaskEnvelope) -> None:
-        stored, history = await self.state.run(_task_history, envelope.task_id)  # one store-thread hop per claim
-        if stored is not None:
-            _event("task_result_replayed", task_id=envelope.task_id)
-            await self._publish_and_ack(msg, TaskResult.from_wire(stored))
-            return
-
-        deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=UTC)
-        now = datetime.now(UTC)
-        if now >= deadline:
-            evidence: dict[str, Any] = {"deadline": deadline.isoformat()}
-            outcomes: list[SlotOutcome] = []
-            try:
-                interrupted = await self.state.unfinished_steps(envelope.task_id)
-            except StateError as exc:  # journal_unreadable: still expired; the result names the journal's problem
-                interrupted, evidence["journal_error"] = [], _error_body(exc, retryable=False).model_dump()
-            if interrupted:
-                # Interrupted mid-run (the agent was killed or stopped under it) and not to run again: the
-                # handler's recovery undoes what the interrupted run left (compensation only), then expired.
-                evidence["unfinished_steps"] = interrupted
-                _warn("expired_task_interrupted", task_id=envelope.task_id, unfinished_steps=interrupted)
-                recovery, outcomes = await self._recover(msg, envelope, interrupted)
-                if recovery is not None:
-                    evidence["recovery"] = recovery
-            error: TaskErrorBody | None = TaskErrorBody(code="expired", message=f"deadline {deadline.isoformat()} passed before the task ran",
-                                  retryable=False, evidence=evidence)
-            await self._finish(msg, envelope, ResultStatus.failed, error=error, slot_outcomes=outcomes)
-            return
-        horizon = self.settings.max_task_deadline_s
-        if (deadline - now).total_seconds() > horizon:
-            error = TaskErrorBody(code="invalid_deadline", retryable=False,
-                                  message=f"deadline {deadline.isoformat()} is more than {horizon:g}s ahead",
-                                  evidence={"deadline": deadline.isoformat(), "max_task_deadline_s": horizon})
-            await self._finish(msg, envelope, ResultStatus.failed, error=error)
-            return
-
-        try:
-            task_type, payload = task_payload(envelope)
-        except ContractError as exc:
-            await self._finish(msg, envelope, ResultStatus.failed, error=_error_body(exc, retryable=False))
-            return
-
-        handler = self.handlers.get(task_type)
-        if handler is None:
-            await self._finish(msg, envelope, ResultStatus.failed,
-                               error=_error_body(_not_implemented(task_type), retryable=False))
-            return
-
-        try:
-            if isinstance(history, StateError):
-                raise history
-            starts, resumed = history
-        except StateError as exc:
-            # journal_unreadable (a row an older version wrote): the handler cannot know what was done, so it
-            # does not run; the answer names the row. A redelivery answers the same from the stored result.
-            _warn("task_journal_unreadable", task_id=envelope.task_id, code=exc.code, evidence=exc.evidence)
-            await self._finish(msg, envelope, ResultStatus.failed, error=_error_body(exc, retryable=False))
-            return
-        if starts >= self.settings.max_task_starts:
-            await self._poison(msg, envelope, starts, None)
-            return
-
-        if resumed:
-            _event("task_resumed", task_id=envelope.task_id, unfinished_steps=resumed)
-        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.state, resumed_steps=resumed, _nc=self.nc,
-                          step_observer=getattr(self.observer, "step_finished", None), agent_stopping=self._stopping)
-        run = asyncio.ensure_future(self._run_handler(task_type, handler, payload, ctx))
-        try:
-            status, output, error = await self._keepalive_while(msg, run)
-        except asyncio.CancelledError:
-            run.cancel()
-            # Let the handler see its cancellation through (a clone kills qemu-img) before the agent exits.
-            await asyncio.wait({run}, timeout=self.settings.cancel_settle_s)
-            if self._stopping.is_set() and run.done():
-                # A stop (a package upgrade): hand the task back now, journaled where it stopped, so the next
-                # agent resumes it at its first pull rather than ack_wait_s later. Journaled
-                # first: this start was no crash and does not count toward the poison bound.
-                with contextlib.suppress(StateError, OSError):
-                    await self.state.journal(envelope.task_id, STOPPED_STEP, StepStatus.succeeded,
-                                             {"reason": "agent_stopping"})
-                with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
-                    await asyncio.wait_for(msg.nak(), self.settings.request_timeout_s)
-                _warn("task_handed_back_at_stop", task_id=envelope.task_id)
-            raise
-        if _is_handler_crash(error):
-            starts += 1
-            if starts >= self.settings.max_task_starts:
-                await self._poison(msg, envelope, starts, error)
-                return
-            # A crash is not an answer: deliver it again later (bounded by max_task_starts).
-            delay = self._retry_delay(starts)
-            _warn("task_crash_retry", task_id=envelope.task_id, starts=starts, retry_in_s=delay)
-            try:
-                await msg.nak(delay=delay)
-            except (nats.errors.Error, OSError) as exc:  # not nak'ed: ack_wait redelivers it all the same
-                _warn("task_nak_failed", task_id=envelope.task_id, error=repr(exc))
-            return
-        await self._finish(msg, envelope, status, output=output, error=error, slot_outcomes=ctx.slot_outcomes)
-
-    async def _run_handler(self, task_type: TaskType, handler: Handler, payload: WireModel,
-                           ctx: TaskContext) -> tuple[ResultStatus, dict[str, Any], TaskErrorBody | None]:
-        task_id = ctx.envelope.task_id
-        async with self._semaphores[task_type]:
-            await self.state.journal(task_id, TASK_STEP, StepStatus.started,
-                               {"type": task_type.value, "attempt": ctx.envelope.attempt})
-            _event("task_started", task_id=task_id, type=task_type.value, attempt=ctx.envelope.attempt)
-            try:
-                async with compat.timeout(_seconds_left(ctx.envelope)):
-                    output = await handler(payload, ctx)
-            except TimeoutError:
-                # The deadline passed and the handler let the cancellation through (nothing to undo).
-                await self.state.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "deadline_exceeded"})
-                _warn("task_cancelled", task_id=task_id, code="deadline_exceeded")
-                return ResultStatus.cancelled, {}, TaskErrorBody(
-                    code="deadline_exceeded", message="the task's deadline passed while it ran", retryable=False,
-                    evidence={"deadline": ctx.envelope.deadline.isoformat()})
-            except (AgentError, ValidationError) as exc:
-                if isinstance(exc, ValidationError):  # a model refused a value built from the task: a refusal
-                    exc = invalid_payload(task_type.value, exc)
-                # A pipeline that was cancelled (deadline) has compensated and says so: the task is cancelled.
-                status = ResultStatus.cancelled if getattr(exc, "cancelled", False) else ResultStatus.failed
-                await self.state.journal(task_id, TASK_STEP, StepStatus.failed, {"code": exc.code})
-                _warn("task_failed" if status is ResultStatus.failed else "task_cancelled", task_id=task_id,
-                      code=exc.code, message=exc.message)
-                return status, {}, _error_body(exc, retryable=bool(getattr(exc, "retryable", False)))
-            except Exception as exc:  # a bug, not a refusal: report it with a code, keep the agent alive
-                log.exception(json.dumps({"event": "task_crashed", "task_id": task_id}))
-                await self.state.journal(task_id, TASK_STEP, StepStatus.failed, {"code": "internal_error"})
-                return ResultStatus.failed, {}, TaskErrorBody(
-                    code="internal_error", message=f"{type(exc).__name__}: {exc}", retryable=True,
-                    evidence={"exception": type(exc).__name__})
-            await self.state.journal(task_id, TASK_STEP, StepStatus.succeeded)
-            _event("task_succeeded", task_id=task_id, type=task_type.value)
-            return ResultStatus.succeeded, dict(output), None
-
-    async def _keepalive_while(self, msg: Msg, work: Awaitable[T]) -> T:
-        """Await ``work``, sending ``in_progress`` every keepalive interval so JetStream does not redeliver."""
-        work = asyncio.ensure_future(work)
-        while True:
-            done, _ = await asyncio.wait({work}, timeout=self.settings.keepalive_interval_s)
-            if done:
-                return work.result()
-            try:
-                await msg.in_progress()
-            except nats.errors.Error as exc:  # disconnected: the reconnect re-sends nothing, the next tick will
-                _warn("keepalive_failed", subject=msg.subject, error=repr(exc))
-
-    async def _finish(self, msg: Msg, envelope: TaskEnvelope, status: ResultStatus, *,
-                      output: dict[str, Any] | None = None, error: TaskErrorBody | None = None,
-                      slot_outcomes: list[SlotOutcome] | None = None) -> None:
-        result = TaskResult(task_id=envelope.task_id, node_id=self.node_id, type=envelope.type,
-                            attempt=envelope.attempt, status=status, output=output or {}, error=error,
-                            slot_outcomes=slot_outcomes or [], finished_at=datetime.now(UTC))
-        stored = await self.state.store_result(envelope.task_id, result.model_dump(mode="json"))
-        if self.observer is not None:
-            received = self._received.get(envelope.task_id)
-            self.observer.task_finished(envelope.type, status.value,
-                                        None if received is None else asyncio.get_running_loop().time() - received)
-        await self._publish_and_ack(msg, TaskResult.from_wire(stored))
-
-    async def _publish_and_ack(self, msg: Msg, result: TaskResult, *, msg_id: str | None = None) -> None:
-        """PubAck first, then ack; a failure leaves the task unacked so redelivery replays the stored result."""
-        subject = subjects.result(self.node_id)
-        msg_id = msg_id or f"{result.task_id}-{result.attempt}"
-        data = result.model_dump_json().encode()
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.settings.publish_deadline_s
-        backoff = 0.2
-        while True:
-            try:
-                ack = await self.js.publish(subject, data, timeout=self.settings.request_timeout_s,
-                                            stream=self.settings.result_stream, headers={"Nats-Msg-Id": msg_id})
-                break
-            except (nats.errors.Error, TimeoutError) as exc:
-                if loop.time() + backoff >= give_up_at:
-                    _warn("result_publish_gave_up", task_id=result.task_id, error=repr(exc))
-                    return
-                _warn("result_publish_retry", task_id=result.task_id, error=repr(exc), retry_in_s=backoff)
-                await asyncio.sleep(backoff)  # backoff between retries, not synchronisation
-                backoff = min(backoff * 2, 5.0)
-        _event("result_published", task_id=result.task_id, status=result.status.value, seq=ack.seq,
-               duplicate=bool(ack.duplicate))
-        try:
-            await msg.ack_sync(timeout=self.settings.request_timeout_s)
-        except (nats.errors.Error, TimeoutError) as exc:
-            # The result is stored and published: a redelivery will only replay it.
-            _warn("task_ack_failed", task_id=result.task_id, error=repr(exc))
-
-
-class PullSilent(Exception):
-    """A pull got neither a message nor a heartbeat for two heartbeat intervals (its server lost it)."""
-
-    def __init__(self, silent_s: float) -> None:
-        super().__init__(f"no heartbeat for {silent_s:.1f}s")
-        self.silent_s = silent_s
-
-
-def pull_status(msg: Msg) -> str | None:
-    """A JetStream status on a pull (100 heartbeat, 404/408 no message/expired, 409 ...); None for a message.
-
-    A stored message always comes with its ack subject as reply, a status never: a task published
-    with a ``Status`` header of its own is still a task (and answered or refused as one).
-    """
-    if msg.reply or not msg.headers:
-        return None
-    return msg.headers.get("Status")
-
-
-def _task_history(store: StateStore, task_id: str) -> tuple[dict[str, Any] | None, tuple[int, list[str]] | StateError]:
-    """The stored result of ``task_id``, else its journaled handler starts and unfinished steps (or the
-    StateError reading the journal raised), read in one go on the store thread: every claim needs them, and
-    each separate hop costs the event loop a thread round trip (bench_fleet: 5 hops per claim were ~30% of
-    the simulated nodes' loop CPU in a 5,000-node burst)."""
-    stored = store.result_of(task_id)
-    if stored is not None:
-        return stored, (0, [])
-    try:
-        return None, (handler_starts(store.journal_of(task_id)), store.unfinished_steps(task_id))
-    except StateError as exc:  # journal_unreadable: answered by _process_envelope, after the deadline checks
-        return None, exc
-
-
-def handler_starts(entries: list[JournalEntry]) -> int:
-    """How many times a handler was started and neither finished nor was handed back at a stop.
-
-    Journaled before it runs, so a kill -9 counts toward the poison bound; a clean stop's hand-back
-    (``STOPPED_STEP``: an upgrade, a rollback, a restart during a long clone) does not.
-    """
-    started = sum(1 for e in entries if e.step == TASK_STEP and e.status == StepStatus.started)
-    handed_back = sum(1 for e in entries if e.step == STOPPED_STEP and e.status == StepStatus.succeeded)
-    return max(started - handed_back, 0)
-
-
-def _is_handler_crash(error: TaskErrorBody | None) -> bool:
-    """An exception escaped the handler (``_run_handler``'s last resort), as opposed to an answer with a code.
-
-    A pipeline that caught a bug in a step, compensated and reported ``internal_error`` with its
-    ``failed_step`` has answered: running a provision again for a deterministic bug would redo
-    its side effects for nothing, so only the bare crash (evidence ``exception``) is retried.
-    """
-    return error is not None and error.code == CRASH_CODE and "exception" in error.evidence \
-        and "failed_step" not in error.evidence
-
-
-def _seconds_left(envelope: TaskEnvelope) -> float:
-    """Seconds until the task's deadline (a naive deadline is UTC); the handler is cancelled then."""
-    deadline = envelope.deadline if envelope.deadline.tzinfo else envelope.deadline.replace(tzinfo=UTC)
-    return max(0.0, (deadline - datetime.now(UTC)).total_seconds())
-
-
-def _error_body(exc: AgentError, *, retryable: bool) -> TaskErrorBody:
-    return TaskErrorBody(code=exc.code, message=exc.message, retryable=retryable, evidence=exc.evidence)

@@ -23,7 +23,7 @@ from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.fabric import PartitionLease
 from gpuaas_agent.contract.fleet import ComponentRef, QuarantineRecord, RecheckVerdict
 from gpuaas_agent.contract.handover import LeaseHandover
-from gpuaas_agent.contract.state import JournalEntry, SlotLease, SlotRecord, StepStatus
+from gpuaas_agent.contract.state import JournalEntry, SlotDetail, SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.storage import WipeProof
 from gpuaas_agent.contract.terminal import HostKeyPin, TerminalAudit
 from gpuaas_agent.errors import AgentError
@@ -560,7 +560,7 @@ class StateStore:
             self._conn.execute(
                 "INSERT OR REPLACE INTO slot_state VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (record.slot_index, record.allocation_id, record.status.value, record.health_state.value,
-                 json.dumps(record.detail, sort_keys=True), record.task_id, record.updated_at),
+                 json.dumps(record.detail.to_stored(), sort_keys=True), record.task_id, record.updated_at),
             )
         return record
 
@@ -583,8 +583,9 @@ class StateStore:
 
     @staticmethod
     def _slot_record(row: tuple[Any, ...]) -> SlotRecord:
+        # The detail leniently: a row an older (or newer) release wrote still loads (contract/state.SlotDetail).
         return SlotRecord(slot_index=row[0], allocation_id=row[1], status=row[2], health_state=row[3],
-                          detail=json.loads(row[4]), task_id=row[5], updated_at=row[6])
+                          detail=SlotDetail.from_stored(json.loads(row[4])), task_id=row[5], updated_at=row[6])
 
     # -- terminal sessions -------------------------------------------------------------
 

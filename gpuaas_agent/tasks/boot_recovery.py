@@ -63,7 +63,7 @@ from gpuaas_agent.contract.runtime import (
     get_profile,
 )
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
-from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.state import BootRecoveryNote, PowerState, SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.types import UUID_RE
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
@@ -96,7 +96,7 @@ def read_boot_id(host: HostRoot) -> str | None:
 
 def boot_action(profile: RuntimeProfile, record: SlotRecord) -> str:
     """``restart`` or why not: ``tenant_stopped`` (the tenant's stop outlives a reboot) or ``policy``."""
-    if record.detail.get("power_state") == "stopped":
+    if record.detail.power_state is PowerState.stopped:
         return "tenant_stopped"
     if profile.on_host_boot is OnHostBoot.leave_stopped:
         return "policy"
@@ -215,23 +215,22 @@ async def recover_after_boot(drivers: SliceDrivers, store: AnyStore, *, boot_id:
     # A data slot of a multi-GPU allocation (its record names its boot slot) is recovered with its boot slot.
     data_of: dict[str, list[SlotLease]] = {}
     for lease in active:
-        if records[lease.slot_index].detail.get("boot_slot_index") is not None:
+        if records[lease.slot_index].detail.boot_slot_index is not None:
             data_of.setdefault(lease.allocation_id, []).append(lease)
     for lease in active:
         record = records[lease.slot_index]
-        if record.detail.get("boot_slot_index") is not None:
+        if record.detail.boot_slot_index is not None:
             continue
         async with drivers.slot_lock(lease.slot_index):
             rec = await recover_slot(drivers, lease, record, by_alloc.get(lease.allocation_id), after_write=after_write,
                                      data_slots=tuple(data_of.get(lease.allocation_id, ())))
             findings += rec.findings
             outcomes[rec.outcome] = outcomes.get(rec.outcome, 0) + 1
-            detail = {**record.detail, "boot_recovery": {
-                "boot_id": boot_id, "outcome": rec.outcome, "at": time.time(),
-                "findings": sorted({f.kind.value for f in rec.findings})}}
-            update: dict[str, Any] = {"detail": detail, "updated_at": time.time()}
+            note = BootRecoveryNote(boot_id=boot_id, outcome=rec.outcome, at=time.time(),
+                                    findings=sorted({f.kind.value for f in rec.findings}))
+            restarted = {"power_state": PowerState.running} if rec.outcome == "restarted" else {}
+            update: dict[str, Any] = {"detail": record.detail.updated(boot_recovery=note, **restarted), "updated_at": time.time()}
             if rec.outcome == "restarted":
-                detail["power_state"] = "running"
                 update["health_state"] = HealthState.healthy
             elif rec.outcome == "refused":
                 update["health_state"] = HealthState.failed

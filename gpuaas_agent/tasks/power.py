@@ -52,7 +52,7 @@ from gpuaas_agent.contract.domain import DomainInfo, DomainState, StartTarget
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.contract.slots import SlotOutcome, SlotStatus
-from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.state import PowerState, SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.tasks import VmPowerPayload
 from gpuaas_agent.errors import AgentError
@@ -82,9 +82,7 @@ class PowerRefused(AgentError):
 
 def power_state(state: DomainState | None) -> str:
     """The slot record's ``power_state``: what the tenant sees (``stopped`` for shut off)."""
-    if state is None:
-        return "unknown"
-    return {DomainState.shutoff: "stopped", DomainState.running: "running"}.get(state, state.value)
+    return PowerState.of_domain(state).value
 
 
 def admit(store: StateStore, payload: SlotRequest) -> tuple[SlotLease, SlotRecord]:
@@ -259,13 +257,13 @@ async def _power(drivers: SliceDrivers, payload: VmPowerPayload, ctx: TaskContex
     state = after.state if after is not None else None
     last = {"operation": op, "task_id": task_id, "at": time.time(), "changed": bool(outputs or failure),
             "succeeded": failure is None, "code": failure.code if failure else None}
-    detail = {**record.detail, "power_state": power_state(state), "last_power_operation": last}
+    detail = record.detail.updated(power_state=power_state(state), last_power_operation=last)
     # Status stays active whatever happened: a stopped slice keeps its lease and its disk.
     await store.set_slot_state(record.model_copy(update={"detail": detail, "task_id": task_id,
                                                          "updated_at": time.time()}))
     ctx.slot_outcomes.append(SlotOutcome(slot_index=payload.slot_index, status=SlotStatus.active,
                                          health_state=record.health_state,
-                                         health_detail={"power_state": detail["power_state"],
+                                         health_detail={"power_state": power_state(state),
                                                         "last_power_operation": last}))
     log_event(log, "slice_power", logging.WARNING if failure else logging.INFO, task_id=task_id,
               allocation_id=payload.allocation_id, slot_index=payload.slot_index, operation=op,

@@ -36,7 +36,7 @@ from gpuaas_agent.contract.placement import PlacementReport
 from gpuaas_agent.contract.plan import PlannedSlot
 from gpuaas_agent.contract.runtime import DomainType, RuntimeProfile, get_profile
 from gpuaas_agent.contract.slots import ApprovedSlot, HealthState, SlotOutcome, SlotStatus
-from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
+from gpuaas_agent.contract.state import SlotDetail, SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.storage import CloneProgress, CloneResult, DiskLease
 from gpuaas_agent.contract.tasks import PlanPayload, VmProvisionPayload
 from gpuaas_agent.contract.topology import TopologyReport
@@ -179,7 +179,8 @@ def _record(run: ProvisionRun, status: SlotStatus, health: HealthState, detail: 
     if index != run.slot.slot_index:
         detail = {**detail, "boot_slot_index": run.slot.slot_index}  # a data slot: reconcile expects no vNIC
     return SlotRecord(slot_index=index, allocation_id=run.payload.allocation_id, status=status,
-                      health_state=health, detail=detail, task_id=run.task_id, updated_at=time.time())
+                      health_state=health, detail=SlotDetail.model_validate(detail), task_id=run.task_id,
+                      updated_at=time.time())
 
 
 async def check_admissible(run: ProvisionRun) -> None:

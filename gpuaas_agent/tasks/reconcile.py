@@ -51,7 +51,7 @@ from gpuaas_agent.contract.naming import allocation_from_domain_name
 from gpuaas_agent.contract.ovs import OvsPort
 from gpuaas_agent.contract.runtime import UnknownProfileError, get_profile
 from gpuaas_agent.contract.slots import SlotStatus
-from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.state import PowerState, SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import ReconcilePayload
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
@@ -227,7 +227,7 @@ def lease_findings(snap: HostSnapshot, lease: SlotLease) -> list[DriftFinding]:
     findings += snap.device_findings.get(lease.slot_index, ())
     mine = [r for r in snap.reservations if r.allocation_id == lease.allocation_id and r.slot_index == lease.slot_index]
     # A data slot of a multi-slot allocation (docs/multi-gpu.md) has no vNIC and no reservation of its own.
-    data_slot = record is not None and record.detail.get("boot_slot_index") not in (None, lease.slot_index)
+    data_slot = record is not None and record.detail.boot_slot_index not in (None, lease.slot_index)
     if status is SlotStatus.active and not mine and not data_slot:
         findings.append(_finding(DriftKind.reservation_missing, lease.allocation_id, DriftSeverity.error,
                                  expected="a dnsmasq reservation", actual="none",
@@ -254,7 +254,7 @@ def blocked_disk_findings(snap: HostSnapshot) -> list[DriftFinding]:
     return [_finding(DriftKind.disk_not_wiped, store_disk(snap.leases, record) or str(record.slot_index),
                      DriftSeverity.error, expected="wiped and verified", actual="cleanup_blocked",
                      slot_index=record.slot_index, allocation_id=record.allocation_id,
-                     failed_step=record.detail.get("failed_step"))
+                     failed_step=record.detail.failed_step)
             for record in snap.records.values() if record.status is SlotStatus.cleanup_blocked]
 
 
@@ -321,7 +321,7 @@ def judge(snap: HostSnapshot, slice_config: SliceConfig) -> Judgement:
 
 def tenant_stopped(record: SlotRecord | None) -> bool:
     """The slot record says the tenant's own ``slice.vm_power stop`` (or a reboot whose start failed) left it off."""
-    return record is not None and record.detail.get("power_state") == "stopped"
+    return record is not None and record.detail.power_state is PowerState.stopped
 
 
 def shutoff_finding(lease: SlotLease, record: SlotRecord | None, domain: DomainInfo) -> DriftFinding:
@@ -330,8 +330,9 @@ def shutoff_finding(lease: SlotLease, record: SlotRecord | None, domain: DomainI
     return _finding(DriftKind.domain_shutoff, lease.allocation_id, DriftSeverity.info if stopped else DriftSeverity.error,
                     expected="running" if not stopped else "stopped by the tenant", actual=domain.state.value,
                     slot_index=lease.slot_index, domain=domain.name,
-                    power_state=record.detail.get("power_state") if record else None,
-                    last_power_operation=record.detail.get("last_power_operation") if record else None)
+                    power_state=record.detail.power_state.value if record and record.detail.power_state else None,
+                    last_power_operation=record.detail.last_power_operation.model_dump(mode="json")
+                    if record and record.detail.last_power_operation else None)
 
 
 def store_disk(leases: tuple[SlotLease, ...] | list[SlotLease], record: SlotRecord) -> str | None:

@@ -37,7 +37,7 @@ from gpuaas_agent.contract.handover import GpuHandoverPolicy, LeaseHandover
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import PROFILES
 from gpuaas_agent.contract.slots import ApprovedSlot, HealthState, SlotOutcome, SlotStatus
-from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.state import SlotDetail, SlotLease, SlotRecord
 from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
@@ -461,7 +461,8 @@ async def release(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskCon
                 detail = {"failed_step": failure.failed_step, "code": failure.code, "evidence": failure.evidence}
                 await store.set_slot_state(SlotRecord(
                     slot_index=slot.slot_index, allocation_id=alloc, status=SlotStatus.cleanup_blocked,
-                    health_state=HealthState.failed, detail=detail, task_id=run.task_id, updated_at=time.time()))
+                    health_state=HealthState.failed, detail=SlotDetail.model_validate(detail), task_id=run.task_id,
+                    updated_at=time.time()))
                 ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.cleanup_blocked, HealthState.failed, detail))
                 await quarantine_failed_component(run, failure)
             raise
@@ -547,7 +548,8 @@ async def recover_release(drivers: SliceDrivers, payload: VmReleasePayload, ctx:
         detail = {"code": "release_interrupted", "unfinished_steps": ctx.resumed_steps}
         await store.set_slot_state(SlotRecord(slot_index=slot.slot_index, allocation_id=alloc,
                                               status=SlotStatus.cleanup_blocked, health_state=HealthState.failed,
-                                              detail=detail, task_id=ctx.envelope.task_id, updated_at=time.time()))
+                                              detail=SlotDetail.model_validate(detail), task_id=ctx.envelope.task_id,
+                                              updated_at=time.time()))
         ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.cleanup_blocked, HealthState.failed, detail))
         return {"interrupted": True, "slot": "cleanup_blocked"}
 

@@ -34,12 +34,12 @@ async def _bound_node(server, tmp_path: Path, expiry_s: float, claims: list, rec
     store = StateStore.open(tmp_path / "state.db")
     try:
         worker = TaskWorker(nc, store, NODE, {}, WorkerSettings(fetch_timeout_s=expiry_s))
-        psub = await worker._bind()  # what bench_fleet calls
+        worker.pull.bind(await worker._bind())  # what bench_fleet calls
     finally:
         await nc.close()
         store.close()
     node = ProtocolNode(node_id=NODE, host="127.0.0.1", port=server.port, inbox_prefix=node_inbox_prefix(NODE),
-                        next_subject=psub._nms, task_type=TASK.value, expiry_s=expiry_s, bound_s=expiry_s + 1,
+                        next_subject=worker.pull.next_subject, task_type=TASK.value, expiry_s=expiry_s, bound_s=expiry_s + 1,
                         heartbeat_s=None, backoff=Backoff(0.1, 0.5),
                         on_claim=lambda task_id, t: claims.append(task_id), on_reconnect=reconnects.append,
                         trace=[])

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gpuaas_agent.config import load_config
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.daemon import SdNotifier, default_handlers, run_agent, watchdog_interval_s
@@ -32,6 +34,7 @@ from tests.support.agent_process import (
     agent_env,
     enrolled_setup,
 )
+from tests.support.daemon_hosts import ReadOnlyHost
 from tests.support.deadline import run_bounded
 
 # -- the gated agent (child process side) --------------------------------------------
@@ -63,7 +66,7 @@ def _gated_agent_main(argv: list[str] | None = None) -> int:
     async def main() -> int:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        return await run_agent(config, stop, handlers=handlers)
+        return await run_agent(config, stop, host=ReadOnlyHost(), handlers=handlers)
 
     return asyncio.run(main())
 
@@ -372,3 +375,59 @@ def test_enroll_without_a_token_says_why_through_status(short_dir, tmp_path):
         assert message["STATUS"].startswith("enroll failed: token_missing:")
     finally:
         listener.close()
+
+
+class _FailingBootHost(ReadOnlyHost):
+    """A host whose boot recovery fails after the daemon's loops (and the host's own) have started."""
+
+    def __init__(self, order: list[str]) -> None:
+        super().__init__()
+        self.order = order
+        self.loop_started = asyncio.Event()
+
+    def loops(self, config, store):
+        async def console_logs() -> None:
+            self.loop_started.set()
+            try:
+                await asyncio.Event().wait()  # runs until cancelled
+            except asyncio.CancelledError:
+                self.order.append("host loop cancelled")
+                raise
+
+        return [("console-logs", console_logs())]
+
+    async def boot_recovery(self, store):
+        await self.loop_started.wait()
+        raise RuntimeError("boot recovery exploded")
+
+    async def aclose(self) -> None:
+        self.order.append("host closed")
+        await super().aclose()
+
+
+def test_a_part_failing_to_start_closes_everything_started_before_it_in_reverse_order(nats_server, tmp_path):
+    """The daemon's exit stack owns each loop and resource it started: a later part that fails to start
+    (here boot recovery) still has every loop cancelled, then the host closed, then the store."""
+    order: list[str] = []
+
+    async def body():
+        plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path)
+        config = load_config(config_path)
+        host = _FailingBootHost(order)
+        before = asyncio.all_tasks()
+        try:
+            with pytest.raises(RuntimeError, match="boot recovery exploded"):
+                await run_agent(config, asyncio.Event(), host=host, notifier=SdNotifier())
+        finally:
+            await plane.close()
+        left = [t.get_name() for t in asyncio.all_tasks() - before if not t.done()]
+        assert left == [], f"tasks outlived the daemon: {left}"
+        # The store thread was closed: the database opens and takes a write at once.
+        store = StateStore.open(config.state_db)
+        try:
+            store.set_meta("probe", "1")
+        finally:
+            store.close()
+
+    run_bounded(body(), 60)
+    assert order == ["host loop cancelled", "host closed"]

@@ -75,8 +75,8 @@ def test_the_first_start_in_a_new_boot_recovers_before_tasks_and_publishes_a_boo
             assert store.meta(BOOT_ID_KEY) == BOOT_B
             record = store.slot_state(0)
             assert record.health_state is HealthState.failed
-            assert record.detail["boot_recovery"]["outcome"] == "refused"
-            assert record.detail["boot_recovery"]["boot_id"] == BOOT_B
+            assert record.detail.boot_recovery.outcome == "refused"
+            assert record.detail.boot_recovery.boot_id == BOOT_B
         finally:
             store.close()
 

@@ -57,9 +57,9 @@ def test_an_interactive_flood_never_holds_lifecycle_work_and_a_tenant_over_its_b
             assert len(busy) == 44
             assert {(r.status, r.error.code, r.error.retryable) for r in busy} == {
                 (ResultStatus.failed, "tenant_busy", True)}
-            # The lifecycle place is given back after the result is published and the task acked: wait for it.
+            # The result is published before the task is acked, and its place is given back after the ack.
             await wait_until(lambda: h.worker.admission.snapshot()["in_flight"]["lifecycle"] == 0,
-                             what="tenant C's place given back")
+                             what="the lifecycle task's place given back after its ack")
             snapshot = h.worker.admission.snapshot()
             assert snapshot["in_flight"] == {"lifecycle": 0, "interactive": 6}
             assert snapshot["handed_back"]["allocation_full"] >= 44

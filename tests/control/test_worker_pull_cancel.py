@@ -2,7 +2,8 @@
 
 Found with bench_fleet (server restart, 5,000 agents): nats.py's ``next_msg`` takes the message off the
 subscription's queue in an inner task; a cancel landing before the caller resumed dropped it, and
-JetStream redelivered it only ``ack_wait_s`` later (60 s). The worker now reads with ``_take``.
+JetStream redelivered it only ``ack_wait_s`` later (60 s). The worker's pull now reads with
+``TaskPull.take`` (control/pull.py).
 These tests put a real delivery through that exact moment.
 """
 
@@ -46,7 +47,7 @@ async def _bound_worker(nats_server, tmp_path):
     store = StateStore.open(tmp_path / "state" / "state.db")
     worker = TaskWorker(nc, store, NODE, {}, WorkerSettings(ack_wait_s=ACK_WAIT_S, fetch_timeout_s=2.0))
     try:
-        worker._sub = await worker._bind()
+        worker.pull.bind(await worker._bind())
         yield plane, nc, store, worker
     finally:
         await nc.close()
@@ -58,21 +59,34 @@ async def _delivered(worker: TaskWorker, plane: ControlPlane):
     """A real task delivered into the worker's pull subscription, taken off its queue for the test to hand over."""
     envelope = plane.envelope(NODE, DISCOVER)
     await plane.enqueue(envelope)
-    sub = worker._sub._sub
-    request = json.dumps({"batch": 1, "expires": int(10e9)}).encode()
-    await worker.nc.publish(worker._sub._nms, request, worker._sub._deliver)
-    await wait_until(lambda: sub._pending_queue.qsize() == 1, 10, "the task delivered into the pull queue")
-    msg = sub._pending_queue.get_nowait()
-    sub._pending_size -= len(msg.data)
-    return envelope, sub, msg
+    await worker.pull.request(10.0, None)
+    await wait_until(lambda: worker.pull.queued() == 1, 10, "the task delivered into the pull queue")
+    msg = await worker.pull.take(1.0)
+    return envelope, msg
 
 
-async def _cancel_as_handed_over(worker: TaskWorker, sub, msg):
+def _requeue(worker: TaskWorker, msg) -> None:
+    """Put the task back on the pull's delivery queue, as nats.py delivers it, to race a read against its hand-over.
+
+    The one place a test reaches nats.py's internals itself (through the pull's own accessor)."""
+    inbox = worker.pull._inbox()
+    inbox._pending_queue.put_nowait(msg)
+    inbox._pending_size += len(msg.data)
+
+
+def _unread(worker: TaskWorker) -> list:
+    """Take every message still on the pull's delivery queue off it."""
+    inbox = worker.pull._inbox()
+    queued = [inbox._pending_queue.get_nowait() for _ in range(inbox._pending_queue.qsize())]
+    inbox._pending_size -= sum(len(m.data) for m in queued)
+    return queued
+
+
+async def _cancel_as_handed_over(worker: TaskWorker, msg):
     """Cancel a waiting read after the queue gave it ``msg`` and before it resumed (the bench's race)."""
-    take = asyncio.ensure_future(worker._take(sub, 10.0))
+    take = asyncio.ensure_future(worker.pull.take(10.0))
     await asyncio.sleep(0)  # the read now waits on the queue (one loop turn, not a timing wait)
-    sub._pending_queue.put_nowait(msg)
-    sub._pending_size += len(msg.data)
+    _requeue(worker, msg)
     await asyncio.sleep(0)  # the queue hands the message over; the read has not resumed yet
     take.cancel()  # the reconnect kick
     with pytest.raises(asyncio.CancelledError):
@@ -82,13 +96,12 @@ async def _cancel_as_handed_over(worker: TaskWorker, sub, msg):
 def test_a_read_cancelled_at_any_moment_of_a_hand_over_never_drops_the_task(nats_server, tmp_path):
     async def body():
         async with _bound_worker(nats_server, tmp_path) as (plane, nc, store, worker):
-            envelope, sub, msg = await _delivered(worker, plane)
+            envelope, msg = await _delivered(worker, plane)
             outcomes = set()
             for turns in range(8):  # the cancel lands 0 … 7 loop turns after the delivery reached the queue
-                take = asyncio.ensure_future(worker._take(sub, 10.0))
+                take = asyncio.ensure_future(worker.pull.take(10.0))
                 await asyncio.sleep(0)  # the read waits on the queue (a loop turn, not a timing wait)
-                sub._pending_queue.put_nowait(msg)
-                sub._pending_size += len(msg.data)
+                _requeue(worker, msg)
                 for _ in range(turns):
                     await asyncio.sleep(0)
                 take.cancel()  # the reconnect kick
@@ -97,23 +110,22 @@ def test_a_read_cancelled_at_any_moment_of_a_hand_over_never_drops_the_task(nats
                     outcomes.add("returned")
                     assert got is msg
                 except asyncio.CancelledError:
-                    queued = [sub._pending_queue.get_nowait() for _ in range(sub._pending_queue.qsize())]
-                    outcomes.add("carried" if worker._carried else "still queued")
-                    assert worker._carried + queued == [msg], f"dropped at turn {turns}"
-                    worker._carried.clear()
-                sub._pending_size = 0
+                    queued = _unread(worker)
+                    outcomes.add("carried" if worker.pull.carried else "still queued")
+                    assert worker.pull.carried + queued == [msg], f"dropped at turn {turns}"
+                    worker.pull.carried.clear()
             assert "carried" in outcomes  # the moment that used to drop the task was reached
             # A carried task is what the next pull hands on, before it asks the server for more.
-            take = asyncio.ensure_future(worker._take(sub, 10.0))
+            take = asyncio.ensure_future(worker.pull.take(10.0))
             await asyncio.sleep(0)
-            sub._pending_queue.put_nowait(msg)
+            _requeue(worker, msg)
             await asyncio.sleep(0)
             take.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await take
-            got = await worker._pull_one(None)
+            got = await worker.pull.pull_one(2.0, None)
             assert json.loads(got[0].data)["task_id"] == envelope.task_id
-            assert not worker._carried
+            assert not worker.pull.carried
 
     run_bounded(body(), 60)
 
@@ -121,16 +133,16 @@ def test_a_read_cancelled_at_any_moment_of_a_hand_over_never_drops_the_task(nats
 def test_a_task_carried_at_stop_is_handed_back_at_once_not_at_ack_wait(nats_server, tmp_path):
     async def body():
         async with _bound_worker(nats_server, tmp_path) as (plane, nc, store, worker):
-            envelope, sub, msg = await _delivered(worker, plane)
-            await _cancel_as_handed_over(worker, sub, msg)
+            envelope, msg = await _delivered(worker, plane)
+            await _cancel_as_handed_over(worker, msg)
             await worker.drain(0.1)  # the stop: the carried task is nak'ed
             # A new agent on the same consumer gets it at once (redelivery 2), not ack_wait_s later.
             again = TaskWorker(nc, store, NODE, {}, WorkerSettings(ack_wait_s=ACK_WAIT_S, fetch_timeout_s=2.0))
-            again._sub = await again._bind()
+            again.pull.bind(await again._bind())
             got = None
             for _ in range(3):  # pulls of 2 s each: at most 6 s, far below the 30 s ack_wait
                 try:
-                    got = await again._pull_one(None)
+                    got = await again.pull.pull_one(2.0, None)
                     break
                 except Exception:
                     continue

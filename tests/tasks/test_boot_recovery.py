@@ -33,7 +33,7 @@ from gpuaas_agent.contract.isolation import GUARD_TABLE
 from gpuaas_agent.contract.naming import domain_name
 from gpuaas_agent.contract.runtime import OnHostBoot, get_profile
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
-from gpuaas_agent.contract.state import SlotLease, SlotRecord
+from gpuaas_agent.contract.state import PowerState, SlotDetail, SlotLease, SlotRecord
 from gpuaas_agent.contract.vfio import SysfsWrite
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.host.dnsmasq import make_reservation
@@ -177,9 +177,9 @@ def test_after_a_reboot_an_active_slice_is_revalidated_and_restarted_once(shut_o
     assert s.running(test_driver)
     record = s.store.slot_state(0)
     assert record.status is SlotStatus.active and record.health_state is HealthState.healthy
-    assert record.detail["power_state"] == "running"
-    assert record.detail["boot_recovery"]["outcome"] == "restarted"
-    assert record.detail["boot_recovery"]["boot_id"] == BOOT_B
+    assert record.detail.power_state == "running"
+    assert record.detail.boot_recovery.outcome == "restarted"
+    assert record.detail.boot_recovery.boot_id == BOOT_B
     assert s.store.meta(BOOT_ID_KEY) == BOOT_B and s.store.leases() == [s.lease]
 
     # The same boot again (an agent restart): nothing runs.
@@ -189,7 +189,7 @@ def test_after_a_reboot_an_active_slice_is_revalidated_and_restarted_once(shut_o
 def test_a_slice_the_tenant_stopped_stays_stopped_after_a_reboot(shut_off_slice, test_driver):
     s = shut_off_slice
     record = s.store.slot_state(0)
-    s.store.set_slot_state(record.model_copy(update={"detail": {**record.detail, "power_state": "stopped"}}))
+    s.store.set_slot_state(record.model_copy(update={"detail": record.detail.updated(power_state="stopped")}))
     report = s.run(lambda: check_boot(s.sh, s.store))
     assert _kinds(report) == [("boot_restart_held", "info")]
     assert report.findings[0].detail["reason"] == "tenant_stopped"
@@ -218,7 +218,7 @@ def test_a_disk_whose_identity_changed_over_the_reboot_is_never_started(shut_off
                                                              other.disk_identity)
     assert not s.running(test_driver)
     record = s.store.slot_state(0)
-    assert record.health_state is HealthState.failed and record.detail["boot_recovery"]["outcome"] == "refused"
+    assert record.health_state is HealthState.failed and record.detail.boot_recovery.outcome == "refused"
     assert s.store.leases() == [s.lease]  # nothing released: a release or an operator decides
 
 
@@ -242,7 +242,7 @@ def test_boot_policy_is_per_profile_and_the_tenant_stop_wins():
     assert h200.on_host_boot is OnHostBoot.restart and boot_action(h200, record) == "restart"
     held = h200.model_copy(update={"on_host_boot": OnHostBoot.leave_stopped})
     assert boot_action(held, record) == "policy"
-    stopped = record.model_copy(update={"detail": {"power_state": "stopped"}})
+    stopped = record.model_copy(update={"detail": SlotDetail(power_state=PowerState.stopped)})
     assert boot_action(h200, stopped) == "tenant_stopped"
 
 

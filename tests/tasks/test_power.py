@@ -210,9 +210,9 @@ def test_stop_start_reset_reboot_keep_the_slice_active_and_leased(active_slice, 
     # The test driver rejects the ACPI flag: plain shutdown() within the deadline, no destroy.
     assert out["steps"]["shutdown"]["graceful"] and not out["steps"]["shutdown"]["destroyed"]
     record = s.store.slot_state(0)
-    assert record.status is SlotStatus.active and record.detail["power_state"] == "stopped"
-    assert record.detail["domain"] == s.name  # provision's detail is kept
-    assert record.detail["last_power_operation"]["operation"] == "stop" and record.task_id == "t-stop"
+    assert record.status is SlotStatus.active and record.detail.power_state == "stopped"
+    assert record.detail.domain == s.name  # provision's detail is kept
+    assert record.detail.last_power_operation.operation == "stop" and record.task_id == "t-stop"
     assert s.store.leases() == [s.lease]  # a stopped slice keeps its lease (and its disk)
     assert [(o.status.value, o.health_detail["power_state"]) for o in ctx.slot_outcomes] == [("active", "stopped")]
     assert ("shutdown", "succeeded") in ctx.events
@@ -228,7 +228,7 @@ def test_stop_start_reset_reboot_keep_the_slice_active_and_leased(active_slice, 
     # The agent's port ids are back on the port libvirt would have re-created.
     (port,) = _agent_port(s)
     assert port.name == vnic_name(s.alloc, 0) and port.attached_mac == s.spec.mac and port.slot_index == 0
-    assert s.store.slot_state(0).detail["power_state"] == "running"
+    assert s.store.slot_state(0).detail.power_state == "running"
 
     again, _ = _power(s, "start", "t-start-2")
     assert not again["changed"] and again["state"] == "running"
@@ -241,7 +241,7 @@ def test_stop_start_reset_reboot_keep_the_slice_active_and_leased(active_slice, 
     assert out["done"] == ["shutdown", "start"] and out["state"] == "running"
     assert [e for e in ctx.events if e[1] == "succeeded"] == [("shutdown", "succeeded"), ("start", "succeeded")]
     record = s.store.slot_state(0)
-    assert record.status is SlotStatus.active and record.detail["last_power_operation"]["task_id"] == "t-reboot"
+    assert record.status is SlotStatus.active and record.detail.last_power_operation.task_id == "t-reboot"
     assert s.store.leases() == [s.lease]
 
 
@@ -258,7 +258,7 @@ def test_reconcile_reports_a_slice_the_tenant_stopped_as_info_and_a_dead_one_as_
     ip = str(s.sh.slice.subnet.network_address + 10)
     s.sh.reservations().add(make_reservation(s.alloc, 0, s.spec.mac, ip, "tenant"))
     _power(s, "stop", "t-stop")
-    assert s.store.slot_state(0).detail["power_state"] == "stopped"
+    assert s.store.slot_state(0).detail.power_state == "stopped"
 
     async def go():
         s.sh.libvirt = LibvirtLifecycle(URI)
@@ -276,7 +276,7 @@ def test_reconcile_reports_a_slice_the_tenant_stopped_as_info_and_a_dead_one_as_
 
     # The record says running (as after a host reboot): the same shut-off domain is an error.
     record = s.store.slot_state(0)
-    s.store.set_slot_state(record.model_copy(update={"detail": {**record.detail, "power_state": "running"}}))
+    s.store.set_slot_state(record.model_copy(update={"detail": record.detail.updated(power_state="running")}))
     (finding,) = mine(asyncio.run(go()))
     assert (finding.kind.value, finding.severity.value) == ("domain_shutoff", "error")
 
@@ -376,9 +376,9 @@ def test_start_is_refused_while_another_running_domain_uses_the_slot_disk(active
     assert info.value.code == "in_use_by_domain" and info.value.failed_step == "start"
     assert s.state(test_driver) is DomainState.shutoff  # nothing started
     record = s.store.slot_state(0)
-    assert record.status is SlotStatus.active and record.detail["power_state"] == "stopped"
-    assert record.detail["last_power_operation"] == {**record.detail["last_power_operation"],
-                                                     "succeeded": False, "code": "in_use_by_domain"}
+    assert record.status is SlotStatus.active and record.detail.power_state == "stopped"
+    last = record.detail.last_power_operation
+    assert last is not None and last.succeeded is False and last.code == "in_use_by_domain"
     assert s.store.leases() == [s.lease]
 
 
@@ -475,7 +475,7 @@ def test_a_repeat_of_the_running_power_operation_is_superseded_and_the_newest_wa
     assert rebooted["done"] == ["shutdown", "start"] and rebooted["state"] == "running"
     assert not started["changed"] and started["state"] == "running"  # ran after the reboot, in its turn
     assert s.store.journal_of("t-reboot-2") == [] and s.store.journal_of("t-stop") == []  # never touched anything
-    assert s.store.slot_state(0).detail["last_power_operation"]["task_id"] == "t-start"
+    assert s.store.slot_state(0).detail.last_power_operation.task_id == "t-start"
     assert s.sh.power_line.tasks_of(0) == {"running": None, "waiting": None}
     assert s.state(test_driver) is DomainState.running
 

@@ -101,7 +101,7 @@ def test_cancel_mid_clone_kills_qemu_img_and_leaves_the_slot_cleanup_blocked(loo
     os.close(fd)
     # The slot is blocked, its lease kept; the journal says where it stopped.
     record = store.slot_state(0)
-    assert record.status is SlotStatus.cleanup_blocked and record.detail["cancelled"] is True
+    assert record.status is SlotStatus.cleanup_blocked and record.detail.cancelled is True
     assert [lease.allocation_id for lease in store.leases()] == [alloc]
     assert [(o.status.value, o.health_state.value) for o in ctx.slot_outcomes] == [("cleanup_blocked", "failed")]
     journal = [(e.step, e.status) for e in store.journal_of("t-cancel")]

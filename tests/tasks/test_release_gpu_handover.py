@@ -107,8 +107,8 @@ def test_a_failed_handover_leaves_the_slot_cleanup_blocked_and_a_retry_that_succ
         assert failed.value.failed_step == "gpu_handover" and failed.value.code == FAILURES[case]
         record = store.slot_state(0)
         assert record.status is SlotStatus.cleanup_blocked and record.health_state is HealthState.failed
-        assert record.detail["failed_step"] == "gpu_handover" and record.detail["code"] == FAILURES[case]
-        assert record.detail["evidence"]["address"] == GPU and record.detail["evidence"]["tool_runs"]
+        assert record.detail.failed_step == "gpu_handover" and record.detail.code == FAILURES[case]
+        assert record.detail.evidence["address"] == GPU and record.detail.evidence["tool_runs"]
         assert [(o.slot_index, o.status) for o in ctx.slot_outcomes] == [(0, SlotStatus.cleanup_blocked)]
         assert [lease.allocation_id for lease in store.leases()] == [alloc]  # the lease is kept: not offered again
         steps = {e.step for e in store.journal_of("t-release-1")}
