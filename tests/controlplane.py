@@ -299,8 +299,19 @@ class ControlPlane:
         """Order ``node_id`` to rotate its key; the agent's answer (sent before it reconnects)."""
         order = CredsRotation(node_id=node_id).model_dump_json().encode()
         if self.fleet is None:
-            msg = await self.nc.request(subjects.creds(node_id), order, timeout=timeout)
-            return CredsRotationReply.model_validate_json(msg.data)
+            # No responders: the node's subscription is not on the server yet (just connected or reconnected; a
+            # client resends its subscriptions after its connect). Nobody got the order, so it is sent again, as a
+            # control plane must (docs/security-auth.md).
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    msg = await self.nc.request(subjects.creds(node_id), order,
+                                                timeout=max(0.1, deadline - time.monotonic()))
+                    return CredsRotationReply.model_validate_json(msg.data)
+                except nats.errors.NoRespondersError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(0.1)  # a retry's pace, not a synchronisation: the loop waits on the answer
         # The order crosses into the node's account by a stream import, which carries no way back: the reply
         # names a subject the node's account imports as a service from ours.
         reply = subjects.creds_reply(node_id, secrets.token_hex(8))
