@@ -109,10 +109,11 @@ def test_a_shut_off_domain_is_info_when_the_tenant_stopped_it_and_an_error_when_
     off = (_domain(state=DomainState.shutoff),)
     (dead,) = judge(_healthy_slice(domains=off)).findings
     assert (dead.kind, dead.severity, dead.expected) == (DriftKind.domain_shutoff, DriftSeverity.error, "running")
-    stopped = _healthy_slice(domains=off, records={0: _record(power_state="stopped", last_power_operation="stop")})
+    stop = {"operation": "stop", "task_id": "t-stop", "at": NOW, "changed": True, "succeeded": True, "code": None}
+    stopped = _healthy_slice(domains=off, records={0: _record(power_state="stopped", last_power_operation=stop)})
     (held,) = judge(stopped).findings
     assert (held.severity, held.detail["power_state"], held.detail["last_power_operation"]) == (
-        DriftSeverity.info, "stopped", "stop")
+        DriftSeverity.info, "stopped", stop)
 
 
 def test_the_reservation_and_dhcp_lease_of_an_active_slot_are_judged_but_not_a_data_slots():
