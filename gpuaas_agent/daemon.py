@@ -409,6 +409,7 @@ async def run_agent(
             state, HealthSettings.from_config(config), None, notifier.notify)
         if slice_host is not None:
             reporter.extra_checks.append(port_isolation_probe(slice_host, state))
+            reporter.slice_counts = slice_host.registered
         # state.sync: a scrape renders on a worker thread (operator/metrics.py), never on the loop
         metrics = AgentMetrics(live_state(state.sync, reporter, slice_host, uevents))
         reporter.metrics = metrics
