@@ -205,10 +205,14 @@ class Hostile:
 
     async def b_answered_since(self, count: int) -> None:
         """Wait until ``count`` more of B's tasks have results than now (the node still answers B)."""
-        sent = set(self.sent["B"])
-        base = sum(1 for r in self.lab.cp.seen.results if r.task_id in sent)
-        await self.lab.cp.wait_for(
-            lambda seen: sum(1 for r in seen.results if r.task_id in sent) >= base + count, timeout=DEADLINE_S)
+        sent = self.sent["B"]  # the live list: the flood goes on adding to it
+
+        def answered(seen) -> int:
+            ids = set(sent)
+            return sum(1 for r in seen.results if r.task_id in ids)
+
+        base = answered(self.lab.cp.seen)
+        await self.lab.cp.wait_for(lambda seen: answered(seen) >= base + count, timeout=DEADLINE_S)
 
     # -- after the load ----------------------------------------------------------------------------
 
