@@ -7,6 +7,9 @@ complete, while A's reboot still runs and B still floods. A's reboots collapse t
 (the rest ``superseded``, or ``tenant_busy`` at A's own bound), B's flood is answered at once or
 within its bounds, and afterwards the agent's own status counts nothing left registered. Claim
 latency is measured by bench/bench_fairness_lab.py, never asserted here.
+
+A's reboot asks for a 3600 s graceful timeout (the lab's ``max_graceful_timeout_s``), so it ends
+when A powers its guest off from inside after C is done, never by a timer during C's work.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def test_a_hostile_tenant_costs_itself_never_the_neighbours_provision_or_release
         return still, outcomes, reboots, running, releases, before, after
 
     still, outcomes, reboots, running, releases, before, after = runner.run(scenario(), timeout=3600)
-    assert still == {"reboot_running": True, "flooding": True, "a_guest_up": True}, still
+    assert still == {"reboot_running": True, "flooding": True, "a_guest_up": True}, (
+        "C's provision and release must finish while A's reboot waits on its guest and B floods", still)
     # A's 20 reboots: one ran (to the end, once its tenant powered the guest off from inside); every other
     # was answered at once: superseded by the running one, or refused at A's own in-flight bound.
     assert [r.task_id for r in reboots if r.status.value == "succeeded"] == [running]
