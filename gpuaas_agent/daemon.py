@@ -199,6 +199,8 @@ class NodeHost(Protocol):
 
     def sample(self, live: LiveState) -> None: ...
 
+    def registered(self) -> dict[str, int]: ...
+
     def loops(self, config: AgentConfig, store: StoreThread) -> list[tuple[str, Coroutine[Any, Any, None]]]: ...
 
     async def boot_recovery(self, store: StoreThread) -> DriftReport | None: ...
@@ -249,6 +251,10 @@ class SliceHost:
         live.image_cache_bytes, live.image_cache_entries = stats.size_bytes, stats.entries
         live.image_cache_hits, live.image_cache_misses = stats.hits, stats.misses
         live.image_cache_evictions = stats.evictions
+
+    def registered(self) -> dict[str, int]:
+        """What the drivers hold now (terminal sessions, power tasks), for the status's ``registered``."""
+        return self.drivers.registered()
 
     def loops(self, config: AgentConfig, store: StoreThread) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         return [("console-logs", console_log_loop(store, config.slice))]
@@ -554,6 +560,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
                          metrics_textfile=config.metrics_textfile),
         state, HealthSettings.from_config(config), None, notifier.notify)
     reporter.extra_checks.extend(host.health_probes(state))
+    reporter.slice_counts = host.registered
     # state.sync: a scrape renders on a worker thread (operator/metrics.py), never on the loop
     metrics = AgentMetrics(live_state(state.sync, reporter, host, uevents))
     reporter.metrics = metrics

@@ -294,6 +294,9 @@ class Lab:
             "allow_emulated_domains": True,
             "readiness_egress_target": {"ip": self.upstream.peer_ip, "port": self.upstream.port},
             "readiness_egress_timeout_s": 30,
+            # A power operation may wait the payload's whole graceful timeout (up to the wire's 3600 s): the
+            # hostile-load test's reboot of a guest that ignores ACPI must outlast its neighbour's work by far.
+            "max_graceful_timeout_s": 3600,
         }
         if self.settings.use_package_paths:
             for key in ("seed_dir", "terminal_relay_key_file"):

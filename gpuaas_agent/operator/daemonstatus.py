@@ -10,6 +10,7 @@ daemon is not running or its loop is stuck.
 
 from __future__ import annotations
 
+import os
 from datetime import datetime
 from pathlib import Path
 
@@ -42,6 +43,20 @@ class AdmissionView(WireModel):
     handed_back: dict[str, int] = Field(default_factory=dict)
 
 
+class RegisteredView(WireModel):
+    """What the daemon holds registered now, counted from its own objects. After any load an idle node is
+    back to its baseline: no task, terminal session or power turn left, and the NATS subscriptions it had
+    before (the task pull, the rotation inbox; one more per live terminal session). A count that stays
+    above it is a leak (docs/fairness.md)."""
+
+    tasks: int  # handler tasks in flight in the worker
+    terminal_sessions: int  # registered terminal sessions
+    terminal_opening: int  # terminal sessions still connecting (not yet registered)
+    power_tasks: int  # power tasks in the slots' power lines, running and waiting
+    subscriptions: int  # live subscriptions of the daemon's NATS connection
+    rss_bytes: int | None = None  # the daemon's resident memory (/proc/self/statm)
+
+
 class DaemonStatus(WireModel):
     schema_version: str = SCHEMA_VERSION
     node_id: str
@@ -59,8 +74,18 @@ class DaemonStatus(WireModel):
     health: list[HealthCheck] = Field(default_factory=list)
     in_flight: list[InFlightTask] = Field(default_factory=list)
     admission: AdmissionView | None = None
+    registered: RegisteredView | None = None
     maintenance: DrainReport | None = None
     quarantined: list[QuarantinedComponent] = Field(default_factory=list)
+
+
+def own_rss_bytes() -> int | None:
+    """This process's resident set size, or None where /proc cannot say."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def status_path(state_dir: str | Path) -> Path:

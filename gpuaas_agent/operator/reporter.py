@@ -30,7 +30,14 @@ from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP, TaskWorker
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator import bmc
-from gpuaas_agent.operator.daemonstatus import AdmissionView, DaemonStatus, InFlightTask, write_status
+from gpuaas_agent.operator.daemonstatus import (
+    AdmissionView,
+    DaemonStatus,
+    InFlightTask,
+    RegisteredView,
+    own_rss_bytes,
+    write_status,
+)
 from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
@@ -104,6 +111,9 @@ class Reporter:
         self.drain: DrainReport | None = None
         self.quarantined: list[QuarantinedComponent] = []
         self._drain_write: asyncio.Task[None] | None = None
+        # The slice drivers' registered counts (terminal sessions, power turns): the daemon sets it when it
+        # serves slices (tasks/drivers.py SliceDrivers.registered).
+        self.slice_counts: Callable[[], dict[str, int]] | None = None
         # Checks that need the slice drivers (the daemon adds them when it serves slices).
         self.extra_checks: list[Callable[[], Awaitable[list[HealthCheck]]]] = []
 
@@ -165,7 +175,16 @@ class Reporter:
             last_heartbeat_at=self.last_heartbeat_at, health_state=state, health_reason=reason,
             health=self.checks or [], in_flight=flights, maintenance=self.drain, quarantined=self.quarantined,
             admission=AdmissionView.model_validate(self.worker.admission.snapshot()) if self.worker is not None
-            else None)
+            else None, registered=self.registered(running))
+
+    def registered(self, running: list[str]) -> RegisteredView:
+        """What the daemon holds now (tasks, sessions, power turns, subscriptions) and its RSS."""
+        counts = self.slice_counts() if self.slice_counts is not None else {}
+        # nats-py keeps no public count: its sid -> subscription map is the connection's registry.
+        subs = len(self.nc._subs) if self.nc is not None else 0
+        return RegisteredView(tasks=len(running), terminal_sessions=counts.get("terminal_sessions", 0),
+                              terminal_opening=counts.get("terminal_opening", 0),
+                              power_tasks=counts.get("power_tasks", 0), subscriptions=subs, rss_bytes=own_rss_bytes())
 
     # -- loops --------------------------------------------------------------------------------
 

@@ -351,6 +351,12 @@ def render(report: StatusReport) -> str:
                      f"up {_age(d.started_at, now)}, status written {_age(d.written_at, now)} ago")
         lines.append(f"nats     {d.nats_state}, last heartbeat {_age(d.last_heartbeat_at, now)} ago, "
                      f"reconnects {d.nats_reconnects}")
+        if d.registered is not None:
+            r = d.registered
+            rss = f"{r.rss_bytes / (1 << 20):.1f} MiB" if r.rss_bytes is not None else "-"
+            lines.append(f"holds    {r.tasks} task(s), {r.terminal_sessions} terminal session(s) "
+                         f"(+{r.terminal_opening} connecting), {r.power_tasks} power task(s), "
+                         f"{r.subscriptions} NATS subscription(s); rss {rss}")
     else:
         lines.append("daemon   no status file")
     lines.append(f"libvirt  {report.libvirt or '-'}")

@@ -41,6 +41,8 @@ class TerminalSessions(Protocol):
 
     async def close_slot(self, allocation_id: str, slot_index: int, reason: CloseReason) -> int: ...
 
+    def counts(self) -> tuple[int, int]: ...
+
 
 RelayT = TypeVar("RelayT", bound=TerminalSessions)
 
@@ -151,6 +153,11 @@ class SliceDrivers:
         if self._terminals is None:
             self._terminals = make(self)
         return cast(RelayT, self._terminals)
+
+    def registered(self) -> dict[str, int]:
+        """Terminal sessions (registered, still connecting) and power tasks in the lines: the daemon's status."""
+        live, opening = self._terminals.counts() if self._terminals is not None else (0, 0)
+        return {"terminal_sessions": live, "terminal_opening": opening, "power_tasks": self.power_line.count()}
 
     async def close_terminals(self) -> int:
         """End every live terminal session (agent shutdown): each is audited and told why."""

@@ -107,6 +107,10 @@ class TerminalRelay:
         self._opening: dict[str, tuple[str, int]] = {}  # session id -> (allocation, slot) while connecting
         self._revoked: set[str] = set()  # sessions still connecting that a release closed: they never open
 
+    def counts(self) -> tuple[int, int]:
+        """Sessions registered, and sessions still connecting (the daemon's status)."""
+        return len(self.sessions), len(self._opening)
+
     @property
     def flow(self) -> FlowSettings:
         c = self.config

@@ -66,6 +66,17 @@ def test_metrics_move_when_a_task_runs_and_status_reads_the_running_daemon(nats_
             report = json.loads(done.stdout)
             assert report["node_id"] == node_id and report["daemon_running"] is True, done.stdout + done.stderr
             assert report["nats_state"] == "connected" and report["last_heartbeat_at"]
+            # What it holds, counted by the daemon itself: once a status is written after the task ended,
+            # nothing is left registered.
+            def held_now() -> dict:
+                return json.loads(_status(config, "--json", "--no-checks").stdout)["daemon"]["registered"]
+
+            deadline = asyncio.get_running_loop().time() + 60
+            while (held := await asyncio.to_thread(held_now))["tasks"] and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.5)  # the next heartbeat's status file
+            assert (held["tasks"], held["terminal_sessions"], held["terminal_opening"], held["power_tasks"]) == (
+                0, 0, 0, 0), held
+            assert held["subscriptions"] >= 1 and held["rss_bytes"] > 0, held
             human = await asyncio.to_thread(_status, config, "--no-checks")
             assert human.stdout.startswith("host     HEALTHY") and human.returncode == 0, human.stdout
         finally:

@@ -43,6 +43,9 @@ class ReadOnlyHost:
     def sample(self, live: LiveState) -> None:
         pass
 
+    def registered(self) -> dict[str, int]:
+        return {}
+
     def loops(self, config: AgentConfig, store: StoreThread) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         return []
 
