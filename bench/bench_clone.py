@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.host.clone import clone_image
-from gpuaas_agent.host.disks import wipe_disk
+from gpuaas_agent.host.images.clone import clone_image
 from gpuaas_agent.host.run import run
+from gpuaas_agent.host.storage.blockwipe import wipe_disk
 from gpuaas_agent.hostfs import HostRoot
 from tests.realdev import MiB, RealDevices
 

@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.host.images import CHUNK_BYTES, ImageCache, SourcePolicy, sha256_file, sha256_file_async
+from gpuaas_agent.host.images.cache import CHUNK_BYTES, ImageCache, SourcePolicy, sha256_file, sha256_file_async
 from gpuaas_agent.host.run import run
 
 

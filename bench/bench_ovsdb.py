@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from gpuaas_agent.contract.naming import vnic_name
-from gpuaas_agent.host.ovs import _COLUMNS, OvsDriver
+from gpuaas_agent.host.network.ovs import _COLUMNS, OvsDriver
 from tests.ovsdb_fixture import running_ovs
 
 FOOTPRINT = r"""
@@ -48,17 +48,17 @@ sys.path.insert(0, sys.argv[1])
 remote, mode = sys.argv[2], sys.argv[3]
 def rss_kib():
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
-import gpuaas_agent.daemon, gpuaas_agent.host.ovs   # what the daemon has loaded anyway
+import gpuaas_agent.daemon, gpuaas_agent.host.network.ovs   # what the daemon has loaded anyway
 before, modules, t0 = rss_kib(), len(sys.modules), time.perf_counter()
 if mode == "idl":
-    conn = gpuaas_agent.host.ovs.OvsDriver(remote)
+    conn = gpuaas_agent.host.network.ovs.OvsDriver(remote)
     conn.list_agent_ports()
     imported_s = 0.0
 else:
     from ovsdbapp.backend.ovs_idl import connection
     from ovsdbapp.schema.open_vswitch import impl_idl
     imported_s = time.perf_counter() - t0
-    tables = None if mode == "ovsdbapp_all" else list(gpuaas_agent.host.ovs._COLUMNS)
+    tables = None if mode == "ovsdbapp_all" else list(gpuaas_agent.host.network.ovs._COLUMNS)
     idl = connection.OvsdbIdl.from_server(remote, "Open_vSwitch", helper_tables=tables)
     api = impl_idl.OvsdbIdl(connection.Connection(idl, timeout=10))
     api.list_br().execute(check_error=True)

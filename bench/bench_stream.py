@@ -46,13 +46,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.httpx_reader import HttpSource
-from gpuaas_agent.host import images
-from gpuaas_agent.host.clone import clone_image
-from gpuaas_agent.host.curlstream import CurlSource
-from gpuaas_agent.host.images import ImageCache, SourcePolicy, StreamedMiss
-from gpuaas_agent.host.imagestream import STREAM_CHUNK_BYTES, fill
+from gpuaas_agent.host.images import cache as images
+from gpuaas_agent.host.images.cache import ImageCache, SourcePolicy, StreamedMiss
+from gpuaas_agent.host.images.clone import clone_image
+from gpuaas_agent.host.images.curlstream import CurlSource
+from gpuaas_agent.host.images.stream import STREAM_CHUNK_BYTES, fill
+from gpuaas_agent.host.images.streamclone import stream_image
 from gpuaas_agent.host.run import run
-from gpuaas_agent.host.streamclone import stream_image
 from gpuaas_agent.hostfs import HostRoot
 from tests.realdev import MiB, RealDevices
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod
 from gpuaas_agent.host.run import run
-from gpuaas_agent.host.wipepolicy import wipe_slot_disk
+from gpuaas_agent.host.storage.wipepolicy import wipe_slot_disk
 from gpuaas_agent.hostfs import HostRoot
 from tests.realdev import RealDevices
 

@@ -5,7 +5,7 @@ inside the same guest, in one run.
 The agent's ``nvme_erase`` runs here and sends its nvme-cli argv into the guest (lab/nvme_guest.py);
 the proof's reads run in the guest too, so all three figures share one emulated device and one CPU.
 QEMU 7.2 implements Format NVM but no Sanitize, so Sanitize is not measured (its refusal is tested in
-tests/host/test_nvme_guest.py). TCG makes every figure slow in absolute terms: read the ratios.
+tests/host/storage/test_nvme_guest.py). TCG makes every figure slow in absolute terms: read the ratios.
 Prints medians and what a 3.84 TB namespace would take at the measured rate; never asserts a time.
 Run as root: ``.venv/bin/python bench/bench_wipe_nvme.py [--size-mib 256] [--runs 3]``.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpuaas_agent.contract.nvmewipe import FormatErase, WipePolicy, WipePolicyMethod
-from gpuaas_agent.host.nvmewipe import nvme_erase
+from gpuaas_agent.host.storage.nvmewipe import nvme_erase
 from lab import nvme_guest
 
 DEV = "/dev/nvme0n1"

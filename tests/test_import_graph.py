@@ -58,11 +58,11 @@ LAZY_IMPORTS: dict[str, str] = {
                   "_cmd_cloud_init", "_cmd_prepare_host", "_cmd_network_baseline", "_cmd_maintenance")},
     "gpuaas_agent/discovery/netevidence.py:_netlink": _PYROUTE2,
     "gpuaas_agent/discovery/netevidence.py:_read_netlink": _PYROUTE2,
-    "gpuaas_agent/host/egress.py:read_conntrack": _PYROUTE2,
-    "gpuaas_agent/host/cloudinit.py:_dump": _SEED_ISO,
-    "gpuaas_agent/host/cloudinit.py:_pycdlib_modules_with_clock": _SEED_ISO,
-    "gpuaas_agent/host/cloudinit.py:_pin_pycdlib_clock": _SEED_ISO,
-    "gpuaas_agent/host/cloudinit.py:build_seed_iso": _SEED_ISO,
+    "gpuaas_agent/host/network/egress_readiness.py:read_conntrack": _PYROUTE2,
+    "gpuaas_agent/host/vm/cloudinit.py:_dump": _SEED_ISO,
+    "gpuaas_agent/host/vm/cloudinit.py:_pycdlib_modules_with_clock": _SEED_ISO,
+    "gpuaas_agent/host/vm/cloudinit.py:_pin_pycdlib_clock": _SEED_ISO,
+    "gpuaas_agent/host/vm/cloudinit.py:build_seed_iso": _SEED_ISO,
     "gpuaas_agent/discovery/nvml.py:enrich": _NVML,
     "gpuaas_agent/operator/nvml.py:_binding": _NVML,
     "gpuaas_agent/operator/bmc.py:_redfish": _SUSHY,
@@ -219,7 +219,7 @@ def test_the_scan_sees_an_upward_edge_and_a_cycle():
     assert _strongly_connected({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"], ["c"]]
     assert layer_of("gpuaas_agent.contract.tasks")[0] < layer_of("gpuaas_agent.tasks.registry")[0]
     assert layer_of("gpuaas_agent.host.run")[1] == "gpuaas_agent.host.run"
-    assert layer_of("gpuaas_agent.host.ovs")[1] == "gpuaas_agent.host"
+    assert layer_of("gpuaas_agent.host.network.ovs")[1] == "gpuaas_agent.host"
     assert layer_of("gpuaas_agent")[1] == "gpuaas_agent"
 
 
@@ -228,3 +228,59 @@ def test_layers_name_every_room_of_the_package():
              if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
     named = {room for line in LAYERS for room in line}
     assert rooms <= named, sorted(rooms - named)
+
+
+# --- host/ sub-rooms ----------------------------------------------------------------------------------
+# host/ is split by concern. A sub-room imports its own modules, the rooms on lower lines of LAYERS and
+# host/run.py (a lower layer of its own: every room runs programs through it), never another sub-room
+# sideways, except along an edge listed in HOST_EDGES with the reason it is there.
+HOST = "gpuaas_agent.host"
+HOST_ROOMS: tuple[str, ...] = ("network", "storage", "images", "vm", "devices")
+# (importing sub-room, imported sub-room) -> why. None today: each driver's helpers sit in its own room
+# (gpuhandover binds back through devices/vfio; streamclone writes through images/clone and images/stream;
+# wipepolicy runs storage/blockwipe and storage/nvmewipe; domain_xml lays out vm/guest_topology).
+HOST_EDGES: dict[tuple[str, str], str] = {}
+# Modules that stay at host/ itself: shared by every sub-room.
+HOST_SHARED: tuple[str, ...] = ("gpuaas_agent.host", "gpuaas_agent.host.run")
+
+
+def host_room(module: str) -> str | None:
+    """``gpuaas_agent.host.network.ovs`` -> ``network``; None for host/run.py and modules outside host/."""
+    if module in HOST_SHARED or not module.startswith(HOST + "."):
+        return None
+    return module[len(HOST) + 1:].split(".")[0]
+
+
+def sideways_host_imports(imports: list[Import]) -> list[str]:
+    found = []
+    for imp in imports:
+        src, dst = host_room(imp.source), host_room(imp.target)
+        if src and dst and src != dst and (src, dst) not in HOST_EDGES:
+            found.append(f"{imp.path}:{imp.line} host/{src} -> host/{dst}")
+    return found
+
+
+def test_host_sub_rooms_import_each_other_only_along_listed_edges():
+    """Type-only imports count too: a sideways edge under TYPE_CHECKING still couples the two rooms."""
+    found = sideways_host_imports(package_imports())
+    assert not found, ("an import across host/ sub-rooms: move the shared piece into the importing room or below "
+                       "host/, or list the edge in HOST_EDGES with its reason: " + "; ".join(found))
+    used = {(host_room(i.source), host_room(i.target)) for i in package_imports()}
+    assert not (set(HOST_EDGES) - used), f"HOST_EDGES lists edges no import uses any more: {set(HOST_EDGES) - used}"
+
+
+def test_every_host_module_sits_in_a_listed_sub_room():
+    """Nothing flat at host/ but run.py: a new driver goes to the room of its concern (or a new, listed room)."""
+    modules = {module_name(p) for p in (PACKAGE / "host").rglob("*.py")}
+    flat = sorted(m for m in modules if m not in HOST_SHARED and host_room(m) not in HOST_ROOMS)
+    assert not flat, f"host/ modules outside the sub-rooms {HOST_ROOMS}: {flat}"
+    unlisted = sorted(p.name for p in (PACKAGE / "host").iterdir() if (p / "__init__.py").exists()
+                      and p.name not in HOST_ROOMS)
+    assert not unlisted, f"host/ sub-rooms not in HOST_ROOMS: {unlisted}"
+
+
+def test_the_host_scan_sees_a_sideways_edge():
+    edge = Import("gpuaas_agent.host.network.readiness", "gpuaas_agent.host.vm.sshrelay", "x.py", 1, None, False)
+    down = Import("gpuaas_agent.host.network.readiness", "gpuaas_agent.host.run", "x.py", 2, None, False)
+    inside = Import("gpuaas_agent.host.network.readiness", "gpuaas_agent.host.network.dnsmasq", "x.py", 3, None, False)
+    assert sideways_host_imports([edge, down, inside]) == ["x.py:1 host/network -> host/vm"]

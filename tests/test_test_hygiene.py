@@ -5,9 +5,10 @@
   in ``tests/support/`` (or a fixture module) under a public, documented name.
 * No ``noqa: F401``/``F811`` to import a fixture: shared fixtures are pytest plugins
   (``pytest_plugins`` in tests/conftest.py) or live in a conftest.
-* ``tests/<room>/test_<module>*.py`` exists for every ``gpuaas_agent/<room>/<module>.py``
-  (``tests/test_<module>*.py`` for a top-level module), or :data:`NO_MIRROR` says where the
-  module's behaviour is tested instead and why it has no module of its own.
+* ``tests/<room>/test_<module>[_<what>].py`` exists for every ``gpuaas_agent/<room>/<module>.py``
+  (``tests/test_<module>[_<what>].py`` for a top-level module; a sub-room is mirrored the same way,
+  ``tests/host/network/test_ovs.py`` for ``gpuaas_agent/host/network/ovs.py``), or :data:`NO_MIRROR`
+  says where the module's behaviour is tested instead and why it has no module of its own.
 
 The scan reads the sources (``ast`` and text); it imports nothing.
 """
@@ -37,40 +38,40 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     # model means is tested where it is produced or consumed.
     "contract/base": ("WireModel/WireEnum: the strictness every model test relies on",
                       ("tests/contract/test_tasks.py", "tests/contract/test_schemas.py")),
-    "contract/cloudinit": ("the seed ISO's spec, built and read back by the host driver", ("tests/host/test_cloudinit.py",)),
+    "contract/cloudinit": ("the seed ISO's spec, built and read back by the host driver", ("tests/host/vm/test_cloudinit.py",)),
     "contract/codescan": ("the package scan behind the error-code checks", ("tests/contract/test_errorcodes.py",)),
-    "contract/dhcp": ("reservation models of the dnsmasq driver", ("tests/host/test_dnsmasq.py",)),
-    "contract/domain": ("domain spec and state models", ("tests/host/test_domain_xml.py",
-                                                          "tests/host/test_libvirt_lifecycle.py")),
+    "contract/dhcp": ("reservation models of the dnsmasq driver", ("tests/host/network/test_dnsmasq.py",)),
+    "contract/domain": ("domain spec and state models", ("tests/host/vm/test_domain_xml.py",
+                                                          "tests/host/vm/test_libvirt_lifecycle.py")),
     "contract/drift": ("drift findings and reports", ("tests/discovery/test_drift.py", "tests/control/test_uevent_watch.py")),
-    "contract/egress": ("egress targets and proofs", ("tests/host/test_egress.py",)),
+    "contract/egress": ("egress targets and proofs", ("tests/host/network/test_egress_readiness.py",)),
     "contract/enrollment": ("enrollment and credential models", ("tests/control/test_enroll.py",
                                                                   "tests/control/test_transport.py")),
     "contract/fixture": ("the recording manifest", ("tests/discovery/test_record.py",)),
-    "contract/images": ("image cache markers and formats", ("tests/host/test_images.py",)),
-    "contract/isolation": ("port isolation: flows, cookies, the nft guard spec", ("tests/host/test_portflows.py",
-                                                                                 "tests/host/test_nftguard.py")),
-    "contract/nvmewipe": ("wipe policies and proofs", ("tests/host/test_nvmewipe.py", "tests/host/test_wipepolicy.py")),
-    "contract/handover": ("the handover policy a lease carries", ("tests/state/test_store.py", "tests/host/test_wipepolicy.py",
+    "contract/images": ("image cache markers and formats", ("tests/host/images/test_cache.py",)),
+    "contract/isolation": ("port isolation: flows, cookies, the nft guard spec", ("tests/host/network/test_portflows.py",
+                                                                                 "tests/host/network/test_nftguard.py")),
+    "contract/nvmewipe": ("wipe policies and proofs", ("tests/host/storage/test_nvmewipe.py", "tests/host/storage/test_wipepolicy.py")),
+    "contract/handover": ("the handover policy a lease carries", ("tests/state/test_store.py", "tests/host/storage/test_wipepolicy.py",
                                                                   "tests/tasks/test_release_gpu_handover.py")),
-    "contract/gpuhandover": ("the GPU handover's result models", ("tests/host/test_gpuhandover.py",
+    "contract/gpuhandover": ("the GPU handover's result models", ("tests/host/devices/test_gpuhandover.py",
                                                                    "tests/tasks/test_release_gpu_handover.py")),
     "contract/firmware": ("firmware inventory, baseline and change models", ("tests/discovery/test_firmware.py",
                                                                               "tests/tasks/test_release_gpu_handover.py")),
-    "contract/ovs": ("OVS port and bridge models", ("tests/host/test_ovs.py",)),
+    "contract/ovs": ("OVS port and bridge models", ("tests/host/network/test_ovs.py",)),
     "contract/parity": ("parity checks and reports", ("tests/tasks/test_preflight.py", "tests/test_parity_cli.py")),
     "contract/placement": ("NUMA/PCIe placement models", ("tests/tasks/test_placement.py",)),
     "contract/plan": ("the bundle plan a slice.plan task answers", ("tests/tasks/test_plan.py",)),
-    "contract/runtime": ("runtime profiles", ("tests/guards/test_preconditions.py", "tests/host/test_domain_xml.py")),
+    "contract/runtime": ("runtime profiles", ("tests/guards/test_preconditions.py", "tests/host/vm/test_domain_xml.py")),
     "contract/state": ("leases, slot records, journal rows", ("tests/state/test_store.py",)),
     "contract/bmc": ("the BMC's per-GPU verdicts, judged and read in", ("tests/operator/test_bmc.py",)),
-    "contract/fabric": ("Fabric Manager partitions and their leases", ("tests/host/test_fabricmanager.py",
+    "contract/fabric": ("Fabric Manager partitions and their leases", ("tests/host/devices/test_fabricmanager.py",
                                                                         "tests/tasks/test_fabric_partitions.py")),
-    "contract/storage": ("disk leases and cleanup proofs", ("tests/host/test_disks.py", "tests/guards/test_disk.py")),
+    "contract/storage": ("disk leases and cleanup proofs", ("tests/host/storage/test_blockwipe.py", "tests/guards/test_disk.py")),
     "contract/terminal": ("terminal frames and windows", ("tests/tasks/test_terminal.py",)),
     "contract/topology": ("the discovery report", ("tests/discovery/test_fixture_hosts.py", "tests/contract/test_slots.py")),
     "contract/types": ("the shared identifier shapes", ("tests/contract/test_shared_patterns.py",)),
-    "contract/vfio": ("vfio binding evidence", ("tests/host/test_vfio.py",)),
+    "contract/vfio": ("vfio binding evidence", ("tests/host/devices/test_vfio.py",)),
     # control
     "control/connection": ("the bounded connect and its backoff; its tests are named after what they do",
                            ("tests/control/test_connect.py",)),
@@ -99,24 +100,24 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     "discovery/slots": ("the slot planner", ("tests/discovery/test_planner.py", "tests/discovery/test_suggestions.py")),
     "discovery/sysread": ("bounded sysfs reads", ("tests/discovery/test_bars.py", "tests/discovery/test_traps.py")),
     # guards
-    "guards/vfio": ("called inside the vfio driver, tested through it", ("tests/host/test_vfio.py",)),
+    "guards/vfio": ("called inside the vfio driver, tested through it", ("tests/host/devices/test_vfio.py",)),
     "control/admission": ("the worker's admission", ("tests/control/test_worker_admission.py",)),
     "control/consumer": ("the node's consumer shape, created by the control plane",
                          ("tests/control/test_permissions.py", "tests/control/test_worker_pull_heartbeat.py")),
-    "guards/gpureset": ("the reset choice under the GPU handover", ("tests/host/test_gpuhandover.py",
+    "guards/gpureset": ("the reset choice under the GPU handover", ("tests/host/devices/test_gpuhandover.py",
                                                                      "tests/guards/test_preconditions.py")),
     # host
-    "host/gpuadmin": ("NVIDIA's tool as the GPU handover runs it", ("tests/host/test_gpuhandover.py",)),
-    "host/imagestream": ("the one-pass pump under the streamed clone", ("tests/host/test_streamclone.py",)),
-    "host/httpfetch": ("the https source of the image cache", ("tests/host/test_images_http.py",)),
-    "host/imagesource": ("the image source allow-list", ("tests/host/test_images.py", "tests/host/test_images_http.py")),
-    "host/nvmecaps": ("NVMe capabilities behind the wipe policy", ("tests/host/test_nvmewipe.py",
-                                                                    "tests/host/test_wipepolicy.py")),
+    "host/devices/gpuadmin": ("NVIDIA's tool as the GPU handover runs it", ("tests/host/devices/test_gpuhandover.py",)),
+    "host/images/stream": ("the one-pass pump under the streamed clone", ("tests/host/images/test_streamclone.py",)),
+    "host/images/httpfetch": ("the https source of the image cache", ("tests/host/images/test_cache_http.py",)),
+    "host/images/source": ("the image source allow-list", ("tests/host/images/test_cache.py", "tests/host/images/test_cache_http.py")),
+    "host/storage/nvmecaps": ("NVMe capabilities behind the wipe policy", ("tests/host/storage/test_nvmewipe.py",
+                                                                    "tests/host/storage/test_wipepolicy.py")),
     "tasks/context": ("the handlers' TaskContext protocol and Handler type, checked by mypy --strict",
                       ("tests/test_static_checks.py", "tests/control/test_worker.py")),
     "tasks/firmware_check": ("the release's firmware step and its re-check", ("tests/tasks/test_release_gpu_handover.py",)),
-    "host/ovsdb_idl": ("the OVS IDL adapter under the OVS driver", ("tests/host/test_ovs.py",)),
-    "host/sshrelay": ("the SSH PTY of the terminal relay", ("tests/tasks/test_terminal.py",)),
+    "host/network/ovsdb_idl": ("the OVS IDL adapter under the OVS driver", ("tests/host/network/test_ovs.py",)),
+    "host/vm/sshrelay": ("the SSH PTY of the terminal relay", ("tests/tasks/test_terminal.py",)),
     # operator
     "operator/daemonstatus": ("the daemon's status file, read by `status`", ("tests/operator/test_cli_conventions.py",
                                                                             "tests/operator/test_daemon_observability.py")),
@@ -130,7 +131,7 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     "tasks/domain_start": ("the guarded start of provision, power and boot recovery",
                            ("tests/tasks/test_power.py", "tests/tasks/test_boot_recovery.py")),
     "tasks/drivers": ("the drivers every slice task test builds", ("tests/tasks/test_provision_admission.py",
-                                                                   "tests/host/test_portflows.py")),
+                                                                   "tests/host/network/test_portflows.py")),
     "tasks/release_set": ("the release of a multi-slot set", ("tests/tasks/test_provision_multislot.py",)),
     "tasks/terminal_session": ("one session's flow control, tested with the relay",
                                ("tests/tasks/test_terminal.py",)),
@@ -189,14 +190,15 @@ def _source_modules() -> list[str]:
         rel = path.relative_to(PACKAGE)
         if path.name == "__init__.py":
             continue
-        names.append(f"top/{path.stem}" if len(rel.parts) == 1 else f"{rel.parts[0]}/{path.stem}")
+        names.append(f"top/{path.stem}" if len(rel.parts) == 1 else "/".join(rel.with_suffix("").parts))
     return names
 
 
 def _mirror(module: str) -> list:
-    room, name = module.split("/")
-    where = TESTS if room == "top" else TESTS / room
-    return sorted(where.glob(f"test_{name}*.py"))
+    *rooms, name = module.split("/")
+    where = TESTS if rooms == ["top"] else TESTS.joinpath(*rooms)
+    # test_<name>.py or test_<name>_<what>.py: test_streamclone.py is no mirror of stream.py
+    return sorted([*where.glob(f"test_{name}.py"), *where.glob(f"test_{name}_*.py")])
 
 
 def test_every_source_module_has_its_test_module_or_says_where_it_is_tested():

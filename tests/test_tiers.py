@@ -18,10 +18,10 @@ from tests.conftest import FAST_TIER, FAST_TIER_LEAVES_OUT, NEED_MARKERS, SLOW_T
 
 REPO = Path(__file__).resolve().parent.parent
 
-LAB_BY_CALL = "tests/host/test_nvme_guest.py"  # boots a TCG guest through lab.nvme_guest, outside tests/e2e
+LAB_BY_CALL = "tests/host/storage/test_nvme_guest.py"  # boots a TCG guest through lab.nvme_guest, outside tests/e2e
 OWN_FIXTURE_NAMED_LAB = "tests/control/test_permissions.py"  # its `lab` fixture is a set of NATS servers
 CLUSTER = "tests/control/test_worker_pull_heartbeat.py::test_losing_the_member_that_leads_the_consumer"
-OVS_BY_FIXTURE = "tests/host/test_ovs.py"  # the ovs_switch fixture
+OVS_BY_FIXTURE = "tests/host/network/test_ovs.py"  # the ovs_switch fixture
 PREPARED_HOST = "tests/tasks/test_provision_preconditions.py"  # prepared_host: OVS + dnsmasq in the root namespace
 PURE = "tests/contract/test_slots.py"
 

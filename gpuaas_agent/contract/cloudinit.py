@@ -235,7 +235,7 @@ class GuestAddressing(WireEnum):
 
 
 class GuestDriverProfile(WireEnum):
-    """Known guest driver installs; the package lists live with the builder (host/cloudinit.py)."""
+    """Known guest driver installs; the package lists live with the builder (host/vm/cloudinit.py)."""
 
     nvidia_570_server_rdma = "nvidia-570-server-rdma"
 

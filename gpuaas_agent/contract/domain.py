@@ -98,7 +98,7 @@ class DomainSpec(_SlotDomainNames, WireModel):
     firmware: OvmfFirmware
     # None: libvirt copies the VARS template to its own per-domain NVRAM path.
     nvram_path: AbsolutePath | None = None
-    # Where libvirt also writes the serial console (host/consolelog.py: slice.console_log reads it); None: pty only.
+    # Where libvirt also writes the serial console (host/vm/consolelog.py: slice.console_log reads it); None: pty only.
     serial_log_path: AbsolutePath | None = None
     agent_version: str = Field(min_length=1, max_length=64)
     # Multi-GPU guests: the first slot's BARs, and every further slot of the same allocation.

@@ -6,7 +6,7 @@ the internet. When the runtime profile asks for it (``readiness_egress``), the s
 makes the guest's first boot connect to :class:`EgressTarget` (the host's configured
 target beyond the NAT), and readiness waits until the host kernel's connection
 tracking shows that connection *source-NATed and answered*: evidence the host reads
-itself (``host/egress.py``), which the guest cannot forge (the port flows pin its
+itself (``host/network/egress_readiness.py``), which the guest cannot forge (the port flows pin its
 source address). Imports nothing of ours but the contract base.
 """
 

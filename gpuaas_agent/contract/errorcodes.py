@@ -40,15 +40,15 @@ ROOMS: dict[str, str] = {
     "state": "State store (SQLite) and leases",
     "discovery": "Discovery findings (blockers and warnings in the host report)",
     "guards": "Safety guards (each refusal changed nothing)",
-    "host_ovs": "Host: Open vSwitch (host/ovs.py, host/portflows.py, host/nftguard.py)",
+    "host_ovs": "Host: Open vSwitch (host/network/ovs.py, host/network/portflows.py, host/network/nftguard.py)",
     "host_net": "Host: network baseline (prepare-host)",
     "host_dnsmasq": "Host: dnsmasq reservations",
     "host_libvirt": "Host: libvirt domains, XML, readiness",
     "host_images": "Host: image cache and disk clone",
     "host_vfio": "Host: VFIO binding and uevents",
     "host_wipe": "Host: disk wipe",
-    "host_gpu": "Host: GPU handover between tenants (guards/gpureset.py, host/gpuhandover.py)",
-    "host_fabric": "Host: NVIDIA Fabric Manager partitions of NVSwitch hosts (host/fabricmanager.py, tasks/fabric_partitions.py)",
+    "host_gpu": "Host: GPU handover between tenants (guards/gpureset.py, host/devices/gpuhandover.py)",
+    "host_fabric": "Host: NVIDIA Fabric Manager partitions of NVSwitch hosts (host/devices/fabricmanager.py, tasks/fabric_partitions.py)",
     "tasks": "Tasks: plan, admission, provision, release, power",
     "deploy": "Deploy: prepare-host and the terminal relay key",
     "fixtures": "Fixtures: recorder and archives",
@@ -277,7 +277,7 @@ class ErrorCode(StrEnum):
     PROVISION_PRECONDITION_FAILED = "provision_precondition_failed", "guards", "A host precondition for provisioning is not met; read the evidence."
     BRIDGE_GATEWAY_MISSING = "bridge_gateway_missing", "guards", "The OVS bridge has no gateway address; apply the network baseline."
 
-    # --- Host: Open vSwitch (host/ovs.py, host/portflows.py, host/nftguard.py)
+    # --- Host: Open vSwitch (host/network/ovs.py, host/network/portflows.py, host/network/nftguard.py)
     OVS_ERROR = "ovs_error", "host_ovs", "An OVS operation failed; read the evidence."
     OVS_REFUSED = "ovs_refused", "host_ovs", "An OVS change was refused because the database does not look as expected; read the evidence."
     OVS_INVALID_INPUT = "ovs_invalid_input", "host_ovs", "A bridge/port/MAC/allocation given to the OVS driver is malformed; fix the caller."

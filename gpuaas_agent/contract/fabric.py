@@ -7,7 +7,7 @@ activated before the VM starts and deactivated after it stops, and after an FM r
 hypervisor tells FM again which partitions are active. Without it the guest's CUDA fails to
 initialise NVLink (public reports: error 802, "system not yet initialized").
 
-:class:`FabricPartitionList` is ``fmpm -l`` read into values (``host/fabricmanager.py``);
+:class:`FabricPartitionList` is ``fmpm -l`` read into values (``host/devices/fabricmanager.py``);
 :class:`PartitionLease` is what the agent's state records for an allocation that holds one.
 """
 

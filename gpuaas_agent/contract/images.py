@@ -33,7 +33,7 @@ class CachedImage(WireModel):
     source_url: str
     format: ImageFormat
     # A hit: how the provision's own URL answered for these bytes (recorded_source, ranges, full_read);
-    # None for an image this fetch downloaded. A digest alone never serves a hit (host/images.py).
+    # None for an image this fetch downloaded. A digest alone never serves a hit (host/images/cache.py).
     source_proof: str | None = None
 
 

@@ -2,7 +2,7 @@
 
 A slice's port carries only its own reserved MAC and IP, and guests reach only the
 gateway's DHCP/DNS and the NAT uplink (docs/safety.md §9). The host drivers
-(``host/portflows.py`` for OpenFlow, ``host/nftguard.py`` for the host's nftables)
+(``host/network/portflows.py`` for OpenFlow, ``host/network/nftguard.py`` for the host's nftables)
 turn a :class:`PortIsolation` into rules and read them back into the records here,
 so reconcile can compare what a port's reservation implies with what is installed.
 

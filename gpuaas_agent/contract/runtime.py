@@ -69,7 +69,7 @@ class RuntimeProfile(WireModel):
     # How the slot's disk is cleared on release (seed 002 tenant-isolation wipe policy); a host's
     # config may override it per profile (SliceConfig.wipe_policies). Default: today's discard + verify.
     wipe_policy: WipePolicy = Field(default_factory=WipePolicy)
-    # The state each passed-through GPU is reset, cleared and restored to between tenants (host/gpuhandover).
+    # The state each passed-through GPU is reset, cleared and restored to between tenants (host/devices/gpuhandover).
     gpu_handover: GpuHandoverPolicy = Field(default_factory=GpuHandoverPolicy)
     # Readiness also proves egress (a lost NAT rule is otherwise invisible to it): the guest's first boot reaches the host's configured
     # target beyond the NAT (SliceConfig.readiness_egress_target) and conntrack shows it source-NATed.

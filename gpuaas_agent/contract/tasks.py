@@ -164,7 +164,7 @@ class ConsoleLogPayload(WireModel):
     """The last ``tail_kib`` KiB of the serial console of an allocation's slot, also after its VM died.
 
     Only the allocation's own log is ever read: the file is named by ``allocation_id`` and
-    ``slot_index`` on this host (host/consolelog.py), and a slot another allocation holds, with no
+    ``slot_index`` on this host (host/vm/consolelog.py), and a slot another allocation holds, with no
     log of this allocation, is refused ``not_this_allocation``.
     """
 

@@ -46,7 +46,7 @@ def drift_subject(node_id: str) -> str:
 
 
 class Burst(Protocol):
-    """What a trigger from the event source carries (``host.uevents.UeventBurst``, a frozen dataclass: read-only)."""
+    """What a trigger from the event source carries (``host.devices.uevents.UeventBurst``, a frozen dataclass: read-only)."""
 
     @property
     def events(self) -> Sequence[Uevent]: ...
@@ -59,7 +59,7 @@ class Burst(Protocol):
 
 
 class BurstSource(Protocol):
-    """A started-on-demand source of bursts (``host.uevents.UeventMonitor``)."""
+    """A started-on-demand source of bursts (``host.devices.uevents.UeventMonitor``)."""
 
     source: object
 

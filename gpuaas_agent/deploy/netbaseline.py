@@ -31,7 +31,7 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.ovs import BridgeEvidence, IfName
 from gpuaas_agent.contract.types import DATAPATH_TYPE_PATTERN
 from gpuaas_agent.errors import HostError
-from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.host.network.ovs import OvsDriver
 from gpuaas_agent.host.run import Completed, run
 
 DNSMASQ_CONF = Path("/etc/dnsmasq.d/gpuaas-slice-network.conf")

@@ -6,9 +6,9 @@ the package's postinst and by the unit's ``ExecStartPre=+``, outside the sandbox
 the host's candidate slots and writes a drop-in naming, and opening read-write, only:
 
 - each slot GPU's and fabric VF's own device directory (its real ``/sys/devices/pci…/ADDR``):
-  ``driver_override`` (host/vfio.py), ``reset`` (FLR of the VF, host/gpuhandover.py), ``rom``
-  (host/pcirom.py), and the GPU's ``config`` and BAR ``resourceN`` that NVIDIA's gpu-admin-tools
-  opens read-write (host/gpuadmin.py);
+  ``driver_override`` (host/devices/vfio.py), ``reset`` (FLR of the VF, host/devices/gpuhandover.py), ``rom``
+  (host/devices/pcirom.py), and the GPU's ``config`` and BAR ``resourceN`` that NVIDIA's gpu-admin-tools
+  opens read-write (host/devices/gpuadmin.py);
 - the ``config`` file of every PCI bridge above a slot GPU up to its root port: gpu-admin-tools
   opens the config space of the whole parent chain ``O_RDWR`` and the secondary bus reset is a
   write to the upstream bridge's bridge-control register;

@@ -3,7 +3,7 @@
 An H200 exposes a 256 GiB 64-bit prefetchable framebuffer BAR; OVMF's default
 64-bit PCI window (32 GiB on most builds) cannot map it, the guest driver then
 fails with "BAR1 is 0M @ 0x0" (a trap KubeVirt and Nova users hit). The
-domain XML sizes the window from these sizes (``host/guest_topology.py``), so
+domain XML sizes the window from these sizes (``host/vm/guest_topology.py``), so
 they are read here, from the kernel's own view, never assumed from a model name.
 
 ``resource`` is 13 lines on a non-bridge function (6 BARs, the ROM, 6 SR-IOV

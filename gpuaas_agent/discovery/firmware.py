@@ -4,7 +4,7 @@ Pure reader over a host root (live or recorded), one source per kind:
 
 - ``gpu_vbios``: ``/proc/driver/nvidia/gpus/<addr>/information`` (``Video BIOS:``) while the GPU is on
   the nvidia driver; a GPU on ``vfio-pci`` has no such file, and its ROM can only be read by enabling
-  it (a write: host/pcirom.py does that, outside discovery), so here it is ``version=None`` naming why.
+  it (a write: host/devices/pcirom.py does that, outside discovery), so here it is ``version=None`` naming why.
 - ``nvswitch_fw``: ``/proc/driver/nvidia-nvswitch/devices/<addr>/information`` (a ``...BIOS...:`` or
   ``...Firmware...:`` line) where the nvswitch driver shows it.
 - ``nic_fw``: ``/sys/class/infiniband/<dev>/fw_ver`` (mlx5: ConnectX and BlueField functions, VFs

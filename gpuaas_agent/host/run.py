@@ -160,7 +160,7 @@ def spawn_reader(argv: Sequence[str], *, env: dict[str, str], pass_fds: Sequence
     """A child whose stdout is read while it runs (a download's ``curl``): argv only, pipes, own process group.
 
     The one exception to "run to completion with a timeout": the caller reads the output as it
-    comes, so the caller owns the deadline (host/curlstream.py: no byte for the stall timeout,
+    comes, so the caller owns the deadline (host/images/curlstream.py: no byte for the stall timeout,
     the whole download's timeout, a cancel) and kills the child by its PID when it gives up, then
     waits for it. stdin, stdout and stderr are pipes; ``env`` replaces the environment.
     """

@@ -28,7 +28,7 @@ from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.fabric import PartitionState
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import CheckStatus, HealthCheck
-from gpuaas_agent.host.fabricmanager import FabricManager, FabricManagerError
+from gpuaas_agent.host.devices.fabricmanager import FabricManager, FabricManagerError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.tasks.fabric_partitions import partitions_to_restore, restore_after_restart, settled_allocations
 

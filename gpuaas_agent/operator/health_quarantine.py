@@ -36,7 +36,7 @@ from gpuaas_agent.discovery.aer import aer_counts
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.run import run
-from gpuaas_agent.host.smart import Runner, judge_smart, read_smart_log
+from gpuaas_agent.host.storage.smart import Runner, judge_smart, read_smart_log
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator import nvml

@@ -37,8 +37,8 @@ from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.control.enroll import load_enrollment
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.consolelog import log_path as console_log_path
-from gpuaas_agent.host.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.vm.consolelog import log_path as console_log_path
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, read_status
 from gpuaas_agent.operator.health import HealthSettings
 from gpuaas_agent.operator.health import run_checks as run_health

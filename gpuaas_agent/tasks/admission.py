@@ -29,7 +29,7 @@ from gpuaas_agent.contract.dhcp import Reservation
 from gpuaas_agent.contract.tasks import VmProvisionPayload, invalid_payload
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.dnsmasq import DnsmasqReservations, make_reservation
+from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations, make_reservation
 from gpuaas_agent.state.store import StateStore
 
 

@@ -19,7 +19,7 @@ devices are proven). Nothing restarts a slice unless the agent does, so:
    * shut off because the tenant stopped it (record ``power_state: stopped``) or by
      the profile's ``on_host_boot: leave_stopped``: ``boot_restart_held``;
    * otherwise (``on_host_boot: restart``, the default): the GPU and VF are put back
-     on vfio-pci through ``host/vfio.py``'s guarded path (IOMMU group isolation
+     on vfio-pci through ``host/devices/vfio.py``'s guarded path (IOMMU group isolation
      first), then the one guarded start every start takes
      (``tasks/domain_start.py``: disk guard with the lease's identity, /dev/kvm, the
      OVS bridge, hugepages on the node, vfio-pci, port isolation). A refusal is a
@@ -68,7 +68,7 @@ from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.types import UUID_RE
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.vfio import AfterWrite, bind_to_vfio
+from gpuaas_agent.host.devices.vfio import AfterWrite, bind_to_vfio
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import as_store_thread

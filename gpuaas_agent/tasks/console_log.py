@@ -2,7 +2,7 @@
 
 Reads only: no slot lock, no lease change, no domain call, so a tenant's console read never
 waits behind, or holds up, a provision or release of the same slot. Who may: the log is
-found by the payload's own allocation id and slot (host/consolelog.py names it), so a task can
+found by the payload's own allocation id and slot (host/vm/consolelog.py names it), so a task can
 reach no other allocation's file; and a slot another allocation holds now, for which this
 allocation has no log, is refused ``not_this_allocation`` (the answer says whose it is not,
 never what that allocation printed).
@@ -19,7 +19,7 @@ from typing import Any
 
 from gpuaas_agent.contract.tasks import ConsoleLogPayload
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.consolelog import ConsoleLogError, read_tail
+from gpuaas_agent.host.vm.consolelog import ConsoleLogError, read_tail
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.context import Handler, TaskContext

@@ -34,7 +34,7 @@ from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.vfio import check_vfio_bindable
 from gpuaas_agent.guards.vmstart import check_vm_start
-from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.host.network.ovs import OvsDriver
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import isolate_port, opened_port
 

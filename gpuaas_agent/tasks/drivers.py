@@ -17,13 +17,13 @@ from typing import Any, Protocol, TypeVar, cast
 from gpuaas_agent.config import AgentConfig, FabricManagerConfig, SliceConfig, tls_context
 from gpuaas_agent.contract.terminal import CloseReason
 from gpuaas_agent.guards.gpureset import resolve_gpu_tool
-from gpuaas_agent.host.consolelog import log_path as console_log_path
-from gpuaas_agent.host.dnsmasq import DnsmasqReservations
-from gpuaas_agent.host.fabricmanager import FabricManager
-from gpuaas_agent.host.gpuadmin import GpuAdminTool
-from gpuaas_agent.host.images import ImageCache, SourcePolicy
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
-from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.host.devices.fabricmanager import FabricManager
+from gpuaas_agent.host.devices.gpuadmin import GpuAdminTool
+from gpuaas_agent.host.images.cache import ImageCache, SourcePolicy
+from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.network.ovs import OvsDriver
+from gpuaas_agent.host.vm.consolelog import log_path as console_log_path
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.tasks.isolation import unisolate_port
 from gpuaas_agent.tasks.power_line import PowerLine

@@ -1,6 +1,6 @@
 """Fabric Manager partitions in placement and reconcile: which partition a slot set is, and what drifted.
 
-Pure: FM's partition list (``host/fabricmanager.py``), the agent's partition leases and the
+Pure: FM's partition list (``host/devices/fabricmanager.py``), the agent's partition leases and the
 running domains in; a choice, a typed refusal or drift findings out.
 
 - A slot set of a ``fabric_partitions`` profile on an NVSwitch host is offered only when its
@@ -35,7 +35,7 @@ from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.preconditions import check_fabric_manager
-from gpuaas_agent.host.fabricmanager import FabricManager, FabricManagerError
+from gpuaas_agent.host.devices.fabricmanager import FabricManager, FabricManagerError
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Isolate a slice's port on plug and release it on unplug: the two calls the pipelines make (docs/safety.md §9).
 
-:func:`isolate_port` installs the port's OpenFlow rules (``host/portflows.py``) and puts
-its vNIC in the host's nft guard (``host/nftguard.py``); :func:`unisolate_port` removes
+:func:`isolate_port` installs the port's OpenFlow rules (``host/network/portflows.py``) and puts
+its vNIC in the host's nft guard (``host/network/nftguard.py``); :func:`unisolate_port` removes
 exactly those. Both are idempotent, so provision calls ``isolate_port`` once the port
 exists and again after the domain start (libvirt re-creates the port, and its ofport
 may change), and reconcile calls it to repair a port whose rules drifted.
@@ -29,9 +29,9 @@ from gpuaas_agent.contract.isolation import (
 )
 from gpuaas_agent.contract.ovs import OvsPort
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.nftguard import NftGuard
-from gpuaas_agent.host.ovs import OvsDriver
-from gpuaas_agent.host.portflows import (
+from gpuaas_agent.host.network.nftguard import NftGuard
+from gpuaas_agent.host.network.ovs import OvsDriver
+from gpuaas_agent.host.network.portflows import (
     IsolationInputError,
     PortFlows,
     compare_flows,

@@ -10,7 +10,7 @@ over NVLink only inside a fabric partition the Fabric Manager activates (shared-
 multitenancy mode). A profile with ``fabric_partitions`` gets its set checked against FM's
 partitions (``tasks/fabric_partitions.py``) and the verdict names the partition. Without
 it, a multi-GPU guest on such a node gets its GPUs without usable NVLink (peer traffic falls
-back to PCIe through the expanders of ``host/guest_topology.py``): a warning on the
+back to PCIe through the expanders of ``host/vm/guest_topology.py``): a warning on the
 placement, and a WARN line of the parity report (``discovery/nvswitch.py``), never silence.
 """
 

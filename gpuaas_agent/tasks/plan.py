@@ -30,7 +30,7 @@ from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.discovery.slots import PlanConfig
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.slot_binding import check_slot_binding, disks_by_name
-from gpuaas_agent.host.fabricmanager import FabricManager
+from gpuaas_agent.host.devices.fabricmanager import FabricManager
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore

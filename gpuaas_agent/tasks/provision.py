@@ -50,15 +50,15 @@ from gpuaas_agent.guards.preconditions import (
     check_provision_preconditions,
     parse_ed25519,
 )
-from gpuaas_agent.host.clone import clone_image
-from gpuaas_agent.host.cloudinit import write_seed_iso
-from gpuaas_agent.host.dnsmasq import make_reservation
-from gpuaas_agent.host.egress import egress_target, wait_for_egress
-from gpuaas_agent.host.images import ImageCache, StreamedMiss
-from gpuaas_agent.host.readiness import wait_for_guest
-from gpuaas_agent.host.streamclone import stream_image
-from gpuaas_agent.host.vfio import bind_to_vfio
-from gpuaas_agent.host.wipepolicy import resolve_handover
+from gpuaas_agent.host.devices.vfio import bind_to_vfio
+from gpuaas_agent.host.images.cache import ImageCache, StreamedMiss
+from gpuaas_agent.host.images.clone import clone_image
+from gpuaas_agent.host.images.streamclone import stream_image
+from gpuaas_agent.host.network.dnsmasq import make_reservation
+from gpuaas_agent.host.network.egress_readiness import egress_target, wait_for_egress
+from gpuaas_agent.host.network.readiness import wait_for_guest
+from gpuaas_agent.host.storage.wipepolicy import resolve_handover
+from gpuaas_agent.host.vm.cloudinit import write_seed_iso
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
@@ -666,7 +666,7 @@ async def _guest_slot(run: ProvisionRun, slot: ApprovedSlot, planned: PlannedSlo
 
 
 def _passthrough_bars(host: Any, slot: Any) -> dict[str, Any]:
-    """The GPU's and VF's BAR sizes from sysfs: they size the guest's 64-bit MMIO window (host/guest_topology.py)."""
+    """The GPU's and VF's BAR sizes from sysfs: they size the guest's 64-bit MMIO window (host/vm/guest_topology.py)."""
     return {"gpu_bars": function_bars(host, slot.gpu_pci_address),
             "fabric_vf_bars": function_bars(host, slot.fabric_vf_pci_address)}
 

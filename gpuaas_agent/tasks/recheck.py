@@ -6,7 +6,7 @@ could have failed (the one exception is ``operator``: an operator took it out, a
 returns it). Each function reads only; none changes the component.
 
 Wired here: ``gpu_aer_fatal`` (sysfs AER counters, ``discovery/aer.py``), ``smart_failing``
-(``nvme smart-log``, ``host/smart.py``), ``wipe_unverified`` (the slot's latest wipe proof, written by
+(``nvme smart-log``, ``host/storage/smart.py``), ``wipe_unverified`` (the slot's latest wipe proof, written by
 a release retried since, covers every byte and no lease holds the disk), ``gpu_reset_failed`` /
 ``gpu_memory_clear_failed`` (a release's GPU handover of that device passed since),
 ``firmware_changed`` (the changed components read their recorded or a baseline version again) and
@@ -33,7 +33,7 @@ from gpuaas_agent.discovery.aer import aer_counts, function_present
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.run import run
-from gpuaas_agent.host.smart import Runner, judge_smart, read_smart_log
+from gpuaas_agent.host.storage.smart import Runner, judge_smart, read_smart_log
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore

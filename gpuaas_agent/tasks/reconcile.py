@@ -55,7 +55,7 @@ from gpuaas_agent.contract.state import PowerState, SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import ReconcilePayload
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.dnsmasq import parse_leases, status_of
+from gpuaas_agent.host.network.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks import fabric_partitions

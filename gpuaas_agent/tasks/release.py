@@ -44,8 +44,8 @@ from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
 from gpuaas_agent.guards.gpureset import gpu_driver
-from gpuaas_agent.host.gpuhandover import hand_over_gpu, reset_fabric_vf
-from gpuaas_agent.host.wipepolicy import strictest_handover, wipe_slot_disk
+from gpuaas_agent.host.devices.gpuhandover import hand_over_gpu, reset_fabric_vf
+from gpuaas_agent.host.storage.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
@@ -196,7 +196,7 @@ async def undefine(run: ReleaseRun, found: Found) -> UndefineOutcome | Skipped:
 
 @dataclass(frozen=True)
 class GpuHandedOver:
-    """The slot's GPU (and fabric VF) reset, cleared and proven (host/gpuhandover.py), or why not."""
+    """The slot's GPU (and fabric VF) reset, cleared and proven (host/devices/gpuhandover.py), or why not."""
 
     proof: SlotGpuHandover | None
     skipped: str | None = None

@@ -1,7 +1,7 @@
 """``slice.terminal_open`` / ``_data`` / ``_resize`` / ``_close``: the browser terminal of a slice (seed 004).
 
 The gateway asks for a PTY in the guest of an allocation's slice; the agent opens it over
-SSH (``host/sshrelay.py``) with the node's relay key, whose public half provision put in
+SSH (``host/vm/sshrelay.py``) with the node's relay key, whose public half provision put in
 the allocation user's ``authorized_keys``, and relays it on the session's subjects
 (``control/terminal_session.py``). Every field of the task is the attacker's:
 
@@ -68,7 +68,7 @@ from gpuaas_agent.contract.terminal import (
 )
 from gpuaas_agent.deploy import relaykey
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host import sshrelay
+from gpuaas_agent.host.vm import sshrelay
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateError

@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 
 class Pty(Protocol):
-    """What the session needs of a PTY (``host/sshrelay.SshPty``)."""
+    """What the session needs of a PTY (``host/vm/sshrelay.SshPty``)."""
 
     async def read(self, n: int) -> bytes: ...
     def write(self, data: bytes) -> None: ...

@@ -43,7 +43,7 @@ def test_the_scan_finds_the_codes_of_known_call_sites(sites):
     """Guards the scanner itself: one code per shape it must read, from real package sources."""
     found = {s.code for s in sites}
     for code in ("guard_refused",           # class default_code (errors.py)
-                 "ovs_port_not_owned",      # code="..." keyword (host/ovs.py)
+                 "ovs_port_not_owned",      # code="..." keyword (host/network/ovs.py)
                  "holders",                 # positional to a function with a `code` parameter (_refuse)
                  "provision_interrupted",   # {"code": "..."} dict
                  "wipe_cancelled",          # *_CODES frozenset

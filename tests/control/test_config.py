@@ -125,7 +125,7 @@ def test_slice_host_wires_the_image_policy_and_forbids_the_state_dir(tmp_path):
     import hashlib
 
     from gpuaas_agent.config import SliceConfig
-    from gpuaas_agent.host.images import ImageCacheError
+    from gpuaas_agent.host.images.cache import ImageCacheError
     from gpuaas_agent.tasks.drivers import SliceDrivers
 
     state = tmp_path / "state"

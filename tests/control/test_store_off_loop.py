@@ -35,8 +35,8 @@ from gpuaas_agent.control.enroll import EnrollmentRecord
 from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.daemon import connect
 from gpuaas_agent.discovery.report import discover
-from gpuaas_agent.host.images import ImageCache
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.host.images.cache import ImageCache
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.tasks.drivers import SliceDrivers

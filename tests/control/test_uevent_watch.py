@@ -28,7 +28,7 @@ from gpuaas_agent.control.uevent_watch import DriftWatcher, drift_subject
 from gpuaas_agent.daemon import run_agent
 from gpuaas_agent.discovery.drift import topology_drift
 from gpuaas_agent.discovery.report import discover
-from gpuaas_agent.host.uevents import UeventMonitor, udevd_running
+from gpuaas_agent.host.devices.uevents import UeventMonitor, udevd_running
 from gpuaas_agent.hostfs import HostRoot
 from tests.controlplane import ControlPlane
 from tests.realdev import require_root, sh
@@ -244,7 +244,7 @@ def test_daemon_publishes_drift_from_kernel_events(host_copy, nats_server, tmp_p
     a, b = _link_name("uda"), _link_name("udb")
     events = _EventLog()
     watch_log = logging.getLogger("gpuaas_agent.control.uevent_watch")
-    source_log = logging.getLogger("gpuaas_agent.host.uevents")
+    source_log = logging.getLogger("gpuaas_agent.host.devices.uevents")
 
     async def body():
         plane = await ControlPlane.connect(nats_server.url)

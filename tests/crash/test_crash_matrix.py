@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 from gpuaas_agent.contract.naming import domain_name, vnic_name
-from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.host.network.ovs import OvsDriver
 from gpuaas_agent.tasks.crashpoint import ENV, WHEN
 from gpuaas_agent.tasks.provision import PROVISION_STEPS, RESTARTABLE
 from gpuaas_agent.tasks.release import RELEASE_STEPS

@@ -215,7 +215,7 @@ def test_the_same_deb_installs_imports_every_module_and_runs_on_ubuntu_without_s
         _packaged_venv_reads_the_bmc(box, tmp_path)
         # The distro's compiled bindings are the ones the venv imports (never built on the host).
         where = box.run("/opt/gpuaas-agent/bin/python", "-c",
-                        "import libvirt, systemd.journal, ovs, pydantic_core, gpuaas_agent.host.images; "
+                        "import libvirt, systemd.journal, ovs, pydantic_core, gpuaas_agent.host.images.cache; "
                         "print(libvirt.__file__, systemd.journal.__file__, ovs.__file__, pydantic_core.__file__)")
         libvirt_file, journal_file, ovs_file, core_file = where.stdout.split()
         assert libvirt_file.startswith("/usr/lib/python3/dist-packages/")

@@ -316,11 +316,11 @@ for name, (how, path) in attempts.items():
 print("sysfs-probe " + json.dumps(out), flush=True)
 """
 
-# The agent's own vfio binding (host/vfio.py) of one slot GPU of the lab's recorded host, run by the installed
+# The agent's own vfio binding (host/devices/vfio.py) of one slot GPU of the lab's recorded host, run by the installed
 # agent's interpreter inside the unit; the fixture's kernel stand-in re-points ``driver`` after drivers_probe.
 BIND_PROBE = r"""
 import asyncio, json, os, sys
-from gpuaas_agent.host.vfio import bind_to_vfio
+from gpuaas_agent.host.devices.vfio import bind_to_vfio
 from gpuaas_agent.hostfs import HostRoot
 root, address = sys.argv[1:3]
 host = HostRoot.open(root)
@@ -483,7 +483,7 @@ def test_without_cap_net_admin_a_provision_fails_at_the_network_step_with_a_type
     finally:
         (unit_lab.manager.root / DROPIN_DIR.relative_to("/") / "zz-negative.conf").unlink()
         unit_lab.restart_agent()
-    # The guard table of the slice's port (host/nftguard.py) is the first step that needs CAP_NET_ADMIN.
+    # The guard table of the slice's port (host/network/nftguard.py) is the first step that needs CAP_NET_ADMIN.
     assert result.status.value == "failed", result
     error = result.error
     assert (error.code, error.evidence["failed_step"], error.evidence["argv"][0]) == ("command_failed", "ovs_port", "nft"), error

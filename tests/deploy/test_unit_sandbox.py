@@ -102,7 +102,7 @@ def reread():  # the partition table re-read after a clone (partx/sfdisk do the 
     finally:
         os.close(fd)
 attempt("reread_partitions", reread)
-def nft():  # the slice guard table (host/nftguard.py); this process runs in the test's network namespace
+def nft():  # the slice guard table (host/network/nftguard.py); this process runs in the test's network namespace
     subprocess.run(["nft", "add", "table", "inet", "gpuaas_sandbox"], check=True, capture_output=True)
 attempt("nft_guard", nft)
 def open_foreign():  # a node libvirt chowned to the QEMU user, opened for the busy check
@@ -115,7 +115,7 @@ attempt("proc_mem", lambda: os.close(os.open(f"/proc/{victim}/mem", os.O_RDONLY)
 attempt("proc_mem_root", lambda: os.close(os.open(f"/proc/{root_pid}/mem", os.O_RDONLY)))
 attempt("fd_links", lambda: [os.readlink(f"/proc/{victim}/fd/{n}") for n in os.listdir(f"/proc/{victim}/fd")])
 def holder_by_comm():  # the scan of a failed unbind still names the usual holder, by its comm
-    from gpuaas_agent.host.vfio import find_device_holders
+    from gpuaas_agent.host.devices.vfio import find_device_holders
     from gpuaas_agent.hostfs import HostRoot
     seen = [(h.pid, h.comm, h.devices) for h in find_device_holders(HostRoot.open("/"), ("/dev/nvidia",))]
     if (int(victim), "nv-hostengine", []) not in seen:

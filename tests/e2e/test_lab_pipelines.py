@@ -15,8 +15,8 @@ import uuid
 import libvirt
 
 from gpuaas_agent.contract.naming import domain_name, vnic_name
-from gpuaas_agent.host.dnsmasq import DnsmasqReservations, make_reservation
-from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations, make_reservation
+from gpuaas_agent.host.network.ovs import OvsDriver
 from tests.support.lab_tasks import approved_slot_in, libvirt_domains, only_slot_outcome, run_lab_task
 
 ZERO_MIB = bytes(1 << 20)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 
 from gpuaas_agent.contract.naming import domain_name, vnic_name
-from gpuaas_agent.host.ovs import OvsDriver
-from gpuaas_agent.host.readiness import wait_for_ssh
+from gpuaas_agent.host.network.ovs import OvsDriver
+from gpuaas_agent.host.network.readiness import wait_for_ssh
 from tests.support.lab_tasks import approved_slot_in, libvirt_domains, only_slot_outcome, run_lab_task
 
 SLOT = 5

@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.host.network.ovs import OvsDriver
 
 B_SLOT = 7  # tenant B's slot; the attacks use the others
 

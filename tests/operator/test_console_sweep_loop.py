@@ -10,7 +10,7 @@ import uuid
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.daemon import console_log_loop
-from gpuaas_agent.host.consolelog import log_path
+from gpuaas_agent.host.vm.consolelog import log_path
 from gpuaas_agent.state.store import StateStore
 from tests.support.deadline import wait_until
 

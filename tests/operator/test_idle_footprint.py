@@ -23,7 +23,7 @@ def test_importing_the_daemon_does_not_import_what_only_a_task_or_a_gpu_host_nee
 
 
 def test_a_seed_iso_still_builds_with_its_imports_deferred():
-    from gpuaas_agent.host.cloudinit import build_seed_iso
+    from gpuaas_agent.host.vm.cloudinit import build_seed_iso
 
     iso = build_seed_iso({"meta-data": b"instance-id: i-1\n", "user-data": b"#cloud-config\n"})
     assert iso[0x8001:0x8006] == b"CD001"  # the primary volume descriptor's identifier

@@ -43,11 +43,11 @@ from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.guards.vmstart import check_vm_start
-from gpuaas_agent.host.clone import clone_image
-from gpuaas_agent.host.cloudinit import write_seed_iso
-from gpuaas_agent.host.domain_xml import build_domain_xml
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
-from gpuaas_agent.host.readiness import wait_for_guest, wait_for_ssh
+from gpuaas_agent.host.images.clone import clone_image
+from gpuaas_agent.host.network.readiness import wait_for_guest, wait_for_ssh
+from gpuaas_agent.host.vm.cloudinit import write_seed_iso
+from gpuaas_agent.host.vm.domain_xml import build_domain_xml
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from tests.dnsmasq_fixture import GATEWAY, Dnsmasq, NetLab, run_in_netns
 from tests.libvirtd_fixture import running_libvirtd

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuaas_agent.host.fabricmanager import FabricManager
+from gpuaas_agent.host.devices.fabricmanager import FabricManager
 
 REPO = Path(__file__).resolve().parent.parent.parent
 FIXTURES = REPO / "fixtures" / "fabricmanager"

@@ -17,7 +17,7 @@ import json
 import struct
 from pathlib import Path
 
-from gpuaas_agent.host.gpuadmin import GpuAdminTool
+from gpuaas_agent.host.devices.gpuadmin import GpuAdminTool
 from gpuaas_agent.host.run import Completed
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 
 The fixtures ``src_dir``, ``raw_image`` and ``https_server`` are a pytest plugin (tests/conftest.py);
 ``image_cache`` makes a cache that trusts those sources, ``fetch_image`` runs one fetch,
-``cache_leftovers`` lists what a cache directory holds. Used by tests/host/test_images*.py.
+``cache_leftovers`` lists what a cache directory holds. Used by tests/host/images/test_cache*.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuaas_agent.host.images import ImageCache, SourcePolicy
+from gpuaas_agent.host.images.cache import ImageCache, SourcePolicy
 from gpuaas_agent.host.run import run
 
 # A tiny HTTPS server in its own process (stopped by PID). Paths:

@@ -10,7 +10,7 @@ One OVS switch and one loop host serve the whole module.
 
 The vfio-pci re-bind runs on a copy of the after-transition host, whose GPUs and VFs are
 back on ``nvidia`` / ``mlx5_core`` as after a boot; the kernel's part of a bind is played
-on the copy (the fixture's files are not a kernel), as in tests/host/test_vfio.py.
+on the copy (the fixture's files are not a kernel), as in tests/host/devices/test_vfio.py.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import PowerState, SlotDetail, SlotLease, SlotRecord
 from gpuaas_agent.contract.vfio import SysfsWrite
 from gpuaas_agent.discovery.report import discover
-from gpuaas_agent.host.dnsmasq import make_reservation
-from gpuaas_agent.host.images import ImageCache
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.host.images.cache import ImageCache
+from gpuaas_agent.host.network.dnsmasq import make_reservation
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import (
@@ -246,7 +246,7 @@ def test_boot_policy_is_per_profile_and_the_tenant_stop_wins():
     assert boot_action(h200, stopped) == "tenant_stopped"
 
 
-# -- vfio-pci re-bind after the boot, through host/vfio.py's guarded path ----------------------------------
+# -- vfio-pci re-bind after the boot, through host/devices/vfio.py's guarded path ----------------------------------
 
 
 class Kernel:

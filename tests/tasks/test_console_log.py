@@ -12,9 +12,9 @@ from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import PAYLOADS, ConsoleLogPayload, TaskType
 from gpuaas_agent.errors import AgentError, ContractError
-from gpuaas_agent.host.consolelog import ensure_log_dir, log_path
-from gpuaas_agent.host.images import ImageCache
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.host.images.cache import ImageCache
+from gpuaas_agent.host.vm.consolelog import ensure_log_dir, log_path
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.tasks.console_log import console_log
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from tests.support.pipeline_ctx import sync

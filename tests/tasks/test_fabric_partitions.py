@@ -15,7 +15,7 @@ import pytest
 from gpuaas_agent.contract.fabric import PartitionDriftKind, PartitionLease, PartitionState
 from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.guards.preconditions import PreconditionRefused
-from gpuaas_agent.host.fabricmanager import FabricManagerError, parse_partition_list
+from gpuaas_agent.host.devices.fabricmanager import FabricManagerError, parse_partition_list
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.state.store import StateError, StateStore
 from gpuaas_agent.tasks import fabric_partitions as fp

@@ -3,7 +3,7 @@
 :func:`judge_isolation` is pure, so these tests give it the rules and the guard state as
 ``ovs-ofctl`` and ``nft`` would have returned them (the rules a reservation implies are
 :func:`expected_flows`, the same function the installer writes). Installing, removing and
-repairing them on a real bridge and real nftables is in ``tests/host/test_portflows.py``.
+repairing them on a real bridge and real nftables is in ``tests/host/network/test_portflows.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from gpuaas_agent.contract.drift import DriftKind
 from gpuaas_agent.contract.isolation import FlowRule, GuardState, cookie_of_port_name
 from gpuaas_agent.contract.naming import vnic_name
 from gpuaas_agent.contract.ovs import OvsPort
-from gpuaas_agent.host.portflows import expected_flows
+from gpuaas_agent.host.network.portflows import expected_flows
 from gpuaas_agent.tasks.isolation import (
     ActivePort,
     IsolationSnapshot,

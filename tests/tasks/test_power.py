@@ -30,10 +30,10 @@ from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import TaskEnvelope, TaskType, VmPowerPayload, task_payload
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import ContractError
-from gpuaas_agent.host.dnsmasq import make_reservation
-from gpuaas_agent.host.images import ImageCache
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle, parse_domain_devices
-from gpuaas_agent.host.ovs import OvsDriver
+from gpuaas_agent.host.images.cache import ImageCache
+from gpuaas_agent.host.network.dnsmasq import make_reservation
+from gpuaas_agent.host.network.ovs import OvsDriver
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle, parse_domain_devices
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import recover_slot
@@ -249,7 +249,7 @@ def test_reconcile_reports_a_slice_the_tenant_stopped_as_info_and_a_dead_one_as_
                                                                                        tmp_path):
     """A shut-off domain of an active slot is always a finding (issue 17): ``info`` when the slot record says the
     tenant stopped it, ``error`` when nobody did (a crash, a host reboot); nothing else about the slice is reported."""
-    from gpuaas_agent.host.dnsmasq import make_reservation
+    from gpuaas_agent.host.network.dnsmasq import make_reservation
     from gpuaas_agent.tasks.reconcile import reconcile
 
     s = active_slice

@@ -19,8 +19,8 @@ from gpuaas_agent.contract.domain import DomainSpec, DomainState
 from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.discovery.ovmf import find_ovmf
-from gpuaas_agent.host.dnsmasq import DnsmasqReservations, make_reservation
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations, make_reservation
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.pipeline import PipelineFailed

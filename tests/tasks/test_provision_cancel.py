@@ -23,8 +23,8 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import TaskEnvelope, VmProvisionPayload
 from gpuaas_agent.discovery.report import discover
-from gpuaas_agent.host.images import ImageCache, SourcePolicy
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.host.images.cache import ImageCache, SourcePolicy
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers

@@ -17,8 +17,8 @@ import pytest
 
 from gpuaas_agent.config import SliceConfig
 from gpuaas_agent.contract.tasks import VmProvisionPayload
-from gpuaas_agent.host.images import ImageCache
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.host.images.cache import ImageCache
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from lab.loophost import materialize

@@ -3,7 +3,7 @@
 The judge is pure, so these tests build the snapshot from the models reconcile reads (store
 rows, libvirt's domain list, dnsmasq's files, ovsdb's ports, sysfs drivers) and need no
 component at all. Reconcile over real libvirt, OVS, nft and dnsmasq is in
-``tests/host/test_portflows.py`` and ``tests/tasks/test_power.py``.
+``tests/host/network/test_portflows.py`` and ``tests/tasks/test_power.py``.
 """
 
 from __future__ import annotations

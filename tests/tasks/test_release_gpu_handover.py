@@ -25,8 +25,8 @@ from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.tasks import VmReleasePayload
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.guards.disk import read_disk_identity
-from gpuaas_agent.host.images import ImageCache
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.host.images.cache import ImageCache
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers

@@ -1,7 +1,7 @@
 """A release whose wipe does not verify quarantines the disk; its re-check passes only on a later every-byte proof.
 
 Real pieces: the SQLite store (quarantine table, wipe proofs, leases) and the release's own quarantine
-rule; the failure is the typed ``wipe_unverified`` error the wipe raises (tests/host/test_wipe_lying_device.py
+rule; the failure is the typed ``wipe_unverified`` error the wipe raises (tests/host/storage/test_wipe_lying_device.py
 shows a real disk producing it).
 """
 
@@ -13,7 +13,7 @@ import uuid
 
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.storage import ProofGuarantee, WipeMethod, WipeProof
-from gpuaas_agent.host.disks import WipeError
+from gpuaas_agent.host.storage.blockwipe import WipeError
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.recheck import RecheckContext, recheck_wipe

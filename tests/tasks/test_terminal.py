@@ -42,9 +42,9 @@ from gpuaas_agent.contract.tasks import TaskEnvelope, task_payload
 from gpuaas_agent.control.worker import TaskContext
 from gpuaas_agent.deploy import relaykey
 from gpuaas_agent.errors import AgentError, ContractError
-from gpuaas_agent.host.dnsmasq import make_reservation
-from gpuaas_agent.host.images import ImageCache
-from gpuaas_agent.host.libvirt_lifecycle import LibvirtLifecycle
+from gpuaas_agent.host.images.cache import ImageCache
+from gpuaas_agent.host.network.dnsmasq import make_reservation
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.terminal import relay_of, terminal_handler

@@ -1,0 +1,115 @@
+"""http(s) with httpx for what is not a download: range reads that prove a source, and the download rules' constants.
+
+Downloads are read by a curl child (host/images/curlstream.py: TLS at OpenSSL speed outside the
+interpreter); this module keeps the rules both follow and the small range reads
+(:func:`read_ranges`) with which a cache hit under another URL is proven against its source.
+What stays ours, because it is the safety of the cache (host/images/cache.py):
+
+- redirects are followed one hop at a time, and ``check_hop`` (the allow-list of
+  host/images/source.py) sees every hop before it is requested;
+- the read timeout is the stall timeout (no byte for that long is ``fetch_stalled``);
+- a connection that drops in the middle of a body is resumed from the byte where it
+  stopped (``Range: bytes=N-``, with ``If-Range`` on the validator the first answer
+  gave), after a backoff, at most ``retries`` times; the answer must be ``206`` whose
+  ``Content-Range`` starts at exactly ``N`` and names the same total, or the download
+  is ``truncated``. The bytes before ``N`` were hashed as they arrived and are never
+  read again: the digest of the resumed download is computed over each byte once;
+- a refused connection or a 502/503/504 before the body is retried with the same
+  backoff; a TLS verification failure or any other status is not (it will not heal).
+
+httpx reaches the image server the way every other tool on the host does (``https_proxy``,
+``no_proxy`` in the service's environment, ``trust_env``).
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+from collections.abc import Callable
+from urllib.parse import urljoin
+
+import httpx
+
+from gpuaas_agent.host.images.source import ImageCacheError
+
+USER_AGENT = "gpuaas-agent"
+MAX_REDIRECTS = 5
+DEFAULT_RETRIES = 3
+DEFAULT_BACKOFF_S = 0.5
+CONNECT_TIMEOUT_S = 30.0
+RETRY_STATUSES = (502, 503, 504)
+CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    seen = [exc]
+    while (cause := seen[-1].__cause__ or seen[-1].__context__) is not None and cause not in seen and len(seen) < 6:
+        seen.append(cause)
+    return seen
+
+
+def _error_chain(exc: BaseException) -> str:
+    """``repr`` of the error and of what caused it, down to the OS or TLS error (evidence, not prose)."""
+    return " <- ".join(repr(e) for e in _causes(exc))
+
+
+class RangesRefused(Exception):
+    """The server answered a range request with the whole body (200): it does not serve ranges."""
+
+
+def read_ranges(url: str, ranges: list[tuple[int, int]], total: int, *, check_hop: Callable[[str, str], None],
+                verify: ssl.SSLContext, stall_timeout_s: float) -> list[bytes]:
+    """The bytes of each ``(start, length)`` range of ``url``, whose whole size must be ``total``.
+
+    Why: a cache hit under a URL other than the one the entry was fetched from is served only when
+    that URL answers for the entry's bytes (host/images/cache.py). Each range is one GET with
+    ``Range: bytes=a-b``, following redirects hop by hop through ``check_hop`` like a download. An
+    answer must be ``206`` with ``Content-Range: bytes a-b/total``; any other status is
+    ``fetch_failed`` (a 404 is what it is for a download too), a 206 naming another range or total
+    is returned as empty bytes (the caller's mismatch). A plain ``200`` raises
+    :class:`RangesRefused` before its body is read.
+    """
+    out = []
+    with httpx.Client(verify=verify, trust_env=True, follow_redirects=False,
+                      timeout=httpx.Timeout(stall_timeout_s, connect=min(CONNECT_TIMEOUT_S, stall_timeout_s)),
+                      headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}) as client:
+        for start, length in ranges:
+            out.append(_read_range(client, url, start, length, total, check_hop, stall_timeout_s))
+    return out
+
+
+def _read_range(client: httpx.Client, first: str, start: int, length: int, total: int,
+                check_hop: Callable[[str, str], None], stall_timeout_s: float) -> bytes:
+    url = first
+    headers = {"Range": f"bytes={start}-{start + length - 1}"}
+    for _ in range(MAX_REDIRECTS + 1):
+        check_hop(url, first)
+        try:
+            with client.stream("GET", url, headers=headers) as response:
+                location = response.headers.get("location")
+                if response.status_code in (301, 302, 303, 307, 308) and location:
+                    url = urljoin(url, location)
+                    continue
+                if response.status_code == 200:
+                    raise RangesRefused()
+                if response.status_code != 206:
+                    raise ImageCacheError(
+                        f"image server answered HTTP {response.status_code} {response.reason_phrase}",
+                        code="fetch_failed", evidence={"url": url, "http_status": response.status_code})
+                match = CONTENT_RANGE_RE.match(response.headers.get("content-range", ""))
+                if not match or (int(match.group(1)), int(match.group(2)), int(match.group(3))) != (
+                        start, start + length - 1, total):
+                    return b""
+                body = bytearray()
+                for chunk in response.iter_raw():
+                    body += chunk
+                    if len(body) > length:
+                        return b""
+                return bytes(body)
+        except httpx.TimeoutException as exc:
+            raise ImageCacheError(f"no answer from the image server for {stall_timeout_s:g}s",
+                                  code="fetch_stalled", evidence={"url": url, "stall_timeout_s": stall_timeout_s}) from exc
+        except httpx.TransportError as exc:
+            raise ImageCacheError(f"cannot reach the image server: {exc}", code="fetch_failed",
+                                  evidence={"url": url, "error": _error_chain(exc)}) from exc
+    raise ImageCacheError("too many redirects", code="fetch_failed", evidence={"url": first})
