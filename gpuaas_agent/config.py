@@ -13,6 +13,7 @@ import re
 import ssl
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
@@ -431,7 +432,7 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse_config(data: dict, *, source: str = "<config>") -> AgentConfig:
+def parse_config(data: dict[str, Any], *, source: str = "<config>") -> AgentConfig:
     try:
         return AgentConfig.model_validate(data)
     except ValidationError as exc:

@@ -30,7 +30,7 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from gpuaas_agent.compat import UTC
-from systemd import journal
+from systemd import journal  # type: ignore[attr-defined]  # systemd-python ships no type information
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"  # libsystemd's own, fixed path
 SYSLOG_IDENTIFIER = "gpuaas-agent"
