@@ -49,6 +49,8 @@ sys.path.insert(0, str(REPO))
 from bench.httpx_reader import HttpSource
 from bench.rate_server import RateServer, machine_cpu, native_missing
 from gpuaas_agent.host.images import cache as images
+from gpuaas_agent.host.images import curlstream
+from gpuaas_agent.host.images import stream as imagestream
 from gpuaas_agent.host.images.cache import ImageCache, SourcePolicy, StreamedMiss
 from gpuaas_agent.host.images.clone import clone_image
 from gpuaas_agent.host.images.curlstream import CurlSource
@@ -91,6 +93,47 @@ def _open_httpx(self, url, cancel=None, bound=None):
                           set_cancel=lambda event: setattr(source, "cancel", event), interrupt=source.interrupt)
 
 
+class _Breakdown:
+    """CPU-s per part of the stream, from ``time.thread_time`` around each call in its own thread (bench only:
+    ``stream.pump`` is wrapped, nothing in the agent changes): the reader's pipe reads, each sink, the children."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[float]] = {}
+        self.current: dict[str, float] = {}
+
+    def wrap(self, name: str, fn):
+        def timed(*a):
+            start = time.thread_time()
+            try:
+                return fn(*a)
+            finally:
+                self.current[name] = self.current.get(name, 0.0) + time.thread_time() - start
+        return timed
+
+    def install(self):
+        original = imagestream.pump
+        names = ("hash", "cache_write", "disk_write")
+
+        def pump(read_into, sinks, **kw):
+            sinks = [self.wrap(names[i] if i < len(names) else f"sink{i}", s) for i, s in enumerate(sinks)]
+            return original(self.wrap("pipe_read", read_into), sinks, **kw)
+
+        imagestream.pump = pump
+        return original
+
+    def end_run(self, children: float, total: float) -> None:
+        self.current["children (curl child, qemu-img probes)"] = children
+        self.current["rest (setup, threads, fsync, python)"] = total - sum(self.current.values())
+        for k, v in self.current.items():
+            self.parts.setdefault(k, []).append(v)
+        self.current = {}
+
+
+def _children_cpu() -> float:
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return kids.ru_utime + kids.ru_stime
+
+
 def _timed(fn, cpu: dict[str, list[float]], server: RateServer) -> float:
     """Wall seconds of ``fn``; appends its CPU-s to ``cpu``: ours (this process and its children), the
     server's, and the whole VM's (every process: neighbours included) and the VM's steal."""
@@ -115,6 +158,12 @@ def main() -> int:
     parser.add_argument("--diagnose", action="store_true", help="also time the reader alone and reader + hash")
     parser.add_argument("--compare-httpx", action="store_true", help="also time the stream read by httpx")
     parser.add_argument("--no-two-pass", action="store_true", help="skip the old fetch-then-clone timing")
+    parser.add_argument("--compare-pipe-mib", type=int, default=None,
+                        help="also time the stream with the curl pipe enlarged to this many MiB (root may exceed "
+                             "fs.pipe-max-size): more slack when the reader is scheduled late")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time a stream with each part's CPU-s measured in its thread (pipe reads, hash, "
+                             "cache and disk writes, children)")
     parser.add_argument("--server", choices=("nginx", "python"), default=None,
                         help="the HTTPS server: nginx in a netns paced by tbf (default when installed), or the "
                              "python one on 127.0.0.1 (the fallback); see bench/rate_server.py")
@@ -146,7 +195,7 @@ def main() -> int:
         context = ssl.create_default_context(cafile=str(cert))
         devices = RealDevices(tmp_path)
         samples: dict[str, list[float]] = {"curl": [], "dd": [], "stream": [], "stream_httpx": [], "read": [],
-                                           "read_hash": [], "two_pass": []}
+                                           "read_hash": [], "two_pass": [], "stream_pipe": [], "stream_parts": []}
         cpu: dict[str, dict[str, list[float]]] = {name: {"own": [], "server": [], "vm": [], "steal": []}
                                                   for name in samples}
         try:
@@ -187,6 +236,25 @@ def main() -> int:
                 finally:
                     ImageCache._open_http = original  # type: ignore[method-assign]
 
+            def stream_pipe() -> None:
+                original = curlstream.PIPE_BYTES
+                curlstream.PIPE_BYTES = args.compare_pipe_mib * MiB
+                try:
+                    stream()
+                finally:
+                    curlstream.PIPE_BYTES = original
+
+            breakdown = _Breakdown()
+
+            def stream_parts() -> None:
+                original = breakdown.install()
+                kids, total = _children_cpu(), _cpu()
+                try:
+                    stream()
+                finally:
+                    imagestream.pump = original
+                breakdown.end_run(_children_cpu() - kids, _cpu() - total)
+
             def read(hashing: bool) -> None:
                 source = CurlSource(url, check_hop=lambda hop, first: None, verify=context, stall_timeout_s=60).open()
                 buf, digest = memoryview(mmap.mmap(-1, STREAM_CHUNK_BYTES)), hashlib.sha256()
@@ -215,6 +283,10 @@ def main() -> int:
                 contenders["read_hash"] = lambda: read(True)
             if args.compare_httpx:
                 contenders["stream_httpx"] = stream_httpx
+            if args.breakdown:
+                contenders["stream_parts"] = stream_parts
+            if args.compare_pipe_mib:
+                contenders["stream_pipe"] = stream_pipe
             if not args.no_two_pass:
                 contenders["two_pass"] = two_pass
             for _ in range(args.runs):  # interleaved: a noisy neighbour slows every contender alike
@@ -244,6 +316,12 @@ def main() -> int:
     for name in ("read", "read_hash"):
         if name in med:
             print(f"ratio {name}/curl = {med[name] / med['curl']:.2f} (diagnosis: the reader alone / with the hash)")
+    if args.breakdown and breakdown.parts:
+        print("stream_parts: CPU-s per part (medians): " + ", ".join(
+            f"{k} {statistics.median(v):.2f}" for k, v in breakdown.parts.items()))
+    if "stream_pipe" in med:
+        print(f"ratio stream_pipe/max(curl, dd) = {med['stream_pipe'] / floor:.2f} (curl pipe "
+              f"{args.compare_pipe_mib} MiB, same run); stream_pipe/stream = {med['stream_pipe'] / med['stream']:.2f}")
     if "stream_httpx" in med:
         print(f"ratio stream_httpx/max(curl, dd) = {med['stream_httpx'] / floor:.2f} (httpx reader, same run)")
     if "two_pass" in med:
