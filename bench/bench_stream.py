@@ -100,14 +100,17 @@ class _Breakdown:
     def __init__(self) -> None:
         self.parts: dict[str, list[float]] = {}
         self.current: dict[str, float] = {}
+        self.waits: dict[str, float] = {}  # seconds runnable but not running (waiting for a CPU), per part
+        self.waited: dict[str, list[float]] = {}
 
     def wrap(self, name: str, fn):
         def timed(*a):
-            start = time.thread_time()
+            start, waited = time.thread_time(), _run_delay()
             try:
                 return fn(*a)
             finally:
                 self.current[name] = self.current.get(name, 0.0) + time.thread_time() - start
+                self.waits[name] = self.waits.get(name, 0.0) + _run_delay() - waited
         return timed
 
     def install(self):
@@ -126,7 +129,15 @@ class _Breakdown:
         self.current["rest (setup, threads, fsync, python)"] = total - sum(self.current.values())
         for k, v in self.current.items():
             self.parts.setdefault(k, []).append(v)
-        self.current = {}
+        for k, v in self.waits.items():
+            self.waited.setdefault(k, []).append(v)
+        self.current, self.waits = {}, {}
+
+
+def _run_delay() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (schedstat's run_delay)."""
+    with open("/proc/thread-self/schedstat") as fh:
+        return int(fh.read().split()[1]) / 1e9
 
 
 def _children_cpu() -> float:
@@ -319,6 +330,8 @@ def main() -> int:
     if args.breakdown and breakdown.parts:
         print("stream_parts: CPU-s per part (medians): " + ", ".join(
             f"{k} {statistics.median(v):.2f}" for k, v in breakdown.parts.items()))
+        print("stream_parts: seconds waiting for a CPU while in each part (medians): " + ", ".join(
+            f"{k} {statistics.median(v):.2f}" for k, v in breakdown.waited.items()))
     if "stream_pipe" in med:
         print(f"ratio stream_pipe/max(curl, dd) = {med['stream_pipe'] / floor:.2f} (curl pipe "
               f"{args.compare_pipe_mib} MiB, same run); stream_pipe/stream = {med['stream_pipe'] / med['stream']:.2f}")
