@@ -101,7 +101,7 @@ def native_missing() -> str | None:
     """Why the nginx server cannot run here, or None."""
     missing = [tool for tool in ("nginx", "ip", "tc") if shutil.which(tool) is None]
     if missing:
-        return f"{', '.join(missing)} not installed (apt-get install nginx-light iproute2)"
+        return f"{', '.join(missing)} not installed: apt-get install nginx-light iproute2"
     if os.geteuid() != 0:
         return "not root (netns, veth, tc)"
     return None
