@@ -56,7 +56,7 @@ from gpuaas_agent.host.images.clone import clone_image
 from gpuaas_agent.host.images.streamclone import stream_image
 from gpuaas_agent.host.network.dnsmasq import make_reservation
 from gpuaas_agent.host.network.egress_readiness import egress_target, wait_for_egress
-from gpuaas_agent.host.network.readiness import wait_for_guest
+from gpuaas_agent.host.network.readiness import stale_lease_expires, wait_for_guest
 from gpuaas_agent.host.storage.wipepolicy import resolve_handover
 from gpuaas_agent.host.vm.cloudinit import write_seed_iso
 from gpuaas_agent.logs import log_event
@@ -699,9 +699,12 @@ class Started:
 
 
 async def start(run: ProvisionRun, validated: Validated, defined: Defined) -> Started:
-    # The guards, the start, our port ids back, and the full isolation rules for the tap's ofport.
-    return Started(await guarded_start(run.drivers, defined.spec.start_target(), disk_lease=run.disk_lease(validated),
-                                       port=run.port, data_slots=validated.data_leases))
+    # The slot's DHCP lease before the guest exists (the last tenant's, until it expires): readiness waits for a
+    # newer one. Then the guards, the start, our port ids back, and the full isolation rules for the tap's ofport.
+    stale = stale_lease_expires(run.drivers.slice.dnsmasq_lease_file, run.slot.mac, run.slot.private_ip)
+    evidence = await guarded_start(run.drivers, defined.spec.start_target(), disk_lease=run.disk_lease(validated),
+                                   port=run.port, data_slots=validated.data_leases)
+    return Started({**evidence, "lease_before_start": {"expires": stale}})
 
 
 async def stop(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
@@ -712,7 +715,7 @@ async def stop(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
     return stopped.model_dump(mode="json")
 
 
-async def readiness(run: ProvisionRun) -> GuestReadiness:
+async def readiness(run: ProvisionRun, started: Started) -> GuestReadiness:
     loop = asyncio.get_running_loop()
 
     async def progress(event: str, fields: dict[str, Any]) -> None:
@@ -721,8 +724,9 @@ async def readiness(run: ProvisionRun) -> GuestReadiness:
     slot = run.slot
     timeout = run.payload.readiness_timeout_s or run.drivers.slice.readiness_timeout_s
     deadline = loop.time() + timeout
+    stale = started.evidence.get("lease_before_start", {}).get("expires")
     ready = await wait_for_guest(run.drivers.slice.dnsmasq_lease_file, slot.mac, slot.private_ip,
-                                 deadline=deadline, progress=progress)
+                                 deadline=deadline, progress=progress, stale_expires=stale)
     if (target := egress_target(run.profile, run.drivers.slice)) is None:
         return ready
     await progress("egress_wait", {"target": target.model_dump(mode="json")})
@@ -767,7 +771,7 @@ PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("start", start, stop, takes=("validate", "define")),
     StepDef("fabric_partition_check", check_fabric_partition,
             no_compensation="a read of Fabric Manager (and a restore of the leased list): nothing to undo"),
-    StepDef("readiness", readiness, no_compensation="a read of the lease file and an SSH banner: nothing to undo"),
+    StepDef("readiness", readiness, takes=("start",), no_compensation="a read of the lease file and an SSH banner: nothing to undo"),
 )
 
 

@@ -44,12 +44,35 @@ async def _emit(progress: Progress | None, event: str, fields: dict[str, Any]) -
             await result
 
 
+def is_fresh(status: LeaseStatus, stale_expires: int | None) -> bool:
+    """A bound lease the guest took after ``stale_expires`` was read (the slot's lease before its domain started).
+
+    A slot keeps its MAC and IP from tenant to tenant, and dnsmasq keeps a released guest's lease until it
+    expires: that lease says nothing of the new guest. A new DHCP exchange writes a later expiry (now + lease
+    time), so only a lease expiring after the old one counts. An infinite lease (0) cannot be told apart.
+    """
+    if status.lease_state != LeaseState.bound:
+        return False
+    if stale_expires is None or stale_expires == 0 or status.expires == 0:
+        return True
+    return status.expires is not None and status.expires > stale_expires
+
+
+def stale_lease_expires(lease_file: Path, mac: str, expected_ip: IPv4Address | str) -> int | None:
+    """Before a domain starts: the expiry of the bound lease the slot's MAC already holds (None: none)."""
+    status = lease_status(lease_file, mac, expected_ip)
+    return status.expires if status.lease_state == LeaseState.bound else None
+
+
 async def wait_for_lease(lease_file: Path, mac: str, expected_ip: IPv4Address | str, *, deadline: float,
-                         progress: Progress | None = None, poll_s: float = 0.5) -> LeaseStatus:
+                         progress: Progress | None = None, poll_s: float = 0.5,
+                         stale_expires: int | None = None) -> LeaseStatus:
     """Poll dnsmasq's lease file until ``mac`` holds ``expected_ip`` (``lease_state=bound``); return that status.
 
     ``deadline`` is loop time (see the module docstring). Progress ``lease_wait`` is emitted for the first
-    observation and on every change of state. Raises :class:`ReadinessTimeout` code ``lease_timeout``.
+    observation and on every change of state. ``stale_expires``: the expiry of the lease the MAC held before
+    the domain started (:func:`stale_lease_expires`); that lease, from the slot's last guest, is never taken
+    for this one (:func:`is_fresh`). Raises :class:`ReadinessTimeout` code ``lease_timeout``.
     """
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -58,16 +81,20 @@ async def wait_for_lease(lease_file: Path, mac: str, expected_ip: IPv4Address | 
         status = lease_status(lease_file, mac, expected_ip)  # a few hundred bytes: not worth a thread
         if status != last:
             last = status
-            await _emit(progress, "lease_wait", {"status": status.model_dump(mode="json")})
-        if status.lease_state == LeaseState.bound:
+            await _emit(progress, "lease_wait", {"status": status.model_dump(mode="json"),
+                                                 **({"stale_expires": stale_expires} if stale_expires else {})})
+        if is_fresh(status, stale_expires):
             return status
         remaining = deadline - loop.time()
         if remaining <= 0:
+            stale = status.lease_state == LeaseState.bound
             raise ReadinessTimeout(
-                f"{mac} did not hold {expected_ip} before the deadline (last seen: {status.lease_state.value})",
+                f"{mac} did not hold {expected_ip} before the deadline (last seen: "
+                f"{'the lease from before the domain started' if stale else status.lease_state.value})",
                 code="lease_timeout",
                 evidence={"missing": f"bound lease of {expected_ip} for {status.mac}", "lease_file": str(lease_file),
-                          "last_status": status.model_dump(mode="json"), "waited_s": round(loop.time() - started, 3)},
+                          "last_status": status.model_dump(mode="json"), "waited_s": round(loop.time() - started, 3),
+                          "stale_expires": stale_expires},
             )
         await asyncio.sleep(min(poll_s, remaining))
 
@@ -139,8 +166,10 @@ async def wait_for_ssh(ip: IPv4Address | str, port: int = 22, *, deadline: float
 
 
 async def wait_for_guest(lease_file: Path, mac: str, expected_ip: IPv4Address | str, *, deadline: float,
-                         ssh_port: int = 22, progress: Progress | None = None, poll_s: float = 0.5) -> GuestReadiness:
-    """Both waits in order under one deadline: the lease first, then SSH on the leased address."""
-    lease = await wait_for_lease(lease_file, mac, expected_ip, deadline=deadline, progress=progress, poll_s=poll_s)
+                         ssh_port: int = 22, progress: Progress | None = None, poll_s: float = 0.5,
+                         stale_expires: int | None = None) -> GuestReadiness:
+    """Both waits in order under one deadline: the lease first (a fresh one), then SSH on the leased address."""
+    lease = await wait_for_lease(lease_file, mac, expected_ip, deadline=deadline, progress=progress, poll_s=poll_s,
+                                 stale_expires=stale_expires)
     banner = await wait_for_ssh(expected_ip, ssh_port, deadline=deadline, progress=progress, poll_s=poll_s)
     return GuestReadiness(lease=lease, ssh_port=ssh_port, ssh_banner=banner)

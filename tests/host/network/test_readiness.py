@@ -9,7 +9,13 @@ import pytest
 
 from gpuaas_agent.contract.dhcp import LeaseState
 from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations, make_reservation
-from gpuaas_agent.host.network.readiness import ReadinessTimeout, wait_for_guest, wait_for_lease, wait_for_ssh
+from gpuaas_agent.host.network.readiness import (
+    ReadinessTimeout,
+    stale_lease_expires,
+    wait_for_guest,
+    wait_for_lease,
+    wait_for_ssh,
+)
 from tests.dnsmasq_fixture import DhcpLab, run_in_netns
 
 ALLOC = "1111aaaa-2222-4333-8444-555555555555"
@@ -44,6 +50,41 @@ async def _cancel_promptly(task: asyncio.Task, started: asyncio.Event) -> float:
 
 
 # -- lease -----------------------------------------------------------------------------------------------------
+
+
+def test_the_lease_the_slots_last_guest_left_is_never_taken_for_the_new_one(tmp_path):
+    """A slot keeps its MAC and IP from tenant to tenant and dnsmasq keeps a released guest's lease until it
+    expires: only a lease written after the domain started (a later expiry) counts."""
+    leases = tmp_path / "leases"
+    old = int(time.time()) + 600
+    leases.write_text(f"{old} {MAC} {IP} * *\n")
+    stale = stale_lease_expires(leases, MAC, IP)
+    assert stale == old
+
+    async def stale_only():
+        with pytest.raises(ReadinessTimeout) as exc:
+            await wait_for_lease(leases, MAC, IP, deadline=_deadline(0.3), poll_s=0.05, stale_expires=stale)
+        return exc.value
+
+    err = asyncio.run(stale_only())
+    assert err.code == "lease_timeout" and err.evidence["stale_expires"] == old
+    assert "from before the domain started" in err.message
+
+    async def renewed():
+        rec = Recorder()
+        waiter = asyncio.create_task(wait_for_lease(leases, MAC, IP, deadline=_deadline(30), poll_s=0.05,
+                                                    progress=rec, stale_expires=stale))
+        await asyncio.wait_for(rec.first.wait(), 10)  # it has read the stale lease ...
+        assert rec.events[0][1]["stale_expires"] == old
+        assert not waiter.done()  # ... and goes on waiting
+        leases.write_text(f"{old + 5} {MAC} {IP} * *\n")  # the new guest's DHCP exchange
+        return await asyncio.wait_for(waiter, 10)
+
+    status = asyncio.run(renewed())
+    assert status.lease_state is LeaseState.bound and status.expires == old + 5
+    # Without a lease before the start (a fresh slot) any bound lease counts, as before.
+    assert stale_lease_expires(tmp_path / "absent", MAC, IP) is None
+
 
 
 def test_lease_wait_times_out_naming_the_last_state_seen(tmp_path):
