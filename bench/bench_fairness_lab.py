@@ -141,7 +141,14 @@ def _memreport(directory: Path, probes: list[dict]) -> None:
     print("memory probe (idle before the hostile runs, then idle after each): RSS "
           + ", ".join(f"{r:.1f}" for r in rss) + " MiB; traced "
           + ", ".join("-" if t is None else f"{t / (1 << 20):.2f}" for t in traced) + " MiB; asyncio tasks "
-          + ", ".join(str(p["asyncio_tasks"]) for p in probes))
+          + ", ".join(str(p["asyncio_tasks"]) for p in probes) + "; threads "
+          + ", ".join(str(p.get("threads")) for p in probes))
+    if all(p.get("malloc") for p in probes):
+        print("  glibc heap in use / free: " + ", ".join(
+            f"{p['malloc']['in_use'] / (1 << 20):.1f}/{p['malloc']['free'] / (1 << 20):.1f}" for p in probes) + " MiB")
+    if all(p.get("rss_after_trim_bytes") for p in probes):
+        print("  RSS after malloc_trim(0): " + ", ".join(f"{p['rss_after_trim_bytes'] / (1 << 20):.1f}" for p in probes)
+              + " MiB")
     pairs = [("before -> after run 1", probes[0], probes[1])]
     if len(probes) > 2:
         pairs.append((f"after run 1 -> after run {len(probes) - 1}", probes[1], probes[-1]))
@@ -164,6 +171,8 @@ async def main() -> int:
     parser.add_argument("--hostile-runs", type=int, default=2, help="hostile runs one after the other (RSS after each)")
     parser.add_argument("--memprobe", type=Path, help="a new directory: probe the agent's heap (see above)")
     parser.add_argument("--memprobe-frames", type=int, default=25, help="PYTHONTRACEMALLOC frames; 0: types only")
+    parser.add_argument("--memprobe-trim", action="store_true", help="each probe also malloc_trim(0)s the agent "
+                        "and records the RSS after it (changes the RSS of the later probes)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="gpuaas-bench-fair-lab-", dir="/var/tmp"))
     if args.memprobe is not None:  # the lab's agent inherits this environment
@@ -171,6 +180,8 @@ async def main() -> int:
         os.environ[memprobe.ENV] = str(args.memprobe.resolve())
         if args.memprobe_frames:
             os.environ["PYTHONTRACEMALLOC"] = str(args.memprobe_frames)
+        if args.memprobe_trim:
+            os.environ[memprobe.TRIM_ENV] = "1"
     probes: list[dict] = []
     lab = Lab(LabSettings(workdir=workdir, slots=8, readiness_timeout_s=900, say=lambda line: None))
     try:
