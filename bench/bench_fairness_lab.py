@@ -146,9 +146,8 @@ def _memreport(directory: Path, probes: list[dict]) -> None:
     if all(p.get("malloc") for p in probes):
         print("  glibc heap in use / free: " + ", ".join(
             f"{p['malloc']['in_use'] / (1 << 20):.1f}/{p['malloc']['free'] / (1 << 20):.1f}" for p in probes) + " MiB")
-    if all(p.get("rss_after_trim_bytes") for p in probes):
-        print("  RSS after malloc_trim(0): " + ", ".join(f"{p['rss_after_trim_bytes'] / (1 << 20):.1f}" for p in probes)
-              + " MiB")
+    if probes[-1].get("rss_after_trim_bytes"):
+        print(f"  after the last run, RSS after malloc_trim(0): {probes[-1]['rss_after_trim_bytes'] / (1 << 20):.1f} MiB")
     pairs = [("before -> after run 1", probes[0], probes[1])]
     if len(probes) > 2:
         pairs.append((f"after run 1 -> after run {len(probes) - 1}", probes[1], probes[-1]))
@@ -171,8 +170,8 @@ async def main() -> int:
     parser.add_argument("--hostile-runs", type=int, default=2, help="hostile runs one after the other (RSS after each)")
     parser.add_argument("--memprobe", type=Path, help="a new directory: probe the agent's heap (see above)")
     parser.add_argument("--memprobe-frames", type=int, default=25, help="PYTHONTRACEMALLOC frames; 0: types only")
-    parser.add_argument("--memprobe-trim", action="store_true", help="each probe also malloc_trim(0)s the agent "
-                        "and records the RSS after it (changes the RSS of the later probes)")
+    parser.add_argument("--memprobe-trim", action="store_true", help="the last probe also malloc_trim(0)s the agent "
+                        "and records the RSS after it: what glibc keeps free vs what the heap needs")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="gpuaas-bench-fair-lab-", dir="/var/tmp"))
     if args.memprobe is not None:  # the lab's agent inherits this environment
@@ -180,8 +179,6 @@ async def main() -> int:
         os.environ[memprobe.ENV] = str(args.memprobe.resolve())
         if args.memprobe_frames:
             os.environ["PYTHONTRACEMALLOC"] = str(args.memprobe_frames)
-        if args.memprobe_trim:
-            os.environ[memprobe.TRIM_ENV] = "1"
     probes: list[dict] = []
     lab = Lab(LabSettings(workdir=workdir, slots=8, readiness_timeout_s=900, say=lambda line: None))
     try:
@@ -198,6 +195,8 @@ async def main() -> int:
         for _ in range(args.hostile_runs):
             claims, still, outcomes = await _hostile_run(lab, a_slots, b_slot, c_slot, args)
             after = await daemon_status(lab, lambda s: idle(s, subs), after=now(), timeout=300)
+            if args.memprobe is not None and args.memprobe_trim and len(runs) == args.hostile_runs - 1:
+                (args.memprobe / memprobe.TRIM_MARK).touch()
             probes.append(await _probe(lab, args.memprobe))
             hostile_claims += claims
             runs.append((still, outcomes, after))

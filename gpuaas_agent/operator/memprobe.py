@@ -27,7 +27,7 @@ from pathlib import Path
 from gpuaas_agent.operator.daemonstatus import own_rss_bytes
 
 ENV = "GPUAAS_AGENT_MEMPROBE_DIR"
-TRIM_ENV = "GPUAAS_AGENT_MEMPROBE_TRIM"  # also malloc_trim(0) after each probe and record the RSS after it
+TRIM_MARK = "trim"  # a file of that name in the directory: this probe also malloc_trim(0)s and records the RSS after
 
 
 def type_histogram() -> dict[str, int]:
@@ -89,7 +89,7 @@ def dump(directory: Path) -> Path:
         "rss_bytes": own_rss_bytes(), "asyncio_tasks": tasks, "threads": threading.active_count(),
         "traced_bytes": tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else None,
         "malloc": malloc_heap(), "types": type_histogram()}
-    if os.environ.get(TRIM_ENV):
+    if (directory / TRIM_MARK).exists():
         record["rss_after_trim_bytes"] = rss_after_trim()
     path = directory / f"{n}.json"
     tmp = path.with_suffix(".tmp")

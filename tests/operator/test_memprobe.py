@@ -46,7 +46,7 @@ async def _probed(tmp_path):
         tracemalloc.stop()
     first, second = (json.loads((directory / f"{n}.json").read_text()) for n in range(2))
     assert second["types"]["builtins.list"] >= 1 and first["rss_bytes"] > 0 and first["asyncio_tasks"] >= 1
-    assert first["threads"] >= 1 and "rss_after_trim_bytes" not in first  # trimming only when asked
+    assert first["threads"] >= 1 and "rss_after_trim_bytes" not in first  # trimming only when marked
     heap = memprobe.malloc_heap()
     assert heap is None or heap["in_use"] > 0  # glibc: what tracemalloc cannot see
     before, after = (tracemalloc.Snapshot.load(str(directory / f"{n}.tracemalloc")) for n in range(2))
