@@ -29,8 +29,8 @@ import asyncio
 import base64
 import json
 import os
-import signal
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -40,9 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gpuaas_agent.operator import memprobe
 from lab.harness import Lab, LabSettings
 from tests.support.hostile_load import Hostile, daemon_status, idle, now, timed
-from gpuaas_agent.operator import memprobe
 from tests.terminal_gateway import Gateway
 
 A_SLOTS, B_SLOT, C_SLOT = (1, 2), 3, 4
