@@ -77,6 +77,7 @@ from gpuaas_agent.host.devices.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
 from gpuaas_agent.host.vm.consolelog import sweep
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
+from gpuaas_agent.operator import memprobe
 from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import HealthSettings, isolation_check
 from gpuaas_agent.operator.health_fabric import fabric_probe
@@ -658,6 +659,7 @@ async def _run_with_signals(config: AgentConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    memprobe.install(loop)  # diagnostic, only with GPUAAS_AGENT_MEMPROBE_DIR set (docs/fairness.md)
     return await run_agent(config, stop)
 
 
