@@ -50,7 +50,9 @@ from pydantic import ValidationError
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
+from gpuaas_agent.contract.base import SCHEMA_VERSION_AUTH
 from gpuaas_agent.contract.enrollment import (
+    SCHEMA_VERSION_AUTH_PREFIX,
     CredsRenewReply,
     CredsRenewRequest,
     CredsRotation,
@@ -265,7 +267,8 @@ class ControlPlane:
             return EnrollReply(accepted=False, error="token_invalid", message="reply_public_key is not usable")
         issued.node_id, issued.machine_id = node_id, request.machine_id
         self.issued_credentials[node_id] = credentials
-        return EnrollReply(accepted=True, node_id=node_id, sealed_credentials=sealed)
+        version = SCHEMA_VERSION_AUTH if prefix is None else SCHEMA_VERSION_AUTH_PREFIX  # v2.1 names the prefix
+        return EnrollReply(schema_version=version, accepted=True, node_id=node_id, sealed_credentials=sealed)
 
     async def _on_enroll(self, msg: Msg) -> None:
         reply = self._answer(msg.data)

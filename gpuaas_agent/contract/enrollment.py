@@ -76,6 +76,11 @@ def js_api_prefix_problem(prefix: str) -> str | None:
     return None
 
 
+# v2.1: an enrollment reply whose sealed credentials may carry ``js_api_prefix``. Every v2 reply is a valid
+# v2.1 reply; the agent accepts both (a reply without the field leaves the prefix to the agent's config).
+SCHEMA_VERSION_AUTH_PREFIX: Final = "gpuaas.agent/v2.1"
+EnrollReplyVersion = Literal["gpuaas.agent/v2", "gpuaas.agent/v2.1"]
+
 EnrollRefusal = Literal["token_invalid", "token_expired", "token_reused", "host_mismatch", "nonce_invalid"]
 
 
@@ -194,7 +199,7 @@ class EnrollReply(WireModel):
     carries no secret and stays in clear.
     """
 
-    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
+    schema_version: EnrollReplyVersion = SCHEMA_VERSION_AUTH
     accepted: bool
     node_id: str | None = Field(default=None, pattern=NODE_ID_PATTERN)
     sealed_credentials: SealedCredentials | None = None
