@@ -24,6 +24,7 @@ from typing import Final, Literal
 
 from pydantic import Field, model_validator
 
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import SCHEMA_VERSION_AUTH, SchemaVersionAuth, WireModel
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 
@@ -55,7 +56,7 @@ JS_API_PREFIX_PATTERN = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+){0,7}$"
 JS_API_PREFIX_MAX = 64
 # Namespaces a prefix may not lie in: every node's own subjects, enrollment's, and reply inboxes. A prefix
 # there would send the node's JetStream requests (and their reply subjects) onto subjects others read.
-JS_API_PREFIX_RESERVED: Final = ("gpuaas.node", "gpuaas.enroll", "_INBOX")
+JS_API_PREFIX_RESERVED: Final = subjects.NOT_JS_API
 
 
 def js_api_prefix_problem(prefix: str) -> str | None:
