@@ -106,8 +106,9 @@ class EnrollmentRecord(WireModel):
 
     @model_validator(mode="after")
     def _js_api_prefix_is_plain(self) -> EnrollmentRecord:
-        problem = self.credentials.js_api_prefix and js_api_prefix_problem(self.credentials.js_api_prefix)
-        if problem:
+        prefix = self.credentials.js_api_prefix
+        problem = None if prefix is None else js_api_prefix_problem(prefix)
+        if problem is not None:
             raise ValueError(f"credentials.js_api_prefix {self.credentials.js_api_prefix!r}: {problem}")
         return self
 
@@ -239,8 +240,8 @@ def _open_reply(data: bytes, reply_key: X25519PrivateKey, request: EnrollRequest
                           code="enroll_reply_wrong_key",
                           evidence={**where, "jwt_subject": subject, "node_public_key": request.node_public_key})
     prefix = credentials.js_api_prefix
-    problem = prefix is not None and js_api_prefix_problem(prefix)
-    if problem:
+    problem = None if prefix is None else js_api_prefix_problem(prefix)
+    if problem is not None:
         # Where the node would send its JetStream requests: a wildcard or another node's subjects would have the
         # node publish (and the server answer) there. Refused whole: a reply with one bad field is not half-used.
         raise EnrollError(f"enrollment reply's js_api_prefix {prefix!r} is refused: {problem}; nothing stored, "

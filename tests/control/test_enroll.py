@@ -405,11 +405,12 @@ def test_an_enrollment_record_with_a_hostile_prefix_is_refused_on_load(tmp_path)
     doc = json.loads(record.model_dump_json())
     (tmp_path / "enrollment.json").write_text(json.dumps(doc))
     assert load_enrollment(tmp_path).credentials.js_api_prefix == "gpuaas.js.API"
-    doc["credentials"]["js_api_prefix"] = "$JS.API.>"
-    (tmp_path / "enrollment.json").write_text(json.dumps(doc))
-    with pytest.raises(EnrollError) as err:
-        load_enrollment(tmp_path)
-    assert err.value.code == "enrollment_record_invalid"
+    for hostile in ("$JS.API.>", "", "gpuaas.node.node-other"):
+        doc["credentials"]["js_api_prefix"] = hostile
+        (tmp_path / "enrollment.json").write_text(json.dumps(doc))
+        with pytest.raises(EnrollError) as err:
+            load_enrollment(tmp_path)
+        assert err.value.code == "enrollment_record_invalid"
 
 
 def test_an_old_reply_without_a_prefix_is_still_accepted_and_names_none(nats_server, tmp_path):
