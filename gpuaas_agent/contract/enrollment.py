@@ -142,7 +142,8 @@ class NatsCredentials(WireModel):
     # Where this node's login sends its JetStream API requests (the account-per-node layout: "gpuaas.js.API").
     # Optional (contract v2.1): a reply without it leaves the agent's config (default "$JS.API") in charge.
     # Checked by the agent with js_api_prefix_problem (typed refusal), not here: the model takes any short text.
-    js_api_prefix: str | None = Field(default=None, max_length=256)
+    # Left out when None, so a v2 plaintext (what the seal's test vector and a v2 agent expect) stays byte-identical.
+    js_api_prefix: str | None = Field(default=None, max_length=256, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _one_login(self) -> NatsCredentials:
