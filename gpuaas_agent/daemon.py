@@ -54,6 +54,7 @@ from gpuaas_agent.control.enroll import (
     EnrollmentRecord,
     creds_path,
     enroll,
+    js_api_prefix_in_use,
     load_enrollment,
     login_options,
 )
@@ -298,16 +299,20 @@ FATAL_CONNECT_CODES = frozenset({"plaintext_refused", "creds_insecure", "creds_i
 
 
 
-def worker_settings(config: AgentConfig) -> WorkerSettings:
+def worker_settings(config: AgentConfig, record: EnrollmentRecord | None = None) -> WorkerSettings:
     """The task worker's settings from the config; also what the control plane creates the node's consumer with
-    (``WorkerSettings.consumer_config``: ack_wait, how many tasks the agent may hold)."""
+    (``WorkerSettings.consumer_config``: ack_wait, how many tasks the agent may hold). The JetStream API prefix
+    is the config's when set there, else the one enrollment received (``js_api_prefix_in_use``)."""
+    js_api_prefix, source = js_api_prefix_in_use(config, record)
+    if record is not None:
+        _event("js_api_prefix_chosen", js_api_prefix=js_api_prefix, source=source)
     return WorkerSettings(concurrency=concurrency_for(config), keepalive_interval_s=config.keepalive_interval_s,
                           ack_wait_s=config.ack_wait_s, request_timeout_s=config.request_timeout_s,
                           max_task_deadline_s=config.max_task_deadline_s,
                           max_task_starts=config.max_task_starts, retry_backoff_s=config.task_retry_backoff_s,
                           fetch_timeout_s=config.pull_expiry_s, consumer_replicas=config.task_consumer_replicas,
                           consumer_memory=config.task_consumer_memory,
-                          fetch_heartbeat_s=config.pull_heartbeat_s, js_api_prefix=config.js_api_prefix)
+                          fetch_heartbeat_s=config.pull_heartbeat_s, js_api_prefix=js_api_prefix)
 
 async def connect(config: AgentConfig, record: EnrollmentRecord, stop: asyncio.Event,
                   *, rng: random.Random | None = None,
@@ -592,7 +597,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
     if reconcile is not None:
         reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
     await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
-    worker = TaskWorker(nc, state, record.node_id, handlers, worker_settings(config), observer=metrics)
+    worker = TaskWorker(nc, state, record.node_id, handlers, worker_settings(config, record), observer=metrics)
     if config.nats_creds_file is None and record.credentials.user_jwt is not None:
         # Enrolled with a key of its own: the control plane may order a rotation (control/rotation.py).
         await CredsRotator(nc, record.node_id, creds_path(config.state_dir),

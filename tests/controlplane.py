@@ -50,7 +50,9 @@ from pydantic import ValidationError
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
+from gpuaas_agent.contract.base import SCHEMA_VERSION_AUTH
 from gpuaas_agent.contract.enrollment import (
+    SCHEMA_VERSION_AUTH_PREFIX,
     CredsRenewReply,
     CredsRenewRequest,
     CredsRotation,
@@ -61,6 +63,7 @@ from gpuaas_agent.contract.enrollment import (
     NatsCredentials,
 )
 from gpuaas_agent.contract.tasks import Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
+from gpuaas_agent.control.accounts import NODE_JS_API_PREFIX
 from gpuaas_agent.control.nkeyseed import verify
 from gpuaas_agent.control.permissions import consumer_name, node_permissions
 from gpuaas_agent.control.rotation import renew_message
@@ -120,6 +123,10 @@ class ControlPlane:
         self._subs: list = []
         self.partitioned = False  # tasks go to whichever stream holds their subject
         self.system_nc: Client | None = None  # the system account's login (account-per-node: pushes accounts)
+        # The JetStream API prefix sealed into enrollment replies: the node account's import prefix in the
+        # account-per-node layout, none (the agent's config decides) in one account. A test sets it to what a
+        # hostile or broken plane would send.
+        self.reply_js_api_prefix: str | None = None
 
     @property
     def fleet(self) -> FleetOperator | None:
@@ -249,14 +256,19 @@ class ControlPlane:
         if self._clock() >= issued.expires_at:
             return EnrollReply(accepted=False, error="token_expired", message="bootstrap token expired")
         node_id = "node-" + hashlib.sha256(request.machine_id.encode()).hexdigest()[:12]
-        credentials = NatsCredentials(user_jwt=self.mint_jwt(node_id, request.node_public_key), servers=[self.url])
+        prefix = self.reply_js_api_prefix
+        if prefix is None and self.fleet is not None:
+            prefix = NODE_JS_API_PREFIX  # where the node's account imports the JetStream API (accounts.py)
+        credentials = NatsCredentials(user_jwt=self.mint_jwt(node_id, request.node_public_key), servers=[self.url],
+                                      js_api_prefix=prefix)
         try:
             sealed = seal_credentials(credentials, request, node_id)
         except ValueError:  # a low-order reply_public_key: nothing can be sealed to it; the token stays unused
             return EnrollReply(accepted=False, error="token_invalid", message="reply_public_key is not usable")
         issued.node_id, issued.machine_id = node_id, request.machine_id
         self.issued_credentials[node_id] = credentials
-        return EnrollReply(accepted=True, node_id=node_id, sealed_credentials=sealed)
+        version = SCHEMA_VERSION_AUTH if prefix is None else SCHEMA_VERSION_AUTH_PREFIX  # v2.1 names the prefix
+        return EnrollReply(schema_version=version, accepted=True, node_id=node_id, sealed_credentials=sealed)
 
     async def _on_enroll(self, msg: Msg) -> None:
         reply = self._answer(msg.data)

@@ -18,11 +18,13 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Final, Literal
 
 from pydantic import Field, model_validator
 
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.base import SCHEMA_VERSION_AUTH, SchemaVersionAuth, WireModel
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 
@@ -44,6 +46,41 @@ USER_NKEY_PATTERN = r"^U[A-Z2-7]{55}$"
 JWT_PATTERN = r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$"
 # 64 bytes of Ed25519 signature in unpadded base64url.
 ED25519_SIG_PATTERN = r"^[A-Za-z0-9_-]{85}[AQgw]$"
+
+# Where a node sends its JetStream API requests: "$JS.API" (its login shares the plane's account) or, in the
+# account-per-node layout, the local subject its account imports the API under (control/accounts.py).
+DEFAULT_JS_API_PREFIX: Final = "$JS.API"
+# A plain token list: 1..8 tokens of letters, digits, '_' and '-', at most 64 characters in all. No wildcard
+# ('*', '>'), no empty token, no '$' (the server's own namespaces) except the default above.
+JS_API_PREFIX_PATTERN = r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+){0,7}$"
+JS_API_PREFIX_MAX = 64
+# Namespaces a prefix may not lie in: every node's own subjects, enrollment's, and reply inboxes. A prefix
+# there would send the node's JetStream requests (and their reply subjects) onto subjects others read.
+JS_API_PREFIX_RESERVED: Final = subjects.NOT_JS_API
+
+
+def js_api_prefix_problem(prefix: str) -> str | None:
+    """Why ``prefix`` may not be a node's JetStream API prefix, or None when it may.
+
+    The prefix arrives from the control plane (the enrollment reply) and is treated as
+    attacker-written: it must be the default ``$JS.API`` or a plain token list outside the
+    reserved namespaces.
+    """
+    if prefix == DEFAULT_JS_API_PREFIX:
+        return None
+    if len(prefix) > JS_API_PREFIX_MAX or re.fullmatch(JS_API_PREFIX_PATTERN, prefix) is None:
+        return (f"not a plain subject prefix (1 to 8 tokens of A-Z a-z 0-9 _ -, at most {JS_API_PREFIX_MAX} "
+                "characters, no wildcard, no empty token, no '$' but $JS.API)")
+    for reserved in JS_API_PREFIX_RESERVED:
+        if prefix == reserved or prefix.startswith(reserved + "."):
+            return f"lies in {reserved}.>, subjects that are not the JetStream API's"
+    return None
+
+
+# v2.1: an enrollment reply whose sealed credentials may carry ``js_api_prefix``. Every v2 reply is a valid
+# v2.1 reply; the agent accepts both (a reply without the field leaves the prefix to the agent's config).
+SCHEMA_VERSION_AUTH_PREFIX: Final = "gpuaas.agent/v2.1"
+EnrollReplyVersion = Literal["gpuaas.agent/v2", "gpuaas.agent/v2.1"]
 
 EnrollRefusal = Literal["token_invalid", "token_expired", "token_reused", "host_mismatch", "nonce_invalid"]
 
@@ -102,6 +139,11 @@ class NatsCredentials(WireModel):
     password: str | None = Field(default=None, min_length=1, repr=False)
     user_jwt: str | None = Field(default=None, min_length=1, max_length=16384, pattern=JWT_PATTERN)
     servers: list[str] = Field(min_length=1)
+    # Where this node's login sends its JetStream API requests (the account-per-node layout: "gpuaas.js.API").
+    # Optional (contract v2.1): a reply without it leaves the agent's config (default "$JS.API") in charge.
+    # Checked by the agent with js_api_prefix_problem (typed refusal), not here: the model takes any short text.
+    # Left out when None, so a v2 plaintext (what the seal's test vector and a v2 agent expect) stays byte-identical.
+    js_api_prefix: str | None = Field(default=None, max_length=256, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _one_login(self) -> NatsCredentials:
@@ -159,7 +201,7 @@ class EnrollReply(WireModel):
     carries no secret and stays in clear.
     """
 
-    schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
+    schema_version: EnrollReplyVersion = SCHEMA_VERSION_AUTH
     accepted: bool
     node_id: str | None = Field(default=None, pattern=NODE_ID_PATTERN)
     sealed_credentials: SealedCredentials | None = None

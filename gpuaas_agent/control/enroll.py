@@ -37,7 +37,7 @@ import nats.errors
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpuaas_agent.atomicfile import write_atomic
 from gpuaas_agent.compat import UTC
@@ -50,6 +50,7 @@ from gpuaas_agent.contract.enrollment import (
     EnrollReply,
     EnrollRequest,
     NatsCredentials,
+    js_api_prefix_problem,
 )
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.control.connection import connect_nats, safe_url
@@ -102,6 +103,14 @@ class EnrollmentRecord(WireModel):
     node_id: str = Field(pattern=NODE_ID_PATTERN)
     credentials: NatsCredentials  # the servers and the user JWT (public); the seed is in nats.creds only
     enrolled_at: datetime
+
+    @model_validator(mode="after")
+    def _js_api_prefix_is_plain(self) -> EnrollmentRecord:
+        prefix = self.credentials.js_api_prefix
+        problem = None if prefix is None else js_api_prefix_problem(prefix)
+        if problem is not None:
+            raise ValueError(f"credentials.js_api_prefix {self.credentials.js_api_prefix!r}: {problem}")
+        return self
 
 
 def record_path(state_dir: str | Path) -> Path:
@@ -230,6 +239,14 @@ def _open_reply(data: bytes, reply_key: X25519PrivateKey, request: EnrollRequest
         raise EnrollError("enrollment reply's user JWT is not for this node's public key; refused, nothing stored",
                           code="enroll_reply_wrong_key",
                           evidence={**where, "jwt_subject": subject, "node_public_key": request.node_public_key})
+    prefix = credentials.js_api_prefix
+    problem = None if prefix is None else js_api_prefix_problem(prefix)
+    if problem is not None:
+        # Where the node would send its JetStream requests: a wildcard or another node's subjects would have the
+        # node publish (and the server answer) there. Refused whole: a reply with one bad field is not half-used.
+        raise EnrollError(f"enrollment reply's js_api_prefix {prefix!r} is refused: {problem}; nothing stored, "
+                          "the token was kept: check the control plane's account layout",
+                          code="enroll_reply_bad_js_prefix", evidence={**where, "js_api_prefix": prefix})
     return credentials, reply.node_id
 
 
@@ -320,6 +337,20 @@ async def enroll(
         log_event(log, "token_remove_failed", logging.WARNING, token_file=str(token_file), error=exc.strerror)
     log_event(log, "enrolled", node_id=record.node_id, node_public_key=public_key(seed))
     return record
+
+
+def js_api_prefix_in_use(config: AgentConfig, record: EnrollmentRecord | None) -> tuple[str, str]:
+    """``(prefix, source)``: where the node sends its JetStream API requests, and why there.
+
+    A prefix set in the config wins (``source`` "config"); else the one the control plane sent at
+    enrollment ("enrollment": the account-per-node layout needs no per-host setting); else the
+    config's default ``$JS.API`` ("default").
+    """
+    if "js_api_prefix" in config.model_fields_set:
+        return config.js_api_prefix, "config"
+    if record is not None and record.credentials.js_api_prefix is not None:
+        return record.credentials.js_api_prefix, "enrollment"
+    return config.js_api_prefix, "default"
 
 
 def node_inbox_prefix(node_id: str) -> str:

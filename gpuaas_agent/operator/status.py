@@ -35,7 +35,7 @@ from gpuaas_agent.contract.fleet import DrainReport, MaintenanceState, Quarantin
 from gpuaas_agent.contract.naming import domain_name
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
-from gpuaas_agent.control.enroll import load_enrollment
+from gpuaas_agent.control.enroll import js_api_prefix_in_use, load_enrollment
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations
 from gpuaas_agent.host.vm.consolelog import log_path as console_log_path
@@ -81,6 +81,7 @@ class StatusReport(WireModel):
     verdict: str  # healthy | degraded | broken
     reasons: list[str] = Field(default_factory=list)
     node_id: str | None = None
+    js_api_prefix: str | None = None  # "<prefix> (config|enrollment|default)": where JetStream requests go
     agent_version: str = __version__
     daemon: DaemonStatus | None = None
     daemon_running: bool = False
@@ -234,10 +235,11 @@ def collect(config: AgentConfig, *, run_checks: bool = True, now: float | None =
     now = time.time() if now is None else now
     reasons: list[str] = []
     broken = False
-    node_id = None
+    node_id = js_api_prefix = None
     try:
         record = load_enrollment(config.state_dir)
         node_id = record.node_id if record else None
+        js_api_prefix = "{} ({})".format(*js_api_prefix_in_use(config, record))
         if record is None:
             broken = True
             reasons.append(f"not enrolled: no enrollment record in {config.state_dir}")
@@ -324,7 +326,7 @@ def collect(config: AgentConfig, *, run_checks: bool = True, now: float | None =
     else:
         verdict = "healthy"
     return StatusReport(
-        verdict=verdict, reasons=reasons, node_id=node_id, daemon=daemon, daemon_running=running,
+        verdict=verdict, reasons=reasons, node_id=node_id, js_api_prefix=js_api_prefix, daemon=daemon, daemon_running=running,
         nats_state=daemon.nats_state if daemon else None,
         last_heartbeat_at=daemon.last_heartbeat_at if daemon else None,
         slots=[slots[i] for i in sorted(slots)], in_flight=list(daemon.in_flight) if daemon and running else [],
@@ -359,6 +361,7 @@ def render(report: StatusReport) -> str:
                          f"{r.subscriptions} NATS subscription(s); rss {rss}")
     else:
         lines.append("daemon   no status file")
+    lines.append(f"js api   {report.js_api_prefix or '-'}")
     lines.append(f"libvirt  {report.libvirt or '-'}")
     lines.append(f"console  logs in {report.console_log_dir or '-'} (slice.console_log reads them)")
     m = report.maintenance

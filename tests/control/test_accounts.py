@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
+import sys
 import urllib.request
 from dataclasses import replace
 
@@ -27,19 +29,31 @@ import nats
 import pytest
 from nats.js.api import RetentionPolicy, StreamConfig
 
-from gpuaas_agent.config import parse_config
+from gpuaas_agent.config import load_config, parse_config
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control import accounts
 from gpuaas_agent.control.connection import Backoff, connect_nats
-from gpuaas_agent.control.enroll import creds_path, enroll, login_options, node_inbox_prefix
+from gpuaas_agent.control.enroll import (
+    EnrollError,
+    creds_path,
+    enroll,
+    js_api_prefix_in_use,
+    load_enrollment,
+    login_options,
+    node_inbox_prefix,
+)
 from gpuaas_agent.control.permissions import consumer_name
 from gpuaas_agent.control.rotation import CredsRotator
 from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
 from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.daemon import worker_settings
+from gpuaas_agent.host.run import run
+from gpuaas_agent.operator.status import collect, render
 from gpuaas_agent.state.store import StateStore
 from tests.controlplane import TASK_STREAM, ControlPlane
 from tests.natsauth.fleet import FleetOperator
+from tests.support.agent_process import FIXTURE, AgentProcess, agent_env
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.enroll_identity import IDENTITY
 from tests.support.nats_server import NatsServer
@@ -395,3 +409,99 @@ def test_a_node_whose_consumer_moves_to_another_stream_gets_its_account_reissued
         run_bounded(body(), 60)
     finally:
         lab.server.stop()
+
+
+# -- a host installed by cloud-init: no per-host JetStream setting ---------------------------------------------
+
+
+def _cloud_init_config(lab, tmp_path, token) -> dict:
+    """What a fresh host's config holds (deploy's cloud-init): the server, the token, the bootstrap login.
+    No ``js_api_prefix``: the enrollment reply says where this node's account imports the JetStream API."""
+    return {"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE), "nats_url": lab.server.url,
+            "insecure": True, "token_file": str(token),
+            "nats_enroll_creds_file": str(lab.creds_file("boot-daemon", lab.operator.bootstrap_user())),
+            "heartbeat_interval_s": 0.5, "keepalive_interval_s": 0.5, "ack_wait_s": 2, "shutdown_grace_s": 30,
+            "health_interval_s": 0.5, "metrics_listen": "", "slice": {"libvirt_uri": "test:///default"}}
+
+
+def test_a_daemon_installed_by_cloud_init_enrolls_into_its_account_and_runs_a_task(lab, tmp_path, agents):
+    """The real agent process: ``gpuaas-agent enroll`` with a bootstrap token (as the unit's ExecStartPre), then
+    ``gpuaas-agent run``, with a config that does not name the JetStream API prefix. The plane's sealed reply
+    carries it; the daemon logs in to its own account, finds its consumer under that prefix, claims a task and
+    publishes its result; ``gpuaas-agent status`` says the prefix came from enrollment."""
+    token = tmp_path / "token"
+    config_path = tmp_path / "agent.json"
+    config_path.write_text(json.dumps(_cloud_init_config(lab, tmp_path, token)))
+    config = load_config(config_path)
+    assert "js_api_prefix" not in config.model_fields_set
+
+    async def body():
+        plane = await lab.plane()
+        plane.consumer_settings = worker_settings(config)  # what this agent's consumer is created with
+        await plane.serve_enrollment()
+        try:
+            token.write_text(plane.issue_token())
+            enrolled = await run([sys.executable, "-m", "gpuaas_agent", "enroll", "--config", str(config_path)],
+                                 timeout=60, check=False)
+            assert enrolled.returncode == 0, enrolled.stderr.decode()
+            record = load_enrollment(config.state_dir)
+            assert record is not None and record.credentials.js_api_prefix == PREFIX
+            assert js_api_prefix_in_use(config, record) == (PREFIX, "enrollment")
+            node_id = record.node_id
+            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config_path)],
+                                 agent_env(), tmp_path / "agent.log")
+            agents.append(agent.start())
+            account = lab.operator.nodes[node_id].public
+            await wait_until(lambda: any(c.get("account") == account for c in lab.connz()), DEADLINE_S,
+                             "the daemon logged in to its own account")
+            envelope = plane.envelope(node_id, TaskType.topology_discover.value)
+            await plane.enqueue(envelope)
+            result = await plane.wait_result(envelope.task_id, timeout=45)
+            assert result.status == ResultStatus.succeeded and result.node_id == node_id
+            assert [r.task_id for r in await plane.stored_results(node_id)] == [envelope.task_id]
+            chosen = [e for e in agent.log_events() if e.get("event") == "js_api_prefix_chosen"]
+            assert chosen and chosen[-1]["js_api_prefix"] == PREFIX and chosen[-1]["source"] == "enrollment"
+            agent.signal(signal.SIGTERM)
+            assert await agent.wait() == 0
+            shown = render(collect(config, run_checks=False))
+            assert f"js api   {PREFIX} (enrollment)" in shown.splitlines()
+        finally:
+            await plane.close()
+    run_bounded(body(), 150)
+
+
+HOSTILE_PREFIXES = ["$JS.API.>", "$JS.>", ">", "gpuaas.js.*", f"gpuaas.node.{A}.x", f"gpuaas.node.{B}",
+                    "gpuaas.node", "gpuaas.enroll.x", "_INBOX.node-acctb", "gpuaas..js", ".gpuaas", "gpuaas.",
+                    "", "gpuaas js", "$SYS.REQ", "$JS.ACK"]
+
+
+def test_an_enrollment_reply_naming_a_hostile_prefix_is_refused_and_changes_nothing(lab, tmp_path):
+    """The prefix is attacker-written: a wildcard, an empty token, a '$' namespace, another node's subjects,
+    enrollment's or an inbox is refused (``enroll_reply_bad_js_prefix``); no record, no creds, the token kept."""
+    async def body():
+        plane = await lab.plane()
+        await plane.serve_enrollment()
+        boot = lab.creds_file("boot-hostile", lab.operator.bootstrap_user())
+        refused = {}
+        try:
+            for prefix in HOSTILE_PREFIXES:
+                plane.reply_js_api_prefix = prefix
+                state, token = tmp_path / "state", tmp_path / "token"
+                token.write_text(plane.issue_token())
+                with pytest.raises(EnrollError) as caught:
+                    await enroll(lab.server.url, token, state, IDENTITY, timeout=DEADLINE_S,
+                                 security=TransportSecurity(insecure=True, creds_file=boot))
+                refused[prefix] = caught.value.code
+                assert caught.value.evidence["js_api_prefix"] == prefix
+                assert not (state / "enrollment.json").exists() and not creds_path(state).exists()
+                assert token.exists()  # kept: nothing was used
+            plane.reply_js_api_prefix = PREFIX  # the same plane, a sound prefix: enrolled
+            token.write_text(plane.issue_token())
+            record = await enroll(lab.server.url, token, state, IDENTITY, timeout=DEADLINE_S,
+                                  security=TransportSecurity(insecure=True, creds_file=boot))
+            assert record.credentials.js_api_prefix == PREFIX and not token.exists()
+        finally:
+            await plane.close()
+        return refused
+    refused = run_bounded(body(), 120)
+    assert refused == dict.fromkeys(HOSTILE_PREFIXES, "enroll_reply_bad_js_prefix")

@@ -21,13 +21,22 @@ from datetime import UTC, datetime
 import nats
 import pytest
 
-from gpuaas_agent.contract.enrollment import EnrollNonce, EnrollReply, EnrollRequest, NatsCredentials
+from gpuaas_agent.config import parse_config
+from gpuaas_agent.contract.enrollment import (
+    EnrollNonce,
+    EnrollReply,
+    EnrollRequest,
+    NatsCredentials,
+    js_api_prefix_problem,
+)
 from gpuaas_agent.control.enroll import (
     ENROLL_SUBJECT,
     NONCE_SUBJECT,
     EnrollError,
+    EnrollmentRecord,
     creds_path,
     enroll,
+    js_api_prefix_in_use,
     load_enrollment,
     record_path,
 )
@@ -358,3 +367,65 @@ def test_a_recorded_request_replayed_is_refused_and_a_re_pointed_one_fails_its_p
     assert (replayed.accepted, replayed.error) == (False, "nonce_invalid")
     assert (re_pointed.accepted, re_pointed.error) == (False, "token_invalid")
     assert len(plane.issued_credentials) == 1  # only the genuine enrollment earned a JWT
+
+
+# -- the JetStream API prefix an enrollment reply may carry --------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix", ["$JS.API", "gpuaas.js.API", "js", "site-1.js_api.API"])
+def test_a_plain_js_api_prefix_is_accepted(prefix):
+    assert js_api_prefix_problem(prefix) is None
+
+
+@pytest.mark.parametrize("prefix", ["", ".", "a..b", ".a", "a.", "$JS.API.>", "$JS.>", "*", ">", "a.*.b", "a b",
+                                    "$SYS.REQ", "$JS.ACK", "$JS", "gpuaas.node", "gpuaas.node.node-x.task",
+                                    "gpuaas.enroll", "gpuaas.enroll.nonce", "_INBOX", "_INBOX.node-x",
+                                    "a.b.c.d.e.f.g.h.i", "x" * 65, "a\tb", "ä"])
+def test_a_js_api_prefix_that_is_not_a_plain_prefix_or_names_node_subjects_is_refused(prefix):
+    assert js_api_prefix_problem(prefix) is not None
+
+
+def _record(prefix: str | None, tmp_path) -> EnrollmentRecord:
+    creds = NatsCredentials(user="u", password="p", servers=["nats://127.0.0.1:4222"], js_api_prefix=prefix)
+    return EnrollmentRecord.model_construct(node_id="node-abc", credentials=creds, enrolled_at=datetime.now(UTC))
+
+
+def test_the_prefix_in_use_is_the_configs_then_enrollments_then_the_default(tmp_path):
+    from_enrollment = _record("gpuaas.js.API", tmp_path)
+    assert js_api_prefix_in_use(parse_config({}), None) == ("$JS.API", "default")
+    assert js_api_prefix_in_use(parse_config({}), _record(None, tmp_path)) == ("$JS.API", "default")
+    assert js_api_prefix_in_use(parse_config({}), from_enrollment) == ("gpuaas.js.API", "enrollment")
+    # Set in the config, even to the default: the operator's word wins over the reply's.
+    assert js_api_prefix_in_use(parse_config({"js_api_prefix": "$JS.API"}), from_enrollment) == ("$JS.API", "config")
+
+
+def test_an_enrollment_record_with_a_hostile_prefix_is_refused_on_load(tmp_path):
+    """enrollment.json is written by the agent from a checked reply; one edited to a wildcard is damaged."""
+    record = _record("gpuaas.js.API", tmp_path)
+    doc = json.loads(record.model_dump_json())
+    (tmp_path / "enrollment.json").write_text(json.dumps(doc))
+    assert load_enrollment(tmp_path).credentials.js_api_prefix == "gpuaas.js.API"
+    for hostile in ("$JS.API.>", "", "gpuaas.node.node-other"):
+        doc["credentials"]["js_api_prefix"] = hostile
+        (tmp_path / "enrollment.json").write_text(json.dumps(doc))
+        with pytest.raises(EnrollError) as err:
+            load_enrollment(tmp_path)
+        assert err.value.code == "enrollment_record_invalid"
+
+
+def test_an_old_reply_without_a_prefix_is_still_accepted_and_names_none(nats_server, tmp_path):
+    """A v2 control plane (one account) sends no js_api_prefix: enrolled as before, the config decides."""
+    async def body():
+        plane = await ControlPlane.connect(nats_server.url)
+        await plane.serve_enrollment()
+        try:
+            token = tmp_path / "token"
+            token.write_text(plane.issue_token())
+            return await enroll(nats_server.url, token, tmp_path / "state", IDENTITY, timeout=5,
+                                security=TransportSecurity(insecure=True))
+        finally:
+            await plane.close()
+    record = _run(body())
+    assert record.credentials.js_api_prefix is None
+    raw = json.loads((tmp_path / "state" / "enrollment.json").read_text())
+    assert raw["credentials"].get("js_api_prefix") is None
