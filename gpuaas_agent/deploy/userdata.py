@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Annotated, Any, cast
 
 import yaml
-from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, model_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from gpuaas_agent.config import ConfigError, parse_config
 from gpuaas_agent.contract.base import WireModel
@@ -41,12 +41,14 @@ SLICE_PROFILE_TAG = "gpuaas-profile-slice-vm"
 BOOTSTRAP_DIR = Path("/run/gpuaas-agent-bootstrap")
 STATE_DIR = Path("/var/lib/gpuaas-agent")
 TOKEN_PATH = STATE_DIR / "bootstrap-token"
+BOOTSTRAP_CREDS_PATH = STATE_DIR / "bootstrap.creds"  # the shared enrollment login (operator-mode servers)
 CONFIG_PATH = Path("/etc/gpuaas-agent/agent.toml")
 DEB_PATH = Path("/var/cache/gpuaas-agent/gpuaas-agent.deb")
 AGENT = "/usr/bin/gpuaas-agent"
 STEP_PATH = BOOTSTRAP_DIR / "step"
 FAILED_PATH = BOOTSTRAP_DIR / "failed"
 LOG_TAG = "gpuaas-bootstrap"
+CREDS_MARKERS = ("-----BEGIN NATS USER JWT-----", "-----BEGIN USER NKEY SEED-----")
 
 # Constant text (nothing of the inputs is interpolated): data reaches it only as argv of a runcmd entry.
 STEP_SCRIPT = f"""#!/bin/sh
@@ -105,6 +107,20 @@ class UserDataInputs(WireModel):
     # PEM of the CA(s) that sign the https image sources (default: the system store): written to
     # /etc/gpuaas-agent/image-ca.pem, which becomes slice.image_ca_bundle.
     image_ca_pem: str | None = None
+    # The bootstrap account's shared login (.creds: allowed only to enroll): a server in operator mode (the
+    # account-per-node layout, docs/security-auth.md) has no anonymous users. Written 0600 and named in agent.toml
+    # as nats_enroll_creds_file. The same for every host; it can enroll, nothing else.
+    bootstrap_creds: SecretStr | None = None
+
+    @field_validator("bootstrap_creds")
+    @classmethod
+    def _creds_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            text = value.get_secret_value()
+            missing = [m for m in CREDS_MARKERS if m not in text]
+            if missing:
+                raise ValueError(f"not a NATS .creds file (no {missing[0]!r} block)")
+        return value
 
     @model_validator(mode="after")
     def _plaintext_needs_insecure(self) -> UserDataInputs:
@@ -170,6 +186,8 @@ def agent_toml(inputs: UserDataInputs) -> str:
     """The site part of agent.toml; checked by the agent's own config parser before it is shipped."""
     check_inputs(inputs)
     values: dict[str, Any] = {"nats_url": inputs.nats_url, "token_file": str(TOKEN_PATH)}
+    if inputs.bootstrap_creds is not None:
+        values["nats_enroll_creds_file"] = str(BOOTSTRAP_CREDS_PATH)
     if inputs.insecure:
         values["insecure"] = True
     table = slice_table(inputs.slice, ca_pem=inputs.image_ca_pem)
@@ -225,6 +243,14 @@ def steps(inputs: UserDataInputs) -> list[tuple[str, list[str]]]:
         ("install-token", ["install", "-m", "0600", "-o", "root", "-g", "root", str(BOOTSTRAP_DIR / "bootstrap-token"),
                            str(TOKEN_PATH)]),
         ("remove-staged-token", ["rm", "-f", str(BOOTSTRAP_DIR / "bootstrap-token")]),
+    ]
+    if inputs.bootstrap_creds is not None:
+        cmds += [
+            ("install-bootstrap-creds", ["install", "-m", "0600", "-o", "root", "-g", "root",
+                                         str(BOOTSTRAP_DIR / "bootstrap.creds"), str(BOOTSTRAP_CREDS_PATH)]),
+            ("remove-staged-bootstrap-creds", ["rm", "-f", str(BOOTSTRAP_DIR / "bootstrap.creds")]),
+        ]
+    cmds += [
         # Again with the site config just installed (postinst ran with the packaged default).
         ("prepare-host", [AGENT, "prepare-host", "--config", str(CONFIG_PATH)]),
     ]
@@ -255,6 +281,9 @@ def render_userdata(inputs: UserDataInputs) -> str:
         {"path": str(BOOTSTRAP_DIR / "package.sha256"), "owner": "root:root", "permissions": "0600",
          "content": f"{inputs.package_sha256}  {DEB_PATH}\n"},
     ]
+    if inputs.bootstrap_creds is not None:
+        files.append({"path": str(BOOTSTRAP_DIR / "bootstrap.creds"), "owner": "root:root", "permissions": "0600",
+                      "content": inputs.bootstrap_creds.get_secret_value().rstrip("\n") + "\n"})
     if inputs.image_ca_pem is not None:
         files.append({"path": str(BOOTSTRAP_DIR / "image-ca.pem"), "owner": "root:root", "permissions": "0644",
                       "content": inputs.image_ca_pem.rstrip("\n") + "\n"})

@@ -13,6 +13,7 @@ import yaml
 
 from gpuaas_agent.compat import tomllib
 from gpuaas_agent.config import parse_config
+from gpuaas_agent.control.transport import creds_text
 from gpuaas_agent.deploy.userdata import (
     SLICE_PROFILE_TAG,
     STEP_PATH,
@@ -168,3 +169,24 @@ def test_the_first_failed_step_stops_every_later_one_in_cloud_inits_runcmd_scrip
     assert done.returncode == 1 and not marker.exists()
     assert (boot / "failed").read_text() == "step verify-package failed (exit 3): pkg.deb: FAILED \n"
     assert "gpuaas-bootstrap: step install-package not run: an earlier step failed" in done.stderr
+
+
+def test_the_bootstrap_login_is_written_0600_named_in_the_config_and_never_in_a_command():
+    """An operator-mode server (an account per node) has no anonymous users: enroll needs the shared login."""
+    creds = creds_text("eyJhbGciOiJlZDI1NTE5LW5rZXkifQ.e30.c2ln", "SUAEXAMPLESEEDNOTAREALONE")
+    doc = yaml.safe_load(render_userdata(_inputs(bootstrap_creds=creds)))
+    staged = next(f for f in doc["write_files"] if f["path"].endswith("bootstrap.creds"))
+    assert staged["permissions"] == "0600" and staged["content"] == creds.rstrip("\n") + "\n"
+    cmds = [c[3:] for c in doc["runcmd"]]
+    installed = cmds.index(["install", "-m", "0600", "-o", "root", "-g", "root", staged["path"],
+                            "/var/lib/gpuaas-agent/bootstrap.creds"])
+    enroll = next(i for i, c in enumerate(cmds) if c[1:2] == ["enroll"])
+    assert installed < enroll and ["rm", "-f", staged["path"]] in cmds
+    assert not any("SUAEXAMPLE" in " ".join(c) for c in cmds)  # the seed is a file's content, never argv
+    config = parse_config(tomllib.loads(next(f for f in doc["write_files"] if f["path"].endswith("agent.toml"))["content"]))
+    assert str(config.nats_enroll_creds_file) == "/var/lib/gpuaas-agent/bootstrap.creds"
+    # Without the input nothing of it is written (a server that lets enrollment in without a login).
+    plain = yaml.safe_load(render_userdata(_inputs()))
+    assert not any(f["path"].endswith("bootstrap.creds") for f in plain["write_files"])
+    with pytest.raises(ValueError, match="not a NATS .creds file"):
+        _inputs(bootstrap_creds="just a password")
