@@ -44,7 +44,7 @@ from datetime import datetime, timedelta
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import Header, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
@@ -327,12 +327,19 @@ class ControlPlane:
         # The order crosses into the node's account by a stream import, which carries no way back: the reply
         # names a subject the node's account imports as a service from ours.
         reply = subjects.creds_reply(node_id, secrets.token_hex(8))
-        sub = await self.nc.subscribe(reply, max_msgs=1)
+        sub = await self.nc.subscribe(reply)
+        deadline = time.monotonic() + timeout
         try:
-            await self.nc.publish(subjects.creds(node_id), order, reply=reply)
-            msg = await sub.next_msg(timeout=timeout)
-            if not msg.data:
-                raise RuntimeError(f"empty answer to the rotation order: headers {msg.headers}")
+            while True:
+                await self.nc.publish(subjects.creds(node_id), order, reply=reply)
+                msg = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+                if msg.data:
+                    break
+                # An empty answer with status 503 is the server's "no responders": the node's subscription is
+                # not wired into this account yet (just logged in or reconnected). Nobody got the order: again.
+                if (msg.headers or {}).get(Header.STATUS) != "503" or time.monotonic() >= deadline:
+                    raise RuntimeError(f"empty answer to the rotation order: headers {msg.headers}")
+                await asyncio.sleep(0.1)  # a retry's pace, not a synchronisation: the loop waits on the answer
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
