@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import sys
 import urllib.request
@@ -56,7 +55,7 @@ from tests.natsauth.fleet import FleetOperator
 from tests.support.agent_process import FIXTURE, AgentProcess, agent_env
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.enroll_identity import IDENTITY
-from tests.support.nats_server import NatsServer
+from tests.support.nats_server import configured_server, write_creds
 
 A, B = "node-accta", "node-acctb"
 SESSION = "0f8fad5b-d9cb-469f-a165-70867728950e"
@@ -73,21 +72,11 @@ class FleetServer:
         self.operator = FleetOperator()
         for node in (A, B):
             self.operator.node_account(node, TASK_STREAM)
-        config = root / "nats.conf"
         (root / "jwt").mkdir()
-        config.write_text(self.operator.resolver_config(root / "jwt"))
-        store = root / "store"
-        store.mkdir()
-        binary = shutil.which("nats-server")
-        if binary is None:
-            pytest.fail("nats-server is not installed (apt-get install nats-server): the auth tests need a real server")
-        self.server = NatsServer(binary, store, root / "nats.log", extra_args=("-c", str(config)))
+        self.server = configured_server(root, self.operator.resolver_config(root / "jwt"))
 
     def creds_file(self, name: str, text: str):
-        path = self.root / f"{name}.creds"
-        path.write_text(text)
-        path.chmod(0o600)
-        return path
+        return write_creds(self.root, name, text)
 
     def node_creds(self, node: str, name: str):
         return self.creds_file(name, self.operator.node_user(node)[0])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import urllib.request
 
 import nats
@@ -29,7 +28,7 @@ from tests.controlplane import TASK_STREAM, ControlPlane
 from tests.natsauth.natsjwt import Operator
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.enroll_identity import IDENTITY
-from tests.support.nats_server import NatsServer
+from tests.support.nats_server import configured_server, write_creds
 
 DEADLINE_S = 20.0
 INSECURE = TransportSecurity(insecure=True)
@@ -44,20 +43,10 @@ class OperatorServer:
         self.plane_creds, _ = self.operator.user("control-plane")
         self.bootstrap_creds, _ = self.operator.user("bootstrap", pub=ENROLL_PERMISSIONS["publish"],
                                                      sub=ENROLL_PERMISSIONS["subscribe"])
-        config = root / "nats.conf"
-        config.write_text(self.operator.server_config())
-        store = root / "store"
-        store.mkdir()
-        binary = shutil.which("nats-server")
-        if binary is None:
-            pytest.fail("nats-server is not installed (apt-get install nats-server): the auth tests need a real server")
-        self.server = NatsServer(binary, store, root / "nats.log", extra_args=("-c", str(config)))
+        self.server = configured_server(root, self.operator.server_config())
 
     def creds_file(self, name: str, text: str):
-        path = self.root / f"{name}.creds"
-        path.write_text(text)
-        path.chmod(0o600)
-        return path
+        return write_creds(self.root, name, text)
 
     def connz(self) -> list[dict]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.server.http_port}/connz?auth=1", timeout=5) as resp:

@@ -106,6 +106,26 @@ class NatsServer:
         self.start()
 
 
+def configured_server(root: Path, config_text: str, *, why: str = "the auth tests need a real server") -> NatsServer:
+    """A nats-server (not started yet) run from ``config_text``, its config, store and log under ``root``."""
+    binary = shutil.which("nats-server")
+    if binary is None:
+        pytest.fail(f"nats-server is not installed (apt-get install nats-server): {why}")
+    config = root / "nats.conf"
+    config.write_text(config_text)
+    store = root / "store"
+    store.mkdir()
+    return NatsServer(binary, store, root / "nats.log", extra_args=("-c", str(config)))
+
+
+def write_creds(root: Path, name: str, text: str, mode: int = 0o600) -> Path:
+    """``<root>/<name>.creds`` holding ``text``, with ``mode`` (the agent refuses creds others can read)."""
+    path = root / f"{name}.creds"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
 @pytest.fixture
 def nats_server(tmp_path):
     binary = shutil.which("nats-server")
