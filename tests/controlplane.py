@@ -307,9 +307,12 @@ class ControlPlane:
             return
         await msg.respond(reply.model_dump_json().encode())
 
-    async def rotate(self, node_id: str, *, timeout: float = 15.0) -> CredsRotationReply:
-        """Order ``node_id`` to rotate its key; the agent's answer (sent before it reconnects)."""
-        order = CredsRotation(node_id=node_id).model_dump_json().encode()
+    async def rotate(self, node_id: str, *, timeout: float = 15.0, order_for: str | None = None) -> CredsRotationReply:
+        """Order ``node_id`` to rotate its key; the agent's answer (sent before it reconnects).
+
+        ``order_for``: the node the order itself names, when a test sends ``node_id`` an order for another.
+        """
+        order = CredsRotation(node_id=order_for or node_id).model_dump_json().encode()
         if self.fleet is None:
             # No responders: the node's subscription is not on the server yet (just connected or reconnected; a
             # client resends its subscriptions after its connect). Nobody got the order, so it is sent again, as a

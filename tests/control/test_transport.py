@@ -23,7 +23,7 @@ import pytest
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import parse_config
-from gpuaas_agent.contract.enrollment import CredsRotation, CredsRotationReply, NatsCredentials
+from gpuaas_agent.contract.enrollment import NatsCredentials
 from gpuaas_agent.control.connection import NatsConnectError, connect_nats
 from gpuaas_agent.control.enroll import (
     EnrollError,
@@ -36,7 +36,7 @@ from gpuaas_agent.control.enroll import (
     store_creds,
 )
 from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS
-from gpuaas_agent.control.rotation import CredsRotator, previous_path, rotation_subject
+from gpuaas_agent.control.rotation import CredsRotator, previous_path
 from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
 from tests.control.conftest import NatsServer
 from tests.control.test_enroll import IDENTITY
@@ -322,9 +322,8 @@ async def test_rotation_makes_a_new_key_here_asks_for_its_jwt_and_reconnects_wit
         work = await nc.subscribe(work_subject)
         await nc.flush()
 
-        refused = await plane.nc.request(rotation_subject(NODE), CredsRotation(node_id="node-other")
-                                         .model_dump_json().encode(), timeout=DEADLINE_S)
-        assert CredsRotationReply.model_validate_json(refused.data).error == "wrong_node"
+        refused = await plane.rotate(NODE, order_for="node-other", timeout=DEADLINE_S)
+        assert refused.error == "wrong_node" and not refused.accepted
         assert check_creds_file(path).user_key == lab.user.public  # the old file stays
 
         reply = await plane.rotate(NODE)
