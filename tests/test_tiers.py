@@ -109,6 +109,11 @@ def test_the_fast_tier_command_is_the_expression_the_markers_define():
     assert f'-m "{FAST_TIER}"' in script
     assert "bash scripts/test.sh" in script, "the fast tier sets itself up like the whole suite"
     assert FAST_TIER in (REPO / "README.md").read_text()
+    # The README shows what the script runs: the same expression on the same pytest-xdist workers.
+    workers = re.search(r'-m "[^"]*" (-n "\$\{GPUAAS_TEST_WORKERS:-(\d+)\}" --dist \w+)', script)
+    assert workers, "the fast tier runs on pytest-xdist workers"
+    shown = workers.group(1).replace(f'"${{GPUAAS_TEST_WORKERS:-{workers.group(2)}}}"', workers.group(2))
+    assert f'-m "{FAST_TIER}" {shown}' in (REPO / "README.md").read_text()
     registered = (REPO / "pyproject.toml").read_text()
     for marker in FAST_TIER_LEAVES_OUT:
         assert re.search(rf'^\s*"{marker}: ', registered, re.MULTILINE), f"{marker} is not registered"
