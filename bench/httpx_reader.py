@@ -21,14 +21,19 @@ import httpx
 
 from gpuaas_agent.host.images.httpfetch import (
     CONNECT_TIMEOUT_S,
-    CONTENT_RANGE_RE,
     DEFAULT_BACKOFF_S,
     DEFAULT_RETRIES,
     MAX_REDIRECTS,
+    REDIRECT_STATUSES,
     RETRY_STATUSES,
     USER_AGENT,
     _causes,
     _error_chain,
+    back_off,
+    declared_length,
+    resume_headers,
+    resume_validator,
+    resumes_at,
 )
 from gpuaas_agent.host.images.source import ImageCacheError
 
@@ -94,9 +99,7 @@ class HttpSource:
     # -- opening --------------------------------------------------------------------------
 
     def _backoff(self, attempt: int) -> None:
-        """Wait before the next try; returns at once when the download is cancelled."""
-        if self.cancel.wait(self.backoff_s * (2 ** attempt)):
-            raise ImageCacheError("download cancelled", code="fetch_failed", evidence={"url": self.url})
+        back_off(self.cancel, self.backoff_s, attempt, self.url)
 
     def _send(self, url: str, headers: dict[str, str]) -> httpx.Response:
         """One GET, retried on errors that may heal (refused connection, 502/503/504)."""
@@ -130,7 +133,7 @@ class HttpSource:
             self.check_hop(url, self.first)
             response = self._send(url, {})
             location = response.headers.get("location")
-            if response.status_code in (301, 302, 303, 307, 308) and location:
+            if response.status_code in REDIRECT_STATUSES and location:
                 response.close()
                 url = urljoin(url, location)
                 continue
@@ -139,11 +142,8 @@ class HttpSource:
                 response.close()
                 raise ImageCacheError(f"image server answered HTTP {response.status_code} {response.reason_phrase}",
                                       code="fetch_failed", evidence={"url": url, "http_status": response.status_code})
-            length = response.headers.get("content-length")
-            self.length = int(length) if length and length.isdigit() else None
-            etag = response.headers.get("etag")
-            # If-Range needs a strong validator; a weak ETag never matches, so fall back to Last-Modified.
-            self._validator = etag if etag and not etag.startswith("W/") else response.headers.get("last-modified")
+            self.length = declared_length(response.headers.get("content-length"))
+            self._validator = resume_validator(response.headers.get("etag"), response.headers.get("last-modified"))
             self._start(response)
             return self
         raise ImageCacheError("too many redirects", code="fetch_failed", evidence={"url": self.first})
@@ -191,13 +191,8 @@ class HttpSource:
         self._backoff(self.resumes)
         self.resumes += 1
         self.check_hop(self.url, self.first)
-        headers = {"Range": f"bytes={self.received}-"}
-        if self._validator:
-            headers["If-Range"] = self._validator
-        response = self._send(self.url, headers)
-        match = CONTENT_RANGE_RE.match(response.headers.get("content-range", ""))
-        if response.status_code != 206 or not match or int(match.group(1)) != self.received \
-                or int(match.group(3)) != self.length:
+        response = self._send(self.url, resume_headers(self.received, self._validator))
+        if not resumes_at(response.status_code, response.headers.get("content-range"), self.received, self.length):
             status = response.status_code
             content_range = response.headers.get("content-range")
             response.close()

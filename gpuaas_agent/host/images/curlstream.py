@@ -48,12 +48,17 @@ from urllib.parse import urljoin, urlsplit
 
 from gpuaas_agent.host.images.httpfetch import (
     CONNECT_TIMEOUT_S,
-    CONTENT_RANGE_RE,
     DEFAULT_BACKOFF_S,
     DEFAULT_RETRIES,
     MAX_REDIRECTS,
+    REDIRECT_STATUSES,
     RETRY_STATUSES,
     USER_AGENT,
+    back_off,
+    declared_length,
+    resume_headers,
+    resume_validator,
+    resumes_at,
 )
 from gpuaas_agent.host.images.source import ImageCacheError
 from gpuaas_agent.host.run import spawn_reader
@@ -399,9 +404,7 @@ class CurlSource:
     # -- opening ----------------------------------------------------------------------------
 
     def _backoff(self, attempt: int) -> None:
-        """Wait before the next try; returns at once when the download is cancelled."""
-        if self.cancel.wait(self.backoff_s * (2 ** attempt)):
-            raise ImageCacheError("download cancelled", code="fetch_failed", evidence={"url": self.url})
+        back_off(self.cancel, self.backoff_s, attempt, self.url)
 
     def _send(self, url: str, headers: dict[str, str]) -> _Request:
         """One GET up to its response head, retried on errors that may heal (no connection, 502/503/504)."""
@@ -436,7 +439,7 @@ class CurlSource:
             self.url = url
             request = self._send(url, {})
             location = request.headers.get("location")
-            if request.status in (301, 302, 303, 307, 308) and location:
+            if request.status in REDIRECT_STATUSES and location:
                 self.close()
                 url = urljoin(url, location)
                 continue
@@ -444,11 +447,8 @@ class CurlSource:
                 self.close()
                 raise ImageCacheError(f"image server answered HTTP {request.status} {request.reason}",
                                       code="fetch_failed", evidence={"url": url, "http_status": request.status})
-            length = request.headers.get("content-length")
-            self.length = int(length) if length and length.isdigit() else None
-            etag = request.headers.get("etag")
-            # If-Range needs a strong validator; a weak ETag never matches, so fall back to Last-Modified.
-            validator = etag if etag and not etag.startswith("W/") else request.headers.get("last-modified")
+            self.length = declared_length(request.headers.get("content-length"))
+            validator = resume_validator(request.headers.get("etag"), request.headers.get("last-modified"))
             # A validator that cannot be written into curl's config is not used: no If-Range, so a resume
             # gets a 200 and ends ``truncated`` rather than trusting bytes it cannot pin to this version.
             self._validator = validator if validator and _writable(validator) else None
@@ -502,13 +502,8 @@ class CurlSource:
         self._backoff(self.resumes)
         self.resumes += 1
         self.check_hop(self.url, self.first)
-        headers = {"Range": f"bytes={self.received}-"}
-        if self._validator:
-            headers["If-Range"] = self._validator
-        request = self._send(self.url, headers)
-        match = CONTENT_RANGE_RE.match(request.headers.get("content-range", ""))
-        if request.status != 206 or not match or int(match.group(1)) != self.received \
-                or int(match.group(3)) != self.length:
+        request = self._send(self.url, resume_headers(self.received, self._validator))
+        if not resumes_at(request.status, request.headers.get("content-range"), self.received, self.length):
             status = request.status
             content_range = request.headers.get("content-range")
             self.close()

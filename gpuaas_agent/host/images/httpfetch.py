@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import ssl
+import threading
 from collections.abc import Callable
 from urllib.parse import urljoin
 
@@ -39,6 +40,48 @@ DEFAULT_BACKOFF_S = 0.5
 CONNECT_TIMEOUT_S = 30.0
 RETRY_STATUSES = (502, 503, 504)
 CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+REDIRECT_STATUSES = (301, 302, 303, 307, 308)
+
+
+# The download rules above, as the readers apply them (host/images/curlstream.py, and the httpx reader the
+# benchmark keeps for comparison): one place, so a rule tightened here holds for every reader.
+
+def declared_length(content_length: str | None) -> int | None:
+    """The body's size from ``Content-Length``; ``None`` when absent or not plain ASCII decimal (no resume then).
+
+    ``isdigit`` alone takes ``²`` (``int`` then raises) and other scripts' digits (``int`` reads them).
+    """
+    return int(content_length) if content_length and content_length.isascii() and content_length.isdigit() else None
+
+
+def resume_validator(etag: str | None, last_modified: str | None) -> str | None:
+    """What ``If-Range`` may name: a strong ETag, else ``Last-Modified`` (a weak ETag never matches)."""
+    return etag if etag and not etag.startswith("W/") else last_modified
+
+
+def resume_headers(received: int, validator: str | None) -> dict[str, str]:
+    """The request that resumes a body after its first ``received`` bytes, pinned to ``validator`` when known."""
+    headers = {"Range": f"bytes={received}-"}
+    if validator:
+        headers["If-Range"] = validator
+    return headers
+
+
+def resumes_at(status: int, content_range: str | None, received: int, length: int) -> bool:
+    """Whether an answer to :func:`resume_headers` continues the same body at exactly byte ``received``.
+
+    Only a ``206`` whose ``Content-Range`` starts at ``received`` and names the same total does: a 200 (the
+    server ignored the range or the validator no longer matched) or a range elsewhere would splice other
+    bytes after the ones already hashed.
+    """
+    match = CONTENT_RANGE_RE.match(content_range or "")
+    return status == 206 and match is not None and int(match.group(1)) == received and int(match.group(3)) == length
+
+
+def back_off(cancel: threading.Event, backoff_s: float, attempt: int, url: str) -> None:
+    """Wait ``backoff_s * 2**attempt`` before the next try; ``download cancelled`` at once when ``cancel`` is set."""
+    if cancel.wait(backoff_s * (2 ** attempt)):
+        raise ImageCacheError("download cancelled", code="fetch_failed", evidence={"url": url})
 
 
 def _causes(exc: BaseException) -> list[BaseException]:
@@ -87,7 +130,7 @@ def _read_range(client: httpx.Client, first: str, start: int, length: int, total
         try:
             with client.stream("GET", url, headers=headers) as response:
                 location = response.headers.get("location")
-                if response.status_code in (301, 302, 303, 307, 308) and location:
+                if response.status_code in REDIRECT_STATUSES and location:
                     url = urljoin(url, location)
                     continue
                 if response.status_code == 200:

@@ -21,6 +21,7 @@ import pytest
 
 from gpuaas_agent.config import ConfigError, load_config
 from gpuaas_agent.host.images.cache import ImageCacheError
+from gpuaas_agent.host.images.httpfetch import declared_length, resume_headers, resume_validator, resumes_at
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from tests.support.image_server import cache_leftovers, fetch_image, image_cache, sha256_hex
 
@@ -317,3 +318,30 @@ def test_a_ca_bundle_that_is_not_pem_is_refused_when_the_config_loads(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(_config(tmp_path, "images.example.com", bogus))
     assert "image_ca_bundle" in str(err.value) and "bogus.pem" in str(err.value)
+
+
+def test_a_resume_is_taken_only_as_a_206_at_the_exact_byte_of_the_same_body():
+    # The rule every reader applies (curl child and the benchmark's httpx reader): anything else would splice
+    # other bytes after the ones already hashed.
+    assert resume_headers(1000, '"v1"') == {"Range": "bytes=1000-", "If-Range": '"v1"'}
+    assert resume_headers(1000, None) == {"Range": "bytes=1000-"}
+    assert resumes_at(206, "bytes 1000-4999/5000", 1000, 5000)
+    for status, content_range in [
+        (200, "bytes 1000-4999/5000"),  # the validator no longer matched: the whole (maybe new) body
+        (206, "bytes 0-4999/5000"),  # another start
+        (206, "bytes 1001-4999/5000"),
+        (206, "bytes 1000-5999/6000"),  # another total: another version of the file
+        (206, "bytes 1000-4999/*"),  # an unknown total
+        (206, "bytes  1000-4999/5000"), (206, "bytes 1000-4999/5000, 0-1/5000"), (206, "items 1000-4999/5000"),
+        (206, ""), (206, None), (416, "bytes */5000"),
+    ]:
+        assert not resumes_at(status, content_range, 1000, 5000), (status, content_range)
+
+
+def test_only_a_strong_validator_or_last_modified_pins_a_resume_and_only_a_plain_length_allows_one():
+    assert resume_validator('"abc"', "Tue, 01 Dec 2026 00:00:00 GMT") == '"abc"'
+    assert resume_validator('W/"abc"', "Tue, 01 Dec 2026 00:00:00 GMT") == "Tue, 01 Dec 2026 00:00:00 GMT"
+    assert resume_validator('W/"abc"', None) is None and resume_validator(None, None) is None
+    assert declared_length("5000") == 5000 and declared_length("0") == 0
+    for hostile in (None, "", "-1", "+5", " 5000", "5000 ", "5e3", "0x10", "5000, 5000", "½", "\u00b2", "\u0661\u0662"):
+        assert declared_length(hostile) is None, hostile
