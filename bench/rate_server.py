@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.image_server import SERVE_TLS, wait_for_port
+
 # A HTTPS server that sends every file at a fixed rate (token bucket, 256 KiB sends); honours nothing else.
 PYTHON_SERVER = r"""
 import http.server, os, ssl, sys, time
@@ -60,16 +62,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 if ahead > 0:
                     time.sleep(ahead)
 
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-server.daemon_threads = True
-ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-ctx.load_cert_chain(cert, key)
-server.socket = ctx.wrap_socket(server.socket, server_side=True)
-with open(portfile + ".tmp", "w") as fh:
-    fh.write(str(server.server_address[1]))
-os.replace(portfile + ".tmp", portfile)
-server.serve_forever()
-"""
+""" + SERVE_TLS
 
 NGINX_CONF = """\
 user root;
@@ -159,12 +152,7 @@ class RateServer:
         rate = self.rate_bytes if self.rate_bytes > 0 else 1e15
         self.proc = subprocess.Popen(self._pin([sys.executable, "-c", PYTHON_SERVER, str(self.root), str(self.cert),
                                                 str(key), str(portfile), str(rate)]))
-        deadline = time.monotonic() + 10
-        while not portfile.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the python HTTPS server did not start")
-            time.sleep(0.02)
-        self.base = f"https://127.0.0.1:{portfile.read_text()}"
+        self.base = f"https://127.0.0.1:{wait_for_port(self.proc, portfile, timeout_s=10)}"
         self.describe = (f"python http.server + ssl on 127.0.0.1, rate by sleep "
                          f"({self.rate_bytes / 2**20:g} MiB/s)" if self.rate_bytes > 0 else
                          "python http.server + ssl on 127.0.0.1, unthrottled")

@@ -22,6 +22,21 @@ import pytest
 from gpuaas_agent.host.images.cache import ImageCache, SourcePolicy
 from gpuaas_agent.host.run import run
 
+# The end of a server script run with ``python -c`` (``Handler``, ``cert``, ``key`` and ``portfile`` defined
+# above it): TLS on a free loopback port, the port written to ``portfile`` in one rename, so a reader never
+# sees half a number. bench/rate_server.py ends its server the same way.
+SERVE_TLS = r"""
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+server.daemon_threads = True
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(cert, key)
+server.socket = ctx.wrap_socket(server.socket, server_side=True)
+with open(portfile + ".tmp", "w") as fh:
+    fh.write(str(server.server_address[1]))
+os.replace(portfile + ".tmp", portfile)
+server.serve_forever()
+"""
+
 # A tiny HTTPS server in its own process (stopped by PID). Paths:
 #   /files/NAME     the file
 #   /short/NAME     announces 4096 bytes more than it sends, then closes (truncated transfer)
@@ -92,16 +107,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if kind == "short":
             self.close_connection = True
 
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-server.daemon_threads = True
-ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-ctx.load_cert_chain(cert, key)
-server.socket = ctx.wrap_socket(server.socket, server_side=True)
-with open(portfile + ".tmp", "w") as fh:
-    fh.write(str(server.server_address[1]))
-os.replace(portfile + ".tmp", portfile)
-server.serve_forever()
-"""
+""" + SERVE_TLS
 
 
 def make_ca(directory: Path, name: str = "gpuaas test image CA") -> tuple[Path, Path]:
@@ -133,7 +139,12 @@ def start_https_server(root: Path, cert: Path, key: Path, portfile: Path) -> tup
     """The server above over ``root`` with ``cert``/``key``: (process, port); the caller kills it by PID."""
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(root), str(cert), str(key), str(portfile)],
                             stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
+    return proc, wait_for_port(proc, portfile)
+
+
+def wait_for_port(proc: subprocess.Popen, portfile: Path, *, timeout_s: float = 20) -> int:
+    """The port a :data:`SERVE_TLS` server wrote to ``portfile``; it is killed if it died or never wrote it."""
+    deadline = time.monotonic() + timeout_s
     while not portfile.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             if proc.poll() is None:
@@ -141,7 +152,7 @@ def start_https_server(root: Path, cert: Path, key: Path, portfile: Path) -> tup
             proc.wait()
             raise RuntimeError("test HTTPS server did not start")
         time.sleep(0.02)  # poll step of a deadline wait
-    return proc, int(portfile.read_text())
+    return int(portfile.read_text())
 
 
 def sha256_hex(data: bytes) -> str:
