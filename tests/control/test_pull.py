@@ -7,6 +7,7 @@ through :class:`TaskPull`, which ``test_no_other_module_reads_nats_py_internals`
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import nats.errors
@@ -28,26 +29,29 @@ from tests.support.worker_harness import DISCOVER, NODE
 _INTERNAL = re.compile(r"\b(_nms|_deliver|_pending_queue|_pending_size)\b|\._sub\._")
 
 
-async def _bound_pull(nats_server, tmp_path, store_list):
-    plane = await ControlPlane.connect(nats_server.url)
-    await plane.create_streams()
-    await plane.create_node_consumer(NODE, WorkerSettings(fetch_timeout_s=1.0))
-    nc = await connect_nats([nats_server.url], timeout_s=10, name=NODE, inbox_prefix=node_inbox_prefix(NODE),
-                            security=TransportSecurity(insecure=True))
-    store = StateStore.open(tmp_path / "state.db")
-    store_list.append(store)
-    worker = TaskWorker(nc, store, NODE, {}, WorkerSettings(fetch_timeout_s=1.0))
-    psub = await worker._bind()  # the worker's own lookup of the control plane's consumer
-    pull = TaskPull(nc)
-    pull.bind(psub)
-    return plane, nc, psub, pull
+@contextlib.asynccontextmanager
+async def _bound_pull(nats_server, tmp_path):
+    """(plane, node connection, pull subscription, pull) bound to the node's consumer; all closed on exit."""
+    async with contextlib.AsyncExitStack() as stack:
+        plane = await ControlPlane.connect(nats_server.url)
+        stack.push_async_callback(plane.close)
+        await plane.create_streams()
+        await plane.create_node_consumer(NODE, WorkerSettings(fetch_timeout_s=1.0))
+        nc = await connect_nats([nats_server.url], timeout_s=10, name=NODE, inbox_prefix=node_inbox_prefix(NODE),
+                                security=TransportSecurity(insecure=True))
+        stack.push_async_callback(nc.close)
+        store = StateStore.open(tmp_path / "state.db")
+        stack.callback(store.close)
+        worker = TaskWorker(nc, store, NODE, {}, WorkerSettings(fetch_timeout_s=1.0))
+        psub = await worker._bind()  # the worker's own lookup of the control plane's consumer
+        pull = TaskPull(nc)
+        pull.bind(psub)
+        yield plane, nc, psub, pull
 
 
 def test_the_nats_py_internals_the_pull_reads_are_there(nats_server, tmp_path):
     async def body():
-        stores: list = []
-        plane, nc, psub, pull = await _bound_pull(nats_server, tmp_path, stores)
-        try:
+        async with _bound_pull(nats_server, tmp_path) as (plane, nc, psub, pull):
             owners = {"PullSubscription": psub, "Subscription": psub._sub}
             for owner, attribute, kind in NATS_PY_INTERNALS:
                 obj = owners[owner]
@@ -62,20 +66,13 @@ def test_the_nats_py_internals_the_pull_reads_are_there(nats_server, tmp_path):
             stream = await plane.js.find_stream_name_by_subject(f"gpuaas.node.{NODE}.task.>")
             assert pull.next_subject == f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer_name(NODE)}"
             assert psub._sub.subject == pull.deliver_subject
-        finally:
-            await nc.close()
-            await plane.close()
-            for store in stores:
-                store.close()
 
     run_bounded(body(), 60)
 
 
 def test_a_pull_hands_on_a_task_and_counts_its_accounting_back(nats_server, tmp_path):
     async def body():
-        stores: list = []
-        plane, nc, psub, pull = await _bound_pull(nats_server, tmp_path, stores)
-        try:
+        async with _bound_pull(nats_server, tmp_path) as (plane, nc, psub, pull):
             with pytest.raises(nats.errors.TimeoutError):  # nothing queued: the pull expires (its 408)
                 await pull.pull_one(0.5, None)
             envelope = plane.envelope(NODE, DISCOVER)
@@ -86,11 +83,6 @@ def test_a_pull_hands_on_a_task_and_counts_its_accounting_back(nats_server, tmp_
             await got[0].ack()
             await pull.unbind(5.0)
             assert not pull.bound and await pull.close(5.0) == []
-        finally:
-            await nc.close()
-            await plane.close()
-            for store in stores:
-                store.close()
 
     run_bounded(body(), 60)
 

@@ -126,14 +126,20 @@ def test_lease_wait_is_cancelled_promptly(tmp_path):
     assert asyncio.run(main()) < CANCEL_WITHIN_S
 
 
-def test_lease_wait_ends_when_real_dnsmasq_leases_the_reserved_ip(dhcp_lab: DhcpLab):
-    lab, dns = dhcp_lab, dhcp_lab.dnsmasq
+def _reserve_for_the_client(lab: DhcpLab) -> None:
+    """The slice's reservation written, dnsmasq reloaded and rereading it, the client given the slice's MAC."""
+    dns = lab.dnsmasq
     d = DnsmasqReservations(dns.hosts_file, dns.subnet, dns.gateway, dns.pid_file)
     d.add(make_reservation(ALLOC, 0, MAC, IP, "slice-a"))
     before = dns.reads()
     d.reload()
     dns.wait_reread(before)
     lab.set_client_mac(MAC)
+
+
+def test_lease_wait_ends_when_real_dnsmasq_leases_the_reserved_ip(dhcp_lab: DhcpLab):
+    lab, dns = dhcp_lab, dhcp_lab.dnsmasq
+    _reserve_for_the_client(lab)
 
     async def main():
         rec = Recorder()
@@ -235,13 +241,7 @@ def test_ssh_wait_on_a_closed_port_is_cancelled_promptly():
 
 
 def _guest_takes_its_lease(lab: DhcpLab) -> None:
-    dns = lab.dnsmasq
-    d = DnsmasqReservations(dns.hosts_file, dns.subnet, dns.gateway, dns.pid_file)
-    d.add(make_reservation(ALLOC, 0, MAC, IP, "slice-a"))
-    before = dns.reads()
-    d.reload()
-    dns.wait_reread(before)
-    lab.set_client_mac(MAC)
+    _reserve_for_the_client(lab)
     assert lab.lease() == IP
     lab.net.up(lab.client, lab.client_if, address=f"{IP}/24")  # what the guest's DHCP client does with it
 
