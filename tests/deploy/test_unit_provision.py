@@ -207,16 +207,21 @@ def _in_manager(ulab: UnitLab, *argv: str) -> str:
     return ulab.manager.run(*argv).stdout
 
 
-# What code running as the agent could try: each attempt is reported as "ok" or the errno's name.
-# core_pattern is rewritten with its own value, so an open sandbox would change nothing.
-PROBE = r"""
-import errno, json, os, socket, sys
+# The start of a probe script run as the agent: ``attempt(name, fn)`` records "ok" or the errno's name in ``out``.
+ATTEMPT = r"""
 out = {}
 def attempt(name, fn):
     try:
         fn(); out[name] = "ok"
     except OSError as exc:
         out[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+"""
+
+# What code running as the agent could try: each attempt is reported as "ok" or the errno's name.
+# core_pattern is rewritten with its own value, so an open sandbox would change nothing.
+PROBE = r"""
+import errno, json, os, socket, sys
+""" + ATTEMPT + r"""
 def rewrite(path):
     with open(path) as fh:
         value = fh.read()
@@ -294,12 +299,7 @@ def test_the_sandbox_closes_kernel_tunables_other_processes_memory_and_pid1s_soc
 # gpu-admin-tools opens a config space), "rewrite" writes a lab fixture file's own content back.
 SYSFS_PROBE = r"""
 import errno, json, os, sys
-out = {}
-def attempt(name, fn):
-    try:
-        fn(); out[name] = "ok"
-    except OSError as exc:
-        out[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+""" + ATTEMPT + r"""
 def open_w(path):
     os.close(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
 def open_rw(path):
