@@ -200,6 +200,8 @@ class Reporter:
                                           detail=f"check raised {type(exc).__name__}: {exc}"[:4000],
                                           checked_at=datetime.now(UTC)))
         self.checks = sorted(checks, key=lambda c: c.name)
+        if self.metrics is not None:  # before any await: a heartbeat that carries these checks finds them scraped
+            self.metrics.health(self.health()[0], self.checks)
         self.checked.set()
         try:  # a failing part is taken out of service by itself (one bad disk does not take the host's other slots)
             status = {c.name: c.status for c in self.checks}
@@ -212,8 +214,6 @@ class Reporter:
         except Exception:
             log_event(log, "health_quarantine_failed", logging.ERROR, exc_info=True)
         state, reason = summarise(self.checks)
-        if self.metrics is not None:
-            self.metrics.health(self.health()[0], self.checks)
         log_event(log, "health_checked", logging.INFO if state == "healthy" else logging.WARNING,
                   status=state, message=reason or "every check ok or unavailable",
                   checks={c.name: c.status for c in self.checks})
@@ -230,6 +230,8 @@ class Reporter:
         """One heartbeat (when connected), the status file, the textfile, STATUS= on a change."""
         state, reason = self.health()
         await self.observe_fleet()
+        if self.metrics is not None and self.checks is not None:  # the scrape is never behind the heartbeat
+            self.metrics.health(state, self.checks)
         if self.nc is not None and self.nc.is_connected:
             await self._publish(state, reason)
         if self.nc is not None and self.worker is not None:
@@ -237,8 +239,6 @@ class Reporter:
                 self.status_line(f"node {self.settings.node_id}: pulling tasks; health {state}{self._fleet_note()}")
             elif not self.nc.is_connected:
                 self.status_line(f"node {self.settings.node_id}: NATS connection lost, reconnecting")
-        if self.metrics is not None and self.checks is not None:
-            self.metrics.health(state, self.checks)
         try:
             running = self.worker.running_task_ids if self.worker is not None else []
             flights = await self.state.run(in_flight, running)

@@ -181,3 +181,41 @@ def test_heartbeat_turns_degraded_naming_the_nat_check_when_the_rule_is_deleted(
             await plane.close()
 
     run_bounded(body())
+
+
+def test_a_rounds_checks_are_in_the_metrics_before_anything_can_publish_them(tmp_path, host_copy, monkeypatch):
+    """A heartbeat carries ``reporter.checks``; a scrape right after it must find the same checks.
+
+    The round's quarantine pass awaits (the store thread) after the checks are set: with the gauges written
+    only after it, a tick in between published checks that /metrics did not have yet (a CI failure).
+    """
+    from gpuaas_agent.operator import reporter as reporter_module
+    from gpuaas_agent.operator.health import HealthSettings
+    from gpuaas_agent.operator.metrics import AgentMetrics
+    from gpuaas_agent.state.aio import as_store_thread
+    from gpuaas_agent.state.store import StateStore
+
+    root = host_copy("h200-slice-after-transition")
+    metrics = AgentMetrics()
+    real_pass, seen = reporter_module.quarantine_failing_devices, []
+
+    async def observed_pass(*args, **kwargs):
+        seen.append(metrics.render().decode())  # what a scrape during the await would read
+        return await real_pass(*args, **kwargs)
+
+    monkeypatch.setattr(reporter_module, "quarantine_failing_devices", observed_pass)
+    store = StateStore.open(tmp_path / "state.db")
+    try:
+        reporter = reporter_module.Reporter(
+            reporter_module.ReporterSettings(node_id="node-1", state_dir=tmp_path, heartbeat_interval_s=5,
+                                             health_interval_s=60, request_timeout_s=5),
+            as_store_thread(store), HealthSettings(host_root=root, libvirt_uri="test:///default"), metrics,
+            lambda **_: True)
+        asyncio.run(reporter.check_health())
+        [during] = seen
+        assert reporter.checks, "the round produced no checks"
+        for check in reporter.checks:
+            assert f'gpuaas_agent_health_check{{check="{check.name}",status="{check.status}"}} 1.0' in during, (
+                check.name, check.status)
+    finally:
+        store.close()
