@@ -13,7 +13,7 @@ from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from tests.conftest import REPO
 from tests.dnsmasq_fixture import sh
 from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
-from tests.support.deadline import run_bounded
+from tests.support.deadline import run_bounded, wait_until
 from tests.support.nats_server import free_port
 
 
@@ -60,7 +60,10 @@ def test_metrics_move_when_a_task_runs_and_status_reads_the_running_daemon(nats_
             await plane.wait_for(lambda s: [h for h in s.heartbeats if h.health_state == "healthy" and h.health])
             after = await asyncio.to_thread(_scrape, port)
             assert after['gpuaas_agent_health_check{check="slice_nat",status="ok"}'] == 1
-            assert "gpuaas_agent_tasks_total" in (tmp_path / "agent.prom").read_text()
+            # the textfile is written at the end of each tick: a later one has the task's sample
+            textfile = tmp_path / "agent.prom"
+            await wait_until(lambda: textfile.exists() and f"{key} 1.0" in textfile.read_text(), timeout=30,
+                             what="the task's sample in the textfile")
 
             done = await asyncio.to_thread(_status, config, "--json", "--no-checks")
             report = json.loads(done.stdout)
