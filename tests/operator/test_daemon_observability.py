@@ -1,5 +1,6 @@
 """A real daemon against a real nats-server: /metrics moves with a task, the status command reads it,
-READY comes while NATS is down, and the heartbeat turns degraded when the NAT rule is deleted."""
+READY comes while NATS is down, and the heartbeat turns degraded when the NAT rule is deleted; and a health
+round's checks are in /metrics before a heartbeat can carry them."""
 
 from __future__ import annotations
 
