@@ -13,7 +13,6 @@ import json
 import os
 import random
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,7 +33,7 @@ from gpuaas_agent.control.worker import WorkerSettings
 from tests.conftest import HOSTS, REPO
 from tests.controlplane import ControlPlane
 from tests.daemons import stop_pid
-from tests.support.nats_server import NatsServer, free_port
+from tests.support.nats_server import NatsServer, free_port, nats_server_binary
 
 FIXTURE = HOSTS / "h200-slice-after-transition"
 AGENT = REPO / ".venv" / "bin" / "gpuaas-agent"
@@ -144,10 +143,7 @@ def runs():
 
 @pytest.fixture
 def nats_binary() -> str:
-    binary = shutil.which("nats-server")
-    if binary is None:
-        pytest.fail("nats-server is not installed (apt-get install nats-server)")
-    return binary
+    return nats_server_binary("the connection tests need a real server")
 
 
 # -- the backoff schedule --------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import shutil
 import stat
 from datetime import UTC, datetime
 
@@ -47,7 +46,7 @@ from gpuaas_agent.control.tokenproof import token_id, token_proof
 from gpuaas_agent.control.transport import CREDS_SEED_BEGIN, TransportSecurity, jwt_claims
 from tests.controlplane import ControlPlane
 from tests.support.enroll_identity import IDENTITY
-from tests.support.nats_server import NatsServer
+from tests.support.nats_server import NatsServer, nats_server_binary
 
 INSECURE = TransportSecurity(insecure=True)
 DEADLINE_S = 20.0
@@ -66,10 +65,7 @@ class EnrollServer(NatsServer):
             {"user": "plane", "password": self.passwords["plane"]}, bootstrap]}}))
         store = root / "store"
         store.mkdir()
-        binary = shutil.which("nats-server")
-        if binary is None:
-            pytest.fail("nats-server is not installed (apt-get install nats-server): the control tests need a real server")
-        super().__init__(binary, store, root / "nats.log", extra_args=("-c", str(config)))
+        super().__init__(nats_server_binary("the control tests need a real server"), store, root / "nats.log", extra_args=("-c", str(config)))
 
     def url_as(self, user: str) -> str:
         return f"nats://{user}:{self.passwords[user]}@127.0.0.1:{self.port}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import time
 from datetime import UTC, datetime
 
@@ -32,6 +31,7 @@ from gpuaas_agent.state.store import StateStore
 from tests.controlplane import RESULT_STREAM, TASK_STREAM, ControlPlane
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.nats_cluster import NatsCluster
+from tests.support.nats_server import nats_server_binary
 from tests.support.worker_harness import DISCOVER, NODE, Counting, Harness
 
 HEARTBEAT_S = 1.0
@@ -54,9 +54,7 @@ WORKER_LOG = "gpuaas_agent.control.worker"
 @pytest.fixture(scope="module")
 def nats_cluster(tmp_path_factory):
     """One 3-server JetStream cluster for the module (a start costs seconds); every member stopped by PID."""
-    binary = shutil.which("nats-server")
-    if binary is None:
-        pytest.fail("nats-server is not installed (apt-get install nats-server): the cluster test needs real servers")
+    binary = nats_server_binary("the cluster test needs real servers")
     cluster = NatsCluster(binary, tmp_path_factory.mktemp("nats-cluster"))
     cluster.start()
     try:

@@ -106,11 +106,17 @@ class NatsServer:
         self.start()
 
 
-def configured_server(root: Path, config_text: str, *, why: str = "the auth tests need a real server") -> NatsServer:
-    """A nats-server (not started yet) run from ``config_text``, its config, store and log under ``root``."""
+def nats_server_binary(why: str) -> str:
+    """The nats-server on PATH; a test that needs it fails loudly (``why``) where it is missing, never skips."""
     binary = shutil.which("nats-server")
     if binary is None:
         pytest.fail(f"nats-server is not installed (apt-get install nats-server): {why}")
+    return binary
+
+
+def configured_server(root: Path, config_text: str, *, why: str = "the auth tests need a real server") -> NatsServer:
+    """A nats-server (not started yet) run from ``config_text``, its config, store and log under ``root``."""
+    binary = nats_server_binary(why)
     config = root / "nats.conf"
     config.write_text(config_text)
     store = root / "store"
@@ -128,9 +134,7 @@ def write_creds(root: Path, name: str, text: str, mode: int = 0o600) -> Path:
 
 @pytest.fixture
 def nats_server(tmp_path):
-    binary = shutil.which("nats-server")
-    if binary is None:
-        pytest.fail("nats-server is not installed (apt-get install nats-server): the control tests need a real server")
+    binary = nats_server_binary("the control tests need a real server")
     store = tmp_path / "nats-store"
     store.mkdir()
     server = NatsServer(binary, store, tmp_path / "nats-server.log")

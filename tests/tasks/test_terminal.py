@@ -16,7 +16,6 @@ import asyncio
 import base64
 import json
 import logging
-import shutil
 import signal
 import time
 import urllib.request
@@ -48,7 +47,7 @@ from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.terminal import relay_of, terminal_handler
-from tests.support.nats_server import NatsServer, free_port
+from tests.support.nats_server import NatsServer, free_port, nats_server_binary
 from tests.terminal_gateway import Gateway as _Gateway
 
 URI = "test:///default"
@@ -63,9 +62,7 @@ DEADLINE_S = 60.0  # a failure bound for every wait below, never a timer
 
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory):
-    binary = shutil.which("nats-server")
-    if binary is None:
-        pytest.fail("nats-server is not installed (apt-get install nats-server)")
+    binary = nats_server_binary("the terminal relay tests need a real server")
     d = tmp_path_factory.mktemp("nats")
     server = NatsServer(binary, d / "store", d / "nats.log")
     (d / "store").mkdir()
@@ -794,7 +791,8 @@ def _subscriptions(server: NatsServer) -> list[str]:
 def test_an_open_cancelled_while_its_session_subscribes_leaves_nothing_registered(tmp_path, relay_key, slice_domain):
     """The task's deadline cancels the open inside session.start(): the session is closed and audited, its place
     freed (the node's one session slot opens again) and its subscription gone."""
-    server = NatsServer(shutil.which("nats-server"), tmp_path / "nats-store", tmp_path / "nats.log")
+    server = NatsServer(nats_server_binary("the relay restart test needs a real server"), tmp_path / "nats-store",
+                        tmp_path / "nats.log")
     (tmp_path / "nats-store").mkdir()
     server.start()
 
