@@ -17,8 +17,8 @@ live host and for a recorded fixture (``fixtures/nvml/<host>.json``):
 
 Tested: the driver-absent path (this project's CI has no NVIDIA driver), the judging of
 recorded readings, and the reader's calls against a replay of a reading through the
-real ``pynvml`` names. Not tested: the live path against a real driver and GPU (no GPU
-was lent while this was written); record a fixture on the next GPU host to close that.
+real ``pynvml`` names. The live path ran once against a real driver and GPU (a lent H200,
+2026-11-28): its recording is ``fixtures/nvml/h200-lent-2026-11-28.json`` and is judged in the tests.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ from tests.support.agent_process import AgentProcess, NotifyListener, agent_env,
 from tests.support.deadline import run_bounded
 
 H200 = REPO / "fixtures/nvml/h200-vm-passthrough.json"
+# Recorded by this module's own live path (`python -m gpuaas_agent.operator.nvml record`) on a lent H200, 2026-11-28.
+H200_LIVE = REPO / "fixtures/nvml/h200-lent-2026-11-28.json"
 
 
 def _reading(**gpu_changes) -> NvmlReading:
@@ -49,6 +51,19 @@ def test_the_recorded_h200_reading_is_synthetic_and_healthy():
     assert reading.provenance.startswith("synthetic:") and reading.gpus[0].name == "NVIDIA H200"
     status, detail = judge(reading, now=reading.recorded_at)
     assert status == "ok" and "1 GPU(s) via NVML (driver 580.159.04)" in detail
+
+
+def test_a_reading_the_live_path_recorded_on_a_real_h200_is_healthy_without_page_retirement():
+    # An H200 retires no pages (it remaps rows): NVML answers Not Supported, the reader keeps None, and the
+    # judge must not read None as a fault. The remapper's counters are what this board reports.
+    reading = load_reading(H200_LIVE)
+    assert not reading.provenance.startswith("synthetic") and reading.driver_version == "580.159.04"
+    gpu = reading.gpus[0]
+    assert gpu.name == "NVIDIA H200" and gpu.ecc_mode_current is True
+    assert (gpu.retired_pages_sbe, gpu.retired_pages_dbe, gpu.retired_pages_pending) == (None, None, None)
+    assert (gpu.remapped_rows_uncorrectable, gpu.remapped_rows_failure) == (0, False)
+    status, detail = judge(reading, now=reading.recorded_at)
+    assert status == "ok" and "1 GPU(s) via NVML (driver 580.159.04)" in detail, detail
 
 
 @pytest.mark.parametrize("changes,status,reason", [
