@@ -71,9 +71,9 @@ async def wipe_disk(
     """
     started = time.monotonic()
     evidence = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease, domain_disks=domain_disks)
-    dev = _dev_path(host, evidence)
+    dev = kernel_node(host, evidence)
     method = await _clear_blocks(host, evidence, dev, timeout=timeout, runner=runner)
-    await _step(runner, ["wipefs", "--all", dev], timeout, evidence)
+    await wipe_step(runner, ["wipefs", "--all", dev], timeout, evidence)
     # Drop the kernel's stale partition nodes (the table is gone from the disk).
     await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
     if after_erase is not None:
@@ -114,7 +114,7 @@ async def prove_cleared(
             log_event(log, "discard_left_data", logging.WARNING, by_id=evidence.by_id,
                       kernel_name=evidence.kernel_name, first_nonzero_offset=whole.first_nonzero_offset)
             left = whole
-            method = await _zero_out(host, evidence, dev, timeout=timeout, runner=runner)
+            method = await zero_out(host, evidence, dev, timeout=timeout, runner=runner)
             zeroed = True
             whole = await asyncio.to_thread(read_whole_device, dev, evidence.size_bytes)
     proof = await verify_wiped(
@@ -174,7 +174,7 @@ async def verify_wiped(
     (callers decide), only when the probes themselves cannot run.
     """
     started = time.monotonic() if started is None else started
-    dev = dev or _dev_path(host, evidence)
+    dev = dev or kernel_node(host, evidence)
     seed = random.SystemRandom().randrange(1 << 31) if seed is None else seed
     signatures = await _signatures(dev, runner)
     partitions_left = _partitions_now(host, evidence)
@@ -251,10 +251,10 @@ async def _clear_blocks(
             return WipeMethod.discard
         if b"busy" in done.stderr.lower():
             raise WipeError(f"blkdiscard {dev}: device busy", code="wipe_failed", evidence=_ev(evidence, done))
-    return await _zero_out(host, evidence, dev, timeout=timeout, runner=runner)
+    return await zero_out(host, evidence, dev, timeout=timeout, runner=runner)
 
 
-async def _zero_out(host: HostRoot, evidence: DiskEvidence, dev: str, *, timeout: float,
+async def zero_out(host: HostRoot, evidence: DiskEvidence, dev: str, *, timeout: float,
                     runner: Runner) -> WipeMethod:
     """Write Zeroes (``blkdiscard --zeroout``); where the device refuses it, the agent writes zero buffers itself.
 
@@ -282,7 +282,8 @@ def _zero_fill(dev: str, size: int) -> None:
         os.close(fd)
 
 
-async def _step(runner: Runner, argv: list[str], timeout: float, evidence: DiskEvidence) -> Completed:
+async def wipe_step(runner: Runner, argv: list[str], timeout: float, evidence: DiskEvidence) -> Completed:
+    """Run one command of a wipe; its failure is ``wipe_failed`` naming the disk (the disk is not clean)."""
     try:
         return await runner(argv, timeout=timeout)
     except HostError as exc:
@@ -319,6 +320,6 @@ def _int_attr(host: HostRoot, path: str) -> int:
         return 0
 
 
-def _dev_path(host: HostRoot, evidence: DiskEvidence) -> str:
+def kernel_node(host: HostRoot, evidence: DiskEvidence) -> str:
     """The kernel node the guard just matched (by major:minor) to the by-id link."""
     return str(host.real(f"/dev/{evidence.kernel_name}"))

@@ -42,9 +42,9 @@ from gpuaas_agent.errors import GuardError, HostError
 from gpuaas_agent.host.storage.nvmecaps import (
     NvmeCapsError,
     Runner,
-    _json,
     device_identities,
     normalize_identity,
+    nvme_json,
     parse_sanitize_log,
     read_capabilities,
 )
@@ -191,7 +191,7 @@ def build_argv(action: NvmeEraseAction, dev: str, caps: NvmeCapabilities, policy
 
 async def read_sanitize_status(dev: str, action: NvmeEraseAction, *, runner: Runner,
                                timeout: float = 60) -> SanitizeStatus:
-    doc = await _json(runner, ["nvme", "sanitize-log", dev, "--output-format=json"], timeout)
+    doc = await nvme_json(runner, ["nvme", "sanitize-log", dev, "--output-format=json"], timeout)
     return parse_sanitize_log(doc, estimate_key=ESTIMATE_KEY.get(action))
 
 

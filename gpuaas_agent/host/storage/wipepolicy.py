@@ -41,13 +41,13 @@ from gpuaas_agent.host.run import Completed, run
 from gpuaas_agent.host.storage.blockwipe import (
     DEFAULT_SAMPLES,
     WipeError,
-    _dev_path,
-    _step,
-    _zero_out,
+    kernel_node,
     prove_cleared,
     read_whole_device,
     verify_wiped,
     wipe_disk,
+    wipe_step,
+    zero_out,
 )
 from gpuaas_agent.host.storage.nvmecaps import NvmeCapsError, read_capabilities
 from gpuaas_agent.host.storage.nvmewipe import (
@@ -111,10 +111,10 @@ async def wipe_slot_disk(
         return proof.model_copy(update={"policy": policy.method})
     started = time.monotonic()
     evidence = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease, domain_disks=domain_disks)
-    dev = _dev_path(host, evidence)
+    dev = kernel_node(host, evidence)
     if policy.method is WipePolicyMethod.zeroout:
-        method = await _zero_out(host, evidence, dev, timeout=policy.timeout_s, runner=runner)
-        await _step(runner, ["wipefs", "--all", dev], 600, evidence)
+        method = await zero_out(host, evidence, dev, timeout=policy.timeout_s, runner=runner)
+        await wipe_step(runner, ["wipefs", "--all", dev], 600, evidence)
         await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
         if after_erase is not None:
             await after_erase(dev)
@@ -126,7 +126,7 @@ async def wipe_slot_disk(
                             runner=runner)
     if not zeros_guaranteed and nvme.zeros_guaranteed:
         nvme = nvme.model_copy(update={"zeros_guaranteed": False})  # the lease's word was weaker: read it all
-    await _step(runner, ["wipefs", "--all", dev], 600, evidence)
+    await wipe_step(runner, ["wipefs", "--all", dev], 600, evidence)
     await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
     if after_erase is not None:
         await after_erase(dev)
@@ -161,7 +161,7 @@ async def resolve_policy(
         evidence = await check_wipe_policy(policy, host, by_id, lease=lease, runner=runner)
         return policy, bool(evidence["zeros_guaranteed"]), evidence
     disk = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease)
-    dev = _dev_path(host, disk)
+    dev = kernel_node(host, disk)
     nsid = _nsid(host, disk)
     fallback = ZEROOUT.model_copy(update={"timeout_s": policy.timeout_s})
     if nsid is None:
@@ -273,7 +273,7 @@ async def check_wipe_policy(
     if policy.method in (WipePolicyMethod.discard, WipePolicyMethod.zeroout, WipePolicyMethod.auto):
         return {"policy": policy.method.value, "zeros_guaranteed": policy.method is not WipePolicyMethod.discard}
     evidence = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease)
-    dev = _dev_path(host, evidence)
+    dev = kernel_node(host, evidence)
     caps, matched, action, argv = await plan_nvme_erase(
         dev, nsid=_namespace_id(host, evidence, policy), lease_identity=lease.disk_identity, policy=policy,
         by_id=by_id, runner=runner)
@@ -309,7 +309,7 @@ async def prove_erased(
     data_left = (whole is not None and not whole.all_zero) or not all(s.all_zero for s in proof.samples)
     if data_left and not proof.signatures_found and not proof.partitions_left and method is not WipeMethod.zeroout:
         # The erase left non-zero data (a crypto erase's ciphertext, say): write zeroes, then prove those.
-        await _step(runner, ["blkdiscard", "--zeroout", dev], policy.timeout_s, evidence)
+        await wipe_step(runner, ["blkdiscard", "--zeroout", dev], policy.timeout_s, evidence)
         zeroed = True
         proof = await verify_wiped(host, evidence, method=WipeMethod.zeroout, samples=samples, seed=seed,
                                    started=started, runner=runner, dev=dev)
