@@ -18,15 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-from gpuaas_agent.contract.nvmewipe import WholeDeviceCheck
-from gpuaas_agent.contract.storage import (
-    DiskEvidence,
-    DiskLease,
-    ProofGuarantee,
-    WipeMethod,
-    WipeProof,
-    WipeSample,
-)
+from gpuaas_agent.contract.nvmewipe import WholeDeviceCheck, WipeMethod
+from gpuaas_agent.contract.storage import DiskEvidence, DiskLease, ProofGuarantee, WipeProof, WipeSample
 from gpuaas_agent.discovery.nvme import BlockTable
 from gpuaas_agent.discovery.sysread import SysReader
 from gpuaas_agent.errors import HostError
@@ -72,10 +65,8 @@ async def wipe_disk(
     started = time.monotonic()
     evidence = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease, domain_disks=domain_disks)
     dev = kernel_node(host, evidence)
-    method = await _clear_blocks(host, evidence, dev, timeout=timeout, runner=runner)
-    await wipe_step(runner, ["wipefs", "--all", dev], timeout, evidence)
-    # Drop the kernel's stale partition nodes (the table is gone from the disk).
-    await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
+    method = await clear_blocks(host, evidence, dev, timeout=timeout, runner=runner)
+    await clear_signatures(runner, dev, evidence, timeout=timeout)
     if after_erase is not None:
         await after_erase(dev)
     return await prove_cleared(host, evidence, dev, method=method, samples=samples, seed=seed, started=started,
@@ -240,7 +231,7 @@ async def _signatures(dev: str, runner: Runner) -> list[str]:
     return found
 
 
-async def _clear_blocks(
+async def clear_blocks(
     host: HostRoot, evidence: DiskEvidence, dev: str, *, timeout: float, runner: Runner
 ) -> WipeMethod:
     """blkdiscard when the device discards, else a zeroing offload, else zero buffers written by us."""
@@ -280,6 +271,13 @@ def _zero_fill(dev: str, size: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+async def clear_signatures(runner: Runner, dev: str, evidence: DiskEvidence, *, timeout: float) -> None:
+    """Erase every signature wipefs knows (never ``--force``: a disk in use answers EBUSY), then drop the
+    kernel's stale partition nodes (the table is gone from the disk)."""
+    await wipe_step(runner, ["wipefs", "--all", dev], timeout, evidence)
+    await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
 
 
 async def wipe_step(runner: Runner, argv: list[str], timeout: float, evidence: DiskEvidence) -> Completed:
