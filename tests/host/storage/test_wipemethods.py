@@ -7,6 +7,7 @@ is built), never fall through to some other way of wiping.
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,8 @@ from pydantic import ValidationError
 
 from gpuaas_agent.contract.nvmewipe import POLICY_ONLY, PROOF_ONLY, RUNNABLE, WipeMethod, WipePolicy
 from gpuaas_agent.contract.storage import WipeProof
+from gpuaas_agent.guards.disk import DiskGuardError
+from gpuaas_agent.host.run import run
 from gpuaas_agent.host.storage.wipemethods import (
     WIPE_METHODS,
     WipeMethodTableError,
@@ -24,6 +27,11 @@ from gpuaas_agent.host.storage.wipemethods import (
     wipe_method,
     zeroout,
 )
+from gpuaas_agent.host.storage.wipepolicy import wipe_slot_disk
+from gpuaas_agent.hostfs import HostRoot
+from tests.realdev import MiB, read_bytes
+
+LIVE = HostRoot.open("/")
 
 # The values the control plane sends in a policy, and the agent has written in proofs, before one enum.
 POLICY_WIRE = {"auto", "discard", "zeroout", "nvme_format", "nvme_sanitize"}
@@ -92,3 +100,23 @@ def test_a_policy_naming_how_a_zeroout_ran_and_a_proof_naming_an_unresolved_meth
     schema = WipePolicy.model_json_schema()
     assert schema["properties"]["method"]["not"] == {"enum": ["zero_fill"]}
     assert WipeProof.model_json_schema()["properties"]["method"]["not"] == {"enum": ["auto"]}
+
+
+@pytest.mark.parametrize("method", sorted(WIPE_METHODS, key=lambda m: m.value))
+def test_every_method_gets_the_disk_only_through_the_guard(realdev, method):
+    """A disk with a mounted child is refused before any method runs a command (each new method included)."""
+    disk = realdev.disk(32, partitions_mib=[16])
+    realdev.mkfs_ext4(disk.partitions[0])
+    realdev.mount(disk.partitions[0])
+    before = read_bytes(disk.dev, 0, MiB)
+    sent: list[list[str]] = []
+
+    async def recording(argv, **kwargs):
+        sent.append(list(argv))
+        return await run(argv, **kwargs)
+
+    with pytest.raises(DiskGuardError) as refused:
+        asyncio.run(wipe_slot_disk(WipePolicy(method=method), LIVE, disk.by_id, lease=disk.lease(),
+                                   runner=recording))
+    assert refused.value.code == "mounted_child" and sent == []
+    assert read_bytes(disk.dev, 0, MiB) == before
