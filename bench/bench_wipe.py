@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod
+from gpuaas_agent.contract.nvmewipe import WipeMethod, WipePolicy
 from gpuaas_agent.host.run import run
 from gpuaas_agent.host.storage.wipepolicy import wipe_slot_disk
 from gpuaas_agent.hostfs import HostRoot
@@ -74,7 +74,7 @@ def main() -> None:
                 for policy in policies:
                     _fill(disk.dev, args.size_mib)
                     start = time.perf_counter()
-                    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipePolicyMethod(policy)), LIVE, disk.by_id,
+                    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipeMethod(policy)), LIVE, disk.by_id,
                                                        lease=disk.lease(), samples=args.samples))
                     wipes[policy].append(time.perf_counter() - start)
                     assert proof.verified and proof.covers_every_byte

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpuaas_agent.contract.nvmewipe import FormatErase, WipePolicy, WipePolicyMethod
+from gpuaas_agent.contract.nvmewipe import FormatErase, WipeMethod, WipePolicy
 from gpuaas_agent.host.storage.nvmewipe import nvme_erase
 from lab import nvme_guest
 
@@ -64,7 +64,7 @@ async def main_async(args) -> None:
         conn = await nvme_guest.connect(guest)
         run = nvme_guest.guest_runner(conn)
         wwid = (await run(["cat", "/sys/block/nvme0n1/wwid"], timeout=60)).stdout.decode().strip()
-        policy = WipePolicy(method=WipePolicyMethod.nvme_format, format_erase=FormatErase.user_data)
+        policy = WipePolicy(method=WipeMethod.nvme_format, format_erase=FormatErase.user_data)
         read = ["dd", f"if={DEV}", "of=/dev/null", "bs=8M", "iflag=direct"]
         for _ in range(args.runs):
             _fill(guest.backing)

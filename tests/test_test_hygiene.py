@@ -113,6 +113,19 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     "host/images/source": ("the image source allow-list", ("tests/host/images/test_cache.py", "tests/host/images/test_cache_http.py")),
     "host/storage/nvmecaps": ("NVMe capabilities behind the wipe policy", ("tests/host/storage/test_nvmewipe.py",
                                                                     "tests/host/storage/test_wipepolicy.py")),
+    # The wipe methods (host/storage/wipemethods/): the table's own tests, then each method through the policy's.
+    **{f"host/storage/wipemethods/{name}": (f"the {what}, run through wipepolicy.wipe_slot_disk", (
+        "tests/host/storage/test_wipemethods.py", *where)) for name, what, where in (
+        ("base", "interface every wipe method module offers", ()),
+        ("discard", "discard method", ("tests/host/storage/test_wipepolicy.py",
+                                       "tests/host/storage/test_wipe_lying_device.py")),
+        ("zeroout", "zeroout method", ("tests/host/storage/test_wipepolicy.py", "tests/host/storage/test_blockwipe.py")),
+        ("nvme", "NVMe methods' shared check, erase and proof", ("tests/host/storage/test_wipepolicy.py",
+                                                                  "tests/host/storage/test_nvme_guest.py")),
+        ("nvme_format", "Format NVM method", ("tests/host/storage/test_wipepolicy.py",
+                                              "tests/host/storage/test_nvme_guest.py")),
+        ("nvme_sanitize", "Sanitize method", ("tests/host/storage/test_wipepolicy.py",
+                                              "tests/host/storage/test_nvmewipe.py")))},
     "tasks/context": ("the handlers' TaskContext protocol and Handler type, checked by mypy --strict",
                       ("tests/test_static_checks.py", "tests/control/test_worker.py")),
     "tasks/firmware_check": ("the release's firmware step and its re-check", ("tests/tasks/test_release_gpu_handover.py",)),

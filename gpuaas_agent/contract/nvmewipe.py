@@ -1,10 +1,9 @@
 """Wipe policies and the NVMe evidence a wipe proof carries (seed 002: tenant-isolation wipe policy).
 
-A slot profile names *how* its disk is cleared between tenants: ``discard``
-(today's path: blkdiscard, zero-out when the device does not read back zeroes),
-``zeroout`` (the device writes zeroes), ``nvme_format`` (Format NVM with a secure
-erase setting) or ``nvme_sanitize`` (Sanitize: block erase, crypto erase or
-overwrite). An NVMe method runs only when the controller says it can: the
+A slot profile names *how* its disk is cleared between tenants (:class:`WipeMethod`):
+``discard`` (blkdiscard, then every byte read back), ``zeroout`` (the device writes
+zeroes), ``nvme_format`` (Format NVM with a secure erase setting) or ``nvme_sanitize``
+(Sanitize: block erase, crypto erase or overwrite); ``auto`` picks one at validate. An NVMe method runs only when the controller says it can: the
 capability it reported (``nvme id-ctrl`` / ``id-ns``) is part of the proof, so a
 reviewer sees *why* the agent believed the erase was possible and whether the
 device promised zeroes afterwards.
@@ -12,9 +11,9 @@ device promised zeroes afterwards.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Final
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.types import Uuid
@@ -23,22 +22,56 @@ NonNegative = Annotated[int, Field(ge=0)]
 U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
 
 
-class WipePolicyMethod(WireEnum):
-    """What a slot profile asks for when its disk is released.
+class WipeMethod(WireEnum):
+    """How a slot disk is cleared between tenants: the one name a profile's policy, a lease and a proof use.
 
-    ``auto`` (the default) is resolved at validate, from what ``nvme id-ctrl``/``id-ns``
-    report, to a method whose post-condition the device must honour: a crypto erase
-    (Sanitize, else Format) where the namespace reads erased blocks as zero and the
-    erase stays inside the lease, else Write Zeroes. The lease stores the resolved
-    method, never ``auto``. ``discard`` is advisory: a profile may opt in, and then
-    the proof reads the whole device back.
+    A policy (``WipePolicy.method``) names what the profile asks for; a proof
+    (``WipeProof.method``) records how the blocks were in fact cleared. ``auto`` (the
+    default) is a policy's word only: it is resolved at validate, from what ``nvme
+    id-ctrl``/``id-ns`` report, to a method whose post-condition the device must honour: a
+    crypto erase (Sanitize, else Format) where the namespace reads erased blocks as zero and
+    the erase stays inside the lease, else Write Zeroes; the lease stores the resolved method,
+    never ``auto``. ``zero_fill`` is a proof's word only: how ``zeroout`` ran where the device
+    refused Write Zeroes. ``discard`` is advisory: a profile may opt in, and then the proof
+    reads the whole device back. Every method a policy can run (:data:`RUNNABLE`) is one
+    module of ``gpuaas_agent/host/storage/wipemethods/``, registered in its ``WIPE_METHODS``.
     """
 
-    auto = "auto"
-    discard = "discard"
-    zeroout = "zeroout"
-    nvme_format = "nvme_format"
-    nvme_sanitize = "nvme_sanitize"
+    auto = "auto"  # resolved at validate to one of the methods below (a policy's only)
+    discard = "discard"  # blkdiscard: the device drops the blocks (Write Zeroes where it does not discard)
+    zeroout = "zeroout"  # blkdiscard --zeroout: the device writes zeroes (WRITE ZEROES / offload)
+    zero_fill = "zero_fill"  # the agent wrote zero buffers itself: zeroout on a device that refused it (a proof's only)
+    nvme_format = "nvme_format"  # Format NVM with a secure erase setting (the proof's ``nvme`` says which)
+    nvme_sanitize = "nvme_sanitize"  # Sanitize (block erase / crypto erase / overwrite; see ``nvme``)
+
+
+# A policy names what it asks for; ``zero_fill`` is only ever how a ``zeroout`` ran.
+PROOF_ONLY: Final = frozenset({WipeMethod.zero_fill})
+# A proof names what ran; ``auto`` is only ever what a profile asked for before validate resolved it.
+POLICY_ONLY: Final = frozenset({WipeMethod.auto})
+# The methods a policy can run: each has exactly one module in host/storage/wipemethods (WIPE_METHODS).
+RUNNABLE: Final = frozenset(WipeMethod) - PROOF_ONLY - POLICY_ONLY
+
+
+def _policy_names(method: WipeMethod) -> WipeMethod:
+    if method in PROOF_ONLY:
+        raise ValueError(f"{method.value} is how a zeroout ran on a device that refused Write Zeroes, "
+                         f"not a method a policy names")
+    return method
+
+
+def _proof_names(method: WipeMethod) -> WipeMethod:
+    if method in POLICY_ONLY:
+        raise ValueError(f"{method.value} is resolved before a wipe runs: a proof names the method that ran")
+    return method
+
+
+# The method a policy (and the ``policy`` a proof records) may name: any but a proof's own words.
+PolicyMethod = Annotated[WipeMethod, AfterValidator(_policy_names),
+                         Field(json_schema_extra={"not": {"enum": sorted(m.value for m in PROOF_ONLY)}})]
+# The method a proof records as run: any but a policy's own words.
+ProofMethod = Annotated[WipeMethod, AfterValidator(_proof_names),
+                        Field(json_schema_extra={"not": {"enum": sorted(m.value for m in POLICY_ONLY)}})]
 
 
 class FormatErase(WireEnum):
@@ -61,7 +94,7 @@ class SanitizeAction(WireEnum):
 class WipePolicy(WireModel):
     """How a slot profile's disk is cleared; the default is resolved from the device's capability at validate."""
 
-    method: WipePolicyMethod = WipePolicyMethod.auto
+    method: PolicyMethod = WipeMethod.auto
     format_erase: FormatErase = FormatErase.auto
     sanitize_action: SanitizeAction = SanitizeAction.auto
     # The erase command itself (sanitize: until the status log says it ended); verification comes on top.

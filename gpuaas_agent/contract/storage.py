@@ -12,7 +12,7 @@ from pydantic import Field
 
 from gpuaas_agent.contract.base import WireEnum, WireModel
 from gpuaas_agent.contract.images import ImageFormat
-from gpuaas_agent.contract.nvmewipe import NvmeEraseEvidence, WholeDeviceCheck, WipePolicyMethod
+from gpuaas_agent.contract.nvmewipe import NvmeEraseEvidence, PolicyMethod, ProofMethod, WholeDeviceCheck
 from gpuaas_agent.contract.types import MAJOR_MINOR_PATTERN, UUID_PATTERN, ByIdPath, DiskIdentity, KernelName
 
 NonNegative = Annotated[int, Field(ge=0)]
@@ -44,16 +44,6 @@ class DiskEvidence(WireModel):
     checks_passed: list[str]
 
 
-class WipeMethod(WireEnum):
-    """How the disk's blocks were cleared."""
-
-    discard = "discard"  # blkdiscard: the device drops the blocks (reads back zero when it says so)
-    zeroout = "zeroout"  # blkdiscard --zeroout: the device writes zeroes (WRITE ZEROES / offload)
-    zero_fill = "zero_fill"  # the agent wrote zero buffers itself
-    nvme_format = "nvme_format"  # Format NVM with a secure erase setting (the proof's ``nvme`` says which)
-    nvme_sanitize = "nvme_sanitize"  # Sanitize (block erase / crypto erase / overwrite; see ``nvme``)
-
-
 class ProofGuarantee(WireEnum):
     """What a wipe proof's claim over *every* byte rests on (a sample alone covers only what it read)."""
 
@@ -81,7 +71,7 @@ class WipeProof(WireModel):
     by_id: ByIdPath
     kernel_name: KernelName
     dev: Annotated[str, Field(pattern=MAJOR_MINOR_PATTERN)]
-    method: WipeMethod
+    method: ProofMethod  # how the blocks were cleared
     bytes: NonNegative
     seed: int
     samples: list[WipeSample]
@@ -93,7 +83,7 @@ class WipeProof(WireModel):
     # profile asked for; ``nvme``: the NVMe command and the capability evidence it was chosen on;
     # ``whole_device``: every byte read back (methods that do not promise zeroes); ``zeroed_after``:
     # the method left non-zero data, so the agent wrote zeroes (``method``) and proved those.
-    policy: WipePolicyMethod | None = None
+    policy: PolicyMethod | None = None
     nvme: NvmeEraseEvidence | None = None
     whole_device: WholeDeviceCheck | None = None
     zeroed_after: bool = False

@@ -264,9 +264,9 @@ def test_releasing_one_slot_keeps_the_allocations_other_slots(store):
 
 def _handover(method: str = "zeroout"):
     from gpuaas_agent.contract.handover import LeaseHandover
-    from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod
+    from gpuaas_agent.contract.nvmewipe import WipeMethod, WipePolicy
 
-    return LeaseHandover(profile="h200_1g_24c_64g", wipe=WipePolicy(method=WipePolicyMethod(method)),
+    return LeaseHandover(profile="h200_1g_24c_64g", wipe=WipePolicy(method=WipeMethod(method)),
                          zeros_guaranteed=method != "discard", fixed_at=1.0)
 
 

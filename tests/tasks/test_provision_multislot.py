@@ -14,7 +14,7 @@ import libvirt
 import pytest
 
 from gpuaas_agent.config import SliceConfig
-from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod
+from gpuaas_agent.contract.nvmewipe import WipeMethod, WipePolicy
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord, StepStatus
 from gpuaas_agent.contract.tasks import VmReleasePayload
@@ -139,7 +139,7 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
     # The set is provisioned under a host override that opts the lab profile into discard; the release runs
     # with the override gone. Each slot's wipe must follow what its own lease fixed at validate — the data
     # slot too, whose domain the boot slot's release has already undefined.
-    discard = {"lab_tcg_1c_512m": WipePolicy(method=WipePolicyMethod.discard)}
+    discard = {"lab_tcg_1c_512m": WipePolicy(method=WipeMethod.discard)}
 
     def sh(wipe_policies=discard):
         return SliceDrivers(host_root=loop_host.root,
@@ -214,7 +214,7 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
         # Release of the set (v1.1 payload): the domain goes, each disk is wiped and verified, each slot freed.
         ctx = task_ctx(store, "t-release")
         assert {lease.slot_index: lease.handover.wipe.method for lease in store.leases_of(alloc_c)} == {
-            1: WipePolicyMethod.discard, 2: WipePolicyMethod.discard}
+            1: WipeMethod.discard, 2: WipeMethod.discard}
         host = sh(wipe_policies={})
 
         async def released():

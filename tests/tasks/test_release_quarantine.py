@@ -11,8 +11,9 @@ import asyncio
 import time
 import uuid
 
+from gpuaas_agent.contract.nvmewipe import WipeMethod
 from gpuaas_agent.contract.state import SlotLease
-from gpuaas_agent.contract.storage import ProofGuarantee, WipeMethod, WipeProof
+from gpuaas_agent.contract.storage import ProofGuarantee, WipeProof
 from gpuaas_agent.host.storage.blockwipe import WipeError
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.pipeline import PipelineFailed

@@ -224,7 +224,7 @@ async def clone_image(
             f"clone onto {by_id} was cancelled; the disk is dirty", code="clone_cancelled", evidence=dirty
         ) from None
     except HostError as exc:
-        code = "clone_failed" if await asyncio.to_thread(_still_there, host, by_id, evidence) else "missing"
+        code = "clone_failed" if await asyncio.to_thread(disk_still_there, host, by_id, evidence) else "missing"
         raise CloneError(
             f"qemu-img convert onto {by_id} failed: {exc.message}", code=code, evidence={**exc.evidence, **dirty}
         ) from exc
@@ -246,7 +246,7 @@ async def clone_image(
     )
 
 
-def _still_there(host: HostRoot, by_id: str, evidence: DiskEvidence) -> bool:
+def disk_still_there(host: HostRoot, by_id: str, evidence: DiskEvidence) -> bool:
     """Whether the by-id link still leads to the same device number (the disk did not vanish)."""
     fresh = host.fresh()
     try:

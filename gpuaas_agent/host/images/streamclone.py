@@ -30,7 +30,13 @@ from gpuaas_agent.contract.storage import CloneProgress, CloneResult, DiskLease,
 from gpuaas_agent.errors import HostError
 from gpuaas_agent.guards.disk import check_disk_writable, open_exclusive
 from gpuaas_agent.host.images.cache import StreamedMiss
-from gpuaas_agent.host.images.clone import CloneError, ProgressCallback, _still_there, supports_o_direct, target_is_zero
+from gpuaas_agent.host.images.clone import (
+    CloneError,
+    ProgressCallback,
+    disk_still_there,
+    supports_o_direct,
+    target_is_zero,
+)
 from gpuaas_agent.host.images.stream import STREAM_CHUNK_BYTES
 from gpuaas_agent.hostfs import HostRoot
 
@@ -166,7 +172,7 @@ async def stream_image(host: HostRoot, miss: StreamedMiss, by_id: str, *, lease:
                          evidence={**dirty, "timeout_s": timeout}) from None
     except HostError as exc:  # the disk writer's CloneError, or the download's ImageCacheError
         code = exc.code
-        if code == "clone_failed" and not await asyncio.to_thread(_still_there, host, by_id, evidence):
+        if code == "clone_failed" and not await asyncio.to_thread(disk_still_there, host, by_id, evidence):
             code = "missing"
         message = exc.message if isinstance(exc, CloneError) else f"streaming onto {by_id} failed: {exc.message}"
         raise CloneError(message, code=code, evidence={**exc.evidence, **dirty}) from exc

@@ -18,15 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-from gpuaas_agent.contract.nvmewipe import WholeDeviceCheck
-from gpuaas_agent.contract.storage import (
-    DiskEvidence,
-    DiskLease,
-    ProofGuarantee,
-    WipeMethod,
-    WipeProof,
-    WipeSample,
-)
+from gpuaas_agent.contract.nvmewipe import WholeDeviceCheck, WipeMethod
+from gpuaas_agent.contract.storage import DiskEvidence, DiskLease, ProofGuarantee, WipeProof, WipeSample
 from gpuaas_agent.discovery.nvme import BlockTable
 from gpuaas_agent.discovery.sysread import SysReader
 from gpuaas_agent.errors import HostError
@@ -71,11 +64,9 @@ async def wipe_disk(
     """
     started = time.monotonic()
     evidence = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease, domain_disks=domain_disks)
-    dev = _dev_path(host, evidence)
-    method = await _clear_blocks(host, evidence, dev, timeout=timeout, runner=runner)
-    await _step(runner, ["wipefs", "--all", dev], timeout, evidence)
-    # Drop the kernel's stale partition nodes (the table is gone from the disk).
-    await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
+    dev = kernel_node(host, evidence)
+    method = await clear_blocks(host, evidence, dev, timeout=timeout, runner=runner)
+    await clear_signatures(runner, dev, evidence, timeout=timeout)
     if after_erase is not None:
         await after_erase(dev)
     return await prove_cleared(host, evidence, dev, method=method, samples=samples, seed=seed, started=started,
@@ -114,7 +105,7 @@ async def prove_cleared(
             log_event(log, "discard_left_data", logging.WARNING, by_id=evidence.by_id,
                       kernel_name=evidence.kernel_name, first_nonzero_offset=whole.first_nonzero_offset)
             left = whole
-            method = await _zero_out(host, evidence, dev, timeout=timeout, runner=runner)
+            method = await zero_out(host, evidence, dev, timeout=timeout, runner=runner)
             zeroed = True
             whole = await asyncio.to_thread(read_whole_device, dev, evidence.size_bytes)
     proof = await verify_wiped(
@@ -174,7 +165,7 @@ async def verify_wiped(
     (callers decide), only when the probes themselves cannot run.
     """
     started = time.monotonic() if started is None else started
-    dev = dev or _dev_path(host, evidence)
+    dev = dev or kernel_node(host, evidence)
     seed = random.SystemRandom().randrange(1 << 31) if seed is None else seed
     signatures = await _signatures(dev, runner)
     partitions_left = _partitions_now(host, evidence)
@@ -240,7 +231,7 @@ async def _signatures(dev: str, runner: Runner) -> list[str]:
     return found
 
 
-async def _clear_blocks(
+async def clear_blocks(
     host: HostRoot, evidence: DiskEvidence, dev: str, *, timeout: float, runner: Runner
 ) -> WipeMethod:
     """blkdiscard when the device discards, else a zeroing offload, else zero buffers written by us."""
@@ -251,10 +242,10 @@ async def _clear_blocks(
             return WipeMethod.discard
         if b"busy" in done.stderr.lower():
             raise WipeError(f"blkdiscard {dev}: device busy", code="wipe_failed", evidence=_ev(evidence, done))
-    return await _zero_out(host, evidence, dev, timeout=timeout, runner=runner)
+    return await zero_out(host, evidence, dev, timeout=timeout, runner=runner)
 
 
-async def _zero_out(host: HostRoot, evidence: DiskEvidence, dev: str, *, timeout: float,
+async def zero_out(host: HostRoot, evidence: DiskEvidence, dev: str, *, timeout: float,
                     runner: Runner) -> WipeMethod:
     """Write Zeroes (``blkdiscard --zeroout``); where the device refuses it, the agent writes zero buffers itself.
 
@@ -282,7 +273,15 @@ def _zero_fill(dev: str, size: int) -> None:
         os.close(fd)
 
 
-async def _step(runner: Runner, argv: list[str], timeout: float, evidence: DiskEvidence) -> Completed:
+async def clear_signatures(runner: Runner, dev: str, evidence: DiskEvidence, *, timeout: float) -> None:
+    """Erase every signature wipefs knows (never ``--force``: a disk in use answers EBUSY), then drop the
+    kernel's stale partition nodes (the table is gone from the disk)."""
+    await wipe_step(runner, ["wipefs", "--all", dev], timeout, evidence)
+    await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
+
+
+async def wipe_step(runner: Runner, argv: list[str], timeout: float, evidence: DiskEvidence) -> Completed:
+    """Run one command of a wipe; its failure is ``wipe_failed`` naming the disk (the disk is not clean)."""
     try:
         return await runner(argv, timeout=timeout)
     except HostError as exc:
@@ -319,6 +318,6 @@ def _int_attr(host: HostRoot, path: str) -> int:
         return 0
 
 
-def _dev_path(host: HostRoot, evidence: DiskEvidence) -> str:
+def kernel_node(host: HostRoot, evidence: DiskEvidence) -> str:
     """The kernel node the guard just matched (by major:minor) to the by-id link."""
     return str(host.real(f"/dev/{evidence.kernel_name}"))

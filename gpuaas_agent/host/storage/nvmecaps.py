@@ -208,7 +208,8 @@ def device_identities(caps: NvmeCapabilities) -> list[str]:
 # --- the shell: ask the device ----------------------------------------------------------------------
 
 
-async def _json(runner: Runner, argv: list[str], timeout: float) -> dict[str, Any]:
+async def nvme_json(runner: Runner, argv: list[str], timeout: float) -> dict[str, Any]:
+    """Run one nvme-cli query (``--output-format=json``) and parse its answer; ``NvmeCapsError`` when it fails."""
     try:
         done = await runner(argv, timeout=timeout)
     except HostError as exc:
@@ -229,13 +230,13 @@ async def read_capabilities(dev: str, nsid: int, *, runner: Runner, timeout: flo
     Commands go to the namespace's own node, the one the disk guard just checked,
     so they reach the controller that serves the leased namespace.
     """
-    id_ctrl = await _json(runner, ["nvme", "id-ctrl", dev, "--output-format=json"], timeout)
-    id_ns = await _json(runner, ["nvme", "id-ns", dev, f"--namespace-id={nsid}", "--output-format=json"], timeout)
-    descs = await _json(runner, ["nvme", "ns-descs", dev, f"--namespace-id={nsid}", "--output-format=json"], timeout)
-    list_ns = await _json(runner, ["nvme", "list-ns", dev, "--output-format=json"], timeout)
+    id_ctrl = await nvme_json(runner, ["nvme", "id-ctrl", dev, "--output-format=json"], timeout)
+    id_ns = await nvme_json(runner, ["nvme", "id-ns", dev, f"--namespace-id={nsid}", "--output-format=json"], timeout)
+    descs = await nvme_json(runner, ["nvme", "ns-descs", dev, f"--namespace-id={nsid}", "--output-format=json"], timeout)
+    list_ns = await nvme_json(runner, ["nvme", "list-ns", dev, "--output-format=json"], timeout)
     # Attached or not: a sanitize, or a format over all namespaces, erases the detached ones too.
     try:
-        list_ns_all: dict[str, Any] | None = await _json(runner, ["nvme", "list-ns", dev, "--all", "--output-format=json"],
+        list_ns_all: dict[str, Any] | None = await nvme_json(runner, ["nvme", "list-ns", dev, "--all", "--output-format=json"],
                                                timeout)
     except NvmeCapsError:
         list_ns_all = None  # no namespace management: the scope check then refuses any subsystem-wide erase

@@ -35,19 +35,21 @@ from gpuaas_agent.contract.nvmewipe import (
     NvmeEraseEvidence,
     SanitizeAction,
     SanitizeStatus,
+    WipeMethod,
     WipePolicy,
-    WipePolicyMethod,
 )
+from gpuaas_agent.contract.storage import DiskEvidence
 from gpuaas_agent.errors import GuardError, HostError
 from gpuaas_agent.host.storage.nvmecaps import (
     NvmeCapsError,
     Runner,
-    _json,
     device_identities,
     normalize_identity,
+    nvme_json,
     parse_sanitize_log,
     read_capabilities,
 )
+from gpuaas_agent.hostfs import HostRoot
 
 SANACT = {
     NvmeEraseAction.sanitize_block_erase: 2,
@@ -102,7 +104,7 @@ def _unsupported(policy: WipePolicy, caps: NvmeCapabilities, reason: str) -> Wip
 def choose_action(policy: WipePolicy, caps: NvmeCapabilities) -> NvmeEraseAction:
     """The NVMe action ``policy`` asks for, only where the controller reports the capability; else a refusal."""
     ctrl = caps.controller
-    if policy.method is WipePolicyMethod.nvme_format:
+    if policy.method is WipeMethod.nvme_format:
         if not ctrl.format_supported:
             raise _unsupported(policy, caps, "OACS bit 1 (Format NVM) is clear")
         if policy.format_erase is FormatErase.crypto and not ctrl.format_crypto_erase:
@@ -110,7 +112,7 @@ def choose_action(policy: WipePolicy, caps: NvmeCapabilities) -> NvmeEraseAction
         if policy.format_erase is FormatErase.user_data or not ctrl.format_crypto_erase:
             return NvmeEraseAction.format_user_data
         return NvmeEraseAction.format_crypto
-    if policy.method is WipePolicyMethod.nvme_sanitize:
+    if policy.method is WipeMethod.nvme_sanitize:
         offered = {
             SanitizeAction.crypto_erase: (ctrl.sanitize_crypto_erase, NvmeEraseAction.sanitize_crypto_erase),
             SanitizeAction.block_erase: (ctrl.sanitize_block_erase, NvmeEraseAction.sanitize_block_erase),
@@ -189,9 +191,23 @@ def build_argv(action: NvmeEraseAction, dev: str, caps: NvmeCapabilities, policy
     return argv
 
 
+def zeros_after(action: NvmeEraseAction, caps: NvmeCapabilities) -> bool:
+    """Whether every LBA reads zero after ``action``: an overwrite of zeroes writes them; others need DLFEAT."""
+    return action is NvmeEraseAction.sanitize_overwrite or caps.namespace.deallocated_reads_zero
+
+
+def namespace_id(host: HostRoot, evidence: DiskEvidence) -> int | None:
+    """The NVMe namespace id sysfs gives the guarded disk; None for a disk that is no NVMe namespace."""
+    try:
+        nsid = int(host.read_attr(f"/sys/class/block/{evidence.kernel_name}/nsid"))
+    except (OSError, ValueError):
+        return None
+    return nsid if 1 <= nsid <= 0xFFFFFFFE else None
+
+
 async def read_sanitize_status(dev: str, action: NvmeEraseAction, *, runner: Runner,
                                timeout: float = 60) -> SanitizeStatus:
-    doc = await _json(runner, ["nvme", "sanitize-log", dev, "--output-format=json"], timeout)
+    doc = await nvme_json(runner, ["nvme", "sanitize-log", dev, "--output-format=json"], timeout)
     return parse_sanitize_log(doc, estimate_key=ESTIMATE_KEY.get(action))
 
 
@@ -277,5 +293,5 @@ async def _poll_sanitize(dev: str, action: NvmeEraseAction, *, by_id: str, runne
 
 
 __all__ = ["NvmeCapsError", "NvmeEraseError", "WipeRefused", "build_argv", "check_identity",
-           "check_scope", "choose_action", "nvme_erase", "plan_nvme_erase",
-           "read_sanitize_status"]
+           "check_scope", "choose_action", "namespace_id", "nvme_erase", "plan_nvme_erase",
+           "read_sanitize_status", "zeros_after"]

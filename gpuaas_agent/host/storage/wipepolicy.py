@@ -16,6 +16,10 @@ read zero (``erase_reads_zero``); otherwise every byte read back
 (``whole_device_read``) — always so after an opt-in ``discard``, which a device
 may honour in part. Data left behind is zeroed and proved again
 (``zeroed_after``); a proof that still fails raises ``wipe_unverified``.
+
+What each method does (check, wipe, prove) is its module's in ``wipemethods/``, found by the
+method in ``WIPE_METHODS``; this module resolves ``auto``, runs the disk guard before any
+method's wipe, and records the policy in the proof.
 """
 
 from __future__ import annotations
@@ -29,56 +33,45 @@ from gpuaas_agent.contract.handover import HandoverOrigin, LeaseHandover
 from gpuaas_agent.contract.nvmewipe import (
     FormatErase,
     NvmeCapabilities,
-    NvmeEraseEvidence,
     SanitizeAction,
+    WipeMethod,
     WipePolicy,
-    WipePolicyMethod,
 )
 from gpuaas_agent.contract.runtime import DEFAULT_PROFILE, PROFILES, RuntimeProfile
-from gpuaas_agent.contract.storage import DiskEvidence, DiskLease, ProofGuarantee, WipeMethod, WipeProof
+from gpuaas_agent.contract.storage import DiskLease, WipeProof
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.host.run import Completed, run
-from gpuaas_agent.host.storage.blockwipe import (
-    DEFAULT_SAMPLES,
-    WipeError,
-    _dev_path,
-    _step,
-    _zero_out,
-    prove_cleared,
-    read_whole_device,
-    verify_wiped,
-    wipe_disk,
-)
+from gpuaas_agent.host.storage.blockwipe import DEFAULT_SAMPLES, kernel_node, read_whole_device, verify_wiped
 from gpuaas_agent.host.storage.nvmecaps import NvmeCapsError, read_capabilities
 from gpuaas_agent.host.storage.nvmewipe import (
     WipeRefused,
     check_identity,
     check_scope,
     choose_action,
-    nvme_erase,
-    plan_nvme_erase,
+    namespace_id,
+    zeros_after,
 )
+from gpuaas_agent.host.storage.wipemethods import wipe_method
+from gpuaas_agent.host.storage.wipemethods.base import WipeTarget
 from gpuaas_agent.hostfs import HostRoot
 
 Runner = Callable[..., Awaitable[Completed]]
 DEFAULT_POLICY = WipePolicy()
-ZEROOUT = WipePolicy(method=WipePolicyMethod.zeroout)
+ZEROOUT = WipePolicy(method=WipeMethod.zeroout)
 # What ``auto`` tries, in order: a crypto erase takes seconds on any size, but only where erased blocks read zero.
 AUTO_CANDIDATES = (
-    WipePolicy(method=WipePolicyMethod.nvme_sanitize, sanitize_action=SanitizeAction.crypto_erase),
-    WipePolicy(method=WipePolicyMethod.nvme_format, format_erase=FormatErase.crypto),
+    WipePolicy(method=WipeMethod.nvme_sanitize, sanitize_action=SanitizeAction.crypto_erase),
+    WipePolicy(method=WipeMethod.nvme_format, format_erase=FormatErase.crypto),
 )
 # A lease from before handover policies: the strictest erase the device offers (Sanitize reaches every
 # media location, caches included; then Format), inside the lease's scope, else Write Zeroes.
 STRICTEST_CANDIDATES = (
-    WipePolicy(method=WipePolicyMethod.nvme_sanitize, sanitize_action=SanitizeAction.block_erase),
-    WipePolicy(method=WipePolicyMethod.nvme_sanitize, sanitize_action=SanitizeAction.crypto_erase),
-    WipePolicy(method=WipePolicyMethod.nvme_sanitize, sanitize_action=SanitizeAction.overwrite),
-    WipePolicy(method=WipePolicyMethod.nvme_format, format_erase=FormatErase.crypto),
-    WipePolicy(method=WipePolicyMethod.nvme_format, format_erase=FormatErase.user_data),
+    WipePolicy(method=WipeMethod.nvme_sanitize, sanitize_action=SanitizeAction.block_erase),
+    WipePolicy(method=WipeMethod.nvme_sanitize, sanitize_action=SanitizeAction.crypto_erase),
+    WipePolicy(method=WipeMethod.nvme_sanitize, sanitize_action=SanitizeAction.overwrite),
+    WipePolicy(method=WipeMethod.nvme_format, format_erase=FormatErase.crypto),
+    WipePolicy(method=WipeMethod.nvme_format, format_erase=FormatErase.user_data),
 )
-NVME_METHOD = {WipePolicyMethod.nvme_format: WipeMethod.nvme_format,
-               WipePolicyMethod.nvme_sanitize: WipeMethod.nvme_sanitize}
 
 
 async def wipe_slot_disk(
@@ -103,35 +96,17 @@ async def wipe_slot_disk(
     :class:`~gpuaas_agent.host.storage.nvmewipe.WipeRefused` before anything is written,
     ``WipeError`` (``wipe_failed`` / ``wipe_unverified``) after.
     """
-    if policy.method is WipePolicyMethod.auto:
+    if policy.method is WipeMethod.auto:
         policy, zeros_guaranteed, _ = await resolve_policy(policy, host, by_id, lease=lease, runner=runner)
-    if policy.method is WipePolicyMethod.discard:
-        proof = await wipe_disk(host, by_id, lease=lease, domain_disks=domain_disks, samples=samples, seed=seed,
-                                timeout=policy.timeout_s, runner=runner, after_erase=after_erase)
-        return proof.model_copy(update={"policy": policy.method})
-    started = time.monotonic()
-    evidence = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease, domain_disks=domain_disks)
-    dev = _dev_path(host, evidence)
-    if policy.method is WipePolicyMethod.zeroout:
-        method = await _zero_out(host, evidence, dev, timeout=policy.timeout_s, runner=runner)
-        await _step(runner, ["wipefs", "--all", dev], 600, evidence)
-        await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
-        if after_erase is not None:
-            await after_erase(dev)
-        proof = await prove_cleared(host, evidence, dev, method=method, samples=samples, seed=seed, started=started,
-                                    timeout=policy.timeout_s, runner=runner)
-        return proof.model_copy(update={"policy": policy.method})
-    nsid = _namespace_id(host, evidence, policy)
-    nvme = await nvme_erase(dev, nsid=nsid, lease_identity=lease.disk_identity, policy=policy, by_id=by_id,
-                            runner=runner)
-    if not zeros_guaranteed and nvme.zeros_guaranteed:
-        nvme = nvme.model_copy(update={"zeros_guaranteed": False})  # the lease's word was weaker: read it all
-    await _step(runner, ["wipefs", "--all", dev], 600, evidence)
-    await runner(["blockdev", "--rereadpt", dev], timeout=60, check=False)
+    method = wipe_method(policy.method)
+    target = WipeTarget(host=host, by_id=by_id, lease=lease, runner=runner, domain_disks=domain_disks)
+    # The guard runs here, before any method's wipe: a method only ever gets the disk it let through.
+    disk = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease, domain_disks=domain_disks)
+    erased = await method.wipe(policy, target, disk, zeros_guaranteed=zeros_guaranteed)
     if after_erase is not None:
-        await after_erase(dev)
-    return await prove_erased(host, evidence, dev, method=NVME_METHOD[policy.method], policy=policy, nvme=nvme,
-                              samples=samples, seed=seed, started=started, runner=runner)
+        await after_erase(erased.dev)
+    proof = await method.prove(policy, target, erased, samples=samples, seed=seed)
+    return proof.model_copy(update={"policy": policy.method})
 
 
 async def resolve_policy(
@@ -153,16 +128,13 @@ async def resolve_policy(
     ``wipe_scope_exceeds_lease``): the profile asked for it, the tenant's data must not
     land on a disk that cannot be erased that way.
     """
-    if policy.method is WipePolicyMethod.discard:
-        return policy, False, {"policy": policy.method.value, "guarantee": "whole device read after the discard"}
-    if policy.method is WipePolicyMethod.zeroout:
-        return policy, True, {"policy": policy.method.value, "guarantee": "write zeroes"}
-    if policy.method is not WipePolicyMethod.auto:
-        evidence = await check_wipe_policy(policy, host, by_id, lease=lease, runner=runner)
-        return policy, bool(evidence["zeros_guaranteed"]), evidence
+    if policy.method is not WipeMethod.auto:
+        checked = await wipe_method(policy.method).check(policy, WipeTarget(host=host, by_id=by_id, lease=lease,
+                                                                            runner=runner))
+        return policy, checked.zeros_guaranteed, checked.evidence
     disk = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease)
-    dev = _dev_path(host, disk)
-    nsid = _nsid(host, disk)
+    dev = kernel_node(host, disk)
+    nsid = namespace_id(host, disk)
     fallback = ZEROOUT.model_copy(update={"timeout_s": policy.timeout_s})
     if nsid is None:
         return fallback, True, {"policy": "zeroout", "chosen_from": policy.method.value,
@@ -196,7 +168,7 @@ def choose_from_capabilities(
         except WipeRefused as exc:
             refusals.append({"policy": chosen.model_dump(mode="json"), "code": exc.code, "reason": exc.message})
             continue
-        zeros = _zeros_after(action.value, caps)
+        zeros = zeros_after(action, caps)
         if require_zeros and not zeros:
             refusals.append({"policy": chosen.model_dump(mode="json"), "code": "zeroes_not_guaranteed",
                              "reason": f"DLFEAT {caps.namespace.dlfeat:#x}: erased blocks are not promised to read zero"})
@@ -242,19 +214,6 @@ async def strictest_handover(
                          fixed_at=clock(), origin=HandoverOrigin.legacy), evidence
 
 
-def _zeros_after(action: str, caps: NvmeCapabilities) -> bool:
-    """Whether every LBA reads zero after ``action``: an overwrite of zeroes writes them; others need DLFEAT."""
-    return action == "sanitize_overwrite" or caps.namespace.deallocated_reads_zero
-
-
-def _nsid(host: HostRoot, evidence: DiskEvidence) -> int | None:
-    try:
-        nsid = int(host.read_attr(f"/sys/class/block/{evidence.kernel_name}/nsid"))
-    except (OSError, ValueError):
-        return None
-    return nsid if 1 <= nsid <= 0xFFFFFFFE else None
-
-
 async def check_wipe_policy(
     policy: WipePolicy,
     host: HostRoot,
@@ -270,81 +229,11 @@ async def check_wipe_policy(
     leaving the slot ``cleanup_blocked`` at release. ``discard``/``zeroout`` need nothing.
     Returns the evidence; raises :class:`WipeRefused` / ``NvmeCapsError``.
     """
-    if policy.method in (WipePolicyMethod.discard, WipePolicyMethod.zeroout, WipePolicyMethod.auto):
-        return {"policy": policy.method.value, "zeros_guaranteed": policy.method is not WipePolicyMethod.discard}
-    evidence = await asyncio.to_thread(check_disk_writable, host, by_id, lease=lease)
-    dev = _dev_path(host, evidence)
-    caps, matched, action, argv = await plan_nvme_erase(
-        dev, nsid=_namespace_id(host, evidence, policy), lease_identity=lease.disk_identity, policy=policy,
-        by_id=by_id, runner=runner)
-    return {"policy": policy.method.value, "action": action.value, "argv": argv, "device_identity": matched,
-            "zeros_guaranteed": _zeros_after(action.value, caps)}
-
-
-async def prove_erased(
-    host: HostRoot,
-    evidence: DiskEvidence,
-    dev: str,
-    *,
-    method: WipeMethod,
-    policy: WipePolicy,
-    nvme: NvmeEraseEvidence | None = None,
-    samples: int = DEFAULT_SAMPLES,
-    seed: int | None = None,
-    started: float | None = None,
-    runner: Runner = run,
-) -> WipeProof:
-    """Today's proof after an erase, plus a whole-device read where ``nvme`` does not promise zeroes.
-
-    Non-zero data with no signature left (a crypto erase's ciphertext) is zeroed
-    and proved again (``zeroed_after``); a signature left is never papered over.
-    """
-    started = time.monotonic() if started is None else started
-    whole = None
-    if nvme is not None and not nvme.zeros_guaranteed:
-        whole = await asyncio.to_thread(read_whole_device, dev, evidence.size_bytes)
-    proof = await verify_wiped(host, evidence, method=method, samples=samples, seed=seed, started=started,
-                               runner=runner, dev=dev)
-    zeroed = False
-    data_left = (whole is not None and not whole.all_zero) or not all(s.all_zero for s in proof.samples)
-    if data_left and not proof.signatures_found and not proof.partitions_left and method is not WipeMethod.zeroout:
-        # The erase left non-zero data (a crypto erase's ciphertext, say): write zeroes, then prove those.
-        await _step(runner, ["blkdiscard", "--zeroout", dev], policy.timeout_s, evidence)
-        zeroed = True
-        proof = await verify_wiped(host, evidence, method=WipeMethod.zeroout, samples=samples, seed=seed,
-                                   started=started, runner=runner, dev=dev)
-    left = whole if zeroed and whole is not None and not whole.all_zero else None
-    if zeroed:
-        guarantee = ProofGuarantee.write_zeroes
-    elif whole is not None:
-        guarantee = ProofGuarantee.whole_device_read
-    else:
-        guarantee = ProofGuarantee.erase_reads_zero if nvme is not None else ProofGuarantee.sampled
-    proof = proof.model_copy(update={"policy": policy.method, "nvme": nvme, "whole_device": whole,
-                                     "zeroed_after": zeroed, "guarantee": guarantee, "left_by_erase": left,
-                                     "verified": proof.verified and (whole is None or whole.all_zero or zeroed),
-                                     "duration_s": time.monotonic() - started})
-    if not proof.verified:
-        raise WipeError(
-            f"{evidence.by_id} ({evidence.kernel_name}) is not provably empty after the {policy.method.value} wipe",
-            code="wipe_unverified",
-            evidence=proof.model_dump(mode="json"),
-        )
-    return proof
-
-
-def _namespace_id(host: HostRoot, evidence: DiskEvidence, policy: WipePolicy) -> int:
-    """The NVMe namespace id sysfs gives the guarded disk; a disk that is not an NVMe namespace is refused."""
-    nsid = _nsid(host, evidence)
-    if nsid is None:
-        raise WipeRefused(
-            f"wipe method {policy.method.value} needs an NVMe namespace; {evidence.by_id} "
-            f"({evidence.kernel_name}) reports no NVMe namespace id: nothing sent",
-            code="wipe_method_unsupported",
-            evidence={"policy": policy.model_dump(mode="json"), "disk": evidence.model_dump(mode="json"),
-                      "reason": f"/sys/class/block/{evidence.kernel_name}/nsid is missing"},
-        )
-    return nsid
+    if policy.method is WipeMethod.auto:
+        return {"policy": policy.method.value, "zeros_guaranteed": True}  # resolved from the device at validate
+    checked = await wipe_method(policy.method).check(policy, WipeTarget(host=host, by_id=by_id, lease=lease,
+                                                                        runner=runner))
+    return checked.evidence
 
 
 def policy_for_profile(profile: str | None, overrides: Mapping[str, WipePolicy] | None = None) -> WipePolicy:

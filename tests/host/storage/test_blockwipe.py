@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from gpuaas_agent.contract.storage import WipeMethod, WipeProof
+from gpuaas_agent.contract.nvmewipe import WipeMethod
+from gpuaas_agent.contract.storage import WipeProof
 from gpuaas_agent.guards.disk import DiskGuardError, check_disk_writable
 from gpuaas_agent.host.storage.blockwipe import WipeError, sample_offsets, verify_wiped, wipe_disk
 from gpuaas_agent.hostfs import HostRoot

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from gpuaas_agent.contract.nvmewipe import FormatErase, NvmeEraseAction, WipePolicy, WipePolicyMethod
-from gpuaas_agent.contract.storage import WipeMethod, WipeProof
+from gpuaas_agent.contract.nvmewipe import FormatErase, NvmeEraseAction, WipeMethod, WipePolicy
+from gpuaas_agent.contract.storage import WipeProof
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.host.storage.nvmecaps import parse_capabilities, read_capabilities
 from gpuaas_agent.host.storage.nvmewipe import WipeRefused, nvme_erase
-from gpuaas_agent.host.storage.wipepolicy import prove_erased
+from gpuaas_agent.host.storage.wipemethods.nvme import prove_erased
 from gpuaas_agent.hostfs import HostRoot
 from lab import nvme_guest
 from tests.realdev import LoopDisk, RealDevices, require_root, sh
@@ -106,7 +106,7 @@ def test_live_controller_answers_parse_to_the_recorded_capabilities(lab):
 def test_sanitize_is_refused_as_unsupported_by_qemus_controller_and_nothing_is_sent(lab):
     with pytest.raises(WipeRefused) as refused:
         lab.call(nvme_erase(DEV, nsid=1, lease_identity=_lease_identity(lab), by_id=BY_ID, runner=lab.run,
-                            policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize)))
+                            policy=WipePolicy(method=WipeMethod.nvme_sanitize)))
     assert refused.value.code == "wipe_method_unsupported"
     assert refused.value.evidence["capabilities"]["controller"]["sanicap"] == 0
     # What QEMU 7.2 does with Sanitize when asked anyway: no status log, and the command is rejected.
@@ -118,13 +118,13 @@ def test_sanitize_is_refused_as_unsupported_by_qemus_controller_and_nothing_is_s
 def test_format_of_a_namespace_that_is_not_the_leased_one_is_refused_and_nothing_is_sent(lab):
     with pytest.raises(WipeRefused) as refused:
         lab.call(nvme_erase(DEV, nsid=1, lease_identity="nguid:000000000000000100a075244a103331", by_id=BY_ID,
-                            runner=lab.run, policy=WipePolicy(method=WipePolicyMethod.nvme_format)))
+                            runner=lab.run, policy=WipePolicy(method=WipeMethod.nvme_format)))
     assert refused.value.code == "wipe_identity_mismatch"
     assert refused.value.evidence["lease_identity"] == "nguid:000000000000000100a075244a103331"
     assert refused.value.evidence["serial"] == nvme_guest.SERIAL
     with pytest.raises(WipeRefused) as crypto:
         lab.call(nvme_erase(DEV, nsid=1, lease_identity=_lease_identity(lab), by_id=BY_ID, runner=lab.run,
-                            policy=WipePolicy(method=WipePolicyMethod.nvme_format, format_erase=FormatErase.crypto)))
+                            policy=WipePolicy(method=WipeMethod.nvme_format, format_erase=FormatErase.crypto)))
     assert crypto.value.code == "wipe_method_unsupported" and "FNA bit 2" in crypto.value.message
     assert lab.backing_is_pattern()
 
@@ -132,7 +132,7 @@ def test_format_of_a_namespace_that_is_not_the_leased_one_is_refused_and_nothing
 def test_format_user_data_erase_runs_the_built_argv_on_the_controller_and_the_backing_file_reads_zero(lab, tmp_path):
     assert lab.backing_is_pattern()
     evidence = lab.call(nvme_erase(DEV, nsid=1, lease_identity=_lease_identity(lab), by_id=BY_ID, runner=lab.run,
-                                   policy=WipePolicy(method=WipePolicyMethod.nvme_format)))
+                                   policy=WipePolicy(method=WipeMethod.nvme_format)))
     assert evidence.action is NvmeEraseAction.format_user_data
     assert evidence.argv[:3] == ["nvme", "format", DEV] and "--ses=1" in evidence.argv and "--lbaf=0" in evidence.argv
     assert evidence.zeros_guaranteed  # DLFEAT=1
@@ -150,7 +150,7 @@ def test_format_user_data_erase_runs_the_built_argv_on_the_controller_and_the_ba
         disk = LoopDisk(image=lab.guest.backing, dev=dev, by_id=devices.by_id_link(f"../../{os.path.basename(dev)}"))
         checked = check_disk_writable(LIVE, disk.by_id, lease=disk.lease())
         proof = lab.call(prove_erased(LIVE, checked, dev, method=WipeMethod.nvme_format, nvme=evidence,
-                                         policy=WipePolicy(method=WipePolicyMethod.nvme_format), samples=8))
+                                         policy=WipePolicy(method=WipeMethod.nvme_format), samples=8))
     finally:
         devices.close()
     assert proof.verified and proof.method is WipeMethod.nvme_format and not proof.zeroed_after

@@ -18,8 +18,8 @@ from gpuaas_agent.contract.nvmewipe import (
     FormatErase,
     NvmeEraseAction,
     SanitizeAction,
+    WipeMethod,
     WipePolicy,
-    WipePolicyMethod,
 )
 from gpuaas_agent.host.run import Completed
 from gpuaas_agent.host.storage.nvmecaps import (
@@ -123,12 +123,12 @@ def test_an_answer_missing_a_capability_field_is_a_typed_error_not_a_guess():
 
 
 @pytest.mark.parametrize(("name", "policy", "action"), [
-    (MICRON, WipePolicy(method=WipePolicyMethod.nvme_format), NvmeEraseAction.format_crypto),
-    (MICRON, WipePolicy(method=WipePolicyMethod.nvme_format, format_erase=FormatErase.user_data),
+    (MICRON, WipePolicy(method=WipeMethod.nvme_format), NvmeEraseAction.format_crypto),
+    (MICRON, WipePolicy(method=WipeMethod.nvme_format, format_erase=FormatErase.user_data),
      NvmeEraseAction.format_user_data),
-    (QEMU, WipePolicy(method=WipePolicyMethod.nvme_format), NvmeEraseAction.format_user_data),
-    (MICRON, WipePolicy(method=WipePolicyMethod.nvme_sanitize), NvmeEraseAction.sanitize_crypto_erase),
-    (MICRON, WipePolicy(method=WipePolicyMethod.nvme_sanitize, sanitize_action=SanitizeAction.block_erase),
+    (QEMU, WipePolicy(method=WipeMethod.nvme_format), NvmeEraseAction.format_user_data),
+    (MICRON, WipePolicy(method=WipeMethod.nvme_sanitize), NvmeEraseAction.sanitize_crypto_erase),
+    (MICRON, WipePolicy(method=WipeMethod.nvme_sanitize, sanitize_action=SanitizeAction.block_erase),
      NvmeEraseAction.sanitize_block_erase),
 ])  # fmt: skip
 def test_method_is_chosen_from_the_reported_capability(name, policy, action):
@@ -136,9 +136,9 @@ def test_method_is_chosen_from_the_reported_capability(name, policy, action):
 
 
 @pytest.mark.parametrize(("name", "policy", "reason"), [
-    (QEMU, WipePolicy(method=WipePolicyMethod.nvme_sanitize), "SANICAP 0x0"),
-    (QEMU, WipePolicy(method=WipePolicyMethod.nvme_format, format_erase=FormatErase.crypto), "FNA bit 2"),
-    (MICRON, WipePolicy(method=WipePolicyMethod.nvme_sanitize, sanitize_action=SanitizeAction.overwrite), "overwrite"),
+    (QEMU, WipePolicy(method=WipeMethod.nvme_sanitize), "SANICAP 0x0"),
+    (QEMU, WipePolicy(method=WipeMethod.nvme_format, format_erase=FormatErase.crypto), "FNA bit 2"),
+    (MICRON, WipePolicy(method=WipeMethod.nvme_sanitize, sanitize_action=SanitizeAction.overwrite), "overwrite"),
 ])  # fmt: skip
 def test_a_method_the_device_does_not_report_is_refused_with_the_capability_evidence(name, policy, reason):
     with pytest.raises(WipeRefused) as refused:
@@ -149,7 +149,7 @@ def test_a_method_the_device_does_not_report_is_refused_with_the_capability_evid
 
 def test_format_without_the_format_command_is_refused():
     with pytest.raises(WipeRefused, match="OACS bit 1"):
-        choose_action(WipePolicy(method=WipePolicyMethod.nvme_format), _caps(QEMU, id_ctrl={"oacs": 0x8}))
+        choose_action(WipePolicy(method=WipeMethod.nvme_format), _caps(QEMU, id_ctrl={"oacs": 0x8}))
 
 
 def test_sanitize_on_a_controller_with_another_namespace_is_refused_as_beyond_the_lease():
@@ -196,7 +196,7 @@ def test_a_planned_sanitize_on_a_subsystem_with_a_detached_namespace_sends_nothi
     runner.answers["list-ns-all"] = {"nsid_list": [{"nsid": 1}, {"nsid": 2}]}
     with pytest.raises(WipeRefused) as refused:
         asyncio.run(nvme_erase(DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
-                               policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize)))
+                               policy=WipePolicy(method=WipeMethod.nvme_sanitize)))
     assert refused.value.code == "wipe_scope_exceeds_lease" and runner.erases() == []
 
 
@@ -206,21 +206,21 @@ def test_auto_resolves_to_a_crypto_erase_only_where_erased_blocks_read_zero_and_
     caps = _caps(MICRON)
     assert caps.namespace.deallocated_reads_zero
     policy, zeros, evidence = choose_from_capabilities(caps, AUTO_CANDIDATES, require_zeros=True)
-    assert policy.method is WipePolicyMethod.nvme_sanitize and policy.sanitize_action is SanitizeAction.crypto_erase
+    assert policy.method is WipeMethod.nvme_sanitize and policy.sanitize_action is SanitizeAction.crypto_erase
     assert zeros and evidence["action"] == "sanitize_crypto_erase"
     # Another namespace on the subsystem: no sanitize (subsystem-wide); the per-namespace crypto format remains.
     shared = _caps(MICRON, list_ns={"nsid_list": [{"nsid": 1}, {"nsid": 2}]})
     policy, zeros, evidence = choose_from_capabilities(shared, AUTO_CANDIDATES, require_zeros=True)
-    assert policy.method is WipePolicyMethod.nvme_format and policy.format_erase is FormatErase.crypto
+    assert policy.method is WipeMethod.nvme_format and policy.format_erase is FormatErase.crypto
     assert evidence["not_chosen"][0]["code"] == "wipe_scope_exceeds_lease"
     # Erased blocks not promised to read zero: no crypto erase (it would need a whole read); Write Zeroes.
     noisy = _caps(MICRON, id_ns={"dlfeat": 0})
     policy, zeros, evidence = choose_from_capabilities(noisy, AUTO_CANDIDATES, require_zeros=True)
-    assert policy.method is WipePolicyMethod.zeroout and zeros
+    assert policy.method is WipeMethod.zeroout and zeros
     assert {r["code"] for r in evidence["not_chosen"]} == {"zeroes_not_guaranteed"}
     # QEMU's controller: no sanitize, no crypto format: Write Zeroes.
     assert choose_from_capabilities(_caps(QEMU), AUTO_CANDIDATES, require_zeros=True)[0].method is \
-        WipePolicyMethod.zeroout
+        WipeMethod.zeroout
     # A lease from before handover policies takes the strictest: Sanitize block erase where offered.
     strict, zeros, _ = choose_from_capabilities(noisy, STRICTEST_CANDIDATES, require_zeros=False)
     assert strict.sanitize_action is SanitizeAction.block_erase and not zeros  # proved by a whole-device read
@@ -230,7 +230,7 @@ def test_auto_resolves_to_a_crypto_erase_only_where_erased_blocks_read_zero_and_
 
 def test_argv_keeps_the_lba_format_and_names_the_namespace():
     caps = _caps(MICRON)
-    policy = WipePolicy(method=WipePolicyMethod.nvme_format, timeout_s=600)
+    policy = WipePolicy(method=WipeMethod.nvme_format, timeout_s=600)
     assert build_argv(NvmeEraseAction.format_crypto, DEV, caps, policy) == [
         "nvme", "format", DEV, "--namespace-id=1", "--lbaf=0", "--ses=2", "--timeout=600000", "--force"]
     assert build_argv(NvmeEraseAction.sanitize_overwrite, DEV, caps, policy) == [
@@ -241,7 +241,7 @@ def test_a_leased_identity_the_controller_does_not_answer_to_is_refused_before_a
     runner = ReplayRunner(MICRON)
     with pytest.raises(WipeRefused) as refused:
         asyncio.run(nvme_erase(DEV, nsid=1, lease_identity=SLOT1_NGUID, by_id=BY_ID, runner=runner,
-                               policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize)))
+                               policy=WipePolicy(method=WipeMethod.nvme_sanitize)))
     assert refused.value.code == "wipe_identity_mismatch"
     assert SLOT1_NGUID in refused.value.message and SLOT0_NGUID in refused.value.message
     assert refused.value.evidence["device_identities"][0] == SLOT0_NGUID
@@ -252,7 +252,7 @@ def test_sanitize_is_polled_through_the_status_log_until_it_completes():
     logs = [_doc(MICRON, "sanitize-log-running.json"), _doc(MICRON, "sanitize-log-done.json")]
     runner = ReplayRunner(MICRON, sanitize_logs=logs)
     evidence = asyncio.run(nvme_erase(DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
-                                      policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize)))
+                                      policy=WipePolicy(method=WipeMethod.nvme_sanitize)))
     assert runner.erases() == [["nvme", "sanitize", DEV, "--sanact=4"]]
     assert evidence.action is NvmeEraseAction.sanitize_crypto_erase and evidence.status_polls == 2
     assert evidence.estimated_s == 4 and evidence.final_status.status == 1
@@ -265,7 +265,7 @@ def test_a_failed_sanitize_in_the_status_log_is_a_wipe_failure():
     runner = ReplayRunner(MICRON, sanitize_logs=[failed])
     with pytest.raises(NvmeEraseError) as err:
         asyncio.run(nvme_erase(DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
-                               policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize)))
+                               policy=WipePolicy(method=WipeMethod.nvme_sanitize)))
     assert err.value.code == "wipe_failed" and err.value.evidence["status"]["status"] == 3
 
 
@@ -276,7 +276,7 @@ def test_sanitize_still_running_at_the_deadline_times_out():
     with pytest.raises(NvmeEraseError) as err:
         asyncio.run(nvme_erase(DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
                                clock=lambda: next(ticks),
-                               policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize, timeout_s=1500)))
+                               policy=WipePolicy(method=WipeMethod.nvme_sanitize, timeout_s=1500)))
     assert err.value.code == "wipe_timeout"
 
 
@@ -290,7 +290,7 @@ def test_a_completed_sanitize_log_describing_another_action_is_not_taken_as_ours
     runner = ReplayRunner(MICRON, sanitize_logs=[done])
     with pytest.raises(NvmeEraseError, match="describes sanitize action 4, not 2"):
         asyncio.run(nvme_erase(DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
-                               policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize,
+                               policy=WipePolicy(method=WipeMethod.nvme_sanitize,
                                                  sanitize_action=SanitizeAction.block_erase)))
     assert runner.erases() == [["nvme", "sanitize", DEV, "--sanact=2"]]
 
@@ -299,7 +299,7 @@ def test_planning_an_erase_reads_the_device_and_sends_no_erase():
     runner = ReplayRunner(MICRON)
     caps, matched, action, argv = asyncio.run(plan_nvme_erase(
         DEV, nsid=1, lease_identity=SLOT0_NGUID, by_id=BY_ID, runner=runner,
-        policy=WipePolicy(method=WipePolicyMethod.nvme_format)))
+        policy=WipePolicy(method=WipeMethod.nvme_format)))
     assert action is NvmeEraseAction.format_crypto and argv[:2] == ["nvme", "format"] and matched == SLOT0_NGUID
     assert runner.erases() == [] and [c[1] for c in runner.calls] == ["id-ctrl", "id-ns", "ns-descs", "list-ns",
                                                                       "list-ns"]

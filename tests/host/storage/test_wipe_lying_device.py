@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from gpuaas_agent.contract.nvmewipe import WipePolicy, WipePolicyMethod
-from gpuaas_agent.contract.storage import ProofGuarantee, WipeMethod
+from gpuaas_agent.contract.nvmewipe import WipeMethod, WipePolicy
+from gpuaas_agent.contract.storage import ProofGuarantee
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.host.images.clone import target_is_zero
 from gpuaas_agent.host.storage.blockwipe import WipeError, read_whole_device, sample_offsets, verify_wiped
@@ -72,7 +72,7 @@ def test_a_discard_that_kept_data_is_found_by_the_whole_read_zeroed_and_read_aga
         sample = await verify_wiped(LIVE, evidence, method=WipeMethod.discard, samples=16, seed=SEED, dev=dev)
         fooled.append(sample.verified)
 
-    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipePolicyMethod.discard), LIVE, disk.by_id,
+    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipeMethod.discard), LIVE, disk.by_id,
                                        lease=disk.lease(), seed=SEED, after_erase=sampled_proof_in_between))
     assert fooled == [True]  # the sample alone would have handed the tenant's data to the next one
     assert proof.left_by_erase is not None and not proof.left_by_erase.all_zero
@@ -87,7 +87,7 @@ def test_a_discard_that_kept_data_is_found_by_the_whole_read_zeroed_and_read_aga
 def test_a_device_that_breaks_write_zeroes_too_is_never_reported_clean(lying):
     disk = lying(lie_zeroout=True)
     with pytest.raises(WipeError) as failed:
-        asyncio.run(wipe_slot_disk(WipePolicy(method=WipePolicyMethod.discard), LIVE, disk.by_id,
+        asyncio.run(wipe_slot_disk(WipePolicy(method=WipeMethod.discard), LIVE, disk.by_id,
                                    lease=disk.lease(), seed=SEED))
     assert failed.value.code == "wipe_unverified"
     evidence = failed.value.evidence
@@ -104,7 +104,7 @@ def test_a_clone_skips_zero_regions_only_after_a_proof_over_every_byte(lying):
                                        dev=disk.dev))
     assert not sampled.covers_every_byte and not target_is_zero(sampled.model_copy(update={"verified": True}),
                                                                  evidence)
-    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipePolicyMethod.discard), LIVE, disk.by_id,
+    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipeMethod.discard), LIVE, disk.by_id,
                                        lease=disk.lease(), seed=SEED))
     assert proof.covers_every_byte and target_is_zero(proof, evidence)
 

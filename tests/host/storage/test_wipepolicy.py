@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 
 from gpuaas_agent.config import ConfigError, load_config
-from gpuaas_agent.contract.nvmewipe import NvmeEraseAction, NvmeEraseEvidence, WipePolicy, WipePolicyMethod
+from gpuaas_agent.contract.nvmewipe import NvmeEraseAction, NvmeEraseEvidence, WipeMethod, WipePolicy
 from gpuaas_agent.contract.runtime import PROFILES
-from gpuaas_agent.contract.storage import ProofGuarantee, WipeMethod, WipeProof
+from gpuaas_agent.contract.storage import ProofGuarantee, WipeProof
 from gpuaas_agent.guards.disk import check_disk_writable
 from gpuaas_agent.host.images.clone import target_is_zero
 from gpuaas_agent.host.storage.nvmecaps import parse_capabilities
 from gpuaas_agent.host.storage.nvmewipe import WipeRefused
+from gpuaas_agent.host.storage.wipemethods.nvme import prove_erased
 from gpuaas_agent.host.storage.wipepolicy import (
     check_wipe_policy,
     policy_for_profile,
-    prove_erased,
     read_whole_device,
     resolve_handover,
     wipe_slot_disk,
@@ -49,9 +49,9 @@ def _crypto_erase_evidence(zeros_guaranteed: bool) -> NvmeEraseEvidence:
 
 def test_zeroout_policy_writes_zeroes_and_the_proof_names_the_policy(realdev):
     disk = _used_disk(realdev)
-    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipePolicyMethod.zeroout), LIVE, disk.by_id,
+    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipeMethod.zeroout), LIVE, disk.by_id,
                                        lease=disk.lease(), samples=4, seed=3))
-    assert proof.verified and proof.method is WipeMethod.zeroout and proof.policy is WipePolicyMethod.zeroout
+    assert proof.verified and proof.method is WipeMethod.zeroout and proof.policy is WipeMethod.zeroout
     assert proof.signatures_found == [] and proof.nvme is None and proof.whole_device is None
     assert read_bytes(disk.dev, 32 * MiB - 4096, 4096) == bytes(4096)
     assert WipeProof.model_validate_json(proof.model_dump_json()) == proof
@@ -60,15 +60,15 @@ def test_zeroout_policy_writes_zeroes_and_the_proof_names_the_policy(realdev):
 def test_default_policy_on_a_disk_that_is_no_nvme_namespace_resolves_to_write_zeroes(realdev):
     disk = _used_disk(realdev)
     proof = asyncio.run(wipe_slot_disk(WipePolicy(), LIVE, disk.by_id, lease=disk.lease(), samples=4))
-    assert proof.verified and proof.policy is WipePolicyMethod.zeroout and proof.method is WipeMethod.zeroout
+    assert proof.verified and proof.policy is WipeMethod.zeroout and proof.method is WipeMethod.zeroout
     assert proof.guarantee is ProofGuarantee.write_zeroes and proof.covers_every_byte
 
 
 def test_opt_in_discard_is_proved_by_reading_every_byte(realdev):
     disk = _used_disk(realdev)
-    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipePolicyMethod.discard), LIVE, disk.by_id,
+    proof = asyncio.run(wipe_slot_disk(WipePolicy(method=WipeMethod.discard), LIVE, disk.by_id,
                                        lease=disk.lease(), samples=4))
-    assert proof.verified and proof.policy is WipePolicyMethod.discard
+    assert proof.verified and proof.policy is WipeMethod.discard
     assert proof.guarantee is ProofGuarantee.whole_device_read
     assert proof.whole_device is not None and proof.whole_device.all_zero
     assert proof.whole_device.bytes_read == 32 * MiB
@@ -78,20 +78,20 @@ def test_the_lease_handover_is_resolved_once_with_its_evidence_and_gpu_state(rea
     disk = _used_disk(realdev)
     handover, evidence = asyncio.run(resolve_handover(PROFILES["h200_1g_24c_64g"], {}, LIVE, disk.by_id,
                                                       lease=disk.lease(), clock=lambda: 7.0))
-    assert handover.wipe.method is WipePolicyMethod.zeroout and handover.zeros_guaranteed
+    assert handover.wipe.method is WipeMethod.zeroout and handover.zeros_guaranteed
     assert handover.gpu == PROFILES["h200_1g_24c_64g"].gpu_handover and handover.fixed_at == 7.0
     assert "not an NVMe namespace" in evidence["reason"]
     lab, _ = asyncio.run(resolve_handover(PROFILES["lab_tcg_1c_512m"], {}, LIVE, disk.by_id, lease=disk.lease()))
     assert lab.gpu is None  # the lab profile passes no GPU through: nothing to reset
     # A host override that opts into discard is kept, and says zeroes are not guaranteed (whole read at release).
     opted, _ = asyncio.run(resolve_handover(PROFILES["lab_tcg_1c_512m"],
-                                            {"lab_tcg_1c_512m": WipePolicy(method=WipePolicyMethod.discard)},
+                                            {"lab_tcg_1c_512m": WipePolicy(method=WipeMethod.discard)},
                                             LIVE, disk.by_id, lease=disk.lease()))
-    assert opted.wipe.method is WipePolicyMethod.discard and not opted.zeros_guaranteed
+    assert opted.wipe.method is WipeMethod.discard and not opted.zeros_guaranteed
     assert read_bytes(disk.dev, 32 * MiB - 4096, 4096) == b"\x5a" * 4096  # resolving writes nothing
 
 
-@pytest.mark.parametrize("method", [WipePolicyMethod.nvme_format, WipePolicyMethod.nvme_sanitize])
+@pytest.mark.parametrize("method", [WipeMethod.nvme_format, WipeMethod.nvme_sanitize])
 def test_nvme_method_on_a_disk_that_is_not_an_nvme_namespace_is_refused_with_nothing_written(realdev, method):
     disk = _used_disk(realdev)
     with pytest.raises(WipeRefused) as refused:
@@ -107,13 +107,13 @@ def test_erase_that_leaves_ciphertext_is_read_whole_then_zeroed_and_proved(reald
     write_bytes(disk.dev, 0, os.urandom(16 * MiB))  # what a crypto erase leaves: noise, no signature
     evidence = check_disk_writable(LIVE, disk.by_id, lease=disk.lease())
     proof = asyncio.run(prove_erased(LIVE, evidence, disk.dev, method=WipeMethod.nvme_format,
-                                     policy=WipePolicy(method=WipePolicyMethod.nvme_format),
+                                     policy=WipePolicy(method=WipeMethod.nvme_format),
                                      nvme=_crypto_erase_evidence(zeros_guaranteed=False), samples=4))
     assert proof.verified and proof.zeroed_after and proof.method is WipeMethod.zeroout
     assert proof.guarantee is ProofGuarantee.write_zeroes
     assert proof.whole_device is not None and not proof.whole_device.all_zero
     assert proof.whole_device.first_nonzero_offset is not None and proof.whole_device.first_nonzero_offset < 64
-    assert proof.nvme.action is NvmeEraseAction.format_crypto and proof.policy is WipePolicyMethod.nvme_format
+    assert proof.nvme.action is NvmeEraseAction.format_crypto and proof.policy is WipeMethod.nvme_format
     assert read_whole_device(disk.dev, 16 * MiB).all_zero
 
 
@@ -121,7 +121,7 @@ def test_erase_without_a_zero_promise_that_did_read_zero_is_proved_by_the_whole_
     disk = realdev.disk(16)
     evidence = check_disk_writable(LIVE, disk.by_id, lease=disk.lease())
     proof = asyncio.run(prove_erased(LIVE, evidence, disk.dev, method=WipeMethod.nvme_sanitize,
-                                     policy=WipePolicy(method=WipePolicyMethod.nvme_sanitize),
+                                     policy=WipePolicy(method=WipeMethod.nvme_sanitize),
                                      nvme=_crypto_erase_evidence(zeros_guaranteed=False), samples=4))
     assert proof.verified and not proof.zeroed_after and proof.method is WipeMethod.nvme_sanitize
     assert proof.whole_device.all_zero and proof.whole_device.bytes_read == 16 * MiB
@@ -140,8 +140,8 @@ def test_a_proof_from_before_wipe_policies_still_parses():
 
 def test_profile_policy_comes_from_the_catalog_unless_the_host_overrides_it():
     assert all(p.wipe_policy == WipePolicy() for p in PROFILES.values())  # auto: resolved from the device
-    assert WipePolicy().method is WipePolicyMethod.auto
-    sanitize = WipePolicy(method=WipePolicyMethod.nvme_sanitize)
+    assert WipePolicy().method is WipeMethod.auto
+    sanitize = WipePolicy(method=WipeMethod.nvme_sanitize)
     assert policy_for_profile("h200_1g_24c_64g", {"h200_1g_24c_64g": sanitize}) == sanitize
     assert policy_for_profile("lab_tcg_1c_512m", {"h200_1g_24c_64g": sanitize}) == WipePolicy()
 
@@ -150,7 +150,7 @@ def test_config_takes_wipe_policies_per_known_profile_and_refuses_unknown_ones(t
     good = tmp_path / "agent.toml"
     good.write_text('[slice.wipe_policies.h200_1g_24c_64g]\nmethod = "nvme_format"\nformat_erase = "crypto"\n')
     config = load_config(good)
-    assert config.slice.wipe_policies["h200_1g_24c_64g"].method is WipePolicyMethod.nvme_format
+    assert config.slice.wipe_policies["h200_1g_24c_64g"].method is WipeMethod.nvme_format
     bad = tmp_path / "bad.toml"
     bad.write_text('[slice.wipe_policies.no_such_profile]\nmethod = "zeroout"\n')
     with pytest.raises(ConfigError, match="no_such_profile"):
@@ -166,7 +166,7 @@ def test_validate_can_prove_a_policy_before_the_tenant_writes_and_refuses_an_imp
     assert asyncio.run(check_wipe_policy(WipePolicy(), LIVE, disk.by_id, lease=disk.lease())) == {
         "policy": "auto", "zeros_guaranteed": True}
     with pytest.raises(WipeRefused) as refused:
-        asyncio.run(check_wipe_policy(WipePolicy(method=WipePolicyMethod.nvme_sanitize), LIVE, disk.by_id,
+        asyncio.run(check_wipe_policy(WipePolicy(method=WipeMethod.nvme_sanitize), LIVE, disk.by_id,
                                       lease=disk.lease()))
     assert refused.value.code == "wipe_method_unsupported"
     assert read_bytes(disk.dev, 32 * MiB - 4096, 4096) == b"\x5a" * 4096
