@@ -22,6 +22,7 @@ from gpuaas_agent.host.vm.domain_config import (
     owned_diff,
 )
 from gpuaas_agent.host.vm.domain_xml import guest_domain
+from gpuaas_agent.host.vm.libvirt_lifecycle import domain_devices, parse_domain_devices
 from tests.support.domain_specs import GOLDEN_DOMAINS, GOLDEN_SPECS
 
 GOLDENS = sorted(GOLDEN_SPECS)
@@ -75,6 +76,11 @@ def test_libvirt_holds_every_element_we_wrote(name, test_driver):
     ours = Domain.parse_str(_golden(name))
     live = _live(test_driver, _golden(name))
     assert owned_diff(_without_qemu_args(ours), live) == []
+    # What libvirt reports for the guards and reconcile is what the spec asked for (libvirt writes a
+    # nodeset its own way: "0-1" for our "0,1").
+    live_devices, our_devices = domain_devices("d", live), domain_devices("d", ours)
+    assert live_devices.model_dump(exclude={"numa_nodeset"}) == our_devices.model_dump(exclude={"numa_nodeset"})
+    assert CpuSet(live_devices.numa_nodeset or "") == CpuSet(our_devices.numa_nodeset or "")
 
 
 def test_a_live_domain_parses_to_what_we_own_only(test_driver):
@@ -123,3 +129,6 @@ def test_hostdevs_and_disks_are_read_as_the_guards_need_them():
         "/dev/disk/by-id/nvme-eui.000000000000000100a075244a10dcab",
         "/var/lib/gpuaas/seeds/23bd713b-6073-4ef7-8a51-2897e902365d.iso",
     ]
+    devices = parse_domain_devices("d", _golden("h200-2gpu-numa0"))
+    assert devices.block_disks == [d.source.dev for d in domain.device_list(Disk)][:2]
+    assert devices.numa_nodeset == "0"
