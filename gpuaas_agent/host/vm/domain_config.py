@@ -16,7 +16,8 @@ libvirt adds (``<uuid>``, ``<currentMemory>``, implicit controllers, aliases) ar
 left out, so a parsed live domain says what the agent owns in it. A value keeps
 the text it was written with (so a golden formats back byte for byte) and
 compares by meaning (:class:`Size`: ``65536 MiB`` equals libvirt's ``67108864 KiB``;
-:class:`CpuSet`: ``0,1`` equals libvirt's ``0-1``).
+:class:`CpuSet`: ``0,1`` equals libvirt's ``0-1``; :class:`MachineType`: ``q35`` equals the
+QEMU driver's ``pc-q35-7.2``).
 
 Adding a guest device: a class here (its fields in document order), its name in
 :data:`DEVICE_CLASSES`, and the builder's line in ``domain_xml.py`` that makes it.
@@ -111,10 +112,42 @@ class CpuSet:
         return f"CpuSet({self.text!r})"
 
 
+# A machine-type alias and the versioned types the QEMU driver resolves it to when it defines the domain.
+_MACHINE_ALIASES = {"q35": "pc-q35-", "pc": "pc-i440fx-"}
+
+
+@dataclass(frozen=True, eq=False)
+class MachineType:
+    """``q35`` as written; equal to the versioned type the QEMU driver stores for it (``pc-q35-7.2``)."""
+
+    text: str
+
+    def family(self) -> str:
+        for alias, prefix in _MACHINE_ALIASES.items():
+            if self.text == alias or self.text.startswith(prefix):
+                return alias
+        return self.text
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MachineType):
+            return NotImplemented
+        if self.text == other.text:
+            return True
+        # An alias stands for whichever version the driver picks; two versions must be the same version.
+        aliased = self.text in _MACHINE_ALIASES or other.text in _MACHINE_ALIASES
+        return aliased and self.family() == other.family()
+
+    def __hash__(self) -> int:
+        return hash(self.family())
+
+    def __repr__(self) -> str:
+        return f"MachineType({self.text!r})"
+
+
 # -- the declaration: one field, one piece of XML --------------------------------------------------------
 
 Kind = Literal["attr", "text", "child", "children", "flag", "child_text", "child_size", "attr_size"]
-Codec = Literal["str", "cpuset"]
+Codec = Literal["str", "cpuset", "machine"]
 
 
 @dataclass(frozen=True)
@@ -173,11 +206,13 @@ def attr_size(name: str, unit_attr: str = "unit") -> Any:
 
 
 def _encode(value: Any, codec: Codec) -> str:
-    return value.text if codec == "cpuset" else str(value)
+    return str(value) if codec == "str" else str(value.text)
 
 
 def _decode(raw: str, codec: Codec) -> Any:
-    return CpuSet(raw) if codec == "cpuset" else raw
+    if codec == "cpuset":
+        return CpuSet(raw)
+    return MachineType(raw) if codec == "machine" else raw
 
 
 def _declared(element: Element | type[Element]) -> list[tuple[str, _Xml]]:
@@ -389,7 +424,7 @@ class NumaTune(Element):
 class OsType(Element):
     TAG = "type"
     arch: str | None = attr("arch")
-    machine: str | None = attr("machine")
+    machine: MachineType | None = attr("machine", "machine")
     name: str | None = text()
 
 

@@ -65,6 +65,7 @@ from gpuaas_agent.host.vm.domain_config import (
     InterfaceTarget,
     Loader,
     Mac,
+    MachineType,
     MaxPhysAddr,
     MemBalloon,
     MemoryAllocation,
@@ -182,7 +183,7 @@ def guest_domain(spec: DomainSpec) -> Domain:
         _single_node_head(domain, spec, node_cpus)
     domain.os = Os(
         # q35: PCIe topology, needed for GPU passthrough with large BARs.
-        type_=OsType(arch="x86_64", machine="q35", name="hvm"),
+        type_=OsType(arch="x86_64", machine=MachineType("q35"), name="hvm"),
         # loader: OVMF CODE discovered on the host (discovery/ovmf.py); secure='no' because Secure Boot rejected
         # the guest NVIDIA module in seed 004 ("Key was rejected by service").
         loader=Loader(readonly="yes", secure="no", type_="pflash", path=spec.firmware.code_path),

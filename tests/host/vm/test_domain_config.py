@@ -18,6 +18,7 @@ from gpuaas_agent.host.vm.domain_config import (
     Disk,
     Domain,
     Hostdev,
+    MachineType,
     Size,
     owned_diff,
 )
@@ -118,6 +119,8 @@ def test_values_compare_by_meaning_and_keep_their_text():
     assert Size.mib(64) != Size.mib(65)
     assert CpuSet("0,1") == CpuSet("0-1") and CpuSet("0,1") != CpuSet("0-2")
     assert CpuSet("0,1").text == "0,1"
+    assert MachineType("q35") == MachineType("pc-q35-7.2") and MachineType("pc-q35-7.2") != MachineType("pc-q35-8.0")
+    assert MachineType("q35") != MachineType("pc-i440fx-7.2")
 
 
 def test_hostdevs_and_disks_are_read_as_the_guards_need_them():
