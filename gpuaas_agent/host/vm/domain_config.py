@@ -742,14 +742,16 @@ class MemBalloon(Element):
     model: str | None = attr("model")
 
 
-Device = Disk | Controller | Hostdev | Interface | Serial | Console | Rng | MemBalloon
+# The devices the agent writes (and so reads back); a new guest device class is added here.
 DEVICE_CLASSES: tuple[type[Element], ...] = (Disk, Controller, Hostdev, Interface, Serial, Console, Rng, MemBalloon)
 
 
 @dataclass(kw_only=True)
 class Devices(Element):
+    """``<devices>`` in the order written; parsing keeps the :data:`DEVICE_CLASSES` and skips libvirt's others."""
+
     TAG = "devices"
-    items: list[Device] = children(*DEVICE_CLASSES)
+    items: list[Element] = children(*DEVICE_CLASSES)
 
     def of(self, cls: type[E]) -> list[E]:
         return [item for item in self.items if isinstance(item, cls)]
