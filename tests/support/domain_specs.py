@@ -18,7 +18,7 @@ from gpuaas_agent.discovery.bars import function_bars
 from gpuaas_agent.discovery.numa import node_cpulist
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
-from tests.conftest import fixture_host
+from tests.conftest import REPO, fixture_host
 
 H200 = HostRoot.open(fixture_host("h200-slice-after-transition"))
 # Seed 004's first active smoke allocation.
@@ -98,3 +98,17 @@ def lab_spec(**update) -> DomainSpec:
     )
     fields.update(update)
     return DomainSpec(**fields)
+
+
+# The domain XML goldens (tests/golden/domain/<name>.xml) and the spec each pins; Regenerate with
+# ``UPDATE_GOLDEN=1 pytest tests/host/vm/test_domain_xml.py``. test_domain_config.py round-trips every one.
+GOLDEN_DOMAINS = REPO / "tests" / "golden" / "domain"
+GOLDEN_SPECS = {
+    "h200-slot0-numa0": lambda: production_spec(0),
+    "h200-slot5-numa1": lambda: production_spec(5),
+    # Multi-GPU guests of one allocation on the 8xH200 host (issue 20): 1 GPU is h200-slot0-numa0.
+    "h200-2gpu-numa0": lambda: multi_spec((0, 1)),
+    "h200-4gpu-2numa": lambda: multi_spec((2, 3, 4, 5)),
+    "h200-8gpu": lambda: multi_spec(tuple(range(8))),
+    "lab-tcg": lab_spec,
+}

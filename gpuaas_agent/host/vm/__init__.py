@@ -1,7 +1,9 @@
 """The slot's domain and what is attached to it or read from it.
 
 ``domain_xml.py`` builds the domain XML (with the guest's NUMA/PCIe layout from
-``guest_topology.py``), ``libvirt_lifecycle.py`` defines, starts, stops and undefines it;
+``guest_topology.py``) out of ``domain_config.py``'s element classes, which format and parse
+each element; ``libvirt_lifecycle.py`` defines, starts, stops and undefines it and reads it back
+through the same classes;
 ``cloudinit.py`` builds the seed ISO it boots with; ``consolelog.py`` reads and bounds its serial
 console log; ``sshrelay.py`` is the SSH PTY into the guest under the terminal relay.
 """

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -45,6 +44,7 @@ from gpuaas_agent.contract.domain import (
     VmStartEvidence,
 )
 from gpuaas_agent.errors import GuardError, HostError
+from gpuaas_agent.host.vm.domain_config import Disk, Domain, Hostdev, Interface
 from gpuaas_agent.host.vm.domain_xml import build_domain_xml, read_metadata
 from gpuaas_agent.logs import log_event
 
@@ -336,14 +336,12 @@ class LibvirtLifecycle:
                     if (meta is not None and exclude_allocation is not None
                             and (meta.allocation_id, meta.slot_index) == (exclude_allocation, exclude_slot)):
                         continue
-                    root = ET.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+                    xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
                 except libvirt.libvirtError as exc:
                     if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
                         continue  # undefined between the listing and the read
                     raise
-                for source in root.findall("devices/disk[@type='block']/source"):
-                    if source.get("dev"):
-                        disks.add(source.get("dev"))  # type: ignore[arg-type]  # not None: checked above
+                disks.update(parse_domain_devices(dom.name(), xml).block_disks)
             return sorted(disks)
 
         return await self._call("defined_domain_disks", op)
@@ -606,33 +604,25 @@ class LibvirtLifecycle:
         return outcome
 
 
-def _pci_address(source: ET.Element | None) -> str | None:
-    address = None if source is None else source.find("address")
-    if address is None:
-        return None
-    try:
-        parts = [int(address.get(key, ""), 16) for key in ("domain", "bus", "slot", "function")]
-    except ValueError:
-        return None
-    return f"{parts[0]:04x}:{parts[1]:02x}:{parts[2]:02x}.{parts[3]:x}"
-
-
 def parse_domain_devices(name: str, xml: str) -> DomainDevices:
-    """The devices a domain XML names: block disks, PCI hostdevs, interfaces, the numatune node (pure)."""
-    root = ET.fromstring(xml)
-    disks: list[str] = [s.get("dev") for s in root.findall("devices/disk[@type='block']/source")  # type: ignore[misc]
-                        if s.get("dev")]  # the ignore: get() is Optional to mypy, and the filter keeps only values
-    hostdevs = [a for a in (_pci_address(h.find("source")) for h in root.findall("devices/hostdev[@type='pci']"))
+    """The devices a domain XML names: block disks, PCI hostdevs, interfaces, the numatune node (pure).
+
+    Read through the same element classes ``domain_xml`` writes with (``domain_config.py``).
+    """
+    return domain_devices(name, Domain.parse_str(xml))
+
+
+def domain_devices(name: str, domain: Domain) -> DomainDevices:
+    """What a parsed domain will use: its block disks, PCI hostdevs, interfaces and numatune nodeset."""
+    disks = [d.source.dev for d in domain.device_list(Disk)
+             if d.type_ == "block" and d.source is not None and d.source.dev]
+    hostdevs = [a for a in (h.host_address() for h in domain.device_list(Hostdev) if h.type_ == "pci")
                 if a is not None]
-    interfaces = []
-    for iface in root.findall("devices/interface"):
-        mac = iface.find("mac")
-        source = iface.find("source")
-        target = iface.find("target")
-        interfaces.append(DomainInterface(
-            mac=(mac.get("address") or "") if mac is not None else "",
-            bridge=source.get("bridge") if source is not None else None,
-            target_dev=target.get("dev") if target is not None else None))
-    memory = root.find("numatune/memory")
-    return DomainDevices(name=name, domain_type=root.get("type", ""), block_disks=disks, hostdevs=hostdevs,
-                         interfaces=interfaces, numa_nodeset=memory.get("nodeset") if memory is not None else None)
+    interfaces = [DomainInterface(mac=(iface.mac.address or "") if iface.mac is not None else "",
+                                  bridge=iface.source.bridge if iface.source is not None else None,
+                                  target_dev=iface.target.dev if iface.target is not None else None)
+                  for iface in domain.device_list(Interface)]
+    memory = None if domain.numatune is None else domain.numatune.memory
+    nodeset = None if memory is None or memory.nodeset is None else memory.nodeset.text
+    return DomainDevices(name=name, domain_type=domain.type_ or "", block_disks=disks, hostdevs=hostdevs,
+                         interfaces=interfaces, numa_nodeset=nodeset)

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import uuid
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import libvirt
 import pytest
@@ -31,23 +30,13 @@ from gpuaas_agent.discovery.ovmf import find_ovmf
 from gpuaas_agent.host.vm.domain_xml import build_domain_xml, read_metadata
 from gpuaas_agent.hostfs import HostRoot
 from tests.support.domain_specs import (
+    GOLDEN_DOMAINS,
+    GOLDEN_SPECS,
     lab_spec,
-    multi_spec,
     production_spec,
 )
 
-GOLDEN = Path(__file__).resolve().parent.parent.parent / "golden" / "domain"
-
-
-GOLDEN_SPECS = {
-    "h200-slot0-numa0": lambda: production_spec(0),
-    "h200-slot5-numa1": lambda: production_spec(5),
-    # Multi-GPU guests of one allocation on the 8xH200 host (issue 20): 1 GPU is h200-slot0-numa0.
-    "h200-2gpu-numa0": lambda: multi_spec((0, 1)),
-    "h200-4gpu-2numa": lambda: multi_spec((2, 3, 4, 5)),
-    "h200-8gpu": lambda: multi_spec(tuple(range(8))),
-    "lab-tcg": lab_spec,
-}
+GOLDEN = GOLDEN_DOMAINS
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_SPECS))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import libvirt
 
+from gpuaas_agent.host.vm.domain_config import Domain, owned_diff
 from tests.libvirtd_fixture import running_libvirtd
 
 GOLDEN = Path(__file__).resolve().parent.parent.parent / "golden" / "domain"
@@ -27,6 +28,9 @@ def test_multi_gpu_goldens_define_on_the_qemu_driver_and_become_pxb_numa_argumen
                 dom = conn.defineXMLFlags((GOLDEN / f"{name}.xml").read_text(), libvirt.VIR_DOMAIN_DEFINE_VALIDATE)
                 try:
                     assert dom.XMLDesc().count("pcie-expander-bus") >= 1, name
+                    # Every element we wrote, <qemu:commandline> included, is what the QEMU driver holds.
+                    live = Domain.parse_str(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+                    assert owned_diff(Domain.parse_str((GOLDEN / f"{name}.xml").read_text()), live) == [], name
                     if name == "h200-2gpu-numa0":
                         argv = conn.domainXMLToNative("qemu-argv", dom.XMLDesc())
                 finally:

@@ -12,7 +12,8 @@ import pytest
 
 from gpuaas_agent.contract.domain import DomainSpecError
 from gpuaas_agent.discovery.bars import mmio64_bytes
-from gpuaas_agent.host.vm.domain_xml import QEMU_NS, build_domain_xml
+from gpuaas_agent.host.vm.domain_config import QEMU_NS
+from gpuaas_agent.host.vm.domain_xml import build_domain_xml
 from gpuaas_agent.host.vm.guest_topology import mmio64_window_mib, plan_layout
 from tests.support.domain_specs import guest_slot, multi_spec, production_spec
 
