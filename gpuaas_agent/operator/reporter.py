@@ -26,7 +26,8 @@ from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.fleet import DrainReport, QuarantinedComponent
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat, HostHealth
-from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP, TaskWorker
+from gpuaas_agent.control.taskpolicy import STOPPED_STEP, TASK_STEP
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator import bmc

@@ -944,8 +944,13 @@ def provision_handler(drivers: SliceDrivers) -> Handler:
     async def handle(payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
         return await provision(drivers, payload, ctx)
 
+    return handle
+
+
+def provision_recovery(drivers: SliceDrivers) -> Handler:
+    """The recovery its registry row declares (``TaskSpec.make_recovery``): :func:`recover_provision`."""
+
     async def recover(payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
         return await recover_provision(drivers, payload, ctx)
 
-    handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
-    return handle
+    return recover

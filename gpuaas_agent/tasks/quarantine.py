@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,7 @@ def quarantine_handler(config: AgentConfig) -> Handler:
 
 
 def unquarantine_handler(config: AgentConfig, drivers: SliceDrivers | None = None,
-                         rechecks: dict[QuarantineReason, Recheck] | None = None) -> Handler:
+                         rechecks: Mapping[QuarantineReason, Recheck] | None = None) -> Handler:
     """``slice.unquarantine``: re-run the failed check; return the component only when it passes."""
     table = RECHECKS if rechecks is None else rechecks
 
