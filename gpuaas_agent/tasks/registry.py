@@ -28,7 +28,6 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.fleet import QuarantineReason
 from gpuaas_agent.contract.tasks import PAYLOADS, TaskType
 from gpuaas_agent.discovery.prereqs import SocketPaths
-from gpuaas_agent.tasks.admission import slice_plan_config
 from gpuaas_agent.tasks.console_log import console_log_handler
 from gpuaas_agent.tasks.context import Handler
 from gpuaas_agent.tasks.drivers import SliceDrivers
@@ -37,6 +36,7 @@ from gpuaas_agent.tasks.plan import plan_handler
 from gpuaas_agent.tasks.power import power_handler
 from gpuaas_agent.tasks.preflight import preflight_handler
 from gpuaas_agent.tasks.provision import provision_handler, provision_recovery
+from gpuaas_agent.tasks.provision_admission import slice_plan_config
 from gpuaas_agent.tasks.quarantine import quarantine_handler, unquarantine_handler
 from gpuaas_agent.tasks.recheck import RECHECKS, Recheck
 from gpuaas_agent.tasks.reconcile import reconcile_handler
