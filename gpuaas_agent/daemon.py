@@ -83,7 +83,7 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.operator import memprobe
 from gpuaas_agent.operator.fleetview import fleet_view
-from gpuaas_agent.operator.health import HealthSettings, isolation_check
+from gpuaas_agent.operator.health import CheckThreads, HealthSettings, isolation_check
 from gpuaas_agent.operator.health_fabric import fabric_probe
 from gpuaas_agent.operator.health_quarantine import all_rechecks
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
@@ -589,12 +589,15 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
                  connection: Connection, background: Background, stack: contextlib.AsyncExitStack) -> int:
     """The agent's run, its parts started in order (each owned by ``stack``); see :func:`run_agent`."""
     uevents: list[CountingBursts] = []
+    # The threads every blocking health check runs in, owned here: the reporter's rounds and the network
+    # watch run checks of the same names, and one registry keeps one stuck thread per check at most.
+    check_threads = CheckThreads()
     reporter = Reporter(
         ReporterSettings(node_id=record.node_id, state_dir=config.state_dir,
                          heartbeat_interval_s=config.heartbeat_interval_s,
                          health_interval_s=config.health_interval_s, request_timeout_s=config.request_timeout_s,
                          metrics_textfile=config.metrics_textfile),
-        state, HealthSettings.from_config(config), None, notifier.notify)
+        state, HealthSettings.from_config(config), None, notifier.notify, threads=check_threads)
     reporter.extra_checks.extend(host.health_probes(state))
     reporter.slice_counts = host.registered
     # state.sync: a scrape renders on a worker thread (operator/metrics.py), never on the loop
@@ -637,7 +640,8 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
     reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
     worker_task = asyncio.create_task(worker.run(), name="worker")
     if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events
-        netwatch = start_netwatch(config, reporter, nc, record.node_id, host.isolation_probe(state), repair=reconcile)
+        netwatch = start_netwatch(config, reporter, nc, record.node_id, host.isolation_probe(state), repair=reconcile,
+                                  threads=check_threads)
         background.own(netwatch)
     if config.uevent_watch:
         background.start("uevent_watch", uevent_watch_loop(config, nc, record.node_id, uevents))

@@ -42,6 +42,7 @@ from gpuaas_agent.operator.daemonstatus import (
 from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
+    CheckThreads,
     HealthSettings,
     RoundReadings,
     run_checks,
@@ -91,8 +92,10 @@ class ReporterSettings:
 
 class Reporter:
     def __init__(self, settings: ReporterSettings, store: StateStore | StoreThread, health: HealthSettings,
-                 metrics: AgentMetrics | None, notify: Callable[..., bool]) -> None:
+                 metrics: AgentMetrics | None, notify: Callable[..., bool], *, threads: CheckThreads) -> None:
         self.settings = settings
+        # The daemon's check threads (operator/health.py): the blocking checks of every round run in them.
+        self.threads = threads
         # Reads go through the daemon's store thread (state/aio.py): the heartbeat never waits on SQLite.
         self.state = as_store_thread(store)
         self.store = self.state.sync
@@ -192,7 +195,7 @@ class Reporter:
     async def check_health(self) -> None:
         leases, records = await self.state.leases(), await self.state.slot_states()
         readings = RoundReadings()
-        checks = await run_checks(self.health_settings, leases, records, readings)
+        checks = await run_checks(self.health_settings, leases, records, readings, threads=self.threads)
         for extra in self.extra_checks:
             try:
                 checks += await asyncio.wait_for(extra(), CHECK_TIMEOUT_S)
