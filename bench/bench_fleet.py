@@ -79,9 +79,10 @@ from gpuaas_agent.contract.tasks import ResultStatus, TaskResult, TaskType
 from gpuaas_agent.control.connection import Backoff, connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
 from gpuaas_agent.control.pull import TaskPull, pull_status
+from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
-from gpuaas_agent.operator.health import HealthSettings
+from gpuaas_agent.control.worker import TaskWorker
+from gpuaas_agent.operator.health import CheckThreads, HealthSettings
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
 from tests.controlplane import RESULT_STREAM, ControlPlane
@@ -471,7 +472,7 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
             reporter = Reporter(ReporterSettings(node_id=node_id, state_dir=state,
                                                  heartbeat_interval_s=args["heartbeat"], health_interval_s=3600,
                                                  request_timeout_s=30), store, HealthSettings(host_root=Path("/")),
-                                None, lambda **_: True)
+                                None, lambda **_: True, threads=CheckThreads())
             reporter.attach(nc, worker)
             if args["node_impl"] == "wire":
                 worker.pull.bind(await worker._bind())

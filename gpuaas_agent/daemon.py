@@ -32,6 +32,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -42,7 +43,7 @@ from nats.aio.client import Client
 from gpuaas_agent import __version__
 from gpuaas_agent.config import AgentConfig, SliceConfig, load_config
 from gpuaas_agent.contract.drift import DriftReport, DriftTrigger
-from gpuaas_agent.contract.tasks import HealthCheck, TaskType
+from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.control.connection import (
     Backoff,
     NatsConnectError,
@@ -59,9 +60,10 @@ from gpuaas_agent.control.enroll import (
     login_options,
 )
 from gpuaas_agent.control.rotation import CredsRotator, revert_unconfirmed_rotation
+from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.uevent_watch import Burst, DriftWatcher, drift_subject
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.discovery.drift import topology_drift
 from gpuaas_agent.discovery.identity import read_identity
 from gpuaas_agent.discovery.report import discover
@@ -74,13 +76,14 @@ from gpuaas_agent.exitcodes import (  # noqa: F401
     EXIT_USAGE,
     exit_code_for,
 )
+from gpuaas_agent.host.devices.fabricmanager import FabricManager
 from gpuaas_agent.host.devices.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
 from gpuaas_agent.host.vm.consolelog import sweep
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.operator import memprobe
 from gpuaas_agent.operator.fleetview import fleet_view
-from gpuaas_agent.operator.health import HealthSettings, isolation_check
+from gpuaas_agent.operator.health import CheckThreads, HealthSettings, isolation_check
 from gpuaas_agent.operator.health_fabric import fabric_probe
 from gpuaas_agent.operator.health_quarantine import all_rechecks
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
@@ -89,12 +92,10 @@ from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
-from gpuaas_agent.tasks.context import Handler
 from gpuaas_agent.tasks.crashpoint import armed as crash_point_armed
 from gpuaas_agent.tasks.drivers import SliceDrivers
-from gpuaas_agent.tasks.quarantine import unquarantine_handler
 from gpuaas_agent.tasks.reconcile import reconcile as reconcile_host
-from gpuaas_agent.tasks.registry import build_handlers, concurrency_for
+from gpuaas_agent.tasks.registry import BuiltTasks, TaskDeps, build_tasks, concurrency_for
 from systemd import daemon  # type: ignore[attr-defined]  # python-systemd ships no stubs for its submodules
 
 log = logging.getLogger("gpuaas_agent.daemon")
@@ -147,18 +148,17 @@ def watchdog_interval_s(environ: dict[str, str] | None = None) -> float | None:
 # -- task handlers ------------------------------------------------------------------
 
 
-def default_handlers(config: AgentConfig, slice_host: SliceDrivers | None = None) -> dict[TaskType, Handler]:
-    """The handlers of :data:`~gpuaas_agent.tasks.registry.TASKS`; every type not there gets
-    ``failed``/``not_implemented`` from the worker.
+def task_deps(config: AgentConfig, slice_host: SliceDrivers | None = None) -> TaskDeps:
+    """What the registry's rows are built with: the config, the slice drivers (built once per daemon; None:
+    only the rows without ``needs_slice_host``) and the quarantine re-checks of every room (the operator
+    room's BMC and NVML ones merged into the tasks room's)."""
+    return TaskDeps(config=config, drivers=slice_host, rechecks=all_rechecks())
 
-    ``slice_host``: the drivers the slice pipelines share (built once per daemon); without
-    it only the read-only tasks are served.
-    """
-    handlers = dict(build_handlers(config, slice_host))
-    # -- begin: slice.unquarantine with the operator room's re-checks (BMC, NVML), injected explicitly --
-    handlers[TaskType.unquarantine] = unquarantine_handler(config, slice_host, rechecks=all_rechecks())
-    # -- end: operator re-checks --
-    return handlers
+
+def default_tasks(config: AgentConfig, slice_host: SliceDrivers | None = None) -> BuiltTasks:
+    """The handlers and recoveries of :data:`~gpuaas_agent.tasks.registry.TASKS`, as its rows declare them;
+    every type not there gets ``failed``/``not_implemented`` from the worker."""
+    return build_tasks(task_deps(config, slice_host))
 
 
 Reconcile = Callable[[], Awaitable[object]]
@@ -187,11 +187,46 @@ def timer_reconcile(slice_host: SliceDrivers, store: StateStore | StoreThread, n
     return run
 
 
+def fabric_manager_of(drivers: SliceDrivers) -> FabricManager:
+    """The Fabric Manager of a probe row that ``needs_fabric_manager`` (built only where the drivers have one)."""
+    if drivers.fabric is None:
+        raise AgentError("a needs_fabric_manager probe is built only on a host with Fabric Manager",
+                         code="fabric_manager_missing")
+    return drivers.fabric
+
+
+@dataclass(frozen=True)
+class HealthProbeSpec:
+    """One check of the slice host that the health round runs beside the reporter's own: its name, how it is
+    built from the drivers and the store thread, and what it needs (a row that ``needs_fabric_manager`` is
+    built only on a host whose config has ``[slice.fabric_manager]``)."""
+
+    name: str
+    make: Callable[[SliceDrivers, StoreThread], Probe]
+    needs_fabric_manager: bool = False
+
+
+# Every health-round check the slice drivers add, in one table (the reporter's own are operator/health.py's).
+SLICE_HEALTH_PROBES: tuple[HealthProbeSpec, ...] = (
+    # A read-only reconcile's isolation findings (docs/safety.md §9).
+    HealthProbeSpec("port_isolation", lambda drivers, store: port_isolation_probe(drivers, store)),
+    # Fabric Manager restarts found on the health interval (operator/health_fabric.py).
+    HealthProbeSpec("fabric_partitions", lambda drivers, store: fabric_probe(fabric_manager_of(drivers), store),
+                    needs_fabric_manager=True),
+)
+
+
+def slice_health_probes(drivers: SliceDrivers, store: StoreThread,
+                        probes: tuple[HealthProbeSpec, ...] = SLICE_HEALTH_PROBES) -> list[Probe]:
+    """The rows of ``probes`` this host has what they need for, built."""
+    return [spec.make(drivers, store) for spec in probes if drivers.fabric is not None or not spec.needs_fabric_manager]
+
+
 class NodeHost(Protocol):
     """What the daemon does with the host's slice drivers. Production runs :class:`SliceHost`; a test injects
     its own (tests/support/daemon_hosts.py) instead of the daemon branching on "no drivers"."""
 
-    def handlers(self, config: AgentConfig) -> dict[TaskType, Handler]: ...
+    def tasks(self, config: AgentConfig) -> BuiltTasks: ...
 
     def start(self) -> None: ...
 
@@ -224,8 +259,8 @@ class SliceHost:
     def from_config(cls, config: AgentConfig) -> SliceHost:
         return cls(SliceDrivers.from_config(config))
 
-    def handlers(self, config: AgentConfig) -> dict[TaskType, Handler]:
-        return default_handlers(config, self.drivers)
+    def tasks(self, config: AgentConfig) -> BuiltTasks:
+        return default_tasks(config, self.drivers)
 
     def start(self) -> None:
         """Leftovers of a crashed agent: partial image downloads, a cache over its bounds."""
@@ -240,13 +275,8 @@ class SliceHost:
         return port_isolation_probe(self.drivers, store)
 
     def health_probes(self, store: StoreThread) -> list[Probe]:
-        """The health round's checks of the slice host, beside the reporter's own."""
-        probes = [port_isolation_probe(self.drivers, store)]
-        # -- begin: Fabric Manager restarts found on the health interval (operator/health_fabric.py) --
-        if self.drivers.fabric is not None:
-            probes.append(fabric_probe(self.drivers.fabric, store))
-        # -- end: Fabric Manager health --
-        return probes
+        """The health round's checks of the slice host, beside the reporter's own (:data:`SLICE_HEALTH_PROBES`)."""
+        return slice_health_probes(self.drivers, store)
 
     def sample(self, live: LiveState) -> None:
         stats = self.drivers.images.stats()
@@ -512,14 +542,14 @@ async def run_agent(
     stop: asyncio.Event,
     *,
     host: NodeHost | None = None,
-    handlers: dict[TaskType, Handler] | None = None,
+    tasks: BuiltTasks | None = None,
     notifier: SdNotifier | None = None,
     reconcile: Reconcile | None = None,
 ) -> int:
     """Run until ``stop`` is set; returns the exit code.
 
     ``host``: the slice drivers as the daemon runs them (default :meth:`SliceHost.from_config`); tests inject
-    theirs. ``handlers``: every task type's handler (default the host's). ``reconcile``: the periodic host
+    theirs. ``tasks``: every task type's handler and recovery (default the host's). ``reconcile``: the periodic host
     reconcile (every ``reconcile_interval_s``; default the host's, None: the timer is off, logged once).
 
     Everything it opens or starts is owned by one exit stack, so it is closed or cancelled in reverse
@@ -544,27 +574,30 @@ async def run_agent(
             host = SliceHost.from_config(config)
         stack.push_async_callback(host.aclose)
         host.start()
-        if handlers is None:
-            handlers = host.handlers(config)
+        if tasks is None:
+            tasks = host.tasks(config)
         connection = Connection(config.request_timeout_s)
         stack.push_async_callback(connection.aclose)
         background = Background(stack, config.request_timeout_s)
-        return await _serve(config, stop, record, state, host, handlers, notifier, reconcile, connection, background,
+        return await _serve(config, stop, record, state, host, tasks, notifier, reconcile, connection, background,
                             stack)
     raise AssertionError("unreachable: the exit stack suppresses nothing")  # pragma: no cover
 
 
 async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRecord, state: StoreThread,
-                 host: NodeHost, handlers: dict[TaskType, Handler], notifier: SdNotifier, reconcile: Reconcile | None,
+                 host: NodeHost, tasks: BuiltTasks, notifier: SdNotifier, reconcile: Reconcile | None,
                  connection: Connection, background: Background, stack: contextlib.AsyncExitStack) -> int:
     """The agent's run, its parts started in order (each owned by ``stack``); see :func:`run_agent`."""
     uevents: list[CountingBursts] = []
+    # The threads every blocking health check runs in, owned here: the reporter's rounds and the network
+    # watch run checks of the same names, and one registry keeps one stuck thread per check at most.
+    check_threads = CheckThreads()
     reporter = Reporter(
         ReporterSettings(node_id=record.node_id, state_dir=config.state_dir,
                          heartbeat_interval_s=config.heartbeat_interval_s,
                          health_interval_s=config.health_interval_s, request_timeout_s=config.request_timeout_s,
                          metrics_textfile=config.metrics_textfile),
-        state, HealthSettings.from_config(config), None, notifier.notify)
+        state, HealthSettings.from_config(config), None, notifier.notify, threads=check_threads)
     reporter.extra_checks.extend(host.health_probes(state))
     reporter.slice_counts = host.registered
     # state.sync: a scrape renders on a worker thread (operator/metrics.py), never on the loop
@@ -597,7 +630,8 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
     if reconcile is not None:
         reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
     await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
-    worker = TaskWorker(nc, state, record.node_id, handlers, worker_settings(config, record), observer=metrics)
+    worker = TaskWorker(nc, state, record.node_id, tasks.handlers, worker_settings(config, record),
+                        recoveries=tasks.recoveries, observer=metrics)
     if config.nats_creds_file is None and record.credentials.user_jwt is not None:
         # Enrolled with a key of its own: the control plane may order a rotation (control/rotation.py).
         await CredsRotator(nc, record.node_id, creds_path(config.state_dir),
@@ -606,7 +640,8 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
     reporter.status_line(f"node {record.node_id}: connected to NATS, binding the task consumer")
     worker_task = asyncio.create_task(worker.run(), name="worker")
     if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events
-        netwatch = start_netwatch(config, reporter, nc, record.node_id, host.isolation_probe(state), repair=reconcile)
+        netwatch = start_netwatch(config, reporter, nc, record.node_id, host.isolation_probe(state), repair=reconcile,
+                                  threads=check_threads)
         background.own(netwatch)
     if config.uevent_watch:
         background.start("uevent_watch", uevent_watch_loop(config, nc, record.node_id, uevents))

@@ -68,8 +68,8 @@ from gpuaas_agent.control.nkeyseed import verify
 from gpuaas_agent.control.permissions import consumer_name, node_permissions
 from gpuaas_agent.control.rotation import renew_message
 from gpuaas_agent.control.sealed import b64url, b64url_decode, seal_credentials
+from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.tokenproof import proof_holds, token_id
-from gpuaas_agent.control.worker import WorkerSettings
 from tests.natsauth.fleet import CLAIMS_UPDATE, FleetOperator
 from tests.natsauth.natsjwt import Operator
 

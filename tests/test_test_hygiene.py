@@ -139,7 +139,6 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     "operator/status": ("`gpuaas-agent status`", ("tests/operator/test_cli_conventions.py",)),
     # state
     # tasks
-    "tasks/admission": ("provision's admission checks", ("tests/tasks/test_provision_admission.py",)),
     "tasks/crashpoint": ("the crash harness's kill points", ("tests/crash/test_crash_matrix.py",)),
     "tasks/domain_start": ("the guarded start of provision, power and boot recovery",
                            ("tests/tasks/test_power.py", "tests/tasks/test_boot_recovery.py")),

@@ -13,15 +13,15 @@ Order per message is the contract's (docs/contract.md "Tasks"):
    ``attempt``: the stored result (with its own attempt) is the answer.
 3. ``deadline`` passed → ``failed``/``expired``; a deadline further ahead than
    ``max_task_deadline_s`` → ``failed``/``invalid_deadline``. When the journal shows the
-   task was interrupted mid-run (the agent was killed or stopped under it), the handler's
-   ``recover`` hook (an attribute of the handler, e.g. provision's) runs first —
+   task was interrupted mid-run (the agent was killed or stopped under it), the recovery its
+   registry row declares (``TaskSpec.make_recovery``: provision's, release's) runs first —
    compensation only, no new side effect — and its evidence and slot outcomes go into
    the ``expired`` result: an interrupted provision is never left half built.
 4./5. ``task_payload`` errors → ``failed`` with its code (``unsupported_task``, ``invalid_payload``).
 6. Poison bound: the journal counts the handler's starts for ``task_id``; at
    ``max_task_starts`` starts without a finish (the handler crashed, or the agent died
    under it each time) → ``failed``/``poison_task`` without running it again (its
-   ``recover`` hook runs, as for 3.).
+   recovery runs, as for 3.).
 7. The handler runs under its type's semaphore; ``in_progress`` keepalives every
    ``keepalive_interval_s`` keep JetStream from redelivering it meanwhile. A crash (an
    exception that is not an ``AgentError``) below the bound is nak'ed with a delay
@@ -38,8 +38,8 @@ Order per message is the contract's (docs/contract.md "Tasks"):
 Steps 2 to 8 are :data:`TASK_GATES` (``replay``, ``expired``, ``horizon``, ``payload``, ``handler``,
 ``journal``, ``poison``, ``run``, ``crash``, ``answer``): each gate is a method that settles the task
 (answers it, hands it back) or lets it through to the next. Before them, the worker's pull loop
-(control/worker.py) admits the message or hands it back (control/admission.py, ``_turn_away``), and
-``_process`` checks its route (step 1).
+(control/worker.py) admits the message or hands it back (control/admission.py, :meth:`TaskPolicy.turn_away`),
+and :meth:`TaskPolicy.process` checks its route (step 1).
 
 The consumer keeps ``max_deliver=-1``: JetStream's own bound would drop a task silently
 (no result, the control plane waits for the deadline), and it counts deliveries that were
@@ -51,8 +51,11 @@ redelivery a republish, never a second run. A crash before the result is stored
 means the handler runs again: the journal's ``unfinished_steps`` are handed to it
 (``ctx.resumed_steps``) so a pipeline can resume or compensate.
 
-:class:`TaskPolicy` is a mixin of :class:`~gpuaas_agent.control.worker.TaskWorker`: it reads the
-worker's store, settings and connection, and knows nothing of how a task was pulled.
+:class:`TaskPolicy` is an object the :class:`~gpuaas_agent.control.worker.TaskWorker` builds and owns, given
+what it needs in its constructor (the connection, the store thread, the handlers and their recoveries, the
+settings, the worker's stop event); it knows nothing of how a task was pulled. Each task it runs gets a
+:class:`TaskRun`, the worker's record of that run, which is what a handler sees as its
+:class:`~gpuaas_agent.tasks.context.TaskContext`.
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ log = logging.getLogger(__name__)
 TASK_STREAM = "GPUAAS_TASKS"
 RESULT_STREAM = "GPUAAS_RESULTS"
 TASK_STEP = "task"  # the worker's own journal step around a handler run
-RECOVER_STEP = "recover"  # the worker's own journal step around a handler's recover hook
+RECOVER_STEP = "recover"  # the worker's own journal step around a task's declared recovery
 # Journaled when a stop (SIGTERM: an upgrade, a restart) hands a task back after its handler saw the
 # cancellation through: that start was no crash, so it does not count toward ``max_task_starts``.
 STOPPED_STEP = "task.handed_back"
@@ -120,9 +123,12 @@ T = TypeVar("T")
 
 
 class TaskObserver(Protocol):
-    """The daemon's metrics as the worker sees them (a ``step_finished`` it may have is read with getattr)."""
+    """The daemon's metrics as the worker sees them: one call per stored result, one per pipeline step."""
 
     def task_finished(self, task_type: str, status: str, duration_s: float | None) -> None: ...
+
+    def step_finished(self, task_type: str, step: str, status: str, duration_s: float,
+                      output: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,7 @@ class WorkerSettings:
     max_task_deadline_s: float = 86400.0  # a deadline further ahead is refused: invalid_deadline
     max_task_starts: int = 3  # handler starts without a finish before a task is poison_task
     retry_backoff_s: float = 5.0  # nak delay after a crash: doubled per start, at most ack_wait_s
-    recovery_timeout_s: float = 600.0  # a handler's recover hook (compensations of an interrupted run)
+    recovery_timeout_s: float = 600.0  # a task's recovery (compensations of an interrupted run)
     # At a stop, a cancelled handler gets this long to see its cancellation through (a clone's qemu-img killed,
     # its in-flight writes done, reaped) before the agent exits: no writer of a slot disk outlives the agent.
     cancel_settle_s: float = 20.0
@@ -176,8 +182,9 @@ class WorkerSettings:
 
 
 @dataclass
-class TaskContext:
-    """What a handler gets besides its payload."""
+class TaskRun:
+    """The worker's record of one task run: what a handler gets besides its payload (its
+    :class:`~gpuaas_agent.tasks.context.TaskContext`, which this satisfies structurally)."""
 
     envelope: TaskEnvelope
     node_id: str
@@ -222,22 +229,34 @@ def _not_implemented(task_type: TaskType) -> AgentError:
 
 
 class TaskPolicy:
-    """The gates and what they call (result, publish, ack, recover, poison); mixed into the worker."""
+    """The gates and what they call (result, publish, ack, recover, poison), for one worker.
 
-    # What the worker provides (control/worker.py TaskWorker.__init__).
-    nc: Client
-    js: JetStreamContext
-    state: StoreThread
-    node_id: str
-    handlers: dict[TaskType, Handler]
-    settings: WorkerSettings
-    observer: TaskObserver | None
-    _received: dict[str, float]
-    _semaphores: dict[TaskType, asyncio.Semaphore]
-    _stopping: asyncio.Event
-    _inflight: dict[str, asyncio.Future[None]]
+    ``handlers``: every served type's handler; ``recoveries``: the recovery of each type whose registry row
+    declares one (``tasks/registry.build_tasks``). A recovery for a type with no handler is a wiring bug and
+    refused here (``ValueError``), not found missing when a crashed task needs it. ``observer``: the daemon's
+    metrics (``task_finished`` per stored result, ``step_finished`` per pipeline step).
+    ``stopping``: the worker's stop event (a handler cancelled once it is set hands its task back).
+    """
 
-    async def _turn_away(self, msg: Msg, refusal: Refusal) -> None:
+    def __init__(self, *, nc: Client, js: JetStreamContext, state: StoreThread, node_id: str,
+                 handlers: Mapping[TaskType, Handler], recoveries: Mapping[TaskType, Handler],
+                 settings: WorkerSettings, observer: TaskObserver | None, stopping: asyncio.Event) -> None:
+        orphans = sorted(t.value for t in recoveries if t not in handlers)
+        if orphans:
+            raise ValueError(f"recoveries for task types this worker has no handler for: {orphans}")
+        self.nc, self.js, self.state, self.node_id = nc, js, state, node_id
+        self.handlers: dict[TaskType, Handler] = dict(handlers)
+        self.recoveries: dict[TaskType, Handler] = dict(recoveries)
+        self.settings = settings
+        self.observer = observer
+        self.step_observer: Callable[[str, str, str, float, dict[str, Any]], None] | None = \
+            observer.step_finished if observer is not None else None
+        self.stopping = stopping
+        self.semaphores = {t: asyncio.Semaphore(settings.concurrency.get(t, 1)) for t in TaskType}
+        self.received: dict[str, float] = {}  # task id -> loop time its processing began (the result's duration)
+        self.inflight: dict[str, asyncio.Future[None]] = {}  # task id -> done when its processing ends
+
+    async def turn_away(self, msg: Msg, refusal: Refusal) -> None:
         """A task that may not start now: over its allocation's bound it is answered ``tenant_busy`` (retryable)
         and acked, so a tenant's flood waits nowhere, not even in JetStream's ack-pending window, which every
         tenant of the node shares; a full class or type hands it back with a short delay (those are bounded by
@@ -256,10 +275,10 @@ class TaskPolicy:
             envelope = parse_task(msg.data)
             self._check_route(msg.subject, envelope)
         except ContractError:
-            await self._process(msg)  # junk is rejected there (terminated, never answered)
+            await self.process(msg)  # junk is rejected there (terminated, never answered)
             return
         if await self.state.run(lambda store: store.result_of(envelope.task_id)) is not None:
-            await self._process(msg)  # a redelivery of a task that ran: its stored result is replayed, never "busy"
+            await self.process(msg)  # a redelivery of a task that ran: its stored result is replayed, never "busy"
             return
         _warn("task_tenant_busy", task_id=envelope.task_id, type=envelope.type,
               bound=self.settings.interactive_per_allocation)
@@ -276,7 +295,9 @@ class TaskPolicy:
         await self._publish_and_ack(msg, result, msg_id=f"{envelope.task_id}-{envelope.attempt}-busy-"
                                                         f"{uuid.uuid4().hex[:12]}")
 
-    async def _process(self, msg: Msg) -> None:
+    async def process(self, msg: Msg) -> None:
+        """One admitted message: route checked, then through :data:`TASK_GATES` (a redelivery of a task running
+        here waits for that run and is answered from the store)."""
         try:
             envelope = parse_task(msg.data)
             self._check_route(msg.subject, envelope)
@@ -289,21 +310,21 @@ class TaskPolicy:
             return
 
         task_id = envelope.task_id
-        running = self._inflight.get(task_id)
+        running = self.inflight.get(task_id)
         if running is not None:
             # Redelivered while still running here: wait for that run, then answer from the store.
             _event("task_redelivered_while_running", task_id=task_id)
             await self._keepalive_while(msg, asyncio.shield(running))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._inflight[task_id] = done
-        self._received[task_id] = asyncio.get_running_loop().time()
+        self.inflight[task_id] = done
+        self.received[task_id] = asyncio.get_running_loop().time()
         try:
             await self._process_envelope(msg, envelope)
         except Exception:  # e.g. the store refused (result_conflict): leave it unacked, JetStream redelivers
             log_event(log, "task_processing_error", logging.ERROR, task_id=task_id, exc_info=True)
         finally:
-            self._inflight.pop(task_id, None)
-            self._received.pop(task_id, None)
+            self.inflight.pop(task_id, None)
+            self.received.pop(task_id, None)
             done.set_result(None)
 
     def _check_route(self, subject: str, envelope: TaskEnvelope) -> None:
@@ -342,9 +363,9 @@ class TaskPolicy:
 
     async def _recover(self, msg: Msg, envelope: TaskEnvelope,
                        interrupted: list[str]) -> tuple[dict[str, Any] | None, list[SlotOutcome]]:
-        """Run the handler's ``recover`` hook for a task interrupted mid-run that will not run again.
+        """Run the declared recovery of a task interrupted mid-run that will not run again.
 
-        Returns (its evidence, the slot outcomes it reported); (None, []) when the type has no hook.
+        Returns (its evidence, the slot outcomes it reported); (None, []) when the type's row declares none.
         A failing hook is reported in the evidence, never raised: the task must still get its answer.
         Its starts are journaled and bounded like the handler's: a hook that kills the agent every
         time is not run again after ``max_task_starts`` (no crash loop on recovery either).
@@ -353,7 +374,7 @@ class TaskPolicy:
             task_type, payload = task_payload(envelope)
         except ContractError:
             return None, []
-        recover: Handler | None = getattr(self.handlers.get(task_type), "recover", None)
+        recover = self.recoveries.get(task_type)
         if recover is None:
             return None, []
         tries = sum(1 for e in await self.state.journal_of(envelope.task_id)
@@ -361,14 +382,14 @@ class TaskPolicy:
         if tries >= self.settings.max_task_starts:
             return {"ok": False, "code": "recovery_poison", "message": f"recovery started {tries} times without "
                     "finishing: not run again; the slot is left to reconcile and a release"}, []
-        ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.state,
-                          resumed_steps=[s for s in interrupted if s != RECOVER_STEP],
-                          _nc=self.nc, agent_stopping=self._stopping)
+        ctx = TaskRun(envelope=envelope, node_id=self.node_id, store=self.state,
+                      resumed_steps=[s for s in interrupted if s != RECOVER_STEP],
+                      _nc=self.nc, agent_stopping=self.stopping)
         _warn("task_recovering", task_id=envelope.task_id, unfinished_steps=interrupted)
         await self.state.journal(envelope.task_id, RECOVER_STEP, StepStatus.started)
 
         async def guarded() -> dict[str, Any]:
-            async with self._semaphores[task_type], compat.timeout(self.settings.recovery_timeout_s):
+            async with self.semaphores[task_type], compat.timeout(self.settings.recovery_timeout_s):
                 return await recover(payload, ctx)
 
         try:
@@ -402,7 +423,7 @@ class TaskPolicy:
         return True
 
     async def _gate_expired(self, claim: Claim) -> bool:
-        """The deadline passed: ``expired``, after the recover hook of a run interrupted mid-way."""
+        """The deadline passed: ``expired``, after the declared recovery of a run interrupted mid-way."""
         envelope, deadline = claim.envelope, claim.deadline
         if datetime.now(UTC) < deadline:
             return False
@@ -468,7 +489,7 @@ class TaskPolicy:
         return True
 
     async def _gate_poison(self, claim: Claim) -> bool:
-        """``max_task_starts`` starts without a finish: ``poison_task``, not run again (its recover hook runs)."""
+        """``max_task_starts`` starts without a finish: ``poison_task``, not run again (its recovery runs)."""
         if claim.starts < self.settings.max_task_starts:
             return False
         await self._poison(claim.msg, claim.envelope, claim.starts, None)
@@ -480,10 +501,9 @@ class TaskPolicy:
         assert claim.task_type is not None and claim.handler is not None and claim.payload is not None
         if claim.resumed:
             _event("task_resumed", task_id=envelope.task_id, unfinished_steps=claim.resumed)
-        ctx = claim.ctx = TaskContext(envelope=envelope, node_id=self.node_id, store=self.state,
-                                      resumed_steps=claim.resumed, _nc=self.nc,
-                                      step_observer=getattr(self.observer, "step_finished", None),
-                                      agent_stopping=self._stopping)
+        ctx = claim.ctx = TaskRun(envelope=envelope, node_id=self.node_id, store=self.state,
+                                  resumed_steps=claim.resumed, _nc=self.nc, step_observer=self.step_observer,
+                                  agent_stopping=self.stopping)
         run = asyncio.ensure_future(self._run_handler(claim.task_type, claim.handler, claim.payload, ctx))
         try:
             claim.status, claim.output, claim.error = await self._keepalive_while(msg, run)
@@ -491,7 +511,7 @@ class TaskPolicy:
             run.cancel()
             # Let the handler see its cancellation through (a clone kills qemu-img) before the agent exits.
             await asyncio.wait({run}, timeout=self.settings.cancel_settle_s)
-            if self._stopping.is_set() and run.done():
+            if self.stopping.is_set() and run.done():
                 # A stop (a package upgrade): hand the task back now, journaled where it stopped, so the next
                 # agent resumes it at its first pull rather than ack_wait_s later. Journaled
                 # first: this start was no crash and does not count toward the poison bound.
@@ -528,9 +548,9 @@ class TaskPolicy:
         return True
 
     async def _run_handler(self, task_type: TaskType, handler: Handler, payload: WireModel,
-                           ctx: TaskContext) -> tuple[ResultStatus, dict[str, Any], TaskErrorBody | None]:
+                           ctx: TaskRun) -> tuple[ResultStatus, dict[str, Any], TaskErrorBody | None]:
         task_id = ctx.envelope.task_id
-        async with self._semaphores[task_type]:
+        async with self.semaphores[task_type]:
             await self.state.journal(task_id, TASK_STEP, StepStatus.started,
                                {"type": task_type.value, "attempt": ctx.envelope.attempt})
             _event("task_started", task_id=task_id, type=task_type.value, attempt=ctx.envelope.attempt)
@@ -583,7 +603,7 @@ class TaskPolicy:
                             slot_outcomes=slot_outcomes or [], finished_at=datetime.now(UTC))
         stored = await self.state.store_result(envelope.task_id, result.model_dump(mode="json"))
         if self.observer is not None:
-            received = self._received.get(envelope.task_id)
+            received = self.received.get(envelope.task_id)
             self.observer.task_finished(envelope.type, status.value,
                                         None if received is None else asyncio.get_running_loop().time() - received)
         await self._publish_and_ack(msg, TaskResult.from_wire(stored))
@@ -631,7 +651,7 @@ class Claim:
     handler: Handler | None = None  # the handler gate's
     starts: int = 0  # the journal gate's; the crash gate counts the run that crashed
     resumed: list[str] = field(default_factory=list)
-    ctx: TaskContext | None = None  # the run gate's
+    ctx: TaskRun | None = None  # the run gate's
     status: ResultStatus | None = None
     output: dict[str, Any] = field(default_factory=dict)
     error: TaskErrorBody | None = None
@@ -644,7 +664,7 @@ Gate = Callable[[TaskPolicy, Claim], Awaitable[bool]]
 # task; the ones after it never see it. Route checks and admission come before (``_process``, ``run``).
 TASK_GATES: tuple[tuple[str, Gate], ...] = (
     ("replay", TaskPolicy._gate_replay),      # a stored result is the answer
-    ("expired", TaskPolicy._gate_expired),    # deadline passed (recover hook first when interrupted)
+    ("expired", TaskPolicy._gate_expired),    # deadline passed (declared recovery first when interrupted)
     ("horizon", TaskPolicy._gate_horizon),    # deadline too far ahead
     ("payload", TaskPolicy._gate_payload),    # unsupported type, invalid payload
     ("handler", TaskPolicy._gate_handler),    # not implemented here

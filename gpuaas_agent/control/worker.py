@@ -42,28 +42,11 @@ from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.control.admission import Admission, Refusal
 from gpuaas_agent.control.pull import PullSilent, TaskPull
-from gpuaas_agent.control.taskpolicy import (
-    CRASH_CODE,
-    RECOVER_STEP,
-    RESULT_STREAM,
-    STOPPED_STEP,
-    TASK_GATES,
-    TASK_STEP,
-    TASK_STREAM,
-    TaskContext,
-    TaskObserver,
-    TaskPolicy,
-    WorkerSettings,
-    handler_starts,
-)
+from gpuaas_agent.control.taskpolicy import TaskObserver, TaskPolicy, WorkerSettings
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.context import Handler
-
-# Names importers of the worker have always used; their home is control/taskpolicy.py.
-__all__ = ["CRASH_CODE", "RECOVER_STEP", "RESULT_STREAM", "STOPPED_STEP", "TASK_GATES", "TASK_STEP", "TASK_STREAM",
-           "ConsumerMissing", "TaskContext", "TaskObserver", "TaskWorker", "WorkerSettings", "handler_starts"]
 
 log = logging.getLogger(__name__)
 
@@ -78,32 +61,33 @@ class ConsumerMissing(Exception):
         super().__init__(f"consumer {consumer} on {stream} is missing")
         self.stream, self.consumer, self.found = stream, consumer, found
 
-class TaskWorker(TaskPolicy):
-    """Build once in the daemon; :meth:`run` until :meth:`stop`; then :meth:`drain`."""
+class TaskWorker:
+    """Build once in the daemon; :meth:`run` until :meth:`stop`; then :meth:`drain`.
+
+    ``handlers``: every served type's handler; ``recoveries``: the recoveries the registry rows declare
+    (``tasks/registry.build_tasks``), run for an interrupted task that will not run again. ``observer``
+    (the daemon's metrics): ``task_finished`` per result stored, ``step_finished`` per pipeline step.
+    """
 
     def __init__(self, nc: Client, store: StateStore | StoreThread, node_id: str, handlers: Mapping[TaskType, Handler],
-                 settings: WorkerSettings | None = None, *, observer: TaskObserver | None = None) -> None:
+                 settings: WorkerSettings | None = None, *, recoveries: Mapping[TaskType, Handler] | None = None,
+                 observer: TaskObserver | None = None) -> None:
         self.nc = nc
-        # Optional (the daemon's metrics): observer.task_finished(type, status, duration_s) per result
-        # stored, observer.step_finished(...) per pipeline step.
-        self.observer = observer
-        self._received: dict[str, float] = {}
-        self.js = nc.jetstream(timeout=(settings or WorkerSettings()).request_timeout_s,
-                               prefix=(settings or WorkerSettings()).js_api_prefix)
+        self.settings = settings or WorkerSettings()
+        self.js = nc.jetstream(timeout=self.settings.request_timeout_s, prefix=self.settings.js_api_prefix)
         # Every SQLite call of the worker runs on the one store thread, off the event loop (state/aio.py):
         # a commit waiting for another process's write lock must not stop keepalives and heartbeats.
         self.state = as_store_thread(store)  # also what handlers get as ctx.store (they await it)
         self.node_id = node_id
-        self.handlers = dict(handlers)
-        self.settings = settings or WorkerSettings()
-        self._semaphores = {t: asyncio.Semaphore(self.settings.concurrency.get(t, 1)) for t in TaskType}
-        self._max_inflight = max(1, sum(self.settings.concurrency.get(t, 1) for t in TaskType))
         # A pulled task starts only with a free place of its class, type and allocation; else it holds nothing.
         self.admission = Admission(self.settings.concurrency,
                                    per_allocation=self.settings.interactive_per_allocation)
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._inflight: dict[str, asyncio.Future[None]] = {}
+        # What happens to each admitted task (control/taskpolicy.py): its gates, its handler or its recovery.
+        self.policy = TaskPolicy(nc=nc, js=self.js, state=self.state, node_id=node_id, handlers=handlers,
+                                 recoveries=recoveries or {}, settings=self.settings, observer=observer,
+                                 stopping=self._stopping)
         # The pull (control/pull.py, the one reader of nats.py's internals); it keeps a message a kicked or
         # stopped read had already taken (``carried``) across a rebind, to hand on or back.
         self.pull = TaskPull(nc)
@@ -128,7 +112,7 @@ class TaskWorker(TaskPolicy):
 
     @property
     def running_task_ids(self) -> list[str]:
-        return sorted(self._inflight)
+        return sorted(self.policy.inflight)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -297,9 +281,9 @@ class TaskWorker(TaskPolicy):
             for msg in msgs:
                 ticket = self.admission.admit(msg.subject, msg.data)
                 if isinstance(ticket, Refusal):  # it may not start now: it holds nothing here
-                    task = asyncio.create_task(self._turn_away(msg, ticket))
+                    task = asyncio.create_task(self.policy.turn_away(msg, ticket))
                 else:
-                    task = asyncio.create_task(self._process(msg))
+                    task = asyncio.create_task(self.policy.process(msg))
                     # mypy cannot infer a lambda whose default argument binds this ticket: hence its ignore
                     task.add_done_callback(lambda _t, ticket=ticket: self.admission.release(ticket))  # type: ignore[misc]
                 self._tasks.add(task)

@@ -365,6 +365,10 @@ class CheckThreads:
     it under its deadline and shutdown awaits nothing. A check whose previous thread is still
     blocked is not started again (one stuck thread per check at most, never one per round):
     it answers ``unavailable`` with the time it has been stuck.
+
+    One per daemon, built and owned by ``daemon.py`` and passed down to the reporter's rounds and the network
+    watch (both run ``slice_network`` and ``dnsmasq``: one registry is what keeps one stuck thread per check);
+    a one-shot command (``gpuaas-agent status``) builds its own.
     """
 
     def __init__(self) -> None:
@@ -403,11 +407,8 @@ class CheckThreads:
         return await future
 
 
-THREADS = CheckThreads()
-
-
-async def guarded_check(name: str, work: Callable[[], HealthCheck | list[HealthCheck]], *, timeout_s: float = CHECK_TIMEOUT_S,
-                   threads: CheckThreads = THREADS) -> list[HealthCheck]:
+async def guarded_check(name: str, work: Callable[[], HealthCheck | list[HealthCheck]], *, threads: CheckThreads,
+                        timeout_s: float = CHECK_TIMEOUT_S) -> list[HealthCheck]:
     """One check in a daemon thread under a deadline; what it raises becomes ``unavailable`` with the reason."""
     since = threads.stuck_since(name)
     if since is not None:
@@ -422,7 +423,8 @@ async def guarded_check(name: str, work: Callable[[], HealthCheck | list[HealthC
     return result if isinstance(result, list) else [result]
 
 
-def bmc_checks(config: BmcConfig | None, readings: RoundReadings | None = None) -> list[Awaitable[list[HealthCheck]]]:
+def bmc_checks(config: BmcConfig | None, readings: RoundReadings | None = None, *,
+               threads: CheckThreads) -> list[Awaitable[list[HealthCheck]]]:
     """The ``gpu_bmc`` check where a BMC is configured, under its own deadline (a whole baseboard read)."""
     if config is None:
         return []
@@ -433,14 +435,15 @@ def bmc_checks(config: BmcConfig | None, readings: RoundReadings | None = None) 
             readings.bmc = reading
         return bmc.check_of(reading)
 
-    return [guarded_check(bmc.CHECK_NAME, read_and_judge, timeout_s=config.check_timeout_s)]
+    return [guarded_check(bmc.CHECK_NAME, read_and_judge, threads=threads, timeout_s=config.check_timeout_s)]
 
 
 async def run_checks(settings: HealthSettings, leases: list[SlotLease], records: list[SlotRecord],
-                     readings: RoundReadings | None = None) -> list[HealthCheck]:
+                     readings: RoundReadings | None = None, *, threads: CheckThreads) -> list[HealthCheck]:
     """Every check once, concurrently; sorted by name so heartbeats compare line by line.
 
     ``readings``: filled with what the AER, NVML and BMC checks read (the quarantine pass judges those).
+    ``threads``: the daemon's (or a command's) :class:`CheckThreads`, which the blocking checks run in.
     """
     async def nvme() -> list[HealthCheck]:
         try:
@@ -449,15 +452,15 @@ async def run_checks(settings: HealthSettings, leases: list[SlotLease], records:
             return [_check("nvme_smart", "unavailable", f"check raised {type(exc).__name__}: {exc}")]
 
     rounds = await asyncio.gather(
-        guarded_check("slice_network", lambda: network_checks(settings)),
-        guarded_check("dnsmasq", lambda: dnsmasq_check(settings)),
-        guarded_check("libvirtd", lambda: libvirtd_check(settings)),
-        guarded_check("slot_disks", lambda: slot_disk_check(settings, leases)),
-        guarded_check("vfio_binding", lambda: vfio_check(settings, leases, records)),
-        guarded_check("pcie_aer", lambda: pcie_aer_check(settings, readings)),
-        guarded_check("gpu_nvml", lambda: gpu_nvml_check(settings, readings=readings)),
+        guarded_check("slice_network", lambda: network_checks(settings), threads=threads),
+        guarded_check("dnsmasq", lambda: dnsmasq_check(settings), threads=threads),
+        guarded_check("libvirtd", lambda: libvirtd_check(settings), threads=threads),
+        guarded_check("slot_disks", lambda: slot_disk_check(settings, leases), threads=threads),
+        guarded_check("vfio_binding", lambda: vfio_check(settings, leases, records), threads=threads),
+        guarded_check("pcie_aer", lambda: pcie_aer_check(settings, readings), threads=threads),
+        guarded_check("gpu_nvml", lambda: gpu_nvml_check(settings, readings=readings), threads=threads),
         nvme(),
-        *bmc_checks(settings.bmc, readings),
+        *bmc_checks(settings.bmc, readings, threads=threads),
     )
     return sorted((c for group in rounds for c in group), key=lambda c: c.name)
 

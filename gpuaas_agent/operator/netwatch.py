@@ -55,6 +55,7 @@ from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
+    CheckThreads,
     HealthSettings,
     dnsmasq_check,
     guarded_check,
@@ -124,8 +125,10 @@ class NetWatch:
     def __init__(self, settings: HealthSettings, reporter: Reporter, *, interval_s: float, node_id: str | None = None,
                  isolation: Probe | None = None, publish: Callable[[str, bytes], Awaitable[None]] | None = None,
                  subject: str | None = None, debounce_s: float = 0.5, min_gap_s: float = 2.0,
-                 repair: Callable[[], Awaitable[object]] | None = None) -> None:
+                 repair: Callable[[], Awaitable[object]] | None = None, threads: CheckThreads) -> None:
         self.settings = settings
+        # The daemon's check threads, shared with the reporter's rounds: one stuck thread per check at most.
+        self.threads = threads
         self.reporter = reporter
         self.interval_s = interval_s
         self.node_id = node_id
@@ -145,8 +148,8 @@ class NetWatch:
 
     async def checks(self) -> list[HealthCheck]:
         """The watched checks once, concurrently; a broken one is ``unavailable`` with its reason."""
-        jobs = [guarded_check("slice_network", lambda: network_checks(self.settings)),
-                guarded_check("dnsmasq", lambda: dnsmasq_check(self.settings))]
+        jobs = [guarded_check("slice_network", lambda: network_checks(self.settings), threads=self.threads),
+                guarded_check("dnsmasq", lambda: dnsmasq_check(self.settings), threads=self.threads)]
         if self.isolation is not None:
             jobs.append(self._isolation())
         return [c for group in await asyncio.gather(*jobs) for c in group]
@@ -251,9 +254,9 @@ def serialized(fn: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[ob
 
 
 def start_netwatch(config: AgentConfig, reporter: Reporter, nc: Client, node_id: str, isolation: Probe | None,
-                   repair: Callable[[], Awaitable[object]] | None = None) -> asyncio.Task[None]:
+                   repair: Callable[[], Awaitable[object]] | None = None, *, threads: CheckThreads) -> asyncio.Task[None]:
     """The daemon's hook: the watch as a background task publishing on the node's drift subject."""
     watch = NetWatch(HealthSettings.from_config(config), reporter, interval_s=config.netwatch_interval_s,
                      node_id=node_id, isolation=isolation, publish=nc.publish, subject=subjects.drift(node_id),
-                     repair=repair)
+                     repair=repair, threads=threads)
     return asyncio.create_task(watch.run(), name="netwatch")

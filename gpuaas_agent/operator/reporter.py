@@ -26,7 +26,8 @@ from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.fleet import DrainReport, QuarantinedComponent
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat, HostHealth
-from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP, TaskWorker
+from gpuaas_agent.control.taskpolicy import STOPPED_STEP, TASK_STEP
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator import bmc
@@ -41,6 +42,7 @@ from gpuaas_agent.operator.daemonstatus import (
 from gpuaas_agent.operator.fleetview import fleet_view
 from gpuaas_agent.operator.health import (
     CHECK_TIMEOUT_S,
+    CheckThreads,
     HealthSettings,
     RoundReadings,
     run_checks,
@@ -90,8 +92,10 @@ class ReporterSettings:
 
 class Reporter:
     def __init__(self, settings: ReporterSettings, store: StateStore | StoreThread, health: HealthSettings,
-                 metrics: AgentMetrics | None, notify: Callable[..., bool]) -> None:
+                 metrics: AgentMetrics | None, notify: Callable[..., bool], *, threads: CheckThreads) -> None:
         self.settings = settings
+        # The daemon's check threads (operator/health.py): the blocking checks of every round run in them.
+        self.threads = threads
         # Reads go through the daemon's store thread (state/aio.py): the heartbeat never waits on SQLite.
         self.state = as_store_thread(store)
         self.store = self.state.sync
@@ -191,7 +195,7 @@ class Reporter:
     async def check_health(self) -> None:
         leases, records = await self.state.leases(), await self.state.slot_states()
         readings = RoundReadings()
-        checks = await run_checks(self.health_settings, leases, records, readings)
+        checks = await run_checks(self.health_settings, leases, records, readings, threads=self.threads)
         for extra in self.extra_checks:
             try:
                 checks += await asyncio.wait_for(extra(), CHECK_TIMEOUT_S)

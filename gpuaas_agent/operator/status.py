@@ -40,7 +40,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations
 from gpuaas_agent.host.vm.consolelog import log_path as console_log_path
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, InFlightTask, read_status
-from gpuaas_agent.operator.health import HealthSettings
+from gpuaas_agent.operator.health import CheckThreads, HealthSettings
 from gpuaas_agent.operator.health import run_checks as run_health
 from gpuaas_agent.tasks.maintenance import MAINTENANCE_KEY
 
@@ -314,7 +314,8 @@ def collect(config: AgentConfig, *, run_checks: bool = True, now: float | None =
                                               task_id=s.last_task_id or "", updated_at=0.0)))
             except ValidationError:
                 reasons.append(f"slot {s.slot_index}: stored lease or record does not validate")
-        checks = asyncio.run(run_health(HealthSettings.from_config(config), leases, records))
+        # A one-shot command: its own check threads (the daemon's are the daemon's).
+        checks = asyncio.run(run_health(HealthSettings.from_config(config), leases, records, threads=CheckThreads()))
     elif daemon is not None:
         checks = list(daemon.health)
     worst = [c for c in checks if c.status in ("degraded", "failed")]

@@ -2,8 +2,9 @@
 
 The worker (control/, a room above this one) builds the context; the handlers here only
 read it. Declaring it as a protocol in the room that uses it types every handler's ``ctx``
-without an upward import: the worker's dataclass satisfies it structurally, and mypy checks
-that where the worker calls a :data:`Handler`.
+without an upward import: the worker's record of a run (``control/taskpolicy.TaskRun``) satisfies it
+structurally, and mypy checks that where the worker calls a :data:`Handler` (or a task's recovery,
+which has the same shape and is declared in its ``tasks/registry.py`` row).
 """
 
 from __future__ import annotations

@@ -63,13 +63,6 @@ from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks import fabric_partitions
-from gpuaas_agent.tasks.admission import (
-    build_seed_spec,
-    check_guest_address,
-    check_one_slot_per_allocation,
-    check_reservation,
-    slice_plan_config,
-)
 from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
 from gpuaas_agent.tasks.drivers import SliceDrivers
@@ -85,6 +78,13 @@ from gpuaas_agent.tasks.pipeline import (
     run_pipeline,
 )
 from gpuaas_agent.tasks.plan import plan_bundle
+from gpuaas_agent.tasks.provision_admission import (
+    build_seed_spec,
+    check_guest_address,
+    check_one_slot_per_allocation,
+    check_reservation,
+    slice_plan_config,
+)
 from gpuaas_agent.tasks.quarantine import check_not_quarantined
 from gpuaas_agent.tasks.slotset import (
     check_allocation_holds_only,
@@ -944,8 +944,13 @@ def provision_handler(drivers: SliceDrivers) -> Handler:
     async def handle(payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
         return await provision(drivers, payload, ctx)
 
+    return handle
+
+
+def provision_recovery(drivers: SliceDrivers) -> Handler:
+    """The recovery its registry row declares (``TaskSpec.make_recovery``): :func:`recover_provision`."""
+
     async def recover(payload: VmProvisionPayload, ctx: TaskContext) -> dict[str, Any]:
         return await recover_provision(drivers, payload, ctx)
 
-    handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
-    return handle
+    return recover

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,9 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.admission import slice_plan_config
 from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.provision_admission import slice_plan_config
 from gpuaas_agent.tasks.recheck import RECHECKS, Recheck, RecheckContext
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ def quarantine_handler(config: AgentConfig) -> Handler:
 
 
 def unquarantine_handler(config: AgentConfig, drivers: SliceDrivers | None = None,
-                         rechecks: dict[QuarantineReason, Recheck] | None = None) -> Handler:
+                         rechecks: Mapping[QuarantineReason, Recheck] | None = None) -> Handler:
     """``slice.unquarantine``: re-run the failed check; return the component only when it passes."""
     table = RECHECKS if rechecks is None else rechecks
 

@@ -11,9 +11,9 @@ a release retried since, covers every byte and no lease holds the disk), ``gpu_r
 ``gpu_memory_clear_failed`` (a release's GPU handover of that device passed since),
 ``firmware_changed`` (the changed components read their recorded or a baseline version again) and
 ``operator``. ``bmc_failed`` and ``gpu_xid`` read the BMC and NVML, in the room above
-(``operator/health_quarantine.py`` ``OPERATOR_RECHECKS``): the daemon passes the merged table to
-``tasks/quarantine.unquarantine_handler`` explicitly; importing that room changes nothing here. A handler
-built without it answers those reasons ``recheck_unavailable``. A new reason adds ``RECHECKS[reason] =
+(``operator/health_quarantine.py`` ``OPERATOR_RECHECKS``): the daemon passes the merged table in
+``TaskDeps.rechecks`` to the ``slice.unquarantine`` row of ``tasks/registry.py``; importing that room changes
+nothing here. A handler built without it answers those reasons ``recheck_unavailable``. A new reason adds ``RECHECKS[reason] =
 its_recheck`` (or, read above tasks/, an entry of ``OPERATOR_RECHECKS``) with the :data:`Recheck` signature.
 """
 

@@ -1,10 +1,17 @@
-"""Every task type the agent serves, in one table: its payload model, handler factory, concurrency, and needs.
+"""Every task type the agent serves, in one table: its payload model, handler factory, recovery, concurrency, needs.
 
-The daemon builds its handlers from :data:`TASKS` (after building the host drivers once,
-the :class:`~gpuaas_agent.tasks.drivers.SliceDrivers`), and the worker's concurrency from it
-(:func:`concurrency_for`: the config's ``[concurrency]`` table, else these defaults; the config
-never imports this table, which is above it). The wire types and payload models stay in
+The daemon builds one :class:`TaskDeps` (the config, the host's slice drivers when it built them,
+the quarantine re-checks of the rooms above this one) and the worker's handlers and recoveries
+from :data:`TASKS` with it (:func:`build_tasks`); the worker's concurrency comes from the same
+rows (:func:`concurrency_for`: the config's ``[concurrency]`` table, else these defaults; the
+config never imports this table, which is above it). The wire types and payload models stay in
 :mod:`gpuaas_agent.contract.tasks` (contract never imports upward); this table refers to them.
+
+A row is the only place its task is declared: nothing overrides a row after it is built. What a
+factory needs is a field of :class:`TaskDeps`, which the daemon fills (a row's factory never
+reaches for a module-level table the daemon would have to replace). A row that declares a
+``make_recovery`` gets its recovery run by the worker for a task interrupted mid-run that will not
+run again (deadline passed, or poison): compensation only (control/taskpolicy.py).
 
 A type in the contract with no row here is answered ``not_implemented`` by the worker; a row
 that ``needs_slice_host`` is served only when the daemon built the slice drivers.
@@ -13,14 +20,14 @@ that ``needs_slice_host`` is served only when the daemon built the slice drivers
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.fleet import QuarantineReason
 from gpuaas_agent.contract.tasks import PAYLOADS, TaskType
 from gpuaas_agent.discovery.prereqs import SocketPaths
-from gpuaas_agent.tasks.admission import slice_plan_config
 from gpuaas_agent.tasks.console_log import console_log_handler
 from gpuaas_agent.tasks.context import Handler
 from gpuaas_agent.tasks.drivers import SliceDrivers
@@ -28,31 +35,70 @@ from gpuaas_agent.tasks.maintenance import maintenance_handler
 from gpuaas_agent.tasks.plan import plan_handler
 from gpuaas_agent.tasks.power import power_handler
 from gpuaas_agent.tasks.preflight import preflight_handler
-from gpuaas_agent.tasks.provision import provision_handler
+from gpuaas_agent.tasks.provision import provision_handler, provision_recovery
+from gpuaas_agent.tasks.provision_admission import slice_plan_config
 from gpuaas_agent.tasks.quarantine import quarantine_handler, unquarantine_handler
+from gpuaas_agent.tasks.recheck import RECHECKS, Recheck
 from gpuaas_agent.tasks.reconcile import reconcile_handler
-from gpuaas_agent.tasks.release_set import release_set_handler
+from gpuaas_agent.tasks.release_set import release_set_handler, release_set_recovery
 from gpuaas_agent.tasks.terminal import terminal_handler
 from gpuaas_agent.tasks.topology import topology_discover_handler
 
+
+class RegistryError(Exception):
+    """A row of :data:`TASKS` that does not build what it declares (a wiring bug: the daemon must not start)."""
+
+
+@dataclass(frozen=True)
+class TaskDeps:
+    """What the rows' factories are given, built once by the daemon and passed in.
+
+    ``drivers``: the slice drivers (None: the daemon built none; only rows without ``needs_slice_host``
+    are built). ``rechecks``: what ``slice.unquarantine`` re-runs per quarantine reason; the daemon merges
+    the operator room's (BMC, NVML: ``operator/health_quarantine.all_rechecks``) into this room's
+    :data:`~gpuaas_agent.tasks.recheck.RECHECKS`, which is the default.
+    """
+
+    config: AgentConfig
+    drivers: SliceDrivers | None = None
+    rechecks: Mapping[QuarantineReason, Recheck] = field(default_factory=lambda: dict(RECHECKS))
+
+    def slice_drivers(self) -> SliceDrivers:
+        """The drivers of a ``needs_slice_host`` row (built only when the daemon built them)."""
+        if self.drivers is None:
+            raise RegistryError("a needs_slice_host row is built only when the daemon built the slice drivers")
+        return self.drivers
+
+
 # A row's payload model (named outside TaskSpec, whose ``type`` field hides the builtin there).
 PayloadModel: TypeAlias = type[WireModel]
-# How a row builds its handler: from the config and the slice drivers (None: the daemon built none).
-HandlerFactory: TypeAlias = Callable[[AgentConfig, SliceDrivers | None], Handler]
+# How a row builds its handler (or its recovery) from what the daemon passes in.
+HandlerFactory: TypeAlias = Callable[[TaskDeps], Handler]
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """One task type: how to build its handler and how many may run at once on this host."""
+    """One task type: how to build its handler and its recovery, and how many may run at once on this host."""
 
     type: TaskType
     make_handler: HandlerFactory
     concurrency: int
     needs_slice_host: bool = False
+    # The recovery of a run interrupted mid-way that will not run again (control/taskpolicy.py): None, nothing
+    # to undo (a read, a task whose own next run or reconcile finishes what it left).
+    make_recovery: HandlerFactory | None = None
 
     @property
     def payload_model(self) -> PayloadModel:
         return PAYLOADS[self.type]
+
+
+@dataclass(frozen=True)
+class BuiltTasks:
+    """The worker's handlers and the recoveries their rows declare, keyed by task type."""
+
+    handlers: Mapping[TaskType, Handler]
+    recoveries: Mapping[TaskType, Handler] = field(default_factory=dict)
 
 
 def preflight_sockets(config: AgentConfig) -> SocketPaths:
@@ -62,29 +108,31 @@ def preflight_sockets(config: AgentConfig) -> SocketPaths:
 
 
 def with_drivers(make: Callable[[SliceDrivers], Handler]) -> HandlerFactory:
-    """The factory of a row that ``needs_slice_host``: :func:`build_handlers` builds it only with the drivers."""
+    """The factory of a row that ``needs_slice_host``: :func:`build_tasks` builds it only with the drivers."""
 
-    def build(config: AgentConfig, drivers: SliceDrivers | None) -> Handler:
-        assert drivers is not None, "a needs_slice_host row is built only when the daemon built the slice drivers"
-        return make(drivers)
+    def build(deps: TaskDeps) -> Handler:
+        return make(deps.slice_drivers())
 
     return build
 
 
 TASKS: tuple[TaskSpec, ...] = (
     TaskSpec(TaskType.topology_discover,
-             lambda config, drivers: topology_discover_handler(config.host_root, config.slice.gateway), concurrency=2),
+             lambda deps: topology_discover_handler(deps.config.host_root, deps.config.slice.gateway), concurrency=2),
     TaskSpec(TaskType.preflight,
-             lambda config, drivers: preflight_handler(config.host_root, sockets=preflight_sockets(config),
-                                                       slice_config=config.slice), concurrency=1),
+             lambda deps: preflight_handler(deps.config.host_root, sockets=preflight_sockets(deps.config),
+                                            slice_config=deps.config.slice), concurrency=1),
     TaskSpec(TaskType.plan,
-             lambda config, drivers: plan_handler(config.host_root, slice_plan_config(config.slice),
-                                                  fabric=drivers.fabric if drivers is not None else None),
+             lambda deps: plan_handler(deps.config.host_root, slice_plan_config(deps.config.slice),
+                                       fabric=deps.drivers.fabric if deps.drivers is not None else None),
              concurrency=1),
-    # One per slot: 8 concurrent provisions take as long as the slowest.
-    TaskSpec(TaskType.vm_provision, with_drivers(provision_handler), concurrency=8, needs_slice_host=True),
+    # One per slot: 8 concurrent provisions take as long as the slowest. An interrupted provision that will not
+    # run again is compensated (or its slot blocked) by its recovery.
+    TaskSpec(TaskType.vm_provision, with_drivers(provision_handler), concurrency=8, needs_slice_host=True,
+             make_recovery=with_drivers(provision_recovery)),
     # A multi-slot payload (v1.1 ``slots``) releases every slot of the set; one slot: tasks/release.py as before.
-    TaskSpec(TaskType.vm_release, with_drivers(release_set_handler), concurrency=8, needs_slice_host=True),
+    TaskSpec(TaskType.vm_release, with_drivers(release_set_handler), concurrency=8, needs_slice_host=True,
+             make_recovery=with_drivers(release_set_recovery)),
     TaskSpec(TaskType.reconcile, with_drivers(reconcile_handler), concurrency=1, needs_slice_host=True),
     # One per slot; the slot lock serialises power, provision and release of one slot.
     TaskSpec(TaskType.vm_power, with_drivers(power_handler), concurrency=8, needs_slice_host=True),
@@ -102,9 +150,11 @@ TASKS: tuple[TaskSpec, ...] = (
     TaskSpec(TaskType.console_log, with_drivers(console_log_handler), concurrency=4, needs_slice_host=True),
     # Fleet operations: the host's own state (store and a read of the host), so served with or without slice
     # drivers; one at a time, they are rare and an operator's.
-    TaskSpec(TaskType.maintenance, lambda config, drivers: maintenance_handler(), concurrency=1),
-    TaskSpec(TaskType.quarantine, lambda config, drivers: quarantine_handler(config), concurrency=1),
-    TaskSpec(TaskType.unquarantine, lambda config, drivers: unquarantine_handler(config, drivers), concurrency=1),
+    TaskSpec(TaskType.maintenance, lambda deps: maintenance_handler(), concurrency=1),
+    TaskSpec(TaskType.quarantine, lambda deps: quarantine_handler(deps.config), concurrency=1),
+    # Returns a component only after the check that failed passes again: the re-checks the daemon passes in.
+    TaskSpec(TaskType.unquarantine,
+             lambda deps: unquarantine_handler(deps.config, deps.drivers, rechecks=deps.rechecks), concurrency=1),
 )
 
 
@@ -118,8 +168,19 @@ def concurrency_for(config: AgentConfig) -> dict[TaskType, int]:
     return dict(config.concurrency) if config.concurrency is not None else default_concurrency()
 
 
-def build_handlers(config: AgentConfig, slice_host: SliceDrivers | None = None,
-                   tasks: tuple[TaskSpec, ...] = TASKS) -> Mapping[TaskType, Handler]:
-    """The worker's handlers; without ``slice_host`` only the read-only tasks are served."""
-    return {spec.type: spec.make_handler(config, slice_host) for spec in tasks
-            if slice_host is not None or not spec.needs_slice_host}
+def _built(spec: TaskSpec, what: str, make: HandlerFactory, deps: TaskDeps) -> Handler:
+    made = make(deps)
+    if not callable(made):
+        raise RegistryError(f"the {what} factory of {spec.type.value} built {made!r}, not a callable")
+    return made
+
+
+def build_tasks(deps: TaskDeps, tasks: tuple[TaskSpec, ...] = TASKS) -> BuiltTasks:
+    """The worker's handlers and recoveries from the rows; without ``deps.drivers`` only the rows that do not
+    ``needs_slice_host`` (the read-only tasks and the fleet operations). A factory that builds no callable
+    raises :class:`RegistryError`: a row's declared recovery is never silently absent."""
+    rows = [spec for spec in tasks if deps.drivers is not None or not spec.needs_slice_host]
+    handlers = {spec.type: _built(spec, "handler", spec.make_handler, deps) for spec in rows}
+    recoveries = {spec.type: _built(spec, "recovery", spec.make_recovery, deps)
+                  for spec in rows if spec.make_recovery is not None}
+    return BuiltTasks(handlers=handlers, recoveries=recoveries)

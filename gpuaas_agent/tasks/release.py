@@ -50,7 +50,7 @@ from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks import fabric_partitions
-from gpuaas_agent.tasks.context import Handler, TaskContext
+from gpuaas_agent.tasks.context import TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.firmware_check import check_slot_firmware
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
@@ -552,14 +552,3 @@ async def recover_release(drivers: SliceDrivers, payload: VmReleasePayload, ctx:
                                               updated_at=time.time()))
         ctx.slot_outcomes.append(_outcome(slot.slot_index, SlotStatus.cleanup_blocked, HealthState.failed, detail))
         return {"interrupted": True, "slot": "cleanup_blocked"}
-
-
-def release_handler(drivers: SliceDrivers) -> Handler:
-    async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
-        return await release(drivers, payload, ctx)
-
-    async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
-        return await recover_release(drivers, payload, ctx)
-
-    handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
-    return handle

@@ -54,8 +54,13 @@ def release_set_handler(drivers: SliceDrivers) -> Handler:
     async def handle(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
         return await release_set(drivers, payload, ctx)
 
+    return handle
+
+
+def release_set_recovery(drivers: SliceDrivers) -> Handler:
+    """The recovery its registry row declares (``TaskSpec.make_recovery``): :func:`recover_release_set`."""
+
     async def recover(payload: VmReleasePayload, ctx: TaskContext) -> dict[str, Any]:
         return await recover_release_set(drivers, payload, ctx)
 
-    handle.recover = recover  # type: ignore[attr-defined]  # the worker's hook: see control/worker.py
-    return handle
+    return recover

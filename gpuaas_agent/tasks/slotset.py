@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.admission import AdmissionRefused
+from gpuaas_agent.tasks.provision_admission import AdmissionRefused
 
 # Steps after which a data disk (a slot other than the boot slot) may hold tenant data.
 DATA_DISK_TOUCHING_STEPS = frozenset({"start", "readiness"})

@@ -17,8 +17,9 @@ from bench.protocol_node import ProtocolNode
 from gpuaas_agent.contract.tasks import ResultStatus, TaskResult, TaskType
 from gpuaas_agent.control.connection import Backoff, connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
+from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.state.store import StateStore
 from tests.controlplane import RESULT_STREAM, ControlPlane
 from tests.support.deadline import run_bounded, wait_until

@@ -44,8 +44,9 @@ from gpuaas_agent.control.enroll import (
 )
 from gpuaas_agent.control.permissions import consumer_name
 from gpuaas_agent.control.rotation import CredsRotator
+from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.daemon import worker_settings
 from gpuaas_agent.host.run import run
 from gpuaas_agent.operator.status import collect, render

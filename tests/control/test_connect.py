@@ -29,7 +29,7 @@ from gpuaas_agent.contract.enrollment import NatsCredentials
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.connection import Backoff
 from gpuaas_agent.control.enroll import EnrollmentRecord, record_path
-from gpuaas_agent.control.worker import WorkerSettings
+from gpuaas_agent.control.taskpolicy import WorkerSettings
 from tests.conftest import HOSTS, REPO
 from tests.controlplane import ControlPlane
 from tests.daemons import stop_pid

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -20,12 +21,25 @@ from pathlib import Path
 
 import pytest
 
-from gpuaas_agent.config import load_config
+from gpuaas_agent.config import SliceConfig, load_config
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from gpuaas_agent.daemon import SdNotifier, default_handlers, run_agent, watchdog_interval_s
+from gpuaas_agent.daemon import (
+    SLICE_HEALTH_PROBES,
+    SdNotifier,
+    default_tasks,
+    run_agent,
+    slice_health_probes,
+    watchdog_interval_s,
+)
+from gpuaas_agent.host.devices.fabricmanager import FabricManager
+from gpuaas_agent.host.images.cache import ImageCache
 from gpuaas_agent.host.run import run
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.logs import JsonLinesFormatter, configure_logging
+from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
+from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.registry import BuiltTasks
 from tests.controlplane import ControlPlane
 from tests.support.agent_process import (
     FIXTURE,
@@ -61,12 +75,14 @@ def _gated_agent_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging()
     config = load_config(args.config)
-    handlers = {**default_handlers(config), TaskType.preflight: _gated_handler(args.gate)}
+    built = default_tasks(config)
+    tasks = BuiltTasks(handlers={**built.handlers, TaskType.preflight: _gated_handler(args.gate)},
+                       recoveries=built.recoveries)
 
     async def main() -> int:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        return await run_agent(config, stop, host=ReadOnlyHost(), handlers=handlers)
+        return await run_agent(config, stop, host=ReadOnlyHost(), tasks=tasks)
 
     return asyncio.run(main())
 
@@ -154,6 +170,23 @@ def test_sd_notifier_reaches_abstract_socket(monkeypatch):
 def test_sd_notifier_without_socket_is_a_no_op(monkeypatch):
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert SdNotifier().notify(READY=1) is False
+
+
+def test_the_slice_hosts_health_probes_are_the_rows_whose_needs_the_host_has(tmp_path):
+    """The health round's slice-host checks come from one table (no block appends one): the Fabric Manager row
+    is built only where the drivers have Fabric Manager."""
+    assert [spec.name for spec in SLICE_HEALTH_PROBES] == ["port_isolation", "fabric_partitions"]
+    drivers = SliceDrivers(host_root=tmp_path, slice=SliceConfig(), images=ImageCache(tmp_path / "cache"),
+                           libvirt=LibvirtLifecycle("test:///default"))
+    plain = StateStore.open(tmp_path / "state.db")
+    store = as_store_thread(plain)
+    try:
+        assert [probe.__name__ for probe in slice_health_probes(drivers, store)] == ["port_isolation"]
+        with_fm = dataclasses.replace(drivers, fabric=FabricManager())
+        assert [probe.__name__ for probe in slice_health_probes(with_fm, store)] == ["port_isolation",
+                                                                                    "fabric_partitions"]
+    finally:
+        plain.close()
 
 
 def test_watchdog_interval_is_half_of_watchdog_usec():

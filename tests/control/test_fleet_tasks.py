@@ -11,7 +11,7 @@ from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.fleet import ComponentKind, ComponentRef, QuarantineReason
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from gpuaas_agent.daemon import default_handlers
+from gpuaas_agent.daemon import default_tasks
 from gpuaas_agent.tasks.quarantine import quarantine_component
 from gpuaas_agent.tasks.recheck import RECHECKS
 from tests.conftest import fixture_host
@@ -38,7 +38,7 @@ def test_maintenance_refuses_plans_before_any_lease_and_off_takes_them_again(nat
     plan = plan_payload(approved_slot(report, 2)).model_dump(mode="json")
 
     async def body():
-        async with Harness(nats_server, tmp_path, default_handlers(config)) as h:
+        async with Harness(nats_server, tmp_path, default_tasks(config).handlers) as h:
             on = await _run(h, TaskType.maintenance, {"mode": "on", "reason": "BIOS update, ticket 4711"})
             assert on.status == ResultStatus.succeeded, on.error
             assert on.output["maintenance"]["on"] and on.output["drain"]["drained"] is True  # nothing ran here
@@ -69,7 +69,7 @@ def test_a_quarantined_disk_takes_only_its_own_slot_away(nats_server, tmp_path):
     bad_disk = _disk_identity(report, 3)
 
     async def body():
-        async with Harness(nats_server, tmp_path, default_handlers(config)) as h:
+        async with Harness(nats_server, tmp_path, default_tasks(config).handlers) as h:
             record = await quarantine_component(h.store, "nvme", bad_disk, "wipe_unverified",
                                                 {"verified": False, "method": "write_zeroes"}, "task-release-1",
                                                 slot_index=3)
@@ -95,7 +95,7 @@ def test_operator_quarantine_refuses_unknown_and_held_components_and_unquarantin
     held_gpu, free_gpu = report.candidate_slots[2].gpu_pci_address, report.candidate_slots[5].gpu_pci_address
 
     async def body():
-        async with Harness(nats_server, tmp_path, default_handlers(config)) as h:
+        async with Harness(nats_server, tmp_path, default_tasks(config).handlers) as h:
             assert (await _run(h, TaskType.plan, plan_payload(approved_slot(report, 2)).model_dump(mode="json"))
                     ).status == ResultStatus.succeeded
             unknown = await _run(h, TaskType.quarantine, {"component": {"kind": "gpu", "identity": "0000:ee:00.0"},
@@ -140,7 +140,7 @@ def test_unquarantine_reruns_the_failed_check_and_refuses_while_it_fails(nats_se
                                                      "reason": "checked by hand"})
 
     async def body():
-        async with Harness(nats_server, tmp_path, default_handlers(config)) as h:
+        async with Harness(nats_server, tmp_path, default_tasks(config).handlers) as h:
             await quarantine_component(h.store, "gpu", gpu, "gpu_aer_fatal", {"aer_dev_fatal": 1}, "task-health-1")
             no_counter = await unquarantine(h, "gpu", gpu)  # the recording exposes no AER: cannot be shown gone
             assert (no_counter.status, no_counter.error.code) == (ResultStatus.failed, "recheck_failed")

@@ -33,8 +33,9 @@ from gpuaas_agent.control.connection import connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
 from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS, consumer_name, nats_server_user
 from gpuaas_agent.control.rotation import CredsRotator
+from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.state.store import StateStore
 from tests.controlplane import TASK_STREAM, ControlPlane
 from tests.support.nats_server import NatsServer

@@ -2,7 +2,7 @@
 
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from gpuaas_agent.daemon import default_handlers
+from gpuaas_agent.daemon import default_tasks
 from tests.conftest import fixture_host
 from tests.support.deadline import run_bounded
 from tests.support.provision_inputs import PLAN_ALLOCATION_ID, approved_slot, plan_payload, topology_of
@@ -16,7 +16,7 @@ def test_plan_task_leases_the_slots_and_a_second_allocation_is_refused(nats_serv
     theirs = plan_payload(approved_slot(report, 3), alloc="158ea147-0115-407f-bbd5-1850c32b9517").model_dump(mode="json")
 
     async def body():
-        async with Harness(nats_server, tmp_path, default_handlers(config)) as h:
+        async with Harness(nats_server, tmp_path, default_tasks(config).handlers) as h:
             done = await h.run_task_to_result(h.plane.envelope(NODE, TaskType.plan.value, mine))
             assert done.status == ResultStatus.succeeded, done.error
             assert [s["slot_index"] for s in done.output["slots"]] == [2, 3]

@@ -17,8 +17,9 @@ from gpuaas_agent.control.connection import connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
 from gpuaas_agent.control.permissions import consumer_name
 from gpuaas_agent.control.pull import NATS_PY_INTERNALS, TaskPull, nats_py_version, pull_request
+from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.state.store import StateStore
 from tests.conftest import REPO
 from tests.controlplane import ControlPlane

@@ -32,7 +32,8 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import PlanPayload, ResultStatus, TaskType, VmProvisionPayload
 from gpuaas_agent.control.enroll import EnrollmentRecord
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.control.taskpolicy import WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.daemon import connect
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.host.images.cache import ImageCache

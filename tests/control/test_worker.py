@@ -11,8 +11,9 @@ import pytest
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from gpuaas_agent.control.worker import STOPPED_STEP, TASK_STEP, TaskWorker
-from gpuaas_agent.daemon import default_handlers
+from gpuaas_agent.control.taskpolicy import STOPPED_STEP, TASK_STEP
+from gpuaas_agent.control.worker import TaskWorker
+from gpuaas_agent.daemon import default_tasks
 from gpuaas_agent.errors import GuardError
 from tests.conftest import fixture_host
 from tests.controlplane import TASK_STREAM
@@ -24,7 +25,7 @@ def test_topology_discover_over_fixture_succeeds(nats_server, tmp_path):
     config = AgentConfig(host_root=fixture_host("h200-slice-after-transition"), state_dir=tmp_path / "state")
 
     async def body():
-        async with Harness(nats_server, tmp_path, default_handlers(config)) as h:
+        async with Harness(nats_server, tmp_path, default_tasks(config).handlers) as h:
             envelope = h.plane.envelope(NODE, DISCOVER)
             result = await h.run_task_to_result(envelope)
             assert result.status == ResultStatus.succeeded, result.error

@@ -25,7 +25,8 @@ from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.enrollment import NatsCredentials
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control.enroll import EnrollmentRecord
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.control.taskpolicy import WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.daemon import connect
 from gpuaas_agent.state.store import StateStore
 from tests.controlplane import RESULT_STREAM, TASK_STREAM, ControlPlane

@@ -119,7 +119,8 @@ def test_hanging_bmc_is_unavailable_within_the_request_timeout(redfish):
 
 def test_hanging_bmc_in_the_health_round_answers_unavailable_by_its_deadline(redfish):
     async def one_round():
-        return await asyncio.gather(*health.bmc_checks(redfish.config(request_timeout_s=30.0, check_timeout_s=1.0)))
+        return await asyncio.gather(*health.bmc_checks(redfish.config(request_timeout_s=30.0, check_timeout_s=1.0),
+                                                     threads=health.CheckThreads()))
 
     os.kill(redfish.proc.pid, signal.SIGSTOP)
     try:
@@ -215,5 +216,5 @@ def test_bmc_config_refuses_plaintext_and_bad_mappings(bmc, message):
 def test_a_configured_bmc_joins_the_health_round_and_an_unconfigured_one_does_not():
     config = parse_config({"bmc": {"url": "https://169.254.0.17", "credentials_file": "/var/lib/gpuaas-agent/bmc.json"}})
     assert health.HealthSettings.from_config(config).bmc == config.bmc
-    assert health.bmc_checks(None) == []
+    assert health.bmc_checks(None, threads=health.CheckThreads()) == []
     assert health.HealthSettings.from_config(parse_config({})).bmc is None

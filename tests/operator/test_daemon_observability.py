@@ -194,7 +194,7 @@ def test_a_rounds_checks_are_in_the_metrics_before_anything_can_publish_them(tmp
     only after it, a tick in between published checks that /metrics did not have yet (a CI failure).
     """
     from gpuaas_agent.operator import reporter as reporter_module
-    from gpuaas_agent.operator.health import HealthSettings
+    from gpuaas_agent.operator.health import CheckThreads, HealthSettings
     from gpuaas_agent.operator.metrics import AgentMetrics
     from gpuaas_agent.state.aio import as_store_thread
     from gpuaas_agent.state.store import StateStore
@@ -214,7 +214,7 @@ def test_a_rounds_checks_are_in_the_metrics_before_anything_can_publish_them(tmp
             reporter_module.ReporterSettings(node_id="node-1", state_dir=tmp_path, heartbeat_interval_s=5,
                                              health_interval_s=60, request_timeout_s=5),
             as_store_thread(store), HealthSettings(host_root=root, libvirt_uri="test:///default"), metrics,
-            lambda **_: True)
+            lambda **_: True, threads=CheckThreads())
         asyncio.run(reporter.check_health())
         [during] = seen
         assert reporter.checks, "the round produced no checks"

@@ -12,6 +12,7 @@ from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.operator.health import (
+    CheckThreads,
     HealthSettings,
     gpu_nvml_check,
     nvme_smart_check,
@@ -86,12 +87,13 @@ def test_without_the_driver_or_on_a_recording_gpu_and_nvme_health_are_unavailabl
 
 
 def test_recorded_host_network_is_ok_and_the_nat_missing_recording_is_degraded(host_copy):
-    healthy = asyncio.run(run_checks(HealthSettings(host_root=host_copy(HOST), libvirt_uri="test:///default"), [], []))
+    healthy = asyncio.run(run_checks(HealthSettings(host_root=host_copy(HOST), libvirt_uri="test:///default"), [], [],
+                                      threads=CheckThreads()))
     by_name = {c.name: c for c in healthy}
     assert {by_name[n].status for n in ("slice_gateway", "slice_nat", "slice_ip_forward", "libvirtd")} == {"ok"}
     assert summarise(healthy)[0] == "healthy"
     broken = asyncio.run(run_checks(HealthSettings(host_root=host_copy("h200-slice-nat-missing"),
-                                                   libvirt_uri="test:///default"), [], []))
+                                                   libvirt_uri="test:///default"), [], [], threads=CheckThreads()))
     state, reason = summarise(broken)
     assert state == "degraded" and reason.startswith("slice_nat: nat_missing")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from gpuaas_agent.contract.fabric import PartitionLease, PartitionState
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotRecord, StepStatus
-from gpuaas_agent.operator.health import HealthSettings
+from gpuaas_agent.operator.health import CheckThreads, HealthSettings
 from gpuaas_agent.operator.health_fabric import (
     CHECK_NAME,
     JOURNAL_TASK_ID,
@@ -48,7 +48,8 @@ def test_fm_restarted_between_two_health_rounds_is_restored_within_one_round_and
     reporter = Reporter(ReporterSettings(node_id="node-1", state_dir=tmp_path, heartbeat_interval_s=5,
                                          health_interval_s=60, request_timeout_s=5),
                         state, HealthSettings(host_root=host_copy("h200-slice-after-transition"),
-                                              libvirt_uri="test:///default"), None, lambda **_: True)
+                                              libvirt_uri="test:///default"), None, lambda **_: True,
+                        threads=CheckThreads())
     reporter.extra_checks.append(fabric_probe(fm, state))
 
     async def body():

@@ -117,13 +117,13 @@ def test_importing_the_operator_room_registers_no_recheck_and_the_daemon_injects
 
 
 def _reporter(tmp_path, root, store, **health):
-    from gpuaas_agent.operator.health import HealthSettings
+    from gpuaas_agent.operator.health import CheckThreads, HealthSettings
     from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 
     return Reporter(ReporterSettings(node_id="node-1", state_dir=tmp_path, heartbeat_interval_s=5,
                                      health_interval_s=60, request_timeout_s=5),
                     store, HealthSettings(host_root=root, libvirt_uri="test:///default", **health), None,
-                    lambda **_: True)
+                    lambda **_: True, threads=CheckThreads())
 
 
 def _counting(monkeypatch, module, name):

@@ -18,7 +18,7 @@ import pynvml
 import pytest
 
 from gpuaas_agent.config import parse_config
-from gpuaas_agent.operator.health import HealthSettings, gpu_nvml_check, run_checks, summarise
+from gpuaas_agent.operator.health import CheckThreads, HealthSettings, gpu_nvml_check, run_checks, summarise
 from gpuaas_agent.operator.nvml import NvmlReading, NvmlSource, XidEvent, judge, load_reading
 from tests.conftest import REPO
 from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
@@ -87,7 +87,7 @@ def test_a_failing_gpu_makes_the_host_failed_with_the_reason_in_a_full_round(tmp
     fixture = _write(tmp_path, _reading(xid_events=[_xid(79)]))
     config = parse_config({"state_dir": str(tmp_path / "state"), "host_root": str(host_copy("h200-vm-passthrough")),
                            "health_nvml_fixture": str(fixture), "slice": {"libvirt_uri": "test:///default"}})
-    checks = asyncio.run(run_checks(HealthSettings.from_config(config), [], []))
+    checks = asyncio.run(run_checks(HealthSettings.from_config(config), [], [], threads=CheckThreads()))
     state, reason = summarise(checks)
     assert state == "failed" and reason.startswith("gpu_nvml: gpu 0 00000000:00:06.0: XID 79"), reason
 

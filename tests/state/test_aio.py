@@ -10,7 +10,7 @@ import pytest
 
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import TaskEnvelope
-from gpuaas_agent.control.worker import TaskContext
+from gpuaas_agent.control.taskpolicy import TaskRun
 from gpuaas_agent.state.aio import StoreCallOnLoop, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 
@@ -60,7 +60,7 @@ def test_a_task_context_given_a_plain_store_awaits_it_on_a_store_thread(tmp_path
     store = StateStore.open(tmp_path / "state.db")
     envelope = TaskEnvelope(task_id="t-1", type="slice.plan", node_id="node-1", attempt=1,
                             deadline=datetime(2099, 1, 1, tzinfo=UTC), payload={})
-    ctx = TaskContext(envelope=envelope, node_id="node-1", store=store, resumed_steps=[], _nc=None)
+    ctx = TaskRun(envelope=envelope, node_id="node-1", store=store, resumed_steps=[], _nc=None)
     assert isinstance(ctx.store, StoreThread) and ctx.store.store is store
     asyncio.run(ctx.store.journal("t-1", "a", StepStatus.started))
     store.close()  # waits for the store thread's queue: never closes under a running statement

@@ -14,12 +14,11 @@ from nats.aio.client import Client
 
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.drift import DriftReport
-from gpuaas_agent.contract.tasks import TaskType
-from gpuaas_agent.daemon import Reconcile, default_handlers
+from gpuaas_agent.daemon import Reconcile, default_tasks
 from gpuaas_agent.operator.metrics import LiveState
 from gpuaas_agent.operator.netwatch import Probe
 from gpuaas_agent.state.aio import StoreThread
-from gpuaas_agent.tasks.context import Handler
+from gpuaas_agent.tasks.registry import BuiltTasks
 
 
 class ReadOnlyHost:
@@ -28,8 +27,8 @@ class ReadOnlyHost:
     def __init__(self) -> None:
         self.closed = False
 
-    def handlers(self, config: AgentConfig) -> dict[TaskType, Handler]:
-        return default_handlers(config)
+    def tasks(self, config: AgentConfig) -> BuiltTasks:
+        return default_tasks(config)
 
     def start(self) -> None:
         pass

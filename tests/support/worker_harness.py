@@ -12,7 +12,8 @@ from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.enrollment import NatsCredentials
 from gpuaas_agent.contract.tasks import TaskType
 from gpuaas_agent.control.enroll import EnrollmentRecord
-from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
+from gpuaas_agent.control.taskpolicy import WorkerSettings
+from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.daemon import connect
 from gpuaas_agent.state.store import StateStore
 from tests.controlplane import ControlPlane
@@ -26,8 +27,8 @@ DISCOVER = TaskType.topology_discover.value
 class Harness:
     """Control plane + one agent worker on its own connection, as in production."""
 
-    def __init__(self, server, tmp_path, handlers, **settings) -> None:
-        self.server, self.tmp_path, self.handlers = server, tmp_path, handlers
+    def __init__(self, server, tmp_path, handlers, *, recoveries=None, **settings) -> None:
+        self.server, self.tmp_path, self.handlers, self.recoveries = server, tmp_path, handlers, recoveries
         self.settings = WorkerSettings(**{"keepalive_interval_s": 0.5, "ack_wait_s": 5.0, "fetch_timeout_s": 0.25, **settings})
 
     async def __aenter__(self):
@@ -41,7 +42,7 @@ class Harness:
         self._record = record
         self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state", insecure=True), record, asyncio.Event())
         self.store = StateStore.open(self.tmp_path / "state" / "state.db")
-        self.worker = TaskWorker(self.nc, self.store, NODE, self.handlers, self.settings)
+        self.worker = TaskWorker(self.nc, self.store, NODE, self.handlers, self.settings, recoveries=self.recoveries)
         self.run_task = asyncio.create_task(self.worker.run())
         await asyncio.wait_for(self.worker.ready.wait(), 10)
         return self
@@ -52,7 +53,7 @@ class Harness:
         await asyncio.wait_for(self.run_task, 10)
         await asyncio.wait_for(self.nc.close(), 5)
         self.nc = await connect(AgentConfig(state_dir=self.tmp_path / "state", insecure=True), self._record, asyncio.Event())
-        self.worker = TaskWorker(self.nc, self.store, NODE, self.handlers, self.settings)
+        self.worker = TaskWorker(self.nc, self.store, NODE, self.handlers, self.settings, recoveries=self.recoveries)
         self.run_task = asyncio.create_task(self.worker.run())
         await asyncio.wait_for(self.worker.ready.wait(), 10)
 

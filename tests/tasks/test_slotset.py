@@ -14,7 +14,7 @@ import pytest
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.admission import AdmissionRefused
+from gpuaas_agent.tasks.provision_admission import AdmissionRefused
 from gpuaas_agent.tasks.slotset import (
     check_allocation_holds_only,
     check_enough_free,

@@ -38,7 +38,7 @@ from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
 from gpuaas_agent.contract.state import SlotLease, SlotRecord
 from gpuaas_agent.contract.tasks import TaskEnvelope, task_payload
-from gpuaas_agent.control.worker import TaskContext
+from gpuaas_agent.control.taskpolicy import TaskRun
 from gpuaas_agent.deploy import relaykey
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.host.images.cache import ImageCache
@@ -234,7 +234,7 @@ class Agent:
         envelope = TaskEnvelope(task_id=f"t-{uuid.uuid4().hex[:8]}", type=task_type, node_id=NODE, attempt=1,
                                 deadline=datetime.now(UTC) + timedelta(minutes=5), payload=payload)
         _, model = task_payload(envelope)
-        ctx = TaskContext(envelope=envelope, node_id=NODE, store=self.store, resumed_steps=[], _nc=self.nc)
+        ctx = TaskRun(envelope=envelope, node_id=NODE, store=self.store, resumed_steps=[], _nc=self.nc)
         operation = task_type.rsplit("_", 1)[1]
         return await terminal_handler(self.sh, operation)(model, ctx)
 

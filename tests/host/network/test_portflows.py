@@ -630,7 +630,7 @@ def test_after_a_vswitchd_restart_the_network_watch_degrades_port_isolation_repa
         lab: IsoLab, tmp_path: Path):
     """The daemon's watch (operator/netwatch.py) with its real probe and repair: no wait for the reconcile timer."""
     from gpuaas_agent.contract.drift import DriftReport, DriftTrigger
-    from gpuaas_agent.operator.health import HealthSettings, isolation_check
+    from gpuaas_agent.operator.health import CheckThreads, HealthSettings, isolation_check
     from gpuaas_agent.operator.netwatch import NetWatch
 
     store = _store_with_active(lab, tmp_path)
@@ -664,7 +664,7 @@ def test_after_a_vswitchd_restart_the_network_watch_degrades_port_isolation_repa
     beats = Heartbeats()
     watch = NetWatch(HealthSettings(host_root=Path("/"), subnet=str(SUBNET), ovs_bridge=lab.sw.bridge, netns=lab.host),
                      beats, interval_s=1, isolation=probe, publish=publish, subject="gpuaas.node.test.drift",
-                     repair=repair)
+                     repair=repair, threads=CheckThreads())
 
     async def two_rounds():
         return await watch.round(DriftTrigger.timer), await watch.round(DriftTrigger.netlink)
