@@ -13,10 +13,15 @@ uses (``gpuaas_agent.contract``), so a test exercises the wire, not a mock:
 * :meth:`ControlPlane.serve_enrollment` answers ``gpuaas.enroll.nonce`` (single-use nonces)
   and ``gpuaas.enroll``: one-time tokens from :meth:`issue_token`, checked by their proof
   (``gpuaas_agent/control/tokenproof.py``; the token never arrives), a request whose nonce is
-  unknown or spent refused (``nonce_invalid``: a replay), a user JWT minted for the node's own
+  unknown or spent refused (``nonce_invalid``: a replay), the nonce bound to the reply key its request
+  named (a request with another key neither spends nor uses it) and every answer echoing
+  ``reply_key_id`` of the request's key (the agent takes no other), a user JWT minted for the node's own
   public key (``tests/natsauth``: the plane never sees a seed) with exactly the node's
   permissions, sealed to the request's ``reply_public_key``; then the node's consumer is created
   (:meth:`create_node_consumer`: the node cannot).
+* :meth:`issue_host_login` (account-per-node layout): a token with a bootstrap user of its own, which the
+  plane revokes in the bootstrap account (and pushes) once that token's host has enrolled: the bootstrap
+  login of an enrolled node is refused by the server.
 * :meth:`serve_rotation` answers ``gpuaas.node.*.creds.renew`` (a JWT for a node's new key,
   whose possession the request proves); :meth:`rotate` orders a rotation.
 * The account-per-node layout (``operator`` a :class:`~tests.natsauth.fleet.FleetOperator`,
@@ -58,9 +63,11 @@ from gpuaas_agent.contract.enrollment import (
     CredsRotation,
     CredsRotationReply,
     EnrollNonce,
+    EnrollNonceRequest,
     EnrollReply,
     EnrollRequest,
     NatsCredentials,
+    reply_key_id,
 )
 from gpuaas_agent.contract.tasks import Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
 from gpuaas_agent.control.accounts import NODE_JS_API_PREFIX
@@ -85,6 +92,7 @@ class IssuedToken:
     expires_at: float
     node_id: str | None = None  # set once the token was used
     machine_id: str | None = None
+    bootstrap_user: str | None = None  # the public key of the bootstrap user issued with it (issue_host_login)
 
 
 @dataclass
@@ -108,9 +116,10 @@ class ControlPlane:
         # with operator.server_config() verifies them (tests/control/test_auth_secrets.py).
         self.operator = operator or Operator()
         self.tokens: dict[str, IssuedToken] = {}  # token_id -> the token (the plane's own copy)
-        self.nonces: dict[str, float] = {}  # issued, not yet spent -> expiry
+        self.nonces: dict[str, tuple[float, str | None]] = {}  # issued, not yet spent -> (expiry, reply key bound)
         self.enroll_requests: list[EnrollRequest] = []
         self.issued_credentials: dict[str, NatsCredentials] = {}  # node id -> what was sealed to it
+        self.bootstrap_logins_revoked: list[str] = []  # bootstrap users revoked and pushed (issue_host_login)
         self.node_keys: dict[str, list[str]] = {}  # node id -> every public key a JWT was minted for, in order
         self.drop_renew_replies = 0  # the next N renewal replies are "lost" (minted, never sent)
         # The consumer created for every enrolled node (ack_wait, replicas...): what its agent is configured with.
@@ -215,16 +224,39 @@ class ControlPlane:
         self.tokens[token_id(token)] = IssuedToken(token=token, expires_at=self._clock() + ttl_s)
         return token
 
+    def issue_host_login(self, ttl_s: float = 600.0) -> tuple[str, str]:
+        """``(token, bootstrap creds)`` for one host (what cloud-init delivers), account-per-node layout: the
+        bootstrap user is this host's own, and the plane revokes it once the token's host has enrolled."""
+        assert self.fleet is not None, "a bootstrap user needs the account-per-node layout"
+        token = self.issue_token(ttl_s)
+        creds, user = self.fleet.bootstrap_login()
+        self.tokens[token_id(token)].bootstrap_user = user.public
+        return token, creds
+
+    async def push_bootstrap_account(self) -> None:
+        """The bootstrap account's JWT (its revocations) to the resolver, as ``nsc push`` does."""
+        assert self.system_nc is not None and self.fleet is not None, "connect_system first"
+        reply = await self.system_nc.request(CLAIMS_UPDATE, self.fleet.bootstrap_jwt().encode(),
+                                             timeout=REQUEST_TIMEOUT_S)
+        answer = json.loads(reply.data)
+        if answer.get("error") or (answer.get("data") or {}).get("code") != 200:
+            raise RuntimeError(f"the resolver refused the bootstrap account: {answer}")
+
     async def serve_enrollment(self) -> None:
         self._subs.append(await self.nc.subscribe(subjects.ENROLL_NONCE, cb=self._on_nonce))
         self._subs.append(await self.nc.subscribe(subjects.ENROLL, cb=self._on_enroll))
         await self.nc.flush(timeout=REQUEST_TIMEOUT_S)
 
     async def _on_nonce(self, msg: Msg) -> None:
+        try:
+            asked = EnrollNonceRequest.model_validate_json(msg.data or b"{}")
+        except ValidationError:
+            return  # not a nonce request: no answer (it could name anyone's inbox)
         nonce = b64url(secrets.token_bytes(32))
         expires = self._clock() + NONCE_TTL_S
-        self.nonces[nonce] = expires
-        reply = EnrollNonce(nonce=nonce, expires_at=datetime.fromtimestamp(expires, UTC))
+        self.nonces[nonce] = (expires, asked.reply_public_key)
+        bound = None if asked.reply_public_key is None else reply_key_id(asked.reply_public_key)
+        reply = EnrollNonce(nonce=nonce, expires_at=datetime.fromtimestamp(expires, UTC), reply_key_id=bound)
         await msg.respond(reply.model_dump_json().encode())
 
     def mint_jwt(self, node_id: str, public_key: str) -> str:
@@ -243,18 +275,27 @@ class ControlPlane:
         except ValidationError:
             return EnrollReply(accepted=False, error="token_invalid", message="request does not match the contract")
         self.enroll_requests.append(request)
+        bound = reply_key_id(request.reply_public_key)
+        # A nonce bound to another attempt's key (heard on a shared inbox) is neither used nor spent: refused.
+        held = self.nonces.get(request.server_nonce)
+        if held is not None and held[1] is not None and held[1] != request.reply_public_key:
+            return EnrollReply(accepted=False, error="nonce_invalid", reply_key_id=bound,
+                               message="the server nonce was issued to another enrollment attempt")
         # The nonce is spent by the first request that names it, whatever comes next: a replay finds it gone.
-        expires = self.nonces.pop(request.server_nonce, None)
-        if expires is None or self._clock() >= expires:
-            return EnrollReply(accepted=False, error="nonce_invalid",
+        held = self.nonces.pop(request.server_nonce, None)
+        if held is None or self._clock() >= held[0]:
+            return EnrollReply(accepted=False, error="nonce_invalid", reply_key_id=bound,
                                message="unknown, spent or expired server nonce (a replayed request?)")
         issued = self.tokens.get(request.token_id)
         if issued is None or not proof_holds(issued.token, request):
-            return EnrollReply(accepted=False, error="token_invalid", message="unknown bootstrap token or bad proof")
+            return EnrollReply(accepted=False, error="token_invalid", reply_key_id=bound,
+                               message="unknown bootstrap token or bad proof")
         if issued.node_id is not None:
-            return EnrollReply(accepted=False, error="token_reused", message=f"token already used by {issued.node_id}")
+            return EnrollReply(accepted=False, error="token_reused", reply_key_id=bound,
+                               message=f"token already used by {issued.node_id}")
         if self._clock() >= issued.expires_at:
-            return EnrollReply(accepted=False, error="token_expired", message="bootstrap token expired")
+            return EnrollReply(accepted=False, error="token_expired", reply_key_id=bound,
+                               message="bootstrap token expired")
         node_id = "node-" + hashlib.sha256(request.machine_id.encode()).hexdigest()[:12]
         prefix = self.reply_js_api_prefix
         if prefix is None and self.fleet is not None:
@@ -264,11 +305,13 @@ class ControlPlane:
         try:
             sealed = seal_credentials(credentials, request, node_id)
         except ValueError:  # a low-order reply_public_key: nothing can be sealed to it; the token stays unused
-            return EnrollReply(accepted=False, error="token_invalid", message="reply_public_key is not usable")
+            return EnrollReply(accepted=False, error="token_invalid", reply_key_id=bound,
+                               message="reply_public_key is not usable")
         issued.node_id, issued.machine_id = node_id, request.machine_id
         self.issued_credentials[node_id] = credentials
         version = SCHEMA_VERSION_AUTH if prefix is None else SCHEMA_VERSION_AUTH_PREFIX  # v2.1 names the prefix
-        return EnrollReply(schema_version=version, accepted=True, node_id=node_id, sealed_credentials=sealed)
+        return EnrollReply(schema_version=version, accepted=True, node_id=node_id, sealed_credentials=sealed,
+                           reply_key_id=bound)
 
     async def _on_enroll(self, msg: Msg) -> None:
         reply = self._answer(msg.data)
@@ -280,6 +323,13 @@ class ControlPlane:
             if self.fleet is not None:  # its account exists before its first login
                 await self.push_node_account(reply.node_id)
         await msg.respond(reply.model_dump_json().encode())
+        issued = next((t for t in self.tokens.values() if t.node_id == reply.node_id), None) if reply.accepted else None
+        if self.fleet is not None and issued is not None and issued.bootstrap_user is not None:
+            # After the answer (the revocation closes the login's connection at once): the host's own bootstrap
+            # user has done its one job, and the server refuses it from now on.
+            self.fleet.revoke_bootstrap(issued.bootstrap_user)
+            await self.push_bootstrap_account()
+            self.bootstrap_logins_revoked.append(issued.bootstrap_user)
 
     # -- rotation -----------------------------------------------------------------
 

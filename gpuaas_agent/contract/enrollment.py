@@ -12,12 +12,20 @@
 * The reply's credentials are still sealed to the request's ``reply_public_key``
   (``gpuaas_agent/control/sealed.py``): a JWT is no secret, but the seal binds the answer to
   this attempt, and anyone on ``_INBOX.>`` sees ciphertext.
+* Every answer is bound to the attempt that asked (``reply_key_id``: the first 32 hex digits of
+  SHA-256 of the attempt's ``reply_public_key``): the nonce request names the attempt's reply key,
+  the nonce is spent only by an enrollment request carrying that same key, and the nonce and
+  enrollment replies echo its ``reply_key_id``; the agent ignores an answer with another (or none).
+  Why: the bootstrap login is shared by every enrolling host and the server does not check a
+  request's reply subject, so one holder could have the plane answer its own request into another
+  host's inbox, or spend a nonce it heard there (docs/security-auth.md "The bootstrap login").
 * A rotation (``gpuaas.node.<node>.creds``) is only a "rotate now" order: the agent makes a new
   key pair and asks ``gpuaas.node.<node>.creds.renew`` for a JWT for it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from datetime import datetime
 from typing import Final, Literal
@@ -38,6 +46,12 @@ RENEW_SCHEME: Final = "gpuaas.agent.creds-renew/v1"
 # low 2 bits are zero (the last character carries 4 data bits); one spelling per key.
 X25519_KEY_PATTERN = r"^[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]$"
 B64URL_32_PATTERN = X25519_KEY_PATTERN  # any 32 bytes: a server nonce, a token id, an HMAC-SHA256
+REPLY_KEY_ID_PATTERN = r"^[0-9a-f]{32}$"
+
+
+def reply_key_id(reply_public_key: str) -> str:
+    """What binds an answer to the attempt that asked: 32 hex digits of SHA-256(UTF-8 ``reply_public_key``)."""
+    return hashlib.sha256(reply_public_key.encode()).hexdigest()[:32]
 # 12 bytes (96 bits) are exactly 16 base64url characters.
 SEAL_NONCE_PATTERN = r"^[A-Za-z0-9_-]{16}$"
 BASE64URL_PATTERN = r"^[A-Za-z0-9_-]+$"
@@ -86,15 +100,24 @@ EnrollRefusal = Literal["token_invalid", "token_expired", "token_reused", "host_
 
 
 class EnrollNonceRequest(WireModel):
-    """``gpuaas.enroll.nonce``: ask for a fresh single-use nonce to bind the enrollment request to."""
+    """``gpuaas.enroll.nonce``: ask for a fresh single-use nonce to bind the enrollment request to.
+
+    ``reply_public_key``: the attempt's X25519 key (the one its ``EnrollRequest`` will carry). The
+    nonce is bound to it: only an enrollment request with the same key spends it, so a holder of the
+    shared bootstrap login who hears the nonce can neither use nor waste it. Optional on the wire
+    for plans older than the binding; this agent always sends it.
+    """
 
     schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
+    reply_public_key: str | None = Field(default=None, pattern=X25519_KEY_PATTERN)
 
 
 class EnrollNonce(WireModel):
     schema_version: SchemaVersionAuth = SCHEMA_VERSION_AUTH
     nonce: str = Field(pattern=B64URL_32_PATTERN)  # 32 random bytes; the control plane accepts it once
     expires_at: datetime
+    # reply_key_id(the request's reply_public_key): the agent takes only a nonce answered to its own attempt.
+    reply_key_id: str | None = Field(default=None, pattern=REPLY_KEY_ID_PATTERN)
 
 
 class EnrollRequest(WireModel):
@@ -207,3 +230,6 @@ class EnrollReply(WireModel):
     sealed_credentials: SealedCredentials | None = None
     error: EnrollRefusal | None = None
     message: str | None = None
+    # reply_key_id(the request's reply_public_key), in every answer to a request that parsed (refusals too):
+    # the agent takes only an answer to its own attempt, whatever else the plane was made to send its inbox.
+    reply_key_id: str | None = Field(default=None, pattern=REPLY_KEY_ID_PATTERN)

@@ -141,6 +141,7 @@ class ErrorCode(StrEnum):
     DEADLINE_EXCEEDED = "deadline_exceeded", "control", "The task ran past its deadline and was cancelled; check what made it slow, then retry."
     WRONG_NODE = "wrong_node", "control", "A task addressed to another node arrived here; fix the control plane's routing."
     WRONG_SUBJECT = "wrong_subject", "control", "A task arrived on a subject that does not match its type; fix the control plane's publisher."
+    RESULT_TOO_LARGE = "result_too_large", "control", "A task's result did not fit the NATS server's max_payload: this answer (status failed, evidence names the sizes) replaced it and the task was acked, not redelivered; ask for less, or raise max_payload."
     DISCOVERY_TIMEOUT = "discovery_timeout", "control", "Re-discovery after a hardware event did not finish in time; check sysfs/host load, the next event retries."
     RECONCILE_TIMEOUT = "reconcile_timeout", "control", "Startup reconcile did not finish in time; check libvirt and the state DB, the daemon keeps running."
 

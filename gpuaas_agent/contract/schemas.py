@@ -22,7 +22,7 @@ from gpuaas_agent.contract.parity import ParityReport, SliceNetworkEvidence
 from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.slots import ApprovedSlot
 from gpuaas_agent.contract.storage import CloneResult, WipeProof
-from gpuaas_agent.contract.tasks import PAYLOADS, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
+from gpuaas_agent.contract.tasks import PAYLOADS, ConsoleLogResult, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
 from gpuaas_agent.contract.terminal import (
     TerminalAudit,
     TerminalDataResult,
@@ -78,6 +78,8 @@ WIRE_MODELS: tuple[type[WireModel], ...] = (
     TerminalAudit,
     TerminalInputFrame,
     TerminalOutputFrame,
+    # slice.console_log's output: the tail that fits the wire (cut_to_fit).
+    ConsoleLogResult,
 )
 
 

@@ -91,6 +91,10 @@ class WipeProof(WireModel):
     guarantee: ProofGuarantee = ProofGuarantee.sampled
     # The whole-device read that found data an acknowledged erase left behind (then zeroed and read again).
     left_by_erase: WholeDeviceCheck | None = None
+    # The disk this proves empty, by what it is (the lease's ``disk_identity``, checked by the wipe's guards), not
+    # by a name: an unquarantine re-check accepts only a proof of the quarantined disk itself. None in a proof
+    # from before this field, which therefore returns no quarantined disk.
+    disk_identity: DiskIdentity | None = None
 
     @property
     def covers_every_byte(self) -> bool:

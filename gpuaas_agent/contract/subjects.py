@@ -17,7 +17,7 @@ from gpuaas_agent.contract.types import UUID_RE
 
 ENROLL = "gpuaas.enroll"
 ENROLL_NONCE = "gpuaas.enroll.nonce"  # a single-use server nonce the enrollment request's token proof covers
-ENROLL_INBOX_PREFIX = "_INBOX.enroll"  # + one random token per enrollment: no other host can guess the reply
+ENROLL_INBOX_PREFIX = "_INBOX.enroll"  # + the attempt's reply_key_id (contract/enrollment.py): answers are bound by content
 # The namespaces a JetStream API prefix sent by the control plane may not lie in (contract/enrollment.py): every
 # node's own subjects, enrollment's, and the reply inboxes.
 NOT_JS_API: tuple[str, ...] = ("gpuaas.node", ENROLL, "_INBOX")

@@ -173,6 +173,27 @@ class ConsoleLogPayload(WireModel):
     tail_kib: int = Field(default=64, ge=1, le=1024)
 
 
+class ConsoleLogResult(WireModel):
+    """``slice.console_log``'s output: the tail of the log that was asked for and fits the wire.
+
+    ``text`` is the bytes decoded as UTF-8 with replacement characters. ``truncated``: the log holds
+    more than ``returned_bytes``. ``cut_to_fit``: the tail asked for (``tail_kib``) did not fit the
+    server's ``max_payload`` once JSON-escaped (a control byte takes six bytes as ``\\u00XX``), so a
+    shorter tail was returned (``truncated`` is then true too): ask again with a smaller ``tail_kib``
+    for less, there is no more to get in one result.
+    """
+
+    allocation_id: str = Field(pattern=UUID_PATTERN)
+    slot_index: int = Field(ge=0, le=255)
+    path: str
+    size_bytes: int = Field(ge=0)
+    returned_bytes: int = Field(ge=0)
+    truncated: bool
+    cut_to_fit: bool = False
+    modified: datetime
+    text: str
+
+
 class ReconcilePayload(WireModel):
     repair: bool = True
 
@@ -209,6 +230,12 @@ class TaskErrorBody(WireModel):
     message: str
     retryable: bool
     evidence: dict[str, Any] = Field(default_factory=dict)
+
+
+# What a result's encoding and headers take beside its handler's ``output`` (schema version, task id (at most
+# 200 characters), node, type, status, finish time, the ``Nats-Msg-Id`` header), with room to spare: a handler
+# that sizes its output to the server's ``max_payload`` keeps this much free (control/resultfit.py).
+RESULT_HEADROOM_BYTES = 2048
 
 
 class TaskResult(WireModel):

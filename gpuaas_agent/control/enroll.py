@@ -15,8 +15,15 @@ exists sends nothing: the token was spent already and a second request would
 be refused as ``token_reused``.
 
 The exchange runs over the configured transport (TLS unless ``insecure``, see
-``control/transport.py``), and the replies come on an inbox no one can guess
-(``_INBOX.enroll.<128 random bits>.``). A reply that carries credentials in clear is refused
+``control/transport.py``), and the replies come on this attempt's inbox
+(``_INBOX.enroll.<reply_key_id>.``). The bootstrap login is shared, and the server checks no
+request's reply subject, so another holder of it can hear that inbox and have the plane answer
+its own requests there: every answer taken is bound to this attempt (``reply_key_id`` of its
+X25519 key, echoed by the plane; the nonce is bound to that key too), and an answer with any other
+binding is ignored (``enroll_reply_not_ours``) while the request's deadline runs. Once enrolled,
+the bootstrap login leaves the host: the file named ``nats_enroll_creds_file`` is deleted with the
+token (the plane revokes a host's own bootstrap user at its enrollment,
+docs/security-auth.md "The bootstrap login"). A reply that carries credentials in clear is refused
 (``enroll_reply_unsealed``), one whose seal does not open too (``enroll_reply_tampered``), one
 whose credentials carry a password (``enroll_reply_carries_secret``) or a JWT for another key
 (``enroll_reply_wrong_key``) as well: nothing is written and the token stays.
@@ -28,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -51,6 +57,7 @@ from gpuaas_agent.contract.enrollment import (
     EnrollRequest,
     NatsCredentials,
     js_api_prefix_problem,
+    reply_key_id,
 )
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.control.connection import connect_nats, safe_url
@@ -250,18 +257,48 @@ def _open_reply(data: bytes, reply_key: X25519PrivateKey, request: EnrollRequest
     return credentials, reply.node_id
 
 
-async def _request(nc: Client, subject: str, data: bytes, nats_url: str, timeout: float) -> Msg:
-    """One request/reply of enrollment; ``enroll_unreachable`` when nothing answers or the connection breaks."""
+def _bound_to(data: bytes) -> str | None:
+    """The ``reply_key_id`` an answer carries (None: junk, or an answer without a binding)."""
+    with contextlib.suppress(ValueError, RecursionError):
+        doc = json.loads(data)
+        if isinstance(doc, dict) and isinstance(doc.get("reply_key_id"), str):
+            return str(doc["reply_key_id"])
+    return None
+
+
+async def _request(nc: Client, subject: str, data: bytes, nats_url: str, timeout: float, *, bound_to: str) -> Msg:
+    """One request/reply of enrollment, answered to this attempt (``reply_key_id`` = ``bound_to``).
+
+    Any other message on the inbox (the plane's answer to another holder's request, made to name our
+    inbox) is logged and ignored while the deadline runs; ``enroll_unreachable`` when nothing bound to
+    us answers in time, nothing listens, or the connection breaks.
+    """
+    where = {"nats_url": safe_url(nats_url), "subject": subject}
+    inbox = nc.new_inbox()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     try:
-        return await nc.request(subject, data, timeout=timeout)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
+        sub = await nc.subscribe(inbox)
+        try:
+            await nc.publish(subject, data, reply=inbox)
+            while True:
+                msg = await sub.next_msg(timeout=max(deadline - loop.time(), 0.001))
+                if msg.headers and msg.headers.get("Status") == "503":
+                    raise EnrollError(f"no enrollment answer on {subject} from {safe_url(nats_url)} "
+                                      "(no responders)", code="enroll_unreachable", evidence=where)
+                if _bound_to(msg.data) == bound_to:
+                    return msg
+                log_event(log, "enroll_reply_not_ours", logging.WARNING, subject=subject,
+                          bound_to=_bound_to(msg.data), expected=bound_to, ignored=True)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+    except (nats.errors.TimeoutError, TimeoutError):
         raise EnrollError(f"no enrollment answer on {subject} from {safe_url(nats_url)} within {timeout:g}s "
-                          f"({'no responders' if isinstance(exc, nats.errors.NoRespondersError) else 'timed out'})",
-                          code="enroll_unreachable", evidence={"nats_url": safe_url(nats_url), "subject": subject}
-                          ) from None
+                          "(timed out)", code="enroll_unreachable", evidence=where) from None
     except nats.errors.Error as exc:  # the connection broke under the request
         raise EnrollError(f"enrollment request to {safe_url(nats_url)} failed: {exc}", code="enroll_unreachable",
-                          evidence={"nats_url": safe_url(nats_url), "error": repr(exc)}) from None
+                          evidence={**where, "error": repr(exc)}) from None
 
 
 def _nonce(data: bytes) -> str:
@@ -292,6 +329,7 @@ async def enroll(
     existing = load_enrollment(state_dir)
     if existing is not None:
         log_event(log, "enroll_skipped", reason="already_enrolled", node_id=existing.node_id)
+        remove_bootstrap_login(security, state_dir)  # a crash after the record may have left it
         return existing
 
     token_file = Path(token_file)
@@ -301,11 +339,13 @@ async def enroll(
 
     # Bounded: connect_timeout + 2 * timeout in all, so ExecStartPre ends well inside the unit's start timeout.
     # ``security``: TLS settings and the bootstrap login (TransportSecurity.from_config(config, enroll=True)).
+    bound_to = reply_key_id(public_key_text(reply_key))  # what every answer to this attempt echoes
     nc = await connect_nats([nats_url], timeout_s=connect_timeout or timeout, name="gpuaas-agent-enroll",
-                            security=security, inbox_prefix=subjects.enroll_inbox_prefix(secrets.token_hex(16)))
+                            security=security, inbox_prefix=subjects.enroll_inbox_prefix(bound_to))
     try:
-        nonce = _nonce((await _request(nc, NONCE_SUBJECT, EnrollNonceRequest().model_dump_json().encode(),
-                                       nats_url, timeout)).data)
+        asked = EnrollNonceRequest(reply_public_key=public_key_text(reply_key))
+        nonce = _nonce((await _request(nc, NONCE_SUBJECT, asked.model_dump_json().encode(), nats_url, timeout,
+                                       bound_to=bound_to)).data)
         try:
             fields: dict[str, Any] = {"server_nonce": nonce, "token_id": token_id(token), "node_public_key": public_key(seed),
                       "machine_id": identity.machine_id, "reply_public_key": public_key_text(reply_key)}
@@ -314,7 +354,8 @@ async def enroll(
         except ValidationError as exc:
             raise EnrollError("host identity does not match the contract", code="invalid_identity",
                               evidence={"errors": exc.errors(include_url=False, include_input=False)}) from None
-        msg = await _request(nc, ENROLL_SUBJECT, request.model_dump_json().encode(), nats_url, timeout)
+        msg = await _request(nc, ENROLL_SUBJECT, request.model_dump_json().encode(), nats_url, timeout,
+                             bound_to=bound_to)
     finally:
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await asyncio.wait_for(nc.close(), timeout)
@@ -335,8 +376,26 @@ async def enroll(
     except OSError as exc:
         # Enrolled all the same: the token is single-use and the control plane refuses it from now on.
         log_event(log, "token_remove_failed", logging.WARNING, token_file=str(token_file), error=exc.strerror)
+    remove_bootstrap_login(security, state_dir)
     log_event(log, "enrolled", node_id=record.node_id, node_public_key=public_key(seed))
     return record
+
+
+def remove_bootstrap_login(security: TransportSecurity | None, state_dir: str | Path) -> None:
+    """Delete the bootstrap login (``nats_enroll_creds_file``) once enrolled: it can enroll, and an enrolled host
+    has nothing left to enroll. Never the node's own ``nats.creds``, should a config name the same file."""
+    path = None if security is None else security.creds_file
+    if path is None or Path(path).resolve() == creds_path(state_dir).resolve():
+        return
+    try:
+        Path(path).unlink()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        # Enrolled all the same; the plane revokes this host's bootstrap user (docs/security-auth.md).
+        log_event(log, "bootstrap_login_remove_failed", logging.WARNING, path=str(path), error=exc.strerror)
+        return
+    log_event(log, "bootstrap_login_removed", path=str(path))
 
 
 def js_api_prefix_in_use(config: AgentConfig, record: EnrollmentRecord | None) -> tuple[str, str]:

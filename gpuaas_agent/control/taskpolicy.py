@@ -98,6 +98,7 @@ from gpuaas_agent.contract.tasks import (
 from gpuaas_agent.control.admission import Refusal
 from gpuaas_agent.control.consumer import node_consumer_config
 from gpuaas_agent.control.permissions import consumer_name
+from gpuaas_agent.control.resultfit import fit_result
 from gpuaas_agent.errors import AgentError, ContractError
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
@@ -612,14 +613,20 @@ class TaskPolicy:
         """PubAck first, then ack; a failure leaves the task unacked so redelivery replays the stored result."""
         subject = subjects.result(self.node_id)
         msg_id = msg_id or f"{result.task_id}-{result.attempt}"
-        data = result.model_dump_json().encode()
+        headers = {"Nats-Msg-Id": msg_id}
+        # A result the server's max_payload cannot carry would fail every retry and the task be redelivered
+        # without end: answered ``result_too_large`` instead, then acked (control/resultfit.py).
+        sent, data = fit_result(result, headers, self.nc.max_payload)
+        if sent is not result and sent.error is not None:
+            _warn("result_too_large", task_id=result.task_id, type=result.type, **sent.error.evidence)
+        result = sent
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + self.settings.publish_deadline_s
         backoff = 0.2
         while True:
             try:
                 ack = await self.js.publish(subject, data, timeout=self.settings.request_timeout_s,
-                                            stream=self.settings.result_stream, headers={"Nats-Msg-Id": msg_id})
+                                            stream=self.settings.result_stream, headers=headers)
                 break
             except (nats.errors.Error, TimeoutError) as exc:
                 if loop.time() + backoff >= give_up_at:

@@ -186,9 +186,9 @@ async def prepare_host(config: AgentConfig, *, check_only: bool = False, sysfs_d
         _check_not_writable_by_others(spec)
     key_file = config.slice.terminal_relay_key_file
     found = relaykey.inspect(key_file)  # refuses a key it must not use before anything is created
-    sysfs = _sysfs_write_set(config) if sysfs_dropin is not None else None
+    sysfs, refused = _sysfs_write_set(config) if sysfs_dropin is not None else (None, [])
     if check_only:
-        return _verify(specs, found, key_file) + (sysfswrites.check_lines(sysfs) if sysfs is not None else [])
+        return _verify(specs, found, key_file) + (sysfswrites.check_lines(sysfs, refused) if sysfs is not None else [])
 
     lines, done = [], set()
     for spec in specs:
@@ -204,20 +204,21 @@ async def prepare_host(config: AgentConfig, *, check_only: bool = False, sysfs_d
     outcome, key = await relaykey.ensure(key_file)
     lines.append(_line("terminal_relay_key", key_file, outcome, type=relaykey.KEY_TYPE, fingerprint=key.fingerprint))
     if sysfs_dropin is not None and sysfs is not None:
-        text = sysfswrites.render_dropin(sysfs, host_root=str(config.host_root))
+        text = sysfswrites.render_dropin(sysfs, host_root=str(config.host_root), refused=refused)
         try:
             outcome = sysfswrites.write_dropin(sysfs_dropin, text)
         except OSError as exc:
             raise PrepareError(f"cannot write the sysfs drop-in {sysfs_dropin}: {exc.strerror}",
                                code="host_path_write_failed",
                                evidence={"item": "sysfs_dropin", "path": str(sysfs_dropin), "errno": exc.errno}) from None
-        lines.append(_line("sysfs_dropin", sysfs_dropin, outcome, paths=str(len(sysfs))))
+        lines.append(_line("sysfs_dropin", sysfs_dropin, outcome, paths=str(len(sysfs)),
+                           refused=",".join(r.item for r in refused) or "none"))
     return lines
 
 
-def _sysfs_write_set(config: AgentConfig) -> list[sysfswrites.WritablePath]:
+def _sysfs_write_set(config: AgentConfig) -> tuple[list[sysfswrites.WritablePath], list[sysfswrites.RefusedPath]]:
     try:
-        return sysfswrites.host_write_set(HostRoot.open(config.host_root))
+        return sysfswrites.host_write_plan(HostRoot.open(config.host_root))
     except OSError as exc:
         raise PrepareError(f"cannot read the PCI devices under {config.host_root}: {exc.strerror or exc}",
                            code="host_path_refused", evidence={"host_root": str(config.host_root)}) from None

@@ -3,18 +3,28 @@
 The unit keeps all of ``/sys`` read-only (``ProtectKernelTunables=yes``). ``ReadWritePaths=``
 takes no wildcards and PCI paths differ per host, so ``prepare-host --sysfs-dropin`` (run by
 the package's postinst and by the unit's ``ExecStartPre=+``, outside the sandbox) discovers
-the host's candidate slots and writes a drop-in naming, and opening read-write, only:
+the host's candidate slots and writes a drop-in naming, and opening read-write, only these files
+(each by its real ``/sys/devices/pci…/ADDR/<file>`` path; never a device directory, whose
+``remove``, ``rescan``, ``enable``, ``sriov_*`` and ``driver/`` would come with it):
 
-- each slot GPU's and fabric VF's own device directory (its real ``/sys/devices/pci…/ADDR``):
-  ``driver_override`` (host/devices/vfio.py), ``reset`` (FLR of the VF, host/devices/gpuhandover.py), ``rom``
-  (host/devices/pcirom.py), and the GPU's ``config`` and BAR ``resourceN`` that NVIDIA's gpu-admin-tools
-  opens read-write (host/devices/gpuadmin.py);
+- a slot GPU's ``driver_override`` (host/devices/vfio.py), ``rom`` (host/devices/pcirom.py), and
+  the ``config`` and BAR0 ``resource0`` that NVIDIA's gpu-admin-tools opens read-write
+  (host/devices/gpuadmin.py; its FLR and SBR are config-space writes, it maps BAR0 only);
+- a slot fabric VF's ``driver_override`` and ``reset`` (its FLR, host/devices/gpuhandover.py);
 - the ``config`` file of every PCI bridge above a slot GPU up to its root port: gpu-admin-tools
   opens the config space of the whole parent chain ``O_RDWR`` and the secondary bus reset is a
   write to the upstream bridge's bridge-control register;
 - ``/sys/bus/pci/drivers/<driver>/unbind`` of the drivers a slot function leaves when it is bound
   to vfio-pci (its driver now, and the usual one for its kind where loaded: nvidia/nouveau for
-  a GPU, mlx5_core for a fabric VF); never the unbind of the boot disk's or the host NIC's driver;
+  a GPU, mlx5_core for a fabric VF); never the unbind of the boot disk's driver, and **never the
+  unbind of a driver a host NIC is bound to** (:func:`host_nic_drivers`: an interface carrying a
+  default route, IPv4 or IPv6, and every lower device under it: bond slaves, bridge ports, a VLAN's
+  parent). An ``unbind`` file takes any PCI address, so opening ``mlx5_core/unbind`` on a host whose
+  management NIC is a ConnectX would let the agent (or whoever runs as it) cut the host off the
+  network. Such an unbind is left out with its evidence (:class:`RefusedPath`: the drop-in's
+  comments, ``prepare-host --check``, and the preflight's ``sysfs_writable`` check, which fails for
+  a slot function still bound to that driver: bind its VFs to vfio-pci at boot instead, e.g.
+  ``sriov_drivers_autoprobe=0``);
 - ``/sys/bus/pci/drivers_probe`` (the bind step after ``driver_override``).
 
 Nothing else: no ``new_id``/``remove_id``, no ``sriov_numvfs`` (the agent reads it), no
@@ -28,16 +38,20 @@ and :func:`sysfs_writable_check` name such a path before a provision would fail 
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from gpuaas_agent.contract.fixture import FIXTURE_META_DIR
 from gpuaas_agent.contract.parity import ParityCheck, ParityStatus
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.contract.types import PCI_ADDRESS_RE
+from gpuaas_agent.discovery.netevidence import parse_ip_route
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.hostfs import HostRoot
 
@@ -48,6 +62,9 @@ DRIVERS_PROBE = "/sys/bus/pci/drivers_probe"
 VFIO_DRIVER = "vfio-pci"
 # The driver a function of each kind usually sits on before its first bind (after every boot).
 USUAL_DRIVERS = {"gpu": ("nvidia", "nouveau"), "fabric_vf": ("mlx5_core",)}
+# The files of a slot function the agent writes (see the module doc for who writes each).
+FUNCTION_FILES = {"gpu": ("driver_override", "rom", "config", "resource0"), "fabric_vf": ("driver_override", "reset")}
+NET_CLASS = "/sys/class/net"
 REMEDY = "systemctl daemon-reload && systemctl restart gpuaas-agent (prepare-host rewrote the drop-in at this start)"
 
 
@@ -55,6 +72,104 @@ REMEDY = "systemctl daemon-reload && systemctl restart gpuaas-agent (prepare-hos
 class WritablePath:
     item: str  # what the agent writes there, e.g. "slot0.gpu", "slot0.gpu.bridge", "driver.nvidia.unbind"
     path: str  # on-disk path (under the host root; the real /sys path on a live host)
+
+
+@dataclass(frozen=True)
+class RefusedPath:
+    """A file the agent would write that stays read-only, and why (``host_nic_driver``), with the evidence."""
+
+    item: str
+    path: str
+    reason: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def blocks(self) -> list[str]:
+        """The slot functions bound to that driver now: they cannot be moved to vfio-pci from the sandbox."""
+        return list(self.evidence.get("slot_functions_on_driver", []))
+
+
+def _default_route_devices(host: HostRoot) -> tuple[list[str], str]:
+    """Interfaces carrying a default route, and where that was read: ``/proc/net/route`` and ``ipv6_route``
+    of a live host (the namespace prepare-host runs in, the host's), else a recording's ``ip -j route``."""
+    devices: list[str] = []
+    sources = []
+    try:
+        for line in host.read_text("/proc/net/route").splitlines()[1:]:
+            cols = line.split()
+            if len(cols) >= 8 and cols[1] == "00000000" and cols[7] == "00000000":
+                devices.append(cols[0])
+        sources.append("/proc/net/route")
+    except OSError:
+        pass
+    try:
+        for line in host.read_text("/proc/net/ipv6_route").splitlines():
+            cols = line.split()
+            if len(cols) >= 10 and cols[0] == "0" * 32 and cols[1] == "00" and cols[9] != "lo":
+                devices.append(cols[9])
+        sources.append("/proc/net/ipv6_route")
+    except OSError:
+        pass
+    if not sources:
+        try:
+            text = (host.root / FIXTURE_META_DIR / "commands" / "ip-route.out").read_text(encoding="utf-8")
+            devices += [r.dev for r in parse_ip_route(text) if r.dst == "default" and r.dev]
+            sources.append(f"{FIXTURE_META_DIR}/commands/ip-route.out")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    return sorted(set(devices)), ", ".join(sources)
+
+
+def _lower_devices(host: HostRoot, name: str) -> list[str]:
+    """``name`` and every device under it: bond slaves and a VLAN's parent (``lower_*``), bridge ports (``brif``)."""
+    seen: list[str] = []
+    todo = [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or not re.fullmatch(r"[^/\s]{1,15}", current):
+            continue
+        seen.append(current)
+        try:
+            entries = host.listdir(f"{NET_CLASS}/{current}")
+        except OSError:
+            continue
+        todo += [e.removeprefix("lower_") for e in entries if e.startswith("lower_")]
+        if "brif" in entries:
+            try:
+                todo += host.listdir(f"{NET_CLASS}/{current}/brif")
+            except OSError:
+                pass
+    return seen
+
+
+def _device_drivers(host: HostRoot, device_link: str) -> list[str]:
+    """The drivers from a netdev's device up to its PCI function: ``mlx5_core``; ``virtio_net`` and ``virtio-pci``."""
+    try:
+        path = host.resolve(device_link)
+    except OSError:
+        return []
+    found: list[str] = []
+    while host.is_dir(path) and path.startswith("/sys/devices/"):
+        driver = host.link_name(f"{path}/driver")
+        if driver and driver not in found:
+            found.append(driver)
+        if PCI_ADDRESS_RE.fullmatch(posixpath.basename(path)):
+            break
+        path = posixpath.dirname(path)
+    return found
+
+
+def host_nic_drivers(host: HostRoot) -> dict[str, Any]:
+    """The drivers of the host's management NICs: ``{"drivers": {driver: [interfaces]}, "default_route": [...],
+    "source": ..., "known": bool}``. ``known`` is False when no default route could be read: then every
+    driver a slot function may leave is treated as a host NIC's (nothing is known to be safe to unbind)."""
+    routes, source = _default_route_devices(host)
+    drivers: dict[str, list[str]] = {}
+    for dev in routes:
+        for name in _lower_devices(host, dev):
+            for driver in _device_drivers(host, f"{NET_CLASS}/{name}/device"):
+                drivers.setdefault(driver, []).append(name)
+    return {"drivers": drivers, "default_route": routes, "source": source, "known": bool(source)}
 
 
 def slot_functions(report: TopologyReport) -> list[tuple[str, str, str]]:
@@ -77,37 +192,61 @@ def _bridges(device: str) -> list[str]:
     return out
 
 
-def write_set(host: HostRoot, functions: Iterable[tuple[str, str, str]]) -> list[WritablePath]:
-    """Every path the agent writes for ``functions``, deduplicated, in a stable order (see the module doc)."""
+def plan_writes(host: HostRoot, functions: Iterable[tuple[str, str, str]]) -> tuple[list[WritablePath],
+                                                                                    list[RefusedPath]]:
+    """Every file the agent writes for ``functions`` (deduplicated, stable order), and the unbinds refused."""
     found: dict[str, WritablePath] = {}
 
     def keep_path(item: str, host_path: str) -> None:
         found.setdefault(str(host.real(host_path)), WritablePath(item, str(host.real(host_path))))
 
-    drivers: dict[str, None] = {}
+    drivers: dict[str, list[str]] = {}
     for item, kind, address in functions:
         device = host.resolve(f"{PCI_DEVICES}/{address}")
         if not host.is_dir(device):
             continue  # not on this host (any more): nothing to open
-        keep_path(item, device)
+        for name in FUNCTION_FILES.get(kind, ()):
+            if host.exists(f"{device}/{name}"):  # a function without a ROM or FLR has no such file to open
+                keep_path(f"{item}.{name}", f"{device}/{name}")
         if kind == "gpu":
             for bridge in _bridges(device):
                 if host.exists(f"{bridge}/config"):  # always on a live host; a recording may lack it
                     keep_path(f"{item}.bridge", f"{bridge}/config")
         current = host.link_name(f"{device}/driver")
-        for driver in (current, *USUAL_DRIVERS.get(kind, ())):
+        for driver in dict.fromkeys((current, *USUAL_DRIVERS.get(kind, ()))):
             if driver and driver != VFIO_DRIVER and host.exists(f"{PCI_DRIVERS}/{driver}/unbind"):
-                drivers.setdefault(driver)
-    for driver in drivers:
-        keep_path(f"driver.{driver}.unbind", f"{PCI_DRIVERS}/{driver}/unbind")
+                on_it = drivers.setdefault(driver, [])
+                if driver == current:
+                    on_it.append(f"{item} {address}")
+    refused: list[RefusedPath] = []
+    nics = host_nic_drivers(host) if drivers else {}
+    for driver, on_it in drivers.items():
+        unbind = f"{PCI_DRIVERS}/{driver}/unbind"
+        if not nics["known"] or driver in nics["drivers"]:
+            refused.append(RefusedPath(
+                f"driver.{driver}.unbind", str(host.real(unbind)), "host_nic_driver",
+                {"driver": driver, "host_nics": nics["drivers"].get(driver, []), "default_route": nics["default_route"],
+                 "source": nics["source"] or "no default route could be read", "slot_functions_on_driver": on_it}))
+            continue
+        keep_path(f"driver.{driver}.unbind", unbind)
     if found:
         keep_path("drivers_probe", DRIVERS_PROBE)
-    return list(found.values())
+    return list(found.values()), refused
+
+
+def write_set(host: HostRoot, functions: Iterable[tuple[str, str, str]]) -> list[WritablePath]:
+    """Every file the agent writes for ``functions``, deduplicated, in a stable order (see the module doc)."""
+    return plan_writes(host, functions)[0]
 
 
 def host_write_set(host: HostRoot) -> list[WritablePath]:
     """The write set of ``host`` from its discovery (what the daemon would offer as slots)."""
     return write_set(host, slot_functions(discover(host)))
+
+
+def host_write_plan(host: HostRoot) -> tuple[list[WritablePath], list[RefusedPath]]:
+    """The write set of ``host`` and the unbinds refused, from its discovery."""
+    return plan_writes(host, slot_functions(discover(host)))
 
 
 def _quote(path: str) -> str:
@@ -118,8 +257,9 @@ def _quote(path: str) -> str:
     return word
 
 
-def render_dropin(paths: list[WritablePath], *, host_root: str) -> str:
-    """The drop-in text: one ``ReadWritePaths=`` line per path, each after a comment saying why."""
+def render_dropin(paths: list[WritablePath], *, host_root: str, refused: Iterable[RefusedPath] = ()) -> str:
+    """The drop-in text: one ``ReadWritePaths=`` line per path, each after a comment saying why; a refused
+    path as a comment with its evidence (it stays read-only)."""
     lines = [
         "# Generated by `gpuaas-agent prepare-host --sysfs-dropin` from the discovery of this host:",
         f"# host_root {host_root}",
@@ -134,6 +274,8 @@ def render_dropin(paths: list[WritablePath], *, host_root: str) -> str:
     for p in paths:
         lines.append(f"# {p.item}")
         lines.append(f"ReadWritePaths={_quote(p.path)}")
+    for r in refused:
+        lines.append(f"# refused {r.item} {r.path} ({r.reason}): {json.dumps(r.evidence, sort_keys=True)}")
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +303,7 @@ def writable_here(path: str) -> str:
     return "read_only" if flags & os.ST_RDONLY else "ok"
 
 
-def check_lines(paths: list[WritablePath]) -> list[str]:
+def check_lines(paths: list[WritablePath], refused: Iterable[RefusedPath] = ()) -> list[str]:
     """``prepare-host --check``: one line per path, its outcome in this namespace (the unit's sandbox).
 
     Not fatal: a device added after the drop-in was loaded costs that slot, not the node; the line
@@ -172,12 +314,25 @@ def check_lines(paths: list[WritablePath]) -> list[str]:
         outcome = writable_here(p.path)
         fix = f" fix={REMEDY!r}" if outcome != "ok" else ""
         lines.append(f"GPUAAS_PREPARE_HOST item=sysfs.{p.item} path={p.path} outcome={outcome}{fix}")
+    for r in refused:
+        lines.append(f"GPUAAS_PREPARE_HOST item=sysfs.{r.item} path={r.path} outcome=refused reason={r.reason} "
+                     f"evidence={json.dumps(r.evidence, sort_keys=True, separators=(',', ':'))}")
     return lines
 
 
-def sysfs_writable_check(paths: list[WritablePath]) -> ParityCheck:
-    """Preflight: every sysfs path a provision or handover of a candidate slot writes is writable from here."""
+def sysfs_writable_check(paths: list[WritablePath], refused: Iterable[RefusedPath] = ()) -> ParityCheck:
+    """Preflight: every sysfs path a provision or handover of a candidate slot writes is writable from here,
+    and no slot function sits on a driver whose unbind was refused (a host NIC's: it cannot be moved)."""
     blocked = [(p, o) for p in paths if (o := writable_here(p.path)) != "ok"]
+    stuck = [r for r in refused if r.blocks]
+    if stuck:
+        named = "; ".join(f"{', '.join(r.blocks)} on {r.evidence.get('driver')}, whose unbind is refused: the host "
+                          f"NIC(s) {r.evidence.get('host_nics')} use it ({r.evidence.get('source')})" for r in stuck)
+        return ParityCheck(status=ParityStatus.FAIL, check="sysfs_writable", hard=True,
+                           remediation="bind the slot functions to vfio-pci at boot (e.g. sriov_drivers_autoprobe=0 "
+                                       "before creating the VFs), so no unbind of the host NIC's driver is needed",
+                           detail=f"slot function(s) cannot leave a host NIC's driver: {named}",
+                           evidence="default route -> interface -> lower devices -> device/driver")
     if blocked:
         named = "; ".join(f"{p.item} {p.path} ({o})" for p, o in blocked)
         return ParityCheck(status=ParityStatus.FAIL, check="sysfs_writable", hard=True, remediation=REMEDY,

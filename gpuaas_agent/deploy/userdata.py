@@ -107,9 +107,10 @@ class UserDataInputs(WireModel):
     # PEM of the CA(s) that sign the https image sources (default: the system store): written to
     # /etc/gpuaas-agent/image-ca.pem, which becomes slice.image_ca_bundle.
     image_ca_pem: str | None = None
-    # The bootstrap account's shared login (.creds: allowed only to enroll): a server in operator mode (the
-    # account-per-node layout, docs/security-auth.md) has no anonymous users. Written 0600 and named in agent.toml
-    # as nats_enroll_creds_file. The same for every host; it can enroll, nothing else.
+    # A bootstrap account login (.creds: allowed only to enroll): a server in operator mode (the account-per-node
+    # layout, docs/security-auth.md) has no anonymous users. Written 0600 and named in agent.toml as
+    # nats_enroll_creds_file; it can enroll, nothing else. One per host, issued with its token: the agent deletes
+    # it once enrolled and the plane revokes it then (docs/security-auth.md "The bootstrap login").
     bootstrap_creds: SecretStr | None = None
 
     @field_validator("bootstrap_creds")

@@ -13,6 +13,13 @@ BMC's session limit. Why ``server_side_retries=1``: sushy's default retries a 5x
 there); a health read must answer within its interval, and a failing BMC is ``unavailable``
 now, not in 30 s. One attempt per connection, one retry of a 5xx 0.2 s later.
 
+Every link the BMC hands us (a collection's ``Members``) is checked against the configured BMC's
+origin before it is requested: sushy's connector requests a link with a host of its own as it
+is, with the basic-auth header on the session, so a BMC (or whoever answers as it) listing
+``https://elsewhere/...``, ``//elsewhere/...`` or ``http://<bmc>/...`` would have the agent send
+the BMC password there. Such a link is refused (``ForeignLink``: the whole read is unreadable, every
+GPU ``unavailable``) and nothing is sent to it.
+
 Imported lazily by ``operator/bmc.py`` only on a host whose config has a ``[bmc]`` table:
 sushy and requests cost ~105 ms and ~6 MiB at import (tests/test_import_graph.py).
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import SplitResult, urlsplit
 
 import requests
 import sushy
@@ -130,6 +138,38 @@ class NvSwitchMetrics(base.ResourceBase):
     pcie_fatal = base.Field(["PCIeErrors", "FatalErrorCount"], adapter=_int)
 
 
+class ForeignLink(ValueError):
+    """A link that leaves the configured BMC's origin (another host or port, ``http://``): refused, never requested."""
+
+
+def _origin(url: SplitResult) -> tuple[str, str, int | None]:
+    port = url.port  # ValueError for a port that is not a number
+    default = {"https": 443, "http": 80}.get(url.scheme.lower())
+    return url.scheme.lower(), (url.hostname or "").lower(), port if port is not None else default
+
+
+def own_path(bmc_url: str, link: str) -> str:
+    """``link`` as a path on the BMC at ``bmc_url``; :class:`ForeignLink` when it names another origin.
+
+    Accepted: an absolute path (``/redfish/v1/...``) or an absolute URL of exactly the BMC's scheme,
+    host and port. Refused: any other host or port, another scheme (``http://`` for an ``https://``
+    BMC), a protocol-relative ``//host/...``, a relative path, userinfo (``https://bmc@elsewhere/``).
+    """
+    try:
+        target = urlsplit(link)
+        same = _origin(target) == _origin(urlsplit(bmc_url)) and target.username is None
+    except ValueError:
+        same = False
+        target = urlsplit("")
+    if target.scheme or target.netloc or link.startswith("//"):
+        if not same:
+            raise ForeignLink(f"the BMC listed a link {link[:200]!r} that leaves its origin {bmc_url}: refused, "
+                              "nothing was sent there")
+    elif not link.startswith("/"):
+        raise ForeignLink(f"the BMC listed a link {link[:200]!r} that is not an absolute path: refused")
+    return target.path + (f"?{target.query}" if target.query else "")
+
+
 # What a hostile or broken BMC makes sushy raise while one resource is fetched and parsed: an HTTP
 # error, a refused/reset/timed-out connection, a body that is not JSON (requests' JSONDecodeError is a
 # ValueError), or JSON of the wrong shape (a list where an object belongs: AttributeError/TypeError).
@@ -155,6 +195,7 @@ class HgxBmc:
         # Sushy() reads the service root: a BMC that does not answer fails here, before any GPU is looked at.
         self._root = sushy.Sushy(url, auth=sushy_auth.BasicAuth(username=username, password=password),
                                  connector=self._connector)
+        self._url = url
         self._system = f"{ROOT}/Systems/{system_id}"
         self._fabric = f"{ROOT}/Fabrics/{fabric_id}"
 
@@ -167,10 +208,14 @@ class HgxBmc:
     def read(self) -> BaseboardRead:
         """Every GPU of the baseboard's system and every NVSwitch of its NVLink fabric (raises READ_ERRORS
         only when the lists themselves cannot be read)."""
-        processors = self._get(Collection, f"{self._system}/Processors").members
+        processors = self._members(f"{self._system}/Processors")
+        switches = self._members(f"{self._fabric}/Switches")
         gpus = [self._gpu(path) for path in processors]
-        switches = self._get(Collection, f"{self._fabric}/Switches").members
         return BaseboardRead(gpus=[g for g in gpus if g is not None], nvswitches=[self._switch(p) for p in switches])
+
+    def _members(self, collection: str) -> list[str]:
+        """The collection's member paths, every one on our BMC's origin (:func:`own_path`), before any is read."""
+        return [own_path(self._url, link) for link in self._get(Collection, collection).members]
 
     def _gpu(self, path: str) -> GpuTelemetry | None:
         gpu_id = path.rstrip("/").rsplit("/", 1)[-1]

@@ -54,6 +54,7 @@ T = TypeVar("T")
 THREAD_NAME = "gpuaas-state"
 # StateStore methods that only read: served by the reader connection when there is one.
 READS = frozenset({"meta", "leases", "leases_of", "journal_of", "unfinished_steps", "result_of", "latest_wipe_proof",
+                   "latest_wipe_proof_at",
                    "slot_state", "slot_states", "quarantine_of", "quarantined", "quarantine_history"})
 
 

@@ -484,6 +484,15 @@ class StateStore:
         ).fetchone()
         return None if row is None else WipeProof.model_validate_json(row[0])
 
+    def latest_wipe_proof_at(self, slot_index: int) -> tuple[float, WipeProof] | None:
+        """The newest proof of a slot's disk with when it was recorded (this store's clock), or None."""
+        row = self._conn.execute(
+            "SELECT recorded_at, proof FROM slot_wipe_proof WHERE slot_index = ?"
+            " ORDER BY recorded_at DESC, rowid DESC LIMIT 1",
+            (slot_index,),
+        ).fetchone()
+        return None if row is None else (float(row[0]), WipeProof.model_validate_json(row[1]))
+
     # -- host facts ----------------------------------------------------------------
 
     def meta(self, key: str) -> str | None:

@@ -25,7 +25,7 @@ from gpuaas_agent.contract.parity import ParityCheck, ParityReport, ParityStatus
 from gpuaas_agent.contract.runtime import DEFAULT_PROFILE, RuntimeProfile, get_profile
 from gpuaas_agent.contract.tasks import PreflightPayload
 from gpuaas_agent.contract.topology import TopologyReport
-from gpuaas_agent.deploy.sysfswrites import slot_functions, sysfs_writable_check, write_set
+from gpuaas_agent.deploy.sysfswrites import plan_writes, slot_functions, sysfs_writable_check
 from gpuaas_agent.discovery import prereqs
 from gpuaas_agent.discovery.firmware import check_firmware_baseline, read_firmware
 from gpuaas_agent.discovery.netevidence import NetTarget, read_dnsmasq_evidence, read_network_evidence
@@ -115,7 +115,7 @@ def build_parity_report(host: HostRoot, target: NetTarget | None = None, sockets
         prereqs.check_gpu_driver(report),
         prereqs.check_gpu_host_services(host, report),
         # Inside the unit's sandbox: a slot device added since the sysfs drop-in was loaded is named here.
-        sysfs_writable_check(write_set(host, slot_functions(report))),
+        sysfs_writable_check(*plan_writes(host, slot_functions(report))),
         check_nvswitch_partition(report),
         prereqs.check_ovmf(host),
         prereqs.check_hugepages(host, profiles, [s.numa_node for s in report.candidate_slots if not s.blockers]

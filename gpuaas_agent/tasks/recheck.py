@@ -6,8 +6,9 @@ could have failed (the one exception is ``operator``: an operator took it out, a
 returns it). Each function reads only; none changes the component.
 
 Wired here: ``gpu_aer_fatal`` (sysfs AER counters, ``discovery/aer.py``), ``smart_failing``
-(``nvme smart-log``, ``host/storage/smart.py``), ``wipe_unverified`` (the slot's latest wipe proof, written by
-a release retried since, covers every byte and no lease holds the disk), ``gpu_reset_failed`` /
+(``nvme smart-log``, ``host/storage/smart.py``), ``wipe_unverified`` (the slot's latest wipe proof was recorded after
+the quarantine by a release retried since, is of the quarantined disk itself (its ``disk_identity``), covers every
+byte, and no lease holds the disk), ``gpu_reset_failed`` /
 ``gpu_memory_clear_failed`` (a release's GPU handover of that device passed since),
 ``firmware_changed`` (the changed components read their recorded or a baseline version again) and
 ``operator``. ``bmc_failed`` and ``gpu_xid`` read the BMC and NVML, in the room above
@@ -115,8 +116,10 @@ async def recheck_smart(ctx: RecheckContext, record: QuarantineRecord) -> Rechec
 
 
 async def recheck_wipe(ctx: RecheckContext, record: QuarantineRecord) -> RecheckVerdict:
-    """The slot's disk was wiped again since, by a release whose proof covers every byte and verified, and no
-    lease holds it (a release frees the lease only after such a proof). Reads the store only."""
+    """The quarantined disk was wiped again after the quarantine, by a release whose proof is of that very disk
+    (``WipeProof.disk_identity``), covers every byte and verified, and no lease holds it (a release frees the
+    lease only after such a proof). The slot's latest proof decides: one from before the quarantine, of another
+    disk, or not over every byte is refused. Reads the store only."""
     if record.kind is not ComponentKind.nvme or record.slot_index is None:
         return RecheckVerdict(check="wipe_proof", passed=False,
                               detail=f"a {record.kind.value} without a slot index has no wipe proof to read")
@@ -128,10 +131,26 @@ async def recheck_wipe(ctx: RecheckContext, record: QuarantineRecord) -> Recheck
         return RecheckVerdict(check="wipe_proof", passed=False, evidence={"lease": held[0].model_dump(mode="json")},
                               detail=f"allocation {held[0].allocation_id} still holds the disk: its release has not "
                                      "verified a wipe yet (send slice.vm_release again)")
-    proof = await store.run(lambda s: s.latest_wipe_proof(record.slot_index))
-    if proof is None or not proof.covers_every_byte:
+    slot_index = record.slot_index
+    latest = await store.run(lambda s: s.latest_wipe_proof_at(slot_index))
+    since = record.quarantined_at.timestamp()
+    if latest is None or latest[0] <= since:
+        # A proof from before the quarantine is what the quarantine overruled, not evidence against it.
         return RecheckVerdict(check="wipe_proof", passed=False,
-                              evidence={"proof": proof.model_dump(mode="json") if proof else None},
+                              evidence={"quarantined_at": record.quarantined_at.isoformat(),
+                                        "latest_proof_at": None if latest is None else latest[0]},
+                              detail=f"no wipe proof over every byte of slot {slot_index}'s disk was recorded since it was "
+                                     f"quarantined at {record.quarantined_at.isoformat()}: send slice.vm_release again")
+    proof = latest[1]
+    evidence = {"proof": proof.model_dump(mode="json"), "latest_proof_at": latest[0]}
+    if proof.disk_identity != record.identity:
+        # Another disk in the slot now (a swap), or a proof from before proofs named their disk: the quarantined
+        # disk itself was not shown empty.
+        return RecheckVerdict(check="wipe_proof", passed=False, evidence=evidence,
+                              detail=f"the slot's latest wipe proof is of disk {proof.disk_identity or 'unnamed'}, "
+                                     f"not of the quarantined disk {record.identity}")
+    if not proof.covers_every_byte:
+        return RecheckVerdict(check="wipe_proof", passed=False, evidence=evidence,
                               detail="the slot's latest wipe proof does not verify every byte")
     return RecheckVerdict(check="wipe_proof", passed=True, evidence={"guarantee": proof.guarantee.value,
                                                                        "method": proof.method.value},

@@ -376,12 +376,17 @@ async def wipe(run: ReleaseRun, found: Found) -> Wiped:
     if not run.owns_disk:
         return Wiped(None, "this host holds no lease of this allocation on the slot: its disk is not ours to wipe")
     disk_lease = await held_disk(run)
+    # Each proof names the disk it is of (the lease's identity, which the wipe's guards held it to): an
+    # unquarantine re-check accepts only a proof of the quarantined disk (tasks/recheck.py).
+    identity = {"disk_identity": disk_lease.disk_identity}
     try:
         proof = await wipe_leased_disk(run, found, disk_lease)
     except AgentError as exc:
         if exc.code == "wipe_unverified":
-            await run.store.record_wipe_proof(run.slot.slot_index, WipeProof.from_wire(exc.evidence))
+            await run.store.record_wipe_proof(run.slot.slot_index,
+                                              WipeProof.from_wire(exc.evidence).model_copy(update=identity))
         raise
+    proof = proof.model_copy(update=identity)
     await run.store.record_wipe_proof(run.slot.slot_index, proof)
     return Wiped(proof)
 

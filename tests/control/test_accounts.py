@@ -32,7 +32,7 @@ from gpuaas_agent.config import load_config, parse_config
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from gpuaas_agent.control import accounts
-from gpuaas_agent.control.connection import Backoff, connect_nats
+from gpuaas_agent.control.connection import Backoff, NatsConnectError, connect_nats
 from gpuaas_agent.control.enroll import (
     EnrollError,
     creds_path,
@@ -240,6 +240,39 @@ def test_a_node_enrolls_into_an_account_of_its_own(lab, tmp_path):
                 await nc.request(f"{PREFIX}.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(A)}", b"", timeout=2)
         finally:
             await nc.close()
+            await plane.close()
+    run_bounded(body(), 90)
+
+
+def test_an_enrolled_hosts_bootstrap_login_is_deleted_and_refused_by_the_server(lab, tmp_path):
+    """Each host's bootstrap login is its own (issued with its token): once the host has enrolled the agent deletes
+    the file and the plane revokes that user in the bootstrap account, so a copy kept by whoever owns the host now
+    is refused by the server; another host's bootstrap login, not yet used, still logs in."""
+    async def body():
+        plane = await lab.plane()
+        await plane.serve_enrollment()
+        try:
+            state, token = tmp_path / "state", tmp_path / "token"
+            token_text, boot_creds = plane.issue_host_login()
+            token.write_text(token_text)
+            boot = lab.creds_file("boot-own", boot_creds)
+            await enroll(lab.server.url, token, state, IDENTITY, timeout=DEADLINE_S,
+                         security=TransportSecurity(insecure=True, creds_file=boot))
+            assert not boot.exists() and not token.exists()  # the bootstrap login left the host with the token
+            await wait_until(lambda: len(plane.bootstrap_logins_revoked) == 1, DEADLINE_S,
+                             "the plane revoked the host's bootstrap user after answering it")
+            kept = lab.creds_file("boot-kept", boot_creds)  # a copy taken before
+            with pytest.raises(NatsConnectError) as refused:
+                nc = await connect_nats([lab.server.url], timeout_s=5.0, name="kept-bootstrap",
+                                        security=TransportSecurity(insecure=True, creds_file=kept))
+                await nc.close()
+            assert refused.value.code == "nats_auth_refused"
+            _, other_creds = plane.issue_host_login()
+            other = await connect_nats([lab.server.url], timeout_s=5.0, name="other-bootstrap",
+                                       security=TransportSecurity(insecure=True,
+                                                                  creds_file=lab.creds_file("boot-other", other_creds)))
+            await other.close()
+        finally:
             await plane.close()
     run_bounded(body(), 90)
 

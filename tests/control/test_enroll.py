@@ -21,12 +21,15 @@ import nats
 import pytest
 
 from gpuaas_agent.config import parse_config
+from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.enrollment import (
     EnrollNonce,
+    EnrollNonceRequest,
     EnrollReply,
     EnrollRequest,
     NatsCredentials,
     js_api_prefix_problem,
+    reply_key_id,
 )
 from gpuaas_agent.control.enroll import (
     ENROLL_SUBJECT,
@@ -38,10 +41,19 @@ from gpuaas_agent.control.enroll import (
     js_api_prefix_in_use,
     load_enrollment,
     record_path,
+    remove_bootstrap_login,
 )
 from gpuaas_agent.control.nkeyseed import new_user_seed, public_key
 from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS
-from gpuaas_agent.control.sealed import b64url, b64url_decode, new_reply_key, public_key_text, seal_credentials
+from gpuaas_agent.control.sealed import (
+    SealError,
+    b64url,
+    b64url_decode,
+    new_reply_key,
+    open_credentials,
+    public_key_text,
+    seal_credentials,
+)
 from gpuaas_agent.control.tokenproof import token_id, token_proof
 from gpuaas_agent.control.transport import CREDS_SEED_BEGIN, TransportSecurity, jwt_claims
 from tests.controlplane import ControlPlane
@@ -186,6 +198,21 @@ def test_already_enrolled_sends_no_request(nats_server, tmp_path):
     assert token_file.exists()  # an unused token is not ours to delete
 
 
+def test_the_bootstrap_login_is_deleted_once_enrolled_but_never_the_nodes_own_creds(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    own = creds_path(state)
+    own.write_text("the node's own login")
+    remove_bootstrap_login(TransportSecurity(insecure=True, creds_file=own), state)  # a config naming the same file
+    assert own.exists()
+    boot = tmp_path / "bootstrap.creds"
+    boot.write_text("shared enrollment login")
+    remove_bootstrap_login(TransportSecurity(insecure=True, creds_file=boot), state)
+    assert not boot.exists()
+    remove_bootstrap_login(TransportSecurity(insecure=True, creds_file=boot), state)  # gone already: nothing to do
+    remove_bootstrap_login(None, state)
+
+
 def test_missing_token_file_is_a_typed_error(tmp_path):
     with pytest.raises(EnrollError) as err:
         _run(enroll("nats://127.0.0.1:1", tmp_path / "absent", tmp_path / "state", IDENTITY, timeout=1))
@@ -265,11 +292,14 @@ def _hostile_reply(kind: str, request: EnrollRequest) -> bytes:
     credentials = NatsCredentials(user=node, password=SECRET, servers=["nats://127.0.0.1:4222"])
     if kind == "jwt_for_another_key":  # what a control plane that made the key itself would send
         credentials = NatsCredentials(user_jwt=plane_jwt(public_key(new_user_seed())), servers=["nats://h:4222"])
+    # A hostile plane answering this very request knows its reply key: it echoes the binding (the agent takes
+    # no answer without it), so what is refused below is refused for its content.
+    bound = reply_key_id(request.reply_public_key)
     if kind == "credentials_in_clear":  # what a control plane from before the seal answers
         return json.dumps({"schema_version": "gpuaas.agent/v1", "accepted": True, "node_id": node,
-                           "credentials": credentials.model_dump()}).encode()
+                           "credentials": credentials.model_dump(), "reply_key_id": bound}).encode()
     if kind == "accepted_without_seal":
-        return EnrollReply(accepted=True, node_id=node).model_dump_json().encode()
+        return EnrollReply(accepted=True, node_id=node, reply_key_id=bound).model_dump_json().encode()
     sealed_for, reply_node = request, node
     if kind == "sealed_to_another_key":
         sealed_for = request.model_copy(update={"reply_public_key": public_key_text(new_reply_key())})
@@ -282,7 +312,8 @@ def _hostile_reply(kind: str, request: EnrollRequest) -> bytes:
         raw = bytearray(b64url_decode(sealed.ciphertext))
         raw[-1] ^= 0x80
         sealed = sealed.model_copy(update={"ciphertext": b64url(bytes(raw))})
-    return EnrollReply(accepted=True, node_id=reply_node, sealed_credentials=sealed).model_dump_json().encode()
+    return EnrollReply(accepted=True, node_id=reply_node, sealed_credentials=sealed,
+                       reply_key_id=bound).model_dump_json().encode()
 
 
 @pytest.mark.parametrize("kind", list(HOSTILE_REPLIES))
@@ -298,7 +329,9 @@ def test_a_reply_that_does_not_open_or_carries_credentials_in_clear_is_refused_a
             await msg.respond(_hostile_reply(kind, EnrollRequest.model_validate_json(msg.data)))
 
         async def nonce(msg):
-            await msg.respond(EnrollNonce(nonce=b64url(secrets.token_bytes(32)), expires_at=datetime(2099, 1, 1, tzinfo=UTC))
+            asked = EnrollNonceRequest.model_validate_json(msg.data)
+            await msg.respond(EnrollNonce(nonce=b64url(secrets.token_bytes(32)), expires_at=datetime(2099, 1, 1, tzinfo=UTC),
+                                          reply_key_id=reply_key_id(asked.reply_public_key))
                               .model_dump_json().encode())
         try:
             await responder.subscribe(NONCE_SUBJECT, cb=nonce)
@@ -321,6 +354,91 @@ def test_a_reply_that_does_not_open_or_carries_credentials_in_clear_is_refused_a
 def plane_jwt(key: str) -> str:
     from tests.natsauth.natsjwt import Operator
     return Operator().user_jwt_for(key, "node-hostile01")
+
+
+def test_a_second_bootstrap_holder_cannot_answer_into_another_hosts_inbox_nor_use_what_it_hears(nats_server,
+                                                                                                  tmp_path):
+    """Host A holds the shared bootstrap login too. It hears every enrollment inbox (``_INBOX.enroll.*.>``) and,
+    at its strongest, knows the exact reply subject of host B's pending enrollment request (the plane is held
+    until A has struck). A has the plane answer into B's inbox a nonce request of its own and an enrollment
+    request spending B's heard nonce: B ignores both (bound to A's key, not B's), its nonce was not spent, and it
+    enrolls. What A heard is useless: B's nonce is bound to B's key and spent, B's credentials are sealed to B."""
+    token_file, state = tmp_path / "token", tmp_path / "state"
+
+    async def body():
+        plane = await ControlPlane.connect(nats_server.url)
+        attacker = await nats.connect(nats_server.url_as("bootstrap"), connect_timeout=5)
+        heard: list = []  # (subject, data) A received on the enrollment inboxes
+        changed = asyncio.Condition()
+        held: list = []  # B's enrollment request, held at the plane until A has struck
+
+        async def hear(msg):
+            async with changed:
+                heard.append((msg.subject, msg.data))
+                changed.notify_all()
+
+        async def heard_on(subject, count):
+            async with changed:
+                await asyncio.wait_for(changed.wait_for(lambda: len([h for h in heard if h[0] == subject]) >= count),
+                                       DEADLINE_S)
+
+        attacker_key = new_reply_key()
+
+        async def strike(b_reply):
+            b_nonce = EnrollNonce.model_validate_json(next(d for subj, d in heard if subj != b_reply
+                                                           and b"nonce" in d)).nonce
+            own = public_key_text(attacker_key)
+            await attacker.publish(NONCE_SUBJECT, EnrollNonceRequest(reply_public_key=own).model_dump_json().encode(),
+                                   reply=b_reply)
+            fields = {"server_nonce": b_nonce, "token_id": token_id("attacker-token-0123456789"),
+                      "node_public_key": public_key(new_user_seed()), "machine_id": "a" * 32,
+                      "reply_public_key": own}
+            forged = EnrollRequest(token_proof=token_proof("attacker-token-0123456789", **fields), **fields,
+                                   **IDENTITY.model_dump(exclude={"machine_id"}))
+            await attacker.publish(ENROLL_SUBJECT, forged.model_dump_json().encode(), reply=b_reply)
+            await attacker.flush(timeout=5)
+
+        async def gate(msg):
+            if not held:  # B's request: hold it, let A strike at its exact reply subject
+                held.append(msg)
+                asyncio.get_running_loop().create_task(strike(msg.reply))
+                return
+            await plane._on_enroll(msg)  # A's forged request, answered into B's inbox
+            await heard_on(held[0].reply, 2)  # both forged answers reached B's inbox before the real one
+            await plane._on_enroll(held[0])
+
+        try:
+            await attacker.subscribe(f"{subjects.ENROLL_INBOX_PREFIX}.*.>", cb=hear)
+            await attacker.flush(timeout=5)
+            await plane.nc.subscribe(NONCE_SUBJECT, cb=plane._on_nonce)
+            await plane.nc.subscribe(ENROLL_SUBJECT, cb=gate)
+            await plane.nc.flush(timeout=5)
+            token_file.write_text(plane.issue_token())
+            record = await enroll(nats_server.url_as("bootstrap"), token_file, state, IDENTITY, timeout=10,
+                                  security=INSECURE)
+            await heard_on(held[0].reply, 3)
+        finally:
+            await attacker.close()
+            await plane.close()
+        return record, heard, held[0].reply, plane, attacker_key
+
+    record, heard, b_reply, plane, attacker_key = _run(body())
+    assert load_enrollment(state) == record and len(plane.issued_credentials) == 1  # B enrolled, A earned nothing
+    in_b = [EnrollReply.model_validate_json(d) if b"accepted" in d else EnrollNonce.model_validate_json(d)
+            for subj, d in heard if subj == b_reply]
+    b_request = plane.enroll_requests[-1]
+    b_bound = reply_key_id(b_request.reply_public_key)
+    # Two answers the plane was made to send into B's inbox, both bound to A's key (B ignored them), then B's own.
+    assert [a.reply_key_id for a in in_b] == [reply_key_id(public_key_text(attacker_key))] * 2 + [b_bound]
+    forged_refusal = next(a for a in in_b if isinstance(a, EnrollReply) and not a.accepted)
+    assert forged_refusal.error == "nonce_invalid"  # B's nonce, bound to B's key: not A's to use, nor spent by it
+    b_reply_heard = in_b[-1]
+    assert isinstance(b_reply_heard, EnrollReply) and b_reply_heard.accepted
+    with pytest.raises(SealError):  # what A heard of B's credentials does not open with A's key
+        open_credentials(b_reply_heard.sealed_credentials, attacker_key,
+                         b_request.model_copy(update={"reply_public_key": public_key_text(attacker_key)}),
+                         b_reply_heard.node_id)
+    assert plane.nonces == {} or all(bound != b_request.reply_public_key for _, bound in plane.nonces.values())
 
 
 def test_a_recorded_request_replayed_is_refused_and_a_re_pointed_one_fails_its_proof(nats_server, tmp_path):

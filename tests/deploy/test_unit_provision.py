@@ -354,7 +354,7 @@ def test_sysfs_is_writable_only_where_the_slot_devices_files_are_and_the_agents_
     expected = sysfswrites.host_write_set(host)
     opened = [line.removeprefix("ReadWritePaths=-") for line in generated.splitlines() if line.startswith("ReadWritePaths=")]
     assert opened == [p.path for p in expected] and opened, generated
-    gpus = [p for p in expected if p.item.endswith(".gpu")]
+    gpus = [p for p in expected if p.item.endswith(".gpu.driver_override")]  # files, never a device directory
     assert gpus and all(str(lab.host.root) in p for p in opened)
     # The first start ran under the drop-in the postinst wrote for the machine's own (GPU-less) host, as after a
     # hot-add: prepare-host --check inside the sandbox named every slot path read-only, with the fix, and the unit
@@ -376,7 +376,7 @@ def test_sysfs_is_writable_only_where_the_slot_devices_files_are_and_the_agents_
     # The lab host's boot disk: another PCI root than any slot, its driver (nvme) never unbound by the agent.
     boot_disk = sorted(n for n in os.listdir(host.real("/sys/bus/pci/drivers/nvme")) if n.startswith("0000:01:"))[0]
     boot_dir = host.real(host.resolve(f"/sys/bus/pci/devices/{boot_disk}"))
-    gpu_dir = Path(gpus[-1].path)
+    gpu_dir = Path(gpus[-1].path).parent
     attempts = {
         "standin_driver_override": ("open_w", f"{standin_dir}/driver_override"),
         "standin_config": ("open_rw", f"{standin_dir}/config"),
@@ -416,14 +416,14 @@ def test_sysfs_is_writable_only_where_the_slot_devices_files_are_and_the_agents_
         unit_lab.restart_agent()
     assert len(said) == 1 and len(bound) == 1, log[-3000:]
     inside = said[0]
-    # Open: the slot devices' own files (the real stand-in and the lab host's slot GPU).
-    assert {k: inside[k] for k in ("standin_driver_override", "standin_config", "lab_slot_gpu_driver_override",
-                                   "lab_slot_gpu_reset")} == dict.fromkeys(
-        ("standin_driver_override", "standin_config", "lab_slot_gpu_driver_override", "lab_slot_gpu_reset"), "ok"), inside
+    # Open: the slot devices' own files the agent writes (the real stand-in and the lab host's slot GPU).
+    assert {k: inside[k] for k in ("standin_driver_override", "standin_config", "lab_slot_gpu_driver_override")
+            } == dict.fromkeys(("standin_driver_override", "standin_config", "lab_slot_gpu_driver_override"), "ok"), inside
     # Closed: another device of the same PCI root, the PCI rescan, /sys/kernel, a platform device, and on the lab
-    # host another root's device and the boot disk's driver.
+    # host another root's device, the boot disk's driver, and the slot GPU's own files the agent never writes
+    # (its reset: gpu-admin-tools resets through config space).
     for name in ("same_root_other_device", "pci_rescan", "kernel_mm", "platform_device", "lab_other_root_device",
-                 "lab_boot_disk_driver_unbind"):
+                 "lab_boot_disk_driver_unbind", "lab_slot_gpu_reset"):
         assert inside[name] == "EROFS", (name, inside)
     # The agent's bind wrote driver_override, the leaving driver's unbind and drivers_probe under the unit.
     assert bound[0] == {"driver": "vfio-pci", "writes": [f"/sys/bus/pci/devices/{address}/driver_override",
@@ -431,7 +431,7 @@ def test_sysfs_is_writable_only_where_the_slot_devices_files_are_and_the_agents_
                                                          "/sys/bus/pci/drivers_probe"]}, bound
     # In the agent's mount namespace each opened path is its own read-write mount over the read-only /sys.
     assert "ro" in mounts["/sys"] and all("rw" in mounts[p] for p in opened), mounts
-    assert "rw" in mounts[standin_dir], mounts
+    assert "rw" in mounts[f"{standin_dir}/driver_override"] and standin_dir not in mounts, mounts
     # prepare-host --check (inside the sandbox) found every slot file writable.
     assert all(f"item=sysfs.{p.item} path={p.path} outcome=ok" in log for p in expected), log[-3000:]
     # Control: outside the sandbox (root in the manager) every attempt succeeds.

@@ -11,6 +11,7 @@ or pushed later (``$SYS.REQ.CLAIMS.UPDATE`` by a system-account user, as ``nsc p
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,8 @@ class FleetOperator(Operator):
     bootstrap: Key = field(default_factory=lambda: Key.new(nkeys.PREFIX_BYTE_ACCOUNT))
     nodes: dict[str, Key] = field(default_factory=dict)  # node id -> its account (the plane keeps the seed)
     streams: dict[str, str] = field(default_factory=dict)  # node id -> the task stream its imports name
+    # Bootstrap users revoked (public key -> unix time): a host's own bootstrap login once it has enrolled.
+    bootstrap_revocations: dict[str, int] = field(default_factory=dict)
 
     def account_jwt(self) -> str:
         """The control plane's account: JetStream and the fixed exports."""
@@ -45,7 +48,13 @@ class FleetOperator(Operator):
     def bootstrap_jwt(self) -> str:
         nats = accounts.account_claims(imports=self._imports(self.bootstrap, accounts.enroll_imports()),
                                        limits=accounts.NODE_ACCOUNT_LIMITS | {"conn": -1})
+        if self.bootstrap_revocations:
+            nats["revocations"] = dict(self.bootstrap_revocations)
         return encode_jwt(self.key, self.bootstrap.public, "gpuaas-bootstrap", nats)
+
+    def revoke_bootstrap(self, public_key: str) -> None:
+        """Refuse a bootstrap user from now on (JWTs issued up to this second): its host has enrolled."""
+        self.bootstrap_revocations[public_key] = int(time.time()) + 1
 
     def node_account(self, node_id: str, task_stream: str) -> Key:
         """The node's account key (made on first use); its imports name ``task_stream``."""
@@ -79,10 +88,14 @@ class FleetOperator(Operator):
         return creds_text(encode_jwt(self.nodes[node_id], user.public, f"wide-{node_id}", claims), user.seed)
 
     def bootstrap_user(self) -> str:
+        return self.bootstrap_login()[0]
+
+    def bootstrap_login(self) -> tuple[str, Key]:
+        """Creds text and key of a new user of the bootstrap account (enrollment's permissions only)."""
         user = Key.new(nkeys.PREFIX_BYTE_USER)
         claims = {"type": "user", "version": 2, "subs": -1, "data": -1, "payload": -1,
                   "pub": {"allow": ENROLL_PERMISSIONS["publish"]}, "sub": {"allow": ENROLL_PERMISSIONS["subscribe"]}}
-        return creds_text(encode_jwt(self.bootstrap, user.public, "bootstrap", claims), user.seed)
+        return creds_text(encode_jwt(self.bootstrap, user.public, "bootstrap", claims), user.seed), user
 
     def system_user(self) -> str:
         user = Key.new(nkeys.PREFIX_BYTE_USER)

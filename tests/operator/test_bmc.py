@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 
 import pytest
 
@@ -172,6 +173,63 @@ def test_mapped_gpu_missing_from_the_bmc_is_failed(redfish):
     gpus, _ = _by_id(bmc.read_bmc_verdicts(redfish.config()))
     assert gpus["GPU_SXM_8"].status == "failed" and gpus["GPU_SXM_8"].telemetry is None
     assert gpus["GPU_SXM_8"].pci_address == PCI["GPU_SXM_8"]
+
+
+@pytest.mark.parametrize("where", ["another_host", "plain_http", "protocol_relative", "userinfo"])
+def test_member_links_leaving_the_bmc_origin_are_refused_before_any_credential_is_sent(redfish, where):
+    # A listener that would receive whatever the agent sent elsewhere: another port is another origin.
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen(8)
+        thief.setblocking(False)
+        port = thief.getsockname()[1]
+        link = {"another_host": f"https://127.0.0.1:{port}{SYSTEM}/Processors/GPU_SXM_1",
+                "plain_http": f"http://127.0.0.1:{redfish.port}{SYSTEM}/Processors/GPU_SXM_1".replace(
+                    f":{redfish.port}", f":{port}"),
+                "protocol_relative": f"//127.0.0.1:{port}{SYSTEM}/Processors/GPU_SXM_1",
+                "userinfo": f"https://127.0.0.1:{redfish.port}@127.0.0.1:{port}{SYSTEM}/Processors/GPU_SXM_1"}[where]
+
+        def lure(docs):
+            docs[f"{SYSTEM}/Processors"]["Members"][0] = {"@odata.id": link}
+        write_mockup(redfish.mockup, edit=lure)
+        reading = bmc.read_bmc_verdicts(redfish.config())
+        with pytest.raises(BlockingIOError):  # nothing ever connected to the listener: no TCP, no TLS, no header
+            thief.accept()
+    assert reading.error is not None and "leaves its origin" in reading.error
+    assert all(v.status == "unavailable" for v in reading.gpus)
+    # Only the two collections were read on the BMC itself; no GPU, no sensor.
+    assert "GET /redfish/v1/Systems/HGX_Baseboard_0/Processors/GPU_SXM_2" not in redfish.requests_seen()
+
+
+def test_a_same_origin_absolute_member_link_is_read_as_a_path(redfish):
+    def absolute(docs):
+        members = docs[f"{SYSTEM}/Processors"]["Members"]
+        members[0] = {"@odata.id": f"https://127.0.0.1:{redfish.port}{members[0]['@odata.id']}"}
+    write_mockup(redfish.mockup, edit=absolute)
+    reading = bmc.read_bmc_verdicts(redfish.config())
+    assert reading.error is None and all(v.status == "ok" for v in reading.gpus)
+
+
+@pytest.mark.parametrize(("link", "path"), [
+    ("/redfish/v1/Systems/S/Processors/GPU_1", "/redfish/v1/Systems/S/Processors/GPU_1"),
+    ("https://BMC.example:443/redfish/v1/x?y=1", "/redfish/v1/x?y=1"),
+    ("https://bmc.example/redfish/v1/x", "/redfish/v1/x"),
+])
+def test_own_path_keeps_links_on_the_bmc(link, path):
+    from gpuaas_agent.operator.redfish import own_path
+    assert own_path("https://bmc.example", link) == path
+
+
+@pytest.mark.parametrize("link", [
+    "https://evil.example/redfish/v1/x", "http://bmc.example/redfish/v1/x", "https://bmc.example:8443/redfish/v1/x",
+    "//evil.example/redfish/v1/x", "https://bmc.example@evil.example/redfish/v1/x",
+    "https://user@bmc.example/redfish/v1/x", "https://bmc.example:notaport/x", "Processors/GPU_1",
+    "ftp://bmc.example/redfish/v1/x",
+])
+def test_own_path_refuses_links_that_leave_the_bmc(link):
+    from gpuaas_agent.operator.redfish import ForeignLink, own_path
+    with pytest.raises(ForeignLink):
+        own_path("https://bmc.example", link)
 
 
 # -- judging without a server -----------------------------------------------------------------

@@ -133,6 +133,9 @@ def test_a_failed_handover_leaves_the_slot_cleanup_blocked_and_a_retry_that_succ
         assert proof["gpus"][0]["memory_clear_flag"] == "0x1" and proof["gpus"][0]["after"]["mig_enabled"] is False
         assert proof["fabric_vf"]["address"] == VF and (gpu_host.root / DEVICES / VF / "reset").read_text() == "1"
         assert out["cleanup_proof"]["wipe"]["verified"]
+        # The proof names the disk it is of (what an unquarantine re-check of that disk compares).
+        assert store.latest_wipe_proof(0).disk_identity == read_disk_identity(HostRoot.open(gpu_host.root),
+                                                                               slot.nvme_device)
         assert [(o.slot_index, o.status) for o in ctx.slot_outcomes] == [(0, SlotStatus.available)]
         assert store.leases() == [] and store.slot_state(0) is None
         done = [e.step for e in store.journal_of("t-release-2") if e.status is StepStatus.succeeded]

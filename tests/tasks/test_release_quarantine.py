@@ -30,10 +30,20 @@ def _lease(alloc: str) -> SlotLease:
                      disk_identity=DISK, fabric_vf_pci_address="0000:40:00.2", task_id="t-p", taken_at=time.time())
 
 
-def _proof(verified: bool, guarantee: ProofGuarantee) -> WipeProof:
+def _proof(verified: bool, guarantee: ProofGuarantee, disk: str | None = DISK) -> WipeProof:
     return WipeProof(by_id=BY_ID, kernel_name="nvme3n1", dev="259:3", method=WipeMethod.zeroout, bytes=1 << 30,
                      seed=1, samples=[], signatures_found=[], partitions_left=[], duration_s=1.0, verified=verified,
-                     guarantee=guarantee)
+                     guarantee=guarantee, disk_identity=disk)
+
+
+class Clock:
+    """The store's clock, set by the test: a proof is recorded before or after the quarantine by construction."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _failed(code: str, step: str = "wipe") -> PipelineFailed:
@@ -42,7 +52,8 @@ def _failed(code: str, step: str = "wipe") -> PipelineFailed:
 
 
 def test_an_unverified_wipe_quarantines_the_disk_until_a_later_proof_covers_every_byte(tmp_path):
-    store = StateStore.open(tmp_path / "state.db")
+    clock = Clock()
+    store = StateStore.open(tmp_path / "state.db", clock=clock)
     try:
         alloc = str(uuid.uuid4())
         lease = store.take_lease(_lease(alloc))
@@ -50,6 +61,7 @@ def test_an_unverified_wipe_quarantines_the_disk_until_a_later_proof_covers_ever
                          holders=(lease,), record=None)
         asyncio.run(quarantine_failed_component(run, _failed("wipe_unverified")))
         [record] = store.quarantined()
+        clock.now = record.quarantined_at.timestamp() + 60  # every proof below is recorded after the quarantine
         assert (record.kind.value, record.identity, record.reason.value, record.slot_index) == (
             "nvme", DISK, "wipe_unverified", 3)
         assert record.evidence["code"] == "wipe_unverified" and record.task_id == "t-release"
@@ -63,6 +75,44 @@ def test_an_unverified_wipe_quarantines_the_disk_until_a_later_proof_covers_ever
         store.record_wipe_proof(3, _proof(True, ProofGuarantee.write_zeroes))
         verdict = asyncio.run(recheck_wipe(check, record))
         assert verdict.passed and verdict.evidence["guarantee"] == "write_zeroes"
+    finally:
+        store.close()
+
+
+def test_only_a_proof_of_the_quarantined_disk_made_after_the_quarantine_returns_it(tmp_path):
+    clock = Clock()
+    store = StateStore.open(tmp_path / "state.db", clock=clock)
+    try:
+        alloc = str(uuid.uuid4())
+        lease = store.take_lease(_lease(alloc))
+        run = ReleaseRun(drivers=None, payload=None, task_id="t-release", ctx=task_ctx(store, "t-release"),
+                         holders=(lease,), record=None)
+        asyncio.run(quarantine_failed_component(run, _failed("wipe_unverified")))
+        store.release_slot_lease(alloc, 3)
+        [record] = store.quarantined()
+        check = RecheckContext(host_root=tmp_path, store=store)
+        at = record.quarantined_at.timestamp()
+        # A perfect proof of this very disk, but from before the quarantine (an earlier tenancy's release,
+        # or one recorded in the same instant): what the quarantine overruled, not a new proof.
+        for recorded_at in (at - 3600, at):
+            clock.now = recorded_at
+            store.record_wipe_proof(3, _proof(True, ProofGuarantee.write_zeroes))
+            stale = asyncio.run(recheck_wipe(check, record))
+            assert not stale.passed and "since it was quarantined" in stale.detail
+        clock.now = at + 60
+        # After it, but of another disk in the same slot (a swapped disk), or of a disk the proof does not name.
+        for other in ("nguid:00000000000000020000000000000002", None):
+            store.record_wipe_proof(3, _proof(True, ProofGuarantee.write_zeroes, disk=other))
+            swapped = asyncio.run(recheck_wipe(check, record))
+            assert not swapped.passed and f"not of the quarantined disk {DISK}" in swapped.detail
+        # The quarantined disk's own every-byte proof, made after: returned.
+        clock.now = at + 120
+        store.record_wipe_proof(3, _proof(True, ProofGuarantee.write_zeroes))
+        assert asyncio.run(recheck_wipe(check, record)).passed
+        # And a later failed proof of it takes that back: the latest proof decides.
+        clock.now = at + 180
+        store.record_wipe_proof(3, _proof(False, ProofGuarantee.whole_device_read))
+        assert not asyncio.run(recheck_wipe(check, record)).passed
     finally:
         store.close()
 
