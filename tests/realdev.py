@@ -21,6 +21,7 @@ import pytest
 
 from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.host.run import run
+from tests.support.tiers import starts
 
 BY_ID_DIR = Path("/dev/disk/by-id")
 MiB = 1 << 20
@@ -154,6 +155,7 @@ def _rmdir_if_empty(path: Path) -> None:
 
 
 @pytest.fixture
+@starts("loopdev")
 def realdev(tmp_path) -> Iterator[RealDevices]:
     """Factory of real loop disks; fails without root."""
     require_root()

@@ -34,6 +34,7 @@ from tests.conftest import HOSTS, REPO
 from tests.controlplane import ControlPlane
 from tests.daemons import stop_pid
 from tests.support.nats_server import NatsServer, free_port, nats_server_binary
+from tests.support.tiers import starts
 
 FIXTURE = HOSTS / "h200-slice-after-transition"
 AGENT = REPO / ".venv" / "bin" / "gpuaas-agent"
@@ -90,6 +91,9 @@ class SilentListener:
         self.sock.close()
 
 
+# A real agent, but one that cannot connect: it fails fast or stops on SIGTERM within seconds (the bounds these
+# tests assert), so these tests stay in the fast tier, unlike the `agent` marker's agents that serve tasks.
+@starts()
 class AgentRun:
     """`gpuaas-agent run` under Popen, stderr (JSON lines: no journald here) to a file."""
 

@@ -6,9 +6,11 @@ import pytest
 
 from tests.realdev import require_root
 from tests.realvm import LAB_CACHE, load_builder
+from tests.support.tiers import starts
 
 
 @pytest.fixture(scope="session")
+@starts("lab")
 def lab_guest_image():
     """The lab guest image for the current inputs: built (apt-get download + dpkg-deb -x) on first use."""
     require_root()
