@@ -29,7 +29,7 @@ from tests.support.tiers import DECLARED_FIXTURES, NEEDS, full_name, functions_o
 
 # The real-component fixtures every test module may ask for by name, without importing them (an imported
 # fixture is a redefinition to linters and hides which module a test really uses).
-pytest_plugins = ["tests.realdev", "tests.ovsdb_fixture", "tests.dnsmasq_fixture", "tests.support.agent_process",
+pytest_plugins = ["tests.support.realdev", "tests.support.ovsdb_fixture", "tests.support.dnsmasq_fixture", "tests.support.agent_process",
                   "tests.support.nats_server", "tests.support.pipeline_ctx",
                   "tests.support.image_server", "tests.deploy.machine"]
 

@@ -20,7 +20,7 @@ from gpuaas_agent.control.enroll import node_inbox_prefix
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import RESULT_STREAM, ControlPlane
+from tests.support.controlplane import RESULT_STREAM, ControlPlane
 from tests.support.deadline import run_bounded, wait_until
 
 NODE = "node-proto-1"

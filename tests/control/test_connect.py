@@ -31,8 +31,8 @@ from gpuaas_agent.control.connection import Backoff
 from gpuaas_agent.control.enroll import EnrollmentRecord, record_path
 from gpuaas_agent.control.worker import WorkerSettings
 from tests.conftest import HOSTS, REPO
-from tests.controlplane import ControlPlane
-from tests.daemons import stop_pid
+from tests.support.controlplane import ControlPlane
+from tests.support.daemons import stop_pid
 from tests.support.nats_server import NatsServer, free_port, nats_server_binary
 from tests.support.tiers import starts
 

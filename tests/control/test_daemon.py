@@ -26,7 +26,6 @@ from gpuaas_agent.daemon import SdNotifier, default_handlers, run_agent, watchdo
 from gpuaas_agent.host.run import run
 from gpuaas_agent.logs import JsonLinesFormatter, configure_logging
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import ControlPlane
 from tests.support.agent_process import (
     FIXTURE,
     AgentProcess,
@@ -34,6 +33,7 @@ from tests.support.agent_process import (
     agent_env,
     enrolled_setup,
 )
+from tests.support.controlplane import ControlPlane
 from tests.support.daemon_hosts import ReadOnlyHost
 from tests.support.deadline import run_bounded
 

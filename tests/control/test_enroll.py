@@ -44,7 +44,7 @@ from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS
 from gpuaas_agent.control.sealed import b64url, b64url_decode, new_reply_key, public_key_text, seal_credentials
 from gpuaas_agent.control.tokenproof import token_id, token_proof
 from gpuaas_agent.control.transport import CREDS_SEED_BEGIN, TransportSecurity, jwt_claims
-from tests.controlplane import ControlPlane
+from tests.support.controlplane import ControlPlane
 from tests.support.enroll_identity import IDENTITY
 from tests.support.nats_server import NatsServer, nats_server_binary
 

@@ -36,7 +36,7 @@ from gpuaas_agent.control.rotation import CredsRotator
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import TASK_STREAM, ControlPlane
+from tests.support.controlplane import TASK_STREAM, ControlPlane
 from tests.support.nats_server import NatsServer
 
 A, B = "node-perma", "node-permb"

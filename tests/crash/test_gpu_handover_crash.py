@@ -53,8 +53,8 @@ from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.release import RELEASE_GPU_HANDOVER_STEPS, recover_release, release
 from lab.loophost import materialize
 from tests.conftest import fixture_host
-from tests.ovsdb_fixture import running_ovs
 from tests.support.gpu_handover import GPU, HOST, VF, ReplayTool, between_tenants
+from tests.support.ovsdb_fixture import running_ovs
 from tests.support.provision_inputs import TaskCtx, approved_slot_of_host
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.realdev import require_root
 from tests.realvm import LAB_CACHE, load_builder
+from tests.support.realdev import require_root
 from tests.support.tiers import starts
 
 

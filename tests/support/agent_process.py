@@ -23,7 +23,7 @@ from gpuaas_agent.control.enroll import EnrollIdentity, enroll
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.daemon import worker_settings
 from tests.conftest import REPO, fixture_host
-from tests.controlplane import ControlPlane
+from tests.support.controlplane import ControlPlane
 from tests.support.tiers import starts
 
 FIXTURE = fixture_host("h200-slice-after-transition")

@@ -150,7 +150,7 @@ class LyingDisk:
     """The file system mounted, a loop device over its file; :meth:`close` undoes both (by PID and name)."""
 
     def __init__(self, tmp: Path, size: int, keep: list[tuple[int, int]], *, lie_zeroout: bool = False) -> None:
-        from tests.realdev import sh
+        from tests.support.realdev import sh
 
         self._sh = sh
         self.mountpoint = tmp / "lyingfs"

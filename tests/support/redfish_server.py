@@ -20,7 +20,7 @@ from pathlib import Path
 from gpuaas_agent.config import BmcConfig
 from gpuaas_agent.host.run import run
 from lab.hgx_redfish_mockup import write_mockup
-from tests.daemons import stop_pid
+from tests.support.daemons import stop_pid
 from tests.support.tiers import starts
 
 SUSHY_STATIC = Path(sys.executable).parent / "sushy-static"

@@ -15,7 +15,7 @@ from gpuaas_agent.control.enroll import EnrollmentRecord
 from gpuaas_agent.control.worker import TaskWorker, WorkerSettings
 from gpuaas_agent.daemon import connect
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import ControlPlane
+from tests.support.controlplane import ControlPlane
 
 NODE = "node-test01"
 

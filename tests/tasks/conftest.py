@@ -25,8 +25,8 @@ import pytest
 from gpuaas_agent.contract.isolation import GUARD_TABLE
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import provision
-from tests.daemons import stop_pid
-from tests.ovsdb_fixture import OvsSwitch, running_ovs
+from tests.support.daemons import stop_pid
+from tests.support.ovsdb_fixture import OvsSwitch, running_ovs
 from tests.support.tiers import starts
 
 GATEWAY = IPv4Interface("10.100.0.1/24")  # SliceConfig's default subnet and gateway

@@ -1,6 +1,6 @@
 """A real Open vSwitch for tests: ovsdb-server and ovs-vswitchd on private sockets, one netdev bridge.
 
-Import the fixture into a test module (``from tests.ovsdb_fixture import ovs_switch``).
+Import the fixture into a test module (``from tests.support.ovsdb_fixture import ovs_switch``).
 
 - ``ovsdb-tool create`` a fresh db from the packaged schema, ``ovsdb-server`` in the
   foreground on ``punix:<rundir>/db.sock`` (PID 1 reaps nothing here: no daemons that
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemons import host_lock, stop_pid
+from tests.support.daemons import host_lock, stop_pid
 from tests.support.tiers import starts
 
 SCHEMA = Path("/usr/share/openvswitch/vswitch.ovsschema")

@@ -1,6 +1,6 @@
 """Real block devices for tests: loop disks over sparse files, GPT partitions, mounts, swap, dm, by-id links.
 
-Import the fixtures into a test module (``from tests.realdev import loop_disks``).
+Import the fixtures into a test module (``from tests.support.realdev import loop_disks``).
 Everything made is undone in reverse order at teardown, by name (never
 "all loop devices"). There is no udev on CI: the by-id link is created by hand in
 the real ``/dev/disk/by-id`` as ``gpuaas-test-<uuid> -> ../../loopN``.

@@ -1,8 +1,8 @@
 """A real libvirt daemon for tests: ``virtlogd`` and ``libvirtd`` started by hand, in the foreground.
 
-Import the fixture into a test module (``from tests.libvirtd_fixture import libvirtd``), or use
+Import the fixture into a test module (``from tests.support.libvirtd_fixture import libvirtd``), or use
 :func:`running_libvirtd` directly to pass extra environment (``OVS_RUNDIR`` of a private
-ovsdb, see ``tests/ovsdb_fixture.py``: libvirtd's ``ovs-vsctl`` calls reach that db only
+ovsdb, see ``tests/support/ovsdb_fixture.py``: libvirtd's ``ovs-vsctl`` calls reach that db only
 through its environment).
 
 Why by hand: CI machines have no systemd as PID 1 and apt's ``policy-rc.d`` keeps the
@@ -36,7 +36,7 @@ from pathlib import Path
 import libvirt
 import pytest
 
-from tests.daemons import host_lock, stop_pid
+from tests.support.daemons import host_lock, stop_pid
 from tests.support.tiers import starts
 
 URI = "qemu:///system"

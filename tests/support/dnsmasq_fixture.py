@@ -1,6 +1,6 @@
 """A real DHCP lab for tests: network namespaces, veth pairs, dnsmasq in the foreground, busybox udhcpc, dropbear.
 
-Import the fixture into a test module (``from tests.dnsmasq_fixture import dhcp_lab``).
+Import the fixture into a test module (``from tests.support.dnsmasq_fixture import dhcp_lab``).
 Namespace A (the "host") holds ``10.100.0.1/24`` and dnsmasq serving
 ``10.100.0.0/24`` to reserved MACs only (``--dhcp-range=...,static``); namespace
 B (the "guest") holds the peer veth, whose MAC a test sets to the reserved one.
@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.daemons import stop_pid
+from tests.support.daemons import stop_pid
 from tests.support.tiers import starts
 
 SUBNET = IPv4Network("10.100.0.0/24")
