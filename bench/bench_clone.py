@@ -31,7 +31,7 @@ from gpuaas_agent.host.images.clone import clone_image
 from gpuaas_agent.host.run import run
 from gpuaas_agent.host.storage.blockwipe import wipe_disk
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import MiB, RealDevices
+from tests.support.realdev import MiB, RealDevices
 
 LIVE = HostRoot.open("/")
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpuaas_agent.operator import memprobe
 from lab.harness import Lab, LabSettings
 from tests.support.hostile_load import Hostile, daemon_status, idle, now, timed
-from tests.terminal_gateway import Gateway
+from tests.support.terminal_gateway import Gateway
 
 A_SLOTS, B_SLOT, C_SLOT = (1, 2), 3, 4
 

@@ -4,7 +4,7 @@ Each simulated node is the agent's real code on its own NATS connection: ``conne
 (per-node inbox, backoff with full jitter), ``TaskWorker`` (consumer created on the
 filtered API, pull expiry ``--pull-expiry``), the operator ``Reporter`` heartbeat loop,
 and a real ``StateStore`` (SQLite on /dev/shm, one per process). Many nodes per process
-(asyncio), ``--procs`` processes. The control plane is ``tests/controlplane.py``.
+(asyncio), ``--procs`` processes. The control plane is ``tests/support/controlplane.py``.
 
 Per N it reports: consumer creation (all nodes bound, and per-node bind p50/p99),
 nats-server VmRSS and CPU (cores, from /proc/<pid>/stat) and messages/s while idle, a
@@ -85,7 +85,7 @@ from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.operator.health import CheckThreads, HealthSettings
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import RESULT_STREAM, ControlPlane
+from tests.support.controlplane import RESULT_STREAM, ControlPlane
 
 TASK = TaskType.topology_discover
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -15,7 +15,7 @@ spend that time on every start. This measures the same work on TCG guests in the
 ports and the virtio device behind them), polled from ``virDomainCreate`` on: the devices a
 guest firmware would enumerate. There is no guest OS: its boot time is not what changes here.
 
-Needs root (its own libvirtd via ``tests/libvirtd_fixture.py``; hugepages are reserved for the
+Needs root (its own libvirtd via ``tests/support/libvirtd_fixture.py``; hugepages are reserved for the
 run and the previous counts restored). Prints medians; never asserts a time.
 ``python bench/bench_guest_start.py [--sizes-mib 1024,2048,4096] [--runs 3] [--threads 2]``
 """
@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 import libvirt
 import libvirt_qemu
 
-from tests.libvirtd_fixture import running_libvirtd
+from tests.support.libvirtd_fixture import running_libvirtd
 
 HUGEPAGES = Path("/sys/kernel/mm/hugepages")
 QUERY_DEADLINE_S = 120.0

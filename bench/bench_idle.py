@@ -46,7 +46,7 @@ from gpuaas_agent.control.enroll import EnrollIdentity, enroll
 from gpuaas_agent.control.transport import TransportSecurity
 from lab.fixture_hosts import fixture_host
 from tests.control.conftest import NatsServer, free_port
-from tests.controlplane import ControlPlane
+from tests.support.controlplane import ControlPlane
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 IDENTITY = EnrollIdentity(machine_id="1221a371a78ea21b24acbc2cf895b074", hostname="j22u05", agent_version="0.1.0")

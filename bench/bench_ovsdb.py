@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from gpuaas_agent.contract.naming import vnic_name
 from gpuaas_agent.host.network.ovs import _COLUMNS, OvsDriver
-from tests.ovsdb_fixture import running_ovs
+from tests.support.ovsdb_fixture import running_ovs
 
 FOOTPRINT = r"""
 import json, sys, threading, time

@@ -58,7 +58,7 @@ from gpuaas_agent.host.images.stream import STREAM_CHUNK_BYTES, fill
 from gpuaas_agent.host.images.streamclone import stream_image
 from gpuaas_agent.host.run import run
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import MiB, RealDevices
+from tests.support.realdev import MiB, RealDevices
 
 LIVE = HostRoot.open("/")
 

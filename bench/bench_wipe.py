@@ -30,7 +30,7 @@ from gpuaas_agent.contract.nvmewipe import WipeMethod, WipePolicy
 from gpuaas_agent.host.run import run
 from gpuaas_agent.host.storage.wipepolicy import wipe_slot_disk
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import RealDevices
+from tests.support.realdev import RealDevices
 
 LIVE = HostRoot.open("/")
 

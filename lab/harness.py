@@ -2,7 +2,7 @@
 
 Started in order, stopped in reverse (by PID), whatever failed:
 
-1. ``nats-server -js`` on 127.0.0.1 and the test control plane (``tests/controlplane.py``);
+1. ``nats-server -js`` on 127.0.0.1 and the test control plane (``tests/support/controlplane.py``);
 2. a real Open vSwitch (ovsdb-server + ovs-vswitchd, netdev datapath) in the root
    namespace, its bridge owning the lab gateway address;
 3. dnsmasq serving only the agent's reservations on that bridge;
@@ -39,8 +39,8 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus  # noqa: E402
 from gpuaas_agent.contract.tasks import TaskResult  # noqa: E402
 from lab.fixture_hosts import H200, fixture_host  # noqa: E402
 from lab.loophost import LoopHost, materialize  # noqa: E402
-from tests.controlplane import ControlPlane  # noqa: E402
-from tests.daemons import stop_pid  # noqa: E402
+from tests.support.controlplane import ControlPlane  # noqa: E402
+from tests.support.daemons import stop_pid  # noqa: E402
 
 AGENT = REPO / ".venv/bin/gpuaas-agent"
 DEFAULT_FIXTURE_NAME = H200  # the 8x H200 host, materialised by lab/fixture_hosts.py on first use
@@ -109,8 +109,8 @@ class Lab:
     tenant_key_file: Path | None = None
     config_path: Path | None = None
     approved: list[ApprovedSlot] = field(default_factory=list)
-    switch: object = None  # tests/ovsdb_fixture.py's OvsSwitch
-    libvirtd: object = None  # tests/libvirtd_fixture.py's LibvirtDaemon
+    switch: object = None  # tests/support/ovsdb_fixture.py's OvsSwitch
+    libvirtd: object = None  # tests/support/libvirtd_fixture.py's LibvirtDaemon
     upstream: object = None  # lab/upstream.py: the NAT and the network beyond it (issue 16)
 
     @property
@@ -192,7 +192,7 @@ class Lab:
         self.say("lab: control plane: task/result streams, enrollment on gpuaas.enroll")
 
     def _start_ovs(self) -> None:
-        from tests.ovsdb_fixture import running_ovs
+        from tests.support.ovsdb_fixture import running_ovs
 
         sw = self.stack.enter_context(running_ovs(root_netns=True))
         self.switch = sw
@@ -225,7 +225,7 @@ class Lab:
         self.say(f"lab: dnsmasq (pid {self.procs['dnsmasq'].pid}) serves reservations only, on {self.bridge}")
 
     def _start_libvirtd(self) -> None:
-        from tests.libvirtd_fixture import running_libvirtd
+        from tests.support.libvirtd_fixture import running_libvirtd
 
         d = self.stack.enter_context(running_libvirtd(self.work / "libvirtd", extra_env=self.ovs_env))
         self.libvirtd = d
@@ -466,7 +466,7 @@ class Lab:
 
     def restart_libvirtd(self) -> None:
         """Stop libvirtd (running domains keep running) and start it again; returns once it answers."""
-        from tests.libvirtd_fixture import restart_libvirtd
+        from tests.support.libvirtd_fixture import restart_libvirtd
 
         restart_libvirtd(self.libvirtd)
 

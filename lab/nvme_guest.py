@@ -88,7 +88,7 @@ class NvmeGuest:
         return self.serial_log.read_text(errors="replace") if self.serial_log.exists() else ""
 
     def stop(self) -> None:
-        from tests.daemons import stop_pid
+        from tests.support.daemons import stop_pid
 
         stop_pid(self.proc, timeout_s=10)
 

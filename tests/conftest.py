@@ -25,10 +25,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from lab.fixture_hosts import fixture_host, host_names, link_hosts, recorded_names  # noqa: E402
+from tests.support.tiers import DECLARED_FIXTURES, NEEDS, full_name, functions_of, needs_of_name  # noqa: E402
 
 # The real-component fixtures every test module may ask for by name, without importing them (an imported
 # fixture is a redefinition to linters and hides which module a test really uses).
-pytest_plugins = ["tests.realdev", "tests.ovsdb_fixture", "tests.dnsmasq_fixture", "tests.support.agent_process",
+pytest_plugins = ["tests.support.realdev", "tests.support.ovsdb_fixture", "tests.support.dnsmasq_fixture", "tests.support.agent_process",
                   "tests.support.nats_server", "tests.support.pipeline_ctx",
                   "tests.support.image_server", "tests.deploy.machine"]
 
@@ -86,11 +87,12 @@ def host_copy(tmp_path):
     return _copy
 
 
-# --- Markers: what a test needs, read from its fixtures -----------------------------------------------------
+# --- Markers: what a test needs, declared where the need is made -------------------------------------------
 # A test is marked by the real components it starts, so a tier is a marker expression (docs/testing.md).
-# The needs are read, not declared: the directory, every fixture in the test's closure (by name), and the
-# names the test's own code and its module's fixtures and helpers call (``running_libvirtd(...)``,
-# ``Lab(...)``): a new test that starts a lab is out of the fast tier without anyone remembering to say so.
+# The fixture or helper that starts a server declares what it starts (``@starts(...)``, tests/support/tiers.py,
+# beside its definition); a test gets the needs of its directory, of the declared fixtures in its closure, and of
+# the declared objects its own code and its module's fixtures and helpers refer to. tests/test_tiers.py fails
+# when a function that starts a process is not declared, or a test reaches a declared helper without its marker.
 # The markers are registered in pyproject.toml ([tool.pytest.ini_options] markers; --strict-markers is on).
 
 # What the fast tier leaves out: the lab, guests, deploy roots, the crash harness, clusters, and the tests that
@@ -107,38 +109,9 @@ NEEDS_BY_DIRECTORY = {
     "bench": ("fleet",),        # the fleet bench's nodes against a real server
 }
 
-# Fixture name -> what it starts (the fixtures of tests/conftest.py's plugins and the per-directory conftests).
-NEEDS_BY_FIXTURE = {
-    "lab": ("lab",), "crash_lab": ("lab",), "lab_guest_image": ("lab",),
-    "libvirtd": ("libvirtd",),
-    "clean_machine": ("deploy",),
-    "nats_cluster": ("fleet",),
-    "ovs_switch": ("ovs",), "ovs_switch_root_netns": ("ovs",),
-    "prepared_host": ("ovs", "netns"),
-    "net_lab": ("netns",), "dhcp_lab": ("netns",),
-    "realdev": ("loopdev",),
-    "nats_server": ("nats",),
-    "agents": ("agent",),
-}
-
-# What a test (or its module's fixtures and helpers) calls -> what it starts. Keys are the full names of
-# the objects the code refers to (a module, or a function or class in it); a key names everything under it.
-NEEDS_BY_CALL = {
-    "lab.harness": ("lab",),            # the lab-in-a-box
-    "lab.nvme_guest": ("lab",),         # a TCG guest with QEMU's NVMe controller
-    "lab.build_guest_image": ("lab",),  # the guest image, built from Debian packages
-    "tests.libvirtd_fixture.running_libvirtd": ("libvirtd",),
-    "tests.ovsdb_fixture.running_ovs": ("ovs",),
-    "tests.support.nats_cluster": ("fleet",),
-    "tests.support.nats_server.NatsServer": ("nats",),
-    "bench.protocol_node": ("fleet",),
-}
-
-
 
 # Every marker the hook below may set (tests/test_tiers.py reads a collection's markers through it).
-NEED_MARKERS = frozenset({need for table in (NEEDS_BY_DIRECTORY, NEEDS_BY_FIXTURE, NEEDS_BY_CALL)
-                          for needs in table.values() for need in needs} | {"slow"})
+NEED_MARKERS = NEEDS | {"slow"}
 
 
 def _slow_tests() -> frozenset[str]:
@@ -160,12 +133,11 @@ def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
 def _full_name(obj: object) -> str | None:
     if isinstance(obj, types.ModuleType):
         return obj.__name__
-    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    return f"{module}.{qualname}" if isinstance(module, str) and isinstance(qualname, str) else None
+    return full_name(obj)
 
 
 def _called(fn: Callable, module: types.ModuleType, seen: set[int]) -> set[str]:
-    """Full names of the globals ``fn`` refers to, followed into the functions of its own module it calls."""
+    """Full names of the globals ``fn`` refers to, followed into the functions and classes of its own module."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None or id(code) in seen:
@@ -182,14 +154,10 @@ def _called(fn: Callable, module: types.ModuleType, seen: set[int]) -> set[str]:
         full = _full_name(target)
         if full:
             called.add(full)
-        if isinstance(target, types.FunctionType) and target.__module__ == module.__name__:
-            called |= _called(target, module, seen)
+        if isinstance(target, (types.FunctionType, type)) and target.__module__ == module.__name__:
+            for function in functions_of(target):  # a function, or each method of a class (its lab, its server)
+                called |= _called(function, module, seen)
     return called
-
-
-def _call_needs(full_name: str) -> tuple[str, ...]:
-    return tuple(need for key, needs in NEEDS_BY_CALL.items()
-                 if full_name == key or full_name.startswith(key + ".") for need in needs)
 
 
 def needs_of(item: pytest.Item) -> set[str]:
@@ -205,14 +173,18 @@ def needs_of(item: pytest.Item) -> set[str]:
     calls: set[str] = set()
     if module is not None and function is not None:
         calls |= _called(function, module, seen)
+        own_name = full_name(inspect.unwrap(function))
+        if own_name:  # a test that starts a server itself declares it like a helper
+            needs.update(needs_of_name(own_name))
     for fixture in getattr(item, "fixturenames", ()):
         defined_here = fixture in own and getattr(inspect.unwrap(own[fixture]), "__module__", None) == module.__name__
-        if defined_here:  # the test module's own fixture (it may reuse a shared fixture's name): read its code
+        if defined_here:  # the test module's own fixture (it may reuse a shared fixture's name): its declaration, its code
+            needs.update(needs_of_name(full_name(inspect.unwrap(own[fixture])) or ""))
             calls |= _called(own[fixture], module, seen)
         else:
-            needs.update(NEEDS_BY_FIXTURE.get(fixture, ()))
+            needs.update(DECLARED_FIXTURES.get(fixture, ()))
     for name in calls:
-        needs.update(_call_needs(name))
+        needs.update(needs_of_name(name))
     if item.nodeid.split("[")[0] in SLOW_TESTS:
         needs.add("slow")
     return needs

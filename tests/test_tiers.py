@@ -10,11 +10,13 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_TIER, FAST_TIER_LEAVES_OUT, NEED_MARKERS, SLOW_TESTS
+from tests.conftest import FAST_TIER, FAST_TIER_LEAVES_OUT, NEED_MARKERS, NEEDS_BY_DIRECTORY, SLOW_TESTS
+from tests.support.tiers import DECLARED, DECLARED_FIXTURES, NEEDS_BY_MODULE, missing_markers, undeclared_spawners
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +44,17 @@ class Dump:
         self.record("deselected", items)
 
     def pytest_collection_finish(self, session):
+        from tests.support.tiers import missing_markers
+
         self.record("selected", session.items)
+        # What each selected test reaches through helpers in any module, and the markers of it that it lacks. The
+        # fixtures' functions are pytest's (_fixtureinfo: pytest's private attribute, read here only).
+        self.seen["missing"] = {}
+        for item in session.items:
+            functions = [item.function] + [defs[-1].func for defs in item._fixtureinfo.name2fixturedefs.values() if defs]
+            missing = missing_markers(functions, {m.name for m in item.iter_markers()})
+            if missing:
+                self.seen["missing"][item.nodeid] = missing
         with open(sys.argv[1], "w") as out:
             json.dump(self.seen, out)
 
@@ -58,7 +70,8 @@ def collection(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = json.loads(out.read_text())
-    return {kind: {test: set(names) & NEED_MARKERS for test, names in tests.items()} for kind, tests in seen.items()}
+    return {kind: {test: set(names) & NEED_MARKERS for test, names in tests.items()}
+            for kind, tests in seen.items() if kind != "missing"} | {"missing": seen["missing"]}
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +130,67 @@ def test_the_fast_tier_command_is_the_expression_the_markers_define():
     registered = (REPO / "pyproject.toml").read_text()
     for marker in FAST_TIER_LEAVES_OUT:
         assert re.search(rf'^\s*"{marker}: ', registered, re.MULTILINE), f"{marker} is not registered"
+
+
+# -- declared where the need is made: a server-starting helper carries its tier, and the tier follows it ------
+
+
+def test_every_function_that_starts_a_process_declares_what_it_starts():
+    """A new helper that starts a server (Popen, create_subprocess_exec) and says nothing fails here, instead of
+    landing in the fast tier silently: it declares ``@starts(<markers>)`` (or ``@starts()``: cheap, in the tier)."""
+    undeclared = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        rel = path.relative_to(REPO / "tests").parts
+        if len(rel) > 1 and rel[0] in NEEDS_BY_DIRECTORY:  # every test there is marked by its directory
+            continue
+        undeclared += undeclared_spawners(path.read_text(), str(path.relative_to(REPO)))
+    for room in ("lab", "bench"):  # code outside tests/ is declared by module, in tests/support/tiers.py
+        for path in sorted((REPO / room).rglob("*.py")):
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            if module not in NEEDS_BY_MODULE:
+                undeclared += undeclared_spawners(path.read_text(), str(path.relative_to(REPO)))
+    assert undeclared == [], "declare what these start (tests/support/tiers.py):\n" + "\n".join(undeclared)
+
+
+def test_no_fast_tier_test_reaches_a_server_starting_helper_without_its_marker(collection):
+    """Followed through helpers in any module (conftest's marking reads the test's own module only): a fast-tier test
+    that reaches a declared helper through an undeclared one in another module fails here."""
+    missing = {test: needs for test, needs in collection["missing"].items() if test in collection["selected"]}
+    assert missing == {}, "\n".join(f"{test}: lacks {needs}" for test, needs in sorted(missing.items()))
+
+
+_NEW_HELPER = """
+import subprocess
+
+def start_new_server(tmp):
+    return subprocess.Popen(["nats-server", "-p", "0"], cwd=tmp)
+"""
+
+
+def test_the_checks_fail_on_an_undeclared_server_and_on_a_helper_that_hides_one():
+    # A new helper that starts a server and declares nothing.
+    assert undeclared_spawners(_NEW_HELPER, "tests/support/new.py") == ["tests/support/new.py:5 in start_new_server"]
+    declared = _NEW_HELPER.replace("def start_new_server", "@starts('nats')\ndef start_new_server")
+    assert undeclared_spawners(declared, "tests/support/new.py") == []
+
+    # A declared server helper, reached by a fast test only through a helper of another module that says nothing.
+    server = _module("tests.support.synthetic_server", "from tests.support.tiers import starts\n\n"
+                     "@starts('ovs')\ndef start_switch(tmp):\n    return 'br-' + str(tmp)\n")
+    helpers = _module("tests.support.synthetic_helpers", "def switch_for(tmp):\n    return start_switch(tmp)\n",
+                      start_switch=server.start_switch)
+    test_module = _module("tests.test_synthetic", "def test_a_fast_one(tmp_path):\n    assert switch_for(tmp_path)\n",
+                          switch_for=helpers.switch_for)
+    try:
+        assert missing_markers([test_module.test_a_fast_one], set()) == {
+            "ovs": ["tests.support.synthetic_server.start_switch"]}
+        assert missing_markers([test_module.test_a_fast_one], {"ovs"}) == {}
+    finally:
+        DECLARED.pop("tests.support.synthetic_server.start_switch")
+        DECLARED_FIXTURES.pop("start_switch")
+
+
+def _module(name: str, source: str, **names) -> types.ModuleType:
+    module = types.ModuleType(name)
+    vars(module).update(names)
+    exec(compile(source, f"<{name}>", "exec"), vars(module))
+    return module

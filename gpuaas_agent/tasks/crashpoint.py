@@ -2,7 +2,9 @@
 
 The crash harness (``tests/e2e/test_crash_matrix.py``) kills a real agent at every step of
 ``PROVISION_STEPS`` and ``RELEASE_STEPS``, before and after the step's side effect, then
-restarts it and checks what the restarted agent does with the half-done task. The kill
+restarts it and checks what the restarted agent does with the half-done task
+(``tests/crash/test_gpu_handover_crash.py`` does the same for the GPU handover's steps, named
+``gpu_handover.<step>`` inside the release). The kill
 must come from inside the step runner (a signal from outside cannot hit "after the side
 effect, before the journal says so"), so the runner calls :func:`crash_point` at both
 places.

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from gpuaas_agent.contract.domain import ShutdownOutcome, UndefineOutcome
 from gpuaas_agent.contract.fleet import ComponentKind, QuarantineReason
-from gpuaas_agent.contract.gpuhandover import SlotGpuHandover, handover_meta_key
+from gpuaas_agent.contract.gpuhandover import GpuHandoverResult, SlotGpuHandover, handover_meta_key
 from gpuaas_agent.contract.handover import GpuHandoverPolicy, LeaseHandover
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.runtime import PROFILES
@@ -44,7 +44,7 @@ from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.guards.disk import read_disk_identity
 from gpuaas_agent.guards.gpureset import gpu_driver
-from gpuaas_agent.host.devices.gpuhandover import hand_over_gpu, reset_fabric_vf
+from gpuaas_agent.host.devices.gpuhandover import GPU_HANDOVER_STEPS, GpuHandover, reset_fabric_vf
 from gpuaas_agent.host.storage.wipepolicy import strictest_handover, wipe_slot_disk
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
@@ -205,6 +205,27 @@ class GpuHandedOver:
         return {"skipped": self.skipped} if self.proof is None else self.proof.model_dump(mode="json")
 
 
+# The GPU handover's own declared steps (host/devices/gpuhandover.py), run inside the release's ``gpu_handover``
+# step by the same runner as this pipeline: each is journaled ``gpu_handover.<step>`` and has its crash points
+# before and after its side effect (the crash harness enumerates these). None is compensated: the release runs
+# again whole after an interruption, so a handover cut anywhere is redone from its first query.
+GPU_HANDOVER_JOURNAL_PREFIX = "gpu_handover."
+RELEASE_GPU_HANDOVER_STEPS: tuple[StepDef[GpuHandover], ...] = tuple(
+    StepDef(GPU_HANDOVER_JOURNAL_PREFIX + step.name, step.run, no_compensation=step.no_compensation)
+    for step in GPU_HANDOVER_STEPS)
+
+
+async def hand_over_journaled(run: ReleaseRun, handover: GpuHandover) -> GpuHandoverResult:
+    """:data:`RELEASE_GPU_HANDOVER_STEPS` through the pipeline runner on the release's journal; a failed step
+    raises its own typed error (not a nested pipeline failure), so the release fails ``gpu_handover`` with
+    the handover's code and evidence."""
+    try:
+        await run_pipeline(run.ctx, bind_steps(RELEASE_GPU_HANDOVER_STEPS, handover))
+    except PipelineFailed as failed:
+        raise failed.cause from failed.cause.__cause__
+    return handover.result()
+
+
 async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
     """Reset, clear and restore the lease's GPU, FLR its fabric VF; refused while any defined domain names one.
 
@@ -233,7 +254,8 @@ async def gpu_handover(run: ReleaseRun, found: Found) -> GpuHandedOver:
         policy, source = GpuHandoverPolicy(), "catalog_default"
     drivers, host = run.drivers, run.drivers.discovered_root()
     held = await drivers.libvirt.defined_domain_hostdevs()
-    gpu = await hand_over_gpu(host, lease.gpu_pci_address, policy, held=held, tool=drivers.gpu_admin())
+    handover = await GpuHandover.begin(host, lease.gpu_pci_address, policy, held=held, tool=drivers.gpu_admin())
+    gpu = await hand_over_journaled(run, handover)
     vf = await reset_fabric_vf(host, lease.fabric_vf_pci_address, held=held)
     done = SlotGpuHandover(policy_source=source, gpus=[gpu], fabric_vf=vf)
     # Remembered per device: slice.unquarantine's re-check of a GPU or VF reads that a handover passed since.

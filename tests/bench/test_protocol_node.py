@@ -21,7 +21,7 @@ from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import RESULT_STREAM, ControlPlane
+from tests.support.controlplane import RESULT_STREAM, ControlPlane
 from tests.support.deadline import run_bounded, wait_until
 
 NODE = "node-proto-1"

@@ -51,9 +51,9 @@ from gpuaas_agent.daemon import worker_settings
 from gpuaas_agent.host.run import run
 from gpuaas_agent.operator.status import collect, render
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import TASK_STREAM, ControlPlane
 from tests.natsauth.fleet import FleetOperator
 from tests.support.agent_process import FIXTURE, AgentProcess, agent_env
+from tests.support.controlplane import TASK_STREAM, ControlPlane
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.enroll_identity import IDENTITY
 from tests.support.nats_server import configured_server, write_creds

@@ -24,8 +24,8 @@ from gpuaas_agent.control.enroll import creds_path, enroll, login_options, recor
 from gpuaas_agent.control.permissions import ENROLL_PERMISSIONS, consumer_name
 from gpuaas_agent.control.rotation import CredsRotator, previous_path
 from gpuaas_agent.control.transport import CREDS_SEED_BEGIN, TransportSecurity, check_creds_file
-from tests.controlplane import TASK_STREAM, ControlPlane
 from tests.natsauth.natsjwt import Operator
+from tests.support.controlplane import TASK_STREAM, ControlPlane
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.enroll_identity import IDENTITY
 from tests.support.nats_server import configured_server, write_creds

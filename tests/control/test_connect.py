@@ -31,9 +31,10 @@ from gpuaas_agent.control.connection import Backoff
 from gpuaas_agent.control.enroll import EnrollmentRecord, record_path
 from gpuaas_agent.control.taskpolicy import WorkerSettings
 from tests.conftest import HOSTS, REPO
-from tests.controlplane import ControlPlane
-from tests.daemons import stop_pid
+from tests.support.controlplane import ControlPlane
+from tests.support.daemons import stop_pid
 from tests.support.nats_server import NatsServer, free_port, nats_server_binary
+from tests.support.tiers import starts
 
 FIXTURE = HOSTS / "h200-slice-after-transition"
 AGENT = REPO / ".venv" / "bin" / "gpuaas-agent"
@@ -90,6 +91,9 @@ class SilentListener:
         self.sock.close()
 
 
+# A real agent, but one that cannot connect: it fails fast or stops on SIGTERM within seconds (the bounds these
+# tests assert), so these tests stay in the fast tier, unlike the `agent` marker's agents that serve tasks.
+@starts()
 class AgentRun:
     """`gpuaas-agent run` under Popen, stderr (JSON lines: no journald here) to a file."""
 

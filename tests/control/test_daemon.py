@@ -40,7 +40,6 @@ from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.registry import BuiltTasks
-from tests.controlplane import ControlPlane
 from tests.support.agent_process import (
     FIXTURE,
     AgentProcess,
@@ -48,6 +47,7 @@ from tests.support.agent_process import (
     agent_env,
     enrolled_setup,
 )
+from tests.support.controlplane import ControlPlane
 from tests.support.daemon_hosts import ReadOnlyHost
 from tests.support.deadline import run_bounded
 

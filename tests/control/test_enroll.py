@@ -56,7 +56,7 @@ from gpuaas_agent.control.sealed import (
 )
 from gpuaas_agent.control.tokenproof import token_id, token_proof
 from gpuaas_agent.control.transport import CREDS_SEED_BEGIN, TransportSecurity, jwt_claims
-from tests.controlplane import ControlPlane
+from tests.support.controlplane import ControlPlane
 from tests.support.enroll_identity import IDENTITY
 from tests.support.nats_server import NatsServer, nats_server_binary
 

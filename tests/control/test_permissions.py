@@ -37,7 +37,7 @@ from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import TASK_STREAM, ControlPlane
+from tests.support.controlplane import TASK_STREAM, ControlPlane
 from tests.support.nats_server import NatsServer
 
 A, B = "node-perma", "node-permb"

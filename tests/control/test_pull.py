@@ -22,7 +22,7 @@ from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.state.store import StateStore
 from tests.conftest import REPO
-from tests.controlplane import ControlPlane
+from tests.support.controlplane import ControlPlane
 from tests.support.deadline import run_bounded
 from tests.support.worker_harness import DISCOVER, NODE
 

@@ -21,7 +21,7 @@ from gpuaas_agent.host.vm.consolelog import ensure_log_dir
 from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.tasks.console_log import console_log_handler
 from gpuaas_agent.tasks.drivers import SliceDrivers
-from tests.controlplane import TASK_STREAM
+from tests.support.controlplane import TASK_STREAM
 from tests.support.deadline import run_bounded
 from tests.support.nats_server import configured_server
 from tests.support.worker_harness import DISCOVER, NODE, Counting, Harness

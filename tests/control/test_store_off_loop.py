@@ -44,8 +44,8 @@ from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.plan import plan_handler
 from gpuaas_agent.tasks.provision import provision_handler
 from tests.conftest import fixture_host
-from tests.controlplane import ControlPlane
 from tests.support.agent_process import AgentProcess, agent_env, enrolled_setup
+from tests.support.controlplane import ControlPlane
 from tests.support.deadline import run_bounded
 
 NODE = "node-test01"

@@ -40,9 +40,9 @@ from gpuaas_agent.control.rotation import CredsRotator, previous_path
 from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
 from tests.control.conftest import NatsServer
 from tests.control.test_enroll import IDENTITY
-from tests.controlplane import ControlPlane
 from tests.natsauth.natsjwt import Operator
 from tests.natsauth.pki import CA
+from tests.support.controlplane import ControlPlane
 from tests.support.deadline import wait_until
 
 NODE = "node-tls01"

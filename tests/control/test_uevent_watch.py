@@ -30,8 +30,8 @@ from gpuaas_agent.discovery.drift import topology_drift
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.host.devices.uevents import UeventMonitor, udevd_running
 from gpuaas_agent.hostfs import HostRoot
-from tests.controlplane import ControlPlane
-from tests.realdev import require_root, sh
+from tests.support.controlplane import ControlPlane
+from tests.support.realdev import require_root, sh
 
 AFTER = "h200-slice-after-transition"
 GPU0 = "0000:18:00.0"

@@ -16,7 +16,7 @@ from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.daemon import default_tasks
 from gpuaas_agent.errors import GuardError
 from tests.conftest import fixture_host
-from tests.controlplane import TASK_STREAM
+from tests.support.controlplane import TASK_STREAM
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.worker_harness import DISCOVER, NODE, Counting, Harness
 

@@ -11,7 +11,7 @@ import logging
 import time
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
-from tests.controlplane import TASK_STREAM
+from tests.support.controlplane import TASK_STREAM
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.worker_harness import DISCOVER, NODE, Counting, Harness
 

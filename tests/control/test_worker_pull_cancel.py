@@ -23,7 +23,7 @@ from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.daemon import connect
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import ControlPlane
+from tests.support.controlplane import ControlPlane
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.worker_harness import DISCOVER, NODE
 

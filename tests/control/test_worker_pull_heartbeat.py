@@ -29,7 +29,7 @@ from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.daemon import connect
 from gpuaas_agent.state.store import StateStore
-from tests.controlplane import RESULT_STREAM, TASK_STREAM, ControlPlane
+from tests.support.controlplane import RESULT_STREAM, TASK_STREAM, ControlPlane
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.nats_cluster import NatsCluster
 from tests.support.nats_server import nats_server_binary

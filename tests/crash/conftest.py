@@ -17,9 +17,11 @@ import pytest
 
 from lab.harness import Lab, LabSettings
 from tests.e2e.conftest import LoopThread
+from tests.support.tiers import starts
 
 
 @pytest.fixture(scope="package")
+@starts("lab")
 def crash_lab() -> Iterator[tuple[Lab, LoopThread]]:
     if os.geteuid() != 0:
         pytest.fail("the crash harness needs root (loop devices, OVS, dnsmasq, libvirtd)", pytrace=False)

@@ -20,6 +20,7 @@ import pytest
 from gpuaas_agent.deploy.userdata import BOOTSTRAP_DIR, DEB_PATH
 from tests.conftest import REPO
 from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
+from tests.support.tiers import starts
 
 BUILD = ["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py")]
 INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")
@@ -36,6 +37,7 @@ def installed_packages() -> set[str]:
 
 
 @pytest.fixture
+@starts("deploy")
 def clean_machine() -> Iterator[set[str]]:
     """This machine without the agent; afterwards the package and whatever apt added for it are purged."""
     if os.geteuid() != 0:

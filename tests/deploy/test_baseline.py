@@ -1,7 +1,7 @@
 """gpuaas-agent network-baseline converges a real namespace: OVS bridge + gateway, dnsmasq config, NAT, ip_forward.
 
 The converge runs as the real CLI inside the network namespace of a real
-ovs-vswitchd (tests/ovsdb_fixture.py), exactly as the unit runs it on a host.
+ovs-vswitchd (tests/support/ovsdb_fixture.py), exactly as the unit runs it on a host.
 """
 
 from __future__ import annotations

@@ -43,9 +43,9 @@ import yaml
 from gpuaas_agent.deploy.userdata import UserDataInputs, render_userdata
 from gpuaas_agent.host.run import run
 from tests.conftest import REPO, fixture_host
-from tests.controlplane import ControlPlane
 from tests.deploy.chroot import APT_TIMEOUT_S, CACHE, Chroot, bookworm_tarball, distro_root, run_checked
 from tests.deploy.machine import BUILD, cloud_init_runcmd_script
+from tests.support.controlplane import ControlPlane
 from tests.support.nats_server import free_port
 
 APT_ARCHIVES = CACHE / "apt-archives"

@@ -46,9 +46,9 @@ from gpuaas_agent.hostfs import HostRoot
 from lab.harness import Lab, LabSettings
 from lab.systemd_manager import SystemdManager
 from tests.conftest import REPO
-from tests.daemons import stop_pid
 from tests.deploy.units import AGENT_UNIT, agent_capabilities
 from tests.e2e.conftest import LoopThread
+from tests.support.daemons import stop_pid
 
 INSTALLED_AGENT = Path("/opt/gpuaas-agent/bin/gpuaas-agent")
 INSTALLED_UNIT = Path("/lib/systemd/system/gpuaas-agent.service")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from lab.harness import Lab, LabSettings
+from tests.support.tiers import starts
 
 
 class LoopThread:
@@ -37,6 +38,7 @@ class LoopThread:
 
 
 @pytest.fixture(scope="package")
+@starts("lab")
 def lab() -> Iterator[tuple[Lab, LoopThread]]:
     if os.geteuid() != 0:
         pytest.fail("the end-to-end lab needs root (loop devices, OVS, dnsmasq, libvirtd)", pytrace=False)

@@ -14,7 +14,7 @@ import sqlite3
 import uuid
 
 from tests.support.lab_tasks import approved_slot_in, run_lab_task
-from tests.terminal_gateway import Gateway
+from tests.support.terminal_gateway import Gateway
 
 SLOT = 6
 

@@ -14,7 +14,7 @@ from gpuaas_agent.guards.disk import DiskGuardError, check_disk_writable, check_
 from gpuaas_agent.host.run import run
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import fixture_host
-from tests.realdev import MiB, read_bytes
+from tests.support.realdev import MiB, read_bytes
 
 LIVE = HostRoot.open("/")
 ALLOC = str(uuid.uuid4())
@@ -163,7 +163,7 @@ def test_os_disk_is_refused_on_this_host():
     """Whatever holds / here is refused (through a temporary by-id link to it)."""
     import tempfile
 
-    from tests.realdev import RealDevices, require_root
+    from tests.support.realdev import RealDevices, require_root
 
     require_root()
     root_dev = os.stat("/").st_dev

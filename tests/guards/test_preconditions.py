@@ -28,7 +28,7 @@ from gpuaas_agent.guards.preconditions import (
 )
 from gpuaas_agent.hostfs import HostRoot
 from tests.conftest import HOSTS
-from tests.dnsmasq_fixture import DhcpLab
+from tests.support.dnsmasq_fixture import DhcpLab
 from tests.support.gpu_handover import between_tenants
 from tests.support.slice_netns import slice_namespace
 

@@ -12,9 +12,9 @@ import urllib.request
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from tests.conftest import REPO
-from tests.dnsmasq_fixture import sh
 from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
 from tests.support.deadline import run_bounded, wait_until
+from tests.support.dnsmasq_fixture import sh
 from tests.support.nats_server import free_port
 
 

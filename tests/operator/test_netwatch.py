@@ -15,9 +15,9 @@ from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.drift import DriftKind, DriftReport
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.operator.netwatch import drift_findings, open_netlink_sockets
-from tests.dnsmasq_fixture import sh
 from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
 from tests.support.deadline import run_bounded
+from tests.support.dnsmasq_fixture import sh
 
 
 def _readable_within(sockets, seconds: float) -> list:

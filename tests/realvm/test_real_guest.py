@@ -49,11 +49,11 @@ from gpuaas_agent.host.vm.cloudinit import write_seed_iso
 from gpuaas_agent.host.vm.domain_xml import build_domain_xml
 from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
-from tests.dnsmasq_fixture import GATEWAY, Dnsmasq, NetLab, run_in_netns
-from tests.libvirtd_fixture import running_libvirtd
-from tests.ovsdb_fixture import running_ovs
-from tests.realdev import RealDevices, require_root
 from tests.realvm import load_builder
+from tests.support.dnsmasq_fixture import GATEWAY, Dnsmasq, NetLab, run_in_netns
+from tests.support.libvirtd_fixture import running_libvirtd
+from tests.support.ovsdb_fixture import running_ovs
+from tests.support.realdev import RealDevices, require_root
 
 NVRAM_DIR = Path("/var/lib/libvirt/qemu/nvram")
 PROFILE = "lab_tcg_1c_512m"

@@ -14,6 +14,7 @@ import pytest
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.exitcodes import EXIT_ENVIRONMENT, exit_code_for
 from gpuaas_agent.state.store import StateError, StateStore
+from tests.support.tiers import starts
 
 
 def _raw(path, sql: str, *params) -> None:
@@ -107,6 +108,7 @@ conn.execute("ROLLBACK")
 """
 
 
+@starts()  # a Python process holding a lock: cheap and private
 class OtherProcess:
     """A separate Python process holding the state file's lock until :meth:`release`."""
 

@@ -23,7 +23,8 @@ from gpuaas_agent.control.enroll import EnrollIdentity, enroll
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.daemon import worker_settings
 from tests.conftest import REPO, fixture_host
-from tests.controlplane import ControlPlane
+from tests.support.controlplane import ControlPlane
+from tests.support.tiers import starts
 
 FIXTURE = fixture_host("h200-slice-after-transition")
 IDENTITY = EnrollIdentity(machine_id="1221a371a78ea21b24acbc2cf895b074", hostname="j22u05", agent_version="0.1.0")
@@ -53,6 +54,7 @@ class NotifyListener:
         self.sock.close()
 
 
+@starts("agent")
 class AgentProcess:
     """One agent process under ``Popen``; stopped by PID."""
 
@@ -89,6 +91,7 @@ def short_dir():
 
 
 @pytest.fixture
+@starts("agent")
 def agents():
     """The agent processes a test starts (append them); each is killed by PID afterwards."""
     started: list[AgentProcess] = []

@@ -32,7 +32,7 @@ import asyncssh
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.tasks import TaskResult
 from gpuaas_agent.operator.daemonstatus import DaemonStatus, read_status
-from tests.terminal_gateway import Gateway
+from tests.support.terminal_gateway import Gateway
 
 SESSIONS_PER_SLICE = 4  # [slice.terminal] max_sessions_per_slice's default
 DEADLINE_S = 900.0  # a failure bound for every wait on the lab, never a timer

@@ -21,6 +21,7 @@ import pytest
 
 from gpuaas_agent.host.images.cache import ImageCache, SourcePolicy
 from gpuaas_agent.host.run import run
+from tests.support.tiers import starts
 
 # The end of a server script run with ``python -c`` (``Handler``, ``cert``, ``key`` and ``portfile`` defined
 # above it): TLS on a free loopback port, the port written to ``portfile`` in one rename, so a reader never
@@ -135,6 +136,7 @@ def issue_server_cert(ca: tuple[Path, Path], directory: Path, *, ip: str = "127.
     return cert, key
 
 
+@starts()
 def start_https_server(root: Path, cert: Path, key: Path, portfile: Path) -> tuple[subprocess.Popen, int]:
     """The server above over ``root`` with ``cert``/``key``: (process, port); the caller kills it by PID."""
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(root), str(cert), str(key), str(portfile)],
@@ -196,6 +198,7 @@ def raw_image(tmp_path, src_dir) -> tuple[Path, bytes]:
 
 
 @pytest.fixture
+@starts()
 def https_server(tmp_path, raw_image):
     """(base URL, ssl context trusting only the throwaway CA, "127.0.0.1:PORT"); the server is killed by PID."""
     tls = tmp_path / "tls"

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.tiers import starts
+
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 FALLOC_FL_ZERO_RANGE = 0x10
@@ -143,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@starts()
 class LyingDisk:
     """The file system mounted, a loop device over its file; :meth:`close` undoes both (by PID and name)."""
 
     def __init__(self, tmp: Path, size: int, keep: list[tuple[int, int]], *, lie_zeroout: bool = False) -> None:
-        from tests.realdev import sh
+        from tests.support.realdev import sh
 
         self._sh = sh
         self.mountpoint = tmp / "lyingfs"

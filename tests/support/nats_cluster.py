@@ -17,10 +17,12 @@ import urllib.request
 from pathlib import Path
 
 from tests.support.nats_server import READY_DEADLINE_S, NatsServer, free_port
+from tests.support.tiers import starts
 
 CLUSTER_NAME = "gpuaas-test"
 
 
+@starts("fleet")
 class NatsCluster:
     """``size`` members named ``n1`` … ``n<size>``; :meth:`stop` stops every one still running."""
 

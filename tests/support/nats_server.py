@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.tiers import starts
+
 READY_DEADLINE_S = 20.0
 STOP_DEADLINE_S = 10.0
 
@@ -28,6 +30,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@starts("nats")
 class NatsServer:
     """One ``nats-server`` process; :meth:`restart` keeps its port and store dir."""
 
@@ -114,6 +117,7 @@ def nats_server_binary(why: str) -> str:
     return binary
 
 
+@starts("nats")
 def configured_server(root: Path, config_text: str, *, why: str = "the auth tests need a real server") -> NatsServer:
     """A nats-server (not started yet) run from ``config_text``, its config, store and log under ``root``."""
     binary = nats_server_binary(why)
@@ -133,6 +137,7 @@ def write_creds(root: Path, name: str, text: str, mode: int = 0o600) -> Path:
 
 
 @pytest.fixture
+@starts("nats")
 def nats_server(tmp_path):
     binary = nats_server_binary("the control tests need a real server")
     store = tmp_path / "nats-store"

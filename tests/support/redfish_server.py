@@ -20,7 +20,8 @@ from pathlib import Path
 from gpuaas_agent.config import BmcConfig
 from gpuaas_agent.host.run import run
 from lab.hgx_redfish_mockup import write_mockup
-from tests.daemons import stop_pid
+from tests.support.daemons import stop_pid
+from tests.support.tiers import starts
 
 SUSHY_STATIC = Path(sys.executable).parent / "sushy-static"
 PCI = {f"GPU_SXM_{n}": f"0000:{0x18 + 0x10 * (n - 1):02x}:00.0" for n in range(1, 9)}
@@ -32,6 +33,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@starts()
 class RedfishServer:
     """sushy-static on 127.0.0.1 with a throwaway self-signed certificate and a 0600 credentials file."""
 

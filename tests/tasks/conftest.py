@@ -25,8 +25,9 @@ import pytest
 from gpuaas_agent.contract.isolation import GUARD_TABLE
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import provision
-from tests.daemons import stop_pid
-from tests.ovsdb_fixture import OvsSwitch, running_ovs
+from tests.support.daemons import stop_pid
+from tests.support.ovsdb_fixture import OvsSwitch, running_ovs
+from tests.support.tiers import starts
 
 GATEWAY = IPv4Interface("10.100.0.1/24")  # SliceConfig's default subnet and gateway
 
@@ -60,6 +61,7 @@ def _run(*argv: str) -> None:
 
 
 @pytest.fixture
+@starts("ovs", "netns")
 def prepared_host() -> Iterator[PreparedHost]:
     # /var/tmp, 0755: QEMU's user (libvirt-qemu) must traverse to the seed dir; pytest's tmp is 0700.
     work = Path(tempfile.mkdtemp(prefix="gpuaas-prepared-", dir="/var/tmp"))

@@ -53,8 +53,8 @@ from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.reconcile import reconcile
 from lab.loophost import materialize
 from tests.conftest import HOSTS, fixture_host
-from tests.ovsdb_fixture import running_ovs
-from tests.realdev import require_root
+from tests.support.ovsdb_fixture import running_ovs
+from tests.support.realdev import require_root
 
 URI = "test:///default"
 MiB = 1 << 20

@@ -43,9 +43,9 @@ from gpuaas_agent.tasks.power import PowerRefused, power
 from gpuaas_agent.tasks.power_line import PowerSuperseded
 from lab.loophost import materialize
 from tests.conftest import HOSTS
-from tests.ovsdb_fixture import OvsSwitch, root_netns_lock
-from tests.realdev import require_root
+from tests.support.ovsdb_fixture import OvsSwitch, root_netns_lock
 from tests.support.provision_inputs import TaskCtx
+from tests.support.realdev import require_root
 
 URI = "test:///default"
 MiB = 1 << 20

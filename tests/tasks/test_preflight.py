@@ -29,6 +29,7 @@ from tests.support.slice_netns import (
     set_ip_forward,
     slice_namespace,
 )
+from tests.support.tiers import starts
 
 AFTER = fixture_host("h200-slice-after-transition")
 NAT_MISSING = fixture_host("h200-slice-nat-missing")
@@ -130,6 +131,7 @@ def test_missing_prerequisites_fail_hard(host_copy):
 
 
 @pytest.fixture
+@starts("ovs")
 def ovsdb(tmp_path):
     """ovsdb-server in the foreground on a private socket; stopped by PID."""
     db, sock = tmp_path / "conf.db", tmp_path / "db.sock"

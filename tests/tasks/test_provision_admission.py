@@ -27,7 +27,6 @@ from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import ProvisionRun, provision, provision_steps
 from lab.loophost import materialize
 from tests.conftest import HOSTS
-from tests.realdev import require_root
 from tests.support.provision_inputs import (
     LIBVIRT_TEST_URI,
     approved_slot_of_host,
@@ -35,6 +34,7 @@ from tests.support.provision_inputs import (
     slice_drivers_for,
     task_ctx,
 )
+from tests.support.realdev import require_root
 from tests.tasks.conftest import provision_failure
 
 MiB = 1 << 20

@@ -32,8 +32,8 @@ from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import provision
 from lab.loophost import materialize
 from tests.conftest import fixture_host
-from tests.realdev import require_root
 from tests.support.provision_inputs import TENANT_KEY, TaskCtx, task_ctx
+from tests.support.realdev import require_root
 from tests.tasks.conftest import provision_failure
 
 MiB = 1 << 20

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 from gpuaas_agent.contract.tasks import ImageRef
 from gpuaas_agent.host.images.cache import StreamedMiss
 from gpuaas_agent.tasks.provision import fetch_image, unpin_image
-from tests.realdev import sh
 from tests.support.image_server import cache_leftovers, image_cache, sha256_hex
+from tests.support.realdev import sh
 
 
 def _run(cache, url: str, digest: str):

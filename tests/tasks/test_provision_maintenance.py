@@ -20,8 +20,8 @@ from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import provision
 from lab.loophost import materialize
 from tests.conftest import HOSTS
-from tests.realdev import require_root
 from tests.support.provision_inputs import approved_slot_of_host, provision_payload, slice_drivers_for, task_ctx
+from tests.support.realdev import require_root
 from tests.tasks.conftest import provision_failure
 
 MiB = 1 << 20

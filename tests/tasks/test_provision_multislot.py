@@ -29,8 +29,8 @@ from gpuaas_agent.tasks.provision import ProvisionRefused, provision
 from gpuaas_agent.tasks.release_set import release_set
 from lab.loophost import materialize
 from tests.conftest import fixture_host
-from tests.realdev import require_root
 from tests.support.provision_inputs import approved_slot_of_host, provision_payload, slice_drivers_for, task_ctx
+from tests.support.realdev import require_root
 
 MiB = 1 << 20
 LIBVIRT_TEST_URI = "test:///default"

@@ -23,8 +23,8 @@ from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from lab.loophost import materialize
 from tests.conftest import fixture_host
-from tests.realdev import require_root
 from tests.support.provision_inputs import TENANT_KEY, approved_slot_of_host, task_ctx
+from tests.support.realdev import require_root
 from tests.tasks.conftest import GATEWAY, PreparedHost, provision_failure
 
 MiB = 1 << 20

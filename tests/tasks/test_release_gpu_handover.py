@@ -36,9 +36,9 @@ from gpuaas_agent.tasks.recheck import RecheckContext, recheck_firmware, recheck
 from gpuaas_agent.tasks.release import RELEASE_STEPS, Found, ReleaseRun, gpu_handover, release
 from lab.loophost import materialize
 from tests.conftest import fixture_host
-from tests.realdev import require_root
 from tests.support.gpu_handover import DEVICES, GPU, HOST, VF, ReplayTool, between_tenants
 from tests.support.provision_inputs import approved_slot_of_host, task_ctx
+from tests.support.realdev import require_root
 
 MiB = 1 << 20
 LIBVIRT_TEST_URI = "test:///default"

@@ -48,7 +48,7 @@ from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.terminal import relay_of, terminal_handler
 from tests.support.nats_server import NatsServer, free_port, nats_server_binary
-from tests.terminal_gateway import Gateway as _Gateway
+from tests.support.terminal_gateway import Gateway as _Gateway
 
 URI = "test:///default"
 SUBNET, GATEWAY, GUEST_IP = "127.77.0.0/24", "127.77.0.1", "127.77.0.10"

@@ -37,7 +37,7 @@ from gpuaas_agent.host.devices.uevents import (
     parse_uevent,
     udevd_running,
 )
-from tests.realdev import require_root, sh
+from tests.support.realdev import require_root, sh
 
 DEADLINE_S = 20.0
 PCI_DEVICES = Path("/sys/bus/pci/devices")

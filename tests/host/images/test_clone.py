@@ -15,7 +15,7 @@ from gpuaas_agent.guards.disk import DiskGuardError
 from gpuaas_agent.host.images.clone import CloneError, ProgressParser, clone_image, convert_argv
 from gpuaas_agent.host.storage.blockwipe import wipe_disk
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import MiB, read_bytes, sh
+from tests.support.realdev import MiB, read_bytes, sh
 
 LIVE = HostRoot.open("/")
 

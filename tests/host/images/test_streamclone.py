@@ -1,7 +1,7 @@
 """A raw image not yet cached goes onto the slot disk and into the cache in one pass, hashed on the way.
 
 Real pieces: the throwaway-CA HTTPS server (tests/support/image_server.py), loop disks with
-by-id links and leases (tests/realdev.py), qemu-img. What is proven is correctness, not speed:
+by-id links and leases (tests/support/realdev.py), qemu-img. What is proven is correctness, not speed:
 the provision goes on only with the digest matched, and every way the stream can end early
 leaves the cache without a partial file and the disk reported dirty.
 """
@@ -24,8 +24,8 @@ from gpuaas_agent.host.images.clone import CloneError, clone_image
 from gpuaas_agent.host.images.streamclone import stream_image
 from gpuaas_agent.host.storage.blockwipe import wipe_disk
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import MiB, read_bytes, sh
 from tests.support.image_server import cache_leftovers, image_cache, sha256_hex
+from tests.support.realdev import MiB, read_bytes, sh
 
 LIVE = HostRoot.open("/")
 SIZE = 10 * MiB + 4097  # several 4 MiB chunks, an unaligned tail

@@ -17,7 +17,7 @@ import subprocess
 
 from gpuaas_agent.contract.dhcp import LeaseState
 from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations, lease_status, make_reservation
-from tests.dnsmasq_fixture import (
+from tests.support.dnsmasq_fixture import (
     GATEWAY,
     SUBNET,
     DhcpLab,
@@ -26,7 +26,7 @@ from tests.dnsmasq_fixture import (
     disable_tx_checksum,
     net_dnsmasq_start,
 )
-from tests.ovsdb_fixture import OvsSwitch
+from tests.support.ovsdb_fixture import OvsSwitch
 
 A1 = "1111aaaa-2222-4333-8444-555555555555"
 A2 = "2222bbbb-3333-4444-8555-666666666666"

@@ -20,7 +20,7 @@ from gpuaas_agent.host.network.dnsmasq import (
     parse_leases,
     stale_reservations,
 )
-from tests.dnsmasq_fixture import DhcpLab
+from tests.support.dnsmasq_fixture import DhcpLab
 
 SUBNET = IPv4Network("10.100.0.0/24")
 GATEWAY = IPv4Address("10.100.0.1")

@@ -64,7 +64,7 @@ def test_real_nat_in_namespaces_without_masquerade_is_unproven_and_with_it_prove
     import sys
 
     from tests.conftest import REPO
-    from tests.dnsmasq_fixture import run_in_netns, sh
+    from tests.support.dnsmasq_fixture import run_in_netns, sh
 
     guest, host, up = net_lab.netns("eg-guest"), net_lab.netns("eg-host"), net_lab.netns("eg-up")
     net_lab.veth("g0", guest, "h0", host)

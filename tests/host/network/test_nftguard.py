@@ -9,7 +9,7 @@ import pytest
 
 from gpuaas_agent.contract.isolation import GuardSpec
 from gpuaas_agent.host.network.nftguard import NftGuard, NftGuardInputError, ensure_document
-from tests.dnsmasq_fixture import NetLab, run_in_netns, sh
+from tests.support.dnsmasq_fixture import NetLab, run_in_netns, sh
 
 SPEC = GuardSpec(subnet=IPv4Network("10.100.0.0/24"), gateway=IPv4Address("10.100.0.1"))
 FOREIGN = ("add table inet foreign { set s { type ifname; elements = { \"gs0-1111aaaa22\" }; }; "

@@ -25,7 +25,7 @@ from gpuaas_agent.contract.ovs import (
 )
 from gpuaas_agent.errors import ContractError, GuardError, HostError
 from gpuaas_agent.host.network.ovs import COMMIT_ATTEMPTS, OvsDriver, OvsError, OvsInputError, OvsRefused
-from tests.ovsdb_fixture import OvsSwitch
+from tests.support.ovsdb_fixture import OvsSwitch
 
 MAC = "52:54:00:12:34:56"
 

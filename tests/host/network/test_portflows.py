@@ -42,7 +42,7 @@ from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import isolate_port, nft_guard
 from gpuaas_agent.tasks.reconcile import reconcile
-from tests.dnsmasq_fixture import (
+from tests.support.dnsmasq_fixture import (
     Dnsmasq,
     NetLab,
     call_in_netns,
@@ -52,7 +52,7 @@ from tests.dnsmasq_fixture import (
     sh,
     udhcpc,
 )
-from tests.ovsdb_fixture import OvsSwitch
+from tests.support.ovsdb_fixture import OvsSwitch
 
 SUBNET = IPv4Network("10.100.0.0/24")
 GATEWAY = "10.100.0.1"

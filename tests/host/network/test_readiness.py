@@ -16,7 +16,7 @@ from gpuaas_agent.host.network.readiness import (
     wait_for_lease,
     wait_for_ssh,
 )
-from tests.dnsmasq_fixture import DhcpLab, run_in_netns
+from tests.support.dnsmasq_fixture import DhcpLab, run_in_netns
 
 ALLOC = "1111aaaa-2222-4333-8444-555555555555"
 MAC = "52:54:00:12:34:56"

@@ -11,7 +11,7 @@ from gpuaas_agent.contract.storage import WipeProof
 from gpuaas_agent.guards.disk import DiskGuardError, check_disk_writable
 from gpuaas_agent.host.storage.blockwipe import WipeError, sample_offsets, verify_wiped, wipe_disk
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import MiB, read_bytes, sh, write_bytes
+from tests.support.realdev import MiB, read_bytes, sh, write_bytes
 
 LIVE = HostRoot.open("/")
 

@@ -26,7 +26,7 @@ from gpuaas_agent.host.storage.nvmewipe import WipeRefused, nvme_erase
 from gpuaas_agent.host.storage.wipemethods.nvme import prove_erased
 from gpuaas_agent.hostfs import HostRoot
 from lab import nvme_guest
-from tests.realdev import LoopDisk, RealDevices, require_root, sh
+from tests.support.realdev import LoopDisk, RealDevices, require_root, sh
 
 REPO = Path(__file__).resolve().parents[3]
 RECORDED = REPO / "fixtures" / "nvme" / "qemu-7.2-emulated"

@@ -9,7 +9,7 @@ import pytest
 
 from gpuaas_agent.errors import HostError
 from gpuaas_agent.host.storage.smart import judge_smart, read_smart_log
-from tests.realdev import require_root
+from tests.support.realdev import require_root
 
 # nvme-cli 2.x prints critical_warning as an object; 1.x as an int (both seen in the field).
 HEALTHY_2X = {"critical_warning": {"value": 0}, "media_errors": 3, "percent_used": 7}

@@ -22,8 +22,8 @@ from gpuaas_agent.host.images.clone import target_is_zero
 from gpuaas_agent.host.storage.blockwipe import WipeError, read_whole_device, sample_offsets, verify_wiped
 from gpuaas_agent.host.storage.wipepolicy import wipe_slot_disk
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import LoopDisk, MiB, read_bytes, write_bytes
 from tests.support.lyingfs import LyingDisk
+from tests.support.realdev import LoopDisk, MiB, read_bytes, write_bytes
 
 LIVE = HostRoot.open("/")
 SIZE = 48 * MiB

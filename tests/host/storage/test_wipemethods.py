@@ -29,7 +29,7 @@ from gpuaas_agent.host.storage.wipemethods import (
 )
 from gpuaas_agent.host.storage.wipepolicy import wipe_slot_disk
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import MiB, read_bytes
+from tests.support.realdev import MiB, read_bytes
 
 LIVE = HostRoot.open("/")
 

@@ -26,7 +26,7 @@ from gpuaas_agent.host.storage.wipepolicy import (
     wipe_slot_disk,
 )
 from gpuaas_agent.hostfs import HostRoot
-from tests.realdev import MiB, read_bytes, sh, write_bytes
+from tests.support.realdev import MiB, read_bytes, sh, write_bytes
 
 LIVE = HostRoot.open("/")
 MICRON = Path(__file__).resolve().parents[3] / "fixtures" / "nvme" / "h200-slot0-micron-7450.synth"

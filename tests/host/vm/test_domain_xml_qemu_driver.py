@@ -14,7 +14,7 @@ from pathlib import Path
 import libvirt
 
 from gpuaas_agent.host.vm.domain_config import Domain, owned_diff
-from tests.libvirtd_fixture import running_libvirtd
+from tests.support.libvirtd_fixture import running_libvirtd
 
 GOLDEN = Path(__file__).resolve().parent.parent.parent / "golden" / "domain"
 MULTI_GPU = ("h200-slot0-numa0", "h200-2gpu-numa0", "h200-4gpu-2numa", "h200-8gpu")

@@ -30,7 +30,7 @@ from gpuaas_agent.guards.vmstart import check_vm_start
 from gpuaas_agent.host.vm.domain_xml import build_domain
 from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
-from tests.libvirtd_fixture import running_libvirtd
+from tests.support.libvirtd_fixture import running_libvirtd
 
 LIVE = HostRoot.open("/")
 DEADLINE_S = 4.0

@@ -1,6 +1,6 @@
 """A real Open vSwitch for tests: ovsdb-server and ovs-vswitchd on private sockets, one netdev bridge.
 
-Import the fixture into a test module (``from tests.ovsdb_fixture import ovs_switch``).
+Import the fixture into a test module (``from tests.support.ovsdb_fixture import ovs_switch``).
 
 - ``ovsdb-tool create`` a fresh db from the packaged schema, ``ovsdb-server`` in the
   foreground on ``punix:<rundir>/db.sock`` (PID 1 reaps nothing here: no daemons that
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemons import host_lock, stop_pid
+from tests.support.daemons import host_lock, stop_pid
+from tests.support.tiers import starts
 
 SCHEMA = Path("/usr/share/openvswitch/vswitch.ovsschema")
 ROOT_NETNS_LOCK = Path("/tmp/gpuaas-test-ovs-root-netns.lock")
@@ -135,6 +136,7 @@ def _stop(proc: subprocess.Popen | None, sig: int) -> None:
     stop_pid(proc, 10, sig)
 
 
+@starts("ovs")
 def _daemon(sw: OvsSwitch, name: str, argv: list[str]) -> None:
     # Output to a file, not a pipe nobody reads (a full pipe would stall the daemon).
     out = open(sw.rundir / f"{name}.out", "wb")
@@ -149,6 +151,7 @@ def root_netns_lock(timeout: float = 300.0):
 
 
 @contextmanager
+@starts("ovs")
 def running_ovs(*, root_netns: bool = False) -> Iterator[OvsSwitch]:
     """Start the pair, yield it, and take everything down again even when the test failed."""
     if os.geteuid() != 0:
@@ -226,6 +229,7 @@ def _nullcontext() -> Iterator[None]:
 
 
 @pytest.fixture
+@starts("ovs")
 def ovs_switch() -> Iterator[OvsSwitch]:
     """ovsdb-server + ovs-vswitchd (in a private netns) with a netdev bridge; fails without root."""
     with running_ovs() as sw:
@@ -233,6 +237,7 @@ def ovs_switch() -> Iterator[OvsSwitch]:
 
 
 @pytest.fixture
+@starts("ovs")
 def ovs_switch_root_netns() -> Iterator[OvsSwitch]:
     """Same, with vswitchd in the root netns (where libvirt makes taps); serialised host-wide."""
     with running_ovs(root_netns=True) as sw:

@@ -1,6 +1,6 @@
 """Real block devices for tests: loop disks over sparse files, GPT partitions, mounts, swap, dm, by-id links.
 
-Import the fixtures into a test module (``from tests.realdev import loop_disks``).
+Import the fixtures into a test module (``from tests.support.realdev import loop_disks``).
 Everything made is undone in reverse order at teardown, by name (never
 "all loop devices"). There is no udev on CI: the by-id link is created by hand in
 the real ``/dev/disk/by-id`` as ``gpuaas-test-<uuid> -> ../../loopN``.
@@ -21,6 +21,7 @@ import pytest
 
 from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.host.run import run
+from tests.support.tiers import starts
 
 BY_ID_DIR = Path("/dev/disk/by-id")
 MiB = 1 << 20
@@ -154,6 +155,7 @@ def _rmdir_if_empty(path: Path) -> None:
 
 
 @pytest.fixture
+@starts("loopdev")
 def realdev(tmp_path) -> Iterator[RealDevices]:
     """Factory of real loop disks; fails without root."""
     require_root()

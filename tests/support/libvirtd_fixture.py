@@ -1,8 +1,8 @@
 """A real libvirt daemon for tests: ``virtlogd`` and ``libvirtd`` started by hand, in the foreground.
 
-Import the fixture into a test module (``from tests.libvirtd_fixture import libvirtd``), or use
+Import the fixture into a test module (``from tests.support.libvirtd_fixture import libvirtd``), or use
 :func:`running_libvirtd` directly to pass extra environment (``OVS_RUNDIR`` of a private
-ovsdb, see ``tests/ovsdb_fixture.py``: libvirtd's ``ovs-vsctl`` calls reach that db only
+ovsdb, see ``tests/support/ovsdb_fixture.py``: libvirtd's ``ovs-vsctl`` calls reach that db only
 through its environment).
 
 Why by hand: CI machines have no systemd as PID 1 and apt's ``policy-rc.d`` keeps the
@@ -36,7 +36,8 @@ from pathlib import Path
 import libvirt
 import pytest
 
-from tests.daemons import host_lock, stop_pid
+from tests.support.daemons import host_lock, stop_pid
+from tests.support.tiers import starts
 
 URI = "qemu:///system"
 RUN_DIR = Path("/run/libvirt")
@@ -141,6 +142,7 @@ def _host_lock(timeout: float = LOCK_TIMEOUT_S):
     return host_lock(HOST_LOCK, timeout)
 
 
+@starts("libvirtd")
 def _popen(daemon: LibvirtDaemon, name: str, argv: list[str]) -> None:
     # Output to a file, never a pipe nobody reads (a full pipe stalls the daemon).
     with open(daemon.workdir / f"{name}.out", "wb") as out:
@@ -189,6 +191,7 @@ def _libvirtd_answers() -> bool:
 
 
 @contextmanager
+@starts("libvirtd")
 def running_libvirtd(workdir: Path | None = None, *, extra_env: Mapping[str, str] | None = None) -> Iterator[LibvirtDaemon]:
     """Start virtlogd then libvirtd, yield once ``qemu:///system`` answers, stop both by PID afterwards.
 
@@ -234,6 +237,7 @@ def running_libvirtd(workdir: Path | None = None, *, extra_env: Mapping[str, str
                 shutil.rmtree(workdir, ignore_errors=True)
 
 
+@starts("libvirtd")
 def restart_libvirtd(daemon: LibvirtDaemon) -> None:
     """Stop libvirtd by PID and start it again (virtlogd stays); running domains survive it."""
     _stop(daemon.procs.get("libvirtd"))
@@ -242,6 +246,7 @@ def restart_libvirtd(daemon: LibvirtDaemon) -> None:
 
 
 @pytest.fixture
+@starts("libvirtd")
 def libvirtd(tmp_path: Path) -> Iterator[LibvirtDaemon]:
     """virtlogd + libvirtd on ``qemu:///system``; fails without root or when a foreign libvirtd runs."""
     with running_libvirtd(tmp_path / "libvirtd") as daemon:

@@ -1,6 +1,6 @@
 """A real DHCP lab for tests: network namespaces, veth pairs, dnsmasq in the foreground, busybox udhcpc, dropbear.
 
-Import the fixture into a test module (``from tests.dnsmasq_fixture import dhcp_lab``).
+Import the fixture into a test module (``from tests.support.dnsmasq_fixture import dhcp_lab``).
 Namespace A (the "host") holds ``10.100.0.1/24`` and dnsmasq serving
 ``10.100.0.0/24`` to reserved MACs only (``--dhcp-range=...,static``); namespace
 B (the "guest") holds the peer veth, whose MAC a test sets to the reserved one.
@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.daemons import stop_pid
+from tests.support.daemons import stop_pid
+from tests.support.tiers import starts
 
 SUBNET = IPv4Network("10.100.0.0/24")
 GATEWAY = IPv4Address("10.100.0.1")
@@ -130,6 +131,7 @@ def disable_tx_checksum(netns: str, iface: str) -> None:
 
 
 @dataclass
+@starts("netns")
 class Dnsmasq:
     """A dnsmasq serving ``subnet`` on ``iface`` inside ``netns``, its files in ``workdir``."""
 
@@ -211,6 +213,7 @@ class Dnsmasq:
 
 
 @dataclass
+@starts("netns")
 class NetLab:
     """Namespaces and veths made for one test, deleted in reverse order at teardown (by name)."""
 
@@ -331,6 +334,7 @@ def net_dnsmasq_start(net: NetLab, dnsmasq: Dnsmasq) -> None:
 
 
 @pytest.fixture
+@starts("netns")
 def net_lab(tmp_path: Path) -> Iterator[NetLab]:
     require_root()
     for tool in ("ip", "dnsmasq", "busybox", "dropbear", "dropbearkey"):
@@ -345,5 +349,6 @@ def net_lab(tmp_path: Path) -> Iterator[NetLab]:
 
 
 @pytest.fixture
+@starts("netns")
 def dhcp_lab(net_lab: NetLab) -> DhcpLab:
     return build_direct_lab(net_lab)
