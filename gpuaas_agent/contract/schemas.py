@@ -23,6 +23,7 @@ from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.slots import ApprovedSlot
 from gpuaas_agent.contract.storage import CloneResult, WipeProof
 from gpuaas_agent.contract.tasks import PAYLOADS, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
+from gpuaas_agent.contract.telemetry import SliceTelemetry
 from gpuaas_agent.contract.terminal import (
     TerminalAudit,
     TerminalDataResult,
@@ -78,6 +79,8 @@ WIRE_MODELS: tuple[type[WireModel], ...] = (
     TerminalAudit,
     TerminalInputFrame,
     TerminalOutputFrame,
+    # Slice telemetry, one message per allocation per interval on gpuaas.node.<node>.telemetry.<allocation>.
+    SliceTelemetry,
 )
 
 
