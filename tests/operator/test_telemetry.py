@@ -8,23 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 
 import libvirt
 import nats
 import pytest
 
+from gpuaas_agent.config import load_config
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.domain import DomainState
 from gpuaas_agent.contract.naming import domain_name
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.telemetry import SliceTelemetry
+from gpuaas_agent.daemon import run_agent
 from gpuaas_agent.host.vm.domstats import parse_all
 from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtError, LibvirtLifecycle
 from gpuaas_agent.operator.metrics import AgentMetrics
 from gpuaas_agent.operator.telemetry import SliceMetricsCollector, SliceTelemetryLoop, default_bounds, slice_telemetry
 from gpuaas_agent.state.aio import StoreThread
+from gpuaas_agent.state.store import StateStore
 from tests.conftest import REPO
-from tests.support.nats_server import NatsServer, nats_server_binary
+from tests.support.agent_process import enrolled_setup
+from tests.support.deadline import run_bounded
+from tests.support.nats_server import NatsServer, free_port, nats_server_binary
 
 NODE = "node-telemetry"
 RECORDED_ALLOC = "01234567-89ab-cdef-0123-456789abcdef"  # the recorded domain's name is this allocation's
@@ -241,3 +247,47 @@ def test_no_lease_means_no_libvirt_call(store):
 
     loop = SliceTelemetryLoop(NODE, source, leases, publish)
     assert asyncio.run(loop.round()) == 0 and calls == [] and loop.latest == {}
+
+
+# -- the daemon: wired, on its interval -------------------------------------------------------------------
+
+
+def test_the_daemon_publishes_each_leased_allocation_on_its_subject_and_serves_slot_series(nats_server, tmp_path,
+                                                                                          test_driver):
+    """``run_agent`` in-process on the recorded host with the test driver: the slice host's bulk stats call,
+    the leases from the daemon's own store, one message per allocation on its subject, the series on /metrics."""
+    port = free_port()
+
+    async def body():
+        plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path, slice_telemetry_interval_s=0.2,
+                                                           metrics_listen=f"127.0.0.1:{port}")
+        config = load_config(config_path)
+        held = StateStore.open(config.state_db)
+        try:
+            held.take_leases([lease(ALLOC_A, 0)])
+        finally:
+            held.close()
+        sub = await plane.nc.subscribe(subjects.telemetry_any(node_id))
+        await plane.nc.flush()
+        stop = asyncio.Event()
+        agent = asyncio.create_task(run_agent(config, stop))
+        try:
+            msg = await sub.next_msg(timeout=30)
+            telemetry = SliceTelemetry.model_validate_json(msg.data)
+            scrape = await asyncio.to_thread(_scrape, port)
+        finally:
+            stop.set()
+            code = await asyncio.wait_for(agent, 30)
+            await plane.close()
+        return node_id, msg.subject, telemetry, scrape, code
+
+    node_id, subject, telemetry, scrape, code = run_bounded(body())
+    assert code == 0 and subject == subjects.telemetry(node_id, ALLOC_A)
+    assert (telemetry.allocation_id, telemetry.state, telemetry.interval_s) == (ALLOC_A, DomainState.running, 0.2)
+    assert f'gpuaas_agent_slice_info{{allocation_id="{ALLOC_A}",domain="{domain_name(ALLOC_A)}",slot="0"}} 1.0' in scrape
+    assert 'gpuaas_agent_slice_telemetry_rounds_total{outcome="ok"}' in scrape
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return resp.read().decode()
