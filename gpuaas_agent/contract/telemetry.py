@@ -41,7 +41,7 @@ class TelemetryBounds(WireModel):
 class DiskCounters(WireModel):
     """The slot's raw NVMe as the guest uses it (libvirt ``block.<n>.*``), matched by its by-id path."""
 
-    device: str = Field(min_length=1, max_length=32)  # the guest-side target (vda, vdb ...)
+    device: str = Field(min_length=1, max_length=64)  # the guest-side target (vda, vdb ...)
     read_bytes: Counter = Field(default=None, ge=0)
     read_ops: Counter = Field(default=None, ge=0)
     write_bytes: Counter = Field(default=None, ge=0)

@@ -29,6 +29,7 @@ from typing import Any
 import nats.errors
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
+from pydantic import ValidationError
 
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.domain import DomainState
@@ -173,6 +174,11 @@ class SliceTelemetryLoop:
         except AgentError as exc:
             self.counters.rounds["failed"] += 1
             log_event(log, "slice_telemetry_failed", logging.WARNING, code=exc.code, message=exc.message)
+            return 0
+        except ValidationError as exc:  # a record that fits no bound of the contract: that round is lost, not the loop
+            self.counters.rounds["failed"] += 1
+            log_event(log, "slice_telemetry_failed", logging.WARNING, code="invalid_message",
+                      message=str(exc.errors(include_url=False, include_input=False)[:3]))
             return 0
         sent = 0
         for message in messages:

@@ -28,6 +28,7 @@ _STATES: tuple[DomainState, ...] = (
 # has; a record claiming more is read up to the bound, not iterated blindly).
 MAX_DEVICES = 64
 MAX_VCPUS = 1024
+MAX_NAME = 64  # a device name or path longer than this is not one the agent gave: not reported
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,9 @@ def _int(record: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
-def _str(record: Mapping[str, Any], key: str) -> str | None:
+def _str(record: Mapping[str, Any], key: str, bound: int = MAX_NAME) -> str | None:
     value = record.get(key)
-    return value if isinstance(value, str) and value else None
+    return value if isinstance(value, str) and 0 < len(value) <= bound else None
 
 
 def _count(record: Mapping[str, Any], key: str, bound: int) -> int:
@@ -103,7 +104,7 @@ def parse_domain_stats(name: str, record: Mapping[str, Any]) -> DomainStats:
         if target is None:
             continue
         p = f"block.{n}."
-        blocks.append(BlockStats(name=target, path=_str(record, p + "path"), rd_bytes=_int(record, p + "rd.bytes"),
+        blocks.append(BlockStats(name=target, path=_str(record, p + "path", 4096), rd_bytes=_int(record, p + "rd.bytes"),
                                  rd_reqs=_int(record, p + "rd.reqs"), wr_bytes=_int(record, p + "wr.bytes"),
                                  wr_reqs=_int(record, p + "wr.reqs")))
     nets = []

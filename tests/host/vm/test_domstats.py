@@ -63,6 +63,9 @@ def test_malformed_values_are_not_reported_and_counts_are_bounded():
     assert [b.name for b in stats.blocks] == ["vda"] and stats.blocks[0].rd_bytes is None  # block.1 has no name
     assert stats.nets == ()
     assert MAX_DEVICES < 10**9  # the loop above ran to the bound, not to the claimed count
+    long_name = parse_domain_stats("d", {"block.count": 1, "block.0.name": "v" * 65, "net.count": 1,
+                                         "net.0.name": "g" * 65})
+    assert long_name.blocks == () and long_name.nets == ()  # a name the agent never gave is not reported
 
 
 @pytest.mark.parametrize("value", range(8))
