@@ -335,6 +335,9 @@ class AgentConfig(BaseModel):
     task_retry_backoff_s: float = Field(default=5.0, gt=0)
     # Host health checks (operator/health.py) run this often; their verdict rides on every heartbeat.
     health_interval_s: float = Field(default=60.0, gt=0)
+    # Slice telemetry (operator/telemetry.py): one libvirt bulk stats call this often for every slice, one message per
+    # allocation on gpuaas.node.<node>.telemetry.<allocation>, slot series on /metrics (0 disables it).
+    slice_telemetry_interval_s: float = Field(default=15.0, ge=0)
     # Read the slice network (bridge, NAT, ip_forward) inside this network namespace (lab and tests).
     health_netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     # Judge this recorded NVML reading (operator/nvml.py) instead of the live NVML (lab and tests).

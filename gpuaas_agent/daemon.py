@@ -43,6 +43,7 @@ from nats.aio.client import Client
 from gpuaas_agent import __version__
 from gpuaas_agent.config import AgentConfig, SliceConfig, load_config
 from gpuaas_agent.contract.drift import DriftReport, DriftTrigger
+from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.control.connection import (
     Backoff,
@@ -89,6 +90,7 @@ from gpuaas_agent.operator.health_quarantine import all_rechecks
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.netwatch import Probe, serialized, start_netwatch
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
+from gpuaas_agent.operator.telemetry import DomainStatsSource, SliceMetricsCollector, SliceTelemetryLoop
 from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
@@ -244,6 +246,8 @@ class NodeHost(Protocol):
 
     def reconcile(self, store: StoreThread, nc: Client, node_id: str) -> Reconcile | None: ...
 
+    def domain_stats(self) -> DomainStatsSource | None: ...
+
     async def close_terminals(self) -> None: ...
 
     async def aclose(self) -> None: ...
@@ -296,6 +300,10 @@ class SliceHost:
 
     def reconcile(self, store: StoreThread, nc: Client, node_id: str) -> Reconcile | None:
         return timer_reconcile(self.drivers, store, nc, node_id)
+
+    def domain_stats(self) -> DomainStatsSource | None:
+        """Slice telemetry's one bulk stats call per interval, on the drivers' libvirt connection."""
+        return self.drivers.libvirt.all_domain_stats
 
     async def close_terminals(self) -> None:
         await self.drivers.close_terminals()
@@ -630,6 +638,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
     if reconcile is not None:
         reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
     await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
+    start_slice_telemetry(config, host, state, nc, record.node_id, metrics, background)
     worker = TaskWorker(nc, state, record.node_id, tasks.handlers, worker_settings(config, record),
                         recoveries=tasks.recoveries, observer=metrics)
     if config.nats_creds_file is None and record.credentials.user_jwt is not None:
@@ -655,6 +664,28 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
     # The worker is stopped and drained below, not cancelled; an exception before that still cancels it.
     background.own(worker_task)
     return await _until_stopped(config, stop, record, reporter, notifier, worker, worker_task, host)
+
+
+def start_slice_telemetry(config: AgentConfig, host: NodeHost, state: StoreThread, nc: Client, node_id: str,
+                          metrics: AgentMetrics, background: Background) -> SliceTelemetryLoop | None:
+    """Slice telemetry (operator/telemetry.py) on ``slice_telemetry_interval_s``, its slot series on /metrics."""
+    source = host.domain_stats()
+    if source is None or config.slice_telemetry_interval_s <= 0:
+        _event("slice_telemetry_disabled", reason="config" if source is not None else "no_slice_drivers")
+        return None
+
+    async def leases() -> list[SlotLease]:
+        held: list[SlotLease] = await state.leases()
+        return held
+
+    def leased() -> set[str]:  # at scrape time, on the scrape's worker thread (operator/metrics.py)
+        return {lease.allocation_id for lease in state.sync.leases()}
+
+    telemetry = SliceTelemetryLoop(node_id, source, leases, nc.publish, interval_s=config.slice_telemetry_interval_s,
+                                   stats_timeout_s=config.request_timeout_s * 2)
+    metrics.registry.register(SliceMetricsCollector(telemetry, leased))
+    background.start("slice-telemetry", telemetry.run())
+    return telemetry
 
 
 async def _until_stopped(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRecord, reporter: Reporter,

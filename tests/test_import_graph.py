@@ -50,6 +50,11 @@ _SEED_ISO = ("an idle daemon never builds a seed ISO: pycdlib and PyYAML stay ou
 _NVML = "pynvml is the optional `nvml` extra: a host without an NVIDIA driver has none"
 _SUSHY = ("sushy and requests cost ~105 ms and ~6 MiB RSS at import (python -X importtime, 2-core CI host) and only "
           "a host with a [bmc] table reads a BMC: an idle daemon without one never pays them")
+_ASYNCSSH = ("asyncssh (and the cryptography modules it loads) costs ~10 MiB RSS at import (python -X importtime "
+             "and /proc/self/status, 2-core CI host) and only an open terminal session uses it: an idle daemon never "
+             "pays it (tests/operator/test_idle_footprint.py)")
+_HTTPX = ("httpx (with click and pygments through its CLI module) is only the range reads of a cache hit under another "
+          "URL; downloads go through curl: an idle daemon never pays it (tests/operator/test_idle_footprint.py)")
 
 # "path:function" -> why its imports are deferred. Nothing else in the package imports inside a function.
 LAZY_IMPORTS: dict[str, str] = {
@@ -66,6 +71,10 @@ LAZY_IMPORTS: dict[str, str] = {
     "gpuaas_agent/discovery/nvml.py:enrich": _NVML,
     "gpuaas_agent/operator/nvml.py:_binding": _NVML,
     "gpuaas_agent/operator/bmc.py:_redfish": _SUSHY,
+    "gpuaas_agent/tasks/terminal.py:_client_key": _ASYNCSSH,
+    "gpuaas_agent/tasks/terminal.py:open": _ASYNCSSH,
+    "gpuaas_agent/host/images/httpfetch.py:read_ranges": _HTTPX,
+    "gpuaas_agent/host/images/httpfetch.py:_read_range": _HTTPX,
 }
 
 

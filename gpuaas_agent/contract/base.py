@@ -58,7 +58,11 @@ class WireEnum(str, Enum):
 class WireModel(BaseModel):
     """Strict, immutable pydantic model: ``extra="forbid"``, frozen, no type coercion."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False, strict=True)
+    # defer_build: a model's validator is built on its first use, not at import. The daemon imports ~300 wire
+    # models and an idle one uses a few (heartbeat, result, lease): ~3 MiB of RSS at import
+    # (tests/operator/test_idle_footprint.py; tests/contract/test_schemas.py builds every one, so a broken
+    # model still fails the suite, not a task).
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False, strict=True, defer_build=True)
 
     @classmethod
     def from_wire(cls, data: Any) -> Self:

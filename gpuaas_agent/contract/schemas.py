@@ -23,6 +23,7 @@ from gpuaas_agent.contract.plan import BundlePlan
 from gpuaas_agent.contract.slots import ApprovedSlot
 from gpuaas_agent.contract.storage import CloneResult, WipeProof
 from gpuaas_agent.contract.tasks import PAYLOADS, ConsoleLogResult, Heartbeat, ProgressEvent, TaskEnvelope, TaskResult
+from gpuaas_agent.contract.telemetry import SliceTelemetry
 from gpuaas_agent.contract.terminal import (
     TerminalAudit,
     TerminalDataResult,
@@ -80,6 +81,8 @@ WIRE_MODELS: tuple[type[WireModel], ...] = (
     TerminalOutputFrame,
     # slice.console_log's output: the tail that fits the wire (cut_to_fit).
     ConsoleLogResult,
+    # Slice telemetry, one message per allocation per interval on gpuaas.node.<node>.telemetry.<allocation>.
+    SliceTelemetry,
 )
 
 

@@ -54,6 +54,19 @@ def drift(node_id: str) -> str:
     return f"{_node(node_id)}.drift"
 
 
+def telemetry(node_id: str, allocation_id: str) -> str:
+    """Agent -> control plane: one allocation's slice telemetry (contract/telemetry.py); the allocation is a token
+    of the subject, so the plane routes each tenant its own slices by subject, never by reading the body."""
+    if not UUID_RE.match(allocation_id):
+        raise ValueError(f"allocation id {allocation_id!r} is not a lower-case UUID")
+    return f"{_node(node_id)}.telemetry.{allocation_id}"
+
+
+def telemetry_any(node_id: str) -> str:
+    """Every allocation's telemetry subject of the node (a permission or the plane's subscription)."""
+    return f"{_node(node_id)}.telemetry.*"
+
+
 def _session(session_id: str) -> str:
     if not UUID_RE.match(session_id):
         raise ValueError(f"terminal session id {session_id!r} is not a lower-case UUID")

@@ -41,6 +41,7 @@ def node_permissions(node_id: str, js_api_prefix: str = "$JS.API") -> dict[str, 
             subjects.heartbeat(node_id),
             subjects.drift(node_id),
             subjects.terminal_out_any(node_id),  # a terminal session's guest output (slice.terminal_*)
+            subjects.telemetry_any(node_id),  # slice telemetry, one subject per allocation (operator/telemetry.py)
             f"{js_api_prefix}.STREAM.NAMES",  # which task stream holds gpuaas.node.<node>.task.> (names only)
             subjects.creds_renew(node_id),  # a JWT for its new key (rotation; the key is born on the node)
             f"{js_api_prefix}.CONSUMER.INFO.*.{consumer}",  # look its consumer up; the control plane creates it

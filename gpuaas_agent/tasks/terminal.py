@@ -47,9 +47,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from ipaddress import IPv4Address
-from typing import Any, Literal
-
-import asyncssh
+from typing import TYPE_CHECKING, Any, Literal
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.domain import DomainState
@@ -68,7 +66,6 @@ from gpuaas_agent.contract.terminal import (
 )
 from gpuaas_agent.deploy import relaykey
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.vm import sshrelay
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateError
@@ -76,6 +73,9 @@ from gpuaas_agent.tasks.context import Handler, SlotRequest, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.power import PowerRefused, admit, check_domain
 from gpuaas_agent.tasks.terminal_session import FlowSettings, SessionClosed, TerminalSession
+
+if TYPE_CHECKING:
+    import asyncssh
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,8 @@ class TerminalRelay:
                                   code="slice_not_running", evidence={"domain": info.name, "state": info.state.value})
 
     def _client_key(self) -> asyncssh.SSHKey:
+        from gpuaas_agent.host.vm import sshrelay  # asyncssh: only a terminal pays it (tests/test_import_graph.py)
+
         public = self.drivers.slice.terminal_relay_key_file
         found = relaykey.inspect(public)  # a key with loose permissions or the wrong type: refused, typed
         if found.key is None:
@@ -226,6 +228,8 @@ class TerminalRelay:
     # -- open ----------------------------------------------------------------------------------
 
     async def open(self, payload: TerminalOpenPayload, ctx: TaskContext) -> dict[str, Any]:
+        from gpuaas_agent.host.vm import sshrelay  # asyncssh: only a terminal pays it (tests/test_import_graph.py)
+
         store = as_store_thread(ctx.store)  # every call awaited on the store thread (state/aio.py)
         stale = await store.close_stale_terminal_sessions(set(self.sessions) | set(self._opening),
                                                           reason=CloseReason.agent_restarted.value)

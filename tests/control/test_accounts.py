@@ -122,7 +122,7 @@ def test_the_layout_is_what_accounts_py_says():
         f"$JS.API.CONSUMER.MSG.NEXT.{TASK_STREAM}.{consumer_name(A)}", f"$JS.ACK.{TASK_STREAM}.{consumer_name(A)}.>",
         subjects.result(A), subjects.progress(A), subjects.heartbeat(A), subjects.drift(A),
         subjects.terminal_out_any(A), subjects.creds_renew(A), subjects.creds_reply_any(A), subjects.creds(A),
-        subjects.terminal_in_any(A)}
+        subjects.terminal_in_any(A), subjects.telemetry_any(A)}
     assert all(i.local_subject is None or i.local_subject.startswith(PREFIX + ".") for i in imports)
     # What the plane sends crosses in as a stream; everything else (answered or acknowledged) is a service.
     assert {i.subject for i in imports if i.kind == "stream"} == {subjects.creds(A), subjects.terminal_in_any(A)}

@@ -150,6 +150,7 @@ def test_a_node_cannot_read_another_nodes_tasks_results_replies_or_credentials(l
     forbidden = [f"gpuaas.node.{B}.task.>", f"gpuaas.node.{B}.result", f"gpuaas.node.{B}.creds",
                  f"gpuaas.node.{B}.creds.renew", "gpuaas.node.*.creds.renew", "gpuaas.enroll", "gpuaas.enroll.nonce",
                  "_INBOX.enroll.>", f"gpuaas.node.{B}.terminal.*.in", f"gpuaas.node.{B}.terminal.*.out",
+                 f"gpuaas.node.{B}.telemetry.*", f"gpuaas.node.{A}.telemetry.*",  # slice telemetry goes to the plane
                  f"_INBOX.{B}.>", "_INBOX.>", "gpuaas.node.*.result", "gpuaas.node.*.task.>", "$JS.>", "$SYS.>", ">"]
 
     async def body():
@@ -165,7 +166,7 @@ def test_a_node_cannot_read_another_nodes_tasks_results_replies_or_credentials(l
             # B's traffic flows; then a sentinel to A on the same ordered path: A sees the sentinel only.
             for subject in (f"gpuaas.node.{B}.task.x", f"gpuaas.node.{B}.result", f"gpuaas.node.{B}.creds",
                             f"gpuaas.node.{B}.terminal.{SESSION}.in", f"gpuaas.node.{B}.terminal.{SESSION}.out",
-                            f"_INBOX.{B}.reply"):
+                            f"gpuaas.node.{B}.telemetry.{SESSION}", f"_INBOX.{B}.reply"):
                 await plane.nc.publish(subject, b"secret-of-b")
             await plane.nc.publish(f"_INBOX.{A}.sentinel", b"sentinel")
             assert (await own.next_msg(timeout=DEADLINE_S)).data == b"sentinel"
@@ -200,6 +201,7 @@ def test_a_node_cannot_create_change_pull_ack_or_enqueue_on_any_consumer_or_anot
                             f"gpuaas.node.{B}.task.topology.discover", f"gpuaas.node.{A}.task.topology.discover",
                             f"gpuaas.node.{B}.result", f"gpuaas.node.{B}.creds", f"gpuaas.node.{B}.creds.renew",
                             f"gpuaas.node.{B}.terminal.{SESSION}.out", f"gpuaas.node.{A}.terminal.{SESSION}.in",
+                            f"gpuaas.node.{B}.telemetry.{SESSION}",  # another node's slice telemetry, forged
                             "gpuaas.enroll"):
                 await nc.publish(subject, json.dumps(own).encode())
                 await attacker.violation("publish", subject)

@@ -10,8 +10,9 @@ import sys
 from tests.conftest import REPO
 
 # Only a provision builds a seed ISO (pycdlib, PyYAML); only a live host with a GPU driver asks NVML; only a
-# host with a [bmc] table reads a BMC (sushy, and the requests it brings).
-NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml", "sushy", "requests")
+# host with a [bmc] table reads a BMC (sushy, and the requests it brings); only an open terminal speaks SSH
+# (asyncssh); only a cache hit under another URL reads ranges with httpx (and its CLI's click and pygments).
+NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml", "sushy", "requests", "asyncssh", "httpx", "click", "pygments")
 
 
 def test_importing_the_daemon_does_not_import_what_only_a_task_or_a_gpu_host_needs():
@@ -20,6 +21,30 @@ def test_importing_the_daemon_does_not_import_what_only_a_task_or_a_gpu_host_nee
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
+
+
+def test_importing_the_daemon_builds_no_wire_model_validator_until_one_is_used():
+    """contract/base.py's ``defer_build``: the ~180 wire models cost their validators only when first used."""
+    code = ("import json, gpuaas_agent.daemon\n"
+            "from gpuaas_agent.contract.base import WireModel\n"
+            "from gpuaas_agent.contract.state import SlotLease\n"
+            "def subs(c):\n"
+            "    for s in c.__subclasses__():\n"
+            "        yield s\n"
+            "        yield from subs(s)\n"
+            "models = list(subs(WireModel))\n"
+            "built = [m.__name__ for m in models if m.__pydantic_complete__]\n"
+            "before = SlotLease.__pydantic_complete__\n"
+            "try:\n"
+            "    SlotLease.model_validate({'allocation_id': 'nope'})\n"
+            "except ValueError:\n"
+            "    pass\n"
+            "print(json.dumps([len(models), built, before, SlotLease.__pydantic_complete__]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    count, built, lease_before, lease_after = json.loads(proc.stdout)
+    assert count > 100 and len(built) <= 5, built  # the few a module validates at import (a default instance)
+    assert (lease_before, lease_after) == (False, True)  # built on the first validation, which still refuses
 
 
 def test_a_seed_iso_still_builds_with_its_imports_deferred():

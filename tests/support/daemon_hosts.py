@@ -54,6 +54,9 @@ class ReadOnlyHost:
     def reconcile(self, store: StoreThread, nc: Client, node_id: str) -> Reconcile | None:
         return None
 
+    def domain_stats(self) -> None:
+        return None  # no libvirt: no slice telemetry
+
     async def close_terminals(self) -> None:
         pass
 

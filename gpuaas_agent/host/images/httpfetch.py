@@ -27,11 +27,13 @@ import re
 import ssl
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urljoin
 
-import httpx
-
 from gpuaas_agent.host.images.source import ImageCacheError
+
+if TYPE_CHECKING:
+    import httpx
 
 USER_AGENT = "gpuaas-agent"
 MAX_REDIRECTS = 5
@@ -112,6 +114,8 @@ def read_ranges(url: str, ranges: list[tuple[int, int]], total: int, *, check_ho
     is returned as empty bytes (the caller's mismatch). A plain ``200`` raises
     :class:`RangesRefused` before its body is read.
     """
+    import httpx  # only a cache hit under another URL reads ranges (tests/test_import_graph.py)
+
     out = []
     with httpx.Client(verify=verify, trust_env=True, follow_redirects=False,
                       timeout=httpx.Timeout(stall_timeout_s, connect=min(CONNECT_TIMEOUT_S, stall_timeout_s)),
@@ -123,6 +127,8 @@ def read_ranges(url: str, ranges: list[tuple[int, int]], total: int, *, check_ho
 
 def _read_range(client: httpx.Client, first: str, start: int, length: int, total: int,
                 check_hop: Callable[[str, str], None], stall_timeout_s: float) -> bytes:
+    import httpx  # see read_ranges
+
     url = first
     headers = {"Range": f"bytes={start}-{start + length - 1}"}
     for _ in range(MAX_REDIRECTS + 1):

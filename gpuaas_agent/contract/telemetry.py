@@ -1,0 +1,91 @@
+"""Per-slice telemetry: what each allocation's slice is doing, as the host sees it (issue 42, docs/contract.md).
+
+One :class:`SliceTelemetry` per allocation per interval, published on the allocation's own subject
+(``gpuaas.node.<node>.telemetry.<allocation>``, contract/subjects.py), so a control plane can hand each
+tenant its own slices and nobody else's. The counters come from libvirt's bulk domain stats, read once per
+interval for every domain of the host (``virConnectGetAllDomainStats``), matched to the host's leases: the
+domain by its name (contract/naming.py), each slot's disk by its by-id path, the management vNIC by its
+tap name.
+
+Counters are cumulative since the domain started, exactly as the hypervisor gives them (rates are the
+reader's: two messages and their ``collected_at``). A counter the hypervisor did not report is ``None`` and
+named in ``not_reported``: unknown is never written as 0 (DESIGN.md §4 rule 7).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gpuaas_agent.contract.base import SCHEMA_VERSION, SchemaVersion, WireModel
+from gpuaas_agent.contract.domain import DomainState
+from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
+from gpuaas_agent.contract.types import UUID_PATTERN
+
+# Bounds of one message: a host has at most 256 slots (contract/naming.py's vNIC names), an allocation at most
+# that many; the names carried are the hypervisor's device names (vda, gs0-0123456789), short by construction.
+MAX_SLOTS = 256
+MAX_NOT_REPORTED = 64
+Counter = int | None  # a cumulative counter, or None when the hypervisor did not report it
+
+
+class TelemetryBounds(WireModel):
+    """What one round may cost the node, carried in every message so a reader knows what it may expect."""
+
+    max_allocations: int = Field(ge=1, le=MAX_SLOTS)  # one message per allocation per round, at most this many
+    max_slots_per_allocation: int = Field(ge=1, le=MAX_SLOTS)
+    stats_timeout_s: float = Field(gt=0, le=600)  # the one bulk stats call's deadline; a late round is skipped
+
+
+class DiskCounters(WireModel):
+    """The slot's raw NVMe as the guest uses it (libvirt ``block.<n>.*``), matched by its by-id path."""
+
+    device: str = Field(min_length=1, max_length=64)  # the guest-side target (vda, vdb ...)
+    read_bytes: Counter = Field(default=None, ge=0)
+    read_ops: Counter = Field(default=None, ge=0)
+    write_bytes: Counter = Field(default=None, ge=0)
+    write_ops: Counter = Field(default=None, ge=0)
+
+
+class NicCounters(WireModel):
+    """The slot's management vNIC (libvirt ``net.<n>.*``, the host's tap: rx is what the guest sent)."""
+
+    interface: str = Field(min_length=1, max_length=15)
+    rx_bytes: Counter = Field(default=None, ge=0)
+    rx_packets: Counter = Field(default=None, ge=0)
+    rx_drops: Counter = Field(default=None, ge=0)
+    tx_bytes: Counter = Field(default=None, ge=0)
+    tx_packets: Counter = Field(default=None, ge=0)
+    tx_drops: Counter = Field(default=None, ge=0)
+
+
+class SlotTelemetry(WireModel):
+    """One slot of the allocation: its disk, and its management vNIC when the slot carries it."""
+
+    slot_index: int = Field(ge=0, lt=MAX_SLOTS)
+    disk: DiskCounters | None = None  # None: the domain does not use the slot's disk (not defined as leased)
+    management_nic: NicCounters | None = None  # only the slot whose vNIC the domain has
+
+
+class SliceTelemetry(WireModel):
+    """``gpuaas.node.<node>.telemetry.<allocation>``: one allocation's slice, one interval."""
+
+    schema_version: SchemaVersion = SCHEMA_VERSION
+    node_id: str = Field(pattern=NODE_ID_PATTERN)
+    allocation_id: str = Field(pattern=UUID_PATTERN)
+    domain: str = Field(min_length=1, max_length=64)
+    source: Literal["libvirt_bulk_stats"] = "libvirt_bulk_stats"
+    collected_at: float = Field(ge=0)  # unix time of the bulk stats call
+    interval_s: float = Field(gt=0)  # the next message is due this much later
+    bounds: TelemetryBounds
+    # running: the counters below are live; shutoff (or absent from the stats): no counters, the slice is down.
+    state: DomainState
+    cpu_time_ns: Counter = Field(default=None, ge=0)  # the whole domain (QEMU's threads included)
+    vcpu_time_ns: Counter = Field(default=None, ge=0)  # the sum over the guest's vCPUs
+    vcpus: int | None = Field(default=None, ge=0)
+    memory_bytes: int | None = Field(default=None, ge=0)  # the guest's memory now (balloon current)
+    memory_max_bytes: int | None = Field(default=None, ge=0)
+    memory_rss_bytes: int | None = Field(default=None, ge=0)  # what the host gives it (QEMU's RSS)
+    slots: list[SlotTelemetry] = Field(max_length=MAX_SLOTS)
+    not_reported: list[str] = Field(default_factory=list, max_length=MAX_NOT_REPORTED)

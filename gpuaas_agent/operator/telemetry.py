@@ -1,0 +1,284 @@
+"""Host-side slice telemetry (issue 42): one libvirt bulk stats call per interval, one message per allocation.
+
+Every ``interval_s``: the host's leases (state store), libvirt's bulk stats of every domain in one call
+(:meth:`~gpuaas_agent.host.vm.libvirt_lifecycle.LibvirtLifecycle.all_domain_stats`), matched by
+:func:`slice_telemetry` (pure) into one :class:`~gpuaas_agent.contract.telemetry.SliceTelemetry` per
+allocation, published on that allocation's own subject (contract/subjects.py ``telemetry``): the body of one
+allocation never travels on another's subject, so a control plane that forwards a tenant its subjects shows it
+its own slices only (DESIGN.md §4 rule 16).
+
+The operator's side is the agent's ``/metrics`` (:class:`SliceMetricsCollector`): each series carries the
+``slot`` label only (bounded by the host's slots), and ``gpuaas_agent_slice_info{slot, allocation_id, domain}``
+maps a slot to its allocation, so a new allocation adds no series beyond its slots' and nothing is labelled
+per allocation. Nothing per slice outlives its lease: a scrape shows only allocations that hold a lease at that
+moment, and each round keeps only what it read for the leased allocations.
+
+What a round may cost is bounded: one stats call with a deadline (a late or failed round is logged, counted
+and skipped, never retried within the interval), at most ``max_allocations`` messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from pydantic import ValidationError
+
+from gpuaas_agent.contract import subjects
+from gpuaas_agent.contract.domain import DomainState
+from gpuaas_agent.contract.naming import domain_name, vnic_name
+from gpuaas_agent.contract.state import SlotLease
+from gpuaas_agent.contract.telemetry import (
+    MAX_SLOTS,
+    DiskCounters,
+    NicCounters,
+    SliceTelemetry,
+    SlotTelemetry,
+    TelemetryBounds,
+)
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.vm.domstats import DomainStats, parse_all
+from gpuaas_agent.logs import log_event
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 15.0
+DomainStatsSource = Callable[[], Awaitable[list[tuple[str, dict[str, Any]]]]]
+Publish = Callable[[str, bytes], Awaitable[None]]
+Leases = Callable[[], Awaitable[list[SlotLease]]]
+
+
+def default_bounds(stats_timeout_s: float) -> TelemetryBounds:
+    return TelemetryBounds(max_allocations=MAX_SLOTS, max_slots_per_allocation=MAX_SLOTS,
+                           stats_timeout_s=stats_timeout_s)
+
+
+def _by_allocation(leases: list[SlotLease]) -> dict[str, list[SlotLease]]:
+    grouped: dict[str, list[SlotLease]] = {}
+    for lease in sorted(leases, key=lambda lease: (lease.allocation_id, lease.slot_index)):
+        grouped.setdefault(lease.allocation_id, []).append(lease)
+    return grouped
+
+
+def _slot(lease: SlotLease, stats: DomainStats | None) -> SlotTelemetry:
+    disk = nic = None
+    if stats is not None:
+        block = next((b for b in stats.blocks if b.path == str(lease.nvme_device)), None)
+        if block is not None:
+            disk = DiskCounters(device=block.name, read_bytes=block.rd_bytes, read_ops=block.rd_reqs,
+                                write_bytes=block.wr_bytes, write_ops=block.wr_reqs)
+        tap = vnic_name(lease.allocation_id, lease.slot_index)
+        net = next((n for n in stats.nets if n.name == tap), None)
+        if net is not None:
+            nic = NicCounters(interface=net.name, rx_bytes=net.rx_bytes, rx_packets=net.rx_pkts,
+                              rx_drops=net.rx_drop, tx_bytes=net.tx_bytes, tx_packets=net.tx_pkts,
+                              tx_drops=net.tx_drop)
+    return SlotTelemetry(slot_index=lease.slot_index, disk=disk, management_nic=nic)
+
+
+def _not_reported(stats: DomainStats | None, slots: list[SlotTelemetry]) -> list[str]:
+    if stats is None:
+        return ["domain"]
+    missing = [name for name, value in (("cpu_time_ns", stats.cpu_time_ns), ("vcpu_time_ns", stats.vcpu_time_ns),
+                                        ("memory_bytes", stats.balloon_current_kib),
+                                        ("memory_rss_bytes", stats.balloon_rss_kib)) if value is None]
+    missing += [f"slot.{s.slot_index}.disk" for s in slots if s.disk is None]
+    if not any(s.management_nic is not None for s in slots):
+        missing.append("management_nic")
+    return missing
+
+
+def _kib(value: int | None) -> int | None:
+    return None if value is None else value * 1024
+
+
+def slice_telemetry(node_id: str, leases: list[SlotLease], stats: Mapping[str, DomainStats], *, collected_at: float,
+                    interval_s: float, bounds: TelemetryBounds) -> list[SliceTelemetry]:
+    """One message per leased allocation (at most ``bounds.max_allocations``), from one round's stats.
+
+    Only the leases decide what is reported: a domain without a lease (not ours, or a leftover) is never
+    read into a message, and a leased allocation whose domain is absent from the stats reports ``shutoff``
+    with no counters.
+    """
+    out = []
+    for allocation_id, held in list(_by_allocation(leases).items())[:bounds.max_allocations]:
+        held = held[:bounds.max_slots_per_allocation]
+        name = domain_name(allocation_id)
+        found = stats.get(name)
+        slots = [_slot(lease, found) for lease in held]
+        out.append(SliceTelemetry(
+            node_id=node_id, allocation_id=allocation_id, domain=name, collected_at=collected_at,
+            interval_s=interval_s, bounds=bounds, state=found.state if found else DomainState.shutoff,
+            cpu_time_ns=found.cpu_time_ns if found else None, vcpu_time_ns=found.vcpu_time_ns if found else None,
+            vcpus=found.vcpus if found else None,
+            memory_bytes=_kib(found.balloon_current_kib) if found else None,
+            memory_max_bytes=_kib(found.balloon_maximum_kib) if found else None,
+            memory_rss_bytes=_kib(found.balloon_rss_kib) if found else None,
+            slots=slots, not_reported=_not_reported(found, slots)))
+    return out
+
+
+@dataclass
+class TelemetryCounters:
+    """The rounds themselves, for the operator (``gpuaas_agent_slice_telemetry_rounds_total{outcome}``)."""
+
+    rounds: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0, "timeout": 0})
+    published: int = 0
+    last_ok_at: float | None = None
+
+
+class SliceTelemetryLoop:
+    """Reads, matches and publishes every ``interval_s``; keeps the last round's messages for ``/metrics``."""
+
+    def __init__(self, node_id: str, source: DomainStatsSource, leases: Leases, publish: Publish, *,
+                 interval_s: float = DEFAULT_INTERVAL_S, stats_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.node_id, self.source, self.leases, self.publish = node_id, source, leases, publish
+        self.interval_s, self.clock = interval_s, clock
+        self.bounds = default_bounds(stats_timeout_s)
+        self.latest: dict[str, SliceTelemetry] = {}
+        self.counters = TelemetryCounters()
+
+    async def collect(self) -> list[SliceTelemetry]:
+        """One round: leases, one bulk stats call (bounded), the messages; ``latest`` holds leased ones only."""
+        held = await self.leases()
+        if not held:  # no slice: no libvirt call at all
+            self.latest = {}
+            self.counters.rounds["ok"] += 1
+            return []
+        collected_at = self.clock()
+        records = await asyncio.wait_for(self.source(), self.bounds.stats_timeout_s)
+        messages = slice_telemetry(self.node_id, held, parse_all(records), collected_at=collected_at,
+                                   interval_s=self.interval_s, bounds=self.bounds)
+        self.latest = {m.allocation_id: m for m in messages}
+        self.counters.rounds["ok"] += 1
+        self.counters.last_ok_at = collected_at
+        return messages
+
+    async def round(self) -> int:
+        """``collect`` then publish each message on its allocation's subject; a failed round is logged, not fatal."""
+        try:
+            messages = await self.collect()
+        except TimeoutError:
+            self.counters.rounds["timeout"] += 1
+            log_event(log, "slice_telemetry_failed", logging.WARNING, code="libvirt_timeout",
+                      timeout_s=self.bounds.stats_timeout_s)
+            return 0
+        except AgentError as exc:
+            self.counters.rounds["failed"] += 1
+            log_event(log, "slice_telemetry_failed", logging.WARNING, code=exc.code, message=exc.message)
+            return 0
+        except ValidationError as exc:  # a record that fits no bound of the contract: that round is lost, not the loop
+            self.counters.rounds["failed"] += 1
+            log_event(log, "slice_telemetry_failed", logging.WARNING, code="invalid_message",
+                      message=str(exc.errors(include_url=False, include_input=False)[:3]))
+            return 0
+        sent = 0
+        for message in messages:
+            try:
+                await self.publish(subjects.telemetry(self.node_id, message.allocation_id),
+                                   message.model_dump_json().encode())
+            except (nats.errors.Error, OSError) as exc:  # NATS down: the next round sends fresh counters, none queued
+                log_event(log, "slice_telemetry_publish_failed", logging.WARNING, error=repr(exc),
+                          allocation_id=message.allocation_id)
+                break
+            sent += 1
+        self.counters.published += sent
+        return sent
+
+    async def run(self) -> None:
+        while True:
+            await self.round()
+            await asyncio.sleep(self.interval_s)  # the telemetry interval
+
+
+class SliceMetricsCollector:
+    """The slices on ``/metrics``: ``slot``-labelled series, the allocation in ``gpuaas_agent_slice_info`` only.
+
+    ``leased``: the allocations holding a lease now (read at scrape time, off the loop): a released slice's
+    series are gone from the next scrape, not one round later.
+    """
+
+    def __init__(self, loop: SliceTelemetryLoop, leased: Callable[[], set[str]]) -> None:
+        self.loop, self.leased = loop, leased
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            leased = self.leased()
+        except Exception as exc:  # a scrape must render the rest of the agent's metrics
+            log_event(log, "metrics_sample_failed", logging.WARNING, error=repr(exc), part="slice_telemetry")
+            return
+        rounds = CounterMetricFamily("gpuaas_agent_slice_telemetry_rounds", "slice telemetry rounds by outcome",
+                                     labels=["outcome"])
+        for outcome, count in sorted(self.loop.counters.rounds.items()):
+            rounds.add_metric([outcome], count)
+        yield rounds
+        yield CounterMetricFamily("gpuaas_agent_slice_telemetry_published", "slice telemetry messages published",
+                                  value=self.loop.counters.published)
+        messages = [m for a, m in sorted(self.loop.latest.items()) if a in leased]
+        yield from _slice_families(messages)
+
+
+_DOMAIN_SERIES: tuple[tuple[str, str, str, Callable[[SliceTelemetry], float | None]], ...] = (
+    ("gpuaas_agent_slice_cpu_seconds", "counter", "CPU time of the slice's VM (QEMU included), by its first slot",
+     lambda m: None if m.cpu_time_ns is None else m.cpu_time_ns / 1e9),
+    ("gpuaas_agent_slice_vcpu_seconds", "counter", "CPU time of the slice's vCPUs, by its first slot",
+     lambda m: None if m.vcpu_time_ns is None else m.vcpu_time_ns / 1e9),
+    ("gpuaas_agent_slice_memory_bytes", "gauge", "the slice guest's memory (balloon current), by its first slot",
+     lambda m: m.memory_bytes),
+    ("gpuaas_agent_slice_memory_rss_bytes", "gauge", "host memory the slice's VM holds, by its first slot",
+     lambda m: m.memory_rss_bytes),
+)
+_DISK_SERIES: tuple[tuple[str, str], ...] = (
+    ("read_bytes", "gpuaas_agent_slice_disk_read_bytes"), ("read_ops", "gpuaas_agent_slice_disk_read_ops"),
+    ("write_bytes", "gpuaas_agent_slice_disk_written_bytes"), ("write_ops", "gpuaas_agent_slice_disk_write_ops"),
+)
+_NIC_SERIES: tuple[tuple[str, str], ...] = (
+    ("rx_bytes", "gpuaas_agent_slice_nic_receive_bytes"), ("rx_packets", "gpuaas_agent_slice_nic_receive_packets"),
+    ("rx_drops", "gpuaas_agent_slice_nic_receive_drops"), ("tx_bytes", "gpuaas_agent_slice_nic_transmit_bytes"),
+    ("tx_packets", "gpuaas_agent_slice_nic_transmit_packets"), ("tx_drops", "gpuaas_agent_slice_nic_transmit_drops"),
+)
+
+
+def _slice_families(messages: list[SliceTelemetry]) -> Iterator[Metric]:
+    info = GaugeMetricFamily("gpuaas_agent_slice_info", "1 for each leased slot: its allocation and domain",
+                             labels=["slot", "allocation_id", "domain"])
+    up = GaugeMetricFamily("gpuaas_agent_slice_running", "1 while the slot's VM runs", labels=["slot"])
+    for m in messages:
+        for s in m.slots:
+            info.add_metric([str(s.slot_index), m.allocation_id, m.domain], 1)
+            up.add_metric([str(s.slot_index)], int(m.state is DomainState.running))
+    yield info
+    yield up
+    for name, kind, doc, read in _DOMAIN_SERIES:
+        family: CounterMetricFamily | GaugeMetricFamily = (
+            CounterMetricFamily(name, doc, labels=["slot"]) if kind == "counter"
+            else GaugeMetricFamily(name, doc, labels=["slot"]))
+        for m in messages:
+            value = read(m)
+            if value is not None and m.slots:
+                family.add_metric([str(m.slots[0].slot_index)], value)
+        yield family
+    for attr, name in _DISK_SERIES:
+        counter = CounterMetricFamily(name, f"the slot disk's {attr.replace('_', ' ')} as the guest did them",
+                                      labels=["slot"])
+        for m in messages:
+            for s in m.slots:
+                if s.disk is not None and (v := getattr(s.disk, attr)) is not None:
+                    counter.add_metric([str(s.slot_index)], v)
+        yield counter
+    for attr, name in _NIC_SERIES:
+        counter = CounterMetricFamily(name, f"the slot management vNIC's {attr.replace('_', ' ')} (host tap side)",
+                                      labels=["slot"])
+        for m in messages:
+            for s in m.slots:
+                if s.management_nic is not None and (v := getattr(s.management_nic, attr)) is not None:
+                    counter.add_metric([str(s.slot_index)], v)
+        yield counter

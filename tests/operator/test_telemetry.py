@@ -1,0 +1,293 @@
+"""Slice telemetry: leases x one bulk stats call -> one message per allocation on its own subject; /metrics by slot.
+
+Real parts: a nats-server (one per module), libvirt's test driver through the lifecycle driver, the SQLite store
+on its thread; the counters of a real QEMU domain come from the recorded record (fixtures/libvirt/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import libvirt
+import nats
+import pytest
+
+from gpuaas_agent.config import load_config
+from gpuaas_agent.contract import subjects
+from gpuaas_agent.contract.domain import DomainState
+from gpuaas_agent.contract.naming import domain_name
+from gpuaas_agent.contract.state import SlotLease
+from gpuaas_agent.contract.telemetry import SliceTelemetry
+from gpuaas_agent.daemon import run_agent
+from gpuaas_agent.host.vm.domstats import parse_all
+from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtError, LibvirtLifecycle
+from gpuaas_agent.operator.metrics import AgentMetrics
+from gpuaas_agent.operator.telemetry import SliceMetricsCollector, SliceTelemetryLoop, default_bounds, slice_telemetry
+from gpuaas_agent.state.aio import StoreThread
+from gpuaas_agent.state.store import StateStore
+from tests.conftest import REPO
+from tests.support.agent_process import enrolled_setup
+from tests.support.deadline import run_bounded
+from tests.support.nats_server import NatsServer, free_port, nats_server_binary
+
+NODE = "node-telemetry"
+RECORDED_ALLOC = "01234567-89ab-cdef-0123-456789abcdef"  # the recorded domain's name is this allocation's
+RECORDED_DISK = "/dev/disk/by-id/nvme-SAMSUNG_MZWLO3T8HCLS-00A07_S7PANE0W700123"
+ALLOC_A = "23bd713b-6073-4ef7-8a51-2897e902365d"
+ALLOC_B = "158ea147-0115-407f-bbd5-1850c32b9517"
+URI = "test:///default"
+
+
+def lease(alloc: str, slot: int, disk: str | None = None) -> SlotLease:
+    return SlotLease(allocation_id=alloc, slot_index=slot, gpu_pci_address=f"0000:{0x18 + slot:02x}:00.0",
+                     nvme_device=disk or f"/dev/disk/by-id/nvme-eui.{slot:032x}", disk_identity=f"nguid:{slot:032x}",
+                     fabric_vf_pci_address=f"0000:{0x40 + slot:02x}:00.1", task_id="task-1", taken_at=1.0)
+
+
+def recorded_stats():
+    return parse_all(json.loads((REPO / "fixtures/libvirt/domstats-qemu-7.2-slice.json").read_text())["records"])
+
+
+# -- pure matching -----------------------------------------------------------------------------------------
+
+
+def test_a_recorded_domain_is_matched_to_its_lease_slot_disk_and_vnic():
+    bounds = default_bounds(5.0)
+    message, = slice_telemetry(NODE, [lease(RECORDED_ALLOC, 0, RECORDED_DISK)], recorded_stats(),
+                               collected_at=100.0, interval_s=15.0, bounds=bounds)
+    assert (message.allocation_id, message.domain, message.state) == (
+        RECORDED_ALLOC, domain_name(RECORDED_ALLOC), DomainState.running)
+    assert (message.cpu_time_ns, message.vcpu_time_ns, message.vcpus) == (399498000, 190000000, 2)
+    assert (message.memory_bytes, message.memory_rss_bytes) == (131072 * 1024, 50944 * 1024)
+    slot, = message.slots
+    assert slot.disk is not None and (slot.disk.device, slot.disk.read_bytes, slot.disk.read_ops) == ("vda", 512, 1)
+    assert slot.management_nic is not None and (slot.management_nic.interface, slot.management_nic.rx_bytes) == (
+        "gs0-0123456789", 90)
+    assert message.not_reported == [] and (message.interval_s, message.bounds) == (15.0, bounds)
+    assert SliceTelemetry.from_wire(json.loads(message.model_dump_json())) == message  # the wire round trip
+
+
+def test_only_leases_decide_what_is_reported():
+    """A domain without a lease (another tenant's leftover, not ours) is never read into a message; a leased
+    allocation without a domain is ``shutoff`` with its counters unknown, not 0; a slot disk the domain does
+    not use has no disk counters."""
+    stats = recorded_stats()
+    stats[domain_name(ALLOC_B)] = stats[domain_name(RECORDED_ALLOC)]  # running, but nobody leased it here
+    messages = slice_telemetry(NODE, [lease(ALLOC_A, 2), lease(RECORDED_ALLOC, 1)], stats, collected_at=1.0,
+                               interval_s=15.0, bounds=default_bounds(5.0))
+    by_alloc = {m.allocation_id: m for m in messages}
+    assert set(by_alloc) == {ALLOC_A, RECORDED_ALLOC}
+    down = by_alloc[ALLOC_A]
+    assert (down.state, down.cpu_time_ns, down.not_reported) == (DomainState.shutoff, None, ["domain"])
+    other_disk = by_alloc[RECORDED_ALLOC]
+    assert other_disk.slots[0].disk is None and "slot.1.disk" in other_disk.not_reported
+    assert other_disk.slots[0].management_nic is None and "management_nic" in other_disk.not_reported
+
+
+def test_a_round_is_bounded_in_allocations_and_slots():
+    bounds = default_bounds(5.0).model_copy(update={"max_allocations": 1, "max_slots_per_allocation": 2})
+    held = [lease(ALLOC_B, n) for n in range(4)] + [lease(ALLOC_A, 5)]  # B sorts first
+    messages = slice_telemetry(NODE, held, {}, collected_at=1.0, interval_s=15.0, bounds=bounds)
+    assert len(messages) == 1 and len(messages[0].slots) == 2
+
+
+def test_the_subject_carries_the_allocation_and_refuses_anything_else():
+    assert subjects.telemetry(NODE, ALLOC_A) == f"gpuaas.node.{NODE}.telemetry.{ALLOC_A}"
+    assert subjects.telemetry_any(NODE) == f"gpuaas.node.{NODE}.telemetry.*"
+    for bad in ("*", ">", f"{ALLOC_A}.x", ALLOC_A.upper(), ""):
+        with pytest.raises(ValueError):
+            subjects.telemetry(NODE, bad)
+
+
+# -- the loop on real parts ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("telemetry-nats")
+    (root / "store").mkdir()
+    srv = NatsServer(nats_server_binary("slice telemetry publishes on a real server"), root / "store",
+                     root / "nats.log")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def store(tmp_path):
+    state = StoreThread.open(tmp_path / "agent.db")
+    yield state
+    state.close()
+
+
+@pytest.fixture
+def test_driver():
+    """Two running domains named for ALLOC_A and ALLOC_B on test:///default (held open: the test driver forgets
+    its domains when the last connection closes)."""
+    conn = libvirt.open(URI)
+    doms = []
+    for alloc in (ALLOC_A, ALLOC_B):
+        xml = (f"<domain type='test'><name>{domain_name(alloc)}</name><memory>1048576</memory><vcpu>2</vcpu>"
+               "<os><type>hvm</type></os></domain>")
+        dom = conn.defineXML(xml)
+        dom.create()
+        doms.append(dom)
+    yield conn
+    for dom in doms:
+        dom.destroy()
+        dom.undefine()
+    conn.close()
+
+
+async def _received(sub, count: int, timeout_s: float = 10.0) -> list[tuple[str, SliceTelemetry]]:
+    got = []
+    for _ in range(count):
+        msg = await sub.next_msg(timeout=timeout_s)
+        got.append((msg.subject, SliceTelemetry.model_validate_json(msg.data)))
+    return got
+
+
+def test_each_allocation_arrives_on_its_own_subject_and_release_removes_its_series(server, store, test_driver):
+    async def scenario():
+        nc = await nats.connect(server.url)
+        lifecycle = LibvirtLifecycle(URI)
+        try:
+            await store.take_leases([lease(ALLOC_A, 0), lease(ALLOC_A, 1)])
+            await store.take_leases([lease(ALLOC_B, 3)])
+            every = await nc.subscribe(subjects.telemetry_any(NODE))
+            only_a = await nc.subscribe(subjects.telemetry(NODE, ALLOC_A))
+            await nc.flush()
+
+            async def leases():
+                return await store.leases()
+
+            loop = SliceTelemetryLoop(NODE, lifecycle.all_domain_stats, leases, nc.publish, interval_s=15.0,
+                                      stats_timeout_s=10.0)
+            metrics = AgentMetrics()
+            metrics.registry.register(SliceMetricsCollector(
+                loop, lambda: {lease.allocation_id for lease in store.sync.leases()}))
+            assert await loop.round() == 2
+            on_every = await _received(every, 2)
+            on_a = await _received(only_a, 1)
+            # A tenant's subject carries its own allocation's body and nothing else.
+            assert {(s, m.allocation_id) for s, m in on_every} == {
+                (subjects.telemetry(NODE, ALLOC_A), ALLOC_A), (subjects.telemetry(NODE, ALLOC_B), ALLOC_B)}
+            assert [m.allocation_id for _, m in on_a] == [ALLOC_A]
+            assert [s.slot_index for s in on_a[0][1].slots] == [0, 1] and on_a[0][1].state is DomainState.running
+            with pytest.raises(nats.errors.TimeoutError):  # B's round never reached A's subject
+                await only_a.next_msg(timeout=0.2)
+
+            before = (await asyncio.to_thread(metrics.render)).decode()
+            await store.release_leases(ALLOC_A)
+            after = (await asyncio.to_thread(metrics.render)).decode()
+            await loop.round()
+            kept = set(loop.latest)
+            await nc.close()
+            return before, after, kept
+        finally:
+            await lifecycle.close()
+
+    before, after, kept = asyncio.run(scenario())
+    info = [line for line in before.splitlines() if line.startswith("gpuaas_agent_slice_info{")]
+    assert len(info) == 3 and all("allocation_id=" in line for line in info)
+    assert 'gpuaas_agent_slice_running{slot="0"} 1.0' in before
+    # The allocation is a label of the info series only: every other slice sample is labelled by slot alone.
+    samples = [line for line in before.splitlines() if line.startswith("gpuaas_agent_slice_") and "{" in line]
+    assert all(line.startswith("gpuaas_agent_slice_info{") for line in samples if ALLOC_A in line or ALLOC_B in line)
+    # Released: A's slots are gone from the next scrape (not one round later) and from the loop's memory.
+    assert ALLOC_A not in after and 'slot="0"' not in after and 'slot="1"' not in after
+    assert ALLOC_B in after and 'gpuaas_agent_slice_running{slot="3"} 1.0' in after
+    assert kept == {ALLOC_B}
+
+
+def test_a_failed_or_late_stats_call_is_counted_and_publishes_nothing(store):
+    published = []
+
+    async def publish(subject: str, data: bytes) -> None:
+        published.append(subject)
+
+    async def failing():
+        raise LibvirtError("libvirt all_domain_stats failed", code="libvirt_error", evidence={})
+
+    async def stuck():
+        await asyncio.Event().wait()
+        return []
+
+    async def scenario():
+        await store.take_leases([lease(ALLOC_A, 0)])
+
+        async def leases():
+            return await store.leases()
+
+        broken = SliceTelemetryLoop(NODE, failing, leases, publish)
+        late = SliceTelemetryLoop(NODE, stuck, leases, publish, stats_timeout_s=0.05)
+        return await broken.round(), broken.counters.rounds, await late.round(), late.counters.rounds
+
+    sent_broken, broken_rounds, sent_late, late_rounds = asyncio.run(scenario())
+    assert (sent_broken, sent_late, published) == (0, 0, [])
+    assert broken_rounds["failed"] == 1 and late_rounds["timeout"] == 1
+
+
+def test_no_lease_means_no_libvirt_call(store):
+    calls = []
+
+    async def source():
+        calls.append(1)
+        return []
+
+    async def publish(subject: str, data: bytes) -> None:
+        raise AssertionError("nothing to publish")
+
+    async def leases():
+        return await store.leases()
+
+    loop = SliceTelemetryLoop(NODE, source, leases, publish)
+    assert asyncio.run(loop.round()) == 0 and calls == [] and loop.latest == {}
+
+
+# -- the daemon: wired, on its interval -------------------------------------------------------------------
+
+
+def test_the_daemon_publishes_each_leased_allocation_on_its_subject_and_serves_slot_series(nats_server, tmp_path,
+                                                                                          test_driver):
+    """``run_agent`` in-process on the recorded host with the test driver: the slice host's bulk stats call,
+    the leases from the daemon's own store, one message per allocation on its subject, the series on /metrics."""
+    port = free_port()
+
+    async def body():
+        plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path, slice_telemetry_interval_s=0.2,
+                                                           metrics_listen=f"127.0.0.1:{port}")
+        config = load_config(config_path)
+        held = StateStore.open(config.state_db)
+        try:
+            held.take_leases([lease(ALLOC_A, 0)])
+        finally:
+            held.close()
+        sub = await plane.nc.subscribe(subjects.telemetry_any(node_id))
+        await plane.nc.flush()
+        stop = asyncio.Event()
+        agent = asyncio.create_task(run_agent(config, stop))
+        try:
+            msg = await sub.next_msg(timeout=30)
+            telemetry = SliceTelemetry.model_validate_json(msg.data)
+            scrape = await asyncio.to_thread(_scrape, port)
+        finally:
+            stop.set()
+            code = await asyncio.wait_for(agent, 30)
+            await plane.close()
+        return node_id, msg.subject, telemetry, scrape, code
+
+    node_id, subject, telemetry, scrape, code = run_bounded(body())
+    assert code == 0 and subject == subjects.telemetry(node_id, ALLOC_A)
+    assert (telemetry.allocation_id, telemetry.state, telemetry.interval_s) == (ALLOC_A, DomainState.running, 0.2)
+    assert f'gpuaas_agent_slice_info{{allocation_id="{ALLOC_A}",domain="{domain_name(ALLOC_A)}",slot="0"}} 1.0' in scrape
+    assert 'gpuaas_agent_slice_telemetry_rounds_total{outcome="ok"}' in scrape
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return resp.read().decode()
