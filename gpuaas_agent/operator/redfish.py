@@ -15,8 +15,8 @@ TemperatureCelsius`` points to, so that field is never read as the GPU's tempera
 whose ``ReadingType`` is not ``Temperature`` is unread, not guessed.
 
 Every link followed must be a path on the BMC (``/redfish/v1/...``, :func:`_path`); a read is
-bounded by ``MAX_DOCUMENTS`` GETs (about 94 for 8 GPUs and 4 NVSwitches), each by the request
-timeout, the whole by the check's deadline (``operator/health.py``).
+bounded by ``MAX_DOCUMENTS`` GETs (94 for 8 GPUs and 4 NVSwitches), each document by
+``MAX_DOCUMENT_BYTES`` and the request timeout, the whole by the check's deadline (``operator/health.py``).
 
 Why :class:`sushy.auth.BasicAuth` and no session: NVIDIA documents basic authentication for
 the DGX/HGX BMC, and a session left behind by a read that timed out would count against the
@@ -194,8 +194,23 @@ MAX_SENSOR_MEMBERS = 64
 MAX_MEMORY_LINKS = 4
 
 
+# The largest document a pass reads is ~3 KB on the real BMC (a GPU's Processor); a body over this is refused
+# before it is parsed. Its download is bounded by the request timeout between bytes and the check's deadline.
+MAX_DOCUMENT_BYTES = 1 << 20
+
+
 class DocumentBudgetExceeded(ValueError):
     """The read asked for more documents than MAX_DOCUMENTS: the rest is unread, not waited for."""
+
+
+class DocumentTooLarge(ValueError):
+    """A document over MAX_DOCUMENT_BYTES: unread, not parsed."""
+
+
+def refuse_large(response: requests.Response) -> None:
+    """sushy's ``response_callback``: runs on every response before sushy parses its JSON."""
+    if len(response.content) > MAX_DOCUMENT_BYTES:
+        raise DocumentTooLarge(f"{response.url}: {len(response.content)} bytes, more than {MAX_DOCUMENT_BYTES}")
 
 
 def _sensor_id(path: str) -> str:
@@ -226,6 +241,7 @@ class HgxBmc:
                  timeout_s: float = 5.0, system_id: str = "HGX_Baseboard_0",
                  fabric_id: str = "HGX_NVLinkFabric_0") -> None:
         self._connector = sushy_connector.Connector(url, verify=verify, server_side_retries=1,
+                                                    response_callback=refuse_large,
                                                     server_side_retries_delay=0.2, default_request_timeout=timeout_s,
                                                     connect_timeout=timeout_s)
         # Sushy() reads the service root: a BMC that does not answer fails here, before any GPU is looked at.

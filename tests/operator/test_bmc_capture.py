@@ -18,7 +18,7 @@ import pytest
 
 from gpuaas_agent.operator import bmc
 from gpuaas_agent.operator.health_quarantine import failing_by_bmc
-from gpuaas_agent.operator.redfish import MAX_DOCUMENTS
+from gpuaas_agent.operator.redfish import MAX_DOCUMENT_BYTES, MAX_DOCUMENTS
 from tests.support.redfish_server import PCI, RedfishServer
 
 CAPTURE = Path(__file__).resolve().parents[2] / "fixtures/redfish/dgx-h100-viking/redfish/v1"
@@ -171,3 +171,12 @@ def test_a_bmc_listing_endless_members_is_cut_off_at_the_document_budget(capture
     assert len(re.findall(r'"GET ', capture.requests_seen())) - before <= MAX_DOCUMENTS + 1  # + the service root
     assert any("DocumentBudgetExceeded" in r for v in reading.gpus for r in v.reasons)
     assert bmc.check_of(reading).status != "ok"
+
+
+def test_a_document_over_the_byte_bound_is_refused_not_parsed(capture):
+    capture.edit(f"{PROCESSORS}/GPU_SXM_2/ProcessorMetrics", lambda d: d.update(Padding="x" * MAX_DOCUMENT_BYTES))
+    gpus = _gpus(bmc.read_bmc_verdicts(capture.config()))
+    assert gpus["GPU_SXM_2"].status == "unavailable"
+    assert "DocumentTooLarge" in gpus["GPU_SXM_2"].reasons[0]
+    assert gpus["GPU_SXM_2"].telemetry.memory_temperature.reading_c == 40.0  # the rest of the GPU is still read
+    assert {v.status for k, v in gpus.items() if k != "GPU_SXM_2"} == {"ok"}
