@@ -140,6 +140,7 @@ def judge_temperature(what: str, reading: TemperatureReading | None) -> list[tup
 
 def judge_gpu(t: GpuTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
     """The verdict on one GPU's telemetry and the reasons of that verdict (the worst ones only)."""
+    t = with_nvidia_limits(t)  # idempotent: judge() has applied them already to the telemetry it keeps
     found: list[tuple[BmcStatus, str]] = []
     if t.health == "Critical":
         found.append(("failed", "Redfish health Critical"))

@@ -184,6 +184,19 @@ def test_lifetime_dram_ecc_and_remap_counts_are_evidence_not_a_verdict():
     assert bmc.judge_gpu(t) == ("ok", ())
 
 
+def test_a_temperature_without_thresholds_is_judged_by_nvidias_limits_named_as_such():
+    from gpuaas_agent.contract.bmc import TemperatureReading
+
+    hot = GpuTelemetry(gpu_id="GPU_SXM_1", temperature=TemperatureReading(reading_c=96.0),
+                       memory_temperature=TemperatureReading(reading_c=40.0))
+    assert bmc.judge_gpu(hot) == (
+        "failed", ("temperature 96 C >= critical 95 C (NVIDIA NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)",))
+    warm_hbm = GpuTelemetry(gpu_id="GPU_SXM_1", memory_temperature=TemperatureReading(reading_c=95.5))
+    assert bmc.judge_gpu(warm_hbm) == (
+        "failed", ("memory temperature 95.5 C >= critical 95 C (NVIDIA NVML_TEMPERATURE_THRESHOLD_MEM_MAX)",))
+    assert bmc.judge_gpu(GpuTelemetry(gpu_id="GPU_SXM_1", throttle_reasons=None)) == ("ok", ())
+
+
 def test_failed_outranks_unread_and_unread_outranks_ok():
     t = GpuTelemetry(gpu_id="GPU_SXM_1", health="Critical", unread=("x: Timeout",))
     assert bmc.judge_gpu(t) == ("failed", ("Redfish health Critical",))
