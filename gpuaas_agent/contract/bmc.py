@@ -123,3 +123,7 @@ class BmcReading(WireModel):
     error: str | None = None  # set when the BMC could not be read at all (every verdict is then unavailable)
     gpus: tuple[GpuBmcVerdict, ...] = ()
     nvswitches: tuple[NvSwitchBmcVerdict, ...] = ()
+
+    def sensors_by_pci_address(self) -> dict[str, GpuTelemetry]:
+        """Each read GPU's sensors under the host PCI address the config maps it to (what a slot names)."""
+        return {v.pci_address: v.telemetry for v in self.gpus if v.pci_address is not None and v.telemetry is not None}

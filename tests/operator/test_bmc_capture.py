@@ -87,6 +87,10 @@ def test_the_real_capture_is_eight_gpus_and_four_nvswitches_ok_and_the_fpga_is_n
     # One pass: 2 collections, 9 documents per GPU, 5 per NVSwitch, the FPGA's own document; nothing left out.
     assert len(re.findall(r'"GET ', capture.requests_seen())) - before == 1 + 2 + 1 + 8 * 9 + 4 * 5
     assert bmc.check_of(reading).status == "ok"
+    # What slice telemetry maps to a slot: the GPU's sensors under the host PCI address the config gives it.
+    by_address = reading.sensors_by_pci_address()
+    assert sorted(by_address) == sorted(PCI.values())
+    assert by_address[PCI["GPU_SXM_5"]].sxm_slot == "SXM5" and by_address[PCI["GPU_SXM_5"]].power_w is not None
 
 
 @pytest.mark.parametrize(("sensor", "value", "status", "reason"), [
