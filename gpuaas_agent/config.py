@@ -107,8 +107,12 @@ class FabricManagerConfig(BaseModel):
 
     Set it only where FM runs on the host in the Shared NVSwitch model and the runtime profiles
     sold here say ``fabric_partitions`` (the seed's guidance: no host FM unless a profile says it is
-    safe). The agent reaches FM with NVIDIA's ``fmpm`` client; ``unix_socket`` or ``hostname``
-    become its ``--unix-domain-socket`` / ``--hostname``.
+    safe). The agent reaches FM with NVIDIA's ``fmpm`` client, over TCP: ``hostname`` becomes its
+    ``--hostname`` (unset: fmpm's default, 127.0.0.1; FM listens where its ``FM_CMD_BIND_INTERFACE``
+    says). There is no socket setting: fmpm takes ``--unix-domain-socket`` and then ignores it
+    (NVIDIA/Fabric-Manager-Client ``fmpm.cpp``, every public revision up to 58c6738: the address is
+    overwritten with the hostname and ``addressIsUnixSocket = 0`` right before ``fmConnect``), so a
+    ``unix_socket`` key is refused with that reason instead of being passed on and silently not used.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -116,7 +120,16 @@ class FabricManagerConfig(BaseModel):
     fmpm: Path = Path("/usr/bin/fmpm")
     timeout_s: float = Field(default=30.0, gt=0, le=300)
     hostname: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.:-]{1,253}$")
-    unix_socket: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unix_socket(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "unix_socket" in data:
+            raise ValueError(
+                "unix_socket is not supported: fmpm ignores --unix-domain-socket and always connects over TCP "
+                "to --hostname (default 127.0.0.1); remove unix_socket and set hostname to the address FM "
+                "listens on (FM_CMD_BIND_INTERFACE), or leave it unset for 127.0.0.1 (docs/hgx.md)")
+        return data
 
 
 class SliceConfig(BaseModel):

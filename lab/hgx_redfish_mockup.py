@@ -18,6 +18,11 @@ What the shape is based on (public sources, read for facts, nothing copied):
 * NVIDIA nsmd/entity-manager configurations and public HMC examples: chassis
   ``HGX_GPU_SXM_<n>`` with sensors ``HGX_GPU_SXM_<n>_TEMP_0`` / ``HGX_GPU_SXM_<n>_Power_0``,
   ``HGX_NVSwitch_<n>`` with ``HGX_NVSwitch_<n>_TEMP_0``;
+* checked against a real capture (fixtures/redfish/dgx-h100-viking, PROVENANCE.md there) and
+  brought in line with it: the GPU temperature carries no threshold, the HBM temperature
+  ``HGX_GPU_SXM_<n>_DRAM_0_Temp_0`` carries ``UpperCritical`` 95, the GPU's power is in its
+  ``EnvironmentMetrics``, the board label in ``Location.PartLocation.ServiceLabel``. The capture
+  itself is what the verdict tests run on; this mockup is for hostile variants and the lab;
 * the DGX H100/H200 user guide ("Redfish APIs Support"): basic authentication, DSP0266
   1.7 / schema 2019.1 and later; DMTF schemas ``Sensor.v1_x`` (``Reading``,
   ``Thresholds.UpperCaution/UpperCritical``), ``Processor``, ``Memory``, ``Switch``.
@@ -105,6 +110,8 @@ def baseboard(gpu_count: int = GPU_COUNT, nvswitch_count: int = NVSWITCH_COUNT) 
             "ProcessorType": "GPU", "Manufacturer": "NVIDIA", "Model": "NVIDIA H100 80GB HBM3",
             "SerialNumber": f"1654123{n:06d}", "UUID": f"5d3b0b9e-7c1e-4c6a-9f2e-0000000000{n:02d}",
             "Status": _ok(), "Metrics": _ref(f"{proc}/ProcessorMetrics"),
+            "EnvironmentMetrics": _ref(f"{proc}/EnvironmentMetrics"),
+            "Location": {"PartLocation": {"LocationType": "Embedded", "ServiceLabel": f"SXM{n}"}},
             "Links": {"Memory": [_ref(mem)], "Chassis": _ref(f"{ROOT}/Chassis/HGX_GPU_SXM_{n}")},
             "SystemInterface": {"InterfaceType": "PCIe", "PCIe": {"PCIeType": "Gen5", "MaxLanes": 16}},
         }
@@ -118,6 +125,13 @@ def baseboard(gpu_count: int = GPU_COUNT, nvswitch_count: int = NVSWITCH_COUNT) 
                            "NAKSentCount": 0, "NAKReceivedCount": 0},
             "Oem": {"Nvidia": {"@odata.type": "#NvidiaProcessorMetrics.v1_0_0.NvidiaGPUProcessorMetrics",
                                "ThrottleReasons": ["None"]}},
+        }
+        docs[f"{proc}/EnvironmentMetrics"] = {
+            "@odata.id": f"{proc}/EnvironmentMetrics", "@odata.type": "#EnvironmentMetrics.v1_3_0.EnvironmentMetrics",
+            "Id": "Environment Metrics", "Name": f"GPU_SXM_{n} Environment Metrics",
+            "PowerWatts": {"DataSourceUri": f"{ROOT}/Chassis/HGX_GPU_SXM_{n}/Sensors/HGX_GPU_SXM_{n}_Power_0",
+                           "Reading": 71.5},
+            "PowerLimitWatts": {"AllowableMax": 700, "AllowableMin": 200, "SetPoint": 700},
         }
         docs[mem] = {
             "@odata.id": mem, "@odata.type": "#Memory.v1_17_0.Memory", "Id": f"{gpu}_DRAM_0",
@@ -138,18 +152,19 @@ def baseboard(gpu_count: int = GPU_COUNT, nvswitch_count: int = NVSWITCH_COUNT) 
                                           "Chassis Collection", [f"{ROOT}/Chassis/{c}" for c in chassis])
     for name in chassis:
         path = f"{ROOT}/Chassis/{name}"
-        sensors = [f"{name}_TEMP_0"] + ([f"{name}_Power_0"] if "GPU" in name else [])
+        sensors = [f"{name}_TEMP_0"] + ([f"{name}_DRAM_0_Temp_0", f"{name}_Power_0"] if "GPU" in name else [])
         docs[path] = {"@odata.id": path, "@odata.type": "#Chassis.v1_21_0.Chassis", "Id": name, "Name": name,
                       "ChassisType": "Component", "Status": _ok(), "Sensors": _ref(f"{path}/Sensors")}
         docs[f"{path}/Sensors"] = _collection(f"{path}/Sensors", "#SensorCollection.SensorCollection",
                                               f"{name} Sensors", [f"{path}/Sensors/{s}" for s in sensors])
         if "GPU" in name:
-            docs[f"{path}/Sensors/{name}_TEMP_0"] = _sensor(name, f"{name}_TEMP_0", 34.0, "Cel", "Temperature",
-                                                           caution=85.0, critical=87.0)
+            docs[f"{path}/Sensors/{name}_TEMP_0"] = _sensor(name, f"{name}_TEMP_0", 34.0, "Cel", "Temperature")
+            docs[f"{path}/Sensors/{name}_DRAM_0_Temp_0"] = _sensor(name, f"{name}_DRAM_0_Temp_0", 40.0, "Cel",
+                                                                  "Temperature", critical=95.0)
             docs[f"{path}/Sensors/{name}_Power_0"] = _sensor(name, f"{name}_Power_0", 71.5, "W", "Power")
         else:
             docs[f"{path}/Sensors/{name}_TEMP_0"] = _sensor(name, f"{name}_TEMP_0", 41.0, "Cel", "Temperature",
-                                                           caution=100.0, critical=105.0)
+                                                           critical=102.0)
     docs[f"{ROOT}/Fabrics"] = _collection(f"{ROOT}/Fabrics", "#FabricCollection.FabricCollection",
                                           "Fabric Collection", [f"{ROOT}/Fabrics/{FABRIC}"])
     fabric = f"{ROOT}/Fabrics/{FABRIC}"

@@ -11,6 +11,12 @@ with its reasons and that telemetry as evidence. Component quarantine consumes
 ``unavailable`` is never a pass: a BMC that does not answer, answers garbage or hangs
 gives every GPU ``unavailable``, and a GPU whose metrics could not all be read is
 ``unavailable`` unless what was read already fails or degrades it.
+
+Temperatures carry the thresholds they are judged by and where each came from
+(:class:`TemperatureThreshold`): ``bmc`` where the sensor itself carries one, ``nvidia_limit``
+where it carries none and NVIDIA's own limit for the GPU stands in (``operator/bmc.py``
+``NVIDIA_LIMITS`` says which). A real HGX H100 BMC puts no threshold on the GPU temperature and
+only ``UpperCritical`` 95 on the HBM temperature (fixtures/redfish/dgx-h100-viking).
 """
 
 from __future__ import annotations
@@ -24,22 +30,45 @@ from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.types import PciAddress
 
 BmcStatus = Literal["ok", "degraded", "failed", "unavailable"]
+ThresholdSource = Literal["bmc", "nvidia_limit"]
 # Worst first when several reasons apply; unavailable ranks below degraded: what was read and is bad wins.
 STATUS_RANK: dict[str, int] = {"ok": 0, "unavailable": 1, "degraded": 2, "failed": 3}
 
 
+class TemperatureThreshold(WireModel):
+    """One limit a temperature is judged by: its value, who set it and its name there."""
+
+    reading_c: float
+    source: ThresholdSource  # bmc: the sensor's own Thresholds; nvidia_limit: NVIDIA's limit for the GPU
+    name: str = Field(max_length=64)  # UpperCritical (bmc) or the NVML threshold it stands for (nvidia_limit)
+
+
+class TemperatureReading(WireModel):
+    """A temperature sensor's reading with its caution (``degraded``) and critical (``failed``) thresholds."""
+
+    reading_c: float | None = None  # None: the sensor gave no reading
+    caution: TemperatureThreshold | None = None
+    critical: TemperatureThreshold | None = None
+    sensor: str | None = Field(default=None, max_length=512)  # the sensor's Redfish URI, as the BMC linked it
+
+
 class GpuTelemetry(WireModel):
-    """One GPU as the BMC reported it (``None``: the BMC did not say; ``unread``: a resource it could not serve)."""
+    """One GPU as the BMC reported it (``None``: the BMC did not say; ``unread``: a resource it could not serve).
+
+    What the slice telemetry reads per GPU, keyed by ``gpu_id`` (and ``sxm_slot``, the board's
+    label); the verdict carries the host PCI address the config maps it to.
+    """
 
     gpu_id: str = Field(max_length=64)  # the BMC's processor id, e.g. GPU_SXM_1
+    sxm_slot: str | None = Field(default=None, max_length=64)  # Location.PartLocation.ServiceLabel, e.g. SXM1
     serial_number: str | None = None
     uuid: str | None = None
     state: str | None = None  # Redfish Status.State (Enabled, Absent, UnavailableOffline...)
     health: str | None = None  # Redfish Status.Health (OK, Warning, Critical)
-    temperature_c: float | None = None
-    temperature_caution_c: float | None = None
-    temperature_critical_c: float | None = None
+    temperature: TemperatureReading | None = None  # the GPU die (HGX_GPU_SXM_n_TEMP_0 on HGX)
+    memory_temperature: TemperatureReading | None = None  # the HBM (HGX_GPU_SXM_n_DRAM_0_Temp_0 on HGX)
     power_w: float | None = None
+    power_limit_w: float | None = None
     sram_ecc_correctable: int | None = None
     sram_ecc_uncorrectable: int | None = None
     dram_ecc_correctable: int | None = None
@@ -51,7 +80,8 @@ class GpuTelemetry(WireModel):
     pcie_correctable: int | None = None
     pcie_nonfatal: int | None = None
     pcie_fatal: int | None = None
-    throttle_reasons: tuple[str, ...] = ()
+    # None: the BMC does not say (no field, or ["NA"]: "not available", never a throttle); (): not throttled.
+    throttle_reasons: tuple[str, ...] | None = None
     unread: tuple[str, ...] = ()  # "<uri>: <why>" for each resource that could not be read
 
 
@@ -61,8 +91,7 @@ class NvSwitchTelemetry(WireModel):
     switch_id: str = Field(max_length=64)  # e.g. NVSwitch_0
     state: str | None = None
     health: str | None = None
-    temperature_c: float | None = None
-    temperature_critical_c: float | None = None
+    temperature: TemperatureReading | None = None
     ecc_uncorrectable: int | None = None
     pcie_fatal: int | None = None
     pcie_nonfatal: int | None = None
@@ -94,3 +123,7 @@ class BmcReading(WireModel):
     error: str | None = None  # set when the BMC could not be read at all (every verdict is then unavailable)
     gpus: tuple[GpuBmcVerdict, ...] = ()
     nvswitches: tuple[NvSwitchBmcVerdict, ...] = ()
+
+    def sensors_by_pci_address(self) -> dict[str, GpuTelemetry]:
+        """Each read GPU's sensors under the host PCI address the config maps it to (what a slot names)."""
+        return {v.pci_address: v.telemetry for v in self.gpus if v.pci_address is not None and v.telemetry is not None}

@@ -6,16 +6,22 @@ interval :func:`bmc_check` reads it (``operator/redfish.py``, sushy) and judges 
 
 - ``failed``: Redfish health ``Critical``; the GPU ``Absent``/``UnavailableOffline`` or not
   listed at all while the config maps it; row remapping failed (NVIDIA: the HBM has no spare
-  rows left, an RMA case); a fatal PCIe error; temperature at or above its critical threshold;
+  rows left, an RMA case); a fatal PCIe error; the GPU or its memory temperature at or above
+  its critical threshold;
 - ``degraded``: health ``Warning``; a row remap pending (the GPU needs a reset before the
   remap takes effect); uncorrectable SRAM ECC errors (SRAM has no remapping); non-fatal PCIe
-  errors; temperature at or above its caution threshold; a hardware slowdown (``HW*`` throttle
-  reasons: thermal, power brake);
+  errors; a temperature at or above its caution threshold; a hardware slowdown (``HW*`` throttle
+  reasons: thermal, power brake). ``ThrottleReasons: ["NA"]`` is "not available", no verdict;
 - ``unavailable``: anything that could not be read: no answer, malformed JSON, a hang past the
   request timeout, a resource missing. Never ``ok``.
 
 Lifetime DRAM ECC and row-remap counts are evidence, not verdicts: a remapped row is the
 repair working (NVIDIA's row-remapping guidance), its failure is what matters.
+
+Thresholds: a sensor's own (``bmc``) where it carries one, else NVIDIA's limit (``nvidia_limit``,
+:data:`NVIDIA_LIMITS`). A real HGX H100 BMC carries none on the GPU temperature and only
+``UpperCritical`` 95 on the memory temperature (fixtures/redfish/dgx-h100-viking), so the GPU
+temperature is judged by NVIDIA's limits and the memory temperature by the BMC's.
 
 NVSwitches are judged alike; their verdicts ride in the same reading (a partition through a
 failed NVSwitch is not healthy). :func:`read_bmc_verdicts` is what component quarantine uses.
@@ -41,6 +47,8 @@ from gpuaas_agent.contract.bmc import (
     GpuTelemetry,
     NvSwitchBmcVerdict,
     NvSwitchTelemetry,
+    TemperatureReading,
+    TemperatureThreshold,
 )
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.control.transport import check_secret_file
@@ -48,6 +56,22 @@ from gpuaas_agent.errors import AgentError
 
 CHECK_NAME = "gpu_bmc"
 _ABSENT_STATES = ("Absent", "UnavailableOffline")
+
+# NVIDIA's temperature limits for the GPU, as NVML reports them, recorded on a lent H200 on 2026-11-28
+# (fixtures/nvml/h200-lent-2026-11-28.sensors.json, NVML_TEMPERATURE_THRESHOLD_*): they stand in where the
+# BMC's sensor carries no threshold of its own. GPU: caution at the maximum operating temperature (87 C;
+# the slowdown at 89 C lies between), critical at shutdown (95 C). Memory: critical at MEM_MAX (95 C), no
+# caution (NVML has none). Other GPU models may differ: these are the H200's.
+NVIDIA_LIMITS: dict[str, dict[str, TemperatureThreshold]] = {
+    "temperature": {
+        "caution": TemperatureThreshold(reading_c=87.0, source="nvidia_limit", name="NVML_TEMPERATURE_THRESHOLD_GPU_MAX"),
+        "critical": TemperatureThreshold(reading_c=95.0, source="nvidia_limit",
+                                         name="NVML_TEMPERATURE_THRESHOLD_SHUTDOWN"),
+    },
+    "memory_temperature": {
+        "critical": TemperatureThreshold(reading_c=95.0, source="nvidia_limit", name="NVML_TEMPERATURE_THRESHOLD_MEM_MAX"),
+    },
+}
 
 
 class BmcError(AgentError):
@@ -85,8 +109,38 @@ def _worst(found: Iterable[tuple[BmcStatus, str]]) -> tuple[BmcStatus, tuple[str
     return status, tuple(reason for s, reason in found if s == status)
 
 
+def with_limits(reading: TemperatureReading | None, limits: dict[str, TemperatureThreshold]) -> TemperatureReading | None:
+    """``reading`` with NVIDIA's limit in each threshold the sensor left empty (the sensor's own always wins)."""
+    if reading is None:
+        return None
+    return reading.model_copy(update={
+        "caution": reading.caution or limits.get("caution"), "critical": reading.critical or limits.get("critical")})
+
+
+def with_nvidia_limits(t: GpuTelemetry) -> GpuTelemetry:
+    return t.model_copy(update={
+        "temperature": with_limits(t.temperature, NVIDIA_LIMITS["temperature"]),
+        "memory_temperature": with_limits(t.memory_temperature, NVIDIA_LIMITS["memory_temperature"])})
+
+
+def _threshold_text(th: TemperatureThreshold) -> str:
+    return f"{th.reading_c:g} C ({'BMC ' if th.source == 'bmc' else 'NVIDIA '}{th.name})"
+
+
+def judge_temperature(what: str, reading: TemperatureReading | None) -> list[tuple[BmcStatus, str]]:
+    if reading is None or reading.reading_c is None:
+        return []
+    value = reading.reading_c
+    if reading.critical is not None and value >= reading.critical.reading_c:
+        return [("failed", f"{what} {value:g} C >= critical {_threshold_text(reading.critical)}")]
+    if reading.caution is not None and value >= reading.caution.reading_c:
+        return [("degraded", f"{what} {value:g} C >= caution {_threshold_text(reading.caution)}")]
+    return []
+
+
 def judge_gpu(t: GpuTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
     """The verdict on one GPU's telemetry and the reasons of that verdict (the worst ones only)."""
+    t = with_nvidia_limits(t)  # idempotent: judge() has applied them already to the telemetry it keeps
     found: list[tuple[BmcStatus, str]] = []
     if t.health == "Critical":
         found.append(("failed", "Redfish health Critical"))
@@ -104,12 +158,9 @@ def judge_gpu(t: GpuTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
         found.append(("degraded", f"PCIe non-fatal errors {t.pcie_nonfatal}"))
     if t.sram_ecc_uncorrectable:
         found.append(("degraded", f"uncorrectable SRAM ECC errors {t.sram_ecc_uncorrectable}"))
-    if t.temperature_c is not None:
-        if t.temperature_critical_c is not None and t.temperature_c >= t.temperature_critical_c:
-            found.append(("failed", f"temperature {t.temperature_c:g} C >= critical {t.temperature_critical_c:g} C"))
-        elif t.temperature_caution_c is not None and t.temperature_c >= t.temperature_caution_c:
-            found.append(("degraded", f"temperature {t.temperature_c:g} C >= caution {t.temperature_caution_c:g} C"))
-    slowdowns = [r for r in t.throttle_reasons if r.startswith("HW")]
+    found += judge_temperature("temperature", t.temperature)
+    found += judge_temperature("memory temperature", t.memory_temperature)
+    slowdowns = [r for r in t.throttle_reasons or () if r.startswith("HW")]
     if slowdowns:
         found.append(("degraded", f"hardware slowdown {','.join(slowdowns)}"))
     for what in t.unread:
@@ -131,9 +182,7 @@ def judge_nvswitch(t: NvSwitchTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
         found.append(("degraded", f"PCIe non-fatal errors {t.pcie_nonfatal}"))
     if t.ecc_uncorrectable:
         found.append(("degraded", f"uncorrectable ECC errors {t.ecc_uncorrectable}"))
-    if t.temperature_c is not None and t.temperature_critical_c is not None and \
-            t.temperature_c >= t.temperature_critical_c:
-        found.append(("failed", f"temperature {t.temperature_c:g} C >= critical {t.temperature_critical_c:g} C"))
+    found += judge_temperature("temperature", t.temperature)
     for what in t.unread:
         found.append(("unavailable", f"unread {what}"))
     return _worst(found)
@@ -143,7 +192,7 @@ def judge(config: BmcConfig, gpus: list[GpuTelemetry], nvswitches: list[NvSwitch
           read_at: datetime) -> BmcReading:
     """Verdicts for every GPU the BMC listed, plus ``failed`` for each mapped GPU it did not list."""
     verdicts = []
-    for t in gpus:
+    for t in map(with_nvidia_limits, gpus):
         status, reasons = judge_gpu(t)
         verdicts.append(GpuBmcVerdict(gpu_id=t.gpu_id, pci_address=config.gpu_pci_addresses.get(t.gpu_id),
                                       status=status, reasons=reasons, telemetry=t))

@@ -2,9 +2,21 @@
 
 sushy is the Redfish library of OpenStack's bare-metal service: every resource below is a
 small :class:`sushy.resources.base.ResourceBase` that parses its own JSON document, so
-nothing here walks dicts by hand. The URIs are those NVIDIA's HGX Management Controller
-serves (``lab/hgx_redfish_mockup.py`` says where they come from); the GPU's chassis and
-sensors are found by the HGX naming (``HGX_GPU_SXM_<n>``, ``..._TEMP_0``, ``..._Power_0``).
+nothing here walks dicts by hand. Only the two collections are named here (the system's
+``Processors``, the fabric's ``Switches``); everything else is reached by the links each document
+gives, as a real HGX BMC serves them (fixtures/redfish/dgx-h100-viking, a Redfish-Mockup-Creator
+capture of a DGX H100): a GPU's ``Metrics`` (ProcessorMetrics), ``EnvironmentMetrics`` (power),
+``Links.Memory`` (the HBM and its ``Metrics``), ``Links.Chassis`` and that chassis' ``Sensors``
+collection. Among the sensors that collection lists, the GPU temperature is the one whose id ends
+``_TEMP_0`` and the HBM's the one ending ``_DRAM_<k>_Temp_<j>``; ``_TEMP_1`` is not a temperature
+but the synthesized margin to the slowdown limit (``Implementation: Synthesized``, lower thresholds
+0/-2/-8; the capture's GPU at 26.75 C reads 60 there) — which is also what ``EnvironmentMetrics.
+TemperatureCelsius`` points to, so that field is never read as the GPU's temperature. A sensor
+whose ``ReadingType`` is not ``Temperature`` is unread, not guessed.
+
+Every link followed must be a path on the BMC (``/redfish/v1/...``, :func:`_path`); a read is
+bounded by ``MAX_DOCUMENTS`` GETs (94 for 8 GPUs and 4 NVSwitches), each document by
+``MAX_DOCUMENT_BYTES`` and the request timeout, the whole by the check's deadline (``operator/health.py``).
 
 Why :class:`sushy.auth.BasicAuth` and no session: NVIDIA documents basic authentication for
 the DGX/HGX BMC, and a session left behind by a read that timed out would count against the
@@ -36,7 +48,7 @@ from sushy import auth as sushy_auth
 from sushy import connector as sushy_connector
 from sushy.resources import base
 
-from gpuaas_agent.contract.bmc import GpuTelemetry, NvSwitchTelemetry
+from gpuaas_agent.contract.bmc import GpuTelemetry, NvSwitchTelemetry, TemperatureReading, TemperatureThreshold
 
 ROOT = "/redfish/v1"
 
@@ -65,6 +77,26 @@ def _str(value: Any) -> str:
     return value
 
 
+def _path(value: Any) -> str:
+    """A link the BMC gave, as the path it must be: absolute, under ``/redfish/v1``, no host of its own."""
+    path = _str(value)
+    if not path.startswith(ROOT + "/") or "//" in path or "/../" in path or path.endswith("/.."):
+        raise ValueError(f"link {path[:200]!r} is not a path under {ROOT}")
+    return path
+
+
+def _link(value: Any) -> str:
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(value)[:100]!r} is not a link")
+    return _path(value["@odata.id"])
+
+
+def _links(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ValueError("not a list of links")
+    return tuple(_link(v) for v in value)
+
+
 def _members(value: Any) -> list[str]:
     if not isinstance(value, list):
         raise ValueError("Members is not a list")
@@ -90,6 +122,17 @@ class GpuProcessor(base.ResourceBase):
     uuid = base.Field("UUID", adapter=_str)
     state = base.Field(["Status", "State"], adapter=_str)
     health = base.Field(["Status", "Health"], adapter=_str)
+    sxm_slot = base.Field(["Location", "PartLocation", "ServiceLabel"], adapter=_str)
+    metrics = base.Field("Metrics", adapter=_link)
+    environment_metrics = base.Field("EnvironmentMetrics", adapter=_link)
+    memory = base.Field(["Links", "Memory"], adapter=_links)
+    chassis = base.Field(["Links", "Chassis"], adapter=_link)
+
+
+class GpuEnvironmentMetrics(base.ResourceBase):
+    # TemperatureCelsius is deliberately not read: on HGX it is the TEMP_1 slowdown margin (module docstring).
+    power_w = base.Field(["PowerWatts", "Reading"], adapter=_float)
+    power_limit_w = base.Field(["PowerLimitWatts", "SetPoint"], adapter=_float)
 
 
 class GpuProcessorMetrics(base.ResourceBase):
@@ -103,6 +146,7 @@ class GpuProcessorMetrics(base.ResourceBase):
 
 
 class GpuMemory(base.ResourceBase):
+    metrics = base.Field("Metrics", adapter=_link)
     state = base.Field(["Status", "State"], adapter=_str)
     health = base.Field(["Status", "Health"], adapter=_str)
     row_remapping_failed = base.Field(["Oem", "Nvidia", "RowRemappingFailed"], adapter=_bool)
@@ -118,6 +162,10 @@ class GpuMemoryMetrics(base.ResourceBase):
                                          adapter=_int)
 
 
+class Chassis(base.ResourceBase):
+    sensors = base.Field("Sensors", adapter=_link)
+
+
 class Sensor(base.ResourceBase):
     reading = base.Field("Reading", adapter=_float)
     reading_type = base.Field("ReadingType", adapter=_str)
@@ -129,6 +177,8 @@ class NvSwitch(base.ResourceBase):
     identity = base.Field("Id", required=True, adapter=_str)
     state = base.Field(["Status", "State"], adapter=_str)
     health = base.Field(["Status", "Health"], adapter=_str)
+    metrics = base.Field("Metrics", adapter=_link)
+    chassis = base.Field(["Links", "Chassis"], adapter=_link)
 
 
 class NvSwitchMetrics(base.ResourceBase):
@@ -176,6 +226,47 @@ def own_path(bmc_url: str, link: str) -> str:
 READ_ERRORS = (sushy.exceptions.SushyError, requests.RequestException, ValueError, TypeError, AttributeError,
                KeyError)
 
+# GETs one read may make: 2 collections + 9 per GPU + 5 per NVSwitch is 94 on an 8-GPU HGX; a BMC
+# that lists more members than a baseboard has, or links in circles, is cut off here.
+MAX_DOCUMENTS = 160
+# A chassis' Sensors collection of an HGX GPU lists 7; more than this is not a GPU's chassis.
+MAX_SENSOR_MEMBERS = 64
+MAX_MEMORY_LINKS = 4
+
+
+# The largest document a pass reads is ~3 KB on the real BMC (a GPU's Processor); a body over this is refused
+# before it is parsed. Its download is bounded by the request timeout between bytes and the check's deadline.
+MAX_DOCUMENT_BYTES = 1 << 20
+
+
+class DocumentBudgetExceeded(ValueError):
+    """The read asked for more documents than MAX_DOCUMENTS: the rest is unread, not waited for."""
+
+
+class DocumentTooLarge(ValueError):
+    """A document over MAX_DOCUMENT_BYTES: unread, not parsed."""
+
+
+def refuse_large(response: requests.Response) -> None:
+    """sushy's ``response_callback``: runs on every response before sushy parses its JSON."""
+    if len(response.content) > MAX_DOCUMENT_BYTES:
+        raise DocumentTooLarge(f"{response.url}: {len(response.content)} bytes, more than {MAX_DOCUMENT_BYTES}")
+
+
+def _sensor_id(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def is_memory_temperature(path: str) -> bool:
+    """The HBM's temperature sensor among a GPU chassis' sensors (``HGX_GPU_SXM_1_DRAM_0_Temp_0``)."""
+    parts = _sensor_id(path).upper().split("_")
+    return len(parts) >= 4 and parts[-4] == "DRAM" and parts[-2] == "TEMP" and parts[-1].isdigit()
+
+
+def is_die_temperature(path: str) -> bool:
+    """The GPU's (or NVSwitch's) own temperature (``..._TEMP_0``; ``_TEMP_1`` is the slowdown margin)."""
+    return _sensor_id(path).upper().endswith("_TEMP_0") and not is_memory_temperature(path)
+
 
 @dataclass(frozen=True)
 class BaseboardRead:
@@ -190,16 +281,21 @@ class HgxBmc:
                  timeout_s: float = 5.0, system_id: str = "HGX_Baseboard_0",
                  fabric_id: str = "HGX_NVLinkFabric_0") -> None:
         self._connector = sushy_connector.Connector(url, verify=verify, server_side_retries=1,
+                                                    response_callback=refuse_large,
                                                     server_side_retries_delay=0.2, default_request_timeout=timeout_s,
                                                     connect_timeout=timeout_s)
         # Sushy() reads the service root: a BMC that does not answer fails here, before any GPU is looked at.
         self._root = sushy.Sushy(url, auth=sushy_auth.BasicAuth(username=username, password=password),
                                  connector=self._connector)
         self._url = url
+        self._documents = 0
         self._system = f"{ROOT}/Systems/{system_id}"
         self._fabric = f"{ROOT}/Fabrics/{fabric_id}"
 
     def _get(self, cls: type[base.ResourceBase], path: str) -> Any:
+        self._documents += 1
+        if self._documents > MAX_DOCUMENTS:
+            raise DocumentBudgetExceeded(f"more than {MAX_DOCUMENTS} documents in one read: not requested")
         return cls(self._connector, path, redfish_version=self._root.redfish_version, root=self._root)
 
     def close(self) -> None:
@@ -222,56 +318,137 @@ class HgxBmc:
         fields: dict[str, Any] = {"gpu_id": gpu_id}
         unread: list[str] = []
 
-        def take(cls: type[base.ResourceBase], uri: str, names: tuple[str, ...]) -> Any:
+        def take(cls: type[base.ResourceBase], uri: str | None, what: str) -> Any:
+            if uri is None:
+                unread.append(f"{path}: the BMC gives no link to its {what}")
+                return None
             try:
-                resource = self._get(cls, uri)
+                return self._get(cls, uri)
             except READ_ERRORS as exc:
                 unread.append(f"{uri}: {type(exc).__name__}: {str(exc)[:200]}")
                 return None
-            fields.update({n: getattr(resource, n) for n in names})
-            return resource
 
-        proc = take(GpuProcessor, path, ("serial_number", "uuid", "state", "health"))
-        if proc is not None and proc.processor_type not in (None, "GPU"):
-            return None  # a CPU or accelerator of another kind in the same system: not ours to judge
-        take(GpuProcessorMetrics, f"{path}/ProcessorMetrics",
-             ("sram_ecc_correctable", "sram_ecc_uncorrectable", "pcie_correctable", "pcie_nonfatal", "pcie_fatal",
-              "throttle_reasons"))
-        memory = f"{self._system}/Memory/{gpu_id}_DRAM_0"
-        mem = take(GpuMemory, memory, ("row_remapping_failed", "row_remapping_pending"))
-        if mem is not None and mem.health not in (None, "OK") and fields.get("health") in (None, "OK"):
-            fields["health"] = mem.health  # the HBM's own health rolls up into the GPU's
-        take(GpuMemoryMetrics, f"{memory}/MemoryMetrics",
-             ("dram_ecc_correctable", "dram_ecc_uncorrectable", "row_remap_correctable", "row_remap_uncorrectable"))
-        chassis = f"{ROOT}/Chassis/HGX_{gpu_id}"
-        temp = take(Sensor, f"{chassis}/Sensors/HGX_{gpu_id}_TEMP_0", ())
-        if temp is not None:
-            fields.update(temperature_c=temp.reading, temperature_caution_c=temp.upper_caution,
-                          temperature_critical_c=temp.upper_critical)
-        power = take(Sensor, f"{chassis}/Sensors/HGX_{gpu_id}_Power_0", ())
-        if power is not None:
-            fields["power_w"] = power.reading
-        fields["throttle_reasons"] = tuple(fields.get("throttle_reasons") or ())
+        proc = take(GpuProcessor, path, "processor")
+        if proc is None:
+            return GpuTelemetry(gpu_id=gpu_id, unread=tuple(unread))
+        if proc.processor_type not in (None, "GPU"):
+            return None  # the baseboard's FPGA_0, a CPU: not a GPU, not ours to judge
+        fields.update(serial_number=proc.serial_number, uuid=proc.uuid, state=proc.state, health=proc.health,
+                      sxm_slot=proc.sxm_slot)
+        metrics = take(GpuProcessorMetrics, proc.metrics, "ProcessorMetrics")
+        if metrics is not None:
+            fields.update({n: getattr(metrics, n) for n in (
+                "sram_ecc_correctable", "sram_ecc_uncorrectable", "pcie_correctable", "pcie_nonfatal", "pcie_fatal")})
+            fields["throttle_reasons"] = throttle_reasons(metrics.throttle_reasons)
+        if proc.environment_metrics is not None:  # power only: telemetry, not health, so optional
+            env = take(GpuEnvironmentMetrics, proc.environment_metrics, "EnvironmentMetrics")
+            if env is not None:
+                fields.update(power_w=env.power_w, power_limit_w=env.power_limit_w)
+        self._memory(proc, fields, take)
+        chassis = take(Chassis, proc.chassis, "chassis")
+        if chassis is not None:
+            sensors = self._sensors(chassis.sensors, path, unread)
+            fields["temperature"] = self._temperature(
+                next((s for s in sensors if is_die_temperature(s)), None), "GPU temperature", path, unread)
+            fields["memory_temperature"] = self._temperature(
+                next((s for s in sensors if is_memory_temperature(s)), None), "memory temperature", path, unread)
         return GpuTelemetry(**fields, unread=tuple(unread))
+
+    def _memory(self, proc: GpuProcessor, fields: dict[str, Any], take: Any) -> None:
+        """The GPU's HBM (``Links.Memory``, one on HGX): remap state and lifetime counts, summed over the links."""
+        links = proc.memory or ()
+        if not links:
+            take(GpuMemory, None, "memory (Links.Memory)")
+            return
+        for link in links[:MAX_MEMORY_LINKS]:
+            mem = take(GpuMemory, link, "memory")
+            if mem is None:
+                continue
+            for name in ("row_remapping_failed", "row_remapping_pending"):
+                value = getattr(mem, name)
+                if value is not None:
+                    fields[name] = bool(fields.get(name)) or value
+            if mem.health not in (None, "OK") and fields.get("health") in (None, "OK"):
+                fields["health"] = mem.health  # the HBM's own health rolls up into the GPU's
+            counts = take(GpuMemoryMetrics, mem.metrics, "MemoryMetrics")
+            if counts is None:
+                continue
+            for name in ("dram_ecc_correctable", "dram_ecc_uncorrectable", "row_remap_correctable",
+                         "row_remap_uncorrectable"):
+                value = getattr(counts, name)
+                if value is not None:
+                    fields[name] = (fields.get(name) or 0) + value
+
+    def _sensors(self, collection: str | None, owner: str, unread: list[str]) -> tuple[str, ...]:
+        if collection is None:
+            unread.append(f"{owner}: its chassis gives no Sensors link")
+            return ()
+        try:
+            members = self._get(Collection, collection).members
+        except READ_ERRORS as exc:
+            unread.append(f"{collection}: {type(exc).__name__}: {str(exc)[:200]}")
+            return ()
+        if len(members) > MAX_SENSOR_MEMBERS:
+            unread.append(f"{collection}: lists {len(members)} sensors, more than {MAX_SENSOR_MEMBERS}")
+            return ()
+        try:
+            return tuple(_path(m) for m in members)
+        except ValueError as exc:
+            unread.append(f"{collection}: {exc}")
+            return ()
+
+    def _temperature(self, uri: str | None, what: str, owner: str, unread: list[str]) -> TemperatureReading | None:
+        if uri is None:
+            unread.append(f"{owner}: no {what} sensor among its chassis' sensors")
+            return None
+        try:
+            sensor = self._get(Sensor, uri)
+        except READ_ERRORS as exc:
+            unread.append(f"{uri}: {type(exc).__name__}: {str(exc)[:200]}")
+            return None
+        if sensor.reading_type != "Temperature":
+            unread.append(f"{uri}: ReadingType {sensor.reading_type!r} is not Temperature")
+            return None
+        return TemperatureReading(
+            reading_c=sensor.reading, sensor=uri,
+            caution=None if sensor.upper_caution is None else TemperatureThreshold(
+                reading_c=sensor.upper_caution, source="bmc", name="UpperCaution"),
+            critical=None if sensor.upper_critical is None else TemperatureThreshold(
+                reading_c=sensor.upper_critical, source="bmc", name="UpperCritical"))
 
     def _switch(self, path: str) -> NvSwitchTelemetry:
         switch_id = path.rstrip("/").rsplit("/", 1)[-1]
         fields: dict[str, Any] = {"switch_id": switch_id}
         unread: list[str] = []
-        for cls, uri, names in (
-            (NvSwitch, path, ("state", "health")),
-            (NvSwitchMetrics, f"{path}/SwitchMetrics", ("ecc_uncorrectable", "pcie_nonfatal", "pcie_fatal")),
-        ):
+        try:
+            switch = self._get(NvSwitch, path)
+        except READ_ERRORS as exc:
+            return NvSwitchTelemetry(switch_id=switch_id, unread=(f"{path}: {type(exc).__name__}: {str(exc)[:200]}",))
+        fields.update(state=switch.state, health=switch.health)
+        for cls, uri, what in ((NvSwitchMetrics, switch.metrics, "SwitchMetrics"), (Chassis, switch.chassis, "chassis")):
+            if uri is None:
+                unread.append(f"{path}: the BMC gives no link to its {what}")
+                continue
             try:
                 resource = self._get(cls, uri)
             except READ_ERRORS as exc:
                 unread.append(f"{uri}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            fields.update({n: getattr(resource, n) for n in names})
-        sensor = f"{ROOT}/Chassis/HGX_{switch_id}/Sensors/HGX_{switch_id}_TEMP_0"
-        try:
-            temp = self._get(Sensor, sensor)
-            fields.update(temperature_c=temp.reading, temperature_critical_c=temp.upper_critical)
-        except READ_ERRORS as exc:
-            unread.append(f"{sensor}: {type(exc).__name__}: {str(exc)[:200]}")
+            if isinstance(resource, NvSwitchMetrics):
+                fields.update({n: getattr(resource, n) for n in ("ecc_uncorrectable", "pcie_nonfatal", "pcie_fatal")})
+            else:
+                sensors = self._sensors(resource.sensors, path, unread)
+                fields["temperature"] = self._temperature(
+                    next((s for s in sensors if is_die_temperature(s)), None), "NVSwitch temperature", path, unread)
         return NvSwitchTelemetry(**fields, unread=tuple(unread))
+
+
+def throttle_reasons(reported: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """``Oem.Nvidia.ThrottleReasons`` as the agent reads it: ``["NA"]`` (every GPU of the real DGX H100 capture
+    reads so) or no field is "not available" (None), never a throttle; ``["None"]`` is "not throttled"."""
+    if reported is None:
+        return None
+    reasons = tuple(r for r in reported if r not in ("NA", "None"))
+    if not reasons and "NA" in reported:
+        return None
+    return reasons

@@ -51,8 +51,7 @@ def fabric_manager(config: FabricManagerConfig | None) -> FabricManager | None:
     """The host's Fabric Manager client from ``[slice.fabric_manager]`` (None where it is not configured)."""
     if config is None:
         return None
-    return FabricManager(fmpm=str(config.fmpm), timeout_s=config.timeout_s, hostname=config.hostname,
-                         unix_socket=str(config.unix_socket) if config.unix_socket is not None else None)
+    return FabricManager(fmpm=str(config.fmpm), timeout_s=config.timeout_s, hostname=config.hostname)
 
 
 @dataclass

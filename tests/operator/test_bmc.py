@@ -44,7 +44,8 @@ def test_healthy_baseboard_is_ok_per_gpu_with_its_pci_address_and_basic_auth(red
     assert reading.error is None
     assert sorted(gpus) == sorted(PCI) and all(v.status == "ok" for v in gpus.values())
     assert gpus["GPU_SXM_3"].pci_address == PCI["GPU_SXM_3"]
-    assert gpus["GPU_SXM_3"].telemetry.temperature_c == 34.0 and gpus["GPU_SXM_3"].telemetry.power_w == 71.5
+    assert gpus["GPU_SXM_3"].telemetry.temperature.reading_c == 34.0 and gpus["GPU_SXM_3"].telemetry.power_w == 71.5
+    assert gpus["GPU_SXM_3"].telemetry.sxm_slot == "SXM3"
     assert gpus["GPU_SXM_3"].telemetry.row_remapping_failed is False
     assert sorted(switches) == [f"NVSwitch_{n}" for n in range(4)] and all(v.status == "ok" for v in switches.values())
     check = bmc.bmc_check(redfish.config())
@@ -59,7 +60,7 @@ def test_failed_and_degraded_components_are_named_with_their_evidence(redfish):
     def hostile(docs):
         set_field(docs, f"{SYSTEM}/Memory/GPU_SXM_3_DRAM_0", "Oem.Nvidia.RowRemappingFailed", True)
         set_field(docs, f"{SYSTEM}/Memory/GPU_SXM_5_DRAM_0", "Oem.Nvidia.RowRemappingPending", True)
-        set_field(docs, f"{ROOT}/Chassis/HGX_GPU_SXM_2/Sensors/HGX_GPU_SXM_2_TEMP_0", "Reading", 86.0)
+        set_field(docs, f"{ROOT}/Chassis/HGX_GPU_SXM_2/Sensors/HGX_GPU_SXM_2_TEMP_0", "Reading", 88.0)
         set_field(docs, f"{SYSTEM}/Processors/GPU_SXM_6/ProcessorMetrics", "Oem.Nvidia.ThrottleReasons",
                   ["HWThermalSlowdown"])
         set_field(docs, f"{SYSTEM}/Processors/GPU_SXM_7/ProcessorMetrics", "PCIeErrors.FatalErrorCount", 1)
@@ -71,7 +72,7 @@ def test_failed_and_degraded_components_are_named_with_their_evidence(redfish):
     assert status == {"GPU_SXM_1": "ok", "GPU_SXM_2": "degraded", "GPU_SXM_3": "failed", "GPU_SXM_4": "ok",
                       "GPU_SXM_5": "degraded", "GPU_SXM_6": "degraded", "GPU_SXM_7": "failed", "GPU_SXM_8": "ok"}
     assert gpus["GPU_SXM_3"].reasons == ("row remapping failed (no spare HBM rows)",)
-    assert gpus["GPU_SXM_2"].reasons == ("temperature 86 C >= caution 85 C",)
+    assert gpus["GPU_SXM_2"].reasons == ("temperature 88 C >= caution 87 C (NVIDIA NVML_TEMPERATURE_THRESHOLD_GPU_MAX)",)
     assert gpus["GPU_SXM_6"].reasons == ("hardware slowdown HWThermalSlowdown",)
     assert switches["NVSwitch_1"].status == "failed"
     check = bmc.bmc_check(redfish.config())
@@ -239,6 +240,19 @@ def test_lifetime_dram_ecc_and_remap_counts_are_evidence_not_a_verdict():
     t = GpuTelemetry(gpu_id="GPU_SXM_1", health="OK", state="Enabled", dram_ecc_uncorrectable=3,
                      row_remap_uncorrectable=3, row_remapping_failed=False, row_remapping_pending=False)
     assert bmc.judge_gpu(t) == ("ok", ())
+
+
+def test_a_temperature_without_thresholds_is_judged_by_nvidias_limits_named_as_such():
+    from gpuaas_agent.contract.bmc import TemperatureReading
+
+    hot = GpuTelemetry(gpu_id="GPU_SXM_1", temperature=TemperatureReading(reading_c=96.0),
+                       memory_temperature=TemperatureReading(reading_c=40.0))
+    assert bmc.judge_gpu(hot) == (
+        "failed", ("temperature 96 C >= critical 95 C (NVIDIA NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)",))
+    warm_hbm = GpuTelemetry(gpu_id="GPU_SXM_1", memory_temperature=TemperatureReading(reading_c=95.5))
+    assert bmc.judge_gpu(warm_hbm) == (
+        "failed", ("memory temperature 95.5 C >= critical 95 C (NVIDIA NVML_TEMPERATURE_THRESHOLD_MEM_MAX)",))
+    assert bmc.judge_gpu(GpuTelemetry(gpu_id="GPU_SXM_1", throttle_reasons=None)) == ("ok", ())
 
 
 def test_failed_outranks_unread_and_unread_outranks_ok():

@@ -43,7 +43,10 @@ def styled(value, indent=""):
 
 def main(argv):
     state = json.loads(STATE.read_text())
-    args = [a for a in argv if a not in ("--hostname", "--unix-domain-socket")]
+    args = list(argv)
+    for option in ("--hostname", "--unix-domain-socket"):  # connection options and their values: not the command
+        if option in args:
+            del args[args.index(option):args.index(option) + 2]
     key = " ".join(args[:2])
     state.setdefault("calls", []).append(argv)
     STATE.write_text(json.dumps(state))

@@ -85,19 +85,20 @@ def parse_partition_list(text: str) -> FabricPartitionList:
 
 @dataclass(frozen=True)
 class FabricManager:
-    """The host's Fabric Manager, reached with ``fmpm`` (``--hostname`` / ``--unix-domain-socket`` when set)."""
+    """The host's Fabric Manager, reached with ``fmpm`` over TCP (``--hostname`` when set, else fmpm's 127.0.0.1).
+
+    No ``--unix-domain-socket``: fmpm parses it and connects over TCP to the hostname anyway
+    (config.py ``FabricManagerConfig`` says where in fmpm.cpp).
+    """
 
     fmpm: str = "fmpm"
     timeout_s: float = 30.0
     hostname: str | None = None
-    unix_socket: str | None = None
     runner: Runner = run
 
     def _argv(self, *args: str) -> list[str]:
         argv = [self.fmpm, *args]
-        if self.unix_socket is not None:
-            argv += ["--unix-domain-socket", self.unix_socket]
-        elif self.hostname is not None:
+        if self.hostname is not None:
             argv += ["--hostname", self.hostname]
         return argv
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpuaas_agent.config import parse_config
+from gpuaas_agent.config import ConfigError, parse_config
 from gpuaas_agent.host.devices.fabricmanager import FabricManager, FabricManagerError, parse_partition_list, pci_address
 from gpuaas_agent.tasks.drivers import fabric_manager
 from tests.support.deadline import run_bounded
@@ -104,11 +104,22 @@ def test_restore_is_verified_and_catches_an_fmpm_that_sends_an_empty_list(tmp_pa
     assert err.value.code == "fm_restore_unverified" and err.value.evidence["inactive"] == [3, 5]
 
 
-def test_socket_and_host_options_reach_fmpm(tmp_path):
-    fm, replay = recorded_fm(tmp_path)
-    fm = FabricManager(fmpm=fm.fmpm, unix_socket="/run/nvidia-fabricmanager/fm.sock")
+def test_the_hostname_reaches_fmpm_and_no_socket_option_is_ever_sent(tmp_path):
+    fm, replay = recorded_fm(tmp_path, active=[1])
+    listed = run_bounded(FabricManager(fmpm=fm.fmpm, hostname="10.0.0.7").partitions(), 60)
+    assert replay.calls[-1] == ["-l", "--hostname", "10.0.0.7"]
+    assert [p.partition_id for p in listed.partitions if p.active] == [1]
     run_bounded(fm.partitions(), 60)
-    assert replay.calls[-1] == ["-l", "--unix-domain-socket", "/run/nvidia-fabricmanager/fm.sock"]
+    assert replay.calls[-1] == ["-l"]  # unset: fmpm's own default, 127.0.0.1 over TCP
+
+
+def test_a_unix_socket_setting_is_refused_with_what_fmpm_really_does():
+    # fmpm.cpp overwrites the socket path with --hostname and sets addressIsUnixSocket = 0 before fmConnect:
+    # a unix_socket key would look honoured and never be; the config says so instead.
+    with pytest.raises(ConfigError) as err:
+        parse_config({"slice": {"fabric_manager": {"unix_socket": "/run/nvidia-fabricmanager/fm.sock"}}})
+    assert "fmpm ignores --unix-domain-socket" in err.value.message
+    assert "slice.fabric_manager" in err.value.message and "hostname" in err.value.message
 
 
 def test_replayed_list_is_fmpm_styled_json(tmp_path):
@@ -119,8 +130,7 @@ def test_replayed_list_is_fmpm_styled_json(tmp_path):
 
 
 def test_the_config_table_builds_the_client_and_its_absence_builds_none():
-    config = parse_config({"slice": {"fabric_manager": {"unix_socket": "/run/nvidia-fabricmanager/fm.sock",
-                                                        "timeout_s": 12}}})
+    config = parse_config({"slice": {"fabric_manager": {"hostname": "127.0.0.1", "timeout_s": 12}}})
     fm = fabric_manager(config.slice.fabric_manager)
-    assert (fm.fmpm, fm.timeout_s, fm.unix_socket) == ("/usr/bin/fmpm", 12.0, "/run/nvidia-fabricmanager/fm.sock")
+    assert (fm.fmpm, fm.timeout_s, fm.hostname) == ("/usr/bin/fmpm", 12.0, "127.0.0.1")
     assert fabric_manager(parse_config({}).slice.fabric_manager) is None
