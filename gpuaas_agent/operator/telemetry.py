@@ -266,19 +266,13 @@ def _slice_families(messages: list[SliceTelemetry]) -> Iterator[Metric]:
             if value is not None and m.slots:
                 family.add_metric([str(m.slots[0].slot_index)], value)
         yield family
-    for attr, name in _DISK_SERIES:
-        counter = CounterMetricFamily(name, f"the slot disk's {attr.replace('_', ' ')} as the guest did them",
-                                      labels=["slot"])
-        for m in messages:
-            for s in m.slots:
-                if s.disk is not None and (v := getattr(s.disk, attr)) is not None:
-                    counter.add_metric([str(s.slot_index)], v)
-        yield counter
-    for attr, name in _NIC_SERIES:
-        counter = CounterMetricFamily(name, f"the slot management vNIC's {attr.replace('_', ' ')} (host tap side)",
-                                      labels=["slot"])
-        for m in messages:
-            for s in m.slots:
-                if s.management_nic is not None and (v := getattr(s.management_nic, attr)) is not None:
-                    counter.add_metric([str(s.slot_index)], v)
-        yield counter
+    for part, series, what in (("disk", _DISK_SERIES, "the slot disk's {} as the guest did them"),
+                               ("management_nic", _NIC_SERIES, "the slot management vNIC's {} (host tap side)")):
+        for attr, name in series:
+            counter = CounterMetricFamily(name, what.format(attr.replace("_", " ")), labels=["slot"])
+            for m in messages:
+                for s in m.slots:
+                    device = getattr(s, part)
+                    if device is not None and (v := getattr(device, attr)) is not None:
+                        counter.add_metric([str(s.slot_index)], v)
+            yield counter

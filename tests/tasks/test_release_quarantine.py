@@ -51,15 +51,21 @@ def _failed(code: str, step: str = "wipe") -> PipelineFailed:
                           disk_touched=True, cancelled=False, compensations=[], steps_done=["find"])
 
 
+def _quarantine_an_unverified_wipe(store: StateStore) -> str:
+    """Slot 3 leased to a new allocation, whose release failed wipe_unverified: the disk is quarantined."""
+    alloc = str(uuid.uuid4())
+    lease = store.take_lease(_lease(alloc))
+    run = ReleaseRun(drivers=None, payload=None, task_id="t-release", ctx=task_ctx(store, "t-release"),
+                     holders=(lease,), record=None)
+    asyncio.run(quarantine_failed_component(run, _failed("wipe_unverified")))
+    return alloc
+
+
 def test_an_unverified_wipe_quarantines_the_disk_until_a_later_proof_covers_every_byte(tmp_path):
     clock = Clock()
     store = StateStore.open(tmp_path / "state.db", clock=clock)
     try:
-        alloc = str(uuid.uuid4())
-        lease = store.take_lease(_lease(alloc))
-        run = ReleaseRun(drivers=None, payload=None, task_id="t-release", ctx=task_ctx(store, "t-release"),
-                         holders=(lease,), record=None)
-        asyncio.run(quarantine_failed_component(run, _failed("wipe_unverified")))
+        alloc = _quarantine_an_unverified_wipe(store)
         [record] = store.quarantined()
         clock.now = record.quarantined_at.timestamp() + 60  # every proof below is recorded after the quarantine
         assert (record.kind.value, record.identity, record.reason.value, record.slot_index) == (
@@ -83,11 +89,7 @@ def test_only_a_proof_of_the_quarantined_disk_made_after_the_quarantine_returns_
     clock = Clock()
     store = StateStore.open(tmp_path / "state.db", clock=clock)
     try:
-        alloc = str(uuid.uuid4())
-        lease = store.take_lease(_lease(alloc))
-        run = ReleaseRun(drivers=None, payload=None, task_id="t-release", ctx=task_ctx(store, "t-release"),
-                         holders=(lease,), record=None)
-        asyncio.run(quarantine_failed_component(run, _failed("wipe_unverified")))
+        alloc = _quarantine_an_unverified_wipe(store)
         store.release_slot_lease(alloc, 3)
         [record] = store.quarantined()
         check = RecheckContext(host_root=tmp_path, store=store)
