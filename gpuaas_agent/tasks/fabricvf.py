@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +36,15 @@ from gpuaas_agent.contract.fabricvf import (
     tenant_settings,
 )
 from gpuaas_agent.contract.fleet import QuarantineRecord, RecheckVerdict
+from gpuaas_agent.contract.parity import ParityCheck, ParityStatus
 from gpuaas_agent.contract.runtime import RuntimeProfile
 from gpuaas_agent.contract.slots import ApprovedSlot
 from gpuaas_agent.contract.topology import FabricDevice, TopologyReport
 from gpuaas_agent.discovery.identity import identity_key
 from gpuaas_agent.discovery.report import discover
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink, compare_settings
+from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink, compare_settings, read_eswitch_mode
+from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.tasks.drivers import SliceDrivers
 
@@ -259,3 +262,53 @@ async def recheck_parked(drivers: SliceDrivers, record: QuarantineRecord) -> Rec
                                     "mismatches": [m.model_dump() for m in mismatches]},
                           detail="parked" if not mismatches else
                           "not parked: " + ", ".join(f"{m.field} {m.found} (wanted {m.wanted})" for m in mismatches))
+
+
+# -- parity: what the host can prove about its fabric VFs' isolation ------------------------------------------
+
+HOST_PROVES = "per VF on a legacy eswitch: MAC, VLAN+QoS, spoof check, trust, link state, rate cap, IB GUIDs (read back)"
+FABRIC_PROVES = "the partition key's membership (UFM binds the GUIDs), the uplink's VLAN trunking, the DPU's own switch"
+
+
+def fabric_isolation_check(host: HostRoot, isolation: FabricIsolation, report: TopologyReport,
+                           eswitch: Callable[[str], tuple[EswitchMode, str]] = read_eswitch_mode) -> ParityCheck:
+    """``fabric_isolation``: the PFs of the candidate slots' VFs and whether the host can isolate them.
+
+    ``required``: PASS only when every such PF's eswitch reads ``legacy`` on this live host; FAIL when one does
+    not (a provision of a passthrough profile would be refused); a recording cannot be asked (WARN).
+    ``single_tenant``: WARN (nothing is applied: two tenants on this host would share the fabric).
+    ``dpu_enforced``: WARN naming what the host can and cannot prove (never PASS: docs/safety.md §7).
+    """
+    pfs = sorted({c.fabric_pf_pci_address for c in report.candidate_slots if c.fabric_pf_pci_address})
+    if isolation is FabricIsolation.single_tenant:
+        return ParityCheck(status=ParityStatus.WARN, check="fabric_isolation", hard=False,
+                           detail="single_tenant: no VLAN, GUID, spoof check or trust is set on the fabric VFs; "
+                                  "two tenants on this host would reach each other on the fabric",
+                           remediation="run one tenant per host, or set [slice] fabric_isolation = \"required\"",
+                           evidence=f"pfs={','.join(pfs) or 'none'}")
+    modes = {pf: eswitch(pf) if host.is_live else (EswitchMode.unknown, "a recording: devlink cannot be asked")
+             for pf in pfs}
+    ev = " | ".join(f"{pf}={mode.value} ({how})" for pf, (mode, how) in modes.items()) or "no candidate slot has a fabric PF"
+    if isolation is FabricIsolation.dpu_enforced:
+        return ParityCheck(status=ParityStatus.WARN, check="fabric_isolation", hard=False,
+                           detail=f"dpu_enforced: the host sets nothing on the VFs and cannot prove the isolation; "
+                                  f"the host proves only the eswitch modes ({ev}); the DPU must enforce "
+                                  f"{HOST_PROVES.split(': ', 1)[1]}, and the fabric {FABRIC_PROVES}",
+                           remediation="prove the DPU's per-VF policy on the DPU (its own checks), or use a legacy "
+                                       "eswitch with fabric_isolation = \"required\"", evidence=ev)
+    if not host.is_live:
+        return ParityCheck(status=ParityStatus.WARN, check="fabric_isolation", hard=True,
+                           detail="not provable from a recording: the PFs' eswitch modes (devlink)",
+                           remediation="run parity on the live host", evidence=ev)
+    bad = {pf: mode for pf, (mode, _) in modes.items() if mode is not EswitchMode.legacy}
+    if bad or not pfs:
+        return ParityCheck(status=ParityStatus.FAIL, check="fabric_isolation", hard=True,
+                           detail=("required: the host cannot apply VF policy on "
+                                   + (", ".join(f"{pf} (eswitch {m.value})" for pf, m in bad.items()) or "any PF")
+                                   + ": provisions of passthrough profiles are refused (fabric_pf_cannot_apply)"),
+                           remediation="put the PF's eswitch in legacy mode (devlink dev eswitch set pci/<pf> mode "
+                                       "legacy), or declare fabric_isolation = \"dpu_enforced\" where the DPU enforces it",
+                           evidence=ev)
+    return ParityCheck(status=ParityStatus.PASS, check="fabric_isolation", hard=True,
+                       detail=f"required: {len(pfs)} PF(s) with a legacy eswitch; the host proves {HOST_PROVES}; "
+                              f"only the fabric proves {FABRIC_PROVES}", evidence=ev)

@@ -14,6 +14,7 @@ import asyncio
 import subprocess
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -27,21 +28,24 @@ from gpuaas_agent.contract.fabricvf import (
     VfSettings,
     derive_vf_identity,
 )
+from gpuaas_agent.contract.parity import ParityStatus
 from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.discovery.identity import identity_key
 from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink
+from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.fabricvf import (
     FabricIsolationRefused,
     apply_fabric_vfs,
     check_fabric_vfs,
+    fabric_isolation_check,
     locate_vf,
     recorded,
 )
 from gpuaas_agent.tasks.plan import plan_bundle
 from lab.loophost import materialize
-from tests.conftest import HOSTS
+from tests.conftest import HOSTS, fixture_host
 from tests.realdev import require_root
 from tests.support.provision_inputs import (
     approved_slot,
@@ -214,3 +218,33 @@ def test_provision_on_a_host_whose_pf_cannot_apply_is_refused_before_any_lease(l
                                 fabric_attachment=IB)
     failure = _refused(loop_host, tmp_path, payload)
     assert failure.code == "fabric_pf_cannot_apply" and failure.evidence["cause"] == "fabric_vf_missing"
+
+
+# -- parity: what the host can prove ----------------------------------------------------------------------------
+
+
+def test_parity_warns_for_single_tenant_whatever_the_host(report):
+    check = fabric_isolation_check(HostRoot.open(Path("/")), FabricIsolation.single_tenant, report,
+                                   _eswitch(EswitchMode.legacy))
+    assert (check.status, check.hard) == (ParityStatus.WARN, False) and "reach each other" in check.detail
+
+
+def test_parity_for_dpu_enforced_names_what_the_host_cannot_prove(report):
+    check = fabric_isolation_check(HostRoot.open(Path("/")), FabricIsolation.dpu_enforced, report,
+                                   _eswitch(EswitchMode.switchdev))
+    assert check.status is ParityStatus.WARN
+    assert "cannot prove" in check.detail and "switchdev" in check.detail and "spoof check" in check.detail
+
+
+@pytest.mark.parametrize("mode, status", [(EswitchMode.legacy, ParityStatus.PASS), (EswitchMode.switchdev, ParityStatus.FAIL),
+                                          (EswitchMode.unknown, ParityStatus.FAIL)])
+def test_parity_under_required_passes_only_a_proven_legacy_eswitch(report, mode, status):
+    check = fabric_isolation_check(HostRoot.open(Path("/")), FabricIsolation.required, report, _eswitch(mode))
+    assert check.status is status and check.hard
+    assert "0000:19:00.0" in check.evidence
+
+
+def test_parity_on_a_recording_is_not_a_pass(report):
+    check = fabric_isolation_check(HostRoot.open(fixture_host("h200-slice-after-transition")), FabricIsolation.required,
+                                   report, _eswitch(EswitchMode.legacy))
+    assert check.status is ParityStatus.WARN and "recording" in check.detail
