@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,6 +32,7 @@ from gpuaas_agent.contract.fabricvf import (
 )
 from gpuaas_agent.contract.parity import ParityStatus
 from gpuaas_agent.contract.runtime import get_profile
+from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.discovery.identity import identity_key
 from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink
 from gpuaas_agent.hostfs import HostRoot
@@ -41,9 +44,13 @@ from gpuaas_agent.tasks.fabricvf import (
     check_fabric_vfs,
     fabric_isolation_check,
     locate_vf,
+    park_recorded,
     recorded,
 )
+from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.plan import plan_bundle
+from gpuaas_agent.tasks.recheck import RecheckContext, recheck_fabric_vf
+from gpuaas_agent.tasks.release import ReleaseRun, quarantine_failed_component
 from lab.loophost import materialize
 from tests.conftest import HOSTS, fixture_host
 from tests.realdev import require_root
@@ -248,3 +255,49 @@ def test_parity_on_a_recording_is_not_a_pass(report):
     check = fabric_isolation_check(HostRoot.open(fixture_host("h200-slice-after-transition")), FabricIsolation.required,
                                    report, _eswitch(EswitchMode.legacy))
     assert check.status is ParityStatus.WARN and "recording" in check.detail
+
+
+# -- release: park, or cleanup_blocked and quarantine --------------------------------------------------------
+
+
+def test_release_parks_nothing_no_attachment_reached(report, tmp_path):
+    store = StateStore.open(tmp_path / "state.db")
+    sh = slice_drivers_for(SimpleNamespace(root=fixture_host("h200-slice-after-transition")), tmp_path)
+    out = asyncio.run(park_recorded(sh, as_store_thread(store), [approved_slot(report, 0)], str(uuid.uuid4()), "t-r"))
+    assert out["parked"] == [] and "no VF" in out["skipped"]
+    store.close()
+
+
+def test_a_vf_that_does_not_park_is_quarantined_until_its_pf_reads_it_parked(report, pf_netns, tmp_path):
+    """The real kernel refuses the parking set (a PF without VF ops): the release step fails typed, the VF is
+    quarantined fabric_vf_not_parked, and its re-check reads the PF and does not pass."""
+    store = StateStore.open(tmp_path / "state.db")
+    thread = as_store_thread(store)
+    slot = approved_slot(report, 0)
+    alloc = str(uuid.uuid4())
+    sh = slice_drivers_for(SimpleNamespace(root=fixture_host("h200-slice-after-transition")), tmp_path)
+    sh.fabric_vf = FabricVfNetlink(netns=pf_netns)
+    lease = store.take_lease(SlotLease(allocation_id=alloc, slot_index=0, gpu_pci_address=slot.gpu_pci_address,
+                                       nvme_device=slot.nvme_device, disk_identity="eui:0001",
+                                       fabric_vf_pci_address=slot.fabric_vf_pci_address, task_id="t-p",
+                                       taken_at=time.time()))
+    plan = check_fabric_vfs(FabricIsolation.required, GPU_PROFILE, IB, report, [slot],
+                            RecordedPf(vfs=(VfSettings(vf=0),), eswitch=_eswitch(EswitchMode.legacy)))
+    with pytest.raises(FabricVfError):
+        asyncio.run(apply_fabric_vfs(sh.fabric_vf, thread, plan, alloc, "t-p"))
+    with pytest.raises(FabricVfError) as info:
+        asyncio.run(park_recorded(sh, thread, [slot], alloc, "t-r"))
+    assert info.value.code == "fabric_vf_unsupported" and info.value.evidence["address"] == slot.fabric_vf_pci_address
+    assert asyncio.run(recorded(thread, slot.fabric_vf_pci_address))["state"] == "applied"  # still owed a park
+
+    run = ReleaseRun(drivers=sh, payload=None, task_id="t-r", ctx=task_ctx(store, "t-r"), holders=(lease,), record=None)
+    failure = PipelineFailed(info.value, failed_step="fabric_vf_park", disk_touched=False, cancelled=False,
+                             compensations=[], steps_done=["find", "shutdown", "undefine"])
+    asyncio.run(quarantine_failed_component(run, failure))
+    [record] = store.quarantined()
+    assert (record.kind.value, record.identity, record.reason.value) == (
+        "fabric_vf", slot.fabric_vf_pci_address, "fabric_vf_not_parked")
+    verdict = asyncio.run(recheck_fabric_vf(RecheckContext(host_root=sh.host_root, drivers=sh, store=store), record))
+    assert not verdict.passed and verdict.check == "fabric_vf_parked"
+    assert "reports 0 VF" in verdict.detail
+    store.close()
