@@ -24,12 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
 from gpuaas_agent.contract.fabricvf import (
     EswitchMode,
     FabricAttachment,
     FabricIsolation,
     FabricLinkKind,
     FabricVfIdentity,
+    VfSettings,
     derive_vf_identity,
     parked_settings,
     parking_guid,
@@ -46,6 +48,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink, compare_settings, read_eswitch_mode
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import StoreThread
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 
 
@@ -170,15 +173,29 @@ def check_fabric_vfs(isolation: FabricIsolation, profile: RuntimeProfile, attach
     return FabricVfPlan(isolation, attachment, targets=tuple(targets), evidence=tuple(evidence))
 
 
+RECORD_INDEX = "fabric_vf:index"  # meta key: the JSON list of every VF address with a record
+
+
 def record_key(vf_pci_address: str) -> str:
-    """The store's meta key recording the VF's tenancy (``applied``) or its parking (``parked``)."""
+    """The store's meta key recording the VF's tenancy (``applied``) or its parking (``parked``), with the
+    settings it must hold (``wanted``): what reconcile compares."""
     return f"fabric_vf:{vf_pci_address}"
 
 
-async def _record(store: StoreThread, target: VfTarget, state: str, allocation_id: str, task_id: str) -> None:
+def _write_record(store: StateStore, address: str, value: str) -> None:
+    """On the store thread: the record and the index in one go (the thread serialises writers)."""
+    known = set(json.loads(store.meta(RECORD_INDEX) or "[]"))
+    if address not in known:
+        store.set_meta(RECORD_INDEX, json.dumps(sorted(known | {address})))
+    store.set_meta(record_key(address), value)
+
+
+async def _record(store: StoreThread, target: VfTarget, state: str, allocation_id: str, task_id: str,
+                  wanted: VfSettings) -> None:
     value = json.dumps({"state": state, "allocation_id": allocation_id, "task_id": task_id, "at": time.time(),
-                        "pf_netdev": target.pf_netdev, "vf_index": target.vf_index, "kind": target.kind})
-    await store.run(lambda s: s.set_meta(record_key(target.vf_pci_address), value))
+                        "pf_netdev": target.pf_netdev, "vf_index": target.vf_index, "kind": target.kind,
+                        "parking_guid": target.parking_guid, "wanted": wanted.model_dump(mode="json")})
+    await store.run(_write_record, target.vf_pci_address, value)
 
 
 async def recorded(store: StoreThread, vf_pci_address: str) -> dict[str, Any] | None:
@@ -200,7 +217,7 @@ async def apply_fabric_vfs(netlink: FabricVfNetlink, store: StoreThread, plan: F
     applied = []
     for target in plan.targets:
         wanted = tenant_settings(target.vf_index, target.identity, plan.attachment)
-        await _record(store, target, "applied", allocation_id, task_id)
+        await _record(store, target, "applied", allocation_id, task_id, wanted)
         observed = await asyncio.to_thread(netlink.apply, target.pf_netdev, wanted)
         applied.append({**target.journal(), "observed": observed.model_dump(mode="json")})
     return {"isolation": plan.isolation.value, "applied": applied}
@@ -211,7 +228,7 @@ async def park_target(netlink: FabricVfNetlink, store: StoreThread, target: VfTa
     """Park one VF (link disabled, parking VLAN, no MAC, parking GUID), read it back, record it ``parked``."""
     wanted = parked_settings(target.vf_index, target.kind, target.parking_guid)
     observed = await asyncio.to_thread(netlink.apply, target.pf_netdev, wanted)
-    await _record(store, target, "parked", allocation_id, task_id)
+    await _record(store, target, "parked", allocation_id, task_id, wanted)
     return {**target.journal(), "parked": observed.model_dump(mode="json")}
 
 
@@ -312,3 +329,57 @@ def fabric_isolation_check(host: HostRoot, isolation: FabricIsolation, report: T
     return ParityCheck(status=ParityStatus.PASS, check="fabric_isolation", hard=True,
                        detail=f"required: {len(pfs)} PF(s) with a legacy eswitch; the host proves {HOST_PROVES}; "
                               f"only the fabric proves {FABRIC_PROVES}", evidence=ev)
+
+
+# -- reconcile: every VF the agent set, against what its PF holds now ----------------------------------------
+
+
+async def reconcile_findings(netlink: FabricVfNetlink, store: StoreThread, leased: set[tuple[str, str]], *,
+                             repair: bool) -> list[DriftFinding]:
+    """Every recorded VF's settings on its PF against what the agent set (``wanted`` of its record).
+
+    ``leased``: (allocation, VF address) of the store's leases. A difference is ``fabric_vf_drift``; with
+    ``repair`` the agent sets the record's settings again and reads them back: an active lease's attachment
+    restored, a parked VF parked again. An ``applied`` VF no lease holds any more is parked (no tenant holds it).
+    """
+    index = json.loads(await store.run(lambda s: s.meta(RECORD_INDEX)) or "[]")
+    findings = []
+    for address in index:
+        rec = await recorded(store, address)
+        if rec is None or "wanted" not in rec:
+            continue
+        wanted = VfSettings.model_validate(rec["wanted"])
+        pf_netdev, kind = str(rec["pf_netdev"]), rec.get("kind", "ethernet")
+        orphan = rec["state"] == "applied" and (rec["allocation_id"], address) not in leased
+        if orphan:
+            wanted = parked_settings(wanted.vf, "infiniband" if kind == "infiniband" else "ethernet",
+                                     str(rec["parking_guid"]))
+        try:
+            observed = await asyncio.to_thread(netlink.read, pf_netdev, wanted.vf)
+        except FabricVfError as exc:
+            findings.append(DriftFinding(kind=DriftKind.fabric_vf_unreadable, subject=address,
+                                         severity=DriftSeverity.error, expected=rec["state"], actual=exc.code,
+                                         detail={"pf_netdev": pf_netdev, "vf": wanted.vf, "message": exc.message,
+                                                 "allocation_id": rec["allocation_id"]}))
+            continue
+        mismatches = compare_settings(wanted, observed)
+        if not mismatches and not orphan:
+            continue
+        detail: dict[str, Any] = {"pf_netdev": pf_netdev, "vf": wanted.vf, "allocation_id": rec["allocation_id"],
+                                  "state": "applied_without_lease" if orphan else rec["state"],
+                                  "mismatches": [m.model_dump() for m in mismatches]}
+        repaired = False
+        if repair:
+            try:
+                await asyncio.to_thread(netlink.apply, pf_netdev, wanted)
+                repaired = True
+                if orphan:
+                    value = json.dumps({**rec, "state": "parked", "at": time.time(), "wanted": wanted.model_dump(mode="json")})
+                    await store.run(_write_record, address, value)
+            except FabricVfError as exc:
+                detail["repair_failed"] = {"code": exc.code, "message": exc.message}
+        findings.append(DriftFinding(
+            kind=DriftKind.fabric_vf_drift, subject=address, severity=DriftSeverity.error, repaired=repaired,
+            expected=", ".join(f"{m.field}={m.wanted}" for m in mismatches) or "parked",
+            actual=", ".join(f"{m.field}={m.found}" for m in mismatches) or "applied, no lease", detail=detail))
+    return findings

@@ -14,7 +14,7 @@ import asyncio
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,6 +45,7 @@ from gpuaas_agent.tasks.fabricvf import (
     fabric_isolation_check,
     locate_vf,
     park_recorded,
+    reconcile_findings,
     recorded,
 )
 from gpuaas_agent.tasks.pipeline import PipelineFailed
@@ -300,4 +301,76 @@ def test_a_vf_that_does_not_park_is_quarantined_until_its_pf_reads_it_parked(rep
     verdict = asyncio.run(recheck_fabric_vf(RecheckContext(host_root=sh.host_root, drivers=sh, store=store), record))
     assert not verdict.passed and verdict.check == "fabric_vf_parked"
     assert "reports 0 VF" in verdict.detail
+    store.close()
+
+
+# -- reconcile: what the PF holds against what the agent set ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SettablePf(FabricVfNetlink):
+    """A PF whose VFs keep what is set (a ConnectX-7's legacy eswitch, where this machine has none)."""
+
+    held: dict = field(default_factory=dict)
+
+    def read(self, pf_netdev: str, vf: int) -> VfSettings:
+        return self.held[vf]
+
+    def apply(self, pf_netdev: str, wanted: VfSettings) -> VfSettings:
+        current = self.held.get(wanted.vf, VfSettings(vf=wanted.vf))
+        self.held[wanted.vf] = current.model_copy(update={k: v for k, v in wanted.model_dump().items() if v is not None})
+        return self.held[wanted.vf]
+
+
+def _applied(report, tmp_path, attachment):
+    store = StateStore.open(tmp_path / "state.db")
+    slot = approved_slot(report, 0)
+    pf = SettablePf(held={0: VfSettings(vf=0, link_state=VfLinkState.disable)}, eswitch=_eswitch(EswitchMode.legacy))
+    plan = check_fabric_vfs(FabricIsolation.required, GPU_PROFILE, attachment, report, [slot], pf)
+    alloc = str(uuid.uuid4())
+    asyncio.run(apply_fabric_vfs(pf, as_store_thread(store), plan, alloc, "t-p"))
+    return store, pf, slot, alloc
+
+
+def test_drift_of_an_active_vf_is_typed_and_restored(report, tmp_path):
+    store, pf, slot, alloc = _applied(report, tmp_path, IB)
+    thread, leased = as_store_thread(store), {(alloc, slot.fabric_vf_pci_address)}
+    assert asyncio.run(reconcile_findings(pf, thread, leased, repair=True)) == []  # as set: nothing to say
+    identity = report.candidate_slots[0].fabric_vf_identity
+    assert pf.held[0].port_guid == identity.port_guid and pf.held[0].link_state is VfLinkState.auto
+    pf.held[0] = pf.held[0].model_copy(update={"port_guid": "02:00:00:00:00:00:00:99"})  # someone else's GUID
+    [seen] = asyncio.run(reconcile_findings(pf, thread, leased, repair=False))
+    assert (seen.kind.value, seen.subject, seen.repaired) == ("fabric_vf_drift", slot.fabric_vf_pci_address, False)
+    assert seen.detail["mismatches"][0]["field"] == "port_guid" and pf.held[0].port_guid != identity.port_guid
+    [fixed] = asyncio.run(reconcile_findings(pf, thread, leased, repair=True))
+    assert fixed.repaired and pf.held[0].port_guid == identity.port_guid
+    store.close()
+
+
+def test_an_applied_vf_no_lease_holds_is_parked_by_reconcile(report, tmp_path):
+    store, pf, slot, alloc = _applied(report, tmp_path, IB)
+    thread = as_store_thread(store)
+    [orphan] = asyncio.run(reconcile_findings(pf, thread, set(), repair=True))
+    assert orphan.detail["state"] == "applied_without_lease" and orphan.repaired
+    identity = report.candidate_slots[0].fabric_vf_identity
+    assert pf.held[0].link_state is VfLinkState.disable and pf.held[0].port_guid not in (None, identity.port_guid)
+    assert asyncio.run(recorded(thread, slot.fabric_vf_pci_address))["state"] == "parked"
+    pf.held[0] = pf.held[0].model_copy(update={"link_state": VfLinkState.auto})  # a parked VF brought up again
+    [repark] = asyncio.run(reconcile_findings(pf, thread, set(), repair=True))
+    assert repark.detail["state"] == "parked" and repark.repaired and pf.held[0].link_state is VfLinkState.disable
+    assert asyncio.run(reconcile_findings(pf, thread, set(), repair=True)) == []
+    store.close()
+
+
+def test_a_recorded_vf_the_real_pf_does_not_report_is_unreadable_drift(report, pf_netns, tmp_path):
+    store = StateStore.open(tmp_path / "state.db")
+    thread = as_store_thread(store)
+    slot, alloc = approved_slot(report, 0), str(uuid.uuid4())
+    plan = check_fabric_vfs(FabricIsolation.required, GPU_PROFILE, IB, report, [slot],
+                            RecordedPf(vfs=(VfSettings(vf=0),), eswitch=_eswitch(EswitchMode.legacy)))
+    with pytest.raises(FabricVfError):
+        asyncio.run(apply_fabric_vfs(FabricVfNetlink(netns=pf_netns), thread, plan, alloc, "t-p"))
+    [finding] = asyncio.run(reconcile_findings(FabricVfNetlink(netns=pf_netns), thread,
+                                               {(alloc, slot.fabric_vf_pci_address)}, repair=True))
+    assert (finding.kind.value, finding.actual) == ("fabric_vf_unreadable", "fabric_vf_missing")
     store.close()
