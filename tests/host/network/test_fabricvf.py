@@ -118,6 +118,8 @@ def test_requests_name_exactly_the_wanted_values():
     ('{"dev":{"pci/0000:e8:00.0":{"mode":"switchdev","inline-mode":"none","encap-mode":"basic"}}}', EswitchMode.switchdev),
     ('{"dev":{"pci/0000:e8:00.1":{"mode":"legacy"}}}', EswitchMode.unknown),  # another PF's answer
     ('{"dev":{"pci/0000:e8:00.0":{"mode":"offload"}}}', EswitchMode.unknown),
+    # A mode newer kernels add (Documentation/networking/devlink/devlink-eswitch-attr.rst): not legacy, not proven.
+    ('{"dev":{"pci/0000:e8:00.0":{"mode":"switchdev_inactive"}}}', EswitchMode.unknown),
     ("kernel answers: Operation not supported", EswitchMode.unknown), ("", EswitchMode.unknown)])
 def test_eswitch_mode_is_read_never_assumed(text, mode):
     assert parse_eswitch_json(text, "0000:e8:00.0") is mode
