@@ -383,3 +383,19 @@ async def reconcile_findings(netlink: FabricVfNetlink, store: StoreThread, lease
             expected=", ".join(f"{m.field}={m.wanted}" for m in mismatches) or "parked",
             actual=", ".join(f"{m.field}={m.found}" for m in mismatches) or "applied, no lease", detail=detail))
     return findings
+
+
+async def restore_applied(netlink: FabricVfNetlink, store: StoreThread, vf_addresses: list[str],
+                          allocation_id: str) -> list[dict[str, Any]]:
+    """Set again, and read back, what the store records as applied to these VFs for ``allocation_id``: a host
+    reboot (or a PF driver reload) resets a PF's VF settings, so boot recovery calls this before it starts an
+    active slice's domain again. A VF without such a record is left alone (nothing was applied to it)."""
+    restored = []
+    for address in vf_addresses:
+        rec = await recorded(store, address)
+        if rec is None or rec.get("state") != "applied" or rec.get("allocation_id") != allocation_id or "wanted" not in rec:
+            continue
+        wanted = VfSettings.model_validate(rec["wanted"])
+        observed = await asyncio.to_thread(netlink.apply, str(rec["pf_netdev"]), wanted)
+        restored.append({"vf": address, "pf_netdev": rec["pf_netdev"], "observed": observed.model_dump(mode="json")})
+    return restored

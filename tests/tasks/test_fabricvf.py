@@ -47,6 +47,7 @@ from gpuaas_agent.tasks.fabricvf import (
     park_recorded,
     reconcile_findings,
     recorded,
+    restore_applied,
 )
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.plan import plan_bundle
@@ -373,4 +374,18 @@ def test_a_recorded_vf_the_real_pf_does_not_report_is_unreadable_drift(report, p
     [finding] = asyncio.run(reconcile_findings(FabricVfNetlink(netns=pf_netns), thread,
                                                {(alloc, slot.fabric_vf_pci_address)}, repair=True))
     assert (finding.kind.value, finding.actual) == ("fabric_vf_unreadable", "fabric_vf_missing")
+    store.close()
+
+
+def test_after_a_reboot_reset_the_pf_the_recorded_attachment_is_set_again(report, tmp_path):
+    """Boot recovery's step before a guarded start (tasks/boot_recovery.py): the PF forgot the VF's settings."""
+    store, pf, slot, alloc = _applied(report, tmp_path, IB)
+    before = pf.held[0]
+    zero = "00:00:00:00:00:00:00:00"  # what an mlx5 VF's GUIDs read after a boot
+    pf.held[0] = VfSettings(vf=0, link_state=VfLinkState.auto, node_guid=zero, port_guid=zero)
+    thread = as_store_thread(store)
+    assert asyncio.run(restore_applied(pf, thread, [slot.fabric_vf_pci_address], "another-allocation")) == []
+    [restored] = asyncio.run(restore_applied(pf, thread, [slot.fabric_vf_pci_address], alloc))
+    assert pf.held[0] == before
+    assert restored["observed"]["port_guid"] == report.candidate_slots[0].fabric_vf_identity.port_guid
     store.close()
