@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from gpuaas_agent.compat import tomllib
 from gpuaas_agent.contract.egress import EgressTarget
+from gpuaas_agent.contract.fabricvf import FabricIsolation
 from gpuaas_agent.contract.firmware import FirmwareBaselineRule
 from gpuaas_agent.contract.nvmewipe import WipePolicy
 from gpuaas_agent.contract.runtime import PROFILES
@@ -217,6 +218,12 @@ class SliceConfig(BaseModel):
     gpu_admin_tool: Path | None = None
     # NVIDIA Fabric Manager on this host (NVSwitch boards, Shared NVSwitch model); None: not used.
     fabric_manager: FabricManagerConfig | None = None
+    # Who isolates one tenant's fabric VF from another's (docs/fabric.md, docs/safety.md §15): "required" (the
+    # agent applies the allocation's VLAN / GUIDs, spoof check, trust off to the VF and reads them back; a
+    # provision without the attachment, or on a PF that cannot take it, is refused), "single_tenant" (the
+    # operator's choice: one tenant per host, nothing applied, parity WARN) or "dpu_enforced" (a BlueField-3 in
+    # DPU mode / a switchdev PF enforces it on its own switch; parity names what the host cannot prove).
+    fabric_isolation: FabricIsolation = FabricIsolation.required
 
     @field_validator("wipe_policies")
     @classmethod

@@ -71,6 +71,9 @@ class DriftKind(WireEnum):
     fabric_partition_without_lease = "fabric_partition_without_lease"  # active, held by nothing of ours
     fabric_partition_lost = "fabric_partition_lost"  # a running slice's partition is inactive (FM restarted)
     fabric_manager_unavailable = "fabric_manager_unavailable"  # FM did not answer reconcile's partition list
+    # A slot's fabric VF (tasks/fabricvf.py, docs/fabric.md): the PF holds other settings than the agent set
+    fabric_vf_drift = "fabric_vf_drift"  # an applied VF's MAC/VLAN/spoof check/trust/GUID, or a parked VF, differs
+    fabric_vf_unreadable = "fabric_vf_unreadable"  # the PF did not report a VF the agent set
 
 
 class DriftSeverity(WireEnum):

@@ -48,6 +48,7 @@ ROOMS: dict[str, str] = {
     "host_vfio": "Host: VFIO binding and uevents",
     "host_wipe": "Host: disk wipe",
     "host_gpu": "Host: GPU handover between tenants (guards/gpureset.py, host/devices/gpuhandover.py)",
+    "host_fabric_vf": "Host: the slots' fabric VFs on their PFs: attachment applied, read back, parked (host/network/fabricvf.py, tasks/fabricvf.py, docs/fabric.md)",
     "host_fabric": "Host: NVIDIA Fabric Manager partitions of NVSwitch hosts (host/devices/fabricmanager.py, tasks/fabric_partitions.py)",
     "tasks": "Tasks: plan, admission, provision, release, power",
     "deploy": "Deploy: prepare-host and the terminal relay key",
@@ -529,6 +530,13 @@ class ErrorCode(StrEnum):
     FABRIC_PARTITION_UNHEALTHY = "fabric_partition_unhealthy", "host_fabric", "The set's partition has a GPU with NVLinks down; quarantine that GPU or sell a smaller set. Nothing was leased."
     FABRIC_PARTITION_IN_USE = "fabric_partition_in_use", "host_fabric", "The set's partition shares GPUs with an active partition; release that allocation first. Nothing was leased."
     FABRIC_PARTITION_CHANGED = "fabric_partition_changed", "host_fabric", "Fabric Manager's partition no longer holds the GPUs planned for the allocation (FM reconfigured); plan again."
+    FABRIC_ATTACHMENT_MISSING = "fabric_attachment_missing", "host_fabric_vf", "fabric_isolation is required and the provision of a profile passing a fabric VF through carries no fabric_attachment; the control plane sends the VLAN or partition key (docs/contract.md). Nothing was leased."
+    FABRIC_ATTACHMENT_KIND_MISMATCH = "fabric_attachment_kind_mismatch", "host_fabric_vf", "The attachment is Ethernet for an InfiniBand PF (or the reverse); send the attachment of the slot's fabric. Nothing was leased."
+    FABRIC_PF_CANNOT_APPLY = "fabric_pf_cannot_apply", "host_fabric_vf", "fabric_isolation is required and a slot's PF cannot apply the attachment (no netdev, the VF not reported over netlink, eswitch not legacy); fix the PF, or declare fabric_isolation = dpu_enforced where the DPU enforces it. Nothing was leased."
+    FABRIC_VF_MISSING = "fabric_vf_missing", "host_fabric_vf", "The PF netdev does not exist or does not report the slot's VF over netlink; check sriov_numvfs and the PF's driver."
+    FABRIC_VF_UNSUPPORTED = "fabric_vf_unsupported", "host_fabric_vf", "The PF's driver refused a VF setting (EOPNOTSUPP/EINVAL: no VF ops, or switchdev mode); see the evidence's errno."
+    FABRIC_VF_MISMATCH = "fabric_vf_mismatch", "host_fabric_vf", "The kernel took the VF settings but reads back other values; the domain is not started (provision) or the slot is cleanup_blocked and the VF quarantined (release)."
+    FABRIC_VF_FAILED = "fabric_vf_failed", "host_fabric_vf", "A netlink request on the PF failed; the evidence has the errno."
     FABRIC_MANAGER_MISSING = "fabric_manager_missing", "guards", "A fabric_partitions profile on an NVSwitch host and Fabric Manager did not answer; start nvidia-fabricmanager and configure [slice.fabric_manager]. Nothing was leased."
     PARTITION_LEASED = "partition_leased", "state", "The Fabric Manager partition is held by another allocation on this host; release it first."
     NVML_FIXTURE_INVALID = "nvml_fixture_invalid", "operator", "The NVML fixture is invalid; re-record it."

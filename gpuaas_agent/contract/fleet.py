@@ -104,6 +104,7 @@ class QuarantineReason(WireEnum):
     gpu_aer_fatal = "gpu_aer_fatal"  # the GPU reported a fatal PCIe AER error
     gpu_xid = "gpu_xid"  # the GPU reported a fatal XID
     firmware_changed = "firmware_changed"  # the device's firmware changed during a tenancy
+    fabric_vf_not_parked = "fabric_vf_not_parked"  # a released fabric VF did not read back parked (§4.15)
     bmc_failed = "bmc_failed"  # the HGX baseboard's BMC judged the GPU failed (ECC, row remap, temperature...)
     operator = "operator"  # an operator took it out (slice.quarantine); re-check: the operator's word
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from gpuaas_agent.contract.base import WireModel
+from gpuaas_agent.contract.fabricvf import FabricAttachment, FabricVfIdentity
 from gpuaas_agent.contract.placement import PlacementReport
 from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName, MacAddress, PciAddress
 
@@ -24,6 +25,9 @@ class PlannedSlot(WireModel):
     mac: MacAddress
     private_ip: str
     ovs_bridge: str
+    # The VF's MAC and IB GUIDs the agent derives for this slot (contract/fabricvf.py): bind the GUIDs into the
+    # allocation's partition before the provision. None: the slot's VF is not on this host (never planned).
+    fabric_vf_identity: FabricVfIdentity | None = None
 
 
 class BundlePlan(WireModel):
@@ -31,3 +35,4 @@ class BundlePlan(WireModel):
     slots: list[PlannedSlot]
     # v1.1, multi-slot sets only: the locality the set gets, the constraint that decided, a better free set.
     placement: PlacementReport | None = None
+    fabric_attachment: FabricAttachment | None = None  # the payload's, echoed

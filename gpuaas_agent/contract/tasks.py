@@ -22,6 +22,7 @@ from gpuaas_agent.contract.base import (
     first_error,
 )
 from gpuaas_agent.contract.cloudinit import MAX_SSH_KEYS, GuestDriverProfile, Hostname, LinuxUserName, SshPublicKey
+from gpuaas_agent.contract.fabricvf import FabricAttachment
 from gpuaas_agent.contract.fleet import (
     DrainReport,
     MaintenancePayload,
@@ -103,6 +104,9 @@ class PlanPayload(WireModel):
     slots: list[ApprovedSlot] = Field(min_length=1)
     # v1.1: the profile the slots are for; its placement constraint is enforced on a multi-slot set.
     runtime_profile: str | None = None
+    # The allocation's fabric attachment (docs/contract.md "Fabric VF"), echoed in the plan with each slot's
+    # VF identity. The plan does not refuse without it; a provision under fabric_isolation=required does.
+    fabric_attachment: FabricAttachment | None = None
 
 
 class ImageRef(WireModel):
@@ -135,6 +139,10 @@ class VmProvisionPayload(WireModel):
     guest_driver_profile: GuestDriverProfile | None = None  # unknown names are refused at the edge
     # How long the control plane gives the guest to take its lease and answer SSH; None: the agent's config.
     readiness_timeout_s: int | None = Field(default=None, ge=5, le=7200)
+    # The allocation's fabric attachment (Ethernet VLAN, or the InfiniBand partition the control plane bound the
+    # slots' GUIDs into before sending this): applied to every slot's VF and read back before the domain
+    # starts. Required where the profile passes a fabric VF through and [slice] fabric_isolation = "required".
+    fabric_attachment: FabricAttachment | None = None
 
 
 class VmReleasePayload(WireModel):

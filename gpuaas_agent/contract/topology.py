@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, WireEnum, WireModel
+from gpuaas_agent.contract.fabricvf import FabricVfIdentity
 from gpuaas_agent.contract.firmware import FirmwareInventory
 from gpuaas_agent.contract.types import ByIdPath, DiskIdentity, KernelName, MacAddress, PciAddress, PciId
 
@@ -206,6 +207,8 @@ class CandidateSlot(WireModel):
     numa_node: int | None
     nvme_locality: Locality | None = None
     fabric_locality: Locality | None = None
+    # The VF's MAC and IB node/port GUIDs, derived from host identity + slot index (contract/fabricvf.py).
+    fabric_vf_identity: FabricVfIdentity | None = None
     blockers: list[Finding] = Field(default_factory=list)
     warnings: list[Finding] = Field(default_factory=list)
     # Room for fractional GPUs: discovery emits whole-device slots only, with no parent.

@@ -28,6 +28,8 @@ from pydantic import StringConstraints
 PCI_ADDRESS = r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
 # Unicast MAC in lower-case colon form.
 MAC = r"[0-9a-f]{2}(:[0-9a-f]{2}){5}"
+# An InfiniBand GUID (EUI-64) in the lower-case colon form ``ip link`` and pyroute2 print: 8 octets.
+GUID = r"[0-9a-f]{2}(:[0-9a-f]{2}){7}"
 # Lower-case canonical UUID (allocation ids, OVSDB row uuids).
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 # A sha256 digest in lower-case hex: image identities and file proofs.
@@ -61,6 +63,7 @@ def whole(shape: str, flags: int = 0) -> re.Pattern[str]:
 
 PCI_ADDRESS_PATTERN = wire_pattern(PCI_ADDRESS)
 MAC_PATTERN = wire_pattern(MAC)
+GUID_PATTERN = wire_pattern(GUID)
 UUID_PATTERN = wire_pattern(UUID)
 SHA256_PATTERN = wire_pattern(SHA256)
 BY_ID_PATH_PATTERN = wire_pattern(BY_ID_PATH)
@@ -72,6 +75,7 @@ DATAPATH_TYPE_PATTERN = wire_pattern(DATAPATH_TYPE)
 
 PCI_ADDRESS_RE = whole(PCI_ADDRESS)
 MAC_RE = whole(MAC)
+GUID_RE = whole(GUID)
 UUID_RE = whole(UUID)
 SHA256_RE = whole(SHA256)
 BY_ID_NAME_RE = whole(BY_ID_NAME)
@@ -83,6 +87,7 @@ DATAPATH_TYPE_RE = whole(DATAPATH_TYPE)
 
 PciAddress = Annotated[str, StringConstraints(pattern=PCI_ADDRESS_PATTERN)]
 MacAddress = Annotated[str, StringConstraints(pattern=MAC_PATTERN)]
+Guid = Annotated[str, StringConstraints(pattern=GUID_PATTERN)]
 # A stable disk name: the only form a slot may use to name its NVMe (docs/safety.md §2).
 ByIdPath = Annotated[str, StringConstraints(pattern=BY_ID_PATH_PATTERN)]
 KernelName = Annotated[str, StringConstraints(pattern=wire_pattern(KERNEL_NAME))]

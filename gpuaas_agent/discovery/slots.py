@@ -10,7 +10,8 @@ Rules (seed 002 Phase 2, docs/safety.md):
 * a GPU gets a VF or a ``no_free_fabric_vf`` blocker, never a shared PF;
 * pairing maximises complete slots first, then prefers the same PCIe switch,
   then the same NUMA node;
-* MAC and IP suggestions are deterministic from host identity + slot index.
+* MAC and IP suggestions, and the fabric VF's MAC and IB GUIDs, are deterministic from host
+  identity + slot index.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hashlib
 import ipaddress
 from dataclasses import dataclass
 
+from gpuaas_agent.contract.fabricvf import derive_vf_identity
 from gpuaas_agent.contract.topology import (
     CandidateSlot,
     FabricDevice,
@@ -192,6 +194,7 @@ def plan_slots(
                 numa_node=gpu.numa_node,
                 nvme_locality=nvme_loc,
                 fabric_locality=fabric_loc,
+                fabric_vf_identity=derive_vf_identity(host_key, i) if vf else None,
                 blockers=blockers,
                 warnings=warnings,
                 sharing_mechanism=SharingMechanism.exclusive_device,  # whole-GPU slots only (no MIG/vGPU yet)

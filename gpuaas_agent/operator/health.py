@@ -339,8 +339,11 @@ def gpu_nvml_check(settings: HealthSettings, source: nvml.NvmlSource | None = No
 
 # -- port isolation (docs/safety.md §9) ---------------------------------------------------------
 
+# The fabric VF kinds too (tasks/fabricvf.py): a VF setting change on a PF is an RTM_NEWLINK of the PF, so the
+# slice-network watch's netlink wake-up re-reads the VFs and its repair (the repairing reconcile) restores them.
 ISOLATION_KINDS = frozenset({"flows_missing", "flows_altered", "flows_orphan",
-                             "nft_guard_missing", "nft_guard_altered", "nft_guard_orphan"})
+                             "nft_guard_missing", "nft_guard_altered", "nft_guard_orphan",
+                             "fabric_vf_drift", "fabric_vf_unreadable"})
 
 
 def isolation_check(findings: list[Any]) -> HealthCheck:

@@ -20,7 +20,8 @@ devices are proven). Nothing restarts a slice unless the agent does, so:
      the profile's ``on_host_boot: leave_stopped``: ``boot_restart_held``;
    * otherwise (``on_host_boot: restart``, the default): the GPU and VF are put back
      on vfio-pci through ``host/devices/vfio.py``'s guarded path (IOMMU group isolation
-     first), then the one guarded start every start takes
+     first), the fabric VF's recorded attachment set again and read back (a reboot reset
+     the PF's VF settings; ``tasks/fabricvf.py``), then the one guarded start every start takes
      (``tasks/domain_start.py``: disk guard with the lease's identity, /dev/kvm, the
      OVS bridge, hugepages on the node, vfio-pci, port isolation). A refusal is a
      ``slot_rebind_failed`` or ``boot_restart_refused`` finding with the guard's
@@ -71,10 +72,11 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.devices.vfio import AfterWrite, bind_to_vfio
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
-from gpuaas_agent.state.aio import as_store_thread
+from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks.context import AnyStore
 from gpuaas_agent.tasks.domain_start import guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.fabricvf import restore_applied
 from gpuaas_agent.tasks.power import ON, start_plan
 from gpuaas_agent.tasks.slot_topology import slot_topology_findings
 
@@ -142,7 +144,8 @@ async def rebind(drivers: SliceDrivers, lease: SlotLease, rec: SlotRecovery, aft
 
 
 async def recover_slot(drivers: SliceDrivers, lease: SlotLease, record: SlotRecord, domain: DomainInfo | None,
-                       *, after_write: AfterWrite | None = None, data_slots: tuple[SlotLease, ...] = ()) -> SlotRecovery:
+                       *, after_write: AfterWrite | None = None, data_slots: tuple[SlotLease, ...] = (),
+                       store: StoreThread | None = None) -> SlotRecovery:
     """One active slice after a boot: ``lease`` is its boot slot; ``data_slots`` the other slots of a
     multi-GPU allocation (one domain), re-bound and guarded with it, never started on their own."""
     rec = SlotRecovery(lease)
@@ -182,6 +185,13 @@ async def recover_slot(drivers: SliceDrivers, lease: SlotLease, record: SlotReco
     if profile.hostdevs:
         for held in (lease, *data_slots):
             if not await rebind(drivers, held, rec, after_write):
+                return rec
+        if store is not None:  # a reboot reset the PFs' VF settings: the attachment again, read back, first
+            try:
+                await restore_applied(drivers.fabric_vf, store, [h.fabric_vf_pci_address for h in (lease, *data_slots)],
+                                      lease.allocation_id)
+            except AgentError as exc:
+                _refused(rec, DriftKind.boot_restart_refused, exc, domain=domain.name)
                 return rec
     disk_lease = DiskLease(allocation_id=lease.allocation_id, slot_index=lease.slot_index,
                            nvme_device=lease.nvme_device, disk_identity=lease.disk_identity)
@@ -223,7 +233,7 @@ async def recover_after_boot(drivers: SliceDrivers, store: AnyStore, *, boot_id:
             continue
         async with drivers.slot_lock(lease.slot_index):
             rec = await recover_slot(drivers, lease, record, by_alloc.get(lease.allocation_id), after_write=after_write,
-                                     data_slots=tuple(data_of.get(lease.allocation_id, ())))
+                                     data_slots=tuple(data_of.get(lease.allocation_id, ())), store=state)
             findings += rec.findings
             outcomes[rec.outcome] = outcomes.get(rec.outcome, 0) + 1
             note = BootRecoveryNote(boot_id=boot_id, outcome=rec.outcome, at=time.time(),

@@ -21,6 +21,7 @@ from gpuaas_agent.host.devices.fabricmanager import FabricManager
 from gpuaas_agent.host.devices.gpuadmin import GpuAdminTool
 from gpuaas_agent.host.images.cache import ImageCache, SourcePolicy
 from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations
+from gpuaas_agent.host.network.fabricvf import FabricVfNetlink
 from gpuaas_agent.host.network.ovs import OvsDriver
 from gpuaas_agent.host.vm.consolelog import log_path as console_log_path
 from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
@@ -70,6 +71,8 @@ class SliceDrivers:
     gpu_tool: GpuAdminTool | None = None
     # NVIDIA Fabric Manager (NVSwitch hosts whose config has [slice.fabric_manager]); None: not used.
     fabric: FabricManager | None = None
+    # The slots' fabric VFs on their PFs (host/network/fabricvf.py): the host's own netlink.
+    fabric_vf: FabricVfNetlink = field(default_factory=FabricVfNetlink)
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> SliceDrivers:

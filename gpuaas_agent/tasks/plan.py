@@ -90,6 +90,8 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport, *, placement: Plac
     gpus = {g.pci_address: g for g in report.gpus}
     vfs = {f.pci_address: f for f in report.fabric_devices if f.is_vf}
     disks = disks_by_name(report)
+    identities = {c.slot_index: c.fabric_vf_identity for c in report.candidate_slots
+                  if c.fabric_vf_pci_address is not None}
     planned = []
     for slot in slots:
         if slot.status not in PLANNABLE:
@@ -123,14 +125,17 @@ def plan_bundle(payload: PlanPayload, report: TopologyReport, *, placement: Plac
             nvme_device=slot.nvme_device, nvme_kernel_name=disk.kernel_name, disk_identity=disk.disk_identity,
             nvme_size_bytes=disk.size_bytes,
             mac=slot.mac, private_ip=slot.private_ip, ovs_bridge=slot.ovs_bridge,
+            fabric_vf_identity=identities.get(slot.slot_index),
         )))
     partition = None
     if fabric is not None:
         partition = choose_partition(fabric, [p.gpu_pci_address for p in planned], held=held_partitions).partition_id
     elif len(planned) == 1:
-        return BundlePlan(allocation_id=payload.allocation_id, slots=planned)
+        return BundlePlan(allocation_id=payload.allocation_id, slots=planned,
+                          fabric_attachment=payload.fabric_attachment)
     verdict = enforce_placement(assess_placement(report, planned, placement, free_slots, fabric_partition=partition))
-    return BundlePlan(allocation_id=payload.allocation_id, slots=planned, placement=verdict)
+    return BundlePlan(allocation_id=payload.allocation_id, slots=planned, placement=verdict,
+                      fabric_attachment=payload.fabric_attachment)
 
 
 def lease_bundle(store: StateStore, plan: BundlePlan, task_id: str, *, now: float | None = None) -> list[SlotLease]:

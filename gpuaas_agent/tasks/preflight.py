@@ -36,6 +36,7 @@ from gpuaas_agent.errors import GuardError
 from gpuaas_agent.guards.preconditions import KVM_DEVICE, check_kvm, check_seed_dir, qemu_user
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.tasks.context import Handler, TaskContext
+from gpuaas_agent.tasks.fabricvf import fabric_isolation_check
 
 PASS, WARN, FAIL = ParityStatus.PASS, ParityStatus.WARN, ParityStatus.FAIL
 LIBVIRT_IMAGES = "/var/lib/libvirt/images"
@@ -121,6 +122,7 @@ def build_parity_report(host: HostRoot, target: NetTarget | None = None, sockets
         prereqs.check_hugepages(host, profiles, [s.numa_node for s in report.candidate_slots if not s.blockers]
                                 or [s.numa_node for s in report.candidate_slots]),
         prereqs.check_rdma(host),
+        fabric_isolation_check(host, slice_config.fabric_isolation, report),
         prereqs.check_libvirt(host, sockets),
         qemu_access_check(host, slice_config.seed_dir),
         prereqs.check_openvswitch(host, sockets),

@@ -1,7 +1,8 @@
 """``slice.vm_provision``: the journaled pipeline that turns an approved slot into a running, reachable VM.
 
 validate + lease → bind vfio → fetch/verify image → guard + clone → seed ISO →
-OVS port → dnsmasq reservation → define → start → readiness (lease + SSH).
+OVS port → dnsmasq reservation → fabric VF (attachment applied, read back) → define → start →
+readiness (lease + SSH).
 
 Outcomes (docs/contract.md, docs/safety.md):
 
@@ -66,6 +67,7 @@ from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.domain_start import SlicePort, guarded_start, put_port
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.fabricvf import FabricVfPlan, apply_fabric_vfs, check_fabric_vfs, park_recorded
 from gpuaas_agent.tasks.firmware_check import slot_firmware
 from gpuaas_agent.tasks.isolation import isolate_port
 from gpuaas_agent.tasks.maintenance import check_not_in_maintenance
@@ -269,6 +271,7 @@ class Validated:
     data_planned: tuple[PlannedSlot, ...] = ()
     data_leases: tuple[SlotLease, ...] = ()
     placement: PlacementReport | None = None  # of a multi-slot set
+    fabric_vf: FabricVfPlan | None = None  # the slots' fabric VFs to apply (or why none: tasks/fabricvf.py)
 
     def journal(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kernel_name": self.planned.nvme_kernel_name, "numa_node": self.planned.gpu_numa_node,
@@ -280,6 +283,8 @@ class Validated:
                                   "disk_identity": p.disk_identity} for p in self.data_planned]
         if self.placement is not None:
             out["placement"] = self.placement.model_dump(mode="json")
+        if self.fabric_vf is not None:
+            out["fabric_vf"] = self.fabric_vf.journal()
         return out
 
 
@@ -352,10 +357,16 @@ async def validate(run: ProvisionRun) -> Validated:
     fabric = await fabric_partitions.fabric_for(run.profile, report, drivers.fabric)
     held_partition = await store.partition_of(payload.allocation_id)
     plan = plan_bundle(PlanPayload(allocation_id=payload.allocation_id, approved_slot_ids=[s.slot_id for s in slots],
-                                   slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots]),
+                                   slots=[s.model_copy(update={"status": SlotStatus.reserved}) for s in slots],
+                                   fabric_attachment=payload.fabric_attachment),
                        report, placement=run.profile.placement, free_slots=free, fabric=fabric,
                        held_partitions=[held_partition.partition_id] if held_partition else [])
     planned = plan.slots[0]
+    # The fabric VFs (docs/fabric.md): under fabric_isolation = "required" a profile passing them through needs the
+    # payload's attachment and PFs that can take it (read over netlink and devlink now, before any lease):
+    # fabric_attachment_missing / fabric_attachment_kind_mismatch / fabric_pf_cannot_apply.
+    fabric_vf = await asyncio.to_thread(check_fabric_vfs, drivers.slice.fabric_isolation, run.profile,
+                                        payload.fabric_attachment, report, slots, drivers.fabric_vf)
     await store.run(check_not_quarantined, plan)  # component_quarantined: a slot with a quarantined part
     await asyncio.to_thread(check_reservation, drivers.reservations(), payload)
     preconditions = await _preconditions(run, planned, tuple(plan.slots[1:]))
@@ -390,7 +401,7 @@ async def validate(run: ProvisionRun) -> Validated:
         await store.set_slot_state(_record(run, SlotStatus.provisioning, HealthState.unknown, {}, s.slot_index))
     return Validated(planned=planned, lease=leases[0], lease_was_held=lease_was_held, relay_key=relay_key,
                      seed_spec=seed_spec, preconditions=preconditions, data_planned=tuple(plan.slots[1:]),
-                     data_leases=tuple(leases[1:]), placement=plan.placement)
+                     data_leases=tuple(leases[1:]), placement=plan.placement, fabric_vf=fabric_vf)
 
 
 async def unlease(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
@@ -735,6 +746,22 @@ async def readiness(run: ProvisionRun, started: Started) -> GuestReadiness:
     return ready.model_copy(update={"egress": proof})
 
 
+# -- the slots' fabric VFs: the allocation's attachment applied and read back before the domain exists -------
+
+
+async def fabric_vf(run: ProvisionRun, validated: Validated) -> dict[str, Any]:
+    """Apply the attachment validate checked to every slot's VF and read it back (tasks/fabricvf.py)."""
+    if validated.fabric_vf is None:
+        return {"skipped": "validate planned no fabric VF"}
+    return await apply_fabric_vfs(run.drivers.fabric_vf, run.store, validated.fabric_vf, run.payload.allocation_id,
+                                  run.task_id)
+
+
+async def park_fabric_vf(run: ProvisionRun, undo: Undo) -> dict[str, Any]:
+    """Park every VF this allocation's attachment reached (recorded before the first set), read back."""
+    return await park_recorded(run.drivers, run.store, run.slots, run.payload.allocation_id, run.task_id)
+
+
 # -- NVSwitch hosts: the Fabric Manager partition slice.plan leased (tasks/fabric_partitions.py) ---------------
 
 
@@ -766,6 +793,7 @@ PROVISION_STEPS: tuple[StepDef[ProvisionRun], ...] = (
     StepDef("seed", seed, unseed, takes=("validate",)),
     StepDef("ovs_port", ovs_port, unplug),
     StepDef("reservation", reservation, unreserve),
+    StepDef("fabric_vf", fabric_vf, park_fabric_vf, takes=("validate",)),
     StepDef("define", define, undefine, takes=("validate",)),
     StepDef("fabric_partition", activate_fabric_partition, deactivate_fabric_partition),
     StepDef("start", start, stop, takes=("validate", "define")),

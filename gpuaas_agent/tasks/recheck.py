@@ -39,6 +39,7 @@ from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.fabricvf import recheck_parked
 from gpuaas_agent.tasks.firmware_check import firmware_restored
 
 
@@ -193,6 +194,14 @@ async def recheck_firmware(ctx: RecheckContext, record: QuarantineRecord) -> Rec
                           evidence={"changes": [c.model_dump(mode="json") for c in changes]})
 
 
+async def recheck_fabric_vf(ctx: RecheckContext, record: QuarantineRecord) -> RecheckVerdict:
+    """A fabric VF that did not park at release: its PF reports it parked now (a release retried since parked it)."""
+    if ctx.drivers is None:
+        return RecheckVerdict(check="fabric_vf_parked", passed=False,
+                              detail="no slice drivers on this box: the VF's PF cannot be read")
+    return await recheck_parked(ctx.drivers, record)
+
+
 RECHECKS: dict[QuarantineReason, Recheck] = {
     QuarantineReason.firmware_changed: recheck_firmware,
     QuarantineReason.wipe_unverified: recheck_wipe,
@@ -201,4 +210,5 @@ RECHECKS: dict[QuarantineReason, Recheck] = {
     QuarantineReason.operator: recheck_operator,
     QuarantineReason.gpu_aer_fatal: recheck_aer,
     QuarantineReason.smart_failing: recheck_smart,
+    QuarantineReason.fabric_vf_not_parked: recheck_fabric_vf,
 }

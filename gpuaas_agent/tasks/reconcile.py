@@ -58,7 +58,7 @@ from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.network.dnsmasq import parse_leases, status_of
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
-from gpuaas_agent.tasks import fabric_partitions
+from gpuaas_agent.tasks import fabric_partitions, fabricvf
 from gpuaas_agent.tasks.context import AnyStore, Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.isolation import (
@@ -377,6 +377,9 @@ async def reconcile(drivers: SliceDrivers, store: AnyStore, *, repair: bool,
                      else judgement.isolation.findings)
     # NVSwitch hosts: Fabric Manager's active partitions vs. the partition leases and the running domains.
     findings += await fabric_partitions.reconcile_findings(drivers.fabric, state, set(snap.running), repair=repair)
+    # Every fabric VF the agent set vs. its PF: an active lease's attachment restored, a parked VF parked again.
+    findings += await fabricvf.reconcile_findings(drivers.fabric_vf, state, {(lease.allocation_id, lease.fabric_vf_pci_address)
+                                                                            for lease in snap.leases}, repair=repair)
 
     report = DriftReport(node_id=node_id, trigger=trigger, findings=findings, at=datetime.now(UTC))
     log_event(log, "reconciled", trigger=trigger.value, findings=len(findings),

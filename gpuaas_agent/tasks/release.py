@@ -52,6 +52,7 @@ from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks import fabric_partitions
 from gpuaas_agent.tasks.context import TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
+from gpuaas_agent.tasks.fabricvf import park_recorded
 from gpuaas_agent.tasks.firmware_check import check_slot_firmware
 from gpuaas_agent.tasks.pipeline import PipelineFailed, Step, StepDef, bind_steps, run_pipeline
 from gpuaas_agent.tasks.quarantine import quarantine_component
@@ -439,6 +440,13 @@ async def fabric_partition_release(run: ReleaseRun) -> dict[str, Any]:
     return await fabric_partitions.deactivate_leased(run.drivers.fabric, run.store, run.alloc, release=True)
 
 
+async def fabric_vf_park(run: ReleaseRun) -> dict[str, Any]:
+    """After the domain is gone, before the GPU handover: park the slot's fabric VF (link disabled, parking VLAN,
+    no MAC, parking GUID) and read it back (tasks/fabricvf.py); one that does not park leaves the slot
+    cleanup_blocked and is quarantined. A VF no attachment reached (recorded by provision) is left as it is."""
+    return await park_recorded(run.drivers, run.store, [run.slot], run.alloc, run.task_id)
+
+
 _TEARDOWN = "a teardown step that looks first: running the release again finishes it"
 
 # The release pipeline, in order (docs/operations.md names the same steps).
@@ -449,6 +457,8 @@ RELEASE_STEPS: tuple[StepDef[ReleaseRun], ...] = (
     # The NVLink partition is deactivated before its GPUs are reset: a reset under an active partition
     # would take a GPU out of a fabric Fabric Manager still believes in.
     StepDef("fabric_partition_release", fabric_partition_release, no_compensation=_TEARDOWN),
+    StepDef("fabric_vf_park", fabric_vf_park,
+            no_compensation="parking is what a release owes the next tenant: running the release again parks it"),
     StepDef("gpu_handover", gpu_handover, takes=("find",),
             no_compensation="a reset is not undone; a failed or interrupted one leaves the slot cleanup_blocked"),
     StepDef("firmware_check", firmware_check, no_compensation="a read; a change leaves the slot cleanup_blocked"),
@@ -514,6 +524,7 @@ async def release(drivers: SliceDrivers, payload: VmReleasePayload, ctx: TaskCon
         "found": found.journal(),
         "cleanup_proof": {
             "domain": {"shutdown": outputs["shutdown"], "undefine": outputs["undefine"]},
+            "fabric_vf": outputs["fabric_vf_park"],
             "gpu_handover": outputs["gpu_handover"],
             "firmware": outputs["firmware_check"],
             "ovs_port": outputs["ovs_unplug"],
@@ -534,6 +545,8 @@ _QUARANTINE_ON = {
     ("gpu_handover", "gpu_settings_not_restored"): (ComponentKind.gpu, QuarantineReason.gpu_reset_failed),
     ("gpu_handover", "gpu_memory_clear_unverified"): (ComponentKind.gpu, QuarantineReason.gpu_memory_clear_failed),
     ("firmware_check", "firmware_changed"): (ComponentKind.slot, QuarantineReason.firmware_changed),
+    **{("fabric_vf_park", code): (ComponentKind.fabric_vf, QuarantineReason.fabric_vf_not_parked)
+       for code in ("fabric_vf_mismatch", "fabric_vf_unsupported", "fabric_vf_missing", "fabric_vf_failed")},
 }
 
 
@@ -547,6 +560,8 @@ async def quarantine_failed_component(run: ReleaseRun, failure: PipelineFailed) 
     kind, reason = wanted
     lease = run.holders[0]
     identity = str(lease.slot_index) if kind is ComponentKind.slot else lease.disk_identity
+    if kind is ComponentKind.fabric_vf:
+        identity = lease.fabric_vf_pci_address
     if kind is ComponentKind.gpu:
         identity = lease.gpu_pci_address
         if (failure.evidence or {}).get("address") == lease.fabric_vf_pci_address:

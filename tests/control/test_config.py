@@ -174,3 +174,15 @@ def test_js_api_prefix_defaults_to_jetstreams_own_and_reaches_the_worker(tmp_pat
         with pytest.raises(ConfigError) as err:
             load_config(path)
         assert "js_api_prefix" in str(err.value)
+
+
+def test_fabric_isolation_is_required_unless_the_operator_says_otherwise(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text('[slice]\nfabric_isolation = "single_tenant"\n')
+    assert load_config(path).slice.fabric_isolation.value == "single_tenant"
+    path.write_text("")
+    assert load_config(path).slice.fabric_isolation.value == "required"
+    path.write_text('[slice]\nfabric_isolation = "off"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "fabric_isolation" in info.value.message

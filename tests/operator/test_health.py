@@ -122,6 +122,19 @@ def test_port_isolation_is_degraded_by_a_missing_or_altered_flow_and_ok_without_
     assert isolation_check([other]).status == "ok"
 
 
+
+def test_a_fabric_vf_that_drifted_degrades_isolation_so_the_watch_repairs_it():
+    """The netlink wake-up of the slice-network watch reads the VFs too: a drifted VF opens port_isolation, whose
+    newly failing verdict runs the repairing reconcile (operator/netwatch.py)."""
+    from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
+    from gpuaas_agent.operator.health import isolation_check
+
+    drift = DriftFinding(kind=DriftKind.fabric_vf_drift, subject="0000:19:00.1", severity=DriftSeverity.error,
+                         actual="vlan=200")
+    degraded = isolation_check([drift])
+    assert degraded.status == "degraded" and "fabric_vf_drift 0000:19:00.1 (vlan=200)" in degraded.detail
+
+
 def test_a_live_host_without_nvme_cli_or_nvme_controllers_has_smart_unavailable_saying_which(monkeypatch, tmp_path):
     live = HealthSettings(host_root=Path("/"))
     if Path("/sys/class/nvme").is_dir() and any(Path("/sys/class/nvme").iterdir()):

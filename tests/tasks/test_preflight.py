@@ -36,7 +36,7 @@ NAT_MISSING = fixture_host("h200-slice-nat-missing")
 EXPECTED_CHECKS = [
     "node_agent", "kvm", "iommu", "vfio", "sriov_vfs", "slot_candidates", "gpu_driver", "gpu_host_services",
     "sysfs_writable", "nvswitch_partition", "ovmf",
-    "hugepages", "rdma_devices", "libvirt", "qemu_access", "openvswitch",
+    "hugepages", "rdma_devices", "fabric_isolation", "libvirt", "qemu_access", "openvswitch",
     "ovs_bridge", "dnsmasq", "nat", "ip_forward", "ipoib_netplan", "ipoib_address", "fabric_route", "tmfifo",
     "historical_network_service", "reboot_required",
 ]

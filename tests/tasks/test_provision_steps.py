@@ -11,12 +11,14 @@ from gpuaas_agent.tasks.provision import PROVISION_STEPS
 from tests.support.pipeline_ctx import sync
 
 # The order docs/operations.md's task table states for slice.vm_provision, with the Fabric Manager partition around
-# start (docs/hgx.md: nothing to do on a host without a leased partition).
-DOCUMENTED = ["validate", "bind_vfio", "image", "data_disks", "clone", "seed", "ovs_port", "reservation", "define",
+# start (docs/hgx.md: nothing to do on a host without a leased partition) and the fabric VF's attachment before define
+# (docs/fabric.md).
+DOCUMENTED = ["validate", "bind_vfio", "image", "data_disks", "clone", "seed", "ovs_port", "reservation", "fabric_vf",
+              "define",
               "fabric_partition", "start", "fabric_partition_check", "readiness"]
 # Steps that change the host (state store, sysfs, cache pins, disk, files, OVS, dnsmasq, libvirt, Fabric Manager).
-WRITES = {"validate", "bind_vfio", "image", "clone", "seed", "ovs_port", "reservation", "define", "fabric_partition",
-          "start"}
+WRITES = {"validate", "bind_vfio", "image", "clone", "seed", "ovs_port", "reservation", "fabric_vf", "define",
+          "fabric_partition", "start"}
 
 
 def test_provision_steps_are_the_documented_names_in_order():
@@ -30,7 +32,8 @@ def test_every_provision_step_that_writes_has_an_undo_or_says_why_not():
         if step.name in WRITES and step.compensate is None:
             assert len(step.no_compensation) > 20, step.name  # a reason, not a placeholder
     undone = {s.name for s in PROVISION_STEPS if s.compensate is not None}
-    assert undone == {"validate", "image", "seed", "ovs_port", "reservation", "define", "fabric_partition", "start"}
+    assert undone == {"validate", "image", "seed", "ovs_port", "reservation", "fabric_vf", "define", "fabric_partition",
+                      "start"}
 
 
 def test_every_provision_step_takes_only_earlier_outputs_and_its_signature_matches():

@@ -61,7 +61,8 @@ def gpu_host(tmp_path_factory):
 
 def test_gpu_handover_is_declared_after_undefine_and_the_partition_release():
     names = [d.name for d in RELEASE_STEPS]
-    assert names.index("undefine") < names.index("fabric_partition_release") < names.index("gpu_handover")
+    assert names.index("undefine") < names.index("fabric_partition_release") < names.index("fabric_vf_park") \
+        < names.index("gpu_handover")
     assert names.index("gpu_handover") < names.index("wipe") < names.index("lease_release")
 
 
