@@ -55,7 +55,6 @@ from gpuaas_agent.tasks.recheck import RecheckContext, recheck_fabric_vf
 from gpuaas_agent.tasks.release import ReleaseRun, quarantine_failed_component
 from lab.loophost import materialize
 from tests.conftest import HOSTS, fixture_host
-from tests.realdev import require_root
 from tests.support.provision_inputs import (
     approved_slot,
     approved_slot_of_host,
@@ -65,6 +64,7 @@ from tests.support.provision_inputs import (
     task_ctx,
     topology_of,
 )
+from tests.support.realdev import require_root
 from tests.tasks.conftest import provision_failure
 
 MiB = 1 << 20

@@ -35,7 +35,7 @@ from gpuaas_agent.host.network.fabricvf import (
     vf_request,
     vfs_of_link,
 )
-from tests.realdev import require_root
+from tests.support.realdev import require_root
 
 IDENTITY = FabricVfIdentity(mac="02:11:22:33:44:55", node_guid="02:00:00:00:00:00:00:01",
                             port_guid="02:00:00:00:00:00:00:02")
