@@ -146,3 +146,82 @@ def test_the_recorded_readback_is_what_the_kernel_answers(igb: dict[str, Any]) -
     for stage in ("after_sriov_numvfs", "vf0_applied", "vf1_applied", "vf1_parked"):
         assert settings(recorded["readback"][stage]) == settings(igb["readback"][stage]), stage
     assert recorded["steps"] == igb["steps"]
+
+
+# -- the agent's own fabric driver on the same real VFs ------------------------------------------------------
+
+DRIVER_JOB = REPO / "lab" / "igb_jobs" / "fabricvf_driver.py"
+# The gpuaas_agent package copied into the guest: this checkout's, or another one's (a branch being merged).
+AGENT_PACKAGE = Path(os.environ.get("GPUAAS_IGB_AGENT_PACKAGE", REPO / "gpuaas_agent"))
+COMPARED = ("mac", "vlan", "qos", "spoofchk", "trust", "link_state", "max_tx_rate_mbps")
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One boot running ``gpuaas_agent.host.network.fabricvf`` (unchanged) against two igb VFs; its report."""
+    try:
+        run = run_in_igb_guest(DRIVER_JOB.read_text(), workdir=tmp_path_factory.mktemp("igb-driver"),
+                               packages={"gpuaas_agent": AGENT_PACKAGE}, cache=LAB_CACHE,
+                               timeout_s=GUEST_TIMEOUT_S)  # fmt: skip
+    except LabImageError as exc:
+        pytest.fail(f"{exc.code}: {exc} {json.dumps(exc.evidence, default=str)[:4000]}")
+    assert run.rc == 0, f"the driver job failed in the guest:\n{run.stderr[-4000:]}"
+    report: dict[str, Any] = run.json()
+    return report
+
+
+def holds(observed: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """The fields ``wanted`` names that ``observed`` (a VfSettings dump) does not hold."""
+    return [f for f in COMPARED if wanted[f] is not None and observed[f] != wanted[f]]
+
+
+def test_driver_apply_holds_every_value_or_is_refused_typed(driver: dict[str, Any]) -> None:
+    """Fail closed on a real PF: the tenant's settings either all read back, or apply raises a typed refusal.
+
+    On igb (no VF link state) it is the refusal, and the kernel has then applied the attributes before
+    IFLA_VF_LINK_STATE and not those after it: the VF holds the tenant's MAC and VLAN with trust as the
+    previous holder left it (on). The domain must not start on it, and the park must not count as done.
+    """
+    tenant, applied = driver["tenant"], driver["calls"]["apply_tenant"]
+    if applied["ok"]:
+        assert holds(applied["value"], tenant) == []
+    else:
+        assert applied["code"] in ("fabric_vf_unsupported", "fabric_vf_mismatch"), applied
+        assert applied["evidence"]["errno"] == "ENOTSUP"  # igb: ndo_set_vf_link_state is absent
+        left = driver["calls"]["read_vf0_after_apply_tenant"]["value"]
+        assert (left["mac"], left["vlan"], left["trust"]) == (tenant["mac"], tenant["vlan"], True)
+
+
+def test_driver_applies_and_reads_back_the_attachment_igb_can_hold(driver: dict[str, Any]) -> None:
+    calls, tenant = driver["calls"], driver["tenant"]
+    wanted = {**tenant, "link_state": None}
+    assert calls["apply_tenant_without_link_state"]["ok"], calls["apply_tenant_without_link_state"]
+    assert holds(calls["apply_tenant_without_link_state"]["value"], wanted) == []
+    assert calls["apply_tenant_without_link_state"]["value"]["link_state"] == "auto"
+    other = calls["apply_vf1_other_tenant_without_link_state"]["value"]
+    assert (other["vlan"], other["spoofchk"], other["trust"]) == (200, True, False)
+    assert other["mac"] != tenant["mac"]  # each slot's derived MAC is its own
+
+
+def test_driver_names_drift_made_behind_its_back_and_restores_it(driver: dict[str, Any]) -> None:
+    calls = driver["calls"]
+    drift = {m["field"]: (m["wanted"], m["found"]) for m in calls["drift_compare"]["value"]}
+    assert drift == {"vlan": ("100", "300"), "qos": ("3", "0"), "spoofchk": ("true", "false")}
+    assert calls["drift_restore"]["ok"], calls["drift_restore"]
+    assert calls["compare_after_restore"]["value"] == []
+
+
+def test_driver_park_reads_back_parked_or_is_refused_and_leaves_the_other_vf(driver: dict[str, Any]) -> None:
+    calls, parked = driver["calls"], driver["parked"]
+    if calls["park_vf1"]["ok"]:
+        assert holds(calls["park_vf1"]["value"], parked) == []
+    else:  # igb: link state disable is EOPNOTSUPP, so a full park is refused (cleanup_blocked upstream)
+        assert calls["park_vf1"]["code"] == "fabric_vf_unsupported"
+    assert holds(calls["park_vf1_without_link_state"]["value"], {**parked, "link_state": None}) == []
+    assert holds(calls["read_vf0_after_park"]["value"], {**driver["tenant"], "link_state": None}) == []
+
+
+def test_driver_reading_a_vf_the_pf_does_not_have_is_fabric_vf_missing(driver: dict[str, Any]) -> None:
+    assert driver["calls"]["read_vf5_missing"]["code"] == "fabric_vf_missing"
+    assert driver["calls"]["read_vf5_missing"]["evidence"]["num_vf"] == 2
+    assert driver["calls"]["apply_vf5_missing"]["ok"] is False
