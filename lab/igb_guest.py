@@ -306,11 +306,12 @@ def job_archive(script: str, packages: Mapping[str, Path], timeout_s: float) -> 
     return gzip.compress(cpio.render(), compresslevel=1, mtime=0)
 
 
-def qemu_argv(image: IgbImage, initrd: Path, console: Path, result: Path, memory_mib: int = 768) -> list[str]:
+def qemu_argv(image: IgbImage, initrd: Path, console: Path, result: Path, memory_mib: int = 768,
+              smp: int = 1) -> list[str]:
     """q35 (igb is PCIe; its VFs sit at devfn +0x80 on the same bus), TCG, direct kernel boot, two serial ports."""
     return [
         *image.qemu.argv_prefix(),
-        "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-m", str(memory_mib), "-smp", "1",
+        "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-m", str(memory_mib), "-smp", str(smp),
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-kernel", str(image.kernel.vmlinuz), "-initrd", str(initrd),
         "-append", "console=ttyS0 panic=-1 loglevel=4",
@@ -328,11 +329,14 @@ def run_in_igb_guest(
     packages: Mapping[str, Path] | None = None,
     cache: Path = DEFAULT_CACHE,
     timeout_s: float = 600.0,
+    smp: int = 1,
 ) -> IgbRun:
     """Boot the igb guest, run ``script`` (Python, as root, with ``packages`` on its path), return its output.
 
     QEMU is killed by PID before this returns, whatever happens (the guest powers off by itself after
     the job; the kill is for a job or boot that never ends).
+    ``smp``: vCPUs. A job that brings ``igbvf`` up wants 2: the VF driver busy-waits for the PF's mailbox
+    answer, which the PF driver's interrupt handler can only give on another vCPU.
     """
     image = ensure_igb_image(cache)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -340,7 +344,7 @@ def run_in_igb_guest(
     initrd = workdir / "initrd-job.gz"
     initrd.write_bytes(image.initrd.read_bytes() + job_archive(script, packages or {}, job_timeout))
     console, result = workdir / "console.log", workdir / "result.log"
-    argv = qemu_argv(image, initrd, console, result)
+    argv = qemu_argv(image, initrd, console, result, smp=smp)
     started = time.monotonic()
     with open(workdir / "qemu.out", "wb") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -380,10 +384,11 @@ if __name__ == "__main__":  # exploration: run a script file (or a one-liner) in
     parser.add_argument("script", help="a Python file to run in the guest, or '-c CODE'")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--keep", type=Path, help="work directory to keep (console, result, qemu output)")
+    parser.add_argument("--smp", type=int, default=1, help="vCPUs [%(default)s]")
     args = parser.parse_args()
     code = Path(args.script).read_text() if Path(args.script).is_file() else args.script
     work = args.keep or Path(tempfile.mkdtemp(prefix="igb-guest-"))
-    run = run_in_igb_guest(code, workdir=work, cache=args.cache)
+    run = run_in_igb_guest(code, workdir=work, cache=args.cache, smp=args.smp)
     print(f"rc={run.rc} wall={run.wall_s:.1f}s booted_at={run.uptime_booted_s}s job={run.uptime_job_s:.1f}s "
           f"kernel={run.kernel_version} qemu={run.qemu_version}")  # fmt: skip
     print(run.stdout)
