@@ -532,6 +532,15 @@ def build_guest_image(out: Path, cache: Path = DEFAULT_CACHE, *, package: str | 
     return out
 
 
+# Public names of the helpers the lab's other guest builders reuse (lab/qemu_backport.py, lab/igb_guest.py).
+run_tool = _run
+sha256_file = _sha256_file
+natural_key = _natural_key
+download_deb = _download
+shared_libraries = _shared_libraries
+decompress_module = _decompress_module
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="cache directory [%(default)s]")

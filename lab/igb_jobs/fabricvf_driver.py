@@ -1,0 +1,95 @@
+"""Runs INSIDE the igb guest: the agent's own fabric VF driver (gpuaas_agent.host.network.fabricvf) on real VFs.
+
+The package is a copy of the checkout's ``gpuaas_agent/`` (lab/igb_guest.py puts it on the path); nothing
+of it is changed here. Prints one JSON document: each call's outcome (what it returned, or its error code
+and evidence). The host-side test asserts.
+"""
+
+import json
+import os
+import time
+
+from pyroute2 import IPRoute
+
+from gpuaas_agent.contract.fabricvf import (
+    EthernetAttachment,
+    VfSettings,
+    derive_vf_identity,
+    parked_settings,
+    parking_guid,
+    tenant_settings,
+)
+from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.network.fabricvf import FabricVfNetlink, compare_settings, read_eswitch_mode
+
+HOST_KEY = "igb-lab-guest"
+
+
+def sysfs(path):
+    with open(path) as fh:
+        return fh.read().strip()
+
+
+def driver_of(netdev):
+    link = f"/sys/class/net/{netdev}/device/driver"
+    return os.path.basename(os.path.realpath(link)) if os.path.exists(link) else None
+
+
+def outcome(fn):
+    try:
+        value = fn()
+    except AgentError as exc:
+        return {"ok": False, "code": exc.code, "message": str(exc), "evidence": exc.evidence}
+    if isinstance(value, VfSettings):
+        value = value.model_dump(mode="json")
+    elif isinstance(value, list):
+        value = [v.model_dump(mode="json") if hasattr(v, "model_dump") else v for v in value]
+    return {"ok": True, "value": value}
+
+
+def main():
+    pf = [n for n in sorted(os.listdir("/sys/class/net")) if driver_of(n) == "igb"][0]
+    pci = os.path.basename(os.path.realpath(f"/sys/class/net/{pf}/device"))
+    with open(f"/sys/class/net/{pf}/device/sriov_numvfs", "w") as fh:
+        fh.write("2")
+    with IPRoute() as ipr:  # the PF's link up: igb takes a rate cap only with carrier
+        ipr.link("set", index=ipr.link_lookup(ifname=pf)[0], state="up")
+    deadline = time.monotonic() + 20
+    while sysfs(f"/sys/class/net/{pf}/carrier") != "1" and time.monotonic() < deadline:
+        time.sleep(0.2)  # carrier comes from the emulated PHY's autonegotiation timer
+    net = FabricVfNetlink()
+    identity = derive_vf_identity(HOST_KEY, 0)
+    attachment = EthernetAttachment(vlan=100, qos=3, max_rate_mbps=100)
+    tenant = tenant_settings(0, identity, attachment)
+    tenant_no_link_state = tenant.model_copy(update={"link_state": None})
+    parked = parked_settings(1, "ethernet", parking_guid(HOST_KEY, 1))
+    parked_no_link_state = parked.model_copy(update={"link_state": None})
+    other = tenant_settings(1, derive_vf_identity(HOST_KEY, 1), EthernetAttachment(vlan=200))
+    report = {"pf": pf, "pf_pci": pci, "identity": identity.model_dump(mode="json"),
+              "tenant": tenant.model_dump(mode="json"), "parked": parked.model_dump(mode="json"), "calls": {}}
+    calls = report["calls"]
+    calls["read_vf0_fresh"] = outcome(lambda: net.read(pf, 0))
+    # A VF a previous holder left trusted: does a refused apply leave it so?
+    with IPRoute() as ipr:
+        ipr.link("set", index=ipr.link_lookup(ifname=pf)[0], vf={"vf": 0, "trust": 1})
+    calls["apply_tenant"] = outcome(lambda: net.apply(pf, tenant))
+    calls["read_vf0_after_apply_tenant"] = outcome(lambda: net.read(pf, 0))
+    calls["apply_tenant_without_link_state"] = outcome(lambda: net.apply(pf, tenant_no_link_state))
+    calls["apply_vf1_other_tenant_without_link_state"] = outcome(
+        lambda: net.apply(pf, other.model_copy(update={"link_state": None})))
+    # drift: someone else sets VF 0's VLAN and spoof check on the PF; the driver's read + compare names it
+    with IPRoute() as ipr:
+        ipr.link("set", index=ipr.link_lookup(ifname=pf)[0], vf={"vf": 0, "vlan": 300, "spoofchk": 0})
+    calls["drift_compare"] = outcome(lambda: compare_settings(tenant_no_link_state, net.read(pf, 0)))
+    calls["drift_restore"] = outcome(lambda: net.apply(pf, tenant_no_link_state))
+    calls["compare_after_restore"] = outcome(lambda: compare_settings(tenant_no_link_state, net.read(pf, 0)))
+    calls["park_vf1"] = outcome(lambda: net.apply(pf, parked))
+    calls["park_vf1_without_link_state"] = outcome(lambda: net.apply(pf, parked_no_link_state))
+    calls["read_vf0_after_park"] = outcome(lambda: net.read(pf, 0))
+    calls["read_vf5_missing"] = outcome(lambda: net.read(pf, 5))
+    calls["apply_vf5_missing"] = outcome(lambda: net.apply(pf, tenant_no_link_state.model_copy(update={"vf": 5})))
+    calls["eswitch_mode"] = outcome(lambda: [*map(str, read_eswitch_mode(pci))])
+    print(json.dumps(report, sort_keys=True, default=str))
+
+
+main()
