@@ -8,7 +8,7 @@ one RTM_SETLINK on the PF (pyroute2; no ``ip`` text parsing) and read back from 
 IFLA_VFINFO_LIST: a value the kernel does not hold is ``fabric_vf_mismatch``, and the domain does
 not start.
 
-The pure half (:func:`settings_from_vfinfo`, :func:`compare_settings`, :func:`vf_request`,
+The pure half (:func:`settings_from_vfinfo`, :func:`compare_settings`, :func:`vf_requests`,
 :func:`parse_eswitch_json`) works on decoded answers and is tested on recorded ones; the netlink half
 (:class:`FabricVfNetlink`) only sends and receives.
 """
@@ -43,26 +43,39 @@ class FabricVfError(HostError):
 # -- pure: requests, answers, comparison ---------------------------------------------------------------
 
 
-def vf_request(wanted: VfSettings) -> dict[str, Any]:
-    """The ``vf=`` argument of pyroute2's ``link("set")`` for ``wanted`` (only the values it names)."""
-    request: dict[str, Any] = {"vf": wanted.vf}
-    if wanted.mac is not None:
-        request["mac"] = wanted.mac
-    if wanted.vlan is not None:
-        request["vlan"] = {"vlan": wanted.vlan, "qos": wanted.qos or 0}
-    if wanted.max_tx_rate_mbps is not None:
-        request["rate"] = {"min_tx_rate": 0, "max_tx_rate": wanted.max_tx_rate_mbps}
-    if wanted.spoofchk is not None:
-        request["spoofchk"] = int(wanted.spoofchk)
+def vf_requests(wanted: VfSettings) -> list[dict[str, Any]]:
+    """The ``vf=`` arguments of pyroute2's ``link("set")`` for ``wanted``, one setting each, closing ones first.
+
+    The kernel applies a request's VF attributes in its own fixed order (MAC, VLAN, rate, spoof check, link
+    state, trust, GUIDs) and stops at the first it refuses: on a PF without VF link state (igb, seen on a real
+    kernel: ``docs/fabric-igb.md``) one request left the new tenant's MAC and VLAN on a VF whose trust was
+    still on from the previous holder. So each setting is its own request, in the order that fails safe:
+    trust off and spoof check on first, then the identity (MAC, VLAN, rate, GUIDs), and the link state last
+    when it opens the link (``auto``/``enable``) or first when it closes it (``disable``, the park).
+    """
+    vf = wanted.vf
+    closing: list[dict[str, Any]] = []
+    identity: list[dict[str, Any]] = []
     if wanted.trust is not None:
-        request["trust"] = int(wanted.trust)
+        closing.append({"vf": vf, "trust": int(wanted.trust)})
+    if wanted.spoofchk is not None:
+        closing.append({"vf": vf, "spoofchk": int(wanted.spoofchk)})
+    if wanted.mac is not None:
+        identity.append({"vf": vf, "mac": wanted.mac})
+    if wanted.vlan is not None:
+        identity.append({"vf": vf, "vlan": {"vlan": wanted.vlan, "qos": wanted.qos or 0}})
+    if wanted.max_tx_rate_mbps is not None:
+        identity.append({"vf": vf, "rate": {"min_tx_rate": 0, "max_tx_rate": wanted.max_tx_rate_mbps}})
     if wanted.node_guid is not None:
-        request["ib_node_guid"] = wanted.node_guid
+        identity.append({"vf": vf, "ib_node_guid": wanted.node_guid})
     if wanted.port_guid is not None:
-        request["ib_port_guid"] = wanted.port_guid
-    if wanted.link_state is not None:
-        request["link_state"] = LINK_STATE_VALUES[wanted.link_state]
-    return request
+        identity.append({"vf": vf, "ib_port_guid": wanted.port_guid})
+    if wanted.link_state is None:
+        return closing + identity
+    link = {"vf": vf, "link_state": LINK_STATE_VALUES[wanted.link_state]}
+    if wanted.link_state is VfLinkState.disable:
+        return [link, *closing, *identity]
+    return [*closing, *identity, link]
 
 
 def _field(vfinfo: Any, attr: str, key: str) -> Any:
@@ -231,7 +244,8 @@ class FabricVfNetlink:
         try:
             with self._ipr() as ipr:
                 index = self._index(ipr, pf_netdev)
-                ipr.link("set", index=index, vf=vf_request(wanted))
+                for request in vf_requests(wanted):  # one at a time, closing first: a refusal stops at a safe VF
+                    ipr.link("set", index=index, vf=request)
         except NetlinkError as exc:
             raise self._netlink_error(exc, pf_netdev, wanted.vf, "set") from None
         observed = self.read(pf_netdev, wanted.vf)

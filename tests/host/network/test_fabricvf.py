@@ -32,7 +32,7 @@ from gpuaas_agent.host.network.fabricvf import (
     compare_settings,
     parse_eswitch_json,
     read_eswitch_mode,
-    vf_request,
+    vf_requests,
     vfs_of_link,
 )
 from tests.support.realdev import require_root
@@ -104,13 +104,16 @@ def test_every_value_that_differs_is_a_mismatch(drift, field):
     assert [m.field for m in mismatches] == [field]
 
 
-def test_requests_name_exactly_the_wanted_values():
-    eth = vf_request(tenant_settings(3, IDENTITY, EthernetAttachment(vlan=100, qos=3, max_rate_mbps=25000)))
-    assert eth == {"vf": 3, "mac": IDENTITY.mac, "vlan": {"vlan": 100, "qos": 3},
-                   "rate": {"min_tx_rate": 0, "max_tx_rate": 25000}, "spoofchk": 1, "trust": 0, "link_state": 0}
-    ib = vf_request(parked_settings(3, "infiniband", "02:aa:00:00:00:00:00:01"))
-    assert ib == {"vf": 3, "ib_node_guid": "02:aa:00:00:00:00:00:01", "ib_port_guid": "02:aa:00:00:00:00:00:01",
-                  "link_state": 2}
+def test_requests_name_exactly_the_wanted_values_one_each_closing_settings_first():
+    eth = vf_requests(tenant_settings(3, IDENTITY, EthernetAttachment(vlan=100, qos=3, max_rate_mbps=25000)))
+    # Trust off and spoof check on before the tenant's identity; the link opened last.
+    assert eth == [{"vf": 3, "trust": 0}, {"vf": 3, "spoofchk": 1}, {"vf": 3, "mac": IDENTITY.mac},
+                   {"vf": 3, "vlan": {"vlan": 100, "qos": 3}}, {"vf": 3, "rate": {"min_tx_rate": 0, "max_tx_rate": 25000}},
+                   {"vf": 3, "link_state": 0}]
+    ib = vf_requests(parked_settings(3, "infiniband", "02:aa:00:00:00:00:00:01"))
+    # A park closes the link first, before anything else is asked of the PF.
+    assert ib == [{"vf": 3, "link_state": 2}, {"vf": 3, "ib_node_guid": "02:aa:00:00:00:00:00:01"},
+                  {"vf": 3, "ib_port_guid": "02:aa:00:00:00:00:00:01"}]
 
 
 @pytest.mark.parametrize("text, mode", [

@@ -178,9 +178,11 @@ def holds(observed: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
 def test_driver_apply_holds_every_value_or_is_refused_typed(driver: dict[str, Any]) -> None:
     """Fail closed on a real PF: the tenant's settings either all read back, or apply raises a typed refusal.
 
-    On igb (no VF link state) it is the refusal, and the kernel has then applied the attributes before
-    IFLA_VF_LINK_STATE and not those after it: the VF holds the tenant's MAC and VLAN with trust as the
-    previous holder left it (on). The domain must not start on it, and the park must not count as done.
+    On igb (no VF link state) it is the refusal. One request of every attribute used to stop at
+    IFLA_VF_LINK_STATE with trust still on from the previous holder (the kernel applies a request's
+    attributes in its own order); the driver now sends one setting a request, trust off and spoof check on
+    first and the link opened last, so the refused apply leaves a VF closed: trust off, spoof check on.
+    The domain must not start on it, and the park must not count as done.
     """
     tenant, applied = driver["tenant"], driver["calls"]["apply_tenant"]
     if applied["ok"]:
@@ -189,7 +191,7 @@ def test_driver_apply_holds_every_value_or_is_refused_typed(driver: dict[str, An
         assert applied["code"] in ("fabric_vf_unsupported", "fabric_vf_mismatch"), applied
         assert applied["evidence"]["errno"] == "ENOTSUP"  # igb: ndo_set_vf_link_state is absent
         left = driver["calls"]["read_vf0_after_apply_tenant"]["value"]
-        assert (left["mac"], left["vlan"], left["trust"]) == (tenant["mac"], tenant["vlan"], True)
+        assert (left["trust"], left["spoofchk"]) == (False, True), left
 
 
 def test_driver_applies_and_reads_back_the_attachment_igb_can_hold(driver: dict[str, Any]) -> None:
