@@ -1,4 +1,5 @@
-"""The account-per-node layout against a real nats-server 2.9.10: a node makes the server speak only for itself.
+"""The account-per-node layout on Debian's nats-server 2.9.10 and the current release 2.15.1: a node makes the server
+speak only for itself.
 
 One server in operator mode with a full resolver: the control plane's account (JetStream, the
 exports of ``gpuaas_agent/control/accounts.py``), a bootstrap account, and one account per node
@@ -57,7 +58,7 @@ from tests.natsauth.fleet import FleetOperator
 from tests.support.agent_process import FIXTURE, AgentProcess, agent_env
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.enroll_identity import IDENTITY
-from tests.support.nats_server import configured_server, write_creds
+from tests.support.nats_server import configured_server, nats_server_binary, release_nats_server, write_creds
 
 A, B = "node-accta", "node-acctb"
 SESSION = "0f8fad5b-d9cb-469f-a165-70867728950e"
@@ -71,13 +72,13 @@ TASKS_A, TASKS_B = task_stream_name(A), task_stream_name(B)
 class FleetServer:
     """One nats-server for the module: operator mode, full resolver, nodes A and B provisioned."""
 
-    def __init__(self, root) -> None:
+    def __init__(self, root, binary: str | None = None) -> None:
         self.root = root
         self.operator = FleetOperator()
         for node in (A, B):
             self.operator.node_account(node, task_stream_name(node))
         (root / "jwt").mkdir()
-        self.server = configured_server(root, self.operator.resolver_config(root / "jwt"))
+        self.server = configured_server(root, self.operator.resolver_config(root / "jwt"), binary=binary)
 
     def creds_file(self, name: str, text: str):
         return write_creds(self.root, name, text)
@@ -97,9 +98,12 @@ class FleetServer:
             return json.load(resp).get("connections") or []
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    lab = FleetServer(tmp_path_factory.mktemp("fleet"))
+@pytest.fixture(scope="module", params=["debian", "release"])
+def lab(request, tmp_path_factory):
+    """Every test of the layout on Debian's nats-server (2.9.10) and on the current release (2.15.1)."""
+    why = "the account-per-node layout is proven on Debian's nats-server and on the current release"
+    binary = nats_server_binary(why) if request.param == "debian" else release_nats_server(why)
+    lab = FleetServer(tmp_path_factory.mktemp(f"fleet-{request.param}"), binary)
     lab.server.start()
     try:
         async def setup():
