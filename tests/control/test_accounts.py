@@ -1,8 +1,10 @@
-"""The account-per-node layout against a real nats-server 2.9.10: a node makes the server speak only for itself.
+"""The account-per-node layout on Debian's nats-server 2.9.10 and the current release 2.15.1: a node makes the server
+speak only for itself.
 
 One server in operator mode with a full resolver: the control plane's account (JetStream, the
 exports of ``gpuaas_agent/control/accounts.py``), a bootstrap account, and one account per node
-importing only its own subjects. In it the real worker finds its stream, looks up its consumer,
+importing only its own subjects, each node's tasks and results in streams of its own
+(``gpuaas_agent/control/streams.py``, made by the plane with the node's consumer). In it the real worker finds its stream, looks up its consumer,
 pulls, runs, acks and publishes results under the configured ``js_api_prefix``; heartbeats,
 drift, progress and terminal output reach the plane; a rotation goes through (order in by a
 stream import, answer out by a service import); a node enrolls and its account is pushed.
@@ -44,6 +46,7 @@ from gpuaas_agent.control.enroll import (
 )
 from gpuaas_agent.control.permissions import consumer_name
 from gpuaas_agent.control.rotation import CredsRotator
+from gpuaas_agent.control.streams import RESULT_STREAM_PREFIX, TASK_STREAM_PREFIX, task_stream_name
 from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity, check_creds_file
 from gpuaas_agent.control.worker import TaskWorker
@@ -53,28 +56,30 @@ from gpuaas_agent.operator.status import collect, render
 from gpuaas_agent.state.store import StateStore
 from tests.natsauth.fleet import FleetOperator
 from tests.support.agent_process import FIXTURE, AgentProcess, agent_env
-from tests.support.controlplane import TASK_STREAM, ControlPlane
+from tests.support.controlplane import ControlPlane
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.enroll_identity import IDENTITY
-from tests.support.nats_server import configured_server, write_creds
+from tests.support.nats_server import configured_server, nats_server_binary, release_nats_server, write_creds
 
 A, B = "node-accta", "node-acctb"
 SESSION = "0f8fad5b-d9cb-469f-a165-70867728950e"
 DEADLINE_S = 20.0
 PREFIX = accounts.NODE_JS_API_PREFIX
 SETTINGS = WorkerSettings(keepalive_interval_s=0.5, ack_wait_s=5.0, js_api_prefix=PREFIX)
+# The supported layout: each node's tasks and results in streams of its own (control/streams.py).
+TASKS_A, TASKS_B = task_stream_name(A), task_stream_name(B)
 
 
 class FleetServer:
     """One nats-server for the module: operator mode, full resolver, nodes A and B provisioned."""
 
-    def __init__(self, root) -> None:
+    def __init__(self, root, binary: str | None = None) -> None:
         self.root = root
         self.operator = FleetOperator()
         for node in (A, B):
-            self.operator.node_account(node, TASK_STREAM)
+            self.operator.node_account(node, task_stream_name(node))
         (root / "jwt").mkdir()
-        self.server = configured_server(root, self.operator.resolver_config(root / "jwt"))
+        self.server = configured_server(root, self.operator.resolver_config(root / "jwt"), binary=binary)
 
     def creds_file(self, name: str, text: str):
         return write_creds(self.root, name, text)
@@ -82,9 +87,9 @@ class FleetServer:
     def node_creds(self, node: str, name: str):
         return self.creds_file(name, self.operator.node_user(node)[0])
 
-    async def plane(self) -> ControlPlane:
+    async def plane(self, *, per_node_streams: bool = True) -> ControlPlane:
         plane_creds, _ = self.operator.user("control-plane")
-        plane = await ControlPlane.connect(self.server.url, operator=self.operator,
+        plane = await ControlPlane.connect(self.server.url, operator=self.operator, per_node_streams=per_node_streams,
                                            user_credentials=str(self.creds_file("plane", plane_creds)))
         await plane.connect_system(str(self.creds_file("sys", self.operator.system_user())))
         return plane
@@ -94,9 +99,12 @@ class FleetServer:
             return json.load(resp).get("connections") or []
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    lab = FleetServer(tmp_path_factory.mktemp("fleet"))
+@pytest.fixture(scope="module", params=["debian", "release"])
+def lab(request, tmp_path_factory):
+    """Every test of the layout on Debian's nats-server (2.9.10) and on the current release (2.15.1)."""
+    why = "the account-per-node layout is proven on Debian's nats-server and on the current release"
+    binary = nats_server_binary(why) if request.param == "debian" else release_nats_server(why)
+    lab = FleetServer(tmp_path_factory.mktemp(f"fleet-{request.param}"), binary)
     lab.server.start()
     try:
         async def setup():
@@ -116,10 +124,10 @@ def test_the_layout_is_what_accounts_py_says():
     exports = {e.subject: e for e in accounts.plane_exports()}
     assert all(e.token_req for e in exports.values())  # nothing importable without an activation for it
     assert exports["$JS.API.CONSUMER.MSG.NEXT.*.*"].response_type == "Stream"
-    imports = accounts.node_imports(A, TASK_STREAM)
+    imports = accounts.node_imports(A, TASKS_A)
     assert {i.subject for i in imports} == {
-        "$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(A)}",
-        f"$JS.API.CONSUMER.MSG.NEXT.{TASK_STREAM}.{consumer_name(A)}", f"$JS.ACK.{TASK_STREAM}.{consumer_name(A)}.>",
+        "$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.INFO.{TASKS_A}.{consumer_name(A)}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{TASKS_A}.{consumer_name(A)}", f"$JS.ACK.{TASKS_A}.{consumer_name(A)}.>",
         subjects.result(A), subjects.progress(A), subjects.heartbeat(A), subjects.drift(A),
         subjects.terminal_out_any(A), subjects.creds_renew(A), subjects.creds_reply_any(A), subjects.creds(A),
         subjects.terminal_in_any(A), subjects.telemetry_any(A)}
@@ -157,7 +165,7 @@ def test_a_node_in_its_own_account_runs_its_tasks_publishes_and_rotates(lab, tmp
         try:
             await rotator.start()
             await asyncio.wait_for(worker.ready.wait(), DEADLINE_S)
-            assert worker.stream == TASK_STREAM  # found by subject through the imported STREAM.NAMES
+            assert worker.stream == TASKS_A  # its own, found by subject through the imported STREAM.NAMES
             for round_ in (1, 2):
                 envelope = plane.envelope(A, TaskType.topology_discover.value)
                 await plane.enqueue(envelope)
@@ -177,7 +185,7 @@ def test_a_node_in_its_own_account_runs_its_tasks_publishes_and_rotates(lab, tmp
                                      DEADLINE_S, "logged in with the new key")
             await wait_until(lambda: nc.is_connected, DEADLINE_S, "connected")
             await wait_until(lambda: worker.ready.is_set(), DEADLINE_S, "worker bound again")
-            assert (await plane.pending_tasks()) == 0
+            assert (await plane.pending_tasks(A)) == 0
             await wait_until(lambda: worker.pull_heartbeats > 0, DEADLINE_S, "a pull's idle heartbeat")
             for subject in (subjects.heartbeat(A), subjects.drift(A), subjects.terminal_out(A, SESSION)):
                 await nc.publish(subject, b"{}")
@@ -227,7 +235,7 @@ def test_a_node_enrolls_into_an_account_of_its_own(lab, tmp_path):
             await wait_until(lambda: any(c.get("account") == account for c in lab.connz()), DEADLINE_S,
                              "the node logged in to its own account")
             js = nc.jetstream(timeout=5, prefix=config.js_api_prefix)
-            info = await js.consumer_info(TASK_STREAM, consumer_name(record.node_id))
+            info = await js.consumer_info(task_stream_name(record.node_id), consumer_name(record.node_id))
             assert info.config.filter_subject == subjects.tasks(record.node_id)
             rotator = CredsRotator(nc, record.node_id, creds_path(state), timeout_s=5.0)
             await rotator.start()
@@ -237,7 +245,7 @@ def test_a_node_enrolls_into_an_account_of_its_own(lab, tmp_path):
             await wait_until(lambda: rotator.confirmed == 1, DEADLINE_S, "the new login confirmed")
             await rotator.stop()
             with pytest.raises(nats.errors.TimeoutError):  # another node's consumer: refused (and not imported)
-                await nc.request(f"{PREFIX}.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(A)}", b"", timeout=2)
+                await nc.request(f"{PREFIX}.CONSUMER.INFO.{TASKS_A}.{consumer_name(A)}", b"", timeout=2)
         finally:
             await nc.close()
             await plane.close()
@@ -285,22 +293,22 @@ def _earlier_attacks() -> dict[str, dict]:
     out: dict[str, dict] = {}
     for prefix in ("$JS.API", PREFIX):
         out |= {
-            f"{prefix}.CONSUMER.CREATE.{TASK_STREAM}.{mine}.{subjects.tasks(A)}": {"stream_name": TASK_STREAM,
-                                                                                  "config": push},
-            f"{prefix}.CONSUMER.DURABLE.CREATE.{TASK_STREAM}.{mine}": {"stream_name": TASK_STREAM, "config": push},
-            f"{prefix}.CONSUMER.CREATE.{TASK_STREAM}": {"stream_name": TASK_STREAM, "config": push},
-            f"{prefix}.STREAM.CREATE.EVIL_MIRROR": {"name": "EVIL_MIRROR", "mirror": {"name": TASK_STREAM},
+            f"{prefix}.CONSUMER.CREATE.{TASKS_A}.{mine}.{subjects.tasks(A)}": {"stream_name": TASKS_A,
+                                                                              "config": push},
+            f"{prefix}.CONSUMER.DURABLE.CREATE.{TASKS_A}.{mine}": {"stream_name": TASKS_A, "config": push},
+            f"{prefix}.CONSUMER.CREATE.{TASKS_A}": {"stream_name": TASKS_A, "config": push},
+            f"{prefix}.STREAM.CREATE.EVIL_MIRROR": {"name": "EVIL_MIRROR", "mirror": {"name": TASKS_B},
                                                     "republish": {"src": ">", "dest": b_creds}},
             f"{prefix}.STREAM.CREATE.EVIL_CAPTURE": {"name": "EVIL_CAPTURE", "subjects": [b_creds]},
-            f"{prefix}.STREAM.UPDATE.{TASK_STREAM}": {"name": TASK_STREAM, "republish": {"src": ">", "dest": b_creds}},
-            f"{prefix}.DIRECT.GET.{TASK_STREAM}": {"last_by_subj": subjects.task(B, "x")},
-            f"{prefix}.STREAM.MSG.GET.{TASK_STREAM}": {"seq": 1},
-            f"{prefix}.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(B)}": {},
-            f"{prefix}.CONSUMER.MSG.NEXT.{TASK_STREAM}.{consumer_name(B)}": {"batch": 1},
+            f"{prefix}.STREAM.UPDATE.{TASKS_A}": {"name": TASKS_A, "republish": {"src": ">", "dest": b_creds}},
+            f"{prefix}.DIRECT.GET.{TASKS_B}": {"last_by_subj": subjects.task(B, "x")},
+            f"{prefix}.STREAM.MSG.GET.{TASKS_B}": {"seq": 1},
+            f"{prefix}.CONSUMER.INFO.{TASKS_B}.{consumer_name(B)}": {},
+            f"{prefix}.CONSUMER.MSG.NEXT.{TASKS_B}.{consumer_name(B)}": {"batch": 1},
         }
     for subject in (subjects.creds(B), subjects.terminal_in(B, SESSION), subjects.result(B), subjects.heartbeat(B),
                     subjects.creds_renew(B), subjects.creds_reply(B, "x"), subjects.task(B, "x"),
-                    f"$JS.ACK.{TASK_STREAM}.{consumer_name(B)}.1.1.1.0.0"):
+                    f"$JS.ACK.{TASKS_B}.{consumer_name(B)}.1.1.1.0.0"):
         out[subject] = {}
     return out
 
@@ -343,12 +351,12 @@ def test_a_node_can_make_the_server_speak_only_for_itself(lab):
             for _ in range(4):
                 await plane.enqueue(plane.envelope(A, TaskType.topology_discover.value))
             js = a.jetstream(timeout=5, prefix=PREFIX)
-            held = (await (await js.pull_subscribe_bind(consumer_name(A), stream=TASK_STREAM)).fetch(1, timeout=5))[0]
+            held = (await (await js.pull_subscribe_bind(consumer_name(A), stream=TASKS_A)).fetch(1, timeout=5))[0]
             targets = [subjects.creds(B), f"{node_inbox_prefix(B)}.x", subjects.terminal_in(B, SESSION),
                        subjects.result(B), subjects.heartbeat(B), subjects.creds_reply(B, "x")]
             requests = [  # A's own, allowed requests: each answered by the server or the plane
-                (f"{PREFIX}.CONSUMER.INFO.{TASK_STREAM}.{consumer_name(A)}", b""),
-                (f"{PREFIX}.CONSUMER.MSG.NEXT.{TASK_STREAM}.{consumer_name(A)}",
+                (f"{PREFIX}.CONSUMER.INFO.{TASKS_A}.{consumer_name(A)}", b""),
+                (f"{PREFIX}.CONSUMER.MSG.NEXT.{TASKS_A}.{consumer_name(A)}",
                  json.dumps({"batch": 1, "expires": 1_000_000_000}).encode()),
                 (f"{PREFIX}.STREAM.NAMES", b"{}"),
                 (subjects.result(A), b"{}"),  # the result stream acknowledges it
@@ -380,10 +388,12 @@ def test_a_node_can_make_the_server_speak_only_for_itself(lab):
             expected = [s for s in _earlier_attacks()]
             await wait_until(lambda: all(any(f'to "{s}"'.lower() in e.lower() for e in errors) for s in expected),
                              DEADLINE_S, "each earlier attack refused")
-            info = await plane.js.stream_info(TASK_STREAM)
-            assert info.config.republish is None
-            assert all(i.config.deliver_subject is None for i in await plane.js.consumers_info(TASK_STREAM))
-            assert sorted(i.config.name for i in await plane.js.streams_info()) == ["GPUAAS_RESULTS", TASK_STREAM]
+            for stream in (TASKS_A, TASKS_B):
+                assert (await plane.js.stream_info(stream)).config.republish is None
+                assert all(i.config.deliver_subject is None for i in await plane.js.consumers_info(stream))
+            # No stream of A's making: only the plane's, one task and one result stream per node.
+            assert all(i.config.name.startswith((TASK_STREAM_PREFIX, RESULT_STREAM_PREFIX))
+                       for i in await plane.js.streams_info())
         finally:
             await a.close()
             await wide.close()
@@ -402,7 +412,7 @@ def test_a_node_whose_consumer_moves_to_another_stream_gets_its_account_reissued
     lab.server.start()
 
     async def body():
-        plane = await lab.plane()
+        plane = await lab.plane(per_node_streams=False)  # the streams are this test's own
         nc = None
         try:
             await plane.js.add_stream(StreamConfig(name="OLD_TASKS", subjects=[subjects.tasks(node)],

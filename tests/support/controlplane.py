@@ -6,6 +6,11 @@ uses (``gpuaas_agent.contract``), so a test exercises the wire, not a mock:
 * :meth:`ControlPlane.create_streams` — the task stream (``gpuaas.node.*.task.>``,
   work-queue retention) and the result stream (``gpuaas.node.*.result``, limits
   retention with a duplicate window so ``Nats-Msg-Id`` dedupes republished results).
+* Streams per node (``ControlPlane(..., per_node_streams=True)``; the supported layout, docs/contract.md
+  "The node's streams"): each node gets its own task stream and result stream
+  (``gpuaas_agent/control/streams.py``), created with its consumer (:meth:`create_node_streams`), so a
+  node's forged ack or message id reaches only its own stream. :meth:`pending_tasks` and
+  :meth:`stored_results` read the node's own streams then.
 * :meth:`ControlPlane.create_task_partitions` — the fleet layout (docs/performance.md "Fleet layout"):
   instead of one task stream for every node, streams of ``per_stream`` nodes each
   (``GPUAAS_TASKS_<k>``, one ``gpuaas.node.<node>.task.>`` subject per member). The
@@ -75,6 +80,12 @@ from gpuaas_agent.control.nkeyseed import verify
 from gpuaas_agent.control.permissions import consumer_name, node_permissions
 from gpuaas_agent.control.rotation import renew_message
 from gpuaas_agent.control.sealed import b64url, b64url_decode, seal_credentials
+from gpuaas_agent.control.streams import (
+    node_result_stream_config,
+    node_task_stream_config,
+    result_stream_name,
+    task_stream_name,
+)
 from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.tokenproof import proof_holds, token_id
 from tests.natsauth.fleet import CLAIMS_UPDATE, FleetOperator
@@ -108,7 +119,8 @@ class _Seen:
 class ControlPlane:
     """Connect with :meth:`connect`; close with :meth:`close` (unsubscribes, then closes)."""
 
-    def __init__(self, nc: Client, url: str, *, clock=time.time, operator: Operator | None = None) -> None:
+    def __init__(self, nc: Client, url: str, *, clock=time.time, operator: Operator | None = None,
+                 per_node_streams: bool = False) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
         self.url = url
@@ -131,6 +143,9 @@ class ControlPlane:
         self._clock = clock
         self._subs: list = []
         self.partitioned = False  # tasks go to whichever stream holds their subject
+        # Each node's own task and result stream (control/streams.py), made with its consumer; False: the shared
+        # GPUAAS_TASKS / GPUAAS_RESULTS of create_streams (a node's forged ack or message id reaches other nodes').
+        self.per_node_streams = per_node_streams
         self.system_nc: Client | None = None  # the system account's login (account-per-node: pushes accounts)
         # The JetStream API prefix sealed into enrollment replies: the node account's import prefix in the
         # account-per-node layout, none (the agent's config decides) in one account. A test sets it to what a
@@ -154,7 +169,7 @@ class ControlPlane:
         try:
             stream = await self.js.find_stream_name_by_subject(subjects.tasks(node_id))
         except NotFoundError:
-            stream = TASK_STREAM
+            stream = self._default_task_stream(node_id)
         self.fleet.node_account(node_id, stream)
         reply = await self.system_nc.request(CLAIMS_UPDATE, self.fleet.node_jwt(node_id).encode(),
                                              timeout=REQUEST_TIMEOUT_S)
@@ -162,12 +177,17 @@ class ControlPlane:
         if answer.get("error") or (answer.get("data") or {}).get("code") != 200:
             raise RuntimeError(f"the resolver refused {node_id}'s account: {answer}")
 
+    def _default_task_stream(self, node_id: str) -> str:
+        """The stream a node's tasks go to when none holds its subject yet (its account's imports name it)."""
+        return task_stream_name(node_id) if self.per_node_streams else TASK_STREAM
+
     @classmethod
-    async def connect(cls, url, *, operator: Operator | None = None, **options) -> ControlPlane:
+    async def connect(cls, url, *, operator: Operator | None = None, per_node_streams: bool = False,
+                      **options) -> ControlPlane:
         """``options``: more nats.py connect options (``tls``, ``user_credentials``) for a secured server."""
         nc = await nats.connect(url, connect_timeout=REQUEST_TIMEOUT_S, name="test-control-plane",
                                 reconnect_time_wait=0.2, max_reconnect_attempts=-1, **options)
-        plane = cls(nc, url if isinstance(url, str) else url[0], operator=operator)
+        plane = cls(nc, url if isinstance(url, str) else url[0], operator=operator, per_node_streams=per_node_streams)
         await plane._watch()
         return plane
 
@@ -186,7 +206,14 @@ class ControlPlane:
     # -- streams ------------------------------------------------------------------
 
     async def create_streams(self) -> None:
-        """Idempotent: an existing stream with the same config is left as it is."""
+        """Idempotent: an existing stream with the same config is left as it is.
+
+        With :attr:`per_node_streams`: no shared stream; the streams of every node known so far (each node's are
+        made with its consumer, :meth:`create_node_consumer`).
+        """
+        if self.per_node_streams:
+            await self._create_known_consumers()
+            return
         await self.js.add_stream(StreamConfig(
             name=TASK_STREAM, subjects=["gpuaas.node.*.task.>"],
             retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
@@ -263,7 +290,7 @@ class ControlPlane:
         """A user JWT for the node's own key with exactly the node's permissions (control/permissions.py)."""
         self.node_keys.setdefault(node_id, []).append(public_key)
         if self.fleet is not None:  # signed by the node's own account (made here on enrollment)
-            self.fleet.node_account(node_id, self.fleet.streams.get(node_id, TASK_STREAM))
+            self.fleet.node_account(node_id, self.fleet.streams.get(node_id, self._default_task_stream(node_id)))
             return self.fleet.node_user_jwt(node_id, public_key)
         perms = node_permissions(node_id)
         return self.operator.user_jwt_for(public_key, node_id, pub=perms["publish"], sub=perms["subscribe"],
@@ -400,14 +427,22 @@ class ControlPlane:
 
     # -- node consumers -----------------------------------------------------------
 
+    async def create_node_streams(self, node_id: str) -> None:
+        """The node's own task and result streams (``control/streams.py``); idempotent."""
+        await self.js.add_stream(node_task_stream_config(node_id))
+        await self.js.add_stream(node_result_stream_config(node_id))
+
     async def create_node_consumer(self, node_id: str, settings: WorkerSettings | None = None, *,
                                    timeout: float = REQUEST_TIMEOUT_S) -> bool:
         """Create (or update) the node's pull consumer on the stream holding its tasks; False: no stream yet.
 
-        ``settings``: what the node's agent is configured with (default :attr:`consumer_settings`).
+        ``settings``: what the node's agent is configured with (default :attr:`consumer_settings`). With
+        :attr:`per_node_streams` the node's streams are made first (so there always is one).
         """
         settings = settings or self.consumers.get(node_id) or self.consumer_settings
         self.consumers[node_id] = settings
+        if self.per_node_streams:
+            await self.create_node_streams(node_id)
         try:
             stream = await self.js.find_stream_name_by_subject(subjects.tasks(node_id))
         except NotFoundError:
@@ -473,13 +508,20 @@ class ControlPlane:
 
     async def enqueue_raw(self, subject: str, data: bytes, *, msg_id: str | None = None) -> int:
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        shared = not (self.partitioned or self.per_node_streams)
         ack = await self.js.publish(subject, data, timeout=REQUEST_TIMEOUT_S,
-                                    stream=None if self.partitioned else TASK_STREAM, headers=headers)
+                                    stream=TASK_STREAM if shared else None, headers=headers)
         return ack.seq
 
-    async def pending_tasks(self) -> int:
-        info = await self.js.stream_info(TASK_STREAM)
-        return info.state.messages
+    async def pending_tasks(self, node_id: str | None = None) -> int:
+        """Tasks queued (not acked): ``node_id``'s own with :attr:`per_node_streams` (None: every known node's)."""
+        if not self.per_node_streams:
+            info = await self.js.stream_info(TASK_STREAM)
+            return info.state.messages
+        total = 0
+        for node in [node_id] if node_id is not None else list(self.consumers):
+            total += (await self.js.stream_info(task_stream_name(node))).state.messages
+        return total
 
     # -- what the agent sent ------------------------------------------------------
 
@@ -521,16 +563,28 @@ class ControlPlane:
         return results[0]
 
     async def stored_results(self, node_id: str | None = None) -> list[TaskResult]:
-        """Every result the result stream persisted (duplicates dropped by ``Nats-Msg-Id`` are absent)."""
-        info = await self.js.stream_info(RESULT_STREAM)
+        """Every result the result stream persisted (duplicates dropped by ``Nats-Msg-Id`` are absent).
+
+        With :attr:`per_node_streams`: ``node_id``'s own result stream (None: every known node's, node by node).
+        """
+        if not self.per_node_streams:
+            return await self.stored_in(RESULT_STREAM, node_id)
+        out: list[TaskResult] = []
+        for node in [node_id] if node_id is not None else list(self.consumers):
+            out += await self.stored_in(result_stream_name(node), node)
+        return out
+
+    async def stored_in(self, stream: str, node_id: str | None = None) -> list[TaskResult]:
+        """What ``stream`` persisted (``node_id``'s results only, when given)."""
+        info = await self.js.stream_info(stream)
         out: list[TaskResult] = []
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             if info.state.messages == 0:
                 break
             try:
-                raw = await self.js.get_msg(RESULT_STREAM, seq)
+                raw = await self.js.get_msg(stream, seq)
             except NotFoundError:
                 continue
-            if node_id is None or raw.subject == f"gpuaas.node.{node_id}.result":
+            if node_id is None or raw.subject == subjects.result(node_id):
                 out.append(TaskResult.model_validate_json(raw.data))
         return out

