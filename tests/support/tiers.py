@@ -45,6 +45,8 @@ NEEDS_BY_MODULE: dict[str, tuple[str, ...]] = {
     "lab.harness": ("lab",),            # the lab-in-a-box
     "lab.nvme_guest": ("lab",),         # a TCG guest with QEMU's NVMe controller
     "lab.build_guest_image": ("lab",),  # the guest image, built from Debian packages
+    "lab.igb_guest": ("lab",),          # a TCG guest with QEMU 10's igb SR-IOV NIC (docs/fabric-igb.md)
+    "lab.qemu_backport": ("lab",),      # that QEMU, fetched from bookworm-backports
     "lab.systemd_manager": ("deploy",),  # a stand-in for systemd in a deploy root
     "lab.upstream": (),                 # a private HTTP server for the image tests (cheap, in the fast tier)
     "bench.protocol_node": ("fleet",),  # the fleet bench's nodes
