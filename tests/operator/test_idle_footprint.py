@@ -12,7 +12,12 @@ from tests.conftest import REPO
 # Only a provision builds a seed ISO (pycdlib, PyYAML); only a live host with a GPU driver asks NVML; only a
 # host with a [bmc] table reads a BMC (sushy, and the requests it brings); only an open terminal speaks SSH
 # (asyncssh); only a cache hit under another URL reads ranges with httpx (and its CLI's click and pygments).
-NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml", "sushy", "requests", "asyncssh", "httpx", "click", "pygments")
+NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml", "sushy", "requests", "asyncssh", "httpx", "click", "pygments",
+                 # Only enrollment and a credentials rotation seal or open (X25519, AEAD, HKDF); a connecting daemon
+                 # signs its nonce with Ed25519 alone.
+                 "gpuaas_agent.control.sealed", "gpuaas_agent.control.tokenproof",
+                 "cryptography.hazmat.primitives.asymmetric.x25519", "cryptography.hazmat.primitives.ciphers.aead",
+                 "cryptography.hazmat.primitives.serialization", "bcrypt")
 # A task handler's module is imported by the row's first task (tasks/registry.py OnFirstTask), not by the daemon
 # nor by building the worker's handlers from the registry: the pipelines an idle host may never run.
 HANDLER_MODULES = tuple(f"gpuaas_agent.tasks.{m}" for m in (
