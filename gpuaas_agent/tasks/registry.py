@@ -24,6 +24,7 @@ factory checks up front (the slice drivers of a ``needs_slice_host`` row) it sti
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
@@ -104,7 +105,9 @@ class OnFirstTask:
     """A row's handler, built (its module imported) when the first task of the row arrives.
 
     ``build`` is the row's factory with what it was given bound; it runs once (two tasks that arrive
-    together may both run it: the import is idempotent and the factories are pure closures).
+    together may both run it: the import is idempotent and the factories are pure closures). The first
+    task runs it in a thread: importing provision's pipeline took ~0.37 s on the loaded 2-core dev VM,
+    which the event loop (heartbeats, keepalives, the other tasks) must not wait out.
     """
 
     def __init__(self, build: Callable[[], Handler]) -> None:
@@ -121,7 +124,10 @@ class OnFirstTask:
         return self._handler
 
     async def __call__(self, payload: Any, ctx: TaskContext) -> dict[str, Any]:
-        return await self.resolve()(payload, ctx)
+        handler = self._handler
+        if handler is None:
+            handler = await asyncio.to_thread(self.resolve)  # the module's import blocks: off the loop
+        return await handler(payload, ctx)
 
 
 def on_first_task(make: Callable[[TaskDeps], Handler]) -> HandlerFactory:

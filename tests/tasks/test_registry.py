@@ -5,6 +5,7 @@ which the daemon fills) are built from it, and nothing replaces a built row afte
 """
 
 import asyncio
+import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -107,6 +108,26 @@ def test_every_row_builds_its_handler_module_when_its_first_task_arrives(tmp_pat
         resolved = handler.resolve()
         assert callable(resolved) and not isinstance(resolved, OnFirstTask), task_type
         assert handler.resolve() is resolved  # built once, then reused
+
+
+def test_the_first_task_imports_its_handler_off_the_event_loop_and_once():
+    built_on: list[int] = []
+
+    async def handle(payload, ctx):
+        return {"ran": True}
+
+    def build():
+        built_on.append(threading.get_ident())
+        return handle
+
+    deferred = OnFirstTask(build)
+
+    async def two_tasks():
+        return threading.get_ident(), await deferred(object(), None), await deferred(object(), None)
+
+    loop_thread, first, second = asyncio.run(two_tasks())
+    assert first == second == {"ran": True}
+    assert len(built_on) == 1 and built_on[0] != loop_thread
 
 
 def test_a_deferred_factory_that_builds_nothing_fails_loudly_at_its_first_task():
