@@ -55,6 +55,12 @@ _ASYNCSSH = ("asyncssh (and the cryptography modules it loads) costs ~10 MiB RSS
              "pays it (tests/operator/test_idle_footprint.py)")
 _HTTPX = ("httpx (with click and pygments through its CLI module) is only the range reads of a cache hit under another "
           "URL; downloads go through curl: an idle daemon never pays it (tests/operator/test_idle_footprint.py)")
+_HANDLER_MODULE = ("a task handler's module (and what only it imports: provision's pipeline, release, the terminal relay) "
+                   "is imported when the row's first task arrives (tasks/registry.py OnFirstTask): an idle daemon does "
+                   "not carry code it may never run (tests/operator/test_idle_footprint.py)")
+_SEALING = ("cryptography's X25519, AEAD, HKDF and serialization modules (with bcrypt through its ssh module, ~1.5 MiB "
+            "RSS) seal and open credentials at enrollment and rotation only; a connected daemon signs its nonce with "
+            "Ed25519 alone (tests/operator/test_idle_footprint.py)")
 
 # "path:function" -> why its imports are deferred. Nothing else in the package imports inside a function.
 LAZY_IMPORTS: dict[str, str] = {
@@ -76,6 +82,14 @@ LAZY_IMPORTS: dict[str, str] = {
     "gpuaas_agent/tasks/terminal.py:open": _ASYNCSSH,
     "gpuaas_agent/host/images/httpfetch.py:read_ranges": _HTTPX,
     "gpuaas_agent/host/images/httpfetch.py:_read_range": _HTTPX,
+    "gpuaas_agent/control/nkeyseed.py:public_key": _SEALING,
+    "gpuaas_agent/control/enroll.py:_open_reply": _SEALING,
+    "gpuaas_agent/control/enroll.py:enroll": _SEALING,
+    "gpuaas_agent/control/rotation.py:_rotate": _SEALING,
+    **{f"gpuaas_agent/tasks/registry.py:{fn}": _HANDLER_MODULE
+       for fn in ("load_topology_discover", "load_preflight", "load_plan", "load_provision", "load_provision_recovery",
+                  "load_release_set", "load_release_set_recovery", "load_reconcile", "load_power", "load_terminal_operation",
+                  "load_console_log", "load_maintenance", "load_quarantine", "load_unquarantine")},
 }
 
 

@@ -37,10 +37,9 @@ import json
 import logging
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -62,8 +61,6 @@ from gpuaas_agent.contract.enrollment import (
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.control.connection import connect_nats, safe_url
 from gpuaas_agent.control.nkeyseed import new_user_seed, public_key
-from gpuaas_agent.control.sealed import SealError, new_reply_key, open_credentials, public_key_text
-from gpuaas_agent.control.tokenproof import token_id, token_proof
 from gpuaas_agent.control.transport import (
     TransportError,
     TransportSecurity,
@@ -73,6 +70,9 @@ from gpuaas_agent.control.transport import (
 )
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.logs import log_event
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,8 @@ def _clear_credentials(data: bytes) -> bool:
 def _open_reply(data: bytes, reply_key: X25519PrivateKey, request: EnrollRequest, nats_url: str,
                 identity: EnrollIdentity) -> tuple[NatsCredentials, str]:
     """``(credentials, node_id)`` of an accepted, sealed reply; EnrollError for anything else."""
+    from gpuaas_agent.control.sealed import SealError, open_credentials
+
     where = {"nats_url": safe_url(nats_url), "hostname": identity.hostname}
     if _clear_credentials(data):
         # The secret was already readable on the inbox: refuse it, so a control plane that answers in
@@ -334,6 +336,9 @@ async def enroll(
 
     token_file = Path(token_file)
     token = _read_token(token_file)
+    from gpuaas_agent.control.sealed import new_reply_key, public_key_text
+    from gpuaas_agent.control.tokenproof import token_id, token_proof
+
     seed = new_user_seed()  # the node's key, born here; only its public half is sent
     reply_key = new_reply_key()  # this attempt's only: the credentials come back sealed to it
 

@@ -19,7 +19,6 @@ import binascii
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 PREFIX_BYTE_SEED = 18 << 3  # 'S'
 PREFIX_BYTE_USER = 20 << 3  # 'U'
@@ -79,6 +78,8 @@ def new_user_seed() -> str:
 
 def public_key(seed: str | bytes) -> str:
     """The user public NKEY (``U...``) of a user seed: what may leave the host."""
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
     raw = user_private_key(seed).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
     return _b32(bytes([PREFIX_BYTE_USER]) + raw)
 

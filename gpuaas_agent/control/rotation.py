@@ -46,7 +46,6 @@ from gpuaas_agent.contract.enrollment import (
     CredsRotationReply,
 )
 from gpuaas_agent.control.nkeyseed import new_user_seed, public_key, sign
-from gpuaas_agent.control.sealed import b64url
 from gpuaas_agent.control.transport import TransportError, creds_text, jwt_claims
 from gpuaas_agent.logs import log_event
 
@@ -141,6 +140,8 @@ class CredsRotator:
 
     async def _rotate(self, data: bytes) -> str:
         """Steps 1-3: the new public key, with the new ``.creds`` installed and the old one kept aside."""
+        from gpuaas_agent.control.sealed import b64url
+
         try:
             order = CredsRotation.model_validate_json(data)
         except ValidationError as exc:

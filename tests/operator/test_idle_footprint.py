@@ -12,7 +12,16 @@ from tests.conftest import REPO
 # Only a provision builds a seed ISO (pycdlib, PyYAML); only a live host with a GPU driver asks NVML; only a
 # host with a [bmc] table reads a BMC (sushy, and the requests it brings); only an open terminal speaks SSH
 # (asyncssh); only a cache hit under another URL reads ranges with httpx (and its CLI's click and pygments).
-NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml", "sushy", "requests", "asyncssh", "httpx", "click", "pygments")
+NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml", "sushy", "requests", "asyncssh", "httpx", "click", "pygments",
+                 # Only enrollment and a credentials rotation seal or open (X25519, AEAD, HKDF); a connecting daemon
+                 # signs its nonce with Ed25519 alone.
+                 "gpuaas_agent.control.sealed", "gpuaas_agent.control.tokenproof",
+                 "cryptography.hazmat.primitives.asymmetric.x25519", "cryptography.hazmat.primitives.ciphers.aead",
+                 "cryptography.hazmat.primitives.serialization", "bcrypt")
+# A task handler's module is imported by the row's first task (tasks/registry.py OnFirstTask), not by the daemon
+# nor by building the worker's handlers from the registry: the pipelines an idle host may never run.
+HANDLER_MODULES = tuple(f"gpuaas_agent.tasks.{m}" for m in (
+    "provision", "release", "release_set", "terminal", "console_log", "topology", "preflight", "plan"))
 
 
 def test_importing_the_daemon_does_not_import_what_only_a_task_or_a_gpu_host_needs():
@@ -21,6 +30,34 @@ def test_importing_the_daemon_does_not_import_what_only_a_task_or_a_gpu_host_nee
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
+
+
+def _imported_after(code: str, modules: tuple[str, ...]) -> list[str]:
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {modules!r} if m in sys.modules]))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_importing_the_daemon_does_not_import_the_task_handlers_modules():
+    assert _imported_after("import gpuaas_agent.daemon", HANDLER_MODULES) == []
+
+
+def test_building_the_daemons_handlers_imports_no_handler_module_until_its_first_task(tmp_path):
+    """The daemon's object graph as it builds it at start (its slice drivers from the config, every registry row's
+    handler and recovery) imports none of the handler modules; resolving a row (its first task) imports its own."""
+    config = {"state_dir": str(tmp_path / "state"), "host_root": str(tmp_path),
+              "slice": {"libvirt_uri": "test:///default"}}
+    build = ("from gpuaas_agent.config import AgentConfig\n"
+             "from gpuaas_agent.contract.tasks import TaskType\n"
+             "from gpuaas_agent.daemon import SliceHost\n"
+             f"config = AgentConfig.model_validate({config!r})\n"
+             "built = SliceHost.from_config(config).tasks(config)\n"
+             "assert set(built.handlers) == set(TaskType) and built.recoveries\n")
+    assert _imported_after(build, (*HANDLER_MODULES, *NOT_AT_IMPORT)) == []
+    first_provision = build + "built.handlers[TaskType.vm_provision].resolve()\n"
+    imported = _imported_after(first_provision, HANDLER_MODULES)
+    assert "gpuaas_agent.tasks.provision" in imported and "gpuaas_agent.tasks.terminal" not in imported, imported
 
 
 def test_importing_the_daemon_builds_no_wire_model_validator_until_one_is_used():

@@ -5,6 +5,7 @@ which the daemon fills) are built from it, and nothing replaces a built row afte
 """
 
 import asyncio
+import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -22,6 +23,7 @@ from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.quarantine import quarantine_component
 from gpuaas_agent.tasks.registry import (
     TASKS,
+    OnFirstTask,
     RegistryError,
     TaskDeps,
     TaskSpec,
@@ -67,7 +69,9 @@ def test_the_recoveries_are_the_ones_the_rows_declare(tmp_path):
     assert set(built.recoveries) == declared and set(built.handlers) == {spec.type for spec in TASKS}
     release_row = next(spec for spec in TASKS if spec.type is TaskType.vm_release)
     assert release_row.make_recovery is not None
-    assert built.recoveries[TaskType.vm_release].__qualname__ == release_set_recovery(_drivers(tmp_path)).__qualname__
+    recovery = built.recoveries[TaskType.vm_release]
+    assert isinstance(recovery, OnFirstTask)  # its module is imported by the first task that needs it
+    assert recovery.resolve().__qualname__ == release_set_recovery(_drivers(tmp_path)).__qualname__
     # Without the drivers, neither the handlers nor the recoveries of the slice rows are built.
     assert build_tasks(TaskDeps(AgentConfig())).recoveries == {}
 
@@ -93,6 +97,43 @@ def test_a_row_whose_declared_recovery_builds_nothing_fails_loudly():
     missing = TaskSpec(TaskType.maintenance, lambda deps: handle, concurrency=1, make_recovery=lambda deps: None)
     with pytest.raises(RegistryError, match="recovery factory of slice.maintenance"):
         build_tasks(TaskDeps(AgentConfig()), (missing,))
+
+
+def test_every_row_builds_its_handler_module_when_its_first_task_arrives(tmp_path):
+    """Each row's handler is an :class:`OnFirstTask` whose module is imported when it first runs: every row
+    resolves to a callable (a broken import fails here, not at a host's first task of that type)."""
+    built = build_tasks(TaskDeps(AgentConfig(host_root=tmp_path), drivers=_drivers(tmp_path)))
+    for task_type, handler in [*built.handlers.items(), *built.recoveries.items()]:
+        assert isinstance(handler, OnFirstTask), task_type
+        resolved = handler.resolve()
+        assert callable(resolved) and not isinstance(resolved, OnFirstTask), task_type
+        assert handler.resolve() is resolved  # built once, then reused
+
+
+def test_the_first_task_imports_its_handler_off_the_event_loop_and_once():
+    built_on: list[int] = []
+
+    async def handle(payload, ctx):
+        return {"ran": True}
+
+    def build():
+        built_on.append(threading.get_ident())
+        return handle
+
+    deferred = OnFirstTask(build)
+
+    async def two_tasks():
+        return threading.get_ident(), await deferred(object(), None), await deferred(object(), None)
+
+    loop_thread, first, second = asyncio.run(two_tasks())
+    assert first == second == {"ran": True}
+    assert len(built_on) == 1 and built_on[0] != loop_thread
+
+
+def test_a_deferred_factory_that_builds_nothing_fails_loudly_at_its_first_task():
+    deferred = OnFirstTask(lambda: None)
+    with pytest.raises(RegistryError, match="not a callable"):
+        asyncio.run(deferred(object(), None))
 
 
 def test_a_slice_row_built_without_the_drivers_fails_loudly():
