@@ -135,6 +135,10 @@ class VmProvisionPayload(WireModel):
     guest_driver_profile: GuestDriverProfile | None = None  # unknown names are refused at the edge
     # How long the control plane gives the guest to take its lease and answer SSH; None: the agent's config.
     readiness_timeout_s: int | None = Field(default=None, ge=5, le=7200)
+    # Opt-in guest telemetry (issue 42 item 3): the agent pulls the exporter in the guest over the narrow
+    # management path and adds its series to the allocation's SliceTelemetry. Only the yes/no travels: the port
+    # and path are the agent's configuration, the address the slot's reservation (docs/security.md).
+    guest_telemetry: bool = False
 
 
 class VmReleasePayload(WireModel):
