@@ -357,7 +357,7 @@ class AgentConfig(BaseModel):
     guest_exporter_port: int = Field(default=9100, ge=1, le=65535)
     guest_exporter_path: str = Field(default="/metrics", pattern=r"^/[A-Za-z0-9._~/-]{0,63}$")
     guest_pull_max_bytes: int = Field(default=1024 * 1024, ge=1024, le=64 * 1024 * 1024)
-    guest_pull_max_series: int = Field(default=1000, ge=1, le=10_000)
+    guest_pull_max_series: int = Field(default=500, ge=1, le=10_000)
     guest_pull_timeout_s: float = Field(default=5.0, gt=0, le=60)
     # Read the slice network (bridge, NAT, ip_forward) inside this network namespace (lab and tests).
     health_netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")

@@ -78,8 +78,11 @@ MAX_GUEST_SERIES = 10_000
 MAX_GUEST_LABELS = 32
 MAX_GUEST_NAME = 200
 MAX_GUEST_LABEL_VALUE = 1024
+# One slot's guest part on the wire at most (its JSON): the message must fit a NATS server's max_payload (1 MiB by
+# default) beside the host-side counters, whatever long labels the guest packed into its max_bytes.
+MAX_GUEST_WIRE_BYTES = 512 * 1024
 GUEST_RESERVED_LABELS = frozenset({"slot", "slot_index", "allocation", "allocation_id", "node", "node_id"})
-GuestPullOutcome = Literal["ok", "series_capped", "too_large", "timeout", "unreachable", "http_error", "malformed",
+GuestPullOutcome = Literal["ok", "series_capped", "too_large", "too_large_for_wire", "timeout", "unreachable", "http_error", "malformed",
                            "throttled"]
 
 

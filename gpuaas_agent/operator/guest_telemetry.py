@@ -44,6 +44,7 @@ from gpuaas_agent.contract.telemetry import (
     MAX_GUEST_LABEL_VALUE,
     MAX_GUEST_LABELS,
     MAX_GUEST_NAME,
+    MAX_GUEST_WIRE_BYTES,
     GuestPullBounds,
     GuestPullOutcome,
     GuestSample,
@@ -190,12 +191,19 @@ class GuestPuller:
 
     def _done(self, target: GuestTarget, body: _Body, samples: list[GuestSample], dropped: Counter[str],
               started: float) -> GuestTelemetry:
-        self.counters.pulls[body.outcome] += 1
+        result = GuestTelemetry(slot_index=target.slot_index, target=str(target), outcome=body.outcome,
+                                pulled_at=self.wall(), duration_s=max(0.0, self.clock() - started),
+                                bytes_read=body.read, series=samples, dropped=dict(dropped), message=body.message)
+        if samples and len(result.model_dump_json()) > MAX_GUEST_WIRE_BYTES:
+            # Long labels within max_bytes could still outgrow the allocation's message: none of it travels.
+            dropped["too_large_for_wire"] += 1
+            result = result.model_copy(update={
+                "outcome": "too_large_for_wire", "series": [], "dropped": dict(dropped),
+                "message": f"{len(samples)} samples are more than {MAX_GUEST_WIRE_BYTES} bytes on the wire"})
+        self.counters.pulls[result.outcome] += 1
         self.counters.dropped.update(dropped)
         self.counters.bytes_read += body.read
-        return GuestTelemetry(slot_index=target.slot_index, target=str(target), outcome=body.outcome,
-                              pulled_at=self.wall(), duration_s=max(0.0, self.clock() - started),
-                              bytes_read=body.read, series=samples, dropped=dict(dropped), message=body.message)
+        return result
 
     async def pull_all(self, targets: list[GuestTarget]) -> list[GuestTelemetry]:
         """Every target at once: a round takes one ``timeout_s`` (plus parsing), not one per slice."""

@@ -146,6 +146,7 @@ class SliceTelemetryLoop:
         self.interval_s, self.clock = interval_s, clock
         self.bounds = default_bounds(stats_timeout_s)
         self.latest: dict[str, SliceTelemetry] = {}
+        self.guest_kept: dict[tuple[str, int], tuple[str, int]] = {}  # (allocation, slot) -> (outcome, samples kept)
         self.counters = TelemetryCounters()
 
     async def collect(self) -> list[SliceTelemetry]:
@@ -154,7 +155,7 @@ class SliceTelemetryLoop:
         if self.guest is not None:  # nothing per slice outlives its lease
             self.guest.puller.forget_except(lease.allocation_id for lease in held)
         if not held:  # no slice: no libvirt call at all
-            self.latest = {}
+            self.latest, self.guest_kept = {}, {}
             self.counters.rounds["ok"] += 1
             return []
         collected_at = self.clock()
@@ -162,7 +163,9 @@ class SliceTelemetryLoop:
         messages = slice_telemetry(self.node_id, held, parse_all(records), collected_at=collected_at,
                                    interval_s=self.interval_s, bounds=self.bounds)
         messages = await self._with_guest(held, messages)
-        self.latest = {m.allocation_id: m for m in messages}
+        # /metrics needs the guest pulls' outcome and size only: the series themselves are published, not kept.
+        self.guest_kept = {(m.allocation_id, g.slot_index): (g.outcome, len(g.series)) for m in messages for g in m.guest}
+        self.latest = {m.allocation_id: m.model_copy(update={"guest": []}) if m.guest else m for m in messages}
         self.counters.rounds["ok"] += 1
         self.counters.last_ok_at = collected_at
         return messages
@@ -244,7 +247,8 @@ class SliceMetricsCollector:
         messages = [m for a, m in sorted(self.loop.latest.items()) if a in leased]
         yield from _slice_families(messages)
         if self.loop.guest is not None:
-            yield from _guest_families(self.loop.guest, messages)
+            kept = {key: value for key, value in sorted(self.loop.guest_kept.items()) if key[0] in leased}
+            yield from _guest_families(self.loop.guest, kept)
 
 
 _DOMAIN_SERIES: tuple[tuple[str, str, str, Callable[[SliceTelemetry], float | None]], ...] = (
@@ -305,7 +309,7 @@ def _slice_families(messages: list[SliceTelemetry]) -> Iterator[Metric]:
         yield counter
 
 
-def _guest_families(guest: GuestTelemetrySource, messages: list[SliceTelemetry]) -> Iterator[Metric]:
+def _guest_families(guest: GuestTelemetrySource, kept: dict[tuple[str, int], tuple[str, int]]) -> Iterator[Metric]:
     """The guest pulls for the operator: outcomes and drop reasons (fixed sets), series kept per slot. The guest's
     own series are the tenant's (its allocation's subject), never the host dashboard's."""
     counters = guest.puller.counters
@@ -323,7 +327,6 @@ def _guest_families(guest: GuestTelemetrySource, messages: list[SliceTelemetry])
                               value=counters.bytes_read)
     series = GaugeMetricFamily("gpuaas_agent_slice_guest_series", "samples kept from the slot's last guest pull",
                                labels=["slot", "outcome"])
-    for m in messages:
-        for g in m.guest:
-            series.add_metric([str(g.slot_index), g.outcome], len(g.series))
+    for (_, slot), (outcome, count) in kept.items():
+        series.add_metric([str(slot), outcome], count)
     yield series

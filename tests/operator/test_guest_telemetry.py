@@ -190,6 +190,31 @@ def test_a_million_series_under_a_large_byte_cap_is_cut_by_the_series_cap():
     assert result.dropped == {"series_cap": 1}
 
 
+def test_long_labels_that_would_outgrow_the_message_are_dropped_whole():
+    """Within max_bytes a guest can pack samples whose labels, as JSON, would not fit a NATS message: none travel."""
+    bounds = BOUNDS.model_copy(update={"max_bytes": 4 * 1024 * 1024})
+    body = b"".join(b'm{i="%d",pad="%s"} 1\n' % (i, b"x" * 1000) for i in range(900))
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await _respond(writer, _ok(len(body)), [body])
+
+    async def run():
+        port = free_port()
+        server = await asyncio.start_server(handle, "127.0.0.9", port)
+        try:
+            puller = GuestPuller(bounds)
+            target = GuestTarget(allocation_id=ALLOCS[GOOD], slot_index=0, ip=IPv4Address("127.0.0.9"), port=port,
+                                 path="/metrics")
+            return await puller.pull(target), puller.counters
+        finally:
+            server.close()
+    result, counters = run_bounded(run(), 30)
+    assert result.outcome == "too_large_for_wire" and result.series == []
+    assert result.dropped == {"too_large_for_wire": 1} and counters.pulls == {"too_large_for_wire": 1}
+    assert len(result.model_dump_json()) < 4096
+
+
 def test_a_slot_is_never_pulled_more_often_than_the_interval():
     bounds = BOUNDS.model_copy(update={"min_interval_s": 3600.0})
 
