@@ -107,7 +107,7 @@ class GuestTelemetry(WireModel):
     """One slot's pull: its outcome, the series it kept, and what was dropped by reason."""
 
     slot_index: int = Field(ge=0, lt=MAX_SLOTS)
-    target: str = Field(max_length=64)  # ip:port/path, from the agent's configuration and the slot's reservation
+    target: str = Field(max_length=128)  # ip:port/path, from the agent's configuration and the slot's reservation
     outcome: GuestPullOutcome
     pulled_at: float = Field(ge=0)
     duration_s: float = Field(ge=0)

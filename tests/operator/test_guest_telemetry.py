@@ -139,6 +139,29 @@ def test_more_series_than_the_cap_keeps_the_first_and_counts_the_rest_once():
     assert [s.value for s in samples[:3]] == [0, 1, 2]
 
 
+def test_a_body_that_breaks_the_parser_itself_is_malformed_and_counted_not_the_rounds_end():
+    """A fuzzed body on which prometheus-client's parser raises IndexError, not its ValueError: still one outcome."""
+    body = b'{, =-, 0}e.#a."\n,}.e,",-""}#0 #01'
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await _respond(writer, _ok(len(body)), [body])
+
+    async def run():
+        port = free_port()
+        server = await asyncio.start_server(handle, "127.0.0.9", port)
+        try:
+            puller = GuestPuller(BOUNDS)
+            target = GuestTarget(allocation_id=ALLOCS[GOOD], slot_index=0, ip=IPv4Address("127.0.0.9"), port=port,
+                                 path="/metrics")
+            return await puller.pull(target), puller.counters
+        finally:
+            server.close()
+    result, counters = run_bounded(run(), 30)
+    assert result.outcome == "malformed" and result.series == [] and "IndexError" in (result.message or "")
+    assert counters.dropped == {"malformed": 1}
+
+
 def test_the_target_is_the_reservation_and_the_configuration_never_the_payload():
     """Only an opted-in (allocation, slot) with a reservation is pulled, at the reserved IP and the configured
     port and path; the provision payload carries a yes/no only."""
