@@ -358,6 +358,14 @@ class AgentConfig(BaseModel):
     # Slice telemetry (operator/telemetry.py): one libvirt bulk stats call this often for every slice, one message per
     # allocation on gpuaas.node.<node>.telemetry.<allocation>, slot series on /metrics (0 disables it).
     slice_telemetry_interval_s: float = Field(default=15.0, ge=0)
+    # Guest telemetry (operator/guest_telemetry.py), for the allocations that ask for it: the exporter in the guest
+    # is pulled at http://<the slot's reserved IP>:<port><path>, at most once per telemetry interval, within these
+    # bounds (a pull past one of them keeps nothing it cannot prove and says why).
+    guest_exporter_port: int = Field(default=9100, ge=1, le=65535)
+    guest_exporter_path: str = Field(default="/metrics", pattern=r"^/[A-Za-z0-9._~/-]{0,63}$")
+    guest_pull_max_bytes: int = Field(default=1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+    guest_pull_max_series: int = Field(default=500, ge=1, le=10_000)
+    guest_pull_timeout_s: float = Field(default=5.0, gt=0, le=60)
     # Read the slice network (bridge, NAT, ip_forward) inside this network namespace (lab and tests).
     health_netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     # Judge this recorded NVML reading (operator/nvml.py) instead of the live NVML (lab and tests).

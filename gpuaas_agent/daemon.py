@@ -42,9 +42,11 @@ from nats.aio.client import Client
 
 from gpuaas_agent import __version__
 from gpuaas_agent.config import AgentConfig, SliceConfig, load_config
+from gpuaas_agent.contract.dhcp import Reservation
 from gpuaas_agent.contract.drift import DriftReport, DriftTrigger
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.tasks import HealthCheck
+from gpuaas_agent.contract.telemetry import GuestPullBounds
 from gpuaas_agent.control.connection import (
     Backoff,
     NatsConnectError,
@@ -79,11 +81,13 @@ from gpuaas_agent.exitcodes import (  # noqa: F401
 )
 from gpuaas_agent.host.devices.fabricmanager import FabricManager
 from gpuaas_agent.host.devices.uevents import DEFAULT_MAX_BURST_S, UeventMonitor
+from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations
 from gpuaas_agent.host.vm.consolelog import sweep
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import configure_logging, log_event
 from gpuaas_agent.operator import memprobe
 from gpuaas_agent.operator.fleetview import fleet_view
+from gpuaas_agent.operator.guest_telemetry import GuestPuller, GuestTelemetrySource
 from gpuaas_agent.operator.health import CheckThreads, HealthSettings, isolation_check
 from gpuaas_agent.operator.health_fabric import fabric_probe
 from gpuaas_agent.operator.health_quarantine import all_rechecks
@@ -682,10 +686,26 @@ def start_slice_telemetry(config: AgentConfig, host: NodeHost, state: StoreThrea
         return {lease.allocation_id for lease in state.sync.leases()}
 
     telemetry = SliceTelemetryLoop(node_id, source, leases, nc.publish, interval_s=config.slice_telemetry_interval_s,
-                                   stats_timeout_s=config.request_timeout_s * 2)
+                                   stats_timeout_s=config.request_timeout_s * 2, guest=guest_telemetry_source(config))
     metrics.registry.register(SliceMetricsCollector(telemetry, leased))
     background.start("slice-telemetry", telemetry.run())
     return telemetry
+
+
+def guest_telemetry_source(config: AgentConfig) -> GuestTelemetrySource:
+    """Guest pulls for the allocations that opt in: the target from this config and the slot's reservation only."""
+    hosts = DnsmasqReservations(config.slice.dnsmasq_hosts_file, config.slice.subnet, config.slice.gateway,
+                                config.slice.dnsmasq_pid_file)
+
+    async def reservations() -> list[Reservation]:
+        return await asyncio.to_thread(hosts.reservations)
+
+    # The loop pulls once per interval; the floor sits just under it so a timer that fires a little early (the
+    # event loop's clock resolution) never throttles a due pull, while a second pull within one interval is refused.
+    bounds = GuestPullBounds(max_bytes=config.guest_pull_max_bytes, max_series=config.guest_pull_max_series,
+                             timeout_s=config.guest_pull_timeout_s, min_interval_s=config.slice_telemetry_interval_s * 0.9)
+    return GuestTelemetrySource(GuestPuller(bounds, source=config.slice.gateway), reservations,
+                                port=config.guest_exporter_port, path=config.guest_exporter_path)
 
 
 async def _until_stopped(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRecord, reporter: Reporter,

@@ -31,6 +31,8 @@ class SlotLease(WireModel):
     # Fixed by the provision's validate; None only on a lease taken before it (slice.plan's, or an old row):
     # release then uses the strictest method the device supports (tasks/release.py).
     handover: LeaseHandover | None = None
+    # The provision asked for guest telemetry (VmProvisionPayload.guest_telemetry); dropped with the lease.
+    guest_telemetry: bool = False
 
 
 class StepStatus(WireEnum):

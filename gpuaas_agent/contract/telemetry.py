@@ -7,6 +7,11 @@ interval for every domain of the host (``virConnectGetAllDomainStats``), matched
 domain by its name (contract/naming.py), each slot's disk by its by-id path, the management vNIC by its
 tap name.
 
+Guest telemetry (opt-in per allocation: ``VmProvisionPayload.guest_telemetry``) rides in the same message:
+the agent pulls the exporter in the guest (its port and path from the agent's configuration, its address the
+slot's reservation, never the payload), bounded as :class:`GuestPullBounds` says, and carries what it read as
+:class:`GuestTelemetry` per slot: the series relabelled to the slot, or the outcome that says why there are none.
+
 Counters are cumulative since the domain started, exactly as the hypervisor gives them (rates are the
 reader's: two messages and their ``collected_at``). A counter the hypervisor did not report is ``None`` and
 named in ``not_reported``: unknown is never written as 0 (DESIGN.md §4 rule 7).
@@ -68,6 +73,50 @@ class SlotTelemetry(WireModel):
     management_nic: NicCounters | None = None  # only the slot whose vNIC the domain has
 
 
+# Guest series (issue 42 item 3): the most one pull may carry, whatever the agent's configuration says.
+MAX_GUEST_SERIES = 10_000
+MAX_GUEST_LABELS = 32
+MAX_GUEST_NAME = 200
+MAX_GUEST_LABEL_VALUE = 1024
+# One slot's guest part on the wire at most (its JSON): the message must fit a NATS server's max_payload (1 MiB by
+# default) beside the host-side counters, whatever long labels the guest packed into its max_bytes.
+MAX_GUEST_WIRE_BYTES = 512 * 1024
+GUEST_RESERVED_LABELS = frozenset({"slot", "slot_index", "allocation", "allocation_id", "node", "node_id"})
+GuestPullOutcome = Literal["ok", "series_capped", "too_large", "too_large_for_wire", "timeout", "unreachable", "http_error", "malformed",
+                           "throttled"]
+
+
+class GuestPullBounds(WireModel):
+    """What one pull of a guest exporter may cost the node (operator/guest_telemetry.py enforces each)."""
+
+    max_bytes: int = Field(ge=1024, le=64 * 1024 * 1024)  # the response (head and body); reading stops past it
+    max_series: int = Field(ge=1, le=MAX_GUEST_SERIES)  # samples kept; the rest are counted, not parsed
+    timeout_s: float = Field(gt=0, le=60)  # connect, request and the whole response together
+    min_interval_s: float = Field(ge=0)  # a slot is never pulled more often than this
+
+
+class GuestSample(WireModel):
+    """One sample of the guest's exposition, its labels as the guest gave them less the reserved ones."""
+
+    name: str = Field(min_length=1, max_length=MAX_GUEST_NAME)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=MAX_GUEST_LABELS)
+    value: float  # finite: NaN and infinities are dropped (reason ``non_finite``), JSON has no spelling for them
+
+
+class GuestTelemetry(WireModel):
+    """One slot's pull: its outcome, the series it kept, and what was dropped by reason."""
+
+    slot_index: int = Field(ge=0, lt=MAX_SLOTS)
+    target: str = Field(max_length=128)  # ip:port/path, from the agent's configuration and the slot's reservation
+    outcome: GuestPullOutcome
+    pulled_at: float = Field(ge=0)
+    duration_s: float = Field(ge=0)
+    bytes_read: int = Field(ge=0)
+    series: list[GuestSample] = Field(default_factory=list, max_length=MAX_GUEST_SERIES)
+    dropped: dict[str, int] = Field(default_factory=dict, max_length=16)  # reason -> samples (or 1 for a body)
+    message: str | None = Field(default=None, max_length=300)  # why, for an outcome other than ok
+
+
 class SliceTelemetry(WireModel):
     """``gpuaas.node.<node>.telemetry.<allocation>``: one allocation's slice, one interval."""
 
@@ -89,3 +138,7 @@ class SliceTelemetry(WireModel):
     memory_rss_bytes: int | None = Field(default=None, ge=0)  # what the host gives it (QEMU's RSS)
     slots: list[SlotTelemetry] = Field(max_length=MAX_SLOTS)
     not_reported: list[str] = Field(default_factory=list, max_length=MAX_NOT_REPORTED)
+    # Only when the allocation asked for it (VmProvisionPayload.guest_telemetry): one entry per slot with a vNIC.
+    guest_bounds: GuestPullBounds | None = None
+    guest: list[GuestTelemetry] = Field(default_factory=list, max_length=MAX_SLOTS)
+

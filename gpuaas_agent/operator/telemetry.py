@@ -46,6 +46,7 @@ from gpuaas_agent.contract.telemetry import (
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.vm.domstats import DomainStats, parse_all
 from gpuaas_agent.logs import log_event
+from gpuaas_agent.operator.guest_telemetry import GuestTelemetrySource
 
 log = logging.getLogger(__name__)
 
@@ -139,28 +140,49 @@ class SliceTelemetryLoop:
 
     def __init__(self, node_id: str, source: DomainStatsSource, leases: Leases, publish: Publish, *,
                  interval_s: float = DEFAULT_INTERVAL_S, stats_timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, guest: GuestTelemetrySource | None = None) -> None:
         self.node_id, self.source, self.leases, self.publish = node_id, source, leases, publish
+        self.guest = guest  # None: no allocation's guest is ever pulled (operator/guest_telemetry.py)
         self.interval_s, self.clock = interval_s, clock
         self.bounds = default_bounds(stats_timeout_s)
         self.latest: dict[str, SliceTelemetry] = {}
+        self.guest_kept: dict[tuple[str, int], tuple[str, int]] = {}  # (allocation, slot) -> (outcome, samples kept)
         self.counters = TelemetryCounters()
 
     async def collect(self) -> list[SliceTelemetry]:
         """One round: leases, one bulk stats call (bounded), the messages; ``latest`` holds leased ones only."""
         held = await self.leases()
+        if self.guest is not None:  # nothing per slice outlives its lease
+            self.guest.puller.forget_except(lease.allocation_id for lease in held)
         if not held:  # no slice: no libvirt call at all
-            self.latest = {}
+            self.latest, self.guest_kept = {}, {}
             self.counters.rounds["ok"] += 1
             return []
         collected_at = self.clock()
         records = await asyncio.wait_for(self.source(), self.bounds.stats_timeout_s)
         messages = slice_telemetry(self.node_id, held, parse_all(records), collected_at=collected_at,
                                    interval_s=self.interval_s, bounds=self.bounds)
-        self.latest = {m.allocation_id: m for m in messages}
+        messages = await self._with_guest(held, messages)
+        # /metrics needs the guest pulls' outcome and size only: the series themselves are published, not kept.
+        self.guest_kept = {(m.allocation_id, g.slot_index): (g.outcome, len(g.series)) for m in messages for g in m.guest}
+        self.latest = {m.allocation_id: m.model_copy(update={"guest": []}) if m.guest else m for m in messages}
         self.counters.rounds["ok"] += 1
         self.counters.last_ok_at = collected_at
         return messages
+
+    async def _with_guest(self, held: list[SlotLease], messages: list[SliceTelemetry]) -> list[SliceTelemetry]:
+        """The opted-in allocations' messages with their guests' pulls; a failed guest round costs only itself."""
+        opted = [(lease.allocation_id, lease.slot_index) for lease in held if lease.guest_telemetry]
+        if self.guest is None or not opted:
+            return messages
+        try:
+            pulled = await self.guest.round(opted)
+        except (AgentError, OSError) as exc:  # the reservations unreadable: the host-side counters still go out
+            log_event(log, "guest_telemetry_failed", logging.WARNING, error=repr(exc))
+            return messages
+        wanted = {allocation for allocation, _ in opted}
+        return [m.model_copy(update={"guest_bounds": self.guest.puller.bounds, "guest": pulled.get(m.allocation_id, [])})
+                if m.allocation_id in wanted else m for m in messages]
 
     async def round(self) -> int:
         """``collect`` then publish each message on its allocation's subject; a failed round is logged, not fatal."""
@@ -224,6 +246,9 @@ class SliceMetricsCollector:
                                   value=self.loop.counters.published)
         messages = [m for a, m in sorted(self.loop.latest.items()) if a in leased]
         yield from _slice_families(messages)
+        if self.loop.guest is not None:
+            kept = {key: value for key, value in sorted(self.loop.guest_kept.items()) if key[0] in leased}
+            yield from _guest_families(self.loop.guest, kept)
 
 
 _DOMAIN_SERIES: tuple[tuple[str, str, str, Callable[[SliceTelemetry], float | None]], ...] = (
@@ -276,3 +301,26 @@ def _slice_families(messages: list[SliceTelemetry]) -> Iterator[Metric]:
                     if device is not None and (v := getattr(device, attr)) is not None:
                         counter.add_metric([str(s.slot_index)], v)
             yield counter
+
+
+def _guest_families(guest: GuestTelemetrySource, kept: dict[tuple[str, int], tuple[str, int]]) -> Iterator[Metric]:
+    """The guest pulls for the operator: outcomes and drop reasons (fixed sets), series kept per slot. The guest's
+    own series are the tenant's (its allocation's subject), never the host dashboard's."""
+    counters = guest.puller.counters
+    pulls = CounterMetricFamily("gpuaas_agent_guest_telemetry_pulls", "guest exporter pulls by outcome",
+                                labels=["outcome"])
+    for outcome, count in sorted(counters.pulls.items()):
+        pulls.add_metric([outcome], count)
+    yield pulls
+    dropped = CounterMetricFamily("gpuaas_agent_guest_telemetry_dropped",
+                                  "guest samples (or whole bodies) dropped, by reason", labels=["reason"])
+    for reason, count in sorted(counters.dropped.items()):
+        dropped.add_metric([reason], count)
+    yield dropped
+    yield CounterMetricFamily("gpuaas_agent_guest_telemetry_read_bytes", "bytes read from guest exporters",
+                              value=counters.bytes_read)
+    series = GaugeMetricFamily("gpuaas_agent_slice_guest_series", "samples kept from the slot's last guest pull",
+                               labels=["slot", "outcome"])
+    for (_, slot), (outcome, count) in kept.items():
+        series.add_metric([str(slot), outcome], count)
+    yield series

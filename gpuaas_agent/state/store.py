@@ -175,11 +175,15 @@ MIGRATIONS: tuple[str, ...] = (
         recorded_at REAL NOT NULL
     );
     """,
+    # 9 -> 10: the allocation asked for guest telemetry (issue 42 item 3); 0 for every lease taken before.
+    """
+    ALTER TABLE slot_lease ADD COLUMN guest_telemetry INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 
 LEASE_FIELDS = ("allocation_id", "slot_index", "gpu_pci_address", "nvme_device", "disk_identity",
-                "fabric_vf_pci_address", "task_id", "taken_at", "handover")
+                "fabric_vf_pci_address", "task_id", "taken_at", "handover", "guest_telemetry")
 LEASE_COLUMNS = ", ".join(LEASE_FIELDS)
 
 
@@ -318,7 +322,7 @@ class StateStore:
         return self.take_leases([lease])[0]
 
     def _take_one(self, lease: SlotLease) -> SlotLease:
-        unbound = {"task_id", "taken_at", "handover"}
+        unbound = {"task_id", "taken_at", "handover", "guest_telemetry"}
         bound = lease.model_dump(exclude=unbound)
         for column in ("slot_index", "gpu_pci_address", "nvme_device", "disk_identity", "fabric_vf_pci_address"):
             holder = self._lease_row(f"{column} = ?", getattr(lease, column))
@@ -327,6 +331,10 @@ class StateStore:
             if holder.model_dump(exclude=unbound) == bound:
                 # This very lease, taken before (a redelivered plan or validate). Its handover, once fixed,
                 # is never changed by a later take; a lease slice.plan took gets the validate's now.
+                if holder.guest_telemetry != lease.guest_telemetry:  # the provision's opt-in decides, not the plan's
+                    self._conn.execute("UPDATE slot_lease SET guest_telemetry = ? WHERE slot_index = ?",
+                                       (int(lease.guest_telemetry), holder.slot_index))
+                    holder = holder.model_copy(update={"guest_telemetry": lease.guest_telemetry})
                 if holder.handover is None and lease.handover is not None:
                     self._conn.execute("UPDATE slot_lease SET handover = ? WHERE slot_index = ?",
                                        (lease.handover.model_dump_json(), holder.slot_index))
@@ -338,10 +346,10 @@ class StateStore:
             )
         self._conn.execute(
             "INSERT INTO slot_lease (slot_index, allocation_id, gpu_pci_address, nvme_device, disk_identity,"
-            " fabric_vf_pci_address, task_id, taken_at, handover) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " fabric_vf_pci_address, task_id, taken_at, handover, guest_telemetry) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (lease.slot_index, lease.allocation_id, lease.gpu_pci_address, lease.nvme_device, lease.disk_identity,
              lease.fabric_vf_pci_address, lease.task_id, lease.taken_at,
-             lease.handover.model_dump_json() if lease.handover is not None else None),
+             lease.handover.model_dump_json() if lease.handover is not None else None, int(lease.guest_telemetry)),
         )
         return lease
 
@@ -388,6 +396,7 @@ class StateStore:
                 # policies, whose release takes the strictest method the device supports. Never weaker.
                 log.warning("event=lease_handover_unreadable slot_index=%s: the strictest wipe applies",
                             fields.get("slot_index"))
+        fields["guest_telemetry"] = bool(fields["guest_telemetry"])
         return SlotLease(**fields, handover=handover)
 
     # -- journal ------------------------------------------------------------------

@@ -386,7 +386,7 @@ async def validate(run: ProvisionRun) -> Validated:
                         gpu_pci_address=s.gpu_pci_address, nvme_device=s.nvme_device,
                         disk_identity=p.disk_identity,
                         fabric_vf_pci_address=s.fabric_vf_pci_address, task_id=run.task_id, taken_at=time.time(),
-                        handover=handover)
+                        handover=handover, guest_telemetry=payload.guest_telemetry)
               for s, p, (handover, _) in zip(slots, plan.slots, handovers)]
     lease_was_held = any(held.slot_index == slot.slot_index for held in await store.leases_of(payload.allocation_id))
     # One transaction for the whole set: lease_conflict on any slot takes none (nor the partition it recorded).

@@ -182,9 +182,10 @@ def test_a_version_1_file_is_migrated_keeping_its_leases(tmp_path):
     conn.commit()
     conn.close()
     store = StateStore.open(path)
-    assert store.schema_version == len(MIGRATIONS) == 9  # 7: lease handover; 8: quarantine; 9: fabric partition leases
+    assert store.schema_version == len(MIGRATIONS) == 10  # 7: lease handover; 8: quarantine; 9: fabric partition leases; 10: guest telemetry opt-in
     assert [l.allocation_id for l in store.leases()] == [ALLOC_A]
     assert store.leases()[0].handover is None  # from before handover policies: release takes the strictest
+    assert store.leases()[0].guest_telemetry is False  # from before the opt-in: no guest is pulled
     # A lease from before identities holds its disk by the path it was taken under (migration 4).
     assert store.leases()[0].disk_identity == "path:/dev/disk/by-id/nvme-eui.0"
     store.record_wipe_proof(0, _proof(True))
@@ -291,3 +292,13 @@ def test_an_unreadable_stored_handover_reads_as_none_so_release_takes_the_strict
     store._conn.execute("UPDATE slot_lease SET handover = ?", ('{"profile": "x", "wipe": {"method": "shred"}}',))
     assert store.leases()[0].handover is None
     store.close()
+
+
+def test_the_provisions_guest_telemetry_opt_in_replaces_the_plans_lease(store):
+    """slice.plan took the lease without the opt-in; the provision's take of the same lease records it, and back."""
+    store.take_lease(_lease())
+    assert store.leases()[0].guest_telemetry is False
+    taken = store.take_lease(_lease().model_copy(update={"guest_telemetry": True}))
+    assert taken.guest_telemetry is True and store.leases()[0].guest_telemetry is True
+    store.take_lease(_lease())
+    assert store.leases()[0].guest_telemetry is False

@@ -196,7 +196,7 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
         # its own evidence.
         alloc_c = str(uuid.uuid4())
         c = slots(1, 2)
-        failure, ctx = run(provision_payload(c[0], alloc=alloc_c, slots=c, readiness_timeout_s=5,
+        failure, ctx = run(provision_payload(c[0], alloc=alloc_c, slots=c, readiness_timeout_s=5, guest_telemetry=True,
                                     image={"url": f"file://{image}", "sha256": digest}), "t-c")
         assert failure.failed_step in ("start", "readiness"), failure
         # The start guarded the data slot's disk too, under its own lease (not only the boot slot's).
@@ -210,6 +210,9 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
         assert outcomes[2].health_detail["nvme_device"] == c[1].nvme_device
         assert sorted((lease.allocation_id, lease.slot_index) for lease in store.leases()) == sorted(
             [(alloc_b, 0), (alloc_c, 1), (alloc_c, 2)])
+        # The guest telemetry opt-in travels with the provision onto every lease of its set, and only its own.
+        assert {(lease.allocation_id, lease.slot_index): lease.guest_telemetry for lease in store.leases()} == {
+            (alloc_b, 0): False, (alloc_c, 1): True, (alloc_c, 2): True}
 
         # Release of the set (v1.1 payload): the domain goes, each disk is wiped and verified, each slot freed.
         ctx = task_ctx(store, "t-release")

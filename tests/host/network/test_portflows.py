@@ -412,6 +412,67 @@ def test_a_guest_that_finds_the_host_tap_gets_no_arp_answer_and_no_service(lab: 
     assert not tcp_reaches(lab.a.ns, UPSTREAM, 9000)
 
 
+EXPORTER_PORT = 9100
+EXPOSITION = b"# TYPE node_load1 gauge\nnode_load1 0.5\n"
+
+
+class _Served:
+    """An HTTP server in a thread, closed like the lab's listeners (``close``): stopped, then its socket closed."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _exporter(ns: str, ip: str) -> _Served:
+    """A guest's exporter: a real HTTP server on its IP inside its namespace (a daemon thread serves it)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Exposition(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(EXPOSITION)))
+            self.end_headers()
+            self.wfile.write(EXPOSITION)
+
+        def log_message(self, *args):
+            pass
+
+    server = call_in_netns(ns, lambda: HTTPServer((ip, EXPORTER_PORT), Exposition))
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    return _Served(server)
+
+
+def test_the_host_pulls_a_guest_exporter_over_the_management_path_and_no_guest_can_open_it(lab: IsoLab):
+    """Guest telemetry's path (docs/security.md "Guest telemetry"): the agent, from the gateway, reads A's exporter
+    through the real bridge and guard; A cannot open a connection to the host on the exporter port (or any other
+    service), and B cannot reach A's exporter. Without isolation both probes succeed: they can fail."""
+    from gpuaas_agent.contract.telemetry import GuestPullBounds
+    from gpuaas_agent.operator.guest_telemetry import GuestPuller, GuestTarget
+
+    lab.listeners["a_exporter"] = _exporter(lab.a.ns, lab.a.ip)
+    lab.listeners["gw_exporter"] = host_side = _tcp_listener(lab.host, GATEWAY, EXPORTER_PORT)
+    _accepting(host_side)
+    assert tcp_reaches(lab.b.ns, lab.a.ip, EXPORTER_PORT)  # unisolated: B reaches A's exporter
+    assert tcp_reaches(lab.a.ns, GATEWAY, EXPORTER_PORT)  # and A the host's port
+    for g in (lab.a, lab.b):
+        lab.isolate(g)
+    bounds = GuestPullBounds(max_bytes=64 * 1024, max_series=100, timeout_s=10.0, min_interval_s=0)
+    target = GuestTarget(allocation_id=lab.a.allocation_id, slot_index=lab.a.slot_index, ip=IPv4Address(lab.a.ip),
+                         port=EXPORTER_PORT, path="/metrics")
+    pulled = lab.agent(lambda: GuestPuller(bounds, source=IPv4Address(GATEWAY)).pull(target))
+    assert pulled.outcome == "ok", pulled
+    assert [(s.name, s.value) for s in pulled.series] == [("node_load1", 0.5)]
+    assert not tcp_reaches(lab.a.ns, GATEWAY, EXPORTER_PORT)  # nothing the guest starts reaches the host
+    assert not tcp_reaches(lab.a.ns, GATEWAY, 8080)
+    assert not tcp_reaches(lab.b.ns, lab.a.ip, EXPORTER_PORT)  # nor another slice's exporter
+    assert not tcp_reaches(lab.b.ns, GATEWAY, EXPORTER_PORT)
+
+
 def _iso(lab: IsoLab, g: Guest):
     port = lab.ports()[g.port]
     return port_isolation(bridge=port.bridge, port=port.name, allocation_id=g.allocation_id, slot_index=g.slot_index,
