@@ -191,15 +191,8 @@ async def measure(server: NatsServer, work: Path, slices: int, rounds: int) -> d
         loop = SliceTelemetryLoop("node-bench", lifecycle.all_domain_stats, leases, nc.publish)
         metrics = AgentMetrics()
         metrics.registry.register(SliceMetricsCollector(loop, lambda: {a for a in loop.latest}))
-        await loop.round()  # warm: the connection, the models' validators
-        await asyncio.to_thread(metrics.render)
-        cpu0, wall0 = time.process_time(), time.perf_counter()
-        for _ in range(rounds):
-            sent = await loop.round()
-            assert sent == slices, sent
-            await asyncio.to_thread(metrics.render)
+        cpu, wall = await rounds_cost(loop, metrics, slices, rounds)  # warm first: the connection, the validators
         await nc.flush()
-        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         rss1 = rss_kib()
     finally:
         await lifecycle.close()

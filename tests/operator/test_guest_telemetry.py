@@ -139,9 +139,8 @@ def test_more_series_than_the_cap_keeps_the_first_and_counts_the_rest_once():
     assert [s.value for s in samples[:3]] == [0, 1, 2]
 
 
-def test_a_body_that_breaks_the_parser_itself_is_malformed_and_counted_not_the_rounds_end():
-    """A fuzzed body on which prometheus-client's parser raises IndexError, not its ValueError: still one outcome."""
-    body = b'{, =-, 0}e.#a."\n,}.e,",-""}#0 #01'
+def _pull_one_body(body: bytes, bounds):
+    """One pull of a loopback exporter that answers ``body`` whole; the result and the puller's counters."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
@@ -151,13 +150,20 @@ def test_a_body_that_breaks_the_parser_itself_is_malformed_and_counted_not_the_r
         port = free_port()
         server = await asyncio.start_server(handle, "127.0.0.9", port)
         try:
-            puller = GuestPuller(BOUNDS)
+            puller = GuestPuller(bounds)
             target = GuestTarget(allocation_id=ALLOCS[GOOD], slot_index=0, ip=IPv4Address("127.0.0.9"), port=port,
                                  path="/metrics")
             return await puller.pull(target), puller.counters
         finally:
             server.close()
-    result, counters = run_bounded(run(), 30)
+    return run_bounded(run(), 30)
+
+
+def test_a_body_that_breaks_the_parser_itself_is_malformed_and_counted_not_the_rounds_end():
+    """A fuzzed body on which prometheus-client's parser raises IndexError, not its ValueError: still one outcome."""
+    body = b'{, =-, 0}e.#a."\n,}.e,",-""}#0 #01'
+
+    result, counters = _pull_one_body(body, BOUNDS)
     assert result.outcome == "malformed" and result.series == [] and "IndexError" in (result.message or "")
     assert counters.dropped == {"malformed": 1}
 
@@ -218,21 +224,7 @@ def test_long_labels_that_would_outgrow_the_message_are_dropped_whole():
     bounds = BOUNDS.model_copy(update={"max_bytes": 4 * 1024 * 1024})
     body = b"".join(b'm{i="%d",pad="%s"} 1\n' % (i, b"x" * 1000) for i in range(900))
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await _respond(writer, _ok(len(body)), [body])
-
-    async def run():
-        port = free_port()
-        server = await asyncio.start_server(handle, "127.0.0.9", port)
-        try:
-            puller = GuestPuller(bounds)
-            target = GuestTarget(allocation_id=ALLOCS[GOOD], slot_index=0, ip=IPv4Address("127.0.0.9"), port=port,
-                                 path="/metrics")
-            return await puller.pull(target), puller.counters
-        finally:
-            server.close()
-    result, counters = run_bounded(run(), 30)
+    result, counters = _pull_one_body(body, bounds)
     assert result.outcome == "too_large_for_wire" and result.series == []
     assert result.dropped == {"too_large_for_wire": 1} and counters.pulls == {"too_large_for_wire": 1}
     assert len(result.model_dump_json()) < 4096
