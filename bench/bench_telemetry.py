@@ -1,4 +1,4 @@
-"""What slice telemetry costs per round, for N slices (issue 42 item 7: < 1 % of one core, < 5 MiB for 8 slices).
+"""What slice telemetry costs per round, for N slices (< 1 % of one core, < 5 MiB for 8 slices).
 
 One process, the daemon's parts: a real ``nats-server``, the SQLite store on its thread with N leases, libvirt's
 test driver through :class:`LibvirtLifecycle` with N running domains named for them (the one bulk stats call;
@@ -8,7 +8,7 @@ back to back and reports CPU seconds per round (``time.process_time``: this proc
 of one core at the default interval, and the RSS the loop's state adds (``VmRSS`` before the loop is built and
 after the last round: the module imports are counted too).
 
-Guest telemetry (issue 42 items 3 and 7): in the same run, the same loop again with every slice opted in and
+Guest telemetry: in the same run, the same loop again with every slice opted in and
 its exporter pulled (:mod:`gpuaas_agent.operator.guest_telemetry`) from a real HTTP server per slice (127.0.0.x, one
 port, in a child process so its CPU is not counted) serving a node_exporter-sized exposition (``--guest-series``
 samples, about 70 bytes each). Reported: the CPU per round and the share of one core at the default interval with

@@ -1,6 +1,6 @@
 """A TCG guest whose PCIe NIC is QEMU's SR-IOV ``igb``: runs a Python script against a real kernel's VF netlink.
 
-Why it exists: the fabric VF code (issue 40, ``host/network/fabricvf.py``) sets a VF's MAC, VLAN,
+Why it exists: the fabric VF code (``host/network/fabricvf.py``) sets a VF's MAC, VLAN,
 spoof check, trust and link state through rtnetlink on the PF and reads them back from
 IFLA_VFINFO_LIST. No machine here (nor CI) has an SR-IOV NIC, and Debian's kernels do not build
 netdevsim. QEMU >= 8 emulates the Intel 82576 (``-device igb``) with SR-IOV; the guest's Debian

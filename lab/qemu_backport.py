@@ -1,6 +1,6 @@
 """QEMU from bookworm-backports, unpacked beside the system one (never installed), for the igb SR-IOV guest.
 
-Why it exists: the fabric VF code (issue 40) must run against a real kernel's VF netlink, and no
+Why it exists: the fabric VF code must run against a real kernel's VF netlink, and no
 machine here has an SR-IOV NIC or netdevsim. QEMU >= 8 emulates one, ``igb`` (Intel 82576, up to 8
 VFs); the system QEMU of Debian 12 is 7.2 and has no ``igb``. Debian's bookworm-backports carries
 QEMU 10, built for bookworm's libraries.

@@ -33,7 +33,7 @@ def test_healthy_fixture_exits_0_with_one_line_per_check_and_a_summary(command):
     assert all(parse_line(line)["status"] in ("PASS", "WARN") for line in lines[:-1])
     summary = parse_line(lines[-1])
     assert summary["_prefix"] == SUMMARY_PREFIX and summary["failures"] == "0"
-    assert int(summary["checks"]) == len(lines) - 1 == 27  # 24 + nvswitch_partition (issue 20) + sysfs_writable + fabric_isolation (issue 40)
+    assert int(summary["checks"]) == len(lines) - 1 == 27  # 24 + nvswitch_partition (issue 20) + sysfs_writable + fabric_isolation
     assert _checks(proc.stdout)["nat"]["status"] == "PASS"
 
 

@@ -143,7 +143,7 @@ class VmProvisionPayload(WireModel):
     # slots' GUIDs into before sending this): applied to every slot's VF and read back before the domain
     # starts. Required where the profile passes a fabric VF through and [slice] fabric_isolation = "required".
     fabric_attachment: FabricAttachment | None = None
-    # Opt-in guest telemetry (issue 42 item 3): the agent pulls the exporter in the guest over the narrow
+    # Opt-in guest telemetry: the agent pulls the exporter in the guest over the narrow
     # management path and adds its series to the allocation's SliceTelemetry. Only the yes/no travels: the port
     # and path are the agent's configuration, the address the slot's reservation (docs/security.md).
     guest_telemetry: bool = False

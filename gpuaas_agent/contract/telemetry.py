@@ -1,4 +1,4 @@
-"""Per-slice telemetry: what each allocation's slice is doing, as the host sees it (issue 42, docs/contract.md).
+"""Per-slice telemetry: what each allocation's slice is doing, as the host sees it (docs/contract.md).
 
 One :class:`SliceTelemetry` per allocation per interval, published on the allocation's own subject
 (``gpuaas.node.<node>.telemetry.<allocation>``, contract/subjects.py), so a control plane can hand each
@@ -73,7 +73,7 @@ class SlotTelemetry(WireModel):
     management_nic: NicCounters | None = None  # only the slot whose vNIC the domain has
 
 
-# Guest series (issue 42 item 3): the most one pull may carry, whatever the agent's configuration says.
+# Guest series: the most one pull may carry, whatever the agent's configuration says.
 MAX_GUEST_SERIES = 10_000
 MAX_GUEST_LABELS = 32
 MAX_GUEST_NAME = 200

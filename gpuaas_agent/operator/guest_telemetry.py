@@ -1,4 +1,4 @@
-"""Guest telemetry (issue 42 item 3): a bounded pull of the exporter in a slice's guest, for allocations that ask.
+"""Guest telemetry: a bounded pull of the exporter in a slice's guest, for allocations that ask.
 
 The target is never the payload's: the port and path are the agent's configuration (``guest_exporter_port``,
 ``guest_exporter_path``), the address the slot's own dnsmasq reservation (the IP its port flows pin), and the

@@ -1,4 +1,4 @@
-"""Host-side slice telemetry (issue 42): one libvirt bulk stats call per interval, one message per allocation.
+"""Host-side slice telemetry: one libvirt bulk stats call per interval, one message per allocation.
 
 Every ``interval_s``: the host's leases (state store), libvirt's bulk stats of every domain in one call
 (:meth:`~gpuaas_agent.host.vm.libvirt_lifecycle.LibvirtLifecycle.all_domain_stats`), matched by

@@ -175,7 +175,7 @@ MIGRATIONS: tuple[str, ...] = (
         recorded_at REAL NOT NULL
     );
     """,
-    # 9 -> 10: the allocation asked for guest telemetry (issue 42 item 3); 0 for every lease taken before.
+    # 9 -> 10: the allocation asked for guest telemetry; 0 for every lease taken before.
     """
     ALTER TABLE slot_lease ADD COLUMN guest_telemetry INTEGER NOT NULL DEFAULT 0;
     """,

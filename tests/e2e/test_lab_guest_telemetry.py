@@ -1,4 +1,4 @@
-"""Guest telemetry end to end (issue 42 item 5): a lab guest's exporter reaches the control plane on its own subject.
+"""Guest telemetry end to end: a lab guest's exporter reaches the control plane on its own subject.
 
 Slice A is provisioned with ``guest_telemetry: true``, slice B without; each guest runs busybox httpd on the agent's
 configured exporter port (9100) serving a static exposition that names its own slice. The control plane listens on

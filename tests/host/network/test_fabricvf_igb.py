@@ -1,6 +1,6 @@
 """A slot's fabric VF settings against a real kernel's VF netlink: QEMU's SR-IOV ``igb`` in a TCG guest.
 
-Issue 40 item 7. No machine here has an SR-IOV NIC or netdevsim; QEMU 10 (bookworm-backports,
+No machine here has an SR-IOV NIC or netdevsim; QEMU 10 (bookworm-backports,
 ``lab/qemu_backport.py``) emulates the Intel 82576 with SR-IOV, and the guest's Debian kernel drives
 it with ``igb`` (PF) and ``igbvf`` (VFs). The guest (``lab/igb_guest.py``) runs
 ``lab/igb_jobs/vf_readback.py`` with pyroute2: two VFs, VF 0 given a tenant's MAC, VLAN + QoS, spoof
