@@ -101,6 +101,12 @@ def host_copy(tmp_path):
 FAST_TIER_LEAVES_OUT = ("lab", "deploy", "crash", "fleet", "libvirtd", "netns", "agent", "slow")
 FAST_TIER = " and ".join(f"not {marker}" for marker in FAST_TIER_LEAVES_OUT)
 
+# The whole suite's two passes (scripts/test.sh): what shares host-wide resources or is CPU-bound runs in one
+# process; the rest (the fast tier and the measured slow tests: private servers, waits) on pytest-xdist workers.
+SERIAL_MARKERS = tuple(marker for marker in FAST_TIER_LEAVES_OUT if marker != "slow")
+PARALLEL_PASS = " and ".join(f"not {marker}" for marker in SERIAL_MARKERS)
+SERIAL_PASS = " or ".join(SERIAL_MARKERS)
+
 NEEDS_BY_DIRECTORY = {
     "e2e": ("lab",),            # the lab-in-a-box over NATS: real TCG guests
     "realvm": ("lab", "libvirtd"),  # real guests under a libvirtd started by hand

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_TIER, FAST_TIER_LEAVES_OUT, NEED_MARKERS, NEEDS_BY_DIRECTORY, SLOW_TESTS
+from tests.conftest import (
+    FAST_TIER,
+    FAST_TIER_LEAVES_OUT,
+    NEED_MARKERS,
+    NEEDS_BY_DIRECTORY,
+    PARALLEL_PASS,
+    SERIAL_MARKERS,
+    SERIAL_PASS,
+    SLOW_TESTS,
+)
 from tests.support.tiers import DECLARED, DECLARED_FIXTURES, NEEDS_BY_MODULE, missing_markers, undeclared_spawners
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,6 +139,21 @@ def test_the_fast_tier_command_is_the_expression_the_markers_define():
     registered = (REPO / "pyproject.toml").read_text()
     for marker in FAST_TIER_LEAVES_OUT:
         assert re.search(rf'^\s*"{marker}: ', registered, re.MULTILINE), f"{marker} is not registered"
+
+
+def test_the_whole_suite_runs_every_test_once_in_its_two_passes(markers):
+    """scripts/test.sh without arguments: the parallel pass and the serial pass partition the collection."""
+    script = (REPO / "scripts" / "test.sh").read_text()
+    parallel = re.search(rf'-m "{re.escape(PARALLEL_PASS)}" -n "\$\{{GPUAAS_TEST_WORKERS:-2\}}" --dist loadfile', script)
+    assert parallel, "the parallel pass runs the expression the markers define, on xdist workers by module"
+    assert f'-m "{SERIAL_PASS}" ||' in script, "the serial pass runs the complementary expression in one process"
+    serial = set(SERIAL_MARKERS)
+    in_parallel = {test for test, names in markers.items() if not names & serial}
+    in_serial = {test for test, names in markers.items() if names & serial}
+    assert in_parallel and in_serial and not in_parallel & in_serial
+    assert in_parallel | in_serial == set(markers)
+    assert not in_parallel & set(collected_under(markers, "tests/e2e/")), "no guest runs beside another"
+    assert set(SERIAL_MARKERS) | {"slow"} == set(FAST_TIER_LEAVES_OUT), "the fast tier is the parallel pass less slow"
 
 
 # -- declared where the need is made: a server-starting helper carries its tier, and the tier follows it ------
