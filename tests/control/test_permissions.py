@@ -1,5 +1,5 @@
-"""Least privilege per node in ONE shared account (the lab's and tests' layout), against a real nats-server whose
-node users hold exactly ``node_permissions``. The supported layout, an account per node, is
+"""Least privilege per node in ONE shared account (the package lanes' layout), against a real nats-server whose
+node users hold exactly ``node_permissions``, on Debian's nats-server and on the pinned current release. The supported layout, an account per node, is
 ``tests/control/test_accounts.py``.
 
 Node A runs the real worker with only its permissions (find the stream, look up the consumer
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import shutil
 
 import nats
 import nats.errors
@@ -38,7 +37,7 @@ from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.state.store import StateStore
 from tests.support.controlplane import TASK_STREAM, ControlPlane
-from tests.support.nats_server import NatsServer
+from tests.support.nats_server import NatsServer, nats_server_binary, release_nats_server
 
 A, B = "node-perma", "node-permb"
 SESSION = "0f8fad5b-d9cb-469f-a165-70867728950e"  # a terminal session id (lower-case UUID)
@@ -47,7 +46,7 @@ TEST_DEADLINE_S = 90.0
 
 
 class PermLab:
-    def __init__(self, root) -> None:
+    def __init__(self, root, binary: str) -> None:
         self.passwords = {A: secrets.token_urlsafe(12), B: secrets.token_urlsafe(12), "plane": secrets.token_urlsafe(12)}
         users = [nats_server_user(A, self.passwords[A]), nats_server_user(B, self.passwords[B]),
                  {"user": "plane", "password": self.passwords["plane"]}]
@@ -55,16 +54,19 @@ class PermLab:
         config.write_text(json.dumps({"authorization": {"users": users}}, indent=1))
         store = root / "store"
         store.mkdir()
-        self.server = NatsServer(shutil.which("nats-server") or "nats-server", store, root / "nats.log",
+        self.server = NatsServer(binary, store, root / "nats.log",
                                  extra_args=("-c", str(config)))
 
     def url(self, user: str) -> str:
         return f"nats://{user}:{self.passwords[user]}@127.0.0.1:{self.server.port}"
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    lab = PermLab(tmp_path_factory.mktemp("perm"))
+@pytest.fixture(scope="module", params=["debian", "release"])
+def lab(request, tmp_path_factory):
+    """The probes run on Debian's nats-server and on the pinned current release (the servers planes run)."""
+    why = "the single-account probes run on Debian's nats-server and on the current release"
+    binary = nats_server_binary(why) if request.param == "debian" else release_nats_server(why)
+    lab = PermLab(tmp_path_factory.mktemp(f"perm-{request.param}"), binary)
     lab.server.start()
     try:
         async def streams():
