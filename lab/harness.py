@@ -43,6 +43,7 @@ from gpuaas_agent.contract.slots import ApprovedSlot, SlotStatus  # noqa: E402
 from gpuaas_agent.contract.tasks import TaskResult  # noqa: E402
 from lab.fixture_hosts import H200, fixture_host  # noqa: E402
 from lab.loophost import LoopHost, materialize  # noqa: E402
+from lab.subnet import subnet_routed_elsewhere  # noqa: E402
 from tests.natsauth.fleet import FleetOperator  # noqa: E402
 from tests.support.controlplane import ControlPlane  # noqa: E402
 from tests.support.daemons import stop_pid  # noqa: E402
@@ -240,6 +241,15 @@ class Lab:
 
     def _start_ovs(self) -> None:
         from tests.support.ovsdb_fixture import running_ovs
+
+        routes = json.loads(_sh("ip", "-j", "route", "show", "table", "main", timeout=10).stdout or "[]")
+        held = subnet_routed_elsewhere(routes, self.settings.subnet)
+        if held:
+            raise RuntimeError(
+                f"lab: {self.settings.subnet} is already routed on this machine ({'; '.join(held)}): the guests' "
+                "replies would leave through that device, not the lab's bridge. A lab or test run killed before its "
+                "teardown leaves its bridge holding the gateway; check it is no longer used, then "
+                "`ip link del <device>`, or run the lab on another subnet.")
 
         sw = self.stack.enter_context(running_ovs(root_netns=True))
         self.switch = sw
