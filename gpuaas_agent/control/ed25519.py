@@ -155,15 +155,28 @@ class CryptographyEd25519:
         return True
 
 
-def interpreter_libcrypto() -> LibcryptoEd25519 | None:
-    """The Ed25519 of the libcrypto ``_ssl`` links, or None where ``_ssl`` is built in or exports no EVP symbols."""
-    path = getattr(_ssl, "__file__", None)  # a built-in module has none
+# RFC 8032 §7.1 test 1 (the empty message): a backend is used only once it gives this answer.
+_KNOWN_KEY = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
+_KNOWN_SIGNATURE = bytes.fromhex("e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e39701cf9"
+                                 "b46bd25bf5f0595bbe24655141438e7a100b")
+
+
+def interpreter_libcrypto(path: str | None = getattr(_ssl, "__file__", None)) -> LibcryptoEd25519 | None:
+    """The Ed25519 of the libcrypto the library at ``path`` (``_ssl``'s file) links, or None where it cannot sign.
+
+    None where ``_ssl`` is built in (no file), where its handle reaches no EVP symbols, and where libcrypto does
+    not give RFC 8032's answer (a provider configuration without Ed25519, a FIPS-only host): the connect must
+    sign, so a libcrypto that cannot is passed over for ``cryptography``, not found out at the first connect.
+    """
     if not path:
         return None
     try:
-        return LibcryptoEd25519(ctypes.CDLL(path))
-    except (OSError, AttributeError):  # not loadable, or the symbols are not reachable from its handle
-        return None
+        impl = LibcryptoEd25519(ctypes.CDLL(path))
+        if impl.sign(_KNOWN_KEY, b"") == _KNOWN_SIGNATURE:
+            return impl
+    except (OSError, AttributeError, Ed25519Error):  # not loadable, no such symbols, or refused
+        pass
+    return None
 
 
 @functools.cache

@@ -66,3 +66,13 @@ def test_a_key_of_the_wrong_length_is_refused_and_an_off_curve_public_key_verifi
 
 def test_the_daemon_signs_through_the_interpreters_libcrypto():
     assert isinstance(backend(), LibcryptoEd25519)
+
+
+def test_a_library_that_reaches_no_libcrypto_is_passed_over():
+    """A real extension module that links no libcrypto (``_ctypes``), no file at all (a built-in ``_ssl``), a
+    missing file: no backend, so :func:`backend` takes ``cryptography``; never a missing symbol at a connect."""
+    import _ctypes
+
+    assert interpreter_libcrypto(_ctypes.__file__) is None
+    assert interpreter_libcrypto(None) is None
+    assert interpreter_libcrypto("/nonexistent/_ssl.so") is None
