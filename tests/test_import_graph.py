@@ -61,6 +61,9 @@ _HANDLER_MODULE = ("a task handler's module (and what only it imports: provision
 _SEALING = ("cryptography's X25519, AEAD, HKDF and serialization modules (with bcrypt through its ssh module, ~1.5 MiB "
             "RSS) seal and open credentials at enrollment and rotation only; a connected daemon signs its nonce with "
             "Ed25519 alone (tests/operator/test_idle_footprint.py)")
+_ED25519_FALLBACK = ("cryptography's Rust binding (~8.8 MiB RSS, its own OpenSSL) signs only where the interpreter's libcrypto "
+                     "cannot be reached (control/ed25519.py); a daemon whose _ssl links libcrypto never loads it "
+                     "(tests/operator/test_idle_footprint.py)")
 
 # "path:function" -> why its imports are deferred. Nothing else in the package imports inside a function.
 LAZY_IMPORTS: dict[str, str] = {
@@ -82,7 +85,7 @@ LAZY_IMPORTS: dict[str, str] = {
     "gpuaas_agent/tasks/terminal.py:open": _ASYNCSSH,
     "gpuaas_agent/host/images/httpfetch.py:read_ranges": _HTTPX,
     "gpuaas_agent/host/images/httpfetch.py:_read_range": _HTTPX,
-    "gpuaas_agent/control/nkeyseed.py:public_key": _SEALING,
+    **{f"gpuaas_agent/control/ed25519.py:{fn}": _ED25519_FALLBACK for fn in ("sign", "public_key", "verify")},
     "gpuaas_agent/control/enroll.py:_open_reply": _SEALING,
     "gpuaas_agent/control/enroll.py:enroll": _SEALING,
     "gpuaas_agent/control/rotation.py:_rotate": _SEALING,

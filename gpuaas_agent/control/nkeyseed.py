@@ -1,11 +1,11 @@
 """NKEY user keys without the ``nkeys`` package: make a pair, name its public key, sign the server's nonce.
 
 Why: nats.py signs through ``nkeys`` (and PyNaCl), which exist on PyPI only as a source
-tarball and an extra native library; the agent already ships ``cryptography`` (asyncssh
-needs it), whose Ed25519 is the same signature. An NKEY seed is base32 (no padding) of
-two prefix bytes, the 32-byte Ed25519 seed and a CRC-16/XMODEM (little endian) over the rest;
-a user seed starts ``SU``; a public key is base32 of the prefix byte, the 32-byte Ed25519
-public key and the same CRC (a user key starts ``U``). The seed is read from the file for each
+tarball and an extra native library; the Ed25519 here (``control/ed25519.py``: the libcrypto
+``ssl`` already maps, ``cryptography`` where that cannot be reached) is the same signature.
+An NKEY seed is base32 (no padding) of two prefix bytes, the 32-byte Ed25519 seed and a
+CRC-16/XMODEM (little endian) over the rest; a user seed starts ``SU``; a public key is base32 of
+the prefix byte, the 32-byte Ed25519 public key and the same CRC (a user key starts ``U``). The seed is read from the file for each
 signature, so a rotated ``.creds`` is used at the next (re)connect.
 
 Keys are born here: enrollment and every rotation make a fresh pair with :func:`new_user_seed`,
@@ -17,8 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from gpuaas_agent.control import ed25519
 
 PREFIX_BYTE_SEED = 18 << 3  # 'S'
 PREFIX_BYTE_USER = 20 << 3  # 'U'
@@ -38,8 +37,8 @@ def _crc16_xmodem(data: bytes) -> int:
     return crc
 
 
-def user_private_key(seed: str | bytes) -> Ed25519PrivateKey:
-    """The Ed25519 key of a user seed (``SU...``); :class:`NkeySeedError` for anything else."""
+def user_private_key(seed: str | bytes) -> bytes:
+    """The Ed25519 private key (32 bytes) of a user seed (``SU...``); :class:`NkeySeedError` for anything else."""
     text = seed.decode("ascii", "replace") if isinstance(seed, (bytes, bytearray)) else seed
     text = text.strip()
     try:
@@ -56,12 +55,12 @@ def user_private_key(seed: str | bytes) -> Ed25519PrivateKey:
     prefix = ((body[0] & 0x07) << 5) | ((body[1] & 0xF8) >> 3)
     if prefix != PREFIX_BYTE_USER:
         raise NkeySeedError("not a user seed")
-    return Ed25519PrivateKey.from_private_bytes(bytes(body[2:34]))
+    return bytes(body[2:34])
 
 
 def sign_nonce(seed: str | bytes, nonce: str) -> bytes:
     """What nats.py sends as ``sig``: base64 (standard alphabet) of the Ed25519 signature of the nonce."""
-    return base64.b64encode(user_private_key(seed).sign(nonce.encode()))
+    return base64.b64encode(ed25519.sign(user_private_key(seed), nonce.encode()))
 
 
 def _b32(body: bytes) -> str:
@@ -70,17 +69,15 @@ def _b32(body: bytes) -> str:
 
 
 def new_user_seed() -> str:
-    """A fresh user seed (``SU...``) from the OS's CSPRNG (via cryptography's Ed25519 key generation)."""
-    raw = Ed25519PrivateKey.generate().private_bytes_raw()
+    """A fresh user seed (``SU...``) from the OS's CSPRNG."""
+    raw = ed25519.new_private_key()
     prefix = bytes([PREFIX_BYTE_SEED | (PREFIX_BYTE_USER >> 5), (PREFIX_BYTE_USER & 0x1F) << 3])
     return _b32(prefix + raw)
 
 
 def public_key(seed: str | bytes) -> str:
     """The user public NKEY (``U...``) of a user seed: what may leave the host."""
-    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
-    raw = user_private_key(seed).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    raw = ed25519.public_key(user_private_key(seed))
     return _b32(bytes([PREFIX_BYTE_USER]) + raw)
 
 
@@ -97,13 +94,12 @@ def user_public_key_bytes(key: str) -> bytes:
 
 def sign(seed: str | bytes, data: bytes) -> bytes:
     """The raw Ed25519 signature of ``data`` by the seed's key."""
-    return user_private_key(seed).sign(data)
+    return ed25519.sign(user_private_key(seed), data)
 
 
 def verify(key: str, signature: bytes, data: bytes) -> bool:
     """Whether ``signature`` is the user public NKEY ``key``'s signature of ``data``."""
     try:
-        Ed25519PublicKey.from_public_bytes(user_public_key_bytes(key)).verify(signature, data)
-    except (NkeySeedError, InvalidSignature):
+        return ed25519.verify(user_public_key_bytes(key), signature, data)
+    except NkeySeedError:
         return False
-    return True

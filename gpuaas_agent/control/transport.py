@@ -148,7 +148,7 @@ class TlsEnforcingClient(Client):
         await super()._process_info(info, initial_connection=initial_connection)
 
     def _setup_nkeys_jwt_connect(self) -> None:
-        """Sign with :mod:`nkeyseed` (cryptography's Ed25519) instead of the ``nkeys`` package.
+        """Sign with :mod:`nkeyseed` (the Ed25519 of control/ed25519.py) instead of the ``nkeys`` package.
 
         The agent passes ``user_credentials`` as a path: the JWT and the seed are read from the
         file at each (re)connect, so a rotated ``.creds`` is what the next handshake uses.

@@ -14,8 +14,8 @@ from tests.conftest import REPO
 # (asyncssh); only a cache hit under another URL reads ranges with httpx (and its CLI's click and pygments).
 NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml", "sushy", "requests", "asyncssh", "httpx", "click", "pygments",
                  # Only enrollment and a credentials rotation seal or open (X25519, AEAD, HKDF); a connecting daemon
-                 # signs its nonce with Ed25519 alone.
-                 "gpuaas_agent.control.sealed", "gpuaas_agent.control.tokenproof",
+                 # signs its nonce with Ed25519 alone, through the libcrypto ssl maps (cryptography not at all).
+                 "cryptography", "gpuaas_agent.control.sealed", "gpuaas_agent.control.tokenproof",
                  "cryptography.hazmat.primitives.asymmetric.x25519", "cryptography.hazmat.primitives.ciphers.aead",
                  "cryptography.hazmat.primitives.serialization", "bcrypt")
 # A task handler's module is imported by the row's first task (tasks/registry.py OnFirstTask), not by the daemon
@@ -27,6 +27,18 @@ HANDLER_MODULES = tuple(f"gpuaas_agent.tasks.{m}" for m in (
 def test_importing_the_daemon_does_not_import_what_only_a_task_or_a_gpu_host_needs():
     code = ("import json, sys, gpuaas_agent.daemon; "
             f"print(json.dumps([m for m in {NOT_AT_IMPORT!r} if m in sys.modules]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+
+
+def test_signing_the_connect_nonce_does_not_load_cryptography():
+    """Every (re)connect signs the server's nonce: through ``_ssl``'s libcrypto, so cryptography's Rust binding
+    (~8.8 MiB RSS, a second OpenSSL) never enters a connected daemon."""
+    code = ("import json, sys, gpuaas_agent.daemon\n"
+            "from gpuaas_agent.control.nkeyseed import new_user_seed, sign_nonce\n"
+            "assert len(sign_nonce(new_user_seed(), 'nonce')) == 88\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('cryptography', 'nacl', 'nkeys'))))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
