@@ -105,6 +105,14 @@ async def _drift_inbox(url: str) -> tuple[nats.NATS, DriftInbox]:
     return nc, inbox
 
 
+async def _nothing_published(nc: nats.NATS, inbox: DriftInbox) -> None:
+    """No drift report reached ``inbox``: one connection's messages arrive in order, so a report the watcher
+    published would be there before the marker this sends on the same connection."""
+    await nc.publish(drift_subject(NODE), b"marker:1")
+    await _until(lambda: inbox.markers, "the marker")
+    assert inbox.reports == []
+
+
 async def _start_watching(watcher: DriftWatcher) -> asyncio.Task:
     task = asyncio.create_task(watcher.watch(UeventMonitor(), debounce_s=DEBOUNCE_S, max_burst_s=5.0))
     await _until(lambda: watcher.last_report is not None or task.done(), "the baseline discovery")
@@ -187,10 +195,7 @@ def test_a_check_without_drift_publishes_nothing(host_copy, nats_server):
             await watcher.baseline()
             report = await watcher.check(DriftTrigger.timer)
             assert report is not None and report.findings == [] and watcher.checks == 2
-            # One connection's messages arrive in order: a drift report would be before the marker.
-            await nc.publish(drift_subject(NODE), b"marker:1")
-            await _until(lambda: inbox.markers, "the marker")
-            assert inbox.reports == []
+            await _nothing_published(nc, inbox)
         finally:
             await nc.close()
 
@@ -211,9 +216,7 @@ def test_failed_rediscovery_keeps_the_last_report_and_publishes_nothing(host_cop
             assert watcher.last_report is baseline
             failed = [json.loads(r.getMessage()) for r in caplog.records if "drift_discovery_failed" in r.getMessage()]
             assert [f["code"] for f in failed] == ["root_missing"]
-            await nc.publish(drift_subject(NODE), b"marker:1")
-            await _until(lambda: inbox.markers, "the marker")
-            assert inbox.reports == []
+            await _nothing_published(nc, inbox)
         finally:
             await nc.close()
 
