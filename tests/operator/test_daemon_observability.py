@@ -143,16 +143,12 @@ def test_nats_down_at_boot_is_ready_waiting_with_watchdog_then_pulls_when_it_com
 def test_heartbeat_turns_degraded_naming_the_nat_check_when_the_rule_is_deleted(nats_server, dhcp_lab, tmp_path,
                                                                                 short_dir, agents):
     ns = dhcp_lab.server
-    rule = ["POSTROUTING", "-s", "10.100.0.0/24", "-j", "MASQUERADE"]
-    sh("ip", "netns", "exec", ns, "iptables", "-t", "nat", "-A", *rule)
-    sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    rule = dhcp_lab.masquerade()
 
     async def body():
         plane, node_id, config = await enrolled_setup(
             nats_server, tmp_path, host_root="/", health_netns=ns, uevent_watch=False,
-            slice={"libvirt_uri": "test:///default", "ovs_bridge": dhcp_lab.server_if,
-                   "dnsmasq_hosts_file": str(dhcp_lab.dnsmasq.hosts_file),
-                   "dnsmasq_pid_file": str(dhcp_lab.dnsmasq.pid_file)})
+            slice=dhcp_lab.agent_slice())
         listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
