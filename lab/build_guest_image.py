@@ -37,7 +37,7 @@ import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -541,20 +541,30 @@ shared_libraries = _shared_libraries
 decompress_module = _decompress_module
 
 
+def print_built(build: Callable[[], str]) -> int:
+    """A lab builder's command line: print the line ``build`` returns (exit 0), or its refusal with the evidence (1)."""
+    try:
+        line = build()
+    except LabImageError as exc:
+        print(f"{exc} {json.dumps(exc.evidence, default=str)}", file=sys.stderr)
+        return 1
+    print(line)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="cache directory [%(default)s]")
     parser.add_argument("--out", type=Path, help="also copy the image here")
     parser.add_argument("--kernel-package", help="kernel package to use instead of the newest one apt knows")
     args = parser.parse_args(argv)
-    try:
+
+    def build() -> str:
         image = ensure_guest_image(args.cache, args.kernel_package)
         path = build_guest_image(args.out, args.cache, package=args.kernel_package) if args.out else image.path
-    except LabImageError as exc:
-        print(f"{exc} {json.dumps(exc.evidence, default=str)}", file=sys.stderr)
-        return 1
-    print(f"{path} sha256={image.sha256} kernel={image.kernel_version} built={str(image.built).lower()}")
-    return 0
+        return f"{path} sha256={image.sha256} kernel={image.kernel_version} built={str(image.built).lower()}"
+
+    return print_built(build)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import re
 import shutil
 import sys
@@ -35,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a script: the agent package and lab/ are importable
     sys.path.insert(0, str(HERE.parent))
 
+from lab import build_guest_image  # noqa: E402
 from lab.build_guest_image import DEFAULT_CACHE, LabImageError, natural_key, run_tool, sha256_file  # noqa: E402
 
 SUITE = "bookworm-backports"
@@ -163,13 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="cache directory [%(default)s]")
     args = parser.parse_args(argv)
-    try:
+
+    def build() -> str:
         qemu = fetch_backport_qemu(args.cache)
-    except LabImageError as exc:
-        print(f"{exc} {json.dumps(exc.evidence, default=str)}", file=sys.stderr)
-        return 1
-    print(f"{qemu.binary} version={qemu.version}")
-    return 0
+        return f"{qemu.binary} version={qemu.version}"
+
+    return build_guest_image.print_built(build)
 
 
 if __name__ == "__main__":

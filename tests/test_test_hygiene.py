@@ -117,6 +117,8 @@ NO_MIRROR: dict[str, tuple[str, tuple[str, ...]]] = {
     **{f"host/storage/wipemethods/{name}": (f"the {what}, run through wipepolicy.wipe_slot_disk", (
         "tests/host/storage/test_wipemethods.py", *where)) for name, what, where in (
         ("base", "interface every wipe method module offers", ()),
+        ("blocks", "block wipe and read-back proof discard and zeroout share", (
+            "tests/host/storage/test_wipepolicy.py", "tests/host/storage/test_wipe_lying_device.py")),
         ("discard", "discard method", ("tests/host/storage/test_wipepolicy.py",
                                        "tests/host/storage/test_wipe_lying_device.py")),
         ("zeroout", "zeroout method", ("tests/host/storage/test_wipepolicy.py", "tests/host/storage/test_blockwipe.py")),

@@ -108,30 +108,27 @@ def _gpu_and_switches(host: HostRoot) -> list[FirmwareComponent]:
     return out
 
 
-def _nics(host: HostRoot) -> list[FirmwareComponent]:
+def _per_function(host: HostRoot, base: str, kind: FirmwareKind, version: str, model: str, *,
+                  physfn: bool = False) -> list[FirmwareComponent]:
+    """One component per PCI function behind the devices of the sysfs class ``base`` (its first device names it),
+    by address: the ``version`` and ``model`` attributes of that device, and its PF when ``physfn``."""
     out: dict[str, FirmwareComponent] = {}
-    base = "/sys/class/infiniband"
     for dev in _listdir(host, base):
         addr = _pci_of(host, f"{base}/{dev}/device")
         if addr is None or addr in out:
             continue
-        physfn = _pci_of(host, f"{PCI_DEVICES}/{addr}/physfn")
-        out[addr] = FirmwareComponent(kind="nic_fw", id=addr, version=_attr(host, f"{base}/{dev}/fw_ver"),
-                                      model=_attr(host, f"{base}/{dev}/board_id"), source=f"{base}/{dev}/fw_ver",
-                                      physfn=physfn)
+        out[addr] = FirmwareComponent(kind=kind, id=addr, version=_attr(host, f"{base}/{dev}/{version}"),
+                                      model=_attr(host, f"{base}/{dev}/{model}"), source=f"{base}/{dev}/{version}",
+                                      physfn=_pci_of(host, f"{PCI_DEVICES}/{addr}/physfn") if physfn else None)
     return [out[a] for a in sorted(out)]
+
+
+def _nics(host: HostRoot) -> list[FirmwareComponent]:
+    return _per_function(host, "/sys/class/infiniband", "nic_fw", "fw_ver", "board_id", physfn=True)
 
 
 def _nvme(host: HostRoot) -> list[FirmwareComponent]:
-    out: dict[str, FirmwareComponent] = {}
-    base = "/sys/class/nvme"
-    for ctrl in _listdir(host, base):
-        addr = _pci_of(host, f"{base}/{ctrl}/device")
-        if addr is None or addr in out:
-            continue
-        out[addr] = FirmwareComponent(kind="nvme_fw", id=addr, version=_attr(host, f"{base}/{ctrl}/firmware_rev"),
-                                      model=_attr(host, f"{base}/{ctrl}/model"), source=f"{base}/{ctrl}/firmware_rev")
-    return [out[a] for a in sorted(out)]
+    return _per_function(host, "/sys/class/nvme", "nvme_fw", "firmware_rev", "model")
 
 
 def _bios(host: HostRoot) -> list[FirmwareComponent]:

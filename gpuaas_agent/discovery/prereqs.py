@@ -358,20 +358,22 @@ def _ipoib_checks(ev: SliceNetworkEvidence) -> list[ParityCheck]:
     ev_addr = _net_source(ev, "ip -j addr") + " ibp*"
     ev_route = _net_source(ev, "ip -j route") + " main table via ibp*"
     ib_addrs = sorted(f"{a.ifname}={a.cidr}" for a in ev.addresses if a.family == "inet" and a.ifname.startswith("ibp"))
-    if ib_addrs:
-        out.append(_check(PASS, "ipoib_address", ",".join(ib_addrs), evidence=ev_addr))
-    elif not ev.links:
-        out.append(_check(WARN, "ipoib_address", "addresses could not be read", fix, evidence=ev_addr))
-    else:
-        out.append(_check(FAIL, "ipoib_address", "no ibp* interface has an IPv4 address", fix, evidence=ev_addr))
+    out.append(_ipoib_found(ev, "ipoib_address", ib_addrs, unreadable="addresses could not be read",
+                            missing="no ibp* interface has an IPv4 address", fix=fix, evidence=ev_addr))
     fabric = sorted(f"{r.dst}@{r.dev}" for r in ev.routes if r.dev and r.dev.startswith("ibp") and r.dst != "default")
-    if fabric:
-        out.append(_check(PASS, "fabric_route", ",".join(fabric), evidence=ev_route))
-    elif not ev.links:
-        out.append(_check(WARN, "fabric_route", "routes could not be read", fix, evidence=ev_route))
-    else:
-        out.append(_check(FAIL, "fabric_route", "no route for the IPoIB subnet via an ibp* interface", fix, evidence=ev_route))
+    out.append(_ipoib_found(ev, "fabric_route", fabric, unreadable="routes could not be read",
+                            missing="no route for the IPoIB subnet via an ibp* interface", fix=fix, evidence=ev_route))
     return out
+
+
+def _ipoib_found(ev: SliceNetworkEvidence, name: str, found: list[str], *, unreadable: str, missing: str, fix: str,
+                 evidence: str) -> ParityCheck:
+    """PASS naming what was ``found``; else WARN when the links could not be read at all, FAIL when they were."""
+    if found:
+        return _check(PASS, name, ",".join(found), evidence=evidence)
+    if not ev.links:
+        return _check(WARN, name, unreadable, fix, evidence=evidence)
+    return _check(FAIL, name, missing, fix, evidence=evidence)
 
 
 def _tmfifo_check(ev: SliceNetworkEvidence) -> ParityCheck:

@@ -138,9 +138,8 @@ def judge_temperature(what: str, reading: TemperatureReading | None) -> list[tup
     return []
 
 
-def judge_gpu(t: GpuTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
-    """The verdict on one GPU's telemetry and the reasons of that verdict (the worst ones only)."""
-    t = with_nvidia_limits(t)  # idempotent: judge() has applied them already to the telemetry it keeps
+def judge_redfish_status(t: GpuTelemetry | NvSwitchTelemetry) -> list[tuple[BmcStatus, str]]:
+    """What Redfish itself says of a GPU or NVSwitch: its ``Status.Health`` and ``Status.State``."""
     found: list[tuple[BmcStatus, str]] = []
     if t.health == "Critical":
         found.append(("failed", "Redfish health Critical"))
@@ -148,14 +147,28 @@ def judge_gpu(t: GpuTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
         found.append(("degraded", "Redfish health Warning"))
     if t.state in _ABSENT_STATES:
         found.append(("failed", f"Redfish state {t.state}"))
-    if t.row_remapping_failed:
-        found.append(("failed", "row remapping failed (no spare HBM rows)"))
-    if t.row_remapping_pending:
-        found.append(("degraded", "row remapping pending (needs a GPU reset)"))
+    return found
+
+
+def judge_pcie_errors(t: GpuTelemetry | NvSwitchTelemetry) -> list[tuple[BmcStatus, str]]:
+    """A GPU's or NVSwitch's PCIe error counters: a fatal one fails it, a non-fatal one degrades it."""
+    found: list[tuple[BmcStatus, str]] = []
     if t.pcie_fatal:
         found.append(("failed", f"PCIe fatal errors {t.pcie_fatal}"))
     if t.pcie_nonfatal:
         found.append(("degraded", f"PCIe non-fatal errors {t.pcie_nonfatal}"))
+    return found
+
+
+def judge_gpu(t: GpuTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
+    """The verdict on one GPU's telemetry and the reasons of that verdict (the worst ones only)."""
+    t = with_nvidia_limits(t)  # idempotent: judge() has applied them already to the telemetry it keeps
+    found = judge_redfish_status(t)
+    if t.row_remapping_failed:
+        found.append(("failed", "row remapping failed (no spare HBM rows)"))
+    if t.row_remapping_pending:
+        found.append(("degraded", "row remapping pending (needs a GPU reset)"))
+    found += judge_pcie_errors(t)
     if t.sram_ecc_uncorrectable:
         found.append(("degraded", f"uncorrectable SRAM ECC errors {t.sram_ecc_uncorrectable}"))
     found += judge_temperature("temperature", t.temperature)
@@ -169,17 +182,8 @@ def judge_gpu(t: GpuTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
 
 
 def judge_nvswitch(t: NvSwitchTelemetry) -> tuple[BmcStatus, tuple[str, ...]]:
-    found: list[tuple[BmcStatus, str]] = []
-    if t.health == "Critical":
-        found.append(("failed", "Redfish health Critical"))
-    elif t.health == "Warning":
-        found.append(("degraded", "Redfish health Warning"))
-    if t.state in _ABSENT_STATES:
-        found.append(("failed", f"Redfish state {t.state}"))
-    if t.pcie_fatal:
-        found.append(("failed", f"PCIe fatal errors {t.pcie_fatal}"))
-    if t.pcie_nonfatal:
-        found.append(("degraded", f"PCIe non-fatal errors {t.pcie_nonfatal}"))
+    found = judge_redfish_status(t)
+    found += judge_pcie_errors(t)
     if t.ecc_uncorrectable:
         found.append(("degraded", f"uncorrectable ECC errors {t.ecc_uncorrectable}"))
     found += judge_temperature("temperature", t.temperature)

@@ -342,6 +342,11 @@ def _age(then: datetime | None, now: datetime) -> str:
     return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m" if seconds < 7200 else f"{seconds // 3600}h"
 
 
+def _section(title: str, rows: list[str]) -> list[str]:
+    """A titled block of the human report: its rows, or ``(none)``."""
+    return [title, *(rows or ["  (none)"])]
+
+
 def render(report: StatusReport) -> str:
     """The human table: one block per question an operator asks."""
     now = datetime.now(UTC)
@@ -384,23 +389,15 @@ def render(report: StatusReport) -> str:
     if not report.slots:
         lines.append("(no leased or recorded slots)")
     lines.append("")
-    lines.append("IN FLIGHT")
-    for t in report.in_flight:
-        lines.append(f"  {t.task_id} {t.type or '?'} step {t.step or '-'} for {_age(t.step_started_at, now)}, "
-                     f"task age {_age(t.started_at, now)}")
-    if not report.in_flight:
-        lines.append("  (none)")
-    lines.append("RECENT FAILURES")
-    for f in report.recent_failures:
-        lines.append(f"  {f.finished_at or '-'} {f.task_id} {f.type} {f.status} {f.code or '-'}: {f.message or ''}")
-    if not report.recent_failures:
-        lines.append("  (none)")
-    lines.append("QUARANTINED")
-    for q in report.quarantined:
-        lines.append(f"  {q.kind.value:<10}{q.identity:<40}{q.reason.value:<26}slot {q.slot_index if q.slot_index is not None else '-'}"
-                     f"  since {_age(q.quarantined_at, now)}  task {q.task_id}")
-    if not report.quarantined:
-        lines.append("  (none)")
+    lines += _section("IN FLIGHT", [
+        f"  {t.task_id} {t.type or '?'} step {t.step or '-'} for {_age(t.step_started_at, now)}, "
+        f"task age {_age(t.started_at, now)}" for t in report.in_flight])
+    lines += _section("RECENT FAILURES", [
+        f"  {f.finished_at or '-'} {f.task_id} {f.type} {f.status} {f.code or '-'}: {f.message or ''}"
+        for f in report.recent_failures])
+    lines += _section("QUARANTINED", [
+        f"  {q.kind.value:<10}{q.identity:<40}{q.reason.value:<26}slot {q.slot_index if q.slot_index is not None else '-'}"
+        f"  since {_age(q.quarantined_at, now)}  task {q.task_id}" for q in report.quarantined])
     lines.append("HEALTH CHECKS")
     for c in report.health:
         lines.append(f"  {c.status:<12}{c.name:<18}{c.detail}")

@@ -42,6 +42,18 @@ def driver_of(netdev):
     return os.path.basename(os.path.realpath(link)) if os.path.exists(link) else None
 
 
+def igbvf_netdevs(count):
+    """VF PCI address -> netdev, once ``count`` igbvf netdevs are there (or the deadline passed: fewer)."""
+    names = {}
+    deadline = time.monotonic() + DEADLINE_S
+    while len(names) < count and time.monotonic() < deadline:
+        for n in os.listdir("/sys/class/net"):
+            if driver_of(n) == "igbvf":
+                names[os.path.basename(os.path.realpath(f"/sys/class/net/{n}/device"))] = n
+        time.sleep(0.1)  # the VF netdevs appear as igbvf probes them
+    return names
+
+
 def mac_bytes(mac):
     return bytes(int(x, 16) for x in mac.split(":"))
 
@@ -99,25 +111,13 @@ def main():
 
         vf(0, mac=MAC0, vlan=VLAN_A, spoofchk=1, trust=0)
         vf(1, mac=MAC1, vlan=VLAN_A, spoofchk=1, trust=0)
-        names = {}
-        deadline = time.monotonic() + DEADLINE_S
-        while len(names) < 2 and time.monotonic() < deadline:
-            for n in os.listdir("/sys/class/net"):
-                if driver_of(n) == "igbvf":
-                    names[os.path.basename(os.path.realpath(f"/sys/class/net/{n}/device"))] = n
-            time.sleep(0.1)  # the VF netdevs appear as igbvf probes them
+        igbvf_netdevs(2)  # igbvf has probed both VFs
         # igb: a VF's new MAC takes effect when its driver reloads ("Reload the VF driver to make this change
         # effective"): rebind igbvf, then find the netdevs again
         for pci in vf_pci:
             write("/sys/bus/pci/drivers/igbvf/unbind", pci)
             write("/sys/bus/pci/drivers/igbvf/bind", pci)
-        names = {}
-        deadline = time.monotonic() + DEADLINE_S
-        while len(names) < 2 and time.monotonic() < deadline:
-            for n in os.listdir("/sys/class/net"):
-                if driver_of(n) == "igbvf":
-                    names[os.path.basename(os.path.realpath(f"/sys/class/net/{n}/device"))] = n
-            time.sleep(0.1)  # the VF netdevs appear as igbvf probes them
+        names = igbvf_netdevs(2)
         vf0, vf1 = names[vf_pci[0]], names[vf_pci[1]]
         report["vf_netdevs"] = {"vf0": vf0, "vf1": vf1}
         for name in (vf0, vf1):

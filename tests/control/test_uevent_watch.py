@@ -97,6 +97,22 @@ def _watcher(nc, root: Path, **kwargs) -> DriftWatcher:
     return DriftWatcher(nc, NODE, lambda: discover(HostRoot.open(root)), topology_drift, publish_timeout_s=5, **kwargs)
 
 
+async def _drift_inbox(url: str) -> tuple[nats.NATS, DriftInbox]:
+    """A connection to the test's server, and the inbox that collects what is published for ``NODE``."""
+    nc = await nats.connect(url, connect_timeout=5)
+    inbox = DriftInbox()
+    await inbox.subscribe(nc, NODE)
+    return nc, inbox
+
+
+async def _nothing_published(nc: nats.NATS, inbox: DriftInbox) -> None:
+    """No drift report reached ``inbox``: one connection's messages arrive in order, so a report the watcher
+    published would be there before the marker this sends on the same connection."""
+    await nc.publish(drift_subject(NODE), b"marker:1")
+    await _until(lambda: inbox.markers, "the marker")
+    assert inbox.reports == []
+
+
 async def _start_watching(watcher: DriftWatcher) -> asyncio.Task:
     task = asyncio.create_task(watcher.watch(UeventMonitor(), debounce_s=DEBOUNCE_S, max_burst_s=5.0))
     await _until(lambda: watcher.last_report is not None or task.done(), "the baseline discovery")
@@ -122,9 +138,7 @@ def test_gpu_removed_meanwhile_is_published_after_a_real_block_event(host_copy, 
     root = host_copy(AFTER)
 
     async def body():
-        nc = await nats.connect(nats_server.url, connect_timeout=5)
-        inbox = DriftInbox()
-        await inbox.subscribe(nc, NODE)
+        nc, inbox = await _drift_inbox(nats_server.url)
         watcher = _watcher(nc, root, publish_empty=True)  # every check is sent: the test finds its own
         task = await _start_watching(watcher)
         try:
@@ -151,9 +165,7 @@ def test_slot_disk_mounted_meanwhile_is_published_after_a_real_link_event(host_c
     a, b = _link_name("uwa"), _link_name("uwb")
 
     async def body():
-        nc = await nats.connect(nats_server.url, connect_timeout=5)
-        inbox = DriftInbox()
-        await inbox.subscribe(nc, NODE)
+        nc, inbox = await _drift_inbox(nats_server.url)
         task = await _start_watching(_watcher(nc, root))  # publish only drift
         try:
             _disk_mounted(root, SLOT0_DISK)
@@ -177,18 +189,13 @@ def test_a_check_without_drift_publishes_nothing(host_copy, nats_server):
     root = host_copy(AFTER)
 
     async def body():
-        nc = await nats.connect(nats_server.url, connect_timeout=5)
-        inbox = DriftInbox()
-        await inbox.subscribe(nc, NODE)
+        nc, inbox = await _drift_inbox(nats_server.url)
         watcher = _watcher(nc, root)
         try:
             await watcher.baseline()
             report = await watcher.check(DriftTrigger.timer)
             assert report is not None and report.findings == [] and watcher.checks == 2
-            # One connection's messages arrive in order: a drift report would be before the marker.
-            await nc.publish(drift_subject(NODE), b"marker:1")
-            await _until(lambda: inbox.markers, "the marker")
-            assert inbox.reports == []
+            await _nothing_published(nc, inbox)
         finally:
             await nc.close()
 
@@ -199,9 +206,7 @@ def test_failed_rediscovery_keeps_the_last_report_and_publishes_nothing(host_cop
     root = host_copy(AFTER)
 
     async def body():
-        nc = await nats.connect(nats_server.url, connect_timeout=5)
-        inbox = DriftInbox()
-        await inbox.subscribe(nc, NODE)
+        nc, inbox = await _drift_inbox(nats_server.url)
         watcher = _watcher(nc, root, publish_empty=True)
         try:
             baseline = await watcher.baseline()
@@ -211,9 +216,7 @@ def test_failed_rediscovery_keeps_the_last_report_and_publishes_nothing(host_cop
             assert watcher.last_report is baseline
             failed = [json.loads(r.getMessage()) for r in caplog.records if "drift_discovery_failed" in r.getMessage()]
             assert [f["code"] for f in failed] == ["root_missing"]
-            await nc.publish(drift_subject(NODE), b"marker:1")
-            await _until(lambda: inbox.markers, "the marker")
-            assert inbox.reports == []
+            await _nothing_published(nc, inbox)
         finally:
             await nc.close()
 

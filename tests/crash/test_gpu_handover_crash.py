@@ -163,13 +163,14 @@ def _disk_head(b: Bench) -> bytes:
         return fh.read(MiB)
 
 
-def _released(b: Bench, store: StateStore, payload: VmReleasePayload, ctx: TaskCtx) -> tuple[dict, ReplayTool]:
+def _rerun(b: Bench, handler, payload: VmReleasePayload, ctx: TaskCtx) -> tuple[dict, ReplayTool]:
+    """The redelivered task: ``handler`` (the release, or its recovery) on fresh drivers whose tool succeeds."""
     replay = ReplayTool("success")
     sh = b.drivers(replay)
 
     async def go():
         try:
-            return await release(sh, payload, ctx)
+            return await handler(sh, payload, ctx)
         finally:
             await sh.close()
 
@@ -226,21 +227,12 @@ def _kill_and_recover(b: Bench, store_path: Path, point: tuple[str, str, str]) -
 
         if when == "before":  # redelivered within its deadline: the release runs again and finishes
             ctx = _ctx(store, task_id, 2, unfinished)
-            out, replay = _released(b, store, payload, ctx)
+            out, replay = _rerun(b, release, payload, ctx)
             return bad + _finished(b, store, out, ctx, replay)
 
         # Redelivered past its deadline: recovery only, no new side effect; the slot is blocked, not freed.
         ctx = _ctx(store, task_id, 2, unfinished)
-        replay = ReplayTool("success")
-        sh = b.drivers(replay)
-
-        async def recover():
-            try:
-                return await recover_release(sh, payload, ctx)
-            finally:
-                await sh.close()
-
-        recovered = asyncio.run(recover())
+        recovered, replay = _rerun(b, recover_release, payload, ctx)
         record = store.slot_state(0)
         if recovered.get("slot") != "cleanup_blocked" or record is None or record.status is not SlotStatus.cleanup_blocked:
             bad.append(f"recovery: {recovered} {record}")
@@ -252,7 +244,7 @@ def _kill_and_recover(b: Bench, store_path: Path, point: tuple[str, str, str]) -
             bad.append("recovery touched the disk or gave the lease back")
         # The next release of the slot (a new task) hands the GPU over and frees it.
         ctx = _ctx(store, f"{task_id}-next", 1, [])
-        out, replay = _released(b, store, payload, ctx)
+        out, replay = _rerun(b, release, payload, ctx)
         return bad + _finished(b, store, out, ctx, replay)
     finally:
         store.close()

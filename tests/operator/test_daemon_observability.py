@@ -12,7 +12,7 @@ import urllib.request
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from tests.conftest import REPO
-from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
+from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup, pulling_agent
 from tests.support.deadline import run_bounded, wait_until
 from tests.support.dnsmasq_fixture import sh
 from tests.support.nats_server import free_port
@@ -42,10 +42,7 @@ def test_metrics_move_when_a_task_runs_and_status_reads_the_running_daemon(nats_
                                                        metrics_textfile=str(tmp_path / "agent.prom"))
         listener = NotifyListener(short_dir / "notify")
         try:
-            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 agent_env(listener.path), tmp_path / "agent.log")
-            agents.append(agent.start())
-            await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
+            await pulling_agent(config, listener, tmp_path / "agent.log", agents, node_id)
             before = await asyncio.to_thread(_scrape, port)
             key = 'gpuaas_agent_tasks_total{status="succeeded",type="slice.topology_discover"}'
             assert before.get(key, 0) == 0 and before["gpuaas_agent_nats_connected"] == 1
@@ -102,10 +99,7 @@ def test_metrics_port_in_use_is_one_log_line_and_the_daemon_runs_on(nats_server,
         plane, node_id, config = await enrolled_setup(nats_server, tmp_path, metrics_listen=f"127.0.0.1:{port}")
         listener = NotifyListener(short_dir / "notify")
         try:
-            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 agent_env(listener.path), tmp_path / "agent.log")
-            agents.append(agent.start())
-            await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
+            agent = await pulling_agent(config, listener, tmp_path / "agent.log", agents, node_id)
             failed = [e for e in agent.log_events() if e.get("event") == "metrics_listen_failed"]
             assert len(failed) == 1 and str(port) in failed[0]["msg"]
         finally:
@@ -149,16 +143,12 @@ def test_nats_down_at_boot_is_ready_waiting_with_watchdog_then_pulls_when_it_com
 def test_heartbeat_turns_degraded_naming_the_nat_check_when_the_rule_is_deleted(nats_server, dhcp_lab, tmp_path,
                                                                                 short_dir, agents):
     ns = dhcp_lab.server
-    rule = ["POSTROUTING", "-s", "10.100.0.0/24", "-j", "MASQUERADE"]
-    sh("ip", "netns", "exec", ns, "iptables", "-t", "nat", "-A", *rule)
-    sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    rule = dhcp_lab.masquerade()
 
     async def body():
         plane, node_id, config = await enrolled_setup(
             nats_server, tmp_path, host_root="/", health_netns=ns, uevent_watch=False,
-            slice={"libvirt_uri": "test:///default", "ovs_bridge": dhcp_lab.server_if,
-                   "dnsmasq_hosts_file": str(dhcp_lab.dnsmasq.hosts_file),
-                   "dnsmasq_pid_file": str(dhcp_lab.dnsmasq.pid_file)})
+            slice=dhcp_lab.agent_slice())
         listener = NotifyListener(short_dir / "notify")
         try:
             agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],

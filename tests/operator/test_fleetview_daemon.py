@@ -11,7 +11,7 @@ import urllib.request
 
 from gpuaas_agent.contract.tasks import ResultStatus, TaskType
 from tests.conftest import REPO
-from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
+from tests.support.agent_process import NotifyListener, enrolled_setup, pulling_agent
 from tests.support.deadline import run_bounded
 from tests.support.nats_server import free_port
 from tests.support.provision_inputs import topology_of
@@ -43,10 +43,7 @@ def test_maintenance_and_quarantine_show_in_heartbeat_metrics_and_status(nats_se
         plane, node_id, config = await enrolled_setup(nats_server, tmp_path, metrics_listen=f"127.0.0.1:{port}")
         listener = NotifyListener(short_dir / "notify")
         try:
-            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 agent_env(listener.path), tmp_path / "agent.log")
-            agents.append(agent.start())
-            await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
+            await pulling_agent(config, listener, tmp_path / "agent.log", agents, node_id)
             beat = await plane.wait_for(lambda s: s.heartbeats[-1:])
             assert beat[0].maintenance is not None and beat[0].maintenance.maintenance is False
 

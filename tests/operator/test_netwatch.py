@@ -70,17 +70,13 @@ def test_deleting_the_masquerade_rule_degrades_the_heartbeat_within_seconds_and_
         nats_server, dhcp_lab, tmp_path, short_dir, agents):
     """The health round is 10 min away: only the watch can see the break in time (≤ 30 s, issue 16)."""
     ns = dhcp_lab.server
-    rule = ["POSTROUTING", "-s", "10.100.0.0/24", "-j", "MASQUERADE"]
-    sh("ip", "netns", "exec", ns, "iptables", "-t", "nat", "-A", *rule)
-    sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    rule = dhcp_lab.masquerade()
 
     async def body():
         plane, node_id, config = await enrolled_setup(
             nats_server, tmp_path, host_root="/", health_netns=ns, uevent_watch=False,
             health_interval_s=600, netwatch_interval_s=1,
-            slice={"libvirt_uri": "test:///default", "ovs_bridge": dhcp_lab.server_if,
-                   "dnsmasq_hosts_file": str(dhcp_lab.dnsmasq.hosts_file),
-                   "dnsmasq_pid_file": str(dhcp_lab.dnsmasq.pid_file)})
+            slice=dhcp_lab.agent_slice())
         drift: list[DriftReport] = []
 
         async def on_drift(msg):

@@ -11,11 +11,10 @@ import asyncio
 import errno
 import os
 import signal
-import sys
 import time
 
 from gpuaas_agent.operator.health import CHECK_TIMEOUT_S, CheckThreads, guarded_check
-from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
+from tests.support.agent_process import NotifyListener, enrolled_setup, pulling_agent
 from tests.support.deadline import run_bounded
 
 PID_FILE = "/run/gpuaas-test/dnsmasq.pid"
@@ -51,10 +50,7 @@ def test_sigterm_during_a_blocked_health_check_exits_0_at_once_with_stopping(nat
         listener = NotifyListener(short_dir / "notify")
         writer = None
         try:
-            agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
-                                 agent_env(listener.path), tmp_path / "agent.log")
-            agents.append(agent.start())
-            await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
+            agent = await pulling_agent(config, listener, tmp_path / "agent.log", agents, node_id)
             writer = await asyncio.to_thread(_open_writer_when_read, fifo)  # the dnsmasq check now blocks in read()
             agent.signal(signal.SIGTERM)
             started = time.monotonic()

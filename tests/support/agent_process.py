@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -98,6 +99,18 @@ def agents():
     yield started
     for agent in started:
         agent.stop()
+
+
+@starts("agent")
+async def pulling_agent(config: Path, listener: NotifyListener, log_path: Path, agents: list[AgentProcess],
+                        node_id: str) -> AgentProcess:
+    """``gpuaas_agent run --config config`` started (appended to ``agents``, which kills it after the test), once it
+    tells ``listener`` that it pulls tasks."""
+    agent = AgentProcess([sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)],
+                         agent_env(listener.path), log_path)
+    agents.append(agent.start())
+    await listener.wait_for("STATUS", f"node {node_id}: pulling tasks")
+    return agent
 
 
 async def enrolled_setup(nats_server, tmp_path, **overrides):

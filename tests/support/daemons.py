@@ -1,4 +1,4 @@
-"""What every hand-started test daemon needs: stop it by PID, and queue on a host-wide lock.
+"""What every hand-started test daemon needs: wait for it, stop it by PID, and queue on a host-wide lock.
 
 PID 1 reaps nothing on CI machines, so daemons run in the foreground under
 ``Popen`` and are stopped (and reaped) here. Daemons that exist once per
@@ -12,7 +12,7 @@ import fcntl
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,6 +27,20 @@ def stop_pid(proc: subprocess.Popen | None, timeout_s: float = 10.0, sig: int = 
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout_s)
+
+
+def wait_for_daemons(predicate: Callable[[], bool], what: str, procs: Mapping[str, subprocess.Popen],
+                     log_tail: Callable[[], str], timeout: float, *, poll_s: float) -> None:
+    """Poll ``predicate`` until it holds; fail at once when one of ``procs`` (name -> process) exits, or after
+    ``timeout``, with ``log_tail()`` (the daemons' logs) in the error."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited {proc.returncode} while waiting for {what}\n{log_tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout}s waiting for {what}\n{log_tail()}")
+        time.sleep(poll_s)  # poll step of the deadline wait above
 
 
 @contextmanager

@@ -306,6 +306,19 @@ class DhcpLab:
     def lease(self, tries: int = 3) -> str | None:
         return udhcpc(self.client, self.client_if, tries=tries)
 
+    def masquerade(self) -> list[str]:
+        """The slice subnet's NAT in the server namespace, forwarding on, as a host baseline leaves it: the
+        ``iptables -t nat`` rule (without ``-A``/``-D``), for a test that deletes and restores it."""
+        rule = ["POSTROUTING", "-s", "10.100.0.0/24", "-j", "MASQUERADE"]
+        sh("ip", "netns", "exec", self.server, "iptables", "-t", "nat", "-A", *rule)
+        sh("ip", "netns", "exec", self.server, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        return rule
+
+    def agent_slice(self) -> dict[str, str]:
+        """The agent config's ``slice`` section for this lab: its bridge port and dnsmasq, libvirt's test driver."""
+        return {"libvirt_uri": "test:///default", "ovs_bridge": self.server_if,
+                "dnsmasq_hosts_file": str(self.dnsmasq.hosts_file), "dnsmasq_pid_file": str(self.dnsmasq.pid_file)}
+
     def dropbear(self, ip: str, port: int = 22) -> subprocess.Popen:
         """A real SSH server in the client namespace listening on ``ip:port`` (the guest's sshd)."""
         key = self.net.tmp / "dropbear_ed25519"

@@ -36,7 +36,7 @@ from pathlib import Path
 import libvirt
 import pytest
 
-from tests.support.daemons import host_lock, stop_pid
+from tests.support.daemons import host_lock, stop_pid, wait_for_daemons
 from tests.support.tiers import starts
 
 URI = "qemu:///system"
@@ -123,14 +123,7 @@ def _refuse_foreign() -> None:
 
 
 def _wait_for(predicate: Callable[[], bool], what: str, daemon: LibvirtDaemon, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for name, proc in daemon.procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited {proc.returncode} while waiting for {what}\n{daemon.log_tail()}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout}s waiting for {what}\n{daemon.log_tail()}")
-        time.sleep(0.02)
+    wait_for_daemons(predicate, what, daemon.procs, daemon.log_tail, timeout, poll_s=0.02)
 
 
 def _stop(proc: subprocess.Popen | None) -> None:

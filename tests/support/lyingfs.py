@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.daemons import stop_pid
 from tests.support.tiers import starts
 
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -183,13 +184,7 @@ class LyingDisk:
             self.dev = ""
         if os.path.ismount(self.mountpoint):
             self._sh("umount", "-l", str(self.mountpoint), check=False)
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_pid(self.proc, 10)
 
 
 if __name__ == "__main__":

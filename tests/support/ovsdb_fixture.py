@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemons import host_lock, stop_pid
+from tests.support.daemons import host_lock, stop_pid, wait_for_daemons
 from tests.support.tiers import starts
 
 SCHEMA = Path("/usr/share/openvswitch/vswitch.ovsschema")
@@ -122,14 +122,7 @@ def _run(argv: list[str], *, env: dict[str, str] | None = None, check: bool = Tr
 
 
 def _wait_for(predicate: Callable[[], bool], what: str, sw: OvsSwitch, timeout: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for name, proc in sw._procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited {proc.returncode} while waiting for {what}\n{sw.log_tail()}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout}s waiting for {what}\n{sw.log_tail()}")
-        time.sleep(0.01)
+    wait_for_daemons(predicate, what, sw._procs, sw.log_tail, timeout, poll_s=0.01)
 
 
 def _stop(proc: subprocess.Popen | None, sig: int) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from ipaddress import IPv4Interface
 from pathlib import Path
@@ -25,8 +26,11 @@ import pytest
 from gpuaas_agent.contract.isolation import GUARD_TABLE
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import provision
+from lab.fixture_hosts import fixture_host
+from lab.loophost import LoopHost, materialize
 from tests.support.daemons import stop_pid
 from tests.support.ovsdb_fixture import OvsSwitch, running_ovs
+from tests.support.realdev import require_root
 from tests.support.tiers import starts
 
 GATEWAY = IPv4Interface("10.100.0.1/24")  # SliceConfig's default subnet and gateway
@@ -97,6 +101,19 @@ def prepared_host() -> Iterator[PreparedHost]:
             for family in ("inet", "arp"):  # the port isolation's host-side guard, made in the root namespace
                 subprocess.run(["nft", "delete", "table", family, GUARD_TABLE], capture_output=True, timeout=30)
             subprocess.run(["rm", "-rf", "--one-file-system", str(work)], timeout=60)
+
+
+@contextmanager
+def slice_loop_host(workdir: Path, *, disk_bytes: int, slots: int = 1) -> Iterator[LoopHost]:
+    """The H200 slice host (``h200-slice-after-transition``) with ``slots`` candidate slots on real loop disks of
+    ``disk_bytes`` each, under ``workdir`` (root; no by-id link on the real host); closed, leaving nothing, after.
+
+    A module's ``loop_host`` fixture is this with its own sizes (its scope is the module's choice)."""
+    require_root()
+    host = materialize(fixture_host("h200-slice-after-transition"), workdir, disk_bytes=disk_bytes, slots=slots,
+                       real_links=False)
+    yield host
+    assert host.close() == []
 
 
 def provision_failure(sh, payload, ctx) -> PipelineFailed:

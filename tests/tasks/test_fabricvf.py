@@ -53,8 +53,7 @@ from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.plan import plan_bundle
 from gpuaas_agent.tasks.recheck import RecheckContext, recheck_fabric_vf
 from gpuaas_agent.tasks.release import ReleaseRun, quarantine_failed_component
-from lab.loophost import materialize
-from tests.conftest import HOSTS, fixture_host
+from tests.conftest import fixture_host
 from tests.support.provision_inputs import (
     approved_slot,
     approved_slot_of_host,
@@ -65,7 +64,7 @@ from tests.support.provision_inputs import (
     topology_of,
 )
 from tests.support.realdev import require_root
-from tests.tasks.conftest import provision_failure
+from tests.tasks.conftest import provision_failure, slice_loop_host
 
 MiB = 1 << 20
 GPU_PROFILE = get_profile("h200_1g_24c_64g")  # passes the GPU and its fabric VF through
@@ -191,11 +190,8 @@ def test_the_vf_is_recorded_as_the_allocations_before_the_kernel_is_asked(report
 
 @pytest.fixture
 def loop_host(tmp_path):
-    require_root()
-    host = materialize(HOSTS / "h200-slice-after-transition", tmp_path / "host", disk_bytes=64 * MiB, slots=1,
-                       real_links=False)
-    yield host
-    assert host.close() == []
+    with slice_loop_host(tmp_path / "host", disk_bytes=64 * MiB) as host:
+        yield host
 
 
 def _refused(loop_host, tmp_path, payload, config_update=None):

@@ -41,11 +41,10 @@ from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.power import PowerRefused, power
 from gpuaas_agent.tasks.power_line import PowerSuperseded
-from lab.loophost import materialize
 from tests.conftest import HOSTS
 from tests.support.ovsdb_fixture import OvsSwitch, root_netns_lock
 from tests.support.provision_inputs import TaskCtx
-from tests.support.realdev import require_root
+from tests.tasks.conftest import slice_loop_host
 
 URI = "test:///default"
 MiB = 1 << 20
@@ -73,11 +72,8 @@ def test_driver():
 
 @pytest.fixture
 def loop_host(tmp_path):
-    require_root()
-    host = materialize(HOSTS / "h200-slice-after-transition", tmp_path / "host", disk_bytes=16 * MiB, slots=1,
-                       real_links=False)
-    yield host
-    assert host.close() == []
+    with slice_loop_host(tmp_path / "host", disk_bytes=16 * MiB) as host:
+        yield host
 
 
 @dataclass
@@ -288,6 +284,33 @@ def test_a_stopped_slice_started_by_reboot_just_starts(active_slice, test_driver
     assert out["done"] == ["start"] and out["state"] == "running"
 
 
+def _start_after_a_lease_moved_is_a_mismatch(s: Slice, conn, lease, *, other_disk: int) -> None:
+    """``lease`` re-taken for another candidate slot's disk (``other_disk``) while the domain is off: a start is
+    ``domain_lease_mismatch`` and the domain stays off."""
+    s.store.release_slot_lease(s.alloc, lease.slot_index)
+    candidates = discover(HostRoot.open(HOSTS / "h200-slice-after-transition")).candidate_slots
+    s.store.take_lease(lease.model_copy(update={"nvme_device": candidates[other_disk].nvme_device}))
+    conn.lookupByName(s.name).destroy()
+    with pytest.raises(PipelineFailed) as info:
+        _power(s, "start")
+    assert info.value.code == "domain_lease_mismatch"
+    assert s.state(conn) is DomainState.shutoff
+
+
+def _start_while_another_domain_uses(s: Slice, conn, disk: str) -> None:
+    """Another running domain uses ``disk`` while the slice is off: a start is refused (``in_use_by_domain``) at the
+    start step, and nothing is started."""
+    conn.lookupByName(s.name).destroy()
+    conn.defineXML(
+        "<domain type='test'><name>gpuaas-other-disk-user</name><memory>1024</memory><os><type>hvm</type></os>"
+        f"<devices><disk type='block' device='disk'><source dev='{disk}'/>"
+        "<target dev='vda' bus='virtio'/></disk></devices></domain>").create()
+    with pytest.raises(PipelineFailed) as info:
+        _power(s, "start")
+    assert info.value.code == "in_use_by_domain" and info.value.failed_step == "start"
+    assert s.state(conn) is DomainState.shutoff  # nothing started
+
+
 def _refusal(s: Slice, conn, operation: str, code: str):
     before = s.snapshot(conn)
     with pytest.raises(PowerRefused) as info:
@@ -366,15 +389,7 @@ def test_a_reset_of_a_stopped_slice_is_refused(active_slice, test_driver):
 
 def test_start_is_refused_while_another_running_domain_uses_the_slot_disk(active_slice, test_driver):
     s = active_slice
-    test_driver.lookupByName(s.name).destroy()
-    test_driver.defineXML(
-        "<domain type='test'><name>gpuaas-other-disk-user</name><memory>1024</memory><os><type>hvm</type></os>"
-        f"<devices><disk type='block' device='disk'><source dev='{s.lease.nvme_device}'/>"
-        "<target dev='vda' bus='virtio'/></disk></devices></domain>").create()
-    with pytest.raises(PipelineFailed) as info:
-        _power(s, "start")
-    assert info.value.code == "in_use_by_domain" and info.value.failed_step == "start"
-    assert s.state(test_driver) is DomainState.shutoff  # nothing started
+    _start_while_another_domain_uses(s, test_driver, s.lease.nvme_device)
     record = s.store.slot_state(0)
     assert record.status is SlotStatus.active and record.detail.power_state == "stopped"
     last = record.detail.last_power_operation
@@ -383,15 +398,7 @@ def test_start_is_refused_while_another_running_domain_uses_the_slot_disk(active
 
 
 def test_start_is_refused_when_the_domain_does_not_use_the_leased_disk(active_slice, test_driver):
-    s = active_slice
-    s.store.release_slot_lease(s.alloc, 0)
-    candidates = discover(HostRoot.open(HOSTS / "h200-slice-after-transition")).candidate_slots
-    s.store.take_lease(s.lease.model_copy(update={"nvme_device": candidates[1].nvme_device}))
-    test_driver.lookupByName(s.name).destroy()
-    with pytest.raises(PipelineFailed) as info:
-        _power(s, "start")
-    assert info.value.code == "domain_lease_mismatch"
-    assert s.state(test_driver) is DomainState.shutoff
+    _start_after_a_lease_moved_is_a_mismatch(active_slice, test_driver, active_slice.lease, other_disk=1)
 
 
 def test_the_domain_devices_are_read_back_from_its_xml(active_slice, test_driver):
@@ -501,11 +508,8 @@ def test_max_graceful_timeout_outside_0_to_3600_is_refused_by_the_config(value):
 
 @pytest.fixture
 def loop_host_2(tmp_path):
-    require_root()
-    host = materialize(HOSTS / "h200-slice-after-transition", tmp_path / "host", disk_bytes=16 * MiB, slots=2,
-                       real_links=False)
-    yield host
-    assert host.close() == []
+    with slice_loop_host(tmp_path / "host", disk_bytes=16 * MiB, slots=2) as host:
+        yield host
 
 
 @pytest.fixture
@@ -540,31 +544,14 @@ def test_stop_start_reboot_and_reset_of_a_two_slot_slice(active_set, test_driver
 
 
 def test_start_of_a_two_slot_slice_guards_the_data_disk_under_its_own_lease(active_set, test_driver):
-    s = active_set
-    (data,) = s.data_leases
-    test_driver.lookupByName(s.name).destroy()
+    (data,) = active_set.data_leases
     # Another domain uses the data slot's disk: the start is refused by the data disk's guard, nothing started.
-    test_driver.defineXML(
-        "<domain type='test'><name>gpuaas-other-disk-user</name><memory>1024</memory><os><type>hvm</type></os>"
-        f"<devices><disk type='block' device='disk'><source dev='{data.nvme_device}'/>"
-        "<target dev='vda' bus='virtio'/></disk></devices></domain>").create()
-    with pytest.raises(PipelineFailed) as info:
-        _power(s, "start")
-    assert info.value.code == "in_use_by_domain" and info.value.failed_step == "start"
-    assert s.state(test_driver) is DomainState.shutoff
+    _start_while_another_domain_uses(active_set, test_driver, data.nvme_device)
 
 
 def test_start_of_a_two_slot_slice_whose_domain_lacks_a_leased_disk_is_a_lease_mismatch(active_set, test_driver):
-    s = active_set
-    (data,) = s.data_leases
-    s.store.release_slot_lease(s.alloc, 1)
-    candidates = discover(HostRoot.open(HOSTS / "h200-slice-after-transition")).candidate_slots
-    s.store.take_lease(data.model_copy(update={"nvme_device": candidates[2].nvme_device}))
-    test_driver.lookupByName(s.name).destroy()
-    with pytest.raises(PipelineFailed) as info:
-        _power(s, "start")
-    assert info.value.code == "domain_lease_mismatch"
-    assert s.state(test_driver) is DomainState.shutoff
+    (data,) = active_set.data_leases
+    _start_after_a_lease_moved_is_a_mismatch(active_set, test_driver, data, other_disk=2)
 
 
 def test_power_of_a_two_slot_slice_whose_data_slot_is_releasing_is_refused(active_set, test_driver):

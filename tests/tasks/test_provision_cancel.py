@@ -30,22 +30,17 @@ from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import provision
-from lab.loophost import materialize
 from tests.conftest import fixture_host
 from tests.support.provision_inputs import TENANT_KEY, TaskCtx, task_ctx
-from tests.support.realdev import require_root
-from tests.tasks.conftest import provision_failure
+from tests.tasks.conftest import provision_failure, slice_loop_host
 
 MiB = 1 << 20
 
 
 @pytest.fixture
 def loop_host(tmp_path):
-    require_root()
-    host = materialize(fixture_host("h200-slice-after-transition"), tmp_path / "host", disk_bytes=512 * MiB, slots=1,
-                       real_links=False)
-    yield host
-    assert host.close() == []
+    with slice_loop_host(tmp_path / "host", disk_bytes=512 * MiB) as host:
+        yield host
 
 
 def _approved(host, bridge: str = "ovsbr0") -> ApprovedSlot:

@@ -18,22 +18,16 @@ from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.maintenance import set_maintenance
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import provision
-from lab.loophost import materialize
-from tests.conftest import HOSTS
 from tests.support.provision_inputs import approved_slot_of_host, provision_payload, slice_drivers_for, task_ctx
-from tests.support.realdev import require_root
-from tests.tasks.conftest import provision_failure
+from tests.tasks.conftest import provision_failure, slice_loop_host
 
 MiB = 1 << 20
 
 
 @pytest.fixture
 def loop_host(tmp_path):
-    require_root()
-    host = materialize(HOSTS / "h200-slice-after-transition", tmp_path / "host", disk_bytes=64 * MiB, slots=1,
-                       real_links=False)
-    yield host
-    assert host.close() == []
+    with slice_loop_host(tmp_path / "host", disk_bytes=64 * MiB) as host:
+        yield host
 
 
 def _maintenance(path, mode: str) -> None:

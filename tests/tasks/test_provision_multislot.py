@@ -27,10 +27,8 @@ from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.provision import ProvisionRefused, provision
 from gpuaas_agent.tasks.release_set import release_set
-from lab.loophost import materialize
-from tests.conftest import fixture_host
 from tests.support.provision_inputs import approved_slot_of_host, provision_payload, slice_drivers_for, task_ctx
-from tests.support.realdev import require_root
+from tests.tasks.conftest import provision_failure, slice_loop_host
 
 MiB = 1 << 20
 LIBVIRT_TEST_URI = "test:///default"
@@ -38,11 +36,8 @@ LIBVIRT_TEST_URI = "test:///default"
 
 @pytest.fixture(scope="module")
 def loop_host(tmp_path_factory):
-    require_root()
-    host = materialize(fixture_host("h200-slice-after-transition"), tmp_path_factory.mktemp("multislot") / "host",
-                       disk_bytes=64 * MiB, slots=3, real_links=False)
-    yield host
-    assert host.close() == []
+    with slice_loop_host(tmp_path_factory.mktemp("multislot") / "host", disk_bytes=64 * MiB, slots=3) as host:
+        yield host
 
 
 def _heads(host) -> list[bytes]:
@@ -151,17 +146,8 @@ def test_failures_roll_back_every_slot_by_its_own_disk_and_release_frees_the_set
         return [approved_slot_of_host(loop_host, i, ovs_bridge=bridge) for i in indexes]
 
     def run(payload, task_id):
-        ctx, host = task_ctx(store, task_id), sh()
-
-        async def scenario():
-            try:
-                await provision(host, payload, ctx)
-            finally:
-                await host.close()
-
-        with pytest.raises(PipelineFailed) as info:
-            asyncio.run(scenario())
-        return info.value, ctx
+        ctx = task_ctx(store, task_id)
+        return provision_failure(sh(), payload, ctx), ctx
 
     try:
         # (a) Before any disk is touched (the image cannot be fetched): every slot of the set released.

@@ -21,22 +21,16 @@ from gpuaas_agent.host.images.cache import ImageCache
 from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
-from lab.loophost import materialize
-from tests.conftest import fixture_host
 from tests.support.provision_inputs import TENANT_KEY, approved_slot_of_host, task_ctx
-from tests.support.realdev import require_root
-from tests.tasks.conftest import GATEWAY, PreparedHost, provision_failure
+from tests.tasks.conftest import GATEWAY, PreparedHost, provision_failure, slice_loop_host
 
 MiB = 1 << 20
 
 
 @pytest.fixture
 def loop_host(tmp_path):
-    require_root()
-    host = materialize(fixture_host("h200-slice-after-transition"), tmp_path / "host", disk_bytes=32 * MiB,
-                       slots=1, real_links=False)
-    yield host
-    assert host.close() == []
+    with slice_loop_host(tmp_path / "host", disk_bytes=32 * MiB) as host:
+        yield host
 
 
 def _disk_sha256(path: str) -> str:

@@ -72,6 +72,14 @@ def _drivers(root, tmp_path, prepared, case: str | None) -> SliceDrivers:
     return sh if case is None else dataclasses.replace(sh, gpu_tool=ReplayTool(case).tool())
 
 
+async def _released(sh, payload, ctx):
+    """The release on ``sh``, its drivers closed after."""
+    try:
+        return await release(sh, payload, ctx)
+    finally:
+        await sh.close()
+
+
 def _lease(root, slot, alloc: str, handover: LeaseHandover | None = None) -> SlotLease:
     return SlotLease(allocation_id=alloc, slot_index=slot.slot_index, gpu_pci_address=slot.gpu_pci_address,
                      nvme_device=slot.nvme_device, disk_identity=read_disk_identity(HostRoot.open(root), slot.nvme_device),
@@ -95,16 +103,10 @@ def test_a_failed_handover_leaves_the_slot_cleanup_blocked_and_a_retry_that_succ
         fh.write(b"tenant data" * 100)
     payload = VmReleasePayload(allocation_id=alloc, slot=slot, graceful_timeout_s=1)
 
-    async def released(sh, ctx):
-        try:
-            return await release(sh, payload, ctx)
-        finally:
-            await sh.close()
-
     try:
         ctx = task_ctx(store, "t-release-1")
         with pytest.raises(PipelineFailed) as failed:
-            asyncio.run(released(_drivers(gpu_host.root, tmp_path, prepared_host, case), ctx))
+            asyncio.run(_released(_drivers(gpu_host.root, tmp_path, prepared_host, case), payload, ctx))
         assert failed.value.failed_step == "gpu_handover" and failed.value.code == FAILURES[case]
         record = store.slot_state(0)
         assert record.status is SlotStatus.cleanup_blocked and record.health_state is HealthState.failed
@@ -128,7 +130,7 @@ def test_a_failed_handover_leaves_the_slot_cleanup_blocked_and_a_retry_that_succ
 
         # The next release of the slot hands the GPU over, wipes the disk and frees the slot.
         ctx = task_ctx(store, "t-release-2")
-        out = asyncio.run(released(_drivers(gpu_host.root, tmp_path, prepared_host, "success"), ctx))
+        out = asyncio.run(_released(_drivers(gpu_host.root, tmp_path, prepared_host, "success"), payload, ctx))
         proof = out["cleanup_proof"]["gpu_handover"]
         assert proof["policy_source"] == "catalog_default" and proof["gpus"][0]["reset"]["method"] == "sbr"
         assert proof["gpus"][0]["memory_clear_flag"] == "0x1" and proof["gpus"][0]["after"]["mig_enabled"] is False
@@ -225,17 +227,11 @@ def test_firmware_changed_during_the_tenancy_blocks_and_quarantines_the_slot_unt
     original = rev.read_text()
     payload = VmReleasePayload(allocation_id=alloc, slot=slot, graceful_timeout_s=1)
 
-    async def released(sh, ctx):
-        try:
-            return await release(sh, payload, ctx)
-        finally:
-            await sh.close()
-
     try:
         rev.write_text("E2MU999\n")  # the tenant reflashed the slot's disk controller
         ctx = task_ctx(store, "t-release-fw")
         with pytest.raises(PipelineFailed) as failed:
-            asyncio.run(released(_drivers(gpu_host.root, tmp_path, prepared_host, "success"), ctx))
+            asyncio.run(_released(_drivers(gpu_host.root, tmp_path, prepared_host, "success"), payload, ctx))
         assert (failed.value.failed_step, failed.value.code) == ("firmware_check", "firmware_changed")
         assert "E2MU200 -> E2MU999" in failed.value.message
         assert store.slot_state(0).status is SlotStatus.cleanup_blocked

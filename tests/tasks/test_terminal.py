@@ -262,6 +262,15 @@ def open_payload(session_id: str | None = None, **over) -> dict:
             "requested_by": "alice@example.com", "cols": 80, "rows": 24, **over}
 
 
+async def opened_session(a: Agent) -> tuple[str, _Gateway]:
+    """A new session opened through ``a`` with a gateway attached, once the guest's shell said READY."""
+    sid = str(uuid.uuid4())
+    gw = await gateway(a.nc, sid).start()
+    await a.task("slice.terminal_open", open_payload(sid))
+    await gw.wait_for_output(b"READY\n")
+    return sid, gw
+
+
 async def refused(a: Agent, task_type: str, payload: dict) -> AgentError:
     with pytest.raises(AgentError) as caught:
         await a.task(task_type, payload)
@@ -478,10 +487,7 @@ def test_a_gateway_ignoring_the_input_window_is_closed(tmp_path, nats_url, relay
         # The guest stops reading its stdin ("hold") and its SSH window is small: input piles up unacknowledged.
         async with guest_server(relay_key, window=4096) as guest, agent(
                 tmp_path, nats_url, relay_key, guest.port, input_window_bytes=8192, max_frame_bytes=4096) as a:
-            sid = str(uuid.uuid4())
-            gw = await gateway(a.nc, sid).start()
-            await a.task("slice.terminal_open", open_payload(sid))
-            await gw.wait_for_output(b"READY\n")
+            sid, gw = await opened_session(a)
             await gw.send(b"hold\n")
             for _ in range(64):  # 256 KiB without waiting for ack_in: far beyond the 8 KiB window
                 await gw.send(b"y" * 4096)
@@ -522,10 +528,7 @@ def test_idle_exit_and_a_released_slot_end_sessions_with_their_reason(tmp_path, 
         async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port,
                                                            idle_timeout_s=1.0, recheck_interval_s=0.2) as a:
             # The shell exits: remote_closed with its exit status.
-            sid = str(uuid.uuid4())
-            gw = await gateway(a.nc, sid).start()
-            await a.task("slice.terminal_open", open_payload(sid))
-            await gw.wait_for_output(b"READY\n")
+            sid, gw = await opened_session(a)
             await gw.send(b"exit\n")
             final = await gw.wait_closed()
             assert (final.closed.reason.value, final.closed.exit_status) == ("remote_closed", 3)
@@ -538,10 +541,7 @@ def test_idle_exit_and_a_released_slot_end_sessions_with_their_reason(tmp_path, 
             assert final.closed.reason.value == "idle_timeout"
 
             # The slot leaves active for the allocation (a release began): allocation_inactive.
-            sid = str(uuid.uuid4())
-            gw = await gateway(a.nc, sid).start()
-            await a.task("slice.terminal_open", open_payload(sid))
-            await gw.wait_for_output(b"READY\n")
+            sid, gw = await opened_session(a)
             record = a.store.slot_state(0)
             a.store.set_slot_state(record.model_copy(update={"status": SlotStatus.releasing}))
             final = await gw.wait_closed()
@@ -610,10 +610,7 @@ def test_a_release_closes_the_slots_sessions_at_once_and_no_others(tmp_path, nat
     async def scenario():
         async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port,
                                                            recheck_interval_s=3600.0) as a:
-            sid = str(uuid.uuid4())
-            gw = await gateway(a.nc, sid).start()
-            await a.task("slice.terminal_open", open_payload(sid))
-            await gw.wait_for_output(b"READY\n")
+            sid, gw = await opened_session(a)
             assert await a.sh.close_slot_terminals("another-allocation", 0) == 0
             assert await a.sh.close_slot_terminals(ALLOC, 1) == 0
             assert a.store.terminal_session(sid).closed_at is None
@@ -671,10 +668,7 @@ def test_a_cancelled_data_task_is_never_typed_and_queued_input_is_bounded_in_byt
         async with guest_server(relay_key, window=4096) as guest, agent(
                 tmp_path, nats_url, relay_key, guest.port, max_frame_bytes=frame, input_window_bytes=2 * frame,
                 max_pending_input_bytes=2 * frame, input_wait_s=600.0) as a:
-            sid = str(uuid.uuid4())
-            gw = await gateway(a.nc, sid).start()
-            await a.task("slice.terminal_open", open_payload(sid))
-            await gw.wait_for_output(b"READY\n")
+            sid, gw = await opened_session(a)
             await a.task("slice.terminal_data", _data(sid, b"hold\n"))
             await _until(guest.holding.is_set, "the guest stops reading")
             taken, blocked_raw, blocked = await _block_input(a, sid, frame)
@@ -708,10 +702,7 @@ def test_a_guest_that_never_reads_fails_a_data_task_fast_and_drops_its_bytes(tmp
     async def scenario():
         async with guest_server(relay_key, window=4096) as guest, agent(
                 tmp_path, nats_url, relay_key, guest.port, max_frame_bytes=frame, input_wait_s=0.5) as a:
-            sid = str(uuid.uuid4())
-            gw = await gateway(a.nc, sid).start()
-            await a.task("slice.terminal_open", open_payload(sid))
-            await gw.wait_for_output(b"READY\n")
+            sid, gw = await opened_session(a)
             await a.task("slice.terminal_data", _data(sid, b"hold\n"))
             await _until(guest.holding.is_set, "the guest stops reading")
             taken, blocked_raw, blocked = await _block_input(a, sid, frame)
@@ -835,10 +826,7 @@ def test_a_watchdog_whose_recheck_raises_closes_its_session_with_the_reason(tmp_
     async def scenario():
         async with guest_server(relay_key) as guest, agent(tmp_path, nats_url, relay_key, guest.port,
                                                            recheck_interval_s=0.2, idle_timeout_s=3600.0) as a:
-            sid = str(uuid.uuid4())
-            gw = await gateway(a.nc, sid).start()
-            await a.task("slice.terminal_open", open_payload(sid))
-            await gw.wait_for_output(b"READY\n")
+            sid, gw = await opened_session(a)
             a.store.close()  # the store is gone under the session: its recheck raises
             final = await gw.wait_closed()
             assert final.closed.reason.value == "watchdog_failed", final.closed

@@ -463,8 +463,6 @@ class ImageCache:
                                         pin=pin)
             if hit is not None:
                 return hit
-            self.misses += 1
-            self._check_room(size_bytes or 0, url)
             cached = await self._fetch_miss(url, expected, bound=bound, size_bytes=size_bytes, timeout_s=timeout_s)
             return self._settle_new_entry(cached, pin=pin)
         finally:
@@ -494,8 +492,6 @@ class ImageCache:
                                         pin=pin)
             if hit is not None:
                 return hit
-            self.misses += 1
-            self._check_room(size_bytes or 0, url)
             self.entries.mkdir(parents=True, exist_ok=True)
             fd, tmp_name = tempfile.mkstemp(dir=self.entries, prefix=f".{expected}.", suffix=".partial")
             tmp = Path(tmp_name)
@@ -542,8 +538,11 @@ class ImageCache:
 
     async def _serve_hit(self, url: str, expected: str, *, bound: int, size_bytes: int | None,
                          timeout_s: float | None, pin: bool) -> CachedImage | None:
+        """The hit, its source proven (pinned when ``pin``); or None: a miss, counted, with room for it checked."""
         hit = self.lookup(expected)
         if hit is None:
+            self.misses += 1
+            self._check_room(size_bytes or 0, url)
             return None
         _check_final_size(hit.size_bytes, bound, size_bytes, {"url": url, "cached": True})
         proof = await self.prove_source(url, hit, bound=bound, size_bytes=size_bytes, timeout_s=timeout_s)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -341,21 +341,13 @@ class LibvirtLifecycle:
         metadata, or of the same allocation on another slot, counts.
         """
 
+        def slots_own(dom: libvirt.virDomain) -> bool:
+            meta = self._metadata(dom)
+            return (meta is not None and exclude_allocation is not None
+                    and (meta.allocation_id, meta.slot_index) == (exclude_allocation, exclude_slot))
+
         def op(conn: libvirt.virConnect) -> list[str]:
-            disks: set[str] = set()
-            for dom in conn.listAllDomains(0):
-                try:
-                    meta = self._metadata(dom)
-                    if (meta is not None and exclude_allocation is not None
-                            and (meta.allocation_id, meta.slot_index) == (exclude_allocation, exclude_slot)):
-                        continue
-                    xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
-                except libvirt.libvirtError as exc:
-                    if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
-                        continue  # undefined between the listing and the read
-                    raise
-                disks.update(parse_domain_devices(dom.name(), xml).block_disks)
-            return sorted(disks)
+            return sorted({disk for devices in _defined_devices(conn, skip=slots_own) for disk in devices.block_disks})
 
         return await self._call("defined_domain_disks", op)
 
@@ -367,16 +359,7 @@ class LibvirtLifecycle:
         """
 
         def op(conn: libvirt.virConnect) -> list[str]:
-            held: set[str] = set()
-            for dom in conn.listAllDomains(0):
-                try:
-                    xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
-                except libvirt.libvirtError as exc:
-                    if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
-                        continue  # undefined between the listing and the read
-                    raise
-                held.update(parse_domain_devices(dom.name(), xml).hostdevs)
-            return sorted(held)
+            return sorted({address for devices in _defined_devices(conn) for address in devices.hostdevs})
 
         return await self._call("defined_domain_hostdevs", op)
 
@@ -615,6 +598,22 @@ class LibvirtLifecycle:
         log_event(log, "domain_undefined", name=name, undefined=outcome.undefined,
                   nvram_removed=outcome.nvram_removed, attempts=outcome.attempts, note=outcome.note)
         return outcome
+
+
+def _defined_devices(conn: libvirt.virConnect, *,
+                     skip: Callable[[libvirt.virDomain], bool] | None = None) -> Iterator[DomainDevices]:
+    """The devices of every *defined* domain (its inactive XML), but those ``skip`` says to leave out; a domain
+    undefined between the listing and the read is passed over (libvirt's ``VIR_ERR_NO_DOMAIN``)."""
+    for dom in conn.listAllDomains(0):
+        try:
+            if skip is not None and skip(dom):
+                continue
+            xml = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                continue  # undefined between the listing and the read
+            raise
+        yield parse_domain_devices(dom.name(), xml)
 
 
 def parse_domain_devices(name: str, xml: str) -> DomainDevices:

@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Final
 
 from gpuaas_agent.contract.nvmewipe import WipeMethod, WipePolicy
-from gpuaas_agent.contract.storage import DiskEvidence, WipeProof
-from gpuaas_agent.host.storage.blockwipe import clear_signatures, kernel_node, prove_cleared, zero_out
+from gpuaas_agent.contract.storage import DiskEvidence
+from gpuaas_agent.host.storage.blockwipe import zero_out
+from gpuaas_agent.host.storage.wipemethods import blocks
 from gpuaas_agent.host.storage.wipemethods.base import Erased, WipeCheck, WipeTarget
 
 METHOD: Final = WipeMethod.zeroout
+prove = blocks.prove
 
 
 async def check(policy: WipePolicy, target: WipeTarget) -> WipeCheck:
@@ -23,13 +25,4 @@ async def check(policy: WipePolicy, target: WipeTarget) -> WipeCheck:
 
 
 async def wipe(policy: WipePolicy, target: WipeTarget, disk: DiskEvidence, *, zeros_guaranteed: bool) -> Erased:
-    dev = kernel_node(target.host, disk)
-    method = await zero_out(target.host, disk, dev, timeout=policy.timeout_s, runner=target.runner)
-    await clear_signatures(target.runner, dev, disk, timeout=600)
-    return Erased(disk=disk, dev=dev, method=method)
-
-
-async def prove(policy: WipePolicy, target: WipeTarget, erased: Erased, *, samples: int,
-                seed: int | None) -> WipeProof:
-    return await prove_cleared(target.host, erased.disk, erased.dev, method=erased.method, samples=samples,
-                               seed=seed, started=target.started, timeout=policy.timeout_s, runner=target.runner)
+    return await blocks.wipe_blocks(target, disk, zero_out, timeout_s=policy.timeout_s, signatures_timeout_s=600)
