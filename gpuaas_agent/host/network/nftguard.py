@@ -73,8 +73,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterable
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from ipaddress import IPv4Address
 from typing import Any, cast
 
