@@ -94,7 +94,7 @@ from gpuaas_agent.operator.health_quarantine import all_rechecks
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.netwatch import Probe, serialized, start_netwatch
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
-from gpuaas_agent.operator.telemetry import DomainStatsSource, SliceMetricsCollector, SliceTelemetryLoop
+from gpuaas_agent.operator.telemetry import DomainStatsSource, PfVfCounters, SliceMetricsCollector, SliceTelemetryLoop
 from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
@@ -686,7 +686,8 @@ def start_slice_telemetry(config: AgentConfig, host: NodeHost, state: StoreThrea
         return {lease.allocation_id for lease in state.sync.leases()}
 
     telemetry = SliceTelemetryLoop(node_id, source, leases, nc.publish, interval_s=config.slice_telemetry_interval_s,
-                                   stats_timeout_s=config.request_timeout_s * 2, guest=guest_telemetry_source(config))
+                                   stats_timeout_s=config.request_timeout_s * 2, guest=guest_telemetry_source(config),
+                                   fabric=PfVfCounters(config.host_root))
     metrics.registry.register(SliceMetricsCollector(telemetry, leased))
     background.start("slice-telemetry", telemetry.run())
     return telemetry

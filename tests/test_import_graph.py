@@ -73,7 +73,7 @@ LAZY_IMPORTS: dict[str, str] = {
     "gpuaas_agent/discovery/netevidence.py:_netlink": _PYROUTE2,
     "gpuaas_agent/discovery/netevidence.py:_read_netlink": _PYROUTE2,
     "gpuaas_agent/host/network/egress_readiness.py:read_conntrack": _PYROUTE2,
-    **{f"gpuaas_agent/host/network/fabricvf.py:{fn}": _PYROUTE2 for fn in ("_ipr", "read", "apply")},
+    **{f"gpuaas_agent/host/network/fabricvf.py:{fn}": _PYROUTE2 for fn in ("_ipr", "read", "apply", "stats")},
     "gpuaas_agent/host/vm/cloudinit.py:_dump": _SEED_ISO,
     "gpuaas_agent/host/vm/cloudinit.py:_pycdlib_modules_with_clock": _SEED_ISO,
     "gpuaas_agent/host/vm/cloudinit.py:_pin_pycdlib_clock": _SEED_ISO,

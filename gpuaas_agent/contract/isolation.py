@@ -38,6 +38,9 @@ _VNIC = re.compile(rf"^{VNIC_PREFIX}([0-9a-f]{{1,2}})-([0-9a-f]{{10}})\Z")
 
 GUARD_TABLE = "gpuaas_slice_guard"
 GUARD_SET = "guest_ports"
+# The guests whose exporter the host may open (allocations that asked for guest telemetry): their reserved
+# IPs, each element's comment naming its port, so unplug removes exactly that port's (host/network/nftguard.py).
+EXPORTER_SET = "exporter_guests"
 
 
 def port_cookie(allocation_id: str, slot_index: int) -> int:
@@ -123,11 +126,22 @@ class FlowComparison(WireModel):
 
 
 class GuardSpec(WireModel):
-    """The host-side guard: which subnet is the slices', so input from it and from guest taps is filtered."""
+    """The host-side guard: which subnet is the slices', so input from it and from guest taps is filtered,
+    and which TCP ports the host itself may open into a guest (output to the subnet is filtered too)."""
 
     subnet: IPv4Network
     gateway: IPv4Address
     table: str = Field(default=GUARD_TABLE, pattern=r"^[a-z][a-z0-9_]{0,31}$")
+    # The agent's own way into every guest: SSH (readiness's banner, the terminal relay).
+    agent_ports: tuple[int, ...] = Field(default=(22,), min_length=1, max_length=4)
+    # The guest exporter's port, open only towards the guests in the exporter set (None: towards none).
+    exporter_port: int | None = Field(default=None, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _ports(self) -> GuardSpec:
+        if any(not 1 <= p <= 65535 for p in self.agent_ports) or list(self.agent_ports) != sorted(set(self.agent_ports)):
+            raise ValueError(f"agent_ports {self.agent_ports} must be sorted distinct TCP ports")
+        return self
 
     @model_validator(mode="after")
     def _gateway_in_subnet(self) -> GuardSpec:
@@ -146,3 +160,5 @@ class GuardState(WireModel):
     guest_ports: list[str] = Field(default_factory=list,
                                    description="ports guarded: in the guest_ports set of every family's table")
     elements: dict[str, list[str]] = Field(default_factory=dict, description="family -> its set's elements")
+    exporters: dict[str, str] = Field(default_factory=dict,
+                                      description="guest IP -> the port its exporter opening was made for")

@@ -65,12 +65,33 @@ class NicCounters(WireModel):
     tx_drops: Counter = Field(default=None, ge=0)
 
 
+class FabricVfCounters(WireModel):
+    """The slot's fabric VF as its PF counts it (IFLA_VF_STATS of the PF's IFLA_VFINFO_LIST, from the host).
+
+    Read only from a PF whose driver implements the VF counters (mlx5_core); the kernel reports zeroes for
+    a driver that does not (igb), and those are never taken for counts. rx: what the VF received (towards
+    the guest); tx: what it sent. A drop counter the kernel does not carry (before Linux 5.8) is ``None``.
+    """
+
+    vf_pci_address: str = Field(min_length=1, max_length=16)
+    pf_netdev: str = Field(min_length=1, max_length=15)
+    vf_index: int = Field(ge=0)
+    rx_bytes: Counter = Field(default=None, ge=0)
+    rx_packets: Counter = Field(default=None, ge=0)
+    rx_drops: Counter = Field(default=None, ge=0)
+    tx_bytes: Counter = Field(default=None, ge=0)
+    tx_packets: Counter = Field(default=None, ge=0)
+    tx_drops: Counter = Field(default=None, ge=0)
+
+
 class SlotTelemetry(WireModel):
-    """One slot of the allocation: its disk, and its management vNIC when the slot carries it."""
+    """One slot of the allocation: its disk, its management vNIC when the slot carries it, its fabric VF."""
 
     slot_index: int = Field(ge=0, lt=MAX_SLOTS)
     disk: DiskCounters | None = None  # None: the domain does not use the slot's disk (not defined as leased)
     management_nic: NicCounters | None = None  # only the slot whose vNIC the domain has
+    # None: the slot has no fabric VF, or its PF gives no counters (then named in not_reported: unknown, never 0)
+    fabric_vf: FabricVfCounters | None = None
 
 
 # Guest series: the most one pull may carry, whatever the agent's configuration says.

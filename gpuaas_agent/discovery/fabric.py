@@ -10,6 +10,7 @@ of handing out the shared PF (seed 004's concurrent-slice failure).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from gpuaas_agent.contract.topology import FabricDevice
 from gpuaas_agent.discovery.pci import PCI_DEVICES, PciFunction, PciIndex, linked_address
@@ -94,3 +95,32 @@ def read_fabric_devices(index: PciIndex) -> list[FabricDevice]:
             )
         )
     return devices
+
+
+@dataclass(frozen=True)
+class VfOnPf:
+    """Where a VF is counted: its PF's netdev, its index there (``virtfn<N>``), the PF's driver."""
+
+    vf_pci_address: str
+    pf_pci_address: str
+    pf_netdev: str
+    vf_index: int
+    pf_driver: str | None
+
+
+def vf_on_pf(reader: SysReader, vf_pci_address: str) -> VfOnPf | None:
+    """The VF's PF netdev and index from its ``physfn`` link and the PF's ``virtfn<N>`` links (a few readlinks:
+    the telemetry round's, not a discovery); None when the host does not show the VF on a PF with a netdev."""
+    entry = f"{PCI_DEVICES}/{vf_pci_address}"
+    pf = linked_address(reader, f"{entry}/physfn")
+    if pf is None:
+        return None
+    pf_entry = f"{PCI_DEVICES}/{pf}"
+    names = reader.listdir(pf_entry)
+    index = next((int(m.group(1)) for n in names if (m := VIRTFN_RE.match(n))
+                  and linked_address(reader, f"{pf_entry}/{n}") == vf_pci_address), None)
+    netdev = _primary_netdev(reader, pf_entry, reader.listdir(f"{pf_entry}/net") if "net" in names else [])
+    if index is None or netdev is None:
+        return None
+    return VfOnPf(vf_pci_address=vf_pci_address, pf_pci_address=pf, pf_netdev=netdev, vf_index=index,
+                  pf_driver=reader.link_name(f"{pf_entry}/driver"))

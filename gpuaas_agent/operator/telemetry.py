@@ -15,6 +15,12 @@ moment, and each round keeps only what it read for the leased allocations.
 
 What a round may cost is bounded: one stats call with a deadline (a late or failed round is logged, counted
 and skipped, never retried within the interval), at most ``max_allocations`` messages.
+
+A slot's fabric VF is counted by its PF, not by libvirt (the VF is passed through): :class:`PfVfCounters`
+reads the PF and the VF's index from sysfs and the PF's IFLA_VF_STATS with one netlink call per PF, only for a
+PF whose driver fills them (host/network/fabricvf.py ``VF_STATS_DRIVERS``: mlx5_core; igb reports zeroes it
+never counted). A slot whose VF has no counters carries none and names ``slot.<n>.fabric_vf`` in
+``not_reported``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -38,13 +45,18 @@ from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.telemetry import (
     MAX_SLOTS,
     DiskCounters,
+    FabricVfCounters,
     NicCounters,
     SliceTelemetry,
     SlotTelemetry,
     TelemetryBounds,
 )
+from gpuaas_agent.discovery.fabric import vf_on_pf
+from gpuaas_agent.discovery.sysread import SysReader
 from gpuaas_agent.errors import AgentError
+from gpuaas_agent.host.network.fabricvf import VF_STATS_DRIVERS, FabricVfError, FabricVfNetlink, vf_counters
 from gpuaas_agent.host.vm.domstats import DomainStats, parse_all
+from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.operator.guest_telemetry import GuestTelemetrySource
 
@@ -54,6 +66,39 @@ DEFAULT_INTERVAL_S = 15.0
 DomainStatsSource = Callable[[], Awaitable[list[tuple[str, dict[str, Any]]]]]
 Publish = Callable[[str, bytes], Awaitable[None]]
 Leases = Callable[[], Awaitable[list[SlotLease]]]
+FabricCounters = Callable[[list[SlotLease]], Awaitable[dict[str, FabricVfCounters]]]  # VF PCI address -> counters
+
+
+class PfVfCounters:
+    """The leased slots' fabric VF counters from their PFs (a :data:`FabricCounters`).
+
+    Per round: a few sysfs readlinks per slot (``physfn``, the PF's ``virtfn<N>``, its netdev and driver), then
+    one netlink read per PF whose driver fills IFLA_VF_STATS; a PF that cannot be read leaves its VFs unknown.
+    """
+
+    def __init__(self, host_root: Path, netlink: FabricVfNetlink | None = None) -> None:
+        self.host_root, self.netlink = host_root, netlink or FabricVfNetlink()
+
+    async def __call__(self, leases: list[SlotLease]) -> dict[str, FabricVfCounters]:
+        vfs = sorted({lease.fabric_vf_pci_address for lease in leases if lease.fabric_vf_pci_address})
+        return await asyncio.to_thread(self.read, vfs) if vfs else {}
+
+    def read(self, vfs: list[str]) -> dict[str, FabricVfCounters]:
+        reader = SysReader(HostRoot.open(self.host_root))
+        located = [where for vf in vfs if (where := vf_on_pf(reader, vf)) is not None
+                   and where.pf_driver in VF_STATS_DRIVERS]
+        out: dict[str, FabricVfCounters] = {}
+        for pf_netdev in sorted({where.pf_netdev for where in located}):
+            try:
+                stats = self.netlink.stats(pf_netdev)
+            except FabricVfError as exc:  # that PF's VFs are unknown this round; the rest of the message goes out
+                log_event(log, "fabric_vf_counters_failed", logging.DEBUG, pf_netdev=pf_netdev, code=exc.code)
+                continue
+            for where in located:
+                if where.pf_netdev == pf_netdev and (counters := vf_counters(
+                        where.vf_pci_address, pf_netdev, where.vf_index, stats, where.pf_driver)) is not None:
+                    out[where.vf_pci_address] = counters
+        return out
 
 
 def default_bounds(stats_timeout_s: float) -> TelemetryBounds:
@@ -68,8 +113,9 @@ def _by_allocation(leases: list[SlotLease]) -> dict[str, list[SlotLease]]:
     return grouped
 
 
-def _slot(lease: SlotLease, stats: DomainStats | None) -> SlotTelemetry:
+def _slot(lease: SlotLease, stats: DomainStats | None, fabric: Mapping[str, FabricVfCounters]) -> SlotTelemetry:
     disk = nic = None
+    vf = fabric.get(lease.fabric_vf_pci_address) if lease.fabric_vf_pci_address else None
     if stats is not None:
         block = next((b for b in stats.blocks if b.path == str(lease.nvme_device)), None)
         if block is not None:
@@ -81,10 +127,10 @@ def _slot(lease: SlotLease, stats: DomainStats | None) -> SlotTelemetry:
             nic = NicCounters(interface=net.name, rx_bytes=net.rx_bytes, rx_packets=net.rx_pkts,
                               rx_drops=net.rx_drop, tx_bytes=net.tx_bytes, tx_packets=net.tx_pkts,
                               tx_drops=net.tx_drop)
-    return SlotTelemetry(slot_index=lease.slot_index, disk=disk, management_nic=nic)
+    return SlotTelemetry(slot_index=lease.slot_index, disk=disk, management_nic=nic, fabric_vf=vf)
 
 
-def _not_reported(stats: DomainStats | None, slots: list[SlotTelemetry]) -> list[str]:
+def _not_reported(stats: DomainStats | None, slots: list[SlotTelemetry], held: list[SlotLease]) -> list[str]:
     if stats is None:
         return ["domain"]
     missing = [name for name, value in (("cpu_time_ns", stats.cpu_time_ns), ("vcpu_time_ns", stats.vcpu_time_ns),
@@ -93,6 +139,8 @@ def _not_reported(stats: DomainStats | None, slots: list[SlotTelemetry]) -> list
     missing += [f"slot.{s.slot_index}.disk" for s in slots if s.disk is None]
     if not any(s.management_nic is not None for s in slots):
         missing.append("management_nic")
+    missing += [f"slot.{s.slot_index}.fabric_vf" for s, lease in zip(slots, held)
+                if lease.fabric_vf_pci_address and s.fabric_vf is None]
     return missing
 
 
@@ -101,8 +149,12 @@ def _kib(value: int | None) -> int | None:
 
 
 def slice_telemetry(node_id: str, leases: list[SlotLease], stats: Mapping[str, DomainStats], *, collected_at: float,
-                    interval_s: float, bounds: TelemetryBounds) -> list[SliceTelemetry]:
+                    interval_s: float, bounds: TelemetryBounds,
+                    fabric: Mapping[str, FabricVfCounters] | None = None) -> list[SliceTelemetry]:
     """One message per leased allocation (at most ``bounds.max_allocations``), from one round's stats.
+
+    ``fabric``: the round's VF counters by VF PCI address (:class:`PfVfCounters`); a slot's VF absent from it
+    is unknown.
 
     Only the leases decide what is reported: a domain without a lease (not ours, or a leftover) is never
     read into a message, and a leased allocation whose domain is absent from the stats reports ``shutoff``
@@ -113,7 +165,7 @@ def slice_telemetry(node_id: str, leases: list[SlotLease], stats: Mapping[str, D
         held = held[:bounds.max_slots_per_allocation]
         name = domain_name(allocation_id)
         found = stats.get(name)
-        slots = [_slot(lease, found) for lease in held]
+        slots = [_slot(lease, found, fabric or {}) for lease in held]
         out.append(SliceTelemetry(
             node_id=node_id, allocation_id=allocation_id, domain=name, collected_at=collected_at,
             interval_s=interval_s, bounds=bounds, state=found.state if found else DomainState.shutoff,
@@ -122,7 +174,7 @@ def slice_telemetry(node_id: str, leases: list[SlotLease], stats: Mapping[str, D
             memory_bytes=_kib(found.balloon_current_kib) if found else None,
             memory_max_bytes=_kib(found.balloon_maximum_kib) if found else None,
             memory_rss_bytes=_kib(found.balloon_rss_kib) if found else None,
-            slots=slots, not_reported=_not_reported(found, slots)))
+            slots=slots, not_reported=_not_reported(found, slots, held)))
     return out
 
 
@@ -140,8 +192,10 @@ class SliceTelemetryLoop:
 
     def __init__(self, node_id: str, source: DomainStatsSource, leases: Leases, publish: Publish, *,
                  interval_s: float = DEFAULT_INTERVAL_S, stats_timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.time, guest: GuestTelemetrySource | None = None) -> None:
+                 clock: Callable[[], float] = time.time, guest: GuestTelemetrySource | None = None,
+                 fabric: FabricCounters | None = None) -> None:
         self.node_id, self.source, self.leases, self.publish = node_id, source, leases, publish
+        self.fabric = fabric  # None: no VF counters are read (every slot's VF reads unknown)
         self.guest = guest  # None: no allocation's guest is ever pulled (operator/guest_telemetry.py)
         self.interval_s, self.clock = interval_s, clock
         self.bounds = default_bounds(stats_timeout_s)
@@ -160,8 +214,9 @@ class SliceTelemetryLoop:
             return []
         collected_at = self.clock()
         records = await asyncio.wait_for(self.source(), self.bounds.stats_timeout_s)
+        fabric = await self._fabric(held)
         messages = slice_telemetry(self.node_id, held, parse_all(records), collected_at=collected_at,
-                                   interval_s=self.interval_s, bounds=self.bounds)
+                                   interval_s=self.interval_s, bounds=self.bounds, fabric=fabric)
         messages = await self._with_guest(held, messages)
         # /metrics needs the guest pulls' outcome and size only: the series themselves are published, not kept.
         self.guest_kept = {(m.allocation_id, g.slot_index): (g.outcome, len(g.series)) for m in messages for g in m.guest}
@@ -169,6 +224,16 @@ class SliceTelemetryLoop:
         self.counters.rounds["ok"] += 1
         self.counters.last_ok_at = collected_at
         return messages
+
+    async def _fabric(self, held: list[SlotLease]) -> dict[str, FabricVfCounters]:
+        """The VF counters of this round, within the stats deadline; a failed read costs only them."""
+        if self.fabric is None:
+            return {}
+        try:
+            return await asyncio.wait_for(self.fabric(held), self.bounds.stats_timeout_s)
+        except (TimeoutError, AgentError, OSError) as exc:
+            log_event(log, "fabric_vf_counters_failed", logging.WARNING, error=repr(exc))
+            return {}
 
     async def _with_guest(self, held: list[SlotLease], messages: list[SliceTelemetry]) -> list[SliceTelemetry]:
         """The opted-in allocations' messages with their guests' pulls; a failed guest round costs only itself."""
@@ -272,6 +337,10 @@ _NIC_SERIES: tuple[tuple[str, str], ...] = (
 )
 
 
+_VF_SERIES: tuple[tuple[str, str], ...] = tuple(
+    (attr, name.replace("gpuaas_agent_slice_nic_", "gpuaas_agent_slice_fabric_vf_")) for attr, name in _NIC_SERIES)
+
+
 def _slice_families(messages: list[SliceTelemetry]) -> Iterator[Metric]:
     info = GaugeMetricFamily("gpuaas_agent_slice_info", "1 for each leased slot: its allocation and domain",
                              labels=["slot", "allocation_id", "domain"])
@@ -292,7 +361,8 @@ def _slice_families(messages: list[SliceTelemetry]) -> Iterator[Metric]:
                 family.add_metric([str(m.slots[0].slot_index)], value)
         yield family
     for part, series, what in (("disk", _DISK_SERIES, "the slot disk's {} as the guest did them"),
-                               ("management_nic", _NIC_SERIES, "the slot management vNIC's {} (host tap side)")):
+                               ("management_nic", _NIC_SERIES, "the slot management vNIC's {} (host tap side)"),
+                               ("fabric_vf", _VF_SERIES, "the slot fabric VF's {} as its PF counts them")):
         for attr, name in series:
             counter = CounterMetricFamily(name, what.format(attr.replace("_", " ")), labels=["slot"])
             for m in messages:

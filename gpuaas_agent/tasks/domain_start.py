@@ -50,6 +50,7 @@ class SlicePort:
     allocation_id: str
     slot_index: int
     policing: IngressPolicing | None = None
+    guest_telemetry: bool = False  # the allocation opted in: the host may open the guest's exporter port
 
 
 async def put_port(ovs: OvsDriver, port: SlicePort, vm_uuid: str) -> OvsPort:
@@ -100,7 +101,7 @@ async def guarded_start(drivers: SliceDrivers, target: StartTarget, *, disk_leas
         # libvirt re-creates the port at start with only its own external_ids: put ours back.
         ovs_port = await put_port(ovs, port, info.uuid)
     ovs_port = await opened_port(drivers, ovs_port)  # the tap's ofport, so the in_port rules go in now
-    isolation = await isolate_port(drivers, ovs_port, mac=port.mac, ip=port.ip)
+    isolation = await isolate_port(drivers, ovs_port, mac=port.mac, ip=port.ip, guest_telemetry=port.guest_telemetry)
     out: dict[str, Any] = {"state": info.state.value, "uuid": info.uuid, "preconditions": evidence.model_dump(mode="json"),
            "ofport": ovs_port.ofport, "isolation": isolation}
     if groups:

@@ -73,6 +73,9 @@ class SliceDrivers:
     fabric: FabricManager | None = None
     # The slots' fabric VFs on their PFs (host/network/fabricvf.py): the host's own netlink.
     fabric_vf: FabricVfNetlink = field(default_factory=FabricVfNetlink)
+    # The guest exporter's port (``guest_exporter_port``): the host may open it into an opted-in guest only
+    # (host/network/nftguard.py); None: into no guest.
+    guest_exporter_port: int | None = None
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> SliceDrivers:
@@ -89,6 +92,7 @@ class SliceDrivers:
                 min_free_bytes=config.slice.image_cache_min_free_bytes),
             libvirt=LibvirtLifecycle(config.slice.libvirt_uri),
             fabric=fabric_manager(config.slice.fabric_manager),
+            guest_exporter_port=config.guest_exporter_port,
         )
 
     def discovered_root(self) -> HostRoot:

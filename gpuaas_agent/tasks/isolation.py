@@ -46,6 +46,8 @@ class PortHost(Protocol):
     from its ``unplug``): the slice's network settings and an ovsdb connection."""
 
     slice: SliceConfig
+    # The guest exporter's port (``guest_exporter_port``): what the host may open into an opted-in guest.
+    guest_exporter_port: int | None
 
     def ovs(self) -> AbstractAsyncContextManager[OvsDriver]: ...
 
@@ -55,8 +57,16 @@ def port_flows(drivers: PortHost) -> PortFlows:
     return PortFlows(ovs_rundir(drivers.slice.ovsdb_remote))
 
 
+def guard_spec(drivers: PortHost) -> GuardSpec:
+    """The guard of the slice subnet: SSH (readiness on 22, the terminal's port) and the exporter port are the
+    host's only ways into a guest."""
+    return GuardSpec(subnet=drivers.slice.subnet, gateway=drivers.slice.gateway,
+                     agent_ports=tuple(sorted({22, drivers.slice.terminal.ssh_port})),
+                     exporter_port=drivers.guest_exporter_port)
+
+
 def nft_guard(drivers: PortHost) -> NftGuard:
-    return NftGuard(GuardSpec(subnet=drivers.slice.subnet, gateway=drivers.slice.gateway))
+    return NftGuard(guard_spec(drivers))
 
 
 def isolation_of(slice_config: SliceConfig, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> PortIsolation:
@@ -79,17 +89,23 @@ def isolation_of(slice_config: SliceConfig, port: OvsPort, *, mac: str, ip: str 
                           slot_index=port.slot_index, ofport=ofport, mac=mac, ip=address)
 
 
-async def isolate_port(drivers: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address) -> dict[str, Any]:
+async def isolate_port(drivers: PortHost, port: OvsPort, *, mac: str, ip: str | IPv4Address,
+                       guest_telemetry: bool = False) -> dict[str, Any]:
     """Install the port's flows (one bundle) and add its vNIC to the nft guard; returns the evidence.
+
+    ``guest_telemetry``: the allocation opted in, so the host may open the guest's exporter port
+    (and nothing more); otherwise any such opening of the port is closed.
 
     Refuses with ``port_isolation_conflict`` (nothing written) when another port's flows
     hold the same MAC, IP or ofport.
     """
     iso = isolation_of(drivers.slice, port, mac=mac, ip=ip)
     rules = await port_flows(drivers).install(iso)
-    guard = await nft_guard(drivers).add_port(port.name)
+    exporter = iso.ip if guest_telemetry and drivers.guest_exporter_port is not None else None
+    guard = await nft_guard(drivers).add_port(port.name, exporter=exporter)
     return {"cookie": f"{iso.cookie:#x}", "ofport": iso.ofport, "flows": len(rules), "nft_table": guard.table,
-            "nft_guarded": port.name in guard.guest_ports}
+            "nft_guarded": port.name in guard.guest_ports,
+            "exporter_open": guard.exporters.get(str(iso.ip)) == port.name}
 
 
 OFPORT_WAIT_S = 10.0
@@ -143,6 +159,7 @@ class ActivePort:
     port: OvsPort
     mac: str
     ip: str
+    guest_telemetry: bool = False  # the lease's opt-in: the host may open the guest's exporter port
 
 
 @dataclass(frozen=True)
@@ -183,13 +200,24 @@ class Reisolate:
 
 @dataclass(frozen=True)
 class RepairGuard:
-    """Rewrite the guard table with ``names`` (``replace``), or add the missing ``names`` to its set."""
+    """Rewrite the guard table with ``names`` and ``exporters`` (``replace``), or add the missing ``names``
+    to its set."""
 
     replace: bool
     names: tuple[str, ...]
+    exporters: tuple[tuple[str, str], ...] = ()  # (port, guest IP) the replaced table opens
 
 
-IsolationRepair = RemoveFlows | Reisolate | RepairGuard
+@dataclass(frozen=True)
+class RepairExporters:
+    """Close exporter openings nobody granted (``close``: guest IPs), open the granted ones that are
+    missing (``open``: port, guest IP)."""
+
+    close: tuple[str, ...]
+    open: tuple[tuple[str, str], ...]
+
+
+IsolationRepair = RemoveFlows | Reisolate | RepairGuard | RepairExporters
 
 
 @dataclass(frozen=True)
@@ -199,16 +227,20 @@ class IsolationJudgement:
     findings: list[DriftFinding]
     repairs: list[IsolationRepair]
     kept: frozenset[str]  # the ports of known allocations: what the guard may keep
+    exporters: tuple[tuple[str, str], ...] = ()  # (port, guest IP) whose exporter the host may open
 
 
 def judge_isolation(slice_config: SliceConfig, snap: IsolationSnapshot, *, ports: Sequence[OvsPort],
-                    active: Sequence[ActivePort], known: Set[str]) -> IsolationJudgement:
+                    active: Sequence[ActivePort], known: Set[str],
+                    exporter_port: int | None = None) -> IsolationJudgement:
     """Findings for flows and the nft guard, and the repairs that restore them (pure).
 
     ``ports``: every agent port in ovsdb; ``known``: allocations this host still knows
     (lease, slot record or domain). Rules or guard elements of a port that is not a
     port of a known allocation are orphans. Repairs never loosen anything: they
     restore the rules a reservation implies or delete rules nobody owns.
+    ``exporter_port``: the guest exporter's port (None: no guest's may be opened); the host
+    may open it towards exactly the opted-in active slots' IPs.
     """
     findings: list[DriftFinding] = []
     repairs: list[IsolationRepair] = []
@@ -265,13 +297,32 @@ def judge_isolation(slice_config: SliceConfig, snap: IsolationSnapshot, *, ports
     for name in orphans:
         findings.append(_finding(DriftKind.nft_guard_orphan, name, DriftSeverity.warn,
                                  expected="not in the guard's set (no such port)", actual="in the set", port=name))
+    # The exporter openings: exactly the opted-in active ports' IPs, each under its own port's name.
+    granted = {entry.ip: entry.port.name for entry in active if entry.guest_telemetry} if exporter_port else {}
+    ungranted = sorted(ip for ip, name in state.exporters.items() if granted.get(ip) != name)
+    closed = sorted(ip for ip in granted if state.exporters.get(ip) != granted[ip] and state.present)
+    for ip in ungranted:
+        findings.append(_finding(DriftKind.nft_guard_orphan, state.exporters[ip] or ip, DriftSeverity.error,
+                                 expected="no exporter opening (not an opted-in active slot's)",
+                                 actual=f"the host may open {ip}:{exporter_port}", exporter=ip,
+                                 port=state.exporters[ip] or None))
+    for ip in closed:
+        findings.append(_finding(DriftKind.nft_guard_missing, wanted.get(granted[ip], granted[ip]), DriftSeverity.warn,
+                                 expected=f"the host may open {ip}:{exporter_port} (guest telemetry)",
+                                 actual="closed", exporter=ip, port=granted[ip]))
     needs_table = (wanted and not state.present) or (state.present and not state.rules_match)
     if needs_table or orphans:
         keep = [n for n in listed if n in kept]
-        repairs.append(RepairGuard(replace=True, names=tuple(dict.fromkeys([*keep, *wanted]))))
-    elif unguarded:
-        repairs.append(RepairGuard(replace=False, names=tuple(unguarded)))
-    return IsolationJudgement(findings=findings, repairs=repairs, kept=kept)
+        repairs.append(RepairGuard(replace=True, names=tuple(dict.fromkeys([*keep, *wanted])),
+                                   exporters=tuple(sorted((name, ip) for ip, name in granted.items()))))
+    else:
+        if unguarded:
+            repairs.append(RepairGuard(replace=False, names=tuple(unguarded)))
+        if ungranted or closed:
+            repairs.append(RepairExporters(close=tuple(ungranted),
+                                           open=tuple((granted[ip], ip) for ip in closed)))
+    return IsolationJudgement(findings=findings, repairs=repairs, kept=kept,
+                              exporters=tuple(sorted((name, ip) for ip, name in granted.items())))
 
 
 async def repair_isolation(drivers: PortHost, judgement: IsolationJudgement) -> list[DriftFinding]:
@@ -279,6 +330,7 @@ async def repair_isolation(drivers: PortHost, judgement: IsolationJudgement) -> 
     ``repair_error``) set. The guard's findings count as repaired by what the guard holds afterwards."""
     findings = list(judgement.findings)
     flows, guard = port_flows(drivers), nft_guard(drivers)
+    exporters = {name: IPv4Address(ip) for name, ip in judgement.exporters}
     guard_repaired = False
     for fix in judgement.repairs:
         if isinstance(fix, RemoveFlows):
@@ -294,12 +346,18 @@ async def repair_isolation(drivers: PortHost, judgement: IsolationJudgement) -> 
             finding = findings[fix.finding]
             findings[fix.finding] = finding.model_copy(
                 update={"repaired": done, "detail": {**finding.detail, "repair_error": error}})
+        elif isinstance(fix, RepairExporters):
+            if fix.close:
+                await guard.close_exporters(fix.close)
+            for name, ip in fix.open:
+                await guard.add_port(name, exporter=IPv4Address(ip))
+            guard_repaired = True
         else:
             if fix.replace:
-                await guard.replace(list(fix.names))
+                await guard.replace(list(fix.names), {name: IPv4Address(ip) for name, ip in fix.exporters})
             else:
                 for name in fix.names:
-                    await guard.add_port(name)
+                    await guard.add_port(name, exporter=exporters.get(name))
             guard_repaired = True
     if guard_repaired:
         after = await guard.read()
@@ -315,6 +373,9 @@ def _guard_repaired(finding: DriftFinding, after: GuardState, kept: set[str]) ->
     if not (after.present and after.rules_match):
         return False
     port = finding.detail.get("port")
+    if (exporter := finding.detail.get("exporter")) is not None:
+        opened = after.exporters.get(exporter)
+        return opened is None if finding.kind is DriftKind.nft_guard_orphan else opened == port
     if finding.kind is DriftKind.nft_guard_orphan:
         return all(port not in names for names in after.elements.values())
     if port is not None:

@@ -183,7 +183,7 @@ async def start_plan(drivers: SliceDrivers, info: DomainInfo, lease: SlotLease,
                                      "mac": ifaces[0].mac})
     port = SlicePort(bridge=bridge, vnic=vnic, mac=ifaces[0].mac, ip=str(reserved[0].ip),
                      allocation_id=lease.allocation_id, slot_index=lease.slot_index,
-                     policing=profile.ingress_policing)
+                     policing=profile.ingress_policing, guest_telemetry=lease.guest_telemetry)
     return target, port
 
 

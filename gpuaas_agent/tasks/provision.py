@@ -161,7 +161,7 @@ class ProvisionRun:
     def port(self) -> SlicePort:
         slot = self.slot
         return SlicePort(slot.ovs_bridge, self.vnic, slot.mac, slot.private_ip, self.payload.allocation_id,
-                         slot.slot_index, self.profile.ingress_policing)
+                         slot.slot_index, self.profile.ingress_policing, guest_telemetry=self.payload.guest_telemetry)
 
     def disk_lease(self, validated: Validated) -> DiskLease:
         """The only disk this run may write (the guard checks every write against it)."""
@@ -602,7 +602,8 @@ async def ovs_port(run: ProvisionRun) -> Plugged:
         port = await put_port(ovs, run.port, run.payload.allocation_id)
     # Closed from the moment it exists: the MAC is the slot's only (docs/safety.md §9); the tap and its
     # ofport appear at start, when the full per-port rules go in.
-    isolation = await isolate_port(run.drivers, port, mac=slot.mac, ip=slot.private_ip)
+    isolation = await isolate_port(run.drivers, port, mac=slot.mac, ip=slot.private_ip,
+                                   guest_telemetry=run.payload.guest_telemetry)
     return Plugged(port=port, isolation=isolation)
 
 

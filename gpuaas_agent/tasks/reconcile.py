@@ -287,7 +287,7 @@ def orphan_ports(snap: HostSnapshot) -> list[tuple[DriftFinding, OvsPort]]:
 
 def active_ports(snap: HostSnapshot) -> list[ActivePort]:
     """Port isolation (docs/safety.md §9): each active slot's port with the reservation its rules follow."""
-    return [ActivePort(port=port, mac=res.mac, ip=str(res.ip))
+    return [ActivePort(port=port, mac=res.mac, ip=str(res.ip), guest_telemetry=lease.guest_telemetry)
             for lease in snap.leases
             if (rec := snap.records.get(lease.slot_index)) is not None and rec.status is SlotStatus.active
             and rec.allocation_id == lease.allocation_id
@@ -296,10 +296,11 @@ def active_ports(snap: HostSnapshot) -> list[ActivePort]:
                                                                                       lease.slot_index)]
 
 
-def judge(snap: HostSnapshot, slice_config: SliceConfig) -> Judgement:
+def judge(snap: HostSnapshot, slice_config: SliceConfig, *, exporter_port: int | None = None) -> Judgement:
     """The snapshot's findings in report order and the repairs reconcile may make (none applied).
 
-    ``slice_config``: the slice's subnet and gateway, which an active port's isolation rules follow.
+    ``slice_config``: the slice's subnet and gateway, which an active port's isolation rules follow;
+    ``exporter_port``: the guest exporter's port the host may open into opted-in slots (None: into none).
     """
     findings: list[DriftFinding] = []
     for lease in snap.leases:
@@ -315,7 +316,8 @@ def judge(snap: HostSnapshot, slice_config: SliceConfig) -> Judgement:
         findings.append(finding)
     active = active_ports(snap)
     isolation = None if snap.isolation is None else judge_isolation(
-        slice_config, snap.isolation, ports=snap.ports, active=active, known=snap.known)
+        slice_config, snap.isolation, ports=snap.ports, active=active, known=snap.known,
+        exporter_port=exporter_port)
     return Judgement(findings=findings, repairs=repairs, active=active, isolation=isolation)
 
 
@@ -370,7 +372,7 @@ async def reconcile(drivers: SliceDrivers, store: AnyStore, *, repair: bool,
     started = time.monotonic()
     state = as_store_thread(store)  # SQLite off the loop (state/aio.py)
     snap = await gather(drivers, state)
-    judgement = judge(snap, drivers.slice)
+    judgement = judge(snap, drivers.slice, exporter_port=drivers.guest_exporter_port)
     findings = await apply_repairs(drivers, judgement) if repair else list(judgement.findings)
     if judgement.isolation is not None:
         findings += (await repair_isolation(drivers, judgement.isolation) if repair

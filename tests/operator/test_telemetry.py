@@ -13,6 +13,7 @@ import urllib.request
 import libvirt
 import nats
 import pytest
+from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 
 from gpuaas_agent.config import load_config
 from gpuaas_agent.contract import subjects
@@ -21,10 +22,17 @@ from gpuaas_agent.contract.naming import domain_name
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.contract.telemetry import SliceTelemetry
 from gpuaas_agent.daemon import run_agent
+from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink, vf_stats_of_link
 from gpuaas_agent.host.vm.domstats import parse_all
 from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtError, LibvirtLifecycle
 from gpuaas_agent.operator.metrics import AgentMetrics
-from gpuaas_agent.operator.telemetry import SliceMetricsCollector, SliceTelemetryLoop, default_bounds, slice_telemetry
+from gpuaas_agent.operator.telemetry import (
+    PfVfCounters,
+    SliceMetricsCollector,
+    SliceTelemetryLoop,
+    default_bounds,
+    slice_telemetry,
+)
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.state.store import StateStore
 from tests.conftest import REPO
@@ -65,7 +73,9 @@ def test_a_recorded_domain_is_matched_to_its_lease_slot_disk_and_vnic():
     assert slot.disk is not None and (slot.disk.device, slot.disk.read_bytes, slot.disk.read_ops) == ("vda", 512, 1)
     assert slot.management_nic is not None and (slot.management_nic.interface, slot.management_nic.rx_bytes) == (
         "gs0-0123456789", 90)
-    assert message.not_reported == [] and (message.interval_s, message.bounds) == (15.0, bounds)
+    # The slot's fabric VF: no PF counters were read, so unknown and named, never 0.
+    assert slot.fabric_vf is None
+    assert message.not_reported == ["slot.0.fabric_vf"] and (message.interval_s, message.bounds) == (15.0, bounds)
     assert SliceTelemetry.from_wire(json.loads(message.model_dump_json())) == message  # the wire round trip
 
 
@@ -247,6 +257,68 @@ def test_no_lease_means_no_libvirt_call(store):
 
     loop = SliceTelemetryLoop(NODE, source, leases, publish)
     assert asyncio.run(loop.round()) == 0 and calls == [] and loop.latest == {}
+
+
+FIXTURE_HOST = REPO / "fixtures/hosts/h200-slice-after-transition"  # mlx5_core PFs ibp25s0 (0000:19:00.0), ibp59s0
+VF_19, VF_3B = "0000:19:00.1", "0000:3b:00.1"  # virtfn0 of each
+
+
+class RecordedPf(FabricVfNetlink):
+    """ibp25s0's RTM_NEWLINK as the kernel would send it for a ConnectX-7 with one VF (encoded and decoded by
+    pyroute2, as tests/host/network/test_fabricvf.py builds them); any other PF is not there."""
+
+    def stats(self, pf_netdev: str) -> dict[int, dict[str, int | None]]:
+        if pf_netdev != "ibp25s0":
+            raise FabricVfError(f"PF netdev {pf_netdev} does not exist", code="fabric_vf_missing")
+        msg = ifinfmsg()
+        msg["family"] = 0
+        msg["attrs"] = [("IFLA_IFNAME", "ibp25s0"), ("IFLA_NUM_VF", 1), ("IFLA_VFINFO_LIST", {"attrs": [
+            ("IFLA_VF_INFO", {"attrs": [("IFLA_VF_MAC", {"vf": 0, "mac": "02:11:22:33:44:55"}), ("IFLA_VF_STATS", {
+                "attrs": [("IFLA_VF_STATS_RX_PACKETS", 1200), ("IFLA_VF_STATS_TX_PACKETS", 900),
+                          ("IFLA_VF_STATS_RX_BYTES", 1_500_000), ("IFLA_VF_STATS_TX_BYTES", 700_000),
+                          ("IFLA_VF_STATS_RX_DROPPED", 5), ("IFLA_VF_STATS_TX_DROPPED", 6)]})]})]})]
+        msg.encode()
+        decoded = ifinfmsg(msg.data)
+        decoded.decode()
+        return vf_stats_of_link(decoded)
+
+
+def _vf_lease(slot: int, vf: str, disk: str | None = None) -> SlotLease:
+    return lease(RECORDED_ALLOC, slot, disk).model_copy(update={"fabric_vf_pci_address": vf})
+
+
+def test_the_slots_fabric_vf_counters_come_from_its_pf_and_an_unreadable_pf_leaves_them_unknown():
+    """Slot 0's VF is virtfn0 of ibp25s0 (sysfs of the recorded host), whose PF answers with counters; slot 1's PF
+    ibp59s0 cannot be read: its VF carries none and is named in ``not_reported``; /metrics has slot 0's only."""
+    counters = PfVfCounters(FIXTURE_HOST, RecordedPf())
+    read = counters.read([VF_19, VF_3B, "0000:99:00.1"])
+    assert list(read) == [VF_19]
+    assert (read[VF_19].pf_netdev, read[VF_19].vf_index, read[VF_19].rx_bytes, read[VF_19].tx_drops) == (
+        "ibp25s0", 0, 1_500_000, 6)
+
+    async def stats():
+        return json.loads((REPO / "fixtures/libvirt/domstats-qemu-7.2-slice.json").read_text())["records"]
+
+    async def leases():
+        return [_vf_lease(0, VF_19, RECORDED_DISK), _vf_lease(1, VF_3B)]
+
+    sent = []
+
+    async def publish(subject: str, data: bytes) -> None:
+        sent.append(SliceTelemetry.model_validate_json(data))
+
+    loop = SliceTelemetryLoop(NODE, stats, leases, publish, fabric=counters)
+    assert asyncio.run(loop.round()) == 1
+    message, = sent
+    assert [s.fabric_vf is not None for s in message.slots] == [True, False]
+    assert message.slots[0].fabric_vf == read[VF_19]
+    assert "slot.1.fabric_vf" in message.not_reported and "slot.0.fabric_vf" not in message.not_reported
+    metrics = AgentMetrics()
+    metrics.registry.register(SliceMetricsCollector(loop, lambda: {RECORDED_ALLOC}))
+    scrape = metrics.render().decode()
+    assert 'gpuaas_agent_slice_fabric_vf_receive_bytes_total{slot="0"} 1.5e+06' in scrape
+    assert 'gpuaas_agent_slice_fabric_vf_transmit_drops_total{slot="0"} 6.0' in scrape
+    assert 'gpuaas_agent_slice_fabric_vf_receive_bytes_total{slot="1"}' not in scrape
 
 
 # -- the daemon: wired, on its interval -------------------------------------------------------------------

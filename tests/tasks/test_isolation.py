@@ -19,6 +19,7 @@ from gpuaas_agent.tasks.isolation import (
     IsolationSnapshot,
     Reisolate,
     RemoveFlows,
+    RepairExporters,
     RepairGuard,
     isolation_of,
     judge_isolation,
@@ -119,3 +120,41 @@ def test_a_guard_element_of_no_known_port_is_an_orphan_and_the_guard_keeps_only_
     judged = _judge(_snapshot(guard=_guard(ACTIVE.port.name, stray)))
     assert [(f.kind, f.subject) for f in judged.findings] == [(DriftKind.nft_guard_orphan, stray)]
     assert judged.repairs == [RepairGuard(replace=True, names=(ACTIVE.port.name,))]
+
+
+EXPORTER_PORT = 9100
+OPTED = ActivePort(port=ACTIVE.port, mac=ACTIVE.mac, ip=ACTIVE.ip, guest_telemetry=True)
+
+
+def _opened(exporters: dict[str, str]) -> GuardState:
+    return _guard(ACTIVE.port.name).model_copy(update={"exporters": exporters})
+
+
+def test_the_exporter_opening_is_exactly_the_opted_in_slots_ip_under_its_own_port():
+    """The narrow path compared by reconcile: an opt-in slot's opening missing is reopened (telemetry stops,
+    a warning); an opening nobody granted (opt-out slot, a stale IP, another port's name) is closed (an error:
+    the host's path into a guest is wider than the allocation asked)."""
+    name = ACTIVE.port.name
+    assert _judge(_snapshot(guard=_opened({})), active=(OPTED,)).findings == []  # no exporter port: none to open
+    ok = judge_isolation(SLICE, _snapshot(guard=_opened({ACTIVE.ip: name})), ports=(ACTIVE.port,), active=(OPTED,),
+                         known=frozenset({A}), exporter_port=EXPORTER_PORT)
+    assert ok.findings == [] and ok.repairs == [] and ok.exporters == ((name, ACTIVE.ip),)
+
+    closed = judge_isolation(SLICE, _snapshot(guard=_opened({})), ports=(ACTIVE.port,), active=(OPTED,),
+                             known=frozenset({A}), exporter_port=EXPORTER_PORT)
+    assert [(f.kind, f.subject, f.severity.value) for f in closed.findings] == [
+        (DriftKind.nft_guard_missing, A, "warn")]
+    assert closed.repairs == [RepairExporters(close=(), open=((name, ACTIVE.ip),))]
+
+    for opened in ({ACTIVE.ip: name}, {"10.100.0.99": name}, {ACTIVE.ip: vnic_name(GONE, 3)}, {ACTIVE.ip: ""}):
+        wide = judge_isolation(SLICE, _snapshot(guard=_opened(opened)), ports=(ACTIVE.port,), active=(ACTIVE,),
+                               known=frozenset({A}), exporter_port=EXPORTER_PORT)
+        assert [(f.kind, f.severity.value) for f in wide.findings] == [(DriftKind.nft_guard_orphan, "error")], opened
+        assert wide.repairs == [RepairExporters(close=tuple(opened), open=())]
+
+
+def test_a_replaced_guard_table_opens_exactly_the_granted_exporters():
+    judged = judge_isolation(SLICE, _snapshot(guard=_guard(present=False)), ports=(ACTIVE.port,), active=(OPTED,),
+                             known=frozenset({A}), exporter_port=EXPORTER_PORT)
+    assert judged.repairs == [RepairGuard(replace=True, names=(ACTIVE.port.name,),
+                                          exporters=((ACTIVE.port.name, ACTIVE.ip),))]

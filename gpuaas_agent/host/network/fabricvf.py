@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuaas_agent.contract.fabricvf import EswitchMode, VfLinkState, VfMismatch, VfSettings
+from gpuaas_agent.contract.telemetry import FabricVfCounters
 from gpuaas_agent.contract.types import GUID_RE, MAC_RE
 from gpuaas_agent.errors import HostError
 from gpuaas_agent.host.run import run_sync
@@ -133,6 +134,42 @@ def vfs_of_link(msg: Any) -> dict[int, VfSettings]:
 COMPARED = ("mac", "vlan", "qos", "spoofchk", "trust", "link_state", "max_tx_rate_mbps", "node_guid", "port_guid")
 
 
+# The PF drivers whose ndo_get_vf_stats fills IFLA_VF_STATS. For any other the kernel still sends the nest,
+# all zeroes (rtnl_fill_vfinfo zeroes it before asking the driver): igb, for one, implements no VF counters.
+VF_STATS_DRIVERS = frozenset({"mlx5_core"})
+_VF_STATS = (("rx_packets", "IFLA_VF_STATS_RX_PACKETS"), ("tx_packets", "IFLA_VF_STATS_TX_PACKETS"),
+             ("rx_bytes", "IFLA_VF_STATS_RX_BYTES"), ("tx_bytes", "IFLA_VF_STATS_TX_BYTES"),
+             ("rx_drops", "IFLA_VF_STATS_RX_DROPPED"), ("tx_drops", "IFLA_VF_STATS_TX_DROPPED"))
+
+
+def vf_stats_of_link(msg: Any) -> dict[int, dict[str, int | None]]:
+    """VF index -> its IFLA_VF_STATS counters, for each IFLA_VF_INFO that carries the nest (absent: not listed)."""
+    vflist = msg.get_attr("IFLA_VFINFO_LIST")
+    out: dict[int, dict[str, int | None]] = {}
+    if vflist is None:
+        return out
+    for vfinfo in vflist.get_attrs("IFLA_VF_INFO"):
+        vf = _field(vfinfo, "IFLA_VF_MAC", "vf")
+        stats = vfinfo.get_attr("IFLA_VF_STATS")
+        if vf is None or stats is None:
+            continue
+        counters: dict[str, int | None] = {}
+        for name, attr in _VF_STATS:
+            value = stats.get_attr(attr)
+            counters[name] = int(value) if isinstance(value, int) and value >= 0 else None
+        out[int(vf)] = counters
+    return out
+
+
+def vf_counters(vf_pci_address: str, pf_netdev: str, vf_index: int,
+                stats: dict[int, dict[str, int | None]], pf_driver: str | None) -> FabricVfCounters | None:
+    """The VF's counters when its PF's driver fills them and the PF listed them; None: unknown."""
+    if pf_driver not in VF_STATS_DRIVERS or vf_index not in stats:
+        return None
+    return FabricVfCounters(vf_pci_address=vf_pci_address, pf_netdev=pf_netdev, vf_index=vf_index,
+                            **stats[vf_index])
+
+
 def compare_settings(wanted: VfSettings, observed: VfSettings) -> list[VfMismatch]:
     """Every value ``wanted`` names that ``observed`` does not hold (a value the kernel did not report
     is a mismatch too: it is not proven)."""
@@ -218,6 +255,17 @@ class FabricVfNetlink:
     def _vfs(self, ipr: Any, index: int) -> tuple[int, dict[int, VfSettings]]:
         (msg,) = ipr.link("get", index=index, ext_mask=RTEXT_FILTER_VF)
         return int(msg.get_attr("IFLA_NUM_VF") or 0), vfs_of_link(msg)
+
+    def stats(self, pf_netdev: str) -> dict[int, dict[str, int | None]]:
+        """The PF's VFs' IFLA_VF_STATS (:func:`vf_stats_of_link`); raises :class:`FabricVfError`."""
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        try:
+            with self._ipr() as ipr:
+                (msg,) = ipr.link("get", index=self._index(ipr, pf_netdev), ext_mask=RTEXT_FILTER_VF)
+        except NetlinkError as exc:
+            raise self._netlink_error(exc, pf_netdev, -1, "read the counters of") from None
+        return vf_stats_of_link(msg)
 
     def read(self, pf_netdev: str, vf: int) -> VfSettings:
         """The VF's settings as the PF reports them; ``fabric_vf_missing`` when it has no such VF."""

@@ -27,6 +27,18 @@ The tables (``inet gpuaas_slice_guard`` and ``arp gpuaas_slice_guard``, each wit
         ip daddr <gateway> tcp dport 53 accept
         drop                                                   # every other service of the host, any address
     }
+    set exporter_guests { type ipv4_addr }     # guests whose allocation asked for guest telemetry
+    chain output  { type filter hook output priority filter - 5; policy accept;
+        oifname != "lo" ip daddr <subnet> jump host_output     # the host's own packets towards the slices
+    }
+    chain host_output {
+        ct state established,related accept                    # answers to what a guest may open (DHCP, DNS)
+        udp sport 67 udp dport 68 accept                       # DHCP offers and acks
+        icmp type echo-request accept                          # an operator's ping (no port, nothing to open)
+        tcp dport <agent port> accept                          # SSH: readiness's banner, the terminal relay
+        ip daddr @exporter_guests tcp dport <exporter> accept  # guest telemetry, opted-in guests only
+        drop                                                   # any other port of any guest
+    }
     # table arp gpuaas_slice_guard
     chain input   { type filter hook input priority filter; policy accept;
         iifname @guest_ports drop     # the host never answers ARP on a guest tap (only through the bridge)
@@ -38,7 +50,15 @@ interface); a guest that picked the tap's MAC would send its traffic past the po
 flows, straight into the host stack.
 
 The NAT uplink is the forward path and stays open; input to *any* host address from
-the slices is filtered (the gateway's and the host's others alike). Base chains of
+the slices is filtered (the gateway's and the host's others alike). The other way, the
+host's own connections into a guest are narrowed to exactly what the agent uses: SSH
+on the agent ports, and the exporter port towards the guests whose allocation opted in
+to guest telemetry (their IP in ``exporter_guests``, added with the port and removed
+with it; the element's comment names the port). The SYN of any other connection is
+dropped before it leaves the host (the agent never tries one: it pulls opted-in guests
+only, within the pull's time bound). IPv6 needs no output
+rule: the port flows drop every IPv6 frame a guest sends, so no IPv6 exchange with a
+guest can complete. Base chains of
 other tables see the same packets: an ``accept`` elsewhere cannot undo our ``drop``.
 
 Writes go through ``nft -j -f -`` (JSON, one transaction each): adding a port is
@@ -53,10 +73,11 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from ipaddress import IPv4Address
 from typing import Any, cast
 
-from gpuaas_agent.contract.isolation import GUARD_SET, GuardSpec, GuardState
+from gpuaas_agent.contract.isolation import EXPORTER_SET, GUARD_SET, GuardSpec, GuardState
 from gpuaas_agent.contract.ovs import IFNAME_PATTERN
 from gpuaas_agent.errors import ContractError, HostError
 from gpuaas_agent.host.run import Completed, run
@@ -69,7 +90,8 @@ ARP_FAMILY = "arp"
 FAMILIES = (FAMILY, ARP_FAMILY)
 PRIORITY = -5  # "filter - 5": before the usual filter chains, not that order matters for a drop
 GUEST_CHAIN = "guest_input"
-DHCP_PORT, DNS_PORT = 67, 53
+HOST_CHAIN = "host_output"
+DHCP_PORT, DHCP_CLIENT_PORT, DNS_PORT = 67, 68, 53
 Runner = Callable[..., Awaitable[Completed]]
 _IFNAME = re.compile(IFNAME_PATTERN)
 
@@ -126,7 +148,27 @@ def expected_chains(spec: GuardSpec) -> dict[str, dict[str, Any]]:
             [_eq(_payload("ip", "daddr"), gateway), _eq(_payload("tcp", "dport"), DNS_PORT), {"accept": None}],
             [{"drop": None}],
         ]},
+        "output": {"props": {**base, "hook": "output"}, "rules": [
+            [_eq(_meta("oifname"), "lo", "!="), _eq(_payload("ip", "daddr"), subnet),
+             {"jump": {"target": HOST_CHAIN}}],
+        ]},
+        HOST_CHAIN: {"props": {}, "rules": host_output_rules(spec)},
     }
+
+
+def host_output_rules(spec: GuardSpec) -> list[list[Any]]:
+    """What the host itself may open into a guest: SSH, and the exporter of an opted-in guest; nothing else."""
+    rules: list[list[Any]] = [
+        [_eq({"ct": {"key": "state"}}, ["established", "related"], "in"), {"accept": None}],
+        [_eq(_payload("udp", "sport"), DHCP_PORT), _eq(_payload("udp", "dport"), DHCP_CLIENT_PORT), {"accept": None}],
+        [_eq(_payload("icmp", "type"), "echo-request"), {"accept": None}],
+    ]
+    rules += [[_eq(_payload("tcp", "dport"), port), {"accept": None}] for port in spec.agent_ports]
+    if spec.exporter_port is not None:
+        rules.append([_eq(_payload("ip", "daddr"), f"@{EXPORTER_SET}"),
+                      _eq(_payload("tcp", "dport"), spec.exporter_port), {"accept": None}])
+    rules.append([{"drop": None}])
+    return rules
 
 
 def expected_arp_chains() -> dict[str, dict[str, Any]]:
@@ -140,34 +182,52 @@ def expected_tables(spec: GuardSpec) -> dict[str, dict[str, dict[str, Any]]]:
     return {FAMILY: expected_chains(spec), ARP_FAMILY: expected_arp_chains()}
 
 
-def _ensure_commands(spec: GuardSpec, ifnames: Iterable[str]) -> list[dict[str, Any]]:
+Exporters = Mapping[str, IPv4Address]  # port name -> the guest IP whose exporter the host may open
+
+
+def _check_exporters(exporters: Exporters) -> list[dict[str, Any]]:
+    """The exporter set's elements: the guest's IP, commented with its port's name (validated both)."""
+    elems = []
+    for name, ip in sorted(exporters.items()):
+        if not isinstance(ip, IPv4Address):
+            raise NftGuardInputError(f"exporter {ip!r} of {name}: not an IPv4 address", evidence={"ip": str(ip)})
+        elems.append({"elem": {"val": str(ip), "comment": _check_ifname(name)}})
+    return elems
+
+
+def _ensure_commands(spec: GuardSpec, ifnames: Iterable[str], exporters: Exporters) -> list[dict[str, Any]]:
     """Add-if-missing tables, sets and chains; flush and re-add every rule; add the elements (both families)."""
     names = sorted({_check_ifname(n) for n in ifnames})
+    opened = _check_exporters(exporters)
     cmds: list[dict[str, Any]] = []
     for family, chains in expected_tables(spec).items():
         t = {"family": family, "table": spec.table}
         cmds += [{"add": {"table": {"family": family, "name": spec.table}}},
                  {"add": {"set": {**t, "name": GUARD_SET, "type": "ifname"}}}]
+        if family == FAMILY:  # before the chains: a rule names it
+            cmds.append({"add": {"set": {**t, "name": EXPORTER_SET, "type": "ipv4_addr"}}})
         cmds += [{"add": {"chain": {**t, "name": name, **chain["props"]}}} for name, chain in chains.items()]
         for name, chain in chains.items():
             cmds.append({"flush": {"chain": {**t, "name": name}}})
             cmds += [{"add": {"rule": {**t, "chain": name, "expr": expr}}} for expr in chain["rules"]]
         if names:
             cmds.append({"add": {"element": {**t, "name": GUARD_SET, "elem": names}}})
+        if family == FAMILY and opened:
+            cmds.append({"add": {"element": {**t, "name": EXPORTER_SET, "elem": opened}}})
     return cmds
 
 
-def ensure_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict[str, Any]:
-    return {"nftables": _ensure_commands(spec, ifnames)}
+def ensure_document(spec: GuardSpec, ifnames: Iterable[str], exporters: Exporters | None = None) -> dict[str, Any]:
+    return {"nftables": _ensure_commands(spec, ifnames, exporters or {})}
 
 
-def replace_document(spec: GuardSpec, ifnames: Iterable[str]) -> dict[str, Any]:
+def replace_document(spec: GuardSpec, ifnames: Iterable[str], exporters: Exporters | None = None) -> dict[str, Any]:
     """Both tables swapped in one transaction (``add`` first so ``delete`` cannot fail on a missing one)."""
     cmds: list[dict[str, Any]] = []
     for family in FAMILIES:
         table = {"table": {"family": family, "name": spec.table}}
         cmds += [{"add": table}, {"delete": table}]
-    return {"nftables": [*cmds, *_ensure_commands(spec, ifnames)]}
+    return {"nftables": [*cmds, *_ensure_commands(spec, ifnames, exporters or {})]}
 
 
 def remove_document(spec: GuardSpec, ifname: str, families: Iterable[str]) -> dict[str, Any]:
@@ -175,8 +235,15 @@ def remove_document(spec: GuardSpec, ifname: str, families: Iterable[str]) -> di
                                                  "elem": [ifname]}}} for f in families]}
 
 
-def _parse_family(family: str, expected: dict[str, dict[str, Any]], listing: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(differences, set elements) of one family's table listing."""
+def close_exporters_document(spec: GuardSpec, ips: Iterable[str]) -> dict[str, Any]:
+    """Delete exporter elements by IP (the caller read which are there)."""
+    return {"nftables": [{"delete": {"element": {"family": FAMILY, "table": spec.table, "name": EXPORTER_SET,
+                                                 "elem": sorted(ips)}}}]}
+
+
+def _parse_family(family: str, expected: dict[str, dict[str, Any]],
+                  listing: dict[str, Any]) -> tuple[list[str], list[str], dict[str, str]]:
+    """(differences, set elements, exporter IP -> port) of one family's table listing."""
     chains: dict[str, dict[str, Any]] = {}
     rules: dict[str, list[Any]] = {}
     sets: dict[str, dict[str, Any]] = {}
@@ -208,21 +275,46 @@ def _parse_family(family: str, expected: dict[str, dict[str, Any]], listing: dic
         if guest_set.get("type") != "ifname" or guest_set.get("flags"):
             differences.append(f"{family} set {GUARD_SET} is {guest_set.get('type')} {guest_set.get('flags')}")
         elements = sorted(e for e in guest_set.get("elem", []) if isinstance(e, str))
-    differences += [f"{family} set {name} is not ours" for name in sorted(set(sets) - {GUARD_SET})]
-    return differences, elements
+    exporters: dict[str, str] = {}
+    ours = {GUARD_SET}
+    if family == FAMILY:
+        ours.add(EXPORTER_SET)
+        exporter_set = sets.get(EXPORTER_SET)
+        if exporter_set is None:
+            differences.append(f"{family} set {EXPORTER_SET} missing")
+        elif exporter_set.get("type") != "ipv4_addr" or exporter_set.get("flags"):
+            differences.append(f"{family} set {EXPORTER_SET} is {exporter_set.get('type')} "
+                               f"{exporter_set.get('flags')}")
+        else:
+            exporters = _exporter_elements(exporter_set.get("elem", []))
+    differences += [f"{family} set {name} is not ours" for name in sorted(set(sets) - ours)]
+    return differences, elements, exporters
+
+
+def _exporter_elements(elems: list[Any]) -> dict[str, str]:
+    """IP -> the port its comment names ("" for an element without one: nobody's, an orphan)."""
+    out: dict[str, str] = {}
+    for e in elems:
+        if isinstance(e, str):
+            out[e] = ""
+        elif isinstance(e, dict) and isinstance(e.get("elem"), dict) and isinstance(e["elem"].get("val"), str):
+            out[e["elem"]["val"]] = str(e["elem"].get("comment", ""))
+    return out
 
 
 def parse_tables(spec: GuardSpec, listings: dict[str, dict[str, Any] | None]) -> GuardState:
     """A :class:`GuardState` from ``nft -j list table`` of each family (None: that table does not exist)."""
     differences: list[str] = []
     elements: dict[str, list[str]] = {}
+    exporters: dict[str, str] = {}
     for family, chains in expected_tables(spec).items():
         listing = listings.get(family)
         if listing is None:
             differences.append(f"table {family} {spec.table} absent")
             continue
-        found, elements[family] = _parse_family(family, chains, listing)
+        found, elements[family], opened = _parse_family(family, chains, listing)
         differences += found
+        exporters.update(opened)
     if not elements:
         return GuardState(table=spec.table, present=False, rules_match=False, differences=differences)
     inet, arp = set(elements.get(FAMILY, [])), set(elements.get(ARP_FAMILY, []))
@@ -231,7 +323,7 @@ def parse_tables(spec: GuardSpec, listings: dict[str, dict[str, Any] | None]) ->
     # A port counts as guarded only when both families hold it.
     both = inet & arp if len(elements) == 2 else set()
     return GuardState(table=spec.table, present=True, rules_match=not differences, differences=differences,
-                      guest_ports=sorted(both), elements=elements)
+                      guest_ports=sorted(both), elements=elements, exporters=exporters)
 
 
 # -- the thin shell -------------------------------------------------------------------------------------
@@ -261,15 +353,20 @@ class NftGuard:
                 listings[family] = _json(done)
         return parse_tables(self.spec, listings)
 
-    async def add_port(self, ifname: str) -> GuardState:
+    async def add_port(self, ifname: str, *, exporter: IPv4Address | None = None) -> GuardState:
         """Put the guest port in the guard (creating or correcting the table's rules); idempotent.
+
+        ``exporter``: the guest's IP when its allocation opted in to guest telemetry (the host may then
+        open its exporter port); None closes any opening this port had. An opening the port had for
+        another IP is closed.
 
         A table whose set or chains cannot be corrected in place (a set of another type, a
         chain on another hook) is swapped whole, keeping the elements it had.
         """
         _check_ifname(ifname)
+        opened = {ifname: exporter} if exporter is not None else {}
         try:
-            await self._apply(ensure_document(self.spec, [ifname]), f"add {ifname}")
+            await self._apply(ensure_document(self.spec, [ifname], opened), f"add {ifname}")
         except HostError as exc:
             if exc.code != "command_failed":
                 raise
@@ -277,28 +374,48 @@ class NftGuard:
             log_event(log, "nft_guard_replaced", logging.WARNING, table=self.spec.table, ifname=ifname,
                       differences=state.differences, error=exc.evidence.get("stderr"))
             keep = sorted({n for names in state.elements.values() for n in names} | {ifname})
-            await self._apply(replace_document(self.spec, keep), f"replace for {ifname}")
-        return await self.read()
+            kept = {port: IPv4Address(ip) for ip, port in state.exporters.items() if port and port != ifname}
+            await self._apply(replace_document(self.spec, keep, {**kept, **opened}), f"replace for {ifname}")
+        state = await self.read()
+        stale = [ip for ip, port in state.exporters.items()
+                 if port == ifname and (exporter is None or ip != str(exporter))]
+        if stale:
+            await self._apply(close_exporters_document(self.spec, stale), f"close {ifname}'s exporter")
+            state = await self.read()
+        return state
 
     async def remove_port(self, ifname: str) -> bool:
-        """Take the guest port out of both sets; False when neither held it (or no table exists)."""
+        """Take the guest port out of both sets and close its exporter opening; False when nothing held it."""
         _check_ifname(ifname)
         state = await self.read()
         holding = [f for f, names in state.elements.items() if ifname in names]
-        if not holding:
+        opened = [ip for ip, port in state.exporters.items() if port == ifname]
+        if not holding and not opened:
             return False
         try:
-            await self._apply(remove_document(self.spec, ifname, holding), f"remove {ifname}")
+            if opened:
+                await self._apply(close_exporters_document(self.spec, opened), f"close {ifname}'s exporter")
+            if holding:
+                await self._apply(remove_document(self.spec, ifname, holding), f"remove {ifname}")
         except HostError:
-            if any(ifname in names for names in (await self.read()).elements.values()):
+            after = await self.read()
+            if any(ifname in names for names in after.elements.values()) or ifname in after.exporters.values():
                 raise  # not a lost race with another remove: a real failure
             return False
         return True
 
-    async def replace(self, ifnames: Iterable[str]) -> GuardState:
-        """Swap in the whole table with exactly ``ifnames`` in its set (repair)."""
+    async def replace(self, ifnames: Iterable[str], exporters: Exporters | None = None) -> GuardState:
+        """Swap in the whole table with exactly ``ifnames`` in its set and ``exporters`` opened (repair)."""
         names = sorted({_check_ifname(n) for n in ifnames})
-        await self._apply(replace_document(self.spec, names), f"replace with {len(names)} ports")
+        await self._apply(replace_document(self.spec, names, exporters), f"replace with {len(names)} ports")
+        return await self.read()
+
+    async def close_exporters(self, ips: Iterable[str]) -> GuardState:
+        """Close the exporter openings of these guest IPs (reconcile's repair of an opening nobody granted)."""
+        wanted = sorted(set(ips))
+        present = [ip for ip in wanted if ip in (await self.read()).exporters]
+        if present:
+            await self._apply(close_exporters_document(self.spec, present), f"close {len(present)} exporters")
         return await self.read()
 
 

@@ -32,7 +32,9 @@ from gpuaas_agent.host.network.fabricvf import (
     compare_settings,
     parse_eswitch_json,
     read_eswitch_mode,
+    vf_counters,
     vf_requests,
+    vf_stats_of_link,
     vfs_of_link,
 )
 from tests.support.realdev import require_root
@@ -133,6 +135,40 @@ def test_a_pf_this_machine_lacks_has_an_unknown_eswitch():
     assert mode is EswitchMode.unknown and "devlink" in how
 
 
+MLX5_STATS = {"IFLA_VF_STATS_RX_PACKETS": 1200, "IFLA_VF_STATS_TX_PACKETS": 900, "IFLA_VF_STATS_RX_BYTES": 1_500_000,
+              "IFLA_VF_STATS_TX_BYTES": 700_000, "IFLA_VF_STATS_BROADCAST": 3, "IFLA_VF_STATS_MULTICAST": 4,
+              "IFLA_VF_STATS_RX_DROPPED": 5, "IFLA_VF_STATS_TX_DROPPED": 6}
+
+
+def _with_stats(vf: list[tuple[str, dict]], stats: dict[str, int]) -> list[tuple[str, dict]]:
+    return [*vf, ("IFLA_VF_STATS", {"attrs": list(stats.items())})]
+
+
+def test_vf_counters_are_read_from_the_pfs_answer_per_vf_and_a_missing_counter_stays_unknown():
+    """IFLA_VF_STATS as a PF's driver fills it (mlx5: ndo_get_vf_stats); a kernel before 5.8 sends no drop counters."""
+    older = {k: v for k, v in MLX5_STATS.items() if "DROPPED" not in k}
+    stats = vf_stats_of_link(_newlink(_with_stats(_vf(0), MLX5_STATS), _with_stats(_vf(1), older), _vf(2)))
+    assert stats[0] == {"rx_packets": 1200, "tx_packets": 900, "rx_bytes": 1_500_000, "tx_bytes": 700_000,
+                        "rx_drops": 5, "tx_drops": 6}
+    assert (stats[1]["rx_bytes"], stats[1]["rx_drops"], stats[1]["tx_drops"]) == (1_500_000, None, None)
+    assert 2 not in stats  # no IFLA_VF_STATS nest: not listed, so unknown
+    counters = vf_counters("0000:19:00.1", "ibp25s0", 0, stats, "mlx5_core")
+    assert counters is not None and (counters.rx_bytes, counters.tx_packets, counters.rx_drops) == (1_500_000, 900, 5)
+    assert vf_counters("0000:19:00.2", "ibp25s0", 2, stats, "mlx5_core") is None
+    assert vf_stats_of_link(_newlink()) == {}
+
+
+def test_an_igb_pfs_zeroes_are_never_taken_for_counts():
+    """The kernel sends an IFLA_VF_STATS nest for every VF, zeroed before it asks the driver: igb implements no
+    ndo_get_vf_stats, so its VFs read all zeroes however much they carried. Only a PF driver that fills them
+    counts; any other reads unknown (None), never 0."""
+    zeroes = {k: 0 for k in MLX5_STATS}
+    stats = vf_stats_of_link(_newlink(_with_stats(_vf(0), zeroes)))
+    assert stats[0]["rx_bytes"] == 0
+    assert vf_counters("0000:03:10.0", "enp3s0", 0, stats, "igb") is None
+    assert vf_counters("0000:03:10.0", "enp3s0", 0, stats, None) is None
+
+
 # -- the real kernel ------------------------------------------------------------------------------------
 
 
@@ -185,3 +221,12 @@ def test_a_missing_namespace_is_a_typed_failure_and_is_not_created():
         FabricVfNetlink(netns=name).read("ibp25s0", 0)
     assert info.value.code == "fabric_vf_failed"
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.find(name) < 0
+
+
+def test_the_real_kernel_lists_no_vf_counters_for_a_pf_without_vfs(pf_netns):
+    """The stats read on this machine's kernel: the same RTM_GETLINK the counters take, answered for a netdev
+    without SR-IOV: nothing listed, so every VF of it reads unknown; a missing PF is the typed refusal."""
+    assert FabricVfNetlink(netns=pf_netns).stats("ibp25s0") == {}
+    with pytest.raises(FabricVfError) as info:
+        FabricVfNetlink(netns=pf_netns).stats("ibp59s0")
+    assert info.value.code == "fabric_vf_missing"

@@ -85,3 +85,39 @@ def test_replace_sets_exactly_the_given_ports(host: str):
 def test_a_name_that_is_not_an_interface_is_refused_before_nft_runs():
     with pytest.raises(NftGuardInputError):
         ensure_document(SPEC, ['x" ; flush ruleset'])
+
+
+NARROW = GuardSpec(subnet=IPv4Network("10.100.0.0/24"), gateway=IPv4Address("10.100.0.1"), agent_ports=(22, 2222),
+                   exporter_port=9100)
+
+
+def narrow(ns: str, method: str, *args, **kwargs):
+    g = NftGuard(NARROW)
+    return run_in_netns(ns, lambda: getattr(g, method)(*args, **kwargs))
+
+
+def test_the_exporter_opening_comes_and_goes_with_the_port_and_reads_back_as_the_spec(host: str):
+    a, b = "gs0-1111aaaa22", "gs1-2222bbbb33"
+    ip_a, ip_b = IPv4Address("10.100.0.10"), IPv4Address("10.100.0.11")
+    state = narrow(host, "add_port", a, exporter=ip_a)
+    state = narrow(host, "add_port", b)  # B's allocation did not opt in
+    assert state.rules_match, state.differences
+    assert state.exporters == {str(ip_a): a} and state.guest_ports == [a, b]
+    assert "ip daddr @exporter_guests tcp dport 9100 accept" in nft(host, "list", "chain", "inet",
+                                                                     "gpuaas_slice_guard", "host_output")
+    # re-isolating A after its opt-in is gone (a lease without it) closes the opening; another IP replaces it
+    assert narrow(host, "add_port", a).exporters == {}
+    assert narrow(host, "add_port", a, exporter=ip_b).exporters == {str(ip_b): a}
+    assert narrow(host, "add_port", a, exporter=ip_a).exporters == {str(ip_a): a}
+    # unplug closes it with the port; B's membership untouched
+    assert narrow(host, "remove_port", a) is True
+    state = narrow(host, "read")
+    assert state.exporters == {} and state.guest_ports == [b] and state.rules_match
+    # repair: the table swapped whole with exactly the granted openings; a hand-made one is found and closed
+    state = narrow(host, "replace", [a, b], {a: ip_a})
+    assert state.rules_match and state.exporters == {str(ip_a): a}
+    nft(host, "add", "element", "inet", "gpuaas_slice_guard", "exporter_guests", "{ 10.100.0.11 }")
+    assert narrow(host, "read").exporters == {str(ip_a): a, str(ip_b): ""}
+    assert narrow(host, "close_exporters", [str(ip_b)]).exporters == {str(ip_a): a}
+    # a spec with other ports reads the table as altered (reconcile rewrites it)
+    assert guard(host, "read").differences == ["inet chain host_output rules differ"]

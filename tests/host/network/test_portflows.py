@@ -61,6 +61,7 @@ A1 = "1111aaaa-2222-4333-8444-555555555555"
 A2 = "2222bbbb-3333-4444-8555-666666666666"
 FOREIGN_FLOW = "cookie=0x1234,priority=5,dl_type=0x88b5,actions=drop"
 PROBE_TIMEOUT_S = 2.0  # how long a connect may take before a dropped SYN counts as "unreachable"
+EXPORTER_PORT = 9100  # the agent's guest_exporter_port in this lab
 
 
 @dataclass
@@ -100,9 +101,10 @@ class IsoLab:
         with OvsDriver(self.sw.remote) as ovs:
             return {p.name: p for p in ovs.list_agent_ports(self.sw.bridge)}
 
-    def isolate(self, guest: Guest) -> dict:
+    def isolate(self, guest: Guest, *, guest_telemetry: bool = False) -> dict:
         port = self.ports()[guest.port]
-        return self.agent(lambda: isolate_port(self.sh, port, mac=guest.mac, ip=guest.ip))
+        return self.agent(lambda: isolate_port(self.sh, port, mac=guest.mac, ip=guest.ip,
+                                               guest_telemetry=guest_telemetry))
 
     def ofctl(self, *args: str) -> str:
         return sh("ovs-ofctl", *args).stdout
@@ -302,7 +304,7 @@ def build_lab(net: NetLab, sw: OvsSwitch, tmp: Path) -> IsoLab:
                             dnsmasq_hosts_file=dnsmasq.hosts_file, dnsmasq_lease_file=dnsmasq.lease_file,
                             dnsmasq_pid_file=dnsmasq.pid_file, seed_dir=tmp / "seeds")
     slicehost = SliceDrivers(host_root=Path("/"), slice=slice_cfg, images=ImageCache(tmp / "images"),
-                          libvirt=LibvirtLifecycle("test:///default"))
+                          libvirt=LibvirtLifecycle("test:///default"), guest_exporter_port=EXPORTER_PORT)
     return IsoLab(net=net, sw=sw, a=a, b=b, upstream=upstream, sh=slicehost, dnsmasq=dnsmasq, listeners=listeners)
 
 
@@ -412,7 +414,6 @@ def test_a_guest_that_finds_the_host_tap_gets_no_arp_answer_and_no_service(lab: 
     assert not tcp_reaches(lab.a.ns, UPSTREAM, 9000)
 
 
-EXPORTER_PORT = 9100
 EXPOSITION = b"# TYPE node_load1 gauge\nnode_load1 0.5\n"
 
 
@@ -447,30 +448,68 @@ def _exporter(ns: str, ip: str) -> _Served:
     return _Served(server)
 
 
-def test_the_host_pulls_a_guest_exporter_over_the_management_path_and_no_guest_can_open_it(lab: IsoLab):
-    """Guest telemetry's path (docs/security.md "Guest telemetry"): the agent, from the gateway, reads A's exporter
-    through the real bridge and guard; A cannot open a connection to the host on the exporter port (or any other
-    service), and B cannot reach A's exporter. Without isolation both probes succeed: they can fail."""
+def test_the_hosts_only_ways_into_a_guest_are_ssh_and_an_opted_in_exporter_and_no_guest_can_open_anything(
+        lab: IsoLab, tmp_path: Path):
+    """The narrow path of guest telemetry (docs/security.md "Guest telemetry"): A's allocation opted in, B's not.
+    The agent, from the gateway, pulls A's exporter through the real bridge and guard; the host's other ports
+    into A (9101) and B's exporter are dropped, SSH (readiness, terminal) still reaches both; nothing a guest
+    starts reaches the host (its exporter-pull address on any port) or the other guest's exporter. Without
+    isolation every one of these probes succeeds: they can fail. Re-isolating A without the opt-in closes its
+    exporter; an opening nobody granted is found and closed by reconcile."""
     from gpuaas_agent.contract.telemetry import GuestPullBounds
     from gpuaas_agent.operator.guest_telemetry import GuestPuller, GuestTarget
 
-    lab.listeners["a_exporter"] = _exporter(lab.a.ns, lab.a.ip)
-    lab.listeners["gw_exporter"] = host_side = _tcp_listener(lab.host, GATEWAY, EXPORTER_PORT)
-    _accepting(host_side)
-    assert tcp_reaches(lab.b.ns, lab.a.ip, EXPORTER_PORT)  # unisolated: B reaches A's exporter
-    assert tcp_reaches(lab.a.ns, GATEWAY, EXPORTER_PORT)  # and A the host's port
-    for g in (lab.a, lab.b):
-        lab.isolate(g)
+    a, b = lab.a, lab.b
+    lab.listeners["a_exporter"] = _exporter(a.ns, a.ip)
+    lab.listeners["b_exporter"] = _exporter(b.ns, b.ip)
+    for name, (ns, ip, port) in {"a_other": (a.ns, a.ip, 9101), "a_ssh": (a.ns, a.ip, 22), "b_ssh": (b.ns, b.ip, 22),
+                                 "gw_exporter": (lab.host, GATEWAY, EXPORTER_PORT),
+                                 "gw_ssh": (lab.host, GATEWAY, 22)}.items():
+        lab.listeners[name] = _tcp_listener(ns, ip, port)
+        _accepting(lab.listeners[name])
+    host_opens = {"a_exporter": (a.ip, EXPORTER_PORT), "a_other": (a.ip, 9101), "a_ssh": (a.ip, 22),
+                  "b_exporter": (b.ip, EXPORTER_PORT), "b_ssh": (b.ip, 22)}
+    guest_opens = {"a_to_gw_exporter": (a.ns, GATEWAY, EXPORTER_PORT), "a_to_gw_ssh": (a.ns, GATEWAY, 22),
+                   "a_to_gw_http": (a.ns, GATEWAY, 8080), "b_to_a_exporter": (b.ns, a.ip, EXPORTER_PORT),
+                   "b_to_gw_exporter": (b.ns, GATEWAY, EXPORTER_PORT)}
+
+    def reach() -> dict:
+        out = {k: tcp_reaches(lab.host, ip, port, source=GATEWAY) for k, (ip, port) in host_opens.items()}
+        return {**out, **{k: tcp_reaches(ns, ip, port) for k, (ns, ip, port) in guest_opens.items()}}
+
+    assert reach() == {k: True for k in (*host_opens, *guest_opens)}  # unisolated: every probe succeeds
+    assert lab.isolate(a, guest_telemetry=True)["exporter_open"]
+    assert not lab.isolate(b)["exporter_open"]
+    assert reach() == {"a_exporter": True, "a_other": False, "a_ssh": True, "b_exporter": False, "b_ssh": True,
+                       **{k: False for k in guest_opens}}
+
     bounds = GuestPullBounds(max_bytes=64 * 1024, max_series=100, timeout_s=10.0, min_interval_s=0)
-    target = GuestTarget(allocation_id=lab.a.allocation_id, slot_index=lab.a.slot_index, ip=IPv4Address(lab.a.ip),
-                         port=EXPORTER_PORT, path="/metrics")
-    pulled = lab.agent(lambda: GuestPuller(bounds, source=IPv4Address(GATEWAY)).pull(target))
+    puller = GuestPuller(bounds, source=IPv4Address(GATEWAY))
+
+    def target(g: Guest) -> GuestTarget:
+        return GuestTarget(allocation_id=g.allocation_id, slot_index=g.slot_index, ip=IPv4Address(g.ip),
+                           port=EXPORTER_PORT, path="/metrics")
+
+    pulled = lab.agent(lambda: puller.pull(target(a)))
     assert pulled.outcome == "ok", pulled
     assert [(s.name, s.value) for s in pulled.series] == [("node_load1", 0.5)]
-    assert not tcp_reaches(lab.a.ns, GATEWAY, EXPORTER_PORT)  # nothing the guest starts reaches the host
-    assert not tcp_reaches(lab.a.ns, GATEWAY, 8080)
-    assert not tcp_reaches(lab.b.ns, lab.a.ip, EXPORTER_PORT)  # nor another slice's exporter
-    assert not tcp_reaches(lab.b.ns, GATEWAY, EXPORTER_PORT)
+    closed = GuestPuller(bounds.model_copy(update={"timeout_s": PROBE_TIMEOUT_S}), source=IPv4Address(GATEWAY))
+    assert lab.agent(lambda: closed.pull(target(b))).outcome == "timeout"  # opt-out: the SYN never leaves the host
+
+    # the lease's opt-in gone (re-isolated without it): A's exporter closes, SSH stays
+    lab.isolate(a)
+    assert not tcp_reaches(lab.host, a.ip, EXPORTER_PORT) and tcp_reaches(lab.host, a.ip, 22)
+    # an opening nobody granted (B's IP added by hand) is reconcile's finding, closed by its repair
+    store = _store_with_active(lab, tmp_path, opted=(a,))
+    sh("ip", "netns", "exec", lab.host, "nft", "add", "element", "inet", "gpuaas_slice_guard", "exporter_guests",
+       f"{{ {b.ip} }}")
+    assert tcp_reaches(lab.host, b.ip, EXPORTER_PORT)  # the element is what opens the path
+    report = lab.agent(lambda: reconcile(lab.sh, store, repair=True))
+    found = {(f.kind, f.detail.get("exporter")): f for f in report.findings if f.detail.get("exporter")}
+    assert set(found) == {(DriftKind.nft_guard_orphan, b.ip), (DriftKind.nft_guard_missing, a.ip)}, found
+    assert all(f.repaired for f in found.values())
+    assert not tcp_reaches(lab.host, b.ip, EXPORTER_PORT) and tcp_reaches(lab.host, a.ip, EXPORTER_PORT)
+    assert not _kinds(lab.agent(lambda: reconcile(lab.sh, store, repair=False)))
 
 
 def _iso(lab: IsoLab, g: Guest):
@@ -559,13 +598,15 @@ def test_foreign_rules_naming_a_guests_mac_are_no_conflict_and_survive_install_r
         sh("ovs-ofctl", "--strict", "del-flows", mgmt, f"priority=5,ip,nw_dst={lab.b.ip}")
 
 
-def _store_with_active(lab: IsoLab, tmp: Path) -> StateStore:
+def _store_with_active(lab: IsoLab, tmp: Path, *, opted: tuple[Guest, ...] = ()) -> StateStore:
+    """Both guests' slots leased and active; ``opted``: the guests whose allocation asked for guest telemetry."""
     store = StateStore.open(tmp / "state.db")
     for i, g in enumerate((lab.a, lab.b)):
         store.take_lease(SlotLease(allocation_id=g.allocation_id, slot_index=g.slot_index,
                                    gpu_pci_address=f"0000:1{i}:00.0", nvme_device=f"/dev/disk/by-id/nvme-test{i}",
                                    disk_identity=f"path:/dev/disk/by-id/nvme-test{i}",
-                                   fabric_vf_pci_address=f"0000:2{i}:00.1", task_id=f"t{i}", taken_at=time.time()))
+                                   fabric_vf_pci_address=f"0000:2{i}:00.1", task_id=f"t{i}", taken_at=time.time(),
+                                   guest_telemetry=g in opted))
         store.set_slot_state(SlotRecord(slot_index=g.slot_index, allocation_id=g.allocation_id,
                                         status=SlotStatus.active, health_state=HealthState.healthy, task_id=f"t{i}",
                                         updated_at=time.time()))
