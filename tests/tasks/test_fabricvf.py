@@ -56,8 +56,8 @@ from gpuaas_agent.tasks.fabricvf import (
     restore_applied,
 )
 from gpuaas_agent.tasks.pipeline import PipelineFailed
-from gpuaas_agent.tasks.quarantine import QuarantineRefused, quarantine_component, unquarantine_handler
 from gpuaas_agent.tasks.plan import plan_bundle
+from gpuaas_agent.tasks.quarantine import QuarantineRefused, quarantine_component, unquarantine_handler
 from gpuaas_agent.tasks.recheck import RecheckContext, recheck_fabric_vf
 from gpuaas_agent.tasks.release import ReleaseRun, quarantine_failed_component
 from lab.loophost import materialize
