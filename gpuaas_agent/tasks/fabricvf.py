@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
 from gpuaas_agent.contract.fabricvf import (
@@ -49,7 +49,9 @@ from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink, c
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.drivers import SliceDrivers
+
+if TYPE_CHECKING:  # annotations only: the step functions run where the slice drivers' libraries are not (the igb guest)
+    from gpuaas_agent.tasks.drivers import SliceDrivers
 
 
 class FabricIsolationRefused(AgentError):
