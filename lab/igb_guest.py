@@ -69,6 +69,10 @@ STDLIB_LEFT_OUT = (
     "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data", "venv",
     "distutils", "__phello__", "config-3.11-x86_64-linux-gnu", "turtle.py", "pydoc.py", "sitecustomize.py",
 )  # fmt: skip
+# Host tools copied into the guest with their libraries: iproute2's ``ip`` reads the PF's VFs as an operator
+# does (``ip -d -j link show``; busybox's ip has no -d/-j), at /usr/local/sbin/<name>.
+IGB_TOOLS = (Path("/usr/sbin/ip"),)
+GUEST_TOOLS = "usr/local/sbin"
 GUEST_DIST = "usr/lib/python3/dist-packages"  # Debian's python puts it on sys.path by itself
 JOB_DIR = "job"
 RESULT_MARK = "GPUAAS-IGB-RESULT "
@@ -244,8 +248,13 @@ def build_igb_archive(kernel: Kernel, py_root: Path, site: Path) -> bytes:
     with tempfile.TemporaryDirectory(prefix="igb-stage-") as tmp:
         stage = Path(tmp)
         _stage_python(py_root, site, stage)
+        (stage / GUEST_TOOLS).mkdir(parents=True)
+        for tool in IGB_TOOLS:
+            if not tool.exists():
+                raise IgbGuestError(f"{tool} is missing on this host (apt install iproute2)", tool=str(tool))
+            shutil.copy2(tool.resolve(), stage / GUEST_TOOLS / tool.name)
         libs: set[Path] = set()
-        binaries = [stage / "usr/bin" / PYTHON, *stage.rglob("*.so")]
+        binaries = [stage / "usr/bin" / PYTHON, *stage.rglob("*.so"), *(stage / GUEST_TOOLS).iterdir()]
         for binary in binaries:
             libs.update(shared_libraries(binary))
         for lib in sorted(libs):

@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuaas_agent.contract.drift import DriftFinding, DriftKind, DriftSeverity
 from gpuaas_agent.contract.fabricvf import (
@@ -37,7 +37,7 @@ from gpuaas_agent.contract.fabricvf import (
     parking_guid,
     tenant_settings,
 )
-from gpuaas_agent.contract.fleet import QuarantineRecord, RecheckVerdict
+from gpuaas_agent.contract.fleet import ComponentKind, QuarantineRecord, RecheckVerdict
 from gpuaas_agent.contract.parity import ParityCheck, ParityStatus
 from gpuaas_agent.contract.runtime import RuntimeProfile
 from gpuaas_agent.contract.slots import ApprovedSlot
@@ -49,7 +49,9 @@ from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink, c
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.state.store import StateStore
-from gpuaas_agent.tasks.drivers import SliceDrivers
+
+if TYPE_CHECKING:  # annotations only: the step functions run where the slice drivers' libraries are not (the igb guest)
+    from gpuaas_agent.tasks.drivers import SliceDrivers
 
 
 class FabricIsolationRefused(AgentError):
@@ -261,24 +263,57 @@ async def park_recorded(drivers: SliceDrivers, store: StoreThread, slots: list[A
     return {"parked": parked}
 
 
+def _slot_of_vf(report: TopologyReport, record: QuarantineRecord) -> int | None:
+    """The slot whose fabric VF the record names: the record's own slot index, else the candidate slot that
+    lists the VF (the parking GUID is the slot's: a guessed slot would compare another slot's GUID)."""
+    if record.slot_index is not None:
+        return record.slot_index
+    return next((c.slot_index for c in report.candidate_slots if c.fabric_vf_pci_address == record.identity), None)
+
+
 async def recheck_parked(drivers: SliceDrivers, record: QuarantineRecord) -> RecheckVerdict:
-    """A quarantined fabric VF returns only when its PF reports it parked (read only)."""
+    """A quarantined fabric VF returns only when its PF, read now (after the quarantine), reports it parked.
+
+    Read only, and only the kernel is believed: not the quarantine's evidence, not the store's record of the
+    VF (``parked`` there is what the agent meant to set, not what the PF holds), not the operator's reason.
+    The VF is located again from discovery, its slot's parking settings (link disabled; Ethernet: VLAN 4094,
+    MAC zero, spoof check on, trust off; InfiniBand: the slot's parking GUID) are compared with what the PF
+    reports, and the verdict carries the read and its time (``read_at`` after ``quarantined_at``)."""
+    check = "fabric_vf_parked"
+    since = record.quarantined_at.timestamp()
+    base: dict[str, Any] = {"vf": record.identity, "quarantined_at": record.quarantined_at.isoformat()}
+    if record.kind is not ComponentKind.fabric_vf:
+        return RecheckVerdict(check=check, passed=False, evidence=base,
+                              detail=f"a {record.kind.value} is not a fabric VF: nothing to read parked")
     report = await asyncio.to_thread(discover, drivers.discovered_root())
-    slot_index = record.slot_index if record.slot_index is not None else 0
+    slot_index = _slot_of_vf(report, record)
+    if slot_index is None:
+        return RecheckVerdict(check=check, passed=False, evidence=base,
+                              detail=f"no slot of this host names VF {record.identity}: its parking settings are unknown")
     target = locate_vf(report, slot_index, record.identity)
     if isinstance(target, str):
-        return RecheckVerdict(check="fabric_vf_parked", passed=False, detail=target)
+        return RecheckVerdict(check=check, passed=False, evidence={**base, "slot_index": slot_index}, detail=target)
     wanted = parked_settings(target.vf_index, target.kind, target.parking_guid)
+    where = {**base, "slot_index": slot_index, "pf_netdev": target.pf_netdev, "vf_index": target.vf_index,
+             "kind": target.kind, "wanted": wanted.model_dump(mode="json")}
     try:
         observed = await asyncio.to_thread(drivers.fabric_vf.read, target.pf_netdev, target.vf_index)
     except FabricVfError as exc:
-        return RecheckVerdict(check="fabric_vf_parked", passed=False, detail=exc.message, evidence=exc.evidence)
+        return RecheckVerdict(check=check, passed=False, evidence={**where, "error": {"code": exc.code, **exc.evidence}},
+                              detail=f"{exc.code}: {exc.message}")
+    read_at = time.time()
     mismatches = compare_settings(wanted, observed)
-    return RecheckVerdict(check="fabric_vf_parked", passed=not mismatches,
-                          evidence={"observed": observed.model_dump(mode="json"),
-                                    "mismatches": [m.model_dump() for m in mismatches]},
-                          detail="parked" if not mismatches else
-                          "not parked: " + ", ".join(f"{m.field} {m.found} (wanted {m.wanted})" for m in mismatches))
+    evidence = {**where, "observed": observed.model_dump(mode="json"), "read_at": read_at,
+                "mismatches": [m.model_dump() for m in mismatches]}
+    if read_at <= since:  # a clock that went back: this read cannot be shown to be after the quarantine
+        return RecheckVerdict(check=check, passed=False, evidence=evidence,
+                              detail=f"the PF was read at {read_at:.3f}, not after the quarantine at {since:.3f}")
+    if mismatches:
+        return RecheckVerdict(check=check, passed=False, evidence=evidence,
+                              detail=f"VF {target.vf_index} of {target.pf_netdev} is not parked: "
+                                     + ", ".join(f"{m.field} {m.found} (wanted {m.wanted})" for m in mismatches))
+    return RecheckVerdict(check=check, passed=True, evidence=evidence,
+                          detail=f"VF {target.vf_index} of {target.pf_netdev} reads parked")
 
 
 # -- parity: what the host can prove about its fabric VFs' isolation ------------------------------------------

@@ -11,6 +11,7 @@ place the house allows a stand-in.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
 import uuid
@@ -19,8 +20,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
+from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 
-from gpuaas_agent.config import SliceConfig
+from gpuaas_agent.config import AgentConfig, SliceConfig
 from gpuaas_agent.contract.fabricvf import (
     EswitchMode,
     EthernetAttachment,
@@ -29,12 +32,14 @@ from gpuaas_agent.contract.fabricvf import (
     VfLinkState,
     VfSettings,
     derive_vf_identity,
+    parked_settings,
 )
+from gpuaas_agent.contract.fleet import ComponentKind, ComponentRef, UnquarantinePayload
 from gpuaas_agent.contract.parity import ParityStatus
 from gpuaas_agent.contract.runtime import get_profile
 from gpuaas_agent.contract.state import SlotLease
 from gpuaas_agent.discovery.identity import identity_key
-from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink
+from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink, vfs_of_link
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.state.aio import as_store_thread
 from gpuaas_agent.state.store import StateStore
@@ -46,11 +51,13 @@ from gpuaas_agent.tasks.fabricvf import (
     locate_vf,
     park_recorded,
     reconcile_findings,
+    record_key,
     recorded,
     restore_applied,
 )
 from gpuaas_agent.tasks.pipeline import PipelineFailed
 from gpuaas_agent.tasks.plan import plan_bundle
+from gpuaas_agent.tasks.quarantine import QuarantineRefused, quarantine_component, unquarantine_handler
 from gpuaas_agent.tasks.recheck import RecheckContext, recheck_fabric_vf
 from gpuaas_agent.tasks.release import ReleaseRun, quarantine_failed_component
 from tests.conftest import fixture_host
@@ -298,6 +305,90 @@ def test_a_vf_that_does_not_park_is_quarantined_until_its_pf_reads_it_parked(rep
     verdict = asyncio.run(recheck_fabric_vf(RecheckContext(host_root=sh.host_root, drivers=sh, store=store), record))
     assert not verdict.passed and verdict.check == "fabric_vf_parked"
     assert "reports 0 VF" in verdict.detail
+    store.close()
+
+
+# -- slice.unquarantine: only the PF's own answer, read after the quarantine, returns a VF ----------------------
+
+
+@dataclass(frozen=True)
+class EncodedPf(FabricVfNetlink):
+    """A PF whose answer is an RTM_NEWLINK encoded and decoded by pyroute2 (a ConnectX-7's IFLA_VFINFO_LIST,
+    where this machine has none): the driver's own parser reads it."""
+
+    vfinfo: tuple[tuple[tuple[str, dict], ...], ...] = ()
+
+    def read(self, pf_netdev: str, vf: int) -> VfSettings:
+        msg = ifinfmsg()
+        msg["family"] = 0
+        msg["attrs"] = [("IFLA_IFNAME", pf_netdev), ("IFLA_NUM_VF", len(self.vfinfo)),
+                        ("IFLA_VFINFO_LIST", {"attrs": [("IFLA_VF_INFO", {"attrs": list(v)}) for v in self.vfinfo]})]
+        msg.encode()
+        decoded = ifinfmsg(msg.data)
+        decoded.decode()
+        return vfs_of_link(decoded)[vf]
+
+
+def _ib_vfinfo(vf: int, *, link_state: int, guid: str) -> tuple[tuple[str, dict], ...]:
+    return (("IFLA_VF_MAC", {"vf": vf, "mac": "00:00:00:00:00:00"}),
+            ("IFLA_VF_LINK_STATE", {"vf": vf, "link_state": link_state}),
+            ("IFLA_VF_IB_NODE_GUID", {"vf": vf, "ib_node_guid": guid}),
+            ("IFLA_VF_IB_PORT_GUID", {"vf": vf, "ib_port_guid": guid}))
+
+
+def test_unquarantine_returns_a_vf_only_when_its_pf_reads_it_parked_after_the_quarantine(report, pf_netns, tmp_path):
+    """slice.unquarantine of ``fabric_vf_not_parked``: the claims around it (the quarantine's evidence, the
+    store's record, the operator's reason, extra payload fields) say parked; only the PF's answer is believed."""
+    store = StateStore.open(tmp_path / "state.db")
+    slot = report.candidate_slots[1]
+    address = slot.fabric_vf_pci_address
+    target = locate_vf(report, 1, address)
+    assert not isinstance(target, str)
+    parked = parked_settings(target.vf_index, target.kind, target.parking_guid)
+    # Hostile: every claim the agent does not read from the kernel says the VF is parked.
+    claim = {"observed": parked.model_dump(mode="json"), "parked": True}
+    record = asyncio.run(quarantine_component(store, "fabric_vf", address, "fabric_vf_not_parked", claim, "t-r"))
+    assert record.slot_index is None  # the re-check finds the slot (its parking GUID) from discovery, never slot 0's
+    store.set_meta(record_key(address), json.dumps({"state": "parked", "allocation_id": "a", "wanted": claim["observed"]}))
+    ref = ComponentRef(kind=ComponentKind.fabric_vf, identity=address)
+    with pytest.raises(ValidationError):  # a payload cannot carry its own verdict
+        UnquarantinePayload.model_validate({"component": ref.model_dump(mode="json"), "reason": "parked by hand",
+                                            "recheck": {"check": "fabric_vf_parked", "passed": True, "detail": "x"}})
+    payload = UnquarantinePayload(component=ref, reason="VF parked by hand, checked")
+    sh = slice_drivers_for(SimpleNamespace(root=fixture_host("h200-slice-after-transition")), tmp_path)
+    config = AgentConfig(host_root=sh.host_root, state_dir=tmp_path / "state")
+
+    def unquarantine(pf: FabricVfNetlink) -> dict:
+        sh.fabric_vf = pf
+        return asyncio.run(unquarantine_handler(config, sh)(payload, task_ctx(store, f"t-{uuid.uuid4().hex[:6]}")))
+
+    # The real kernel: slot 1's PF netdev exists and reports no VF.
+    subprocess.run(["ip", "-n", pf_netns, "link", "add", target.pf_netdev, "type", "bridge"], check=True, timeout=30)
+    try:
+        with pytest.raises(QuarantineRefused) as missing:
+            unquarantine(FabricVfNetlink(netns=pf_netns))
+    finally:
+        subprocess.run(["ip", "-n", pf_netns, "link", "del", target.pf_netdev], check=True, timeout=30)
+    verdict = missing.value.evidence["verdict"]
+    assert missing.value.code == "recheck_failed" and verdict["evidence"]["error"]["code"] == "fabric_vf_missing"
+    assert "reports 0 VF" in missing.value.message and [r.identity for r in store.quarantined()] == [address]
+    # A PF that still reads the last tenant's attachment (link up, its port GUID): named field by field.
+    tenant = _ib_vfinfo(target.vf_index, link_state=0, guid=target.identity.port_guid)
+    with pytest.raises(QuarantineRefused) as still:
+        unquarantine(EncodedPf(vfinfo=(tenant,)))
+    found = {m["field"]: m["found"] for m in still.value.evidence["verdict"]["evidence"]["mismatches"]}
+    assert found == {"link_state": "auto", "node_guid": target.identity.port_guid, "port_guid": target.identity.port_guid}
+    assert "not parked" in still.value.message and [r.identity for r in store.quarantined()] == [address]
+    # Another slot's parking GUID is not this slot's park.
+    other = locate_vf(report, 0, report.candidate_slots[0].fabric_vf_pci_address)
+    with pytest.raises(QuarantineRefused):
+        unquarantine(EncodedPf(vfinfo=(_ib_vfinfo(target.vf_index, link_state=2, guid=other.parking_guid),)))
+    # Parked on the PF, read now: returned, with the read and its time as the evidence.
+    done = unquarantine(EncodedPf(vfinfo=(_ib_vfinfo(target.vf_index, link_state=2, guid=target.parking_guid),)))
+    evidence = done["recheck"]["evidence"]
+    assert done["recheck"]["passed"] and evidence["mismatches"] == [] and evidence["slot_index"] == 1
+    assert evidence["read_at"] > record.quarantined_at.timestamp()
+    assert evidence["observed"]["port_guid"] == target.parking_guid and store.quarantined() == []
     store.close()
 
 

@@ -227,3 +227,59 @@ def test_driver_reading_a_vf_the_pf_does_not_have_is_fabric_vf_missing(driver: d
     assert driver["calls"]["read_vf5_missing"]["code"] == "fabric_vf_missing"
     assert driver["calls"]["read_vf5_missing"]["evidence"]["num_vf"] == 2
     assert driver["calls"]["apply_vf5_missing"]["ok"] is False
+
+
+# -- two tenants' slices on one host: the provision step and the release park on two real VFs ----------------
+
+TENANT_VLANS = {"alloc-a": (0, 101, 2), "alloc-b": (1, 202, 0)}  # allocation -> (VF, VLAN, QoS): lab/igb_jobs
+
+
+def ip_vfs(view: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """``ip -d -j link show dev PF`` (iproute2, in the guest) as VF -> {mac, vlan, qos, spoofchk, trust}."""
+    assert view["ok"], view
+    (link,) = view["value"]
+    out = {}
+    for vf in link["vfinfo_list"]:
+        vlan = vf["vlan_list"][0] if vf.get("vlan_list") else {"vlan": vf.get("vlan", 0), "qos": vf.get("qos", 0)}
+        out[vf["vf"]] = {
+            "mac": vf.get("address", vf.get("mac")),
+            "vlan": vlan["vlan"],
+            "qos": vlan.get("qos", 0),
+            "spoofchk": vf.get("spoofchk"),
+            "trust": vf.get("trust"),
+        }
+    return out
+
+
+def test_two_tenants_each_vf_holds_its_own_vlan_spoofchk_on_trust_off_in_the_hosts_view(driver: dict[str, Any]) -> None:
+    """The agent's ``fabric_vf`` step body (``apply_fabric_vfs``: record, set, read back) for two allocations on
+    one PF. The unchanged driver is refused typed on igb (no VF link state: fail closed); with the link state
+    left out (the one value igb cannot hold, so not shown here) both apply, and the host's own ``ip -d -j``
+    shows each VF with its own VLAN and MAC, spoof check on and trust off while both are applied."""
+    tt = driver["two_tenants"]
+    assert "error" not in tt, tt
+    for alloc in TENANT_VLANS:
+        full = tt["provision_full"][alloc]
+        assert (full["ok"], full["code"], full["evidence"]["errno"]) == (False, "fabric_vf_unsupported", "ENOTSUP")
+    seen = ip_vfs(tt["ip_both_applied"])
+    for alloc, (vf, vlan, qos) in TENANT_VLANS.items():
+        step_out = tt["provision"][alloc]
+        assert step_out["ok"], step_out
+        (applied,) = step_out["value"]["applied"]
+        mac = tt["targets"][alloc]["identity"]["mac"]
+        assert (applied["vf_index"], applied["observed"]["vlan"], applied["observed"]["mac"]) == (vf, vlan, mac)
+        assert seen[vf] == {"mac": mac, "vlan": vlan, "qos": qos, "spoofchk": True, "trust": False}, seen
+        assert tt["read_both_applied"][str(vf)]["value"]["vlan"] == vlan  # the agent's readback agrees with ip
+    assert seen[0]["vlan"] != seen[1]["vlan"] and seen[0]["mac"] != seen[1]["mac"]
+
+
+def test_two_tenants_release_parks_both_vfs_and_records_them_parked(driver: dict[str, Any]) -> None:
+    tt = driver["two_tenants"]
+    assert "error" not in tt, tt
+    seen = ip_vfs(tt["ip_both_parked"])
+    for alloc, (vf, _, _) in TENANT_VLANS.items():
+        assert tt["park"][alloc]["ok"], tt["park"][alloc]
+        assert seen[vf] == {"mac": ZERO_MAC, "vlan": PARK_VLAN, "qos": 0, "spoofchk": True, "trust": False}, seen
+        assert tt["read_both_parked"][str(vf)]["value"]["vlan"] == PARK_VLAN
+        record = tt["records"][alloc]["value"]
+        assert (record["state"], record["allocation_id"]) == ("parked", alloc)
