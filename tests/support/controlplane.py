@@ -351,6 +351,11 @@ class ControlPlane:
                 await self.push_node_account(reply.node_id)
         await msg.respond(reply.model_dump_json().encode())
         issued = next((t for t in self.tokens.values() if t.node_id == reply.node_id), None) if reply.accepted else None
+        if issued is not None and issued.bootstrap_user is not None:
+            # The answer must have reached the server before the revocation does: the revocation travels on the
+            # system account's connection and closes the login at once, so an answer still in this client's
+            # buffer would be lost with it and the host left with neither its credentials nor a login to ask again.
+            await self.nc.flush(timeout=REQUEST_TIMEOUT_S)
         if self.fleet is not None and issued is not None and issued.bootstrap_user is not None:
             # After the answer (the revocation closes the login's connection at once): the host's own bootstrap
             # user has done its one job, and the server refuses it from now on.
