@@ -13,8 +13,8 @@ The layout, as ``nsc`` makes it (operator → accounts → users, account JWTs o
   ``control/streams.py``; the node consumers)
   and exports, each ``token_req`` (an activation JWT signed by the plane's account names the one
   importing account and the one subject it may import): the JetStream requests a node needs on its
-  own consumer (``CONSUMER.INFO``, ``CONSUMER.MSG.NEXT`` with response type ``Stream``, ``$JS.ACK``,
-  ``STREAM.NAMES``), the subjects a node publishes (services, so a publish the result stream
+  own consumer (``CONSUMER.INFO``, ``CONSUMER.MSG.NEXT`` with response type ``Stream``, ``$JS.ACK``;
+  no ``STREAM.NAMES``: the node binds its own stream by name, and a listing would name every node), the subjects a node publishes (services, so a publish the result stream
   acknowledges gets its ack back), the rotation answers, and — as streams — what the plane sends a
   node (rotation orders, terminal input);
 * **one account per node**, without JetStream, importing exactly its own subjects of those
@@ -98,7 +98,6 @@ def plane_exports() -> tuple[Export, ...]:
     """The control plane account's exports: fixed, whatever the fleet's size (each node imports a part)."""
     every = subjects.every_node
     return (
-        Export("js-stream-names", _js("STREAM.NAMES"), "service"),
         Export("js-consumer-info", _js("CONSUMER.INFO.*.*"), "service"),
         Export("js-consumer-next", _js("CONSUMER.MSG.NEXT.*.*"), "service", response_type="Stream"),
         Export("js-ack", f"{JS_ACK}.*.*.>", "service"),
@@ -132,7 +131,6 @@ def node_imports(node_id: str, task_stream: str) -> tuple[Import, ...]:
     def js(name: str, api: str) -> Import:
         return Import(name, _js(api), "service", local_subject=_js(api, NODE_JS_API_PREFIX))
     return (
-        js("js-stream-names", "STREAM.NAMES"),
         js("js-consumer-info", f"CONSUMER.INFO.{task_stream}.{consumer}"),
         js("js-consumer-next", f"CONSUMER.MSG.NEXT.{task_stream}.{consumer}"),
         Import("js-ack", f"{JS_ACK}.{task_stream}.{consumer}.>", "service"),

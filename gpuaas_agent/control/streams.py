@@ -17,8 +17,10 @@ the subject the node may publish on (``gpuaas.node.<node>.result``), which the s
 message ids live in A's stream only. A stream's limits (size, count) likewise fill with that
 node's results only.
 
-The agent needs no stream name: it finds its task stream by subject (``STREAM.NAMES``) and publishes
-its results without an expected stream (the PubAck says which stored it). These names are what a
+With an account per node the agent binds its task stream by the name :func:`task_stream_name` gives (its
+account imports no ``STREAM.NAMES``: a listing would name every node of the fleet, and finding a stream
+by subject scans all 2 N of them at every bind); in one shared account it finds it by subject. It
+publishes its results without an expected stream (the PubAck says which stored it). These names are what a
 control plane creates (docs/contract.md "The node's streams"); a node's account imports its own
 task stream's consumer API and acks by name (``control/accounts.py`` ``node_imports``).
 """

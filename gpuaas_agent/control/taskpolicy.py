@@ -134,7 +134,9 @@ class TaskObserver(Protocol):
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    task_stream: str | None = None  # None: the stream that holds gpuaas.node.<node>.task.> (asked by subject)
+    # None: with an account per node (js_api_prefix NODE_JS_API_PREFIX) the node's own GPUAAS_NODE_TASKS_<node>,
+    # in one shared account the stream that holds gpuaas.node.<node>.task.> (asked by subject).
+    task_stream: str | None = None
     # None: no expected stream; whichever stream holds gpuaas.node.<node>.result stores it (the node's own,
     # control/streams.py; GPUAAS_RESULTS in one shared stream) and the PubAck says which.
     result_stream: str | None = None

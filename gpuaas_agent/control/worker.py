@@ -8,9 +8,10 @@ This module binds the consumer, runs the pull loop, admits or hands back what it
 The consumer is the control plane's: it creates it (``control/consumer.py``) at enrollment and
 again when its cluster member is lost, and the node may only look it up (``CONSUMER.INFO``), pull
 (``MSG.NEXT``) and ack (docs/security-auth.md: whoever writes a consumer's body decides where the
-server publishes). A consumer that is not there yet is waited for (``consumer_missing``). The
-stream is found by subject (``$JS.API.STREAM.NAMES``), so the control plane may split the
-fleet over several task streams (docs/performance.md "Fleet layout"). A pull request waits
+server publishes). A consumer that is not there yet is waited for (``consumer_missing``). In one
+shared account the stream is found by subject (``$JS.API.STREAM.NAMES``); with an account per node
+(``js_api_prefix`` :data:`~gpuaas_agent.control.accounts.NODE_JS_API_PREFIX`) it is the node's own,
+``GPUAAS_NODE_TASKS_<node>``, by name. A pull request waits
 ``fetch_timeout_s`` (30 s) on the server; liveness is the connection's PING and the
 heartbeat, not a 1 s poll. :meth:`kick` (called on every reconnect) and :meth:`stop` end
 the wait at once. Configured (``fetch_heartbeat_s``, config ``pull_heartbeat_s``; off by
@@ -40,8 +41,10 @@ from nats.js.client import JetStreamContext
 
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.tasks import TaskType
+from gpuaas_agent.control.accounts import NODE_JS_API_PREFIX
 from gpuaas_agent.control.admission import Admission, Refusal
 from gpuaas_agent.control.pull import PullSilent, TaskPull
+from gpuaas_agent.control.streams import task_stream_name
 from gpuaas_agent.control.taskpolicy import TaskObserver, TaskPolicy, WorkerSettings
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
@@ -120,6 +123,11 @@ class TaskWorker:
         """Find the stream, look our consumer up (the control plane creates it), bind the pull to it."""
         name = self.settings.durable_name(self.node_id)
         stream = self.settings.task_stream
+        if stream is None and self.settings.js_api_prefix == NODE_JS_API_PREFIX:
+            # An account per node: its task stream is its own by name (control/streams.py), and the account
+            # imports no stream listing (it would name every node of the fleet, and cost a scan of 2 N streams
+            # per bind).
+            stream = task_stream_name(self.node_id)
         if stream is None:
             stream = await self.js.find_stream_name_by_subject(self.subject_filter)
         self.stream = stream

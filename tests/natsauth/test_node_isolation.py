@@ -221,7 +221,7 @@ async def _attack(lab: Lab, pair: Pair, tmp_path) -> Outcome:
                                       b, lab.operator.node_user(b)[0])))
         store = StateStore.open(tmp_path / f"{b}.db")
         worker = TaskWorker(b_nc, store, b, {TaskType.topology_discover: handler},
-                            replace(SETTINGS, fetch_timeout_s=2.0))
+                            replace(SETTINGS, fetch_timeout_s=2.0, task_stream=pair.task_stream(b)))
         run = asyncio.create_task(worker.run())
         await asyncio.wait_for(worker.ready.wait(), DEADLINE_S)
 
