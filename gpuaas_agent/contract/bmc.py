@@ -64,7 +64,7 @@ class NvLinkTelemetry(WireModel):
 
     ports: int = Field(ge=0)  # members of the Ports collection
     ports_up: int = Field(ge=0)  # LinkStatus LinkUp
-    ports_down: tuple[str, ...] = Field(default=(), max_length=64)  # port ids whose LinkStatus is not LinkUp
+    ports_down: tuple[str, ...] = Field(default=(), max_length=64)  # port ids with a LinkStatus other than LinkUp
     ports_disabled: int = Field(default=0, ge=0)  # LinkState other than Enabled (an administratively off link)
     metrics_read: int = Field(ge=0)  # ports whose Metrics were read (the counters sum over these)
     data_crc_count: int | None = None  # NVLinkErrors.DataCRCCount

@@ -142,6 +142,14 @@ class ExpandedCollection(base.ResourceBase):
     members = base.Field("Members", adapter=_member_docs, required=True)
 
 
+def _link_text(value: Any) -> str:
+    """A link as the BMC wrote it, checked only where it is followed (:func:`own_path`, :func:`_path`): a bad
+    ``Ports`` link must cost the GPU its NVLink reading, not its processor document (and so its health)."""
+    if isinstance(value, dict) and isinstance(value.get("@odata.id"), str):
+        return str(value["@odata.id"])
+    return f"not a link: {str(value)[:100]}"
+
+
 def _inline(value: Any) -> dict[str, Any] | None:
     """A link object the service expanded (it carries more than ``@odata.id``): the document; else None."""
     return value if isinstance(value, dict) and set(value) - {"@odata.id"} else None
@@ -151,7 +159,7 @@ class Port(base.ResourceBase):
     identity = base.Field("Id", adapter=_str)
     link_status = base.Field("LinkStatus", adapter=_str)  # LinkUp, LinkDown, NoLink, ...
     link_state = base.Field("LinkState", adapter=_str)  # Enabled, Disabled
-    metrics = base.Field("Metrics", adapter=lambda v: _str(v["@odata.id"]))
+    metrics = base.Field("Metrics", adapter=_link_text)
     metrics_inline = base.Field("Metrics", adapter=_inline)
 
 
@@ -186,7 +194,7 @@ class GpuProcessor(base.ResourceBase):
     environment_metrics = base.Field("EnvironmentMetrics", adapter=_link)
     memory = base.Field(["Links", "Memory"], adapter=_links)
     chassis = base.Field(["Links", "Chassis"], adapter=_link)
-    ports = base.Field("Ports", adapter=_link)
+    ports = base.Field("Ports", adapter=_link_text)
 
 
 class GpuEnvironmentMetrics(base.ResourceBase):
@@ -508,6 +516,7 @@ class HgxBmc:
 
     def _nvlink(self, ports: str) -> NvLinkTelemetry:
         """The GPU's NVLink ports and counters, or a READ_ERRORS naming why they are not read."""
+        ports = _path(own_path(self._url, ports))
         listing: list[dict[str, Any]] | None = None
         if self._expand_supported():
             try:
@@ -521,7 +530,8 @@ class HgxBmc:
             listing = self._get(ExpandedCollection, ports).members
         if len(listing) > MAX_PORT_MEMBERS:
             raise ValueError(f"lists {len(listing)} ports, more than {MAX_PORT_MEMBERS}")
-        # Every link is checked before anything is read or requested: one foreign link refuses the GPU's NVLink.
+        # Every member link is checked before any port is read or requested, each Metrics link before it is
+        # read: one foreign link refuses the GPU's NVLink (ForeignLink), and nothing is sent to it.
         entries: list[tuple[str, dict[str, Any] | None]] = [
             (_path(own_path(self._url, _str(m["@odata.id"]))), _inline(m)) for m in listing]
         gets = sum(2 if doc is None else (0 if _inline(doc.get("Metrics")) else 1) for _, doc in entries)
@@ -540,7 +550,7 @@ class HgxBmc:
             port_id = port.identity or path.rstrip("/").rsplit("/", 1)[-1]
             if port.link_status == "LinkUp":
                 up += 1
-            else:
+            elif port.link_status is not None:  # a port that does not say is neither up nor down
                 down.append(port_id[:64])
             if port.link_state not in (None, "Enabled"):
                 disabled += 1

@@ -260,7 +260,7 @@ def test_a_ports_collection_listing_ten_thousand_members_is_bounded_and_health_u
     assert {v.status for v in gpus.values()} == {"ok"} and bmc.check_of(reading).status == "ok"
 
 
-@pytest.mark.parametrize("where", ["member", "inline_id", "metrics"])
+@pytest.mark.parametrize("where", ["member", "inline_id", "metrics", "ports_link"])
 def test_a_foreign_link_in_an_expanded_answer_is_refused_like_any_member_link(capture, where):
     ports = f"{PROCESSORS}/GPU_SXM_2/Ports"
     foreign = "https://127.0.0.2:9/redfish/v1/" + ports
@@ -268,13 +268,15 @@ def test_a_foreign_link_in_an_expanded_answer_is_refused_like_any_member_link(ca
         capture.edit(ports, lambda d: d["Members"].__setitem__(0, {"@odata.id": f"{foreign}/NVLink_0"}))
     elif where == "inline_id":  # an expanded port names itself on another host
         capture.edit(f"{ports}/NVLink_5", lambda d: d.update({"@odata.id": f"{foreign}/NVLink_5"}))
-    else:  # a port's Metrics link to plain http on the BMC's own host and port
+    elif where == "metrics":  # a port's Metrics link to plain http on the BMC's own host and port
         capture.edit(f"{ports}/NVLink_3", lambda d: d.update(
             Metrics={"@odata.id": f"http://127.0.0.1:{capture.port}/redfish/v1/{ports}/NVLink_3/Metrics"}))
+    else:  # the processor's own Ports link leaves the BMC: its NVLink unread, its health read as before
+        capture.edit(f"{PROCESSORS}/GPU_SXM_2", lambda d: d.update(Ports={"@odata.id": foreign}))
     before = len(_gets(capture, 0))
     gpus = _gpus(bmc.read_bmc_verdicts(capture.config()))
     t = gpus["GPU_SXM_2"].telemetry
-    assert t.nvlink is None and t.nvlink_unread.startswith(f"/redfish/v1/{ports}: ForeignLink"), t.nvlink_unread
+    assert t.nvlink is None and ": ForeignLink: " in t.nvlink_unread, t.nvlink_unread
     assert "127.0.0.2" not in capture.requests_seen()
     assert not any("/GPU_SXM_2/Ports/" in g for g in _gets(capture, before))  # nothing else requested for it
     assert gpus["GPU_SXM_3"].telemetry.nvlink.ports == 18
