@@ -52,6 +52,30 @@ class TemperatureReading(WireModel):
     sensor: str | None = Field(default=None, max_length=512)  # the sensor's Redfish URI, as the BMC linked it
 
 
+class NvLinkTelemetry(WireModel):
+    """A GPU's NVLink ports as the BMC reported them (``Processors/<gpu>/Ports``, each port and its ``Metrics``).
+
+    Ports are counted by ``LinkStatus`` (``LinkUp`` is up) as the real HGX BMC carries it, next to
+    ``LinkState`` (``Enabled``). The counters are the sums over the ports of ``Oem.Nvidia.NVLinkErrors``,
+    each named after the document's own key (``DataCRCCount`` -> ``data_crc_count``); the two booleans
+    there (``RuntimeError``, ``TrainingError``) are counted as the ports that report ``true``. A counter is
+    ``None`` when no port's Metrics carried it. Evidence only: no health verdict is drawn from NVLink.
+    """
+
+    ports: int = Field(ge=0)  # members of the Ports collection
+    ports_up: int = Field(ge=0)  # LinkStatus LinkUp
+    ports_down: tuple[str, ...] = Field(default=(), max_length=64)  # port ids with a LinkStatus other than LinkUp
+    ports_disabled: int = Field(default=0, ge=0)  # LinkState other than Enabled (an administratively off link)
+    metrics_read: int = Field(ge=0)  # ports whose Metrics were read (the counters sum over these)
+    data_crc_count: int | None = None  # NVLinkErrors.DataCRCCount
+    flit_crc_count: int | None = None  # NVLinkErrors.FlitCRCCount
+    recovery_count: int | None = None  # NVLinkErrors.RecoveryCount
+    replay_count: int | None = None  # NVLinkErrors.ReplayCount
+    runtime_error_ports: int | None = None  # ports with NVLinkErrors.RuntimeError true
+    training_error_ports: int | None = None  # ports with NVLinkErrors.TrainingError true
+    read_by: Literal["expand", "per_port"]  # one $expand=.($levels=2) GET, or a GET per port and per Metrics
+
+
 class GpuTelemetry(WireModel):
     """One GPU as the BMC reported it (``None``: the BMC did not say; ``unread``: a resource it could not serve).
 
@@ -82,6 +106,10 @@ class GpuTelemetry(WireModel):
     pcie_fatal: int | None = None
     # None: the BMC does not say (no field, or ["NA"]: "not available", never a throttle); (): not throttled.
     throttle_reasons: tuple[str, ...] | None = None
+    # None: not read, ``nvlink_unread`` says why (never zeros); NVLink is telemetry, not health: its reasons
+    # stay out of ``unread``, which makes a GPU unavailable.
+    nvlink: NvLinkTelemetry | None = None
+    nvlink_unread: str | None = Field(default=None, max_length=512)
     unread: tuple[str, ...] = ()  # "<uri>: <why>" for each resource that could not be read
 
 

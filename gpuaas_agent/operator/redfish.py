@@ -14,8 +14,17 @@ but the synthesized margin to the slowdown limit (``Implementation: Synthesized`
 TemperatureCelsius`` points to, so that field is never read as the GPU's temperature. A sensor
 whose ``ReadingType`` is not ``Temperature`` is unread, not guessed.
 
+NVLink (telemetry, never a verdict): after every GPU and NVSwitch is read, each GPU's ``Ports`` link
+(its 18 NVLink ports on HGX H100) is followed. Where the service root advertises
+``ProtocolFeaturesSupported.ExpandQuery`` with ``Levels`` and ``MaxLevels`` >= 2 (the real BMC: 5), that is
+ONE GET per GPU, ``<Ports>?$expand=.($levels=2)`` (DMTF DSP0266 "$expand": ``.`` expands the subordinate
+links, not ``Links``), whose members carry each port and its ``Metrics`` inline. Otherwise (or where the
+answer lacks the expanded members) the ports and their ``Metrics`` are read one GET each, only when what is
+left of ``MAX_DOCUMENTS`` covers them all; else the GPU's ``nvlink`` is ``None`` and ``nvlink_unread`` says
+why (never zeros). Every link inside an expanded answer is checked like any member link (:func:`own_path`).
+
 Every link followed must be a path on the BMC (``/redfish/v1/...``, :func:`_path`); a read is
-bounded by ``MAX_DOCUMENTS`` GETs (94 for 8 GPUs and 4 NVSwitches), each document by
+bounded by ``MAX_DOCUMENTS`` GETs (94 for 8 GPUs and 4 NVSwitches, 102 with NVLink expanded), each document by
 ``MAX_DOCUMENT_BYTES`` and the request timeout, the whole by the check's deadline (``operator/health.py``).
 
 Why :class:`sushy.auth.BasicAuth` and no session: NVIDIA documents basic authentication for
@@ -39,7 +48,7 @@ sushy and requests cost ~105 ms and ~6 MiB at import (tests/test_import_graph.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import SplitResult, urlsplit
 
 import requests
@@ -48,7 +57,13 @@ from sushy import auth as sushy_auth
 from sushy import connector as sushy_connector
 from sushy.resources import base
 
-from gpuaas_agent.contract.bmc import GpuTelemetry, NvSwitchTelemetry, TemperatureReading, TemperatureThreshold
+from gpuaas_agent.contract.bmc import (
+    GpuTelemetry,
+    NvLinkTelemetry,
+    NvSwitchTelemetry,
+    TemperatureReading,
+    TemperatureThreshold,
+)
 
 ROOT = "/redfish/v1"
 
@@ -115,6 +130,58 @@ class Collection(base.ResourceBase):
     members = base.Field("Members", adapter=_members, required=True)
 
 
+def _member_docs(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(m, dict) and "@odata.id" in m for m in value):
+        raise ValueError("Members is not a list of links")
+    return value
+
+
+class ExpandedCollection(base.ResourceBase):
+    """A collection as ``$expand`` answers it: each member a link or, expanded, the member's whole document."""
+
+    members = base.Field("Members", adapter=_member_docs, required=True)
+
+
+def _link_text(value: Any) -> str:
+    """A link as the BMC wrote it, checked only where it is followed (:func:`own_path`, :func:`_path`): a bad
+    ``Ports`` link must cost the GPU its NVLink reading, not its processor document (and so its health)."""
+    if isinstance(value, dict) and isinstance(value.get("@odata.id"), str):
+        return str(value["@odata.id"])
+    return f"not a link: {str(value)[:100]}"
+
+
+def _inline(value: Any) -> dict[str, Any] | None:
+    """A link object the service expanded (it carries more than ``@odata.id``): the document; else None."""
+    return value if isinstance(value, dict) and set(value) - {"@odata.id"} else None
+
+
+class Port(base.ResourceBase):
+    identity = base.Field("Id", adapter=_str)
+    link_status = base.Field("LinkStatus", adapter=_str)  # LinkUp, LinkDown, NoLink, ...
+    link_state = base.Field("LinkState", adapter=_str)  # Enabled, Disabled
+    metrics = base.Field("Metrics", adapter=_link_text)
+    metrics_inline = base.Field("Metrics", adapter=_inline)
+
+
+# Oem.Nvidia.NVLinkErrors of a port's Metrics as the real BMC names them: the counters summed over the
+# ports, the booleans counted as the ports reporting true (contract.bmc.NvLinkTelemetry).
+NVLINK_COUNTERS = {"DataCRCCount": "data_crc_count", "FlitCRCCount": "flit_crc_count",
+                   "RecoveryCount": "recovery_count", "ReplayCount": "replay_count"}
+NVLINK_FLAGS = {"RuntimeError": "runtime_error_ports", "TrainingError": "training_error_ports"}
+
+
+def _nvlink_errors(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict):
+        raise ValueError("NVLinkErrors is not an object")
+    counts = {field: _int(value[key]) for key, field in NVLINK_COUNTERS.items() if key in value}
+    counts.update({field: int(_bool(value[key])) for key, field in NVLINK_FLAGS.items() if key in value})
+    return counts
+
+
+class PortMetrics(base.ResourceBase):
+    nvlink_errors = base.Field(["Oem", "Nvidia", "NVLinkErrors"], adapter=_nvlink_errors)
+
+
 class GpuProcessor(base.ResourceBase):
     identity = base.Field("Id", required=True, adapter=_str)
     processor_type = base.Field("ProcessorType", adapter=_str)
@@ -127,6 +194,7 @@ class GpuProcessor(base.ResourceBase):
     environment_metrics = base.Field("EnvironmentMetrics", adapter=_link)
     memory = base.Field(["Links", "Memory"], adapter=_links)
     chassis = base.Field(["Links", "Chassis"], adapter=_link)
+    ports = base.Field("Ports", adapter=_link_text)
 
 
 class GpuEnvironmentMetrics(base.ResourceBase):
@@ -226,12 +294,18 @@ def own_path(bmc_url: str, link: str) -> str:
 READ_ERRORS = (sushy.exceptions.SushyError, requests.RequestException, ValueError, TypeError, AttributeError,
                KeyError)
 
-# GETs one read may make: 2 collections + 9 per GPU + 5 per NVSwitch is 94 on an 8-GPU HGX; a BMC
-# that lists more members than a baseboard has, or links in circles, is cut off here.
+# GETs one read may make: 2 collections + 9 per GPU + 5 per NVSwitch is 94 on an 8-GPU HGX (+ the FPGA's
+# document, + 1 per GPU for its NVLink ports expanded: 103); a BMC that lists more members than a baseboard
+# has, or links in circles, is cut off here. NVLink read port by port (no $expand) takes 1 + 36 GETs per GPU
+# and gets only what the health reads left.
 MAX_DOCUMENTS = 160
 # A chassis' Sensors collection of an HGX GPU lists 7; more than this is not a GPU's chassis.
 MAX_SENSOR_MEMBERS = 64
 MAX_MEMORY_LINKS = 4
+# An HGX GPU has 18 NVLink ports (H100, H200); a Ports collection listing more than this is not a GPU's.
+MAX_PORT_MEMBERS = 64
+# $expand=.($levels=2) on a GPU's Ports: level 1 the ports, level 2 each port's Metrics.
+NVLINK_EXPAND_LEVELS = 2
 
 
 # The largest document a pass reads is ~3 KB on the real BMC (a GPU's Processor); a body over this is refused
@@ -291,6 +365,7 @@ class HgxBmc:
         self._documents = 0
         self._system = f"{ROOT}/Systems/{system_id}"
         self._fabric = f"{ROOT}/Fabrics/{fabric_id}"
+        self._ports: dict[str, str | None] = {}  # gpu id -> its processor's Ports link (None: it gives none)
 
     def _get(self, cls: type[base.ResourceBase], path: str) -> Any:
         self._documents += 1
@@ -307,7 +382,9 @@ class HgxBmc:
         processors = self._members(f"{self._system}/Processors")
         switches = self._members(f"{self._fabric}/Switches")
         gpus = [self._gpu(path) for path in processors]
-        return BaseboardRead(gpus=[g for g in gpus if g is not None], nvswitches=[self._switch(p) for p in switches])
+        nvswitches = [self._switch(p) for p in switches]
+        # NVLink last: telemetry only, it gets what the health reads above left of the document budget.
+        return BaseboardRead(gpus=[self._with_nvlink(g) for g in gpus if g is not None], nvswitches=nvswitches)
 
     def _members(self, collection: str) -> list[str]:
         """The collection's member paths, every one on our BMC's origin (:func:`own_path`), before any is read."""
@@ -335,6 +412,7 @@ class HgxBmc:
             return None  # the baseboard's FPGA_0, a CPU: not a GPU, not ours to judge
         fields.update(serial_number=proc.serial_number, uuid=proc.uuid, state=proc.state, health=proc.health,
                       sxm_slot=proc.sxm_slot)
+        self._ports[gpu_id] = proc.ports
         metrics = take(GpuProcessorMetrics, proc.metrics, "ProcessorMetrics")
         if metrics is not None:
             fields.update({n: getattr(metrics, n) for n in (
@@ -415,6 +493,80 @@ class HgxBmc:
                 reading_c=sensor.upper_caution, source="bmc", name="UpperCaution"),
             critical=None if sensor.upper_critical is None else TemperatureThreshold(
                 reading_c=sensor.upper_critical, source="bmc", name="UpperCritical"))
+
+    def _expand_supported(self) -> bool:
+        """The service root advertises ``ExpandQuery`` with ``Levels`` and ``MaxLevels`` >= 2."""
+        features = self._root.protocol_features_supported
+        expand = getattr(features, "expand_query", None) if features is not None else None
+        if not isinstance(expand, dict) or expand.get("Levels") is not True:
+            return False
+        levels = expand.get("MaxLevels")
+        return isinstance(levels, int) and not isinstance(levels, bool) and levels >= NVLINK_EXPAND_LEVELS
+
+    def _with_nvlink(self, gpu: GpuTelemetry) -> GpuTelemetry:
+        if gpu.gpu_id not in self._ports:
+            return gpu.model_copy(update={"nvlink_unread": "its processor document was not read"})
+        ports = self._ports[gpu.gpu_id]
+        if ports is None:
+            return gpu.model_copy(update={"nvlink_unread": "its processor gives no Ports link"})
+        try:
+            return gpu.model_copy(update={"nvlink": self._nvlink(ports)})
+        except READ_ERRORS as exc:
+            return gpu.model_copy(update={"nvlink_unread": f"{ports}: {type(exc).__name__}: {str(exc)[:300]}"})
+
+    def _nvlink(self, ports: str) -> NvLinkTelemetry:
+        """The GPU's NVLink ports and counters, or a READ_ERRORS naming why they are not read."""
+        ports = _path(own_path(self._url, ports))
+        listing: list[dict[str, Any]] | None = None
+        if self._expand_supported():
+            try:
+                listing = self._get(ExpandedCollection, f"{ports}?$expand=.($levels={NVLINK_EXPAND_LEVELS})").members
+            except DocumentBudgetExceeded:
+                raise
+            except READ_ERRORS:
+                listing = None  # the service refused the query (or its answer was too large): the plain collection
+        expanded = listing is not None
+        if listing is None:
+            listing = self._get(ExpandedCollection, ports).members
+        if len(listing) > MAX_PORT_MEMBERS:
+            raise ValueError(f"lists {len(listing)} ports, more than {MAX_PORT_MEMBERS}")
+        # Every member link is checked before any port is read or requested, each Metrics link before it is
+        # read: one foreign link refuses the GPU's NVLink (ForeignLink), and nothing is sent to it.
+        entries: list[tuple[str, dict[str, Any] | None]] = [
+            (_path(own_path(self._url, _str(m["@odata.id"]))), _inline(m)) for m in listing]
+        gets = sum(2 if doc is None else (0 if _inline(doc.get("Metrics")) else 1) for _, doc in entries)
+        read_by: Literal["expand", "per_port"] = "expand" if expanded and gets == 0 else "per_port"
+        left = MAX_DOCUMENTS - self._documents
+        if gets > left:
+            raise DocumentBudgetExceeded(f"reading its {len(entries)} ports one by one takes {gets} GETs, "
+                                         f"the document budget leaves {left}: not read")
+        version, root = self._root.redfish_version, self._root
+        totals: dict[str, int] = {}
+        up, disabled, metrics_read = 0, 0, 0
+        down: list[str] = []
+        for path, doc in entries:
+            port = (Port(self._connector, path, redfish_version=version, root=root, json_doc=doc) if doc
+                    else self._get(Port, path))
+            port_id = port.identity or path.rstrip("/").rsplit("/", 1)[-1]
+            if port.link_status == "LinkUp":
+                up += 1
+            elif port.link_status is not None:  # a port that does not say is neither up nor down
+                down.append(port_id[:64])
+            if port.link_state not in (None, "Enabled"):
+                disabled += 1
+            if port.metrics is None:
+                continue
+            metrics_path = _path(own_path(self._url, port.metrics))
+            metrics = (PortMetrics(self._connector, metrics_path, redfish_version=version, root=root,
+                                   json_doc=port.metrics_inline) if port.metrics_inline
+                       else self._get(PortMetrics, metrics_path))
+            if metrics.nvlink_errors is None:
+                continue
+            metrics_read += 1
+            for name, value in metrics.nvlink_errors.items():
+                totals[name] = totals.get(name, 0) + value
+        return NvLinkTelemetry(ports=len(entries), ports_up=up, ports_down=tuple(down[:64]), ports_disabled=disabled,
+                               metrics_read=metrics_read, read_by=read_by, **totals)
 
     def _switch(self, path: str) -> NvSwitchTelemetry:
         switch_id = path.rstrip("/").rsplit("/", 1)[-1]

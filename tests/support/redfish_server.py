@@ -24,6 +24,8 @@ from tests.support.daemons import stop_pid
 from tests.support.tiers import starts
 
 SUSHY_STATIC = Path(sys.executable).parent / "sushy-static"
+# sushy-static that also answers $expand=.($levels=N) from the documents it holds (DSP0266; the real HGX BMC does)
+EXPANDING = [sys.executable, str(Path(__file__).with_name("redfish_expand.py"))]
 PCI = {f"GPU_SXM_{n}": f"0000:{0x18 + 0x10 * (n - 1):02x}:00.0" for n in range(1, 9)}
 
 
@@ -37,7 +39,8 @@ def _free_port() -> int:
 class RedfishServer:
     """sushy-static on 127.0.0.1 with a throwaway self-signed certificate and a 0600 credentials file."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *, expand: bool = False) -> None:
+        self.argv = EXPANDING if expand else [str(SUSHY_STATIC)]
         self.mockup = tmp_path / "mockup"
         self.log = tmp_path / "requests.log"
         tls = tmp_path / "tls"
@@ -57,7 +60,7 @@ class RedfishServer:
     def start(self) -> None:
         self.port = _free_port()
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([str(SUSHY_STATIC), "-i", "127.0.0.1", "-p", str(self.port),
+            self.proc = subprocess.Popen([*self.argv, "-i", "127.0.0.1", "-p", str(self.port),
                                           "-m", str(self.mockup), "-c", str(self.cert), "-k", str(self.key)],
                                          stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
                                                                                      "PYTHONUNBUFFERED": "1"})
