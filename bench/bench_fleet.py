@@ -70,6 +70,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import nats.errors
+import nats.js.errors
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 import nkeys
@@ -147,6 +148,8 @@ class Server:
             text += f'cluster {{ name: "bench", listen: "127.0.0.1:{self.route_port}", routes: [{routes}] }}\n'
         if self.auth_conf is not None:
             text += self.auth_conf
+        if os.environ.get("BENCH_SERVER_DEBUG"):
+            text += "debug: true\n"
         conf.write_text(text)
         return [binary, "-c", str(conf)]
 
@@ -512,10 +515,22 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
                                                ack_wait_s=60, request_timeout_s=30, js_api_prefix=js_api_prefix,
                                                consumer_replicas=1 if args["consumer_memory"] else None,
                                                consumer_memory=args["consumer_memory"]))
-            worker.pull.bind(await worker._bind())
+            for attempt in range(5):  # the agent binds again after a failed bind; so does a node here
+                try:
+                    worker.pull.bind(await worker._bind())
+                    break
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
+                    events.put(("bind_retry", f"{node_id}-{attempt}", time.time()))
+                    await asyncio.sleep(random.uniform(0.5, 2.0))  # the retry's jittered pacing
+            else:
+                raise RuntimeError(f"{node_id}: no bind after 5 tries")
             next_subject, heartbeat = worker.pull.next_subject, worker._pull_heartbeat_s()
+            # The node's pulls go to the server its bind went to, as the agent's one connection does: a login
+            # of the same account on a second member at once races that member's load of the account from the
+            # route's interest (nats-server 2.15.1 then refused some nodes' logins there again and again:
+            # "Account JWT has expired" / "not signed by trusted operator", docs/performance.md).
+            url = urlsplit(nc.connected_url.geturl()) if nc.connected_url else urlsplit(urls[len(protocol_nodes) % len(urls)])
             await nc.close()
-            url = urlsplit(urls[len(protocol_nodes) % len(urls)])
             node = ProtocolNode(node_id=node_id, host=url.hostname, port=url.port, inbox_prefix=node_inbox_prefix(node_id),
                                 next_subject=next_subject, task_type=TASK.value, expiry_s=args["pull_expiry"],
                                 bound_s=pull_bound_s(args["pull_expiry"], heartbeat),
@@ -532,6 +547,10 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
     if args["node_impl"] == "protocol":
         flusher = asyncio.create_task(flush_claims())
         await asyncio.gather(*(protocol_node(n) for n in nodes))
+        refused = [e for pnode in protocol_nodes for e in pnode.errors]
+        if refused:  # logins the server dropped before one succeeded (the node tried again)
+            print(f"protocol nodes, while connecting: {len(refused)} errors, e.g. {sorted(set(refused))[:3]}",
+                  file=sys.stderr, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         for pnode in protocol_nodes:
             pnode.close()
@@ -650,6 +669,7 @@ class Events:
         self.claims: dict[str, float] = {}
         self.ready: dict[str, float] = {}
         self.reconnected: dict[str, float] = {}
+        self.bind_retries: dict[str, float] = {}
         self._stop = False
         self.thread = threading.Thread(target=self._drain, daemon=True)
         self.thread.start()
@@ -664,7 +684,8 @@ class Events:
                 for task_id, t in value:
                     self.claims.setdefault(task_id, t)
                 continue
-            {"claim": self.claims, "ready": self.ready, "reconnected": self.reconnected}[kind].setdefault(key, value)
+            {"claim": self.claims, "ready": self.ready, "reconnected": self.reconnected,
+             "bind_retry": self.bind_retries}[kind].setdefault(key, value)
 
     async def until(self, predicate, deadline_s: float) -> bool:
         end = time.monotonic() + deadline_s
@@ -735,9 +756,33 @@ def latencies(sent: dict[str, float], claims: dict[str, float]) -> list[float]:
     return [claims[t] - s for t, s in sent.items() if t in claims]
 
 
+async def retried(call, out: dict, tries: int = 5):
+    """A plane's create, tried again (it is idempotent) when the meta layer timed out or failed it; counted."""
+    for attempt in range(tries):
+        try:
+            return await call()
+        except (nats.errors.TimeoutError, nats.js.errors.ServerError, TimeoutError) as exc:
+            out["create_retries"] = out.get("create_retries", 0) + 1
+            out.setdefault("create_errors", []).append(repr(exc)[:160]) if len(out.get("create_errors", [])) < 5 else None
+            if attempt == tries - 1:
+                raise
+            await asyncio.sleep(0.5 + attempt)  # the retry's pacing
+
+
 async def run_one(n: int, args, root: Path, accounts: str = "none") -> dict:
+    """One N and one login mode; the servers are stopped by PID whatever happens."""
+    servers: list[Servers] = []
+    try:
+        return await _run_one(n, args, root, accounts, servers)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -> dict:
     rundir = root / f"n{n}-{accounts}"
     server = Servers(rundir, args.servers)
+    servers_out.append(server)
     nodes = [f"node-f{i:05d}" for i in range(n)]
     auth = FleetAuth(accounts, nodes) if accounts != "none" else None
     options: dict = {}
@@ -763,8 +808,9 @@ async def run_one(n: int, args, root: Path, accounts: str = "none") -> dict:
 
         async def streams_of(node_id: str) -> None:
             async with gate:
-                await plane.js.add_stream(node_task_stream_config(node_id, storage=storage, replicas=args.replicas))
-                await plane.js.add_stream(node_result_stream_config(node_id, storage=storage, replicas=args.replicas))
+                for config in (node_task_stream_config(node_id, storage=storage, replicas=args.replicas),
+                               node_result_stream_config(node_id, storage=storage, replicas=args.replicas)):
+                    await retried(lambda: plane.js.add_stream(config), out)
         await asyncio.gather(*(streams_of(x) for x in nodes))
         plane.partitioned = True  # tasks are published without an expected stream
         out["streams"] = 2 * n
@@ -788,7 +834,8 @@ async def run_one(n: int, args, root: Path, accounts: str = "none") -> dict:
         async with creating:
             if args.layout == "per-node":  # its stream is known: no lookup by subject among 2N streams
                 plane.consumers[node_id] = consumer_settings
-                await plane.js.add_consumer(task_stream_name(node_id), consumer_settings.consumer_config(node_id))
+                await retried(lambda: plane.js.add_consumer(task_stream_name(node_id),
+                                                            consumer_settings.consumer_config(node_id)), out)
             else:
                 await plane.create_node_consumer(node_id, consumer_settings)
     await asyncio.gather(*(create_consumer(n) for n in nodes))
@@ -819,15 +866,20 @@ async def run_one(n: int, args, root: Path, accounts: str = "none") -> dict:
     child_cpu.pids = [proc.pid for proc in procs]
     bind_cpu0, bind_pcpu0 = server.cpu_s(), time.process_time()
     try:
-        ok = await events.until(lambda: len(events.ready) >= n, args.bind_deadline)
+        ok = await events.until(lambda: len(events.ready) >= n or any(p.exitcode for p in procs), args.bind_deadline)
+        ok = ok and len(events.ready) >= n  # a simulated process that died ends the wait (its traceback above)
         out["all_bound_s"] = round(time.time() - t0, 1) if ok else None
         # Where the bind's time went: CPU seconds of the servers, the simulated nodes' processes, the plane + bench.
         out["bind_server_cpu_s"] = round(server.cpu_s() - bind_cpu0, 2)
         out["bind_sim_cpu_s"] = round(child_cpu.cpu_s(), 2)  # the children started with the bind
         out["bind_plane_cpu_s"] = round(time.process_time() - bind_pcpu0, 2)
         out["bound"] = len(events.ready)
-        out["bind_p50_s"] = round(pct(list(events.ready.values()), 50), 3)
-        out["bind_p99_s"] = round(pct(list(events.ready.values()), 99), 3)
+        out["bind_retries"] = len(events.bind_retries)
+        out["bind_p50_s"] = round(pct(list(events.ready.values()), 50) or 0, 3)
+        out["bind_p99_s"] = round(pct(list(events.ready.values()), 99) or 0, 3)
+        if not ok:
+            out["error"] = f"{len(events.ready)} of {n} bound"
+            return out
         if args.servers > 1:
             await asyncio.sleep(2)  # let consumer leaders settle before counting them
             out["raft"] = raft_inventory(server)
@@ -1016,6 +1068,8 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="cProfile the first simulated-node process into this path")
     ap.add_argument("--root", default="/dev/shm")
     args = ap.parse_args()
+    # SIGTERM (a timeout around the run): unwind, so each run's servers are stopped by PID and its store removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     global SERVER_BINARY
     SERVER_BINARY = args.nats_server
     modes = args.accounts.split(",")

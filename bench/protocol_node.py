@@ -73,13 +73,27 @@ class ProtocolNode(asyncio.Protocol):
         self._attempt = 0
         self.errors: list[str] = []
         self._greeted = False
+        self._reconnecting = False
 
     # -- connection ---------------------------------------------------------------
 
-    async def connect(self) -> None:
+    async def connect(self, deadline_s: float = 120.0) -> None:
+        """Connected and pulling within ``deadline_s``; a login the server drops meanwhile is tried again with the
+        reconnect's backoff (each try has a new ``ready``), as the agent's first connect is."""
         loop = asyncio.get_running_loop()
         await loop.create_connection(lambda: self, self.host, self.port)
-        await asyncio.wait_for(asyncio.shield(self.ready), 60)
+        end = loop.time() + deadline_s
+        while True:
+            ready = self.ready
+            try:
+                if await asyncio.wait_for(asyncio.shield(ready), max(0.01, min(1.0, end - loop.time()))):
+                    return
+            except asyncio.TimeoutError:
+                pass
+            if loop.time() >= end:
+                raise asyncio.TimeoutError(f"{self.node_id}: not connected within {deadline_s}s: {self.errors[-3:]}")
+            if ready is self.ready and ready.done():
+                await asyncio.sleep(0.05)  # lost; the reconnect has not made its next try yet
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
@@ -100,24 +114,36 @@ class ProtocolNode(asyncio.Protocol):
         self.transport = None
         if self._timer is not None:
             self._timer.cancel()
-        if not self._closing:
+        if not self.ready.done():
+            self.ready.set_result(False)  # lost before it was ready (a login the server refused)
+        if not self._closing and not self._reconnecting:
             asyncio.get_running_loop().create_task(self._reconnect())
 
     async def _reconnect(self) -> None:
+        """One reconnect loop at a time, one connection at a time: a try that is lost or not ready in 30 s is
+        closed before the next."""
         loop = asyncio.get_running_loop()
         rng = random.Random()
-        while not self._closing:
-            await asyncio.sleep(self.backoff.delay(self._attempt, rng))  # full jitter, as the agent
-            self._attempt += 1
-            self.ready = loop.create_future()
-            try:
-                await loop.create_connection(lambda: self, self.host, self.port)
-                await asyncio.wait_for(asyncio.shield(self.ready), 30)
-            except (OSError, asyncio.TimeoutError):
-                continue
-            self._attempt = 0
-            self.on_reconnect(time.time())
-            return
+        self._reconnecting = True
+        try:
+            while not self._closing:
+                await asyncio.sleep(self.backoff.delay(self._attempt, rng))  # full jitter, as the agent
+                self._attempt += 1
+                self.ready = loop.create_future()
+                try:
+                    await loop.create_connection(lambda: self, self.host, self.port)
+                    ok = await asyncio.wait_for(asyncio.shield(self.ready), 30)
+                except (OSError, asyncio.TimeoutError):
+                    ok = False
+                if not ok:
+                    if self.transport is not None:
+                        self.transport.close()
+                    continue
+                self._attempt = 0
+                self.on_reconnect(time.time())
+                return
+        finally:
+            self._reconnecting = False
 
     def close(self) -> None:
         self._closing = True
@@ -218,7 +244,7 @@ class ProtocolNode(asyncio.Protocol):
                     self.transport.write(b"PONG\r\n")
             elif op == b"PONG":
                 if not self.ready.done():
-                    self.ready.set_result(None)
+                    self.ready.set_result(True)
                     self._send_pull()
             elif op.startswith(b"-ERR"):
                 self.errors.append(line.decode(errors="replace"))
