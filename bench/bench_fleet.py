@@ -71,9 +71,8 @@ sys.path.insert(0, str(REPO))
 
 import nats.errors
 import nats.js.errors
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-
 import nkeys
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from bench.protocol_node import ProtocolNode
 from gpuaas_agent.compat import UTC

@@ -78,7 +78,9 @@ def test_a_protocol_node_in_its_own_account_claims_answers_and_acks_and_a_wrong_
             impostor._closing = True  # refused for good: no reconnect loop
             await asyncio.get_running_loop().create_connection(lambda: impostor, "127.0.0.1", server.port)
             await wait_until(lambda: any("Authorization" in e for e in impostor.errors), 10, "the impostor refused")
-            assert not impostor.ready.done()
+            await wait_until(impostor.ready.done, 10, "the impostor's connection closed by the server")
+            assert impostor.ready.result() is False  # lost before it was ready: no PONG, so it never pulled
+            assert not any(event == "pull" for _, event in impostor.trace)
 
             good = node(user.seed)
             await good.connect()
