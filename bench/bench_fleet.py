@@ -755,17 +755,17 @@ def latencies(sent: dict[str, float], claims: dict[str, float]) -> list[float]:
     return [claims[t] - s for t, s in sent.items() if t in claims]
 
 
-async def retried(call, out: dict, tries: int = 5):
+async def retried(call, out: dict, tries: int = 8):
     """A plane's create, tried again (it is idempotent) when the meta layer timed out or failed it; counted."""
     for attempt in range(tries):
         try:
             return await call()
-        except (nats.errors.TimeoutError, nats.js.errors.ServerError, TimeoutError) as exc:
+        except (nats.errors.TimeoutError, nats.js.errors.APIError, TimeoutError) as exc:  # 503: no meta leader now
             out["create_retries"] = out.get("create_retries", 0) + 1
             out.setdefault("create_errors", []).append(repr(exc)[:160]) if len(out.get("create_errors", [])) < 5 else None
             if attempt == tries - 1:
                 raise
-            await asyncio.sleep(0.5 + attempt)  # the retry's pacing
+            await asyncio.sleep(1.0 + 2 * attempt)  # the retry's pacing
 
 
 async def run_one(n: int, args, root: Path, accounts: str = "none") -> dict:
@@ -803,7 +803,7 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
         # Each node's own task and result stream (control/streams.py), file storage, --replicas (R1: placed by
         # the meta leader on one member), made by the plane at enrollment; the consumer below on its task stream.
         storage = StorageType.MEMORY if args.stream_memory else StorageType.FILE
-        gate = asyncio.Semaphore(64)
+        gate = asyncio.Semaphore(args.create_concurrency)
 
         async def streams_of(node_id: str) -> None:
             async with gate:
@@ -827,7 +827,7 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
     t = time.time()
     consumer_settings = WorkerSettings(ack_wait_s=60, consumer_replicas=1 if args.consumer_memory else None,
                                        consumer_memory=args.consumer_memory)
-    creating = asyncio.Semaphore(64)
+    creating = asyncio.Semaphore(args.create_concurrency)
 
     async def create_consumer(node_id: str) -> None:
         async with creating:
@@ -1039,6 +1039,7 @@ def main() -> int:
     ap.add_argument("--accounts", default="none",
                     help="comma-separated, each run in turn per N: none (no auth), per-node (an account per node, "
                          "the supported layout), single (every node a user of the plane's account); operator mode")
+    ap.add_argument("--create-concurrency", type=int, default=64, help="the plane's stream/consumer creates in flight")
     ap.add_argument("--stream-memory", action="store_true", help="--layout per-node: memory-storage streams")
     ap.add_argument("--nats-server", default=None, help="the nats-server binary (default: the one on PATH)")
     ap.add_argument("--per-stream", type=int, default=100)
