@@ -35,10 +35,23 @@ each wire/protocol node's pulls, statuses, messages and client timeouts to ``PAT
 
 Layouts (``--layout``): ``shared`` — one work-queue stream ``gpuaas.node.*.task.>`` for
 every node; ``partitioned`` — streams of ``--per-stream`` nodes each
-(``ControlPlane.create_task_partitions``). Prints one JSON line per N and a table; never
-asserts. Needs root only for a large ``ulimit -n``.
+(``ControlPlane.create_task_partitions``); ``per-node`` — the supported layout: each node's own task and result
+stream (``control/streams.py``), ``--replicas`` (1: R1, placed by the meta leader), file storage unless
+``--stream-memory``, created by the plane with ``--create-concurrency`` in flight (each create retried).
+
+``--accounts per-node,single`` (each in turn per N, in one run): operator mode with a full resolver whose directory
+on every member holds every account JWT before the servers start; ``per-node``: an account per node
+(``control/accounts.py``, the node's pulls under ``NODE_JS_API_PREFIX``), ``single``: every node a user of the plane's
+account with the same permissions. Each node logs in with its own user JWT (the nats.py bind with its creds file, the
+protocol node signing the server's nonce) and pulls on the member its bind went to. Per phase the CPU seconds of the
+servers, the simulated nodes' processes and the plane are printed (``bind_*``, ``burst_*``, ``restart_*``: where a
+2-core machine's time went), and server RSS per node less the servers' RSS before any stream (``server_kib_per_node_net``).
+``--nats-server PATH``: the server binary (``.venv/bin/nats-server``, the pinned release). Prints one JSON line per N
+and login mode and a table; never asserts. Needs root only for a large ``ulimit -n``.
 
     .venv/bin/python bench/bench_fleet.py --nodes 100,500,1000 --layout partitioned
+    .venv/bin/python bench/bench_fleet.py --nodes 1000 --servers 3 --layout per-node --accounts per-node,single \
+        --node-impl protocol --pull-heartbeat 5 --nats-server .venv/bin/nats-server
 """
 
 from __future__ import annotations
