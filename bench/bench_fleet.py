@@ -35,10 +35,23 @@ each wire/protocol node's pulls, statuses, messages and client timeouts to ``PAT
 
 Layouts (``--layout``): ``shared`` — one work-queue stream ``gpuaas.node.*.task.>`` for
 every node; ``partitioned`` — streams of ``--per-stream`` nodes each
-(``ControlPlane.create_task_partitions``). Prints one JSON line per N and a table; never
-asserts. Needs root only for a large ``ulimit -n``.
+(``ControlPlane.create_task_partitions``); ``per-node`` — the supported layout: each node's own task and result
+stream (``control/streams.py``), ``--replicas`` (1: R1, placed by the meta leader), file storage unless
+``--stream-memory``, created by the plane with ``--create-concurrency`` in flight (each create retried).
+
+``--accounts per-node,single`` (each in turn per N, in one run): operator mode with a full resolver whose directory
+on every member holds every account JWT before the servers start; ``per-node``: an account per node
+(``control/accounts.py``, the node's pulls under ``NODE_JS_API_PREFIX``), ``single``: every node a user of the plane's
+account with the same permissions. Each node logs in with its own user JWT (the nats.py bind with its creds file, the
+protocol node signing the server's nonce) and pulls on the member its bind went to. Per phase the CPU seconds of the
+servers, the simulated nodes' processes and the plane are printed (``bind_*``, ``burst_*``, ``restart_*``: where a
+2-core machine's time went), and server RSS per node less the servers' RSS before any stream (``server_kib_per_node_net``).
+``--nats-server PATH``: the server binary (``.venv/bin/nats-server``, the pinned release). Prints one JSON line per N
+and login mode and a table; never asserts. Needs root only for a large ``ulimit -n``.
 
     .venv/bin/python bench/bench_fleet.py --nodes 100,500,1000 --layout partitioned
+    .venv/bin/python bench/bench_fleet.py --nodes 1000 --servers 3 --layout per-node --accounts per-node,single \
+        --node-impl protocol --pull-heartbeat 5 --nats-server .venv/bin/nats-server
 """
 
 from __future__ import annotations
@@ -70,25 +83,32 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import nats.errors
+import nats.js.errors
+import nkeys
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from bench.protocol_node import ProtocolNode
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.tasks import ResultStatus, TaskResult, TaskType
+from gpuaas_agent.control.accounts import NODE_JS_API_PREFIX
 from gpuaas_agent.control.connection import Backoff, connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
+from gpuaas_agent.control.permissions import node_permissions
 from gpuaas_agent.control.pull import TaskPull, pull_status
+from gpuaas_agent.control.streams import node_result_stream_config, node_task_stream_config, task_stream_name
 from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity
 from gpuaas_agent.control.worker import TaskWorker
 from gpuaas_agent.operator.health import CheckThreads, HealthSettings
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
+from tests.natsauth.natsjwt import Key
 from tests.support.controlplane import RESULT_STREAM, ControlPlane
 
 TASK = TaskType.topology_discover
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+SERVER_BINARY: str | None = None  # --nats-server; None: the nats-server on PATH (Debian's)
 
 
 def pct(values: list[float], p: float) -> float | None:
@@ -117,21 +137,32 @@ class Server:
         self.store.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
         self.routes: list[int] | None = None  # the cluster's route ports (ours included); None: standalone
+        self.auth_conf: str | None = None  # operator mode: the operator, system account and full resolver lines
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def resolver_dir(self) -> Path:
+        """The full resolver's directory (operator mode): each account's JWT, pushed there before the first login."""
+        return self.root / "jwt"
+
     def argv(self) -> list[str]:
-        binary = shutil.which("nats-server") or "nats-server"
-        if self.routes is None:
+        binary = SERVER_BINARY or shutil.which("nats-server") or "nats-server"
+        if self.routes is None and self.auth_conf is None:
             return [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.http), "-sd", str(self.store)]
         conf = self.root / "nats.conf"
-        routes = ", ".join(f'"nats-route://127.0.0.1:{r}"' for r in self.routes if r != self.route_port)
-        conf.write_text(
-            f'server_name: "{self.name}"\nlisten: "127.0.0.1:{self.port}"\nhttp: "127.0.0.1:{self.http}"\n'
-            f'jetstream {{ store_dir: "{self.store}", max_memory_store: 4GB, max_file_store: 20GB }}\n'
-            f'cluster {{ name: "bench", listen: "127.0.0.1:{self.route_port}", routes: [{routes}] }}\n')
+        text = (f'server_name: "{self.name}"\nlisten: "127.0.0.1:{self.port}"\nhttp: "127.0.0.1:{self.http}"\n'
+                f'jetstream {{ store_dir: "{self.store}", max_memory_store: 4GB, max_file_store: 20GB }}\n')
+        if self.routes is not None:
+            routes = ", ".join(f'"nats-route://127.0.0.1:{r}"' for r in self.routes if r != self.route_port)
+            text += f'cluster {{ name: "bench", listen: "127.0.0.1:{self.route_port}", routes: [{routes}] }}\n'
+        if self.auth_conf is not None:
+            text += self.auth_conf
+        if os.environ.get("BENCH_SERVER_DEBUG"):
+            text += "debug: true\n"
+        conf.write_text(text)
         return [binary, "-c", str(conf)]
 
     def spawn(self) -> None:
@@ -232,6 +263,62 @@ class Servers:
         rows = [m.varz() for m in self.members]
         return {"in_msgs": sum(r["in_msgs"] for r in rows), "connections": [r["connections"] for r in rows],
                 "slow_consumers": sum(r.get("slow_consumers", 0) for r in rows)}
+
+
+class FleetAuth:
+    """Operator-mode logins for ``--accounts``: ``per-node`` — an account per node (``control/accounts.py``, signed by
+    ``tests/natsauth/fleet.py``: no JetStream, its own task stream's consumer and its own subjects imported under
+    ``NODE_JS_API_PREFIX``), its user with the node's permissions; ``single`` — one user per node, with the same
+    permissions, in the control plane's account (``$JS.API``). Both: operator JWT, system account, a full resolver.
+
+    Every account JWT is written into each member's resolver directory before the servers start (what ``nsc push``
+    leaves there; the plane signs a node's account at enrollment, not at its login): a login finds its account on disk.
+    """
+
+    def __init__(self, mode: str, nodes: list[str]) -> None:
+        from tests.natsauth.fleet import FleetOperator
+        from tests.natsauth.natsjwt import encode_jwt
+
+        self.mode = mode
+        self.op = FleetOperator()
+        self.prefix = NODE_JS_API_PREFIX if mode == "per-node" else "$JS.API"
+        self.logins: dict[str, tuple[str, str]] = {}  # node id -> (user JWT, user seed)
+        self.jwts: dict[str, str] = {}  # account public key -> account JWT (the resolver's files)
+        t = time.monotonic()
+        for node_id in nodes:
+            user = Key.new(nkeys.PREFIX_BYTE_USER)
+            if mode == "per-node":
+                account = self.op.node_account(node_id, task_stream_name(node_id))
+                self.jwts[account.public] = self.op.node_jwt(node_id)
+                token = self.op.node_user_jwt(node_id, user.public)
+            else:
+                perms = node_permissions(node_id, self.prefix)
+                token = encode_jwt(self.op.account, user.public, node_id, {
+                    "type": "user", "version": 2, "subs": -1, "data": -1, "payload": -1,
+                    "pub": {"allow": perms["publish"]}, "sub": {"allow": perms["subscribe"]},
+                    "resp": {"max": 1, "ttl": 0}})
+            self.logins[node_id] = (token, user.seed.decode())
+        self.op.nodes.clear()  # node accounts come from the resolver's directory, not the config's preload
+        self.sign_s = round(time.monotonic() - t, 2)
+        self.plane_creds, _ = self.op.user("bench-control-plane")
+
+    def install(self, servers: Servers, root: Path) -> Path:
+        """Each member's config and resolver directory; returns the plane's creds file."""
+        for member in servers.members:
+            member.resolver_dir.mkdir(parents=True, exist_ok=True)
+            for public, token in self.jwts.items():
+                (member.resolver_dir / f"{public}.jwt").write_text(token)
+            member.auth_conf = self.op.resolver_config(member.resolver_dir)
+        creds = root / "plane.creds"
+        creds.write_text(self.plane_creds)
+        creds.chmod(0o600)
+        return creds
+
+
+def server_version() -> str:
+    binary = SERVER_BINARY or shutil.which("nats-server") or "nats-server"
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False).stdout
+    return out.strip().rsplit("v", 1)[-1]
 
 
 def raft_inventory(servers: Servers) -> dict:
@@ -349,6 +436,21 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
     if TRACE_PATH and args["node_impl"] == "agent":
         _trace_agents()
     store = StateStore.open(root / "state.db")
+    logins: dict[str, tuple[str, str]] = args.get("logins") or {}
+    js_api_prefix = args.get("js_api_prefix") or "$JS.API"
+
+    def security(node_id: str) -> TransportSecurity:
+        """Plaintext on loopback; in operator mode the node's own creds file (written here, 0600)."""
+        if node_id not in logins:
+            return TransportSecurity(insecure=True)
+        from tests.natsauth.natsjwt import creds_text
+
+        path = root / f"{node_id}.creds"
+        if not path.exists():
+            token, seed = logins[node_id]
+            path.write_text(creds_text(token, seed.encode()))
+            path.chmod(0o600)
+        return TransportSecurity(insecure=True, creds_file=path)
     gate = asyncio.Semaphore(args["connect_concurrency"])
     running: list = []
 
@@ -398,7 +500,7 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
             events.put(("claim", task_id, time.time()))
             result = TaskResult(task_id=task_id, node_id=worker.node_id, type=TASK.value, attempt=1,
                                 status=ResultStatus.succeeded, finished_at=datetime.now(UTC))
-            await worker.js.publish(result_subject, result.model_dump_json().encode(), stream=RESULT_STREAM,
+            await worker.js.publish(result_subject, result.model_dump_json().encode(), stream=args.get("result_stream"),
                                     headers={"Nats-Msg-Id": f"{task_id}-1"})
             await msg.ack()
 
@@ -419,23 +521,37 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
         async with gate:
             started = time.time()
             nc = await connect_nats(list(urls), timeout_s=60, name=node_id, inbox_prefix=node_inbox_prefix(node_id),
-                                    security=TransportSecurity(insecure=True))
+                                    security=security(node_id))
             worker = TaskWorker(nc, store, node_id, {TASK: handler},
                                 WorkerSettings(fetch_timeout_s=args["pull_expiry"], fetch_heartbeat_s=args["pull_heartbeat"] or None,
-                                               ack_wait_s=60, request_timeout_s=30,
+                                               ack_wait_s=60, request_timeout_s=30, js_api_prefix=js_api_prefix,
                                                consumer_replicas=1 if args["consumer_memory"] else None,
                                                consumer_memory=args["consumer_memory"]))
-            worker.pull.bind(await worker._bind())
+            for attempt in range(5):  # the agent binds again after a failed bind; so does a node here
+                try:
+                    worker.pull.bind(await worker._bind())
+                    break
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
+                    events.put(("bind_retry", f"{node_id}-{attempt}", time.time()))
+                    await asyncio.sleep(random.uniform(0.5, 2.0))  # the retry's jittered pacing
+            else:
+                raise RuntimeError(f"{node_id}: no bind after 5 tries")
             next_subject, heartbeat = worker.pull.next_subject, worker._pull_heartbeat_s()
+            # The node's pulls go to the server its bind went to, as the agent's one connection does: a login
+            # of the same account on a second member at once races that member's load of the account from the
+            # route's interest (nats-server 2.15.1 then refused some nodes' logins there again and again:
+            # "Account JWT has expired" / "not signed by trusted operator", docs/performance.md).
+            url = urlsplit(nc.connected_url.geturl()) if nc.connected_url else urlsplit(urls[len(protocol_nodes) % len(urls)])
             await nc.close()
-            url = urlsplit(urls[len(protocol_nodes) % len(urls)])
             node = ProtocolNode(node_id=node_id, host=url.hostname, port=url.port, inbox_prefix=node_inbox_prefix(node_id),
                                 next_subject=next_subject, task_type=TASK.value, expiry_s=args["pull_expiry"],
                                 bound_s=pull_bound_s(args["pull_expiry"], heartbeat),
                                 heartbeat_s=heartbeat, backoff=Backoff(0.5, args["backoff_max"]),
                                 on_claim=lambda task_id, t: claimed.append((task_id, t)),
                                 on_reconnect=lambda t: events.put(("reconnected", node_id, t)),
-                                trace=TRACE.setdefault(node_id, []) if TRACE_PATH else None)
+                                trace=TRACE.setdefault(node_id, []) if TRACE_PATH else None,
+                                jwt=logins[node_id][0] if node_id in logins else None,
+                                seed=logins[node_id][1].encode() if node_id in logins else None)
             protocol_nodes.append(node)
             await node.connect()
             events.put(("ready", node_id, time.time() - started))
@@ -443,6 +559,10 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
     if args["node_impl"] == "protocol":
         flusher = asyncio.create_task(flush_claims())
         await asyncio.gather(*(protocol_node(n) for n in nodes))
+        refused = [e for pnode in protocol_nodes for e in pnode.errors]
+        if refused:  # logins the server dropped before one succeeded (the node tried again)
+            print(f"protocol nodes, while connecting: {len(refused)} errors, e.g. {sorted(set(refused))[:3]}",
+                  file=sys.stderr, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         for pnode in protocol_nodes:
             pnode.close()
@@ -459,10 +579,11 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
         async with gate:
             started = time.time()
             nc = await connect_nats(list(urls), timeout_s=60, name=node_id, reconnect=Backoff(0.5, args["backoff_max"]),
-                                    inbox_prefix=node_inbox_prefix(node_id), security=TransportSecurity(insecure=True))
+                                    inbox_prefix=node_inbox_prefix(node_id), security=security(node_id))
             nc.reconnect_listeners.append(lambda: events.put(("reconnected", node_id, time.time())))
             worker = TaskWorker(nc, store, node_id, {TASK: handler},
                                 WorkerSettings(fetch_timeout_s=args["pull_expiry"], keepalive_interval_s=10,
+                                               js_api_prefix=js_api_prefix,
                                                fetch_heartbeat_s=args["pull_heartbeat"] or None,
                                                ack_wait_s=60, request_timeout_s=30,
                                                consumer_replicas=1 if args["consumer_memory"] else None,
@@ -560,6 +681,7 @@ class Events:
         self.claims: dict[str, float] = {}
         self.ready: dict[str, float] = {}
         self.reconnected: dict[str, float] = {}
+        self.bind_retries: dict[str, float] = {}
         self._stop = False
         self.thread = threading.Thread(target=self._drain, daemon=True)
         self.thread.start()
@@ -574,7 +696,8 @@ class Events:
                 for task_id, t in value:
                     self.claims.setdefault(task_id, t)
                 continue
-            {"claim": self.claims, "ready": self.ready, "reconnected": self.reconnected}[kind].setdefault(key, value)
+            {"claim": self.claims, "ready": self.ready, "reconnected": self.reconnected,
+             "bind_retry": self.bind_retries}[kind].setdefault(key, value)
 
     async def until(self, predicate, deadline_s: float) -> bool:
         end = time.monotonic() + deadline_s
@@ -645,16 +768,65 @@ def latencies(sent: dict[str, float], claims: dict[str, float]) -> list[float]:
     return [claims[t] - s for t, s in sent.items() if t in claims]
 
 
-async def run_one(n: int, args, root: Path) -> dict:
-    server = Servers(root / f"n{n}", args.servers)
-    server.start()
+async def retried(call, out: dict, tries: int = 8):
+    """A plane's create, tried again (it is idempotent) when the meta layer timed out or failed it; counted."""
+    for attempt in range(tries):
+        try:
+            return await call()
+        except (nats.errors.TimeoutError, nats.js.errors.APIError, TimeoutError) as exc:  # 503: no meta leader now
+            out["create_retries"] = out.get("create_retries", 0) + 1
+            out.setdefault("create_errors", []).append(repr(exc)[:160]) if len(out.get("create_errors", [])) < 5 else None
+            if attempt == tries - 1:
+                raise
+            await asyncio.sleep(1.0 + 2 * attempt)  # the retry's pacing
+
+
+async def run_one(n: int, args, root: Path, accounts: str = "none") -> dict:
+    """One N and one login mode; the servers are stopped by PID whatever happens."""
+    servers: list[Servers] = []
+    try:
+        return await _run_one(n, args, root, accounts, servers)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -> dict:
+    rundir = root / f"n{n}-{accounts}"
+    server = Servers(rundir, args.servers)
+    servers_out.append(server)
     nodes = [f"node-f{i:05d}" for i in range(n)]
-    plane = await ControlPlane.connect(server.urls)
-    out: dict = {"nodes": n, "node_impl": args.node_impl, "servers": args.servers, "layout": args.layout, "stream_replicas": args.replicas,
+    auth = FleetAuth(accounts, nodes) if accounts != "none" else None
+    options: dict = {}
+    if auth is not None:
+        options["user_credentials"] = str(auth.install(server, rundir))
+    server.start()
+    plane = await ControlPlane.connect(server.urls, **options)
+    out: dict = {"nodes": n, "node_impl": args.node_impl, "servers": args.servers, "layout": args.layout,
+                 "accounts": accounts, "server_version": server_version(),
+                 "stream_replicas": args.replicas,
                  "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs,
                  "pull_heartbeat_s": args.pull_heartbeat}
+    if auth is not None:
+        out["sign_s"] = auth.sign_s
+    out["rss_empty_mib"] = round(server.rss_mib(), 1)
+    cpu_setup0 = server.cpu_s()
     t = time.time()
-    if args.layout == "partitioned":
+    if args.layout == "per-node":
+        # Each node's own task and result stream (control/streams.py), file storage, --replicas (R1: placed by
+        # the meta leader on one member), made by the plane at enrollment; the consumer below on its task stream.
+        storage = StorageType.MEMORY if args.stream_memory else StorageType.FILE
+        gate = asyncio.Semaphore(args.create_concurrency)
+
+        async def streams_of(node_id: str) -> None:
+            async with gate:
+                for config in (node_task_stream_config(node_id, storage=storage, replicas=args.replicas),
+                               node_result_stream_config(node_id, storage=storage, replicas=args.replicas)):
+                    await retried(lambda: plane.js.add_stream(config), out)
+        await asyncio.gather(*(streams_of(x) for x in nodes))
+        plane.partitioned = True  # tasks are published without an expected stream
+        out["streams"] = 2 * n
+    elif args.layout == "partitioned":
         out["streams"] = len(await plane.create_task_partitions(nodes, per_stream=args.per_stream,
                                                                 replicas=args.replicas))
         await plane.js.add_stream(StreamConfig(  # results land in a stream, as in create_streams()
@@ -668,13 +840,19 @@ async def run_one(n: int, args, root: Path) -> dict:
     t = time.time()
     consumer_settings = WorkerSettings(ack_wait_s=60, consumer_replicas=1 if args.consumer_memory else None,
                                        consumer_memory=args.consumer_memory)
-    creating = asyncio.Semaphore(64)
+    creating = asyncio.Semaphore(args.create_concurrency)
 
     async def create_consumer(node_id: str) -> None:
         async with creating:
-            await plane.create_node_consumer(node_id, consumer_settings)
+            if args.layout == "per-node":  # its stream is known: no lookup by subject among 2N streams
+                plane.consumers[node_id] = consumer_settings
+                await retried(lambda: plane.js.add_consumer(task_stream_name(node_id),
+                                                            consumer_settings.consumer_config(node_id)), out)
+            else:
+                await plane.create_node_consumer(node_id, consumer_settings)
     await asyncio.gather(*(create_consumer(n) for n in nodes))
     out["consumer_create_s"] = round(time.time() - t, 2)
+    out["setup_server_cpu_s"] = round(server.cpu_s() - cpu_setup0, 2)
     if args.consumer_memory:  # R1 consumers: the plane re-creates one whose member is lost (--restart-one)
         plane.watch_consumers(interval_s=2.0, probe_timeout_s=2.0)
 
@@ -683,24 +861,37 @@ async def run_one(n: int, args, root: Path) -> dict:
     child_args = {"node_impl": args.node_impl, "consumer_memory": args.consumer_memory, "pull_expiry": args.pull_expiry, "heartbeat": args.heartbeat, "backoff_max": args.backoff_max,
                   "connect_concurrency": args.connect_concurrency}
     child_args["pull_heartbeat"] = args.pull_heartbeat
+    child_args["result_stream"] = None if args.layout == "per-node" else RESULT_STREAM
+    if auth is not None:
+        child_args["js_api_prefix"] = auth.prefix
     child_cpu = ChildCpu()
     procs = []
     t0 = time.time()
     for p in range(args.procs):
         part = nodes[p::args.procs]
-        pdir = root / f"n{n}-p{p}"
+        pdir = rundir / f"p{p}"
         pdir.mkdir(parents=True, exist_ok=True)
-        this_args = dict(child_args, profile=str(Path(args.profile).with_suffix(f".n{n}.prof")) if args.profile and p == 0 else None)
+        this_args = dict(child_args, logins={x: auth.logins[x] for x in part} if auth is not None else None, profile=str(Path(args.profile).with_suffix(f".n{n}.prof")) if args.profile and p == 0 else None)
         proc = mp.Process(target=child_main, args=(server.urls, part, str(pdir), q, stop, this_args))
         proc.start()
         procs.append(proc)
     child_cpu.pids = [proc.pid for proc in procs]
+    bind_cpu0, bind_pcpu0 = server.cpu_s(), time.process_time()
     try:
-        ok = await events.until(lambda: len(events.ready) >= n, args.bind_deadline)
+        ok = await events.until(lambda: len(events.ready) >= n or any(p.exitcode for p in procs), args.bind_deadline)
+        ok = ok and len(events.ready) >= n  # a simulated process that died ends the wait (its traceback above)
         out["all_bound_s"] = round(time.time() - t0, 1) if ok else None
+        # Where the bind's time went: CPU seconds of the servers, the simulated nodes' processes, the plane + bench.
+        out["bind_server_cpu_s"] = round(server.cpu_s() - bind_cpu0, 2)
+        out["bind_sim_cpu_s"] = round(child_cpu.cpu_s(), 2)  # the children started with the bind
+        out["bind_plane_cpu_s"] = round(time.process_time() - bind_pcpu0, 2)
         out["bound"] = len(events.ready)
-        out["bind_p50_s"] = round(pct(list(events.ready.values()), 50), 3)
-        out["bind_p99_s"] = round(pct(list(events.ready.values()), 99), 3)
+        out["bind_retries"] = len(events.bind_retries)
+        out["bind_p50_s"] = round(pct(list(events.ready.values()), 50) or 0, 3)
+        out["bind_p99_s"] = round(pct(list(events.ready.values()), 99) or 0, 3)
+        if not ok:
+            out["error"] = f"{len(events.ready)} of {n} bound"
+            return out
         if args.servers > 1:
             await asyncio.sleep(2)  # let consumer leaders settle before counting them
             out["raft"] = raft_inventory(server)
@@ -718,6 +909,8 @@ async def run_one(n: int, args, root: Path) -> dict:
         out["idle_in_msgs_per_s"] = round((v1["in_msgs"] - v0["in_msgs"]) / (w1 - w0), 1)
         out["server_rss_mib"] = round(server.rss_mib(), 1)
         out["server_kib_per_node"] = round(server.rss_mib() * 1024 / n, 1)
+        # Per host, less what the servers held with no streams, consumers or nodes (accounts preloaded only).
+        out["server_kib_per_node_net"] = round((server.rss_mib() - out["rss_empty_mib"]) * 1024 / n, 1)
         out["loadavg"] = os.getloadavg()[0]
 
         # Steady trickle.
@@ -792,6 +985,7 @@ async def run_one(n: int, args, root: Path) -> dict:
                 expected = n
                 server.stop()
                 down = time.time()
+                restart_cpu0, restart_ccpu0, restart_pcpu0 = 0.0, child_cpu.cpu_s(), time.process_time()
                 up = server.start()
             out["restart_members"] = 1 if args.restart_one else args.servers
             out["restart_expected_reconnects"] = expected
@@ -818,6 +1012,11 @@ async def run_one(n: int, args, root: Path) -> dict:
             # Since the server(s) stopped (a cluster's clients reconnect to the first member back, before all are up).
             out["restart_all_reconnected_since_down_s"] = round(max(events.reconnected.values()) - down, 2) if ok_r and rec else None
             out["restart_all_claimed_since_down_s"] = round(last - down, 2) if ok_c and last else None
+            if not args.restart_one:  # since the stop: the servers' processes are new ones
+                out["restart_server_cpu_s"] = round(server.cpu_s() - restart_cpu0, 2)
+                out["restart_sim_cpu_s"] = round(child_cpu.cpu_s() - restart_ccpu0, 2)
+                out["restart_plane_cpu_s"] = round(time.process_time() - restart_pcpu0, 2)
+                out["restart_rss_mib"] = round(server.rss_mib(), 1)
             if args.servers > 1:
                 out["elections_total"] = elections(server)
                 out["health_after_restart"] = cluster_health(server)
@@ -836,17 +1035,26 @@ async def run_one(n: int, args, root: Path) -> dict:
     return out
 
 
-COLUMNS = [("nodes", "N"), ("streams", "streams"), ("all_bound_s", "bind all s"), ("bind_p99_s", "bind p99"),
+COLUMNS = [("nodes", "N"), ("accounts", "accounts"), ("streams", "streams"), ("all_bound_s", "bind all s"), ("bind_p99_s", "bind p99"),
            ("idle_server_cores", "idle cores"), ("idle_in_msgs_per_s", "idle msg/s"), ("server_rss_mib", "RSS MiB"),
            ("trickle_p50_s", "trickle p50"), ("trickle_p99_s", "trickle p99"), ("burst_drain_s", "burst drain s"),
            ("burst_p50_s", "burst p50"), ("burst_p99_s", "burst p99"), ("restart_all_reconnected_s", "reconn all s"),
-           ("restart_all_published_s", "restart published s"), ("restart_all_claimed_s", "restart claimed s"), ("loadavg", "load")]
+           ("restart_all_published_s", "restart published s"), ("restart_all_claimed_s", "restart claimed s"),
+           ("restart_all_claimed_since_down_s", "restart claimed since stop s"), ("server_kib_per_node", "KiB/node"), ("server_kib_per_node_net", "net KiB/node"),
+           ("loadavg", "load")]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", default="100,500,1000")
-    ap.add_argument("--layout", choices=("shared", "partitioned"), default="partitioned")
+    ap.add_argument("--layout", choices=("shared", "partitioned", "per-node"), default="partitioned",
+                    help="per-node: each node's own task and result stream (control/streams.py), the supported layout")
+    ap.add_argument("--accounts", default="none",
+                    help="comma-separated, each run in turn per N: none (no auth), per-node (an account per node, "
+                         "the supported layout), single (every node a user of the plane's account); operator mode")
+    ap.add_argument("--create-concurrency", type=int, default=64, help="the plane's stream/consumer creates in flight")
+    ap.add_argument("--stream-memory", action="store_true", help="--layout per-node: memory-storage streams")
+    ap.add_argument("--nats-server", default=None, help="the nats-server binary (default: the one on PATH)")
     ap.add_argument("--per-stream", type=int, default=100)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--pull-expiry", type=float, default=30.0)
@@ -873,15 +1081,24 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="cProfile the first simulated-node process into this path")
     ap.add_argument("--root", default="/dev/shm")
     args = ap.parse_args()
+    # SIGTERM (a timeout around the run): unwind, so each run's servers are stopped by PID and its store removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    global SERVER_BINARY
+    SERVER_BINARY = args.nats_server
+    modes = args.accounts.split(",")
+    if "per-node" in modes and args.layout != "per-node":
+        ap.error("--accounts per-node needs --layout per-node (a node account imports its own task stream)")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 200000)), hard))
     logging.basicConfig(level=os.environ.get("BENCH_LOG_LEVEL", "ERROR"))  # WARNING: the agents' warnings too
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-fleet-", dir=args.root) as tmp:
         for n in (int(x) for x in args.nodes.split(",")):
-            row = asyncio.run(run_one(n, args, Path(tmp)))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            for mode in modes:
+                row = asyncio.run(run_one(n, args, Path(tmp), mode))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                shutil.rmtree(Path(tmp) / f"n{n}-{mode}", ignore_errors=True)
     print()
     print(" | ".join(h for _, h in COLUMNS))
     for row in rows:

@@ -15,11 +15,14 @@ closed afterwards), so its config and the filtered create API are the agent's.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import random
 import time
 from collections.abc import Callable
 from datetime import datetime
+
+import nkeys
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.tasks import ResultStatus, TaskResult
@@ -43,7 +46,7 @@ class ProtocolNode(asyncio.Protocol):
     def __init__(self, *, node_id: str, host: str, port: int, inbox_prefix: str, next_subject: str,
                  task_type: str, expiry_s: float, bound_s: float, heartbeat_s: float | None, backoff: Backoff,
                  on_claim: Callable[[str, float], None], on_reconnect: Callable[[float], None],
-                 trace: list | None = None) -> None:
+                 trace: list | None = None, jwt: str | None = None, seed: bytes | None = None) -> None:
         self.node_id, self.host, self.port = node_id, host, port
         self.task_type = task_type
         self.bound_s = bound_s  # the client's own wait on one pull, from sending it (bench_fleet.pull_bound_s)
@@ -53,10 +56,13 @@ class ProtocolNode(asyncio.Protocol):
         self.result_subject = f"gpuaas.node.{node_id}.result"
         body = pull_request(expiry_s, heartbeat_s or None)  # the worker's own request body (control/pull.py)
         self._pull = b"PUB %s %s %d\r\n%s\r\n" % (next_subject.encode(), self.pull_inbox.encode(), len(body), body)
-        self._hello = (b"CONNECT " + json.dumps({
-            "verbose": False, "pedantic": False, "name": node_id, "lang": "python-bench", "version": "0",
-            "protocol": 1, "headers": True, "no_responders": True}).encode() + CRLF
-            + b"SUB %s 1\r\nSUB %s 2\r\nPING\r\n" % (self.pull_inbox.encode(), self.ack_inbox.encode()))
+        self._connect = {"verbose": False, "pedantic": False, "name": node_id, "lang": "python-bench", "version": "0",
+                         "protocol": 1, "headers": True, "no_responders": True}
+        self._subs = b"SUB %s 1\r\nSUB %s 2\r\nPING\r\n" % (self.pull_inbox.encode(), self.ack_inbox.encode())
+        # Operator-mode auth (a user JWT and its seed, as a creds file holds them): CONNECT waits for the
+        # server's INFO and signs its nonce, as nats.py does; without it CONNECT goes out at once.
+        self._jwt = jwt
+        self._signer = nkeys.from_seed(bytearray(seed)) if seed is not None else None
         self.transport: asyncio.Transport | None = None
         self.ready = asyncio.get_running_loop().create_future()
         self._buf = bytearray()
@@ -66,42 +72,78 @@ class ProtocolNode(asyncio.Protocol):
         self._closing = False
         self._attempt = 0
         self.errors: list[str] = []
+        self._greeted = False
+        self._reconnecting = False
 
     # -- connection ---------------------------------------------------------------
 
-    async def connect(self) -> None:
+    async def connect(self, deadline_s: float = 120.0) -> None:
+        """Connected and pulling within ``deadline_s``; a login the server drops meanwhile is tried again with the
+        reconnect's backoff (each try has a new ``ready``), as the agent's first connect is."""
         loop = asyncio.get_running_loop()
         await loop.create_connection(lambda: self, self.host, self.port)
-        await asyncio.wait_for(asyncio.shield(self.ready), 60)
+        end = loop.time() + deadline_s
+        while True:
+            ready = self.ready
+            try:
+                if await asyncio.wait_for(asyncio.shield(ready), max(0.01, min(1.0, end - loop.time()))):
+                    return
+            except asyncio.TimeoutError:
+                pass
+            if loop.time() >= end:
+                raise asyncio.TimeoutError(f"{self.node_id}: not connected within {deadline_s}s: {self.errors[-3:]}")
+            if ready is self.ready and ready.done():
+                await asyncio.sleep(0.05)  # lost; the reconnect has not made its next try yet
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
         self._buf.clear()
         self._pending = None
-        transport.write(self._hello)
+        self._greeted = self._jwt is None  # later INFOs (a cluster's topology updates) need no answer
+        if self._jwt is None:
+            transport.write(self._hello(None))
+
+    def _hello(self, nonce: bytes | None) -> bytes:
+        connect = dict(self._connect)
+        if self._jwt is not None and self._signer is not None and nonce is not None:
+            connect["jwt"] = self._jwt
+            connect["sig"] = base64.urlsafe_b64encode(self._signer.sign(nonce)).rstrip(b"=").decode()
+        return b"CONNECT " + json.dumps(connect).encode() + CRLF + self._subs
 
     def connection_lost(self, exc) -> None:
         self.transport = None
         if self._timer is not None:
             self._timer.cancel()
-        if not self._closing:
+        if not self.ready.done():
+            self.ready.set_result(False)  # lost before it was ready (a login the server refused)
+        if not self._closing and not self._reconnecting:
             asyncio.get_running_loop().create_task(self._reconnect())
 
     async def _reconnect(self) -> None:
+        """One reconnect loop at a time, one connection at a time: a try that is lost or not ready in 30 s is
+        closed before the next."""
         loop = asyncio.get_running_loop()
         rng = random.Random()
-        while not self._closing:
-            await asyncio.sleep(self.backoff.delay(self._attempt, rng))  # full jitter, as the agent
-            self._attempt += 1
-            self.ready = loop.create_future()
-            try:
-                await loop.create_connection(lambda: self, self.host, self.port)
-                await asyncio.wait_for(asyncio.shield(self.ready), 30)
-            except (OSError, asyncio.TimeoutError):
-                continue
-            self._attempt = 0
-            self.on_reconnect(time.time())
-            return
+        self._reconnecting = True
+        try:
+            while not self._closing:
+                await asyncio.sleep(self.backoff.delay(self._attempt, rng))  # full jitter, as the agent
+                self._attempt += 1
+                self.ready = loop.create_future()
+                try:
+                    await loop.create_connection(lambda: self, self.host, self.port)
+                    ok = await asyncio.wait_for(asyncio.shield(self.ready), 30)
+                except (OSError, asyncio.TimeoutError):
+                    ok = False
+                if not ok:
+                    if self.transport is not None:
+                        self.transport.close()
+                    continue
+                self._attempt = 0
+                self.on_reconnect(time.time())
+                return
+        finally:
+            self._reconnecting = False
 
     def close(self) -> None:
         self._closing = True
@@ -202,8 +244,13 @@ class ProtocolNode(asyncio.Protocol):
                     self.transport.write(b"PONG\r\n")
             elif op == b"PONG":
                 if not self.ready.done():
-                    self.ready.set_result(None)
+                    self.ready.set_result(True)
                     self._send_pull()
             elif op.startswith(b"-ERR"):
                 self.errors.append(line.decode(errors="replace"))
-            # INFO and +OK need nothing from us
+            elif op == b"INFO":
+                if not self._greeted and self.transport is not None:
+                    self._greeted = True
+                    nonce = json.loads(line[5:]).get("nonce", "")
+                    self.transport.write(self._hello(nonce.encode()))
+            # +OK needs nothing from us
