@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -41,6 +42,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from gpuaas_agent import __version__
+from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import AgentConfig, SliceConfig, load_config
 from gpuaas_agent.contract.dhcp import Reservation
 from gpuaas_agent.contract.drift import DriftReport, DriftTrigger
@@ -94,7 +96,13 @@ from gpuaas_agent.operator.health_quarantine import all_rechecks
 from gpuaas_agent.operator.metrics import AgentMetrics, LiveState, MetricsServer
 from gpuaas_agent.operator.netwatch import Probe, serialized, start_netwatch
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
-from gpuaas_agent.operator.telemetry import DomainStatsSource, PfVfCounters, SliceMetricsCollector, SliceTelemetryLoop
+from gpuaas_agent.operator.telemetry import (
+    DomainStatsSource,
+    GpuSensors,
+    PfVfCounters,
+    SliceMetricsCollector,
+    SliceTelemetryLoop,
+)
 from gpuaas_agent.state.aio import BlockingStore, StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.boot_recovery import boot_recovery_at_start, publish_boot_report
@@ -642,7 +650,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
     if reconcile is not None:
         reconcile = serialized(reconcile)  # the timer and the network watch's repair, one at a time
     await publish_boot_report(nc, record.node_id, boot_report, config.request_timeout_s)
-    start_slice_telemetry(config, host, state, nc, record.node_id, metrics, background)
+    start_slice_telemetry(config, host, state, nc, record.node_id, metrics, background, reporter)
     worker = TaskWorker(nc, state, record.node_id, tasks.handlers, worker_settings(config, record),
                         recoveries=tasks.recoveries, observer=metrics)
     if config.nats_creds_file is None and record.credentials.user_jwt is not None:
@@ -671,8 +679,10 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
 
 
 def start_slice_telemetry(config: AgentConfig, host: NodeHost, state: StoreThread, nc: Client, node_id: str,
-                          metrics: AgentMetrics, background: Background) -> SliceTelemetryLoop | None:
-    """Slice telemetry (operator/telemetry.py) on ``slice_telemetry_interval_s``, its slot series on /metrics."""
+                          metrics: AgentMetrics, background: Background,
+                          reporter: Reporter | None = None) -> SliceTelemetryLoop | None:
+    """Slice telemetry (operator/telemetry.py) on ``slice_telemetry_interval_s``, its slot series on /metrics;
+    each slot's GPU sensors from the health rounds' last BMC reading (``reporter``), while it is recent."""
     source = host.domain_stats()
     if source is None or config.slice_telemetry_interval_s <= 0:
         _event("slice_telemetry_disabled", reason="config" if source is not None else "no_slice_drivers")
@@ -685,9 +695,17 @@ def start_slice_telemetry(config: AgentConfig, host: NodeHost, state: StoreThrea
     def leased() -> set[str]:  # at scrape time, on the scrape's worker thread (operator/metrics.py)
         return {lease.allocation_id for lease in state.sync.leases()}
 
+    max_age_s = 3 * config.health_interval_s
+
+    def gpus() -> GpuSensors | None:  # a reading older than three health rounds is not passed off as current
+        reading = reporter.bmc_reading if reporter is not None else None
+        if reading is None or (datetime.now(UTC) - reading.read_at).total_seconds() > max_age_s:
+            return None
+        return GpuSensors(read_at=reading.read_at, by_pci_address=reading.sensors_by_pci_address())
+
     telemetry = SliceTelemetryLoop(node_id, source, leases, nc.publish, interval_s=config.slice_telemetry_interval_s,
                                    stats_timeout_s=config.request_timeout_s * 2, guest=guest_telemetry_source(config),
-                                   fabric=PfVfCounters(config.host_root))
+                                   fabric=PfVfCounters(config.host_root), gpus=gpus)
     metrics.registry.register(SliceMetricsCollector(telemetry, leased))
     background.start("slice-telemetry", telemetry.run())
     return telemetry

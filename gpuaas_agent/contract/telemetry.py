@@ -19,11 +19,13 @@ named in ``not_reported``: unknown is never written as 0 (DESIGN.md §4 rule 7).
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
 from pydantic import Field
 
 from gpuaas_agent.contract.base import SCHEMA_VERSION, SchemaVersion, WireModel
+from gpuaas_agent.contract.bmc import GpuTelemetry
 from gpuaas_agent.contract.domain import DomainState
 from gpuaas_agent.contract.tasks import NODE_ID_PATTERN
 from gpuaas_agent.contract.types import UUID_PATTERN
@@ -92,6 +94,12 @@ class SlotTelemetry(WireModel):
     management_nic: NicCounters | None = None  # only the slot whose vNIC the domain has
     # None: the slot has no fabric VF, or its PF gives no counters (then named in not_reported: unknown, never 0)
     fabric_vf: FabricVfCounters | None = None
+    # The slot's GPU as the baseboard's BMC last read it in the health pass (contract/bmc.py: temperatures with
+    # their thresholds' source, power, throttle reasons, ECC, NVLink), matched by the lease's GPU PCI address,
+    # and when that pass read it. None where no BMC is configured or its last pass did not read this GPU (then
+    # named in not_reported). Never another slot's GPU: the lease names the address.
+    gpu: GpuTelemetry | None = None
+    gpu_read_at: datetime | None = None
 
 
 # Guest series: the most one pull may carry, whatever the agent's configuration says.

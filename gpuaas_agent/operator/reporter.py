@@ -23,6 +23,7 @@ from nats.aio.client import Client
 from gpuaas_agent import __version__
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
+from gpuaas_agent.contract.bmc import BmcReading
 from gpuaas_agent.contract.fleet import DrainReport, QuarantinedComponent
 from gpuaas_agent.contract.state import StepStatus
 from gpuaas_agent.contract.tasks import HealthCheck, Heartbeat, HostHealth
@@ -108,6 +109,8 @@ class Reporter:
         self.connect_attempts = 0
         self.stopping = False
         self.checks: list[HealthCheck] | None = None
+        # The last BMC reading a health round finished (gpu_bmc's), for each slice's telemetry: its GPU's sensors.
+        self.bmc_reading: BmcReading | None = None
         self.last_heartbeat_at: datetime | None = None
         self._last_status_line: str | None = None
         self.checked = asyncio.Event()  # set after the first round of health checks
@@ -196,6 +199,8 @@ class Reporter:
         leases, records = await self.state.leases(), await self.state.slot_states()
         readings = RoundReadings()
         checks = await run_checks(self.health_settings, leases, records, readings, threads=self.threads)
+        if readings.bmc is not None:
+            self.bmc_reading = readings.bmc
         for extra in self.extra_checks:
             try:
                 checks += await asyncio.wait_for(extra(), CHECK_TIMEOUT_S)

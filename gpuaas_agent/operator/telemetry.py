@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from prometheus_client.metrics_core import Metric
 from pydantic import ValidationError
 
 from gpuaas_agent.contract import subjects
+from gpuaas_agent.contract.bmc import GpuTelemetry
 from gpuaas_agent.contract.domain import DomainState
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.state import SlotLease
@@ -113,8 +115,21 @@ def _by_allocation(leases: list[SlotLease]) -> dict[str, list[SlotLease]]:
     return grouped
 
 
-def _slot(lease: SlotLease, stats: DomainStats | None, fabric: Mapping[str, FabricVfCounters]) -> SlotTelemetry:
+@dataclass(frozen=True)
+class GpuSensors:
+    """The health pass's last BMC reading of the GPUs, by host PCI address (``BmcReading.sensors_by_pci_address``)."""
+
+    read_at: datetime
+    by_pci_address: Mapping[str, GpuTelemetry]
+
+
+GpuSensorsSource = Callable[[], "GpuSensors | None"]
+
+
+def _slot(lease: SlotLease, stats: DomainStats | None, fabric: Mapping[str, FabricVfCounters],
+          gpus: GpuSensors | None = None) -> SlotTelemetry:
     disk = nic = None
+    gpu = gpus.by_pci_address.get(str(lease.gpu_pci_address)) if gpus is not None else None
     vf = fabric.get(lease.fabric_vf_pci_address) if lease.fabric_vf_pci_address else None
     if stats is not None:
         block = next((b for b in stats.blocks if b.path == str(lease.nvme_device)), None)
@@ -127,7 +142,8 @@ def _slot(lease: SlotLease, stats: DomainStats | None, fabric: Mapping[str, Fabr
             nic = NicCounters(interface=net.name, rx_bytes=net.rx_bytes, rx_packets=net.rx_pkts,
                               rx_drops=net.rx_drop, tx_bytes=net.tx_bytes, tx_packets=net.tx_pkts,
                               tx_drops=net.tx_drop)
-    return SlotTelemetry(slot_index=lease.slot_index, disk=disk, management_nic=nic, fabric_vf=vf)
+    return SlotTelemetry(slot_index=lease.slot_index, disk=disk, management_nic=nic, fabric_vf=vf, gpu=gpu,
+                         gpu_read_at=gpus.read_at if gpu is not None and gpus is not None else None)
 
 
 def _not_reported(stats: DomainStats | None, slots: list[SlotTelemetry], held: list[SlotLease]) -> list[str]:
@@ -141,6 +157,7 @@ def _not_reported(stats: DomainStats | None, slots: list[SlotTelemetry], held: l
         missing.append("management_nic")
     missing += [f"slot.{s.slot_index}.fabric_vf" for s, lease in zip(slots, held)
                 if lease.fabric_vf_pci_address and s.fabric_vf is None]
+    missing += [f"slot.{s.slot_index}.gpu" for s in slots if s.gpu is None]
     return missing
 
 
@@ -150,11 +167,12 @@ def _kib(value: int | None) -> int | None:
 
 def slice_telemetry(node_id: str, leases: list[SlotLease], stats: Mapping[str, DomainStats], *, collected_at: float,
                     interval_s: float, bounds: TelemetryBounds,
-                    fabric: Mapping[str, FabricVfCounters] | None = None) -> list[SliceTelemetry]:
+                    fabric: Mapping[str, FabricVfCounters] | None = None,
+                    gpus: GpuSensors | None = None) -> list[SliceTelemetry]:
     """One message per leased allocation (at most ``bounds.max_allocations``), from one round's stats.
 
     ``fabric``: the round's VF counters by VF PCI address (:class:`PfVfCounters`); a slot's VF absent from it
-    is unknown.
+    is unknown. ``gpus``: the health pass's last BMC reading; a slot's GPU absent from it is unknown.
 
     Only the leases decide what is reported: a domain without a lease (not ours, or a leftover) is never
     read into a message, and a leased allocation whose domain is absent from the stats reports ``shutoff``
@@ -165,7 +183,7 @@ def slice_telemetry(node_id: str, leases: list[SlotLease], stats: Mapping[str, D
         held = held[:bounds.max_slots_per_allocation]
         name = domain_name(allocation_id)
         found = stats.get(name)
-        slots = [_slot(lease, found, fabric or {}) for lease in held]
+        slots = [_slot(lease, found, fabric or {}, gpus) for lease in held]
         out.append(SliceTelemetry(
             node_id=node_id, allocation_id=allocation_id, domain=name, collected_at=collected_at,
             interval_s=interval_s, bounds=bounds, state=found.state if found else DomainState.shutoff,
@@ -193,8 +211,9 @@ class SliceTelemetryLoop:
     def __init__(self, node_id: str, source: DomainStatsSource, leases: Leases, publish: Publish, *,
                  interval_s: float = DEFAULT_INTERVAL_S, stats_timeout_s: float = 10.0,
                  clock: Callable[[], float] = time.time, guest: GuestTelemetrySource | None = None,
-                 fabric: FabricCounters | None = None) -> None:
+                 fabric: FabricCounters | None = None, gpus: GpuSensorsSource | None = None) -> None:
         self.node_id, self.source, self.leases, self.publish = node_id, source, leases, publish
+        self.gpus = gpus  # None: no BMC configured (every slot's GPU reads unknown)
         self.fabric = fabric  # None: no VF counters are read (every slot's VF reads unknown)
         self.guest = guest  # None: no allocation's guest is ever pulled (operator/guest_telemetry.py)
         self.interval_s, self.clock = interval_s, clock
@@ -216,7 +235,8 @@ class SliceTelemetryLoop:
         records = await asyncio.wait_for(self.source(), self.bounds.stats_timeout_s)
         fabric = await self._fabric(held)
         messages = slice_telemetry(self.node_id, held, parse_all(records), collected_at=collected_at,
-                                   interval_s=self.interval_s, bounds=self.bounds, fabric=fabric)
+                                   interval_s=self.interval_s, bounds=self.bounds, fabric=fabric,
+                                   gpus=self.gpus() if self.gpus is not None else None)
         messages = await self._with_guest(held, messages)
         # /metrics needs the guest pulls' outcome and size only: the series themselves are published, not kept.
         self.guest_kept = {(m.allocation_id, g.slot_index): (g.outcome, len(g.series)) for m in messages for g in m.guest}

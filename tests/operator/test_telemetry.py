@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import urllib.request
 
 import libvirt
@@ -25,8 +26,10 @@ from gpuaas_agent.daemon import run_agent
 from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink, vf_stats_of_link
 from gpuaas_agent.host.vm.domstats import parse_all
 from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtError, LibvirtLifecycle
+from gpuaas_agent.operator import bmc
 from gpuaas_agent.operator.metrics import AgentMetrics
 from gpuaas_agent.operator.telemetry import (
+    GpuSensors,
     PfVfCounters,
     SliceMetricsCollector,
     SliceTelemetryLoop,
@@ -39,6 +42,7 @@ from tests.conftest import REPO
 from tests.support.agent_process import enrolled_setup
 from tests.support.deadline import run_bounded
 from tests.support.nats_server import NatsServer, free_port, nats_server_binary
+from tests.support.redfish_server import PCI, RedfishServer
 
 NODE = "node-telemetry"
 RECORDED_ALLOC = "01234567-89ab-cdef-0123-456789abcdef"  # the recorded domain's name is this allocation's
@@ -61,6 +65,34 @@ def recorded_stats():
 # -- pure matching -----------------------------------------------------------------------------------------
 
 
+def test_each_slot_carries_its_own_gpus_bmc_sensors_and_never_another_slots(tmp_path):
+    """The real DGX H100 capture read as the health pass reads it; each slot gets the GPU its lease names."""
+    server = RedfishServer(tmp_path, expand=True)
+    shutil.copytree(REPO / "fixtures/redfish/dgx-h100-viking/redfish/v1", server.mockup)
+    server.start()
+    try:
+        reading = bmc.read_bmc_verdicts(server.config())
+    finally:
+        server.stop()
+    gpus = GpuSensors(read_at=reading.read_at, by_pci_address=reading.sensors_by_pci_address())
+    mine = lease(RECORDED_ALLOC, 0, RECORDED_DISK).model_copy(update={"gpu_pci_address": PCI["GPU_SXM_3"]})
+    other = lease(ALLOC_A, 1).model_copy(update={"gpu_pci_address": PCI["GPU_SXM_7"]})
+    unread = lease(ALLOC_B, 2).model_copy(update={"gpu_pci_address": "0000:ff:00.0"})  # not on this BMC's board
+    messages = {m.allocation_id: m for m in slice_telemetry(
+        NODE, [mine, other, unread], recorded_stats(), collected_at=100.0, interval_s=15.0,
+        bounds=default_bounds(5.0), gpus=gpus)}
+    slot, = messages[RECORDED_ALLOC].slots
+    assert slot.gpu is not None and (slot.gpu.gpu_id, slot.gpu.sxm_slot) == ("GPU_SXM_3", "SXM3")
+    assert slot.gpu.temperature is not None and slot.gpu.memory_temperature is not None
+    assert slot.gpu.nvlink is not None and slot.gpu.nvlink.ports == 18
+    assert slot.gpu_read_at == reading.read_at and "slot.0.gpu" not in messages[RECORDED_ALLOC].not_reported
+    assert messages[ALLOC_A].slots[0].gpu.gpu_id == "GPU_SXM_7"
+    wire = messages[RECORDED_ALLOC].model_dump_json()
+    assert "GPU_SXM_7" not in wire and "GPU_SXM_3" in wire, "a tenant's message names no other GPU"
+    assert messages[ALLOC_B].slots[0].gpu is None
+    assert SliceTelemetry.from_wire(json.loads(wire)) == messages[RECORDED_ALLOC]
+
+
 def test_a_recorded_domain_is_matched_to_its_lease_slot_disk_and_vnic():
     bounds = default_bounds(5.0)
     message, = slice_telemetry(NODE, [lease(RECORDED_ALLOC, 0, RECORDED_DISK)], recorded_stats(),
@@ -75,7 +107,10 @@ def test_a_recorded_domain_is_matched_to_its_lease_slot_disk_and_vnic():
         "gs0-0123456789", 90)
     # The slot's fabric VF: no PF counters were read, so unknown and named, never 0.
     assert slot.fabric_vf is None
-    assert message.not_reported == ["slot.0.fabric_vf"] and (message.interval_s, message.bounds) == (15.0, bounds)
+    # Its GPU likewise: no BMC reading was given (no BMC configured).
+    assert slot.gpu is None and slot.gpu_read_at is None
+    assert message.not_reported == ["slot.0.fabric_vf", "slot.0.gpu"] and (message.interval_s, message.bounds) == (
+        15.0, bounds)
     assert SliceTelemetry.from_wire(json.loads(message.model_dump_json())) == message  # the wire round trip
 
 
