@@ -55,10 +55,9 @@ class DiskCounters(WireModel):
     write_ops: Counter = Field(default=None, ge=0)
 
 
-class NicCounters(WireModel):
-    """The slot's management vNIC (libvirt ``net.<n>.*``, the host's tap: rx is what the guest sent)."""
+class LinkCounters(WireModel):
+    """A link's traffic both ways: bytes, packets and drops received (rx) and sent (tx); None where not counted."""
 
-    interface: str = Field(min_length=1, max_length=15)
     rx_bytes: Counter = Field(default=None, ge=0)
     rx_packets: Counter = Field(default=None, ge=0)
     rx_drops: Counter = Field(default=None, ge=0)
@@ -67,7 +66,13 @@ class NicCounters(WireModel):
     tx_drops: Counter = Field(default=None, ge=0)
 
 
-class FabricVfCounters(WireModel):
+class NicCounters(LinkCounters):
+    """The slot's management vNIC (libvirt ``net.<n>.*``, the host's tap: rx is what the guest sent)."""
+
+    interface: str = Field(min_length=1, max_length=15)
+
+
+class FabricVfCounters(LinkCounters):
     """The slot's fabric VF as its PF counts it (IFLA_VF_STATS of the PF's IFLA_VFINFO_LIST, from the host).
 
     Read only from a PF whose driver implements the VF counters (mlx5_core); the kernel reports zeroes for
@@ -78,12 +83,6 @@ class FabricVfCounters(WireModel):
     vf_pci_address: str = Field(min_length=1, max_length=16)
     pf_netdev: str = Field(min_length=1, max_length=15)
     vf_index: int = Field(ge=0)
-    rx_bytes: Counter = Field(default=None, ge=0)
-    rx_packets: Counter = Field(default=None, ge=0)
-    rx_drops: Counter = Field(default=None, ge=0)
-    tx_bytes: Counter = Field(default=None, ge=0)
-    tx_packets: Counter = Field(default=None, ge=0)
-    tx_drops: Counter = Field(default=None, ge=0)
 
 
 class SlotTelemetry(WireModel):
