@@ -232,7 +232,7 @@ class IsolationJudgement:
 
 def judge_isolation(slice_config: SliceConfig, snap: IsolationSnapshot, *, ports: Sequence[OvsPort],
                     active: Sequence[ActivePort], known: Set[str],
-                    exporter_port: int | None = None) -> IsolationJudgement:
+                    exporter_port: int | None = None, leased: Sequence[ActivePort] | None = None) -> IsolationJudgement:
     """Findings for flows and the nft guard, and the repairs that restore them (pure).
 
     ``ports``: every agent port in ovsdb; ``known``: allocations this host still knows
@@ -240,7 +240,10 @@ def judge_isolation(slice_config: SliceConfig, snap: IsolationSnapshot, *, ports
     port of a known allocation are orphans. Repairs never loosen anything: they
     restore the rules a reservation implies or delete rules nobody owns.
     ``exporter_port``: the guest exporter's port (None: no guest's may be opened); the host
-    may open it towards exactly the opted-in active slots' IPs.
+    may open it towards exactly the opted-in active slots' IPs. ``leased``: every leased slot's port and
+    reservation, active or still provisioning (default: ``active``): an opening of an opted-in lease whose
+    provision is still running is its provision's, not an orphan; only active slots' missing openings are
+    reopened.
     """
     findings: list[DriftFinding] = []
     repairs: list[IsolationRepair] = []
@@ -299,7 +302,9 @@ def judge_isolation(slice_config: SliceConfig, snap: IsolationSnapshot, *, ports
                                  expected="not in the guard's set (no such port)", actual="in the set", port=name))
     # The exporter openings: exactly the opted-in active ports' IPs, each under its own port's name.
     granted = {entry.ip: entry.port.name for entry in active if entry.guest_telemetry} if exporter_port else {}
-    ungranted = sorted(ip for ip, name in state.exporters.items() if granted.get(ip) != name)
+    allowed = {entry.ip: entry.port.name for entry in (active if leased is None else leased)
+               if entry.guest_telemetry} if exporter_port else {}
+    ungranted = sorted(ip for ip, name in state.exporters.items() if allowed.get(ip) != name)
     closed = sorted(ip for ip in granted if state.exporters.get(ip) != granted[ip] and state.present)
     for ip in ungranted:
         findings.append(_finding(DriftKind.nft_guard_orphan, state.exporters[ip] or ip, DriftSeverity.error,
@@ -314,7 +319,8 @@ def judge_isolation(slice_config: SliceConfig, snap: IsolationSnapshot, *, ports
     if needs_table or orphans:
         keep = [n for n in listed if n in kept]
         repairs.append(RepairGuard(replace=True, names=tuple(dict.fromkeys([*keep, *wanted])),
-                                   exporters=tuple(sorted((name, ip) for ip, name in granted.items()))))
+                                   exporters=tuple(sorted((name, ip) for ip, name in allowed.items()
+                                                          if ip in granted or state.exporters.get(ip) == name))))
     else:
         if unguarded:
             repairs.append(RepairGuard(replace=False, names=tuple(unguarded)))

@@ -285,12 +285,15 @@ def orphan_ports(snap: HostSnapshot) -> list[tuple[DriftFinding, OvsPort]]:
             for port in snap.ports if port.allocation_id not in known]
 
 
-def active_ports(snap: HostSnapshot) -> list[ActivePort]:
-    """Port isolation (docs/safety.md §9): each active slot's port with the reservation its rules follow."""
+def active_ports(snap: HostSnapshot, *, in_flight: bool = False) -> list[ActivePort]:
+    """Port isolation (docs/safety.md §9): each active slot's port with the reservation its rules follow.
+
+    ``in_flight``: every leased slot's port and reservation instead, whatever its record says (a provision
+    still running has plugged its port and opened what its payload asked for)."""
     return [ActivePort(port=port, mac=res.mac, ip=str(res.ip), guest_telemetry=lease.guest_telemetry)
             for lease in snap.leases
-            if (rec := snap.records.get(lease.slot_index)) is not None and rec.status is SlotStatus.active
-            and rec.allocation_id == lease.allocation_id
+            if in_flight or ((rec := snap.records.get(lease.slot_index)) is not None
+                             and rec.status is SlotStatus.active and rec.allocation_id == lease.allocation_id)
             for port in snap.ports if (port.allocation_id, port.slot_index) == (lease.allocation_id, lease.slot_index)
             for res in snap.reservations if (res.allocation_id, res.slot_index) == (lease.allocation_id,
                                                                                       lease.slot_index)]
@@ -317,7 +320,7 @@ def judge(snap: HostSnapshot, slice_config: SliceConfig, *, exporter_port: int |
     active = active_ports(snap)
     isolation = None if snap.isolation is None else judge_isolation(
         slice_config, snap.isolation, ports=snap.ports, active=active, known=snap.known,
-        exporter_port=exporter_port)
+        exporter_port=exporter_port, leased=active_ports(snap, in_flight=True))
     return Judgement(findings=findings, repairs=repairs, active=active, isolation=isolation)
 
 

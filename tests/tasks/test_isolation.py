@@ -153,6 +153,26 @@ def test_the_exporter_opening_is_exactly_the_opted_in_slots_ip_under_its_own_por
         assert wide.repairs == [RepairExporters(close=tuple(opened), open=())]
 
 
+def test_an_opted_in_slot_still_provisioning_keeps_the_opening_its_provision_made():
+    """Found in the lab: reconcile (the network watch's repair, woken by the new taps) ran while three provisions
+    were still going and closed the exporter opening each had made at its plug, as if nobody had granted it;
+    the host could not reach the guest's exporter until a later reconcile reopened it. A leased slot that is
+    not active yet keeps its own opening; an opening of a lease that did not opt in is still closed."""
+    name = ACTIVE.port.name
+    opened = _snapshot(guard=_opened({ACTIVE.ip: name}))
+    provisioning = judge_isolation(SLICE, opened, ports=(ACTIVE.port,), active=(), known=frozenset({A}),
+                                   exporter_port=EXPORTER_PORT, leased=(OPTED,))
+    assert provisioning.findings == [] and provisioning.repairs == []
+    not_opted = judge_isolation(SLICE, opened, ports=(ACTIVE.port,), active=(), known=frozenset({A}),
+                                exporter_port=EXPORTER_PORT, leased=(ACTIVE,))
+    assert [(f.kind, f.severity.value) for f in not_opted.findings] == [(DriftKind.nft_guard_orphan, "error")]
+    assert not_opted.repairs == [RepairExporters(close=(ACTIVE.ip,), open=())]
+    # Nothing is opened for a slot still provisioning: its provision opens it (and its undo closes it).
+    closed = judge_isolation(SLICE, _snapshot(guard=_opened({})), ports=(ACTIVE.port,), active=(),
+                             known=frozenset({A}), exporter_port=EXPORTER_PORT, leased=(OPTED,))
+    assert closed.findings == [] and closed.repairs == []
+
+
 def test_a_replaced_guard_table_opens_exactly_the_granted_exporters():
     judged = judge_isolation(SLICE, _snapshot(guard=_guard(present=False)), ports=(ACTIVE.port,), active=(OPTED,),
                              known=frozenset({A}), exporter_port=EXPORTER_PORT)
