@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import urllib.request
 
 import libvirt
@@ -518,6 +520,78 @@ def test_the_daemon_publishes_each_leased_allocation_on_its_subject_and_serves_s
     assert (telemetry.allocation_id, telemetry.state, telemetry.interval_s) == (ALLOC_A, DomainState.running, 0.2)
     assert f'gpuaas_agent_slice_info{{allocation_id="{ALLOC_A}",domain="{domain_name(ALLOC_A)}",slot="0"}} 1.0' in scrape
     assert 'gpuaas_agent_slice_telemetry_rounds_total{outcome="ok"}' in scrape
+
+
+async def _until(sub, done, timeout_s: float) -> list[tuple[str, bytes, SliceTelemetry]]:
+    """Every message read until one for which ``done(message)`` holds (the last); fails after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    seen = []
+    while True:
+        msg = await sub.next_msg(timeout=max(0.01, deadline - asyncio.get_running_loop().time()))
+        seen.append((msg.subject, msg.data, SliceTelemetry.model_validate_json(msg.data)))
+        if done(seen[-1][2]):
+            return seen
+
+
+def test_the_daemon_sends_a_slot_its_own_gpus_bmc_sensors_and_never_a_reading_older_than_three_health_rounds(
+        nats_server, tmp_path, test_driver, capture):
+    """``run_agent`` with a ``[bmc]`` on the real DGX H100 capture (served over TLS, as the BMC tests serve it): the
+    daemon's own health rounds read the BMC and its slice telemetry sends the leased slot GPU_SXM_3's sensors, no
+    other GPU's. Then the BMC stops answering (SIGSTOP: its read hangs, no newer reading lands) and the last
+    reading is sent only while it is younger than three health intervals; after that the slot's GPU is null and
+    ``slot.0.gpu`` is named in ``not_reported``."""
+    health_s = 2.0  # the reading may be 3 x 2 s old: a BMC pass here takes about 1 s
+    max_age_s = 3 * health_s
+    gpu3 = json.loads((CAPTURE / "Systems/HGX_Baseboard_0/Processors/GPU_SXM_3/index.json").read_text())
+    # A hung request outlasts the test (60 s, and the check's own 45 s): no error reading replaces the last one.
+    bmc_table = {"url": f"https://127.0.0.1:{capture.port}", "credentials_file": str(capture.creds),
+                 "ca_file": str(capture.cert), "gpu_pci_addresses": PCI, "request_timeout_s": 60.0}
+
+    async def body():
+        plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path, slice_telemetry_interval_s=0.2,
+                                                           health_interval_s=health_s, bmc=bmc_table)
+        config = load_config(config_path)
+        held = StateStore.open(config.state_db)
+        try:
+            held.take_leases([lease(ALLOC_A, 0).model_copy(update={"gpu_pci_address": PCI["GPU_SXM_3"]})])
+        finally:
+            held.close()
+        sub = await plane.nc.subscribe(subjects.telemetry_any(node_id))
+        await plane.nc.flush()
+        stop = asyncio.Event()
+        agent = asyncio.create_task(run_agent(config, stop))
+        try:
+            fresh = await _until(sub, lambda m: m.slots[0].gpu is not None, 60)
+            os.kill(capture.proc.pid, signal.SIGSTOP)
+            try:
+                after = await _until(sub, lambda m: m.slots[0].gpu is None, max_age_s + 30)
+            finally:
+                os.kill(capture.proc.pid, signal.SIGCONT)
+        finally:
+            stop.set()
+            code = await asyncio.wait_for(agent, 30)
+            await plane.close()
+        return node_id, fresh, after, code
+
+    node_id, fresh, after, code = run_bounded(body())
+    assert code == 0
+    assert {subject for subject, _, _ in fresh + after} == {subjects.telemetry(node_id, ALLOC_A)}
+    _, data, first = fresh[-1]
+    gpu = first.slots[0].gpu
+    assert (gpu.gpu_id, gpu.sxm_slot, gpu.serial_number) == ("GPU_SXM_3", "SXM3", gpu3["SerialNumber"])
+    assert gpu.temperature.reading_c is not None and gpu.memory_temperature.critical.source == "bmc"
+    assert gpu.nvlink is not None and gpu.nvlink.ports == 18
+    assert "slot.0.gpu" not in first.not_reported
+    assert not [n for n in range(1, 9) if n != 3 and f"GPU_SXM_{n}".encode() in data], "another GPU's sensors"
+    # Sent only while young: every message that carries the GPU was collected within three health intervals of
+    # the reading; the first one after the BMC hung that does not is past that age, not cut short by anything.
+    carried = [m for _, _, m in fresh + after if m.slots[0].gpu is not None]
+    assert all(m.collected_at - m.slots[0].gpu_read_at.timestamp() <= max_age_s for m in carried)
+    last_read = max(m.slots[0].gpu_read_at.timestamp() for m in carried)
+    stale = after[-1][2]
+    assert stale.slots[0].gpu is None and stale.slots[0].gpu_read_at is None
+    assert "slot.0.gpu" in stale.not_reported
+    assert stale.collected_at - last_read > max_age_s
 
 
 def _scrape(port: int) -> str:
