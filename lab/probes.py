@@ -13,7 +13,9 @@ probe                  expect   how
 ssh_to_a               allowed  a command runs in A
 dhcp_lease_a           allowed  dnsmasq's lease of A's MAC holds A's IP, and A's NIC has it
 egress_nat             allowed  A reaches the upstream listener; it saw the NAT'd address
-reach_b_icmp           blocked  A pings B (the host can: control)
+reach_b_icmp           blocked  A pings B (the host reads B's SSH banner: control)
+host_icmp_b            blocked  the host pings B: the guard's host_output drops ICMP echo (the host
+                                reads B's SSH banner: control)
 reach_b_tcp            blocked  A connects to B's SSH (the host gets its banner: control)
 host_service_gateway   blocked  A connects to a TCP listener on the gateway address
 take_b_ip              blocked  A adds B's IP and pings the gateway from it; the host's
@@ -169,10 +171,23 @@ async def run_probes(lab, a: Guest, b: Guest) -> list[Probe]:
             ok = f"peer={up.host_ip}" in out and seen and all(p == up.host_ip for p in seen) and a.ip not in seen
             return bool(ok), f"guest read {out.strip()!r}; listener saw {seen}"
 
+        async def b_banner() -> str:
+            """B's SSH banner read by the host: B is up and reachable, and the host holds B's neighbour entry
+            (not a ping: the guard drops the host's ICMP echo to a guest, host_icmp_b)."""
+            return await wait_for_ssh(b.ip, deadline=asyncio.get_running_loop().time() + 30)
+
         async def reach_b_icmp():
-            control = _host("busybox", "ping", "-c", "1", "-W", "3", b.ip).returncode == 0
+            banner = await b_banner()
             rc, _ = await shell_a.run(f"ping -c 2 -W 2 {b.ip}")
-            return control and rc != 0, f"host->B ping ok={control}; A->B ping rc={rc}"
+            return rc != 0, f"host read B's banner {banner!r}; A->B ping rc={rc}"
+
+        async def host_icmp_b():
+            banner = await b_banner()
+            done = _host("busybox", "ping", "-c", "1", "-W", "3", b.ip)
+            said = (done.stdout + done.stderr).strip()
+            # refused by the host's own output hook (EPERM at once), not merely unanswered
+            return done.returncode != 0 and "Operation not permitted" in said, \
+                f"host read B's banner {banner!r}; host->B ping rc={done.returncode} {said[-80:]!r}"
 
         async def reach_b_tcp():
             banner = await wait_for_ssh(b.ip, deadline=asyncio.get_running_loop().time() + 30)
@@ -200,7 +215,7 @@ async def run_probes(lab, a: Guest, b: Guest) -> list[Probe]:
                 f"listener {gw}:{port} accepted {seen}; A read {out.strip()[:80]!r}"
 
         async def take_b_ip():
-            _host("busybox", "ping", "-c", "1", "-W", "3", b.ip)  # the host's entry of B exists and is B's
+            await b_banner()  # the host's entry of B exists and is B's
             _, out = await shell_a.run(
                 f"ip addr add {b.ip}/32 dev {ifname}; ping -c 3 -W 2 -I {b.ip} {gw}; echo rc=$?; "
                 f"ip addr del {b.ip}/32 dev {ifname}")
@@ -209,7 +224,7 @@ async def run_probes(lab, a: Guest, b: Guest) -> list[Probe]:
                 f"A ping from B's IP rc={_rc(out)}; host neigh {b.ip} -> {mac} (B is {b.mac})"
 
         async def arp_spoof_b():
-            _host("busybox", "ping", "-c", "1", "-W", "3", b.ip)
+            await b_banner()
             _, out = await shell_a.run(
                 f"ip addr add {b.ip}/32 dev {ifname}; arping -U -c 3 -w 4 -I {ifname} {b.ip}; echo rc=$?; "
                 f"ip addr del {b.ip}/32 dev {ifname}")
@@ -241,6 +256,7 @@ async def run_probes(lab, a: Guest, b: Guest) -> list[Probe]:
         for name, expect, body in (
             ("ssh_to_a", "allowed", ssh_to_a), ("dhcp_lease_a", "allowed", dhcp_lease_a),
             ("egress_nat", "allowed", egress_nat), ("reach_b_icmp", "blocked", reach_b_icmp),
+            ("host_icmp_b", "blocked", host_icmp_b),
             ("reach_b_tcp", "blocked", reach_b_tcp), ("host_service_gateway", "blocked", host_service_gateway),
             ("take_b_ip", "blocked", take_b_ip), ("arp_spoof_b", "blocked", arp_spoof_b),
             ("arp_spoof_gateway", "blocked", arp_spoof_gateway), ("take_b_mac", "blocked", take_b_mac),

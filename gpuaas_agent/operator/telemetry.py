@@ -13,6 +13,13 @@ maps a slot to its allocation, so a new allocation adds no series beyond its slo
 per allocation. Nothing per slice outlives its lease: a scrape shows only allocations that hold a lease at that
 moment, and each round keeps only what it read for the leased allocations.
 
+Each slot's GPU, as the health pass's last BMC reading gave it (``SlotTelemetry.gpu``), is on ``/metrics`` too
+(:func:`_gpu_families`): temperatures with their thresholds (``source`` says whose), power, ECC, row remaps, PCIe,
+throttle reasons counted by kind, and NVLink **per slot**: the reading sums each counter over the GPU's ports
+(contract/bmc.py ``NvLinkTelemetry``), so there is no per-link counter to show; the one per-link series is
+``gpuaas_agent_slice_gpu_nvlink_port_down{slot, link}`` for a port the BMC reports down, bounded by the BMC's own
+port count (operator/redfish.py ``MAX_PORT_MEMBERS``, 18 on an H100/H200) and empty while every link is up.
+
 What a round may cost is bounded: one stats call with a deadline (a late or failed round is logged, counted
 and skipped, never retried within the interval), at most ``max_allocations`` messages.
 
@@ -40,7 +47,7 @@ from prometheus_client.metrics_core import Metric
 from pydantic import ValidationError
 
 from gpuaas_agent.contract import subjects
-from gpuaas_agent.contract.bmc import GpuTelemetry
+from gpuaas_agent.contract.bmc import GpuTelemetry, TemperatureReading
 from gpuaas_agent.contract.domain import DomainState
 from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.state import SlotLease
@@ -391,6 +398,118 @@ def _slice_families(messages: list[SliceTelemetry]) -> Iterator[Metric]:
                     if device is not None and (v := getattr(device, attr)) is not None:
                         counter.add_metric([str(s.slot_index)], v)
             yield counter
+    yield from _gpu_families([(str(s.slot_index), s) for m in messages for s in m.slots])
+
+
+def _family(kind: str, name: str, doc: str, labels: list[str]) -> CounterMetricFamily | GaugeMetricFamily:
+    return (CounterMetricFamily(name, doc, labels=labels) if kind == "counter"
+            else GaugeMetricFamily(name, doc, labels=labels))
+
+
+# (kind, series, help, extra label, (label value, GpuTelemetry field) ...): one family each, labelled by slot and,
+# where it has one, a label whose values are fixed here (never a string the BMC chose).
+_GPU_SERIES: tuple[tuple[str, str, str, str | None, tuple[tuple[str, str], ...]], ...] = (
+    ("gauge", "gpuaas_agent_slice_gpu_power_watts", "the slot GPU's power draw (BMC)", None, (("", "power_w"),)),
+    ("gauge", "gpuaas_agent_slice_gpu_power_limit_watts", "the slot GPU's power limit (BMC)", None,
+     (("", "power_limit_w"),)),
+    ("counter", "gpuaas_agent_slice_gpu_sram_ecc_errors", "the slot GPU's SRAM ECC errors (BMC, lifetime)",
+     "severity", (("correctable", "sram_ecc_correctable"), ("uncorrectable", "sram_ecc_uncorrectable"))),
+    ("counter", "gpuaas_agent_slice_gpu_dram_ecc_errors", "the slot GPU's HBM ECC errors (BMC, lifetime)",
+     "severity", (("correctable", "dram_ecc_correctable"), ("uncorrectable", "dram_ecc_uncorrectable"))),
+    ("gauge", "gpuaas_agent_slice_gpu_remapped_rows", "the slot GPU's HBM rows remapped, by the error that caused it",
+     "severity", (("correctable", "row_remap_correctable"), ("uncorrectable", "row_remap_uncorrectable"))),
+    ("gauge", "gpuaas_agent_slice_gpu_row_remapping", "1 when the slot GPU's row remapping failed / is pending",
+     "state", (("failed", "row_remapping_failed"), ("pending", "row_remapping_pending"))),
+    ("counter", "gpuaas_agent_slice_gpu_pcie_errors", "the slot GPU's PCIe errors (BMC)", "severity",
+     (("correctable", "pcie_correctable"), ("nonfatal", "pcie_nonfatal"), ("fatal", "pcie_fatal"))),
+)
+# NVLink, summed over the GPU's ports by the reading (contract/bmc.py NvLinkTelemetry): per slot, not per link.
+_NVLINK_SERIES: tuple[tuple[str, str, str, str | None, tuple[tuple[str, str], ...]], ...] = (
+    ("gauge", "gpuaas_agent_slice_gpu_nvlink_ports", "the slot GPU's NVLink ports (BMC), by link status", "state",
+     (("listed", "ports"), ("up", "ports_up"), ("disabled", "ports_disabled"), ("counted", "metrics_read"))),
+    ("counter", "gpuaas_agent_slice_gpu_nvlink_errors",
+     "the slot GPU's NVLink error counters, summed over its counted ports (BMC)", "kind",
+     (("data_crc", "data_crc_count"), ("flit_crc", "flit_crc_count"), ("recovery", "recovery_count"),
+      ("replay", "replay_count"))),
+    ("gauge", "gpuaas_agent_slice_gpu_nvlink_error_ports", "the slot GPU's NVLink ports reporting an error (BMC)",
+     "error", (("runtime", "runtime_error_ports"), ("training", "training_error_ports"))),
+)
+
+
+def _value(model: object, attr: str) -> float | None:
+    value = getattr(model, attr)
+    return None if value is None else float(value)
+
+
+def _gpu_families(slots: list[tuple[str, SlotTelemetry]]) -> Iterator[Metric]:
+    """The leased slots' GPU sensors from the health pass's last BMC reading; a value the BMC did not give has no
+    sample (unknown is never 0). Bounded: a few series per slot, each label's values fixed here, ``link`` by the
+    BMC's own port count."""
+    gpus = [(slot, s.gpu, s.gpu_read_at) for slot, s in slots if s.gpu is not None]
+    info = GaugeMetricFamily("gpuaas_agent_slice_gpu_info", "1 for each slot whose GPU the BMC read: its BMC id",
+                             labels=["slot", "gpu_id", "sxm_slot"])
+    read_at = GaugeMetricFamily("gpuaas_agent_slice_gpu_read_timestamp_seconds",
+                                "when the health pass read the slot GPU from the BMC", labels=["slot"])
+    for slot, gpu, at in gpus:
+        info.add_metric([slot, gpu.gpu_id, gpu.sxm_slot or ""], 1)
+        if at is not None:
+            read_at.add_metric([slot], at.timestamp())
+    yield info
+    yield read_at
+    yield from _temperature_families(gpus)
+    for kind, name, doc, label, fields in _GPU_SERIES:
+        family = _family(kind, name, doc, ["slot"] + ([label] if label else []))
+        for slot, gpu, _ in gpus:
+            for value_label, attr in fields:
+                if (v := _value(gpu, attr)) is not None:
+                    family.add_metric([slot] + ([value_label] if label else []), v)
+        yield family
+    throttle = GaugeMetricFamily("gpuaas_agent_slice_gpu_throttle_reasons",
+                                 "the slot GPU's throttle reasons now, counted by kind (hardware: HW*, what degrades "
+                                 "health); no sample where the BMC does not say (NA)", labels=["slot", "kind"])
+    for slot, gpu, _ in gpus:
+        if gpu.throttle_reasons is not None:
+            hardware = sum(1 for r in gpu.throttle_reasons if r.startswith("HW"))
+            throttle.add_metric([slot, "hardware"], hardware)
+            throttle.add_metric([slot, "other"], len(gpu.throttle_reasons) - hardware)
+    yield throttle
+    for kind, name, doc, label, fields in _NVLINK_SERIES:
+        family = _family(kind, name, doc, ["slot", label or ""])
+        for slot, gpu, _ in gpus:
+            for value_label, attr in fields:
+                if gpu.nvlink is not None and (v := _value(gpu.nvlink, attr)) is not None:
+                    family.add_metric([slot, value_label], v)
+        yield family
+    down = GaugeMetricFamily("gpuaas_agent_slice_gpu_nvlink_port_down",
+                             "1 for each NVLink port of the slot GPU the BMC reports not LinkUp", labels=["slot", "link"])
+    for slot, gpu, _ in gpus:
+        for link in gpu.nvlink.ports_down if gpu.nvlink is not None else ():
+            down.add_metric([slot, link], 1)
+    yield down
+
+
+def _temperature_families(gpus: list[tuple[str, GpuTelemetry, datetime | None]]) -> Iterator[Metric]:
+    """GPU and memory (HBM) temperatures, and the thresholds they are judged by with whose each is: ``bmc`` (the
+    sensor's own) or ``nvidia_limit`` (NVIDIA's, where the BMC gives none: the GPU temperature on a real HGX)."""
+    temperature = GaugeMetricFamily("gpuaas_agent_slice_gpu_temperature_celsius",
+                                    "the slot GPU's temperatures (BMC): the die (gpu) and the HBM (memory)",
+                                    labels=["slot", "sensor"])
+    threshold = GaugeMetricFamily("gpuaas_agent_slice_gpu_temperature_threshold_celsius",
+                                  "the threshold each slot GPU temperature is judged by, and whose it is",
+                                  labels=["slot", "sensor", "level", "source"])
+    for slot, gpu, _ in gpus:
+        readings: tuple[tuple[str, TemperatureReading | None], ...] = (
+            ("gpu", gpu.temperature), ("memory", gpu.memory_temperature))
+        for sensor, reading in readings:
+            if reading is None:
+                continue
+            if reading.reading_c is not None:
+                temperature.add_metric([slot, sensor], reading.reading_c)
+            for level, limit in (("caution", reading.caution), ("critical", reading.critical)):
+                if limit is not None:
+                    threshold.add_metric([slot, sensor, level, limit.source], limit.reading_c)
+    yield temperature
+    yield threshold
 
 
 def _guest_families(guest: GuestTelemetrySource, kept: dict[tuple[str, int], tuple[str, int]]) -> Iterator[Metric]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import urllib.request
 
 import libvirt
@@ -65,15 +67,42 @@ def recorded_stats():
 # -- pure matching -----------------------------------------------------------------------------------------
 
 
-def test_each_slot_carries_its_own_gpus_bmc_sensors_and_never_another_slots(tmp_path):
+CAPTURE = REPO / "fixtures/redfish/dgx-h100-viking/redfish/v1"
+GPU_PORTS = "Systems/HGX_Baseboard_0/Processors/GPU_SXM_3/Ports"
+
+
+@pytest.fixture(scope="module")
+def bmc_capture(tmp_path_factory):
+    """The real DGX H100 capture served over TLS as the BMC tests serve it (tests/operator/test_bmc_capture.py),
+    ``$expand`` answered; one server for the module."""
+    srv = RedfishServer(tmp_path_factory.mktemp("capture"), expand=True)
+    shutil.copytree(CAPTURE, srv.mockup)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def capture(bmc_capture):
+    """The served capture; ``capture.edit(rel, change)`` changes one document, restored after the test."""
+    saved: dict = {}
+
+    def edit(rel: str, change) -> None:
+        path = bmc_capture.mockup / rel / "index.json"
+        saved.setdefault(path, path.read_text())
+        doc = json.loads(path.read_text())
+        change(doc)
+        path.write_text(json.dumps(doc))
+
+    bmc_capture.edit = edit
+    yield bmc_capture
+    for path, text in saved.items():
+        path.write_text(text)
+
+
+def test_each_slot_carries_its_own_gpus_bmc_sensors_and_never_another_slots(capture):
     """The real DGX H100 capture read as the health pass reads it; each slot gets the GPU its lease names."""
-    server = RedfishServer(tmp_path, expand=True)
-    shutil.copytree(REPO / "fixtures/redfish/dgx-h100-viking/redfish/v1", server.mockup)
-    server.start()
-    try:
-        reading = bmc.read_bmc_verdicts(server.config())
-    finally:
-        server.stop()
+    reading = bmc.read_bmc_verdicts(capture.config())
     gpus = GpuSensors(read_at=reading.read_at, by_pci_address=reading.sensors_by_pci_address())
     mine = lease(RECORDED_ALLOC, 0, RECORDED_DISK).model_copy(update={"gpu_pci_address": PCI["GPU_SXM_3"]})
     other = lease(ALLOC_A, 1).model_copy(update={"gpu_pci_address": PCI["GPU_SXM_7"]})
@@ -91,6 +120,104 @@ def test_each_slot_carries_its_own_gpus_bmc_sensors_and_never_another_slots(tmp_
     assert "GPU_SXM_7" not in wire and "GPU_SXM_3" in wire, "a tenant's message names no other GPU"
     assert messages[ALLOC_B].slots[0].gpu is None
     assert SliceTelemetry.from_wire(json.loads(wire)) == messages[RECORDED_ALLOC]
+
+
+def _samples(scrape: str, prefix: str) -> dict[str, float]:
+    """``name{labels}`` -> value of every sample whose line starts with ``prefix``."""
+    out = {}
+    for line in scrape.splitlines():
+        if line.startswith(prefix):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def test_each_slots_gpu_sensors_and_nvlink_are_on_metrics_by_slot_and_leave_with_its_lease(capture):
+    """The real capture, GPU_SXM_3 with a down link, NVLink errors and throttle reasons written into its documents:
+    slot 0 (GPU_SXM_3) and slot 1 (GPU_SXM_7) on /metrics, labelled by slot only (the GPU named once, in the info
+    series), thresholds with whose they are, NVLink per slot and the down link by name; released, all gone."""
+    capture.edit(f"{GPU_PORTS}/NVLink_4/Metrics", lambda d: d["Oem"]["Nvidia"]["NVLinkErrors"].update(
+        ReplayCount=7, FlitCRCCount=3, RuntimeError=True))
+    capture.edit(f"{GPU_PORTS}/NVLink_9/Metrics", lambda d: d["Oem"]["Nvidia"]["NVLinkErrors"].update(
+        ReplayCount=5, RecoveryCount=2, DataCRCCount=1, TrainingError=True))
+    capture.edit(f"{GPU_PORTS}/NVLink_9", lambda d: d.update(LinkStatus="LinkDown", LinkState="Disabled"))
+    capture.edit("Systems/HGX_Baseboard_0/Processors/GPU_SXM_3/ProcessorMetrics",
+                 lambda d: d["Oem"]["Nvidia"].update(ThrottleReasons=["HWThermalSlowdown", "SWPowerCap"]))
+    reading = bmc.read_bmc_verdicts(capture.config())
+    sensors = reading.sensors_by_pci_address()
+    gpu3, gpu7 = sensors[PCI["GPU_SXM_3"]], sensors[PCI["GPU_SXM_7"]]
+    held = {RECORDED_ALLOC: [lease(RECORDED_ALLOC, 0, RECORDED_DISK).model_copy(
+        update={"gpu_pci_address": PCI["GPU_SXM_3"]})],
+        ALLOC_A: [lease(ALLOC_A, 1).model_copy(update={"gpu_pci_address": PCI["GPU_SXM_7"]})]}
+
+    async def stats():
+        return json.loads((REPO / "fixtures/libvirt/domstats-qemu-7.2-slice.json").read_text())["records"]
+
+    async def leases():
+        return [lease for held_by in held.values() for lease in held_by]
+
+    async def publish(subject: str, data: bytes) -> None:
+        pass
+
+    loop = SliceTelemetryLoop(NODE, stats, leases, publish, gpus=lambda: GpuSensors(
+        read_at=reading.read_at, by_pci_address=sensors))
+    assert asyncio.run(loop.round()) == 2
+    metrics = AgentMetrics()
+    metrics.registry.register(SliceMetricsCollector(loop, lambda: set(held)))
+    scrape = metrics.render().decode()
+    gpu = _samples(scrape, "gpuaas_agent_slice_gpu_")
+
+    assert gpu['gpuaas_agent_slice_gpu_info{gpu_id="GPU_SXM_3",slot="0",sxm_slot="SXM3"}'] == 1
+    assert gpu['gpuaas_agent_slice_gpu_info{gpu_id="GPU_SXM_7",slot="1",sxm_slot="SXM7"}'] == 1
+    assert gpu['gpuaas_agent_slice_gpu_read_timestamp_seconds{slot="0"}'] == reading.read_at.timestamp()
+    # Temperatures as the BMC read them; the thresholds the real BMC carries (HBM: its own UpperCritical) and
+    # NVIDIA's limits where it carries none (the GPU die), each named by its source.
+    assert gpu['gpuaas_agent_slice_gpu_temperature_celsius{sensor="gpu",slot="0"}'] == gpu3.temperature.reading_c
+    assert gpu['gpuaas_agent_slice_gpu_temperature_celsius{sensor="memory",slot="1"}'] == (
+        gpu7.memory_temperature.reading_c)
+    assert {k: v for k, v in gpu.items() if k.startswith("gpuaas_agent_slice_gpu_temperature_threshold_celsius")
+            and 'slot="0"' in k} == {
+        'gpuaas_agent_slice_gpu_temperature_threshold_celsius{level="caution",sensor="gpu",slot="0",'
+        'source="nvidia_limit"}': 87.0,
+        'gpuaas_agent_slice_gpu_temperature_threshold_celsius{level="critical",sensor="gpu",slot="0",'
+        'source="nvidia_limit"}': 95.0,
+        'gpuaas_agent_slice_gpu_temperature_threshold_celsius{level="critical",sensor="memory",slot="0",'
+        'source="bmc"}': 95.0}
+    assert gpu['gpuaas_agent_slice_gpu_power_watts{slot="1"}'] == gpu7.power_w
+    assert gpu['gpuaas_agent_slice_gpu_power_limit_watts{slot="0"}'] == 700.0
+    assert gpu['gpuaas_agent_slice_gpu_dram_ecc_errors_total{severity="uncorrectable",slot="0"}'] == 0
+    assert gpu['gpuaas_agent_slice_gpu_pcie_errors_total{severity="fatal",slot="1"}'] == 0
+    assert gpu['gpuaas_agent_slice_gpu_row_remapping{slot="0",state="failed"}'] == 0
+    # Throttle reasons by kind; ["NA"] (GPU_SXM_7, as captured) is "the BMC does not say": no sample, never 0.
+    assert gpu['gpuaas_agent_slice_gpu_throttle_reasons{kind="hardware",slot="0"}'] == 1
+    assert gpu['gpuaas_agent_slice_gpu_throttle_reasons{kind="other",slot="0"}'] == 1
+    assert not any(k.startswith("gpuaas_agent_slice_gpu_throttle_reasons{") and 'slot="1"' in k for k in gpu)
+    # NVLink per slot (the reading sums the ports), the down link by name (bounded by the BMC's own ports).
+    nvlink = {k: v for k, v in gpu.items() if "_nvlink_" in k and 'slot="0"' in k}
+    assert nvlink == {
+        'gpuaas_agent_slice_gpu_nvlink_ports{slot="0",state="listed"}': 18,
+        'gpuaas_agent_slice_gpu_nvlink_ports{slot="0",state="up"}': 17,
+        'gpuaas_agent_slice_gpu_nvlink_ports{slot="0",state="disabled"}': 1,
+        'gpuaas_agent_slice_gpu_nvlink_ports{slot="0",state="counted"}': 18,
+        'gpuaas_agent_slice_gpu_nvlink_errors_total{kind="data_crc",slot="0"}': 1,
+        'gpuaas_agent_slice_gpu_nvlink_errors_total{kind="flit_crc",slot="0"}': 3,
+        'gpuaas_agent_slice_gpu_nvlink_errors_total{kind="recovery",slot="0"}': 2,
+        'gpuaas_agent_slice_gpu_nvlink_errors_total{kind="replay",slot="0"}': 12,
+        'gpuaas_agent_slice_gpu_nvlink_error_ports{error="runtime",slot="0"}': 1,
+        'gpuaas_agent_slice_gpu_nvlink_error_ports{error="training",slot="0"}': 1,
+        'gpuaas_agent_slice_gpu_nvlink_port_down{link="NVLink_9",slot="0"}': 1}
+    assert gpu['gpuaas_agent_slice_gpu_nvlink_errors_total{kind="replay",slot="1"}'] == 0
+    assert not any(k.startswith("gpuaas_agent_slice_gpu_nvlink_port_down{") and 'slot="1"' in k for k in gpu)
+    # Bounded: every GPU series is labelled by slot and fixed values (the BMC names the GPU and a down link only),
+    # never by allocation; at most one series per (family, label set) a slot.
+    assert not any(ALLOC_A in k or RECORDED_ALLOC in k for k in gpu)
+    assert all('slot="0"' in k or 'slot="1"' in k for k in gpu)
+
+    del held[RECORDED_ALLOC]  # released: slot 0's series leave with the lease, at the next scrape
+    after = metrics.render().decode()
+    assert "GPU_SXM_3" not in after and not any('slot="0"' in line for line in after.splitlines()
+                                                if line.startswith("gpuaas_agent_slice_"))
+    assert 'gpuaas_agent_slice_gpu_info{gpu_id="GPU_SXM_7",slot="1",sxm_slot="SXM7"} 1.0' in after
 
 
 def test_a_recorded_domain_is_matched_to_its_lease_slot_disk_and_vnic():
@@ -393,6 +520,78 @@ def test_the_daemon_publishes_each_leased_allocation_on_its_subject_and_serves_s
     assert (telemetry.allocation_id, telemetry.state, telemetry.interval_s) == (ALLOC_A, DomainState.running, 0.2)
     assert f'gpuaas_agent_slice_info{{allocation_id="{ALLOC_A}",domain="{domain_name(ALLOC_A)}",slot="0"}} 1.0' in scrape
     assert 'gpuaas_agent_slice_telemetry_rounds_total{outcome="ok"}' in scrape
+
+
+async def _until(sub, done, timeout_s: float) -> list[tuple[str, bytes, SliceTelemetry]]:
+    """Every message read until one for which ``done(message)`` holds (the last); fails after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    seen = []
+    while True:
+        msg = await sub.next_msg(timeout=max(0.01, deadline - asyncio.get_running_loop().time()))
+        seen.append((msg.subject, msg.data, SliceTelemetry.model_validate_json(msg.data)))
+        if done(seen[-1][2]):
+            return seen
+
+
+def test_the_daemon_sends_a_slot_its_own_gpus_bmc_sensors_and_never_a_reading_older_than_three_health_rounds(
+        nats_server, tmp_path, test_driver, capture):
+    """``run_agent`` with a ``[bmc]`` on the real DGX H100 capture (served over TLS, as the BMC tests serve it): the
+    daemon's own health rounds read the BMC and its slice telemetry sends the leased slot GPU_SXM_3's sensors, no
+    other GPU's. Then the BMC stops answering (SIGSTOP: its read hangs, no newer reading lands) and the last
+    reading is sent only while it is younger than three health intervals; after that the slot's GPU is null and
+    ``slot.0.gpu`` is named in ``not_reported``."""
+    health_s = 2.0  # the reading may be 3 x 2 s old: a BMC pass here takes about 1 s
+    max_age_s = 3 * health_s
+    gpu3 = json.loads((CAPTURE / "Systems/HGX_Baseboard_0/Processors/GPU_SXM_3/index.json").read_text())
+    # A hung request outlasts the test (60 s, and the check's own 45 s): no error reading replaces the last one.
+    bmc_table = {"url": f"https://127.0.0.1:{capture.port}", "credentials_file": str(capture.creds),
+                 "ca_file": str(capture.cert), "gpu_pci_addresses": PCI, "request_timeout_s": 60.0}
+
+    async def body():
+        plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path, slice_telemetry_interval_s=0.2,
+                                                           health_interval_s=health_s, bmc=bmc_table)
+        config = load_config(config_path)
+        held = StateStore.open(config.state_db)
+        try:
+            held.take_leases([lease(ALLOC_A, 0).model_copy(update={"gpu_pci_address": PCI["GPU_SXM_3"]})])
+        finally:
+            held.close()
+        sub = await plane.nc.subscribe(subjects.telemetry_any(node_id))
+        await plane.nc.flush()
+        stop = asyncio.Event()
+        agent = asyncio.create_task(run_agent(config, stop))
+        try:
+            fresh = await _until(sub, lambda m: m.slots[0].gpu is not None, 60)
+            os.kill(capture.proc.pid, signal.SIGSTOP)
+            try:
+                after = await _until(sub, lambda m: m.slots[0].gpu is None, max_age_s + 30)
+            finally:
+                os.kill(capture.proc.pid, signal.SIGCONT)
+        finally:
+            stop.set()
+            code = await asyncio.wait_for(agent, 30)
+            await plane.close()
+        return node_id, fresh, after, code
+
+    node_id, fresh, after, code = run_bounded(body())
+    assert code == 0
+    assert {subject for subject, _, _ in fresh + after} == {subjects.telemetry(node_id, ALLOC_A)}
+    _, data, first = fresh[-1]
+    gpu = first.slots[0].gpu
+    assert (gpu.gpu_id, gpu.sxm_slot, gpu.serial_number) == ("GPU_SXM_3", "SXM3", gpu3["SerialNumber"])
+    assert gpu.temperature.reading_c is not None and gpu.memory_temperature.critical.source == "bmc"
+    assert gpu.nvlink is not None and gpu.nvlink.ports == 18
+    assert "slot.0.gpu" not in first.not_reported
+    assert not [n for n in range(1, 9) if n != 3 and f"GPU_SXM_{n}".encode() in data], "another GPU's sensors"
+    # Sent only while young: every message that carries the GPU was collected within three health intervals of
+    # the reading; the first one after the BMC hung that does not is past that age, not cut short by anything.
+    carried = [m for _, _, m in fresh + after if m.slots[0].gpu is not None]
+    assert all(m.collected_at - m.slots[0].gpu_read_at.timestamp() <= max_age_s for m in carried)
+    last_read = max(m.slots[0].gpu_read_at.timestamp() for m in carried)
+    stale = after[-1][2]
+    assert stale.slots[0].gpu is None and stale.slots[0].gpu_read_at is None
+    assert "slot.0.gpu" in stale.not_reported
+    assert stale.collected_at - last_read > max_age_s
 
 
 def _scrape(port: int) -> str:

@@ -32,9 +32,9 @@ The tables (``inet gpuaas_slice_guard`` and ``arp gpuaas_slice_guard``, each wit
         oifname != "lo" ip daddr <subnet> jump host_output     # the host's own packets towards the slices
     }
     chain host_output {
-        ct state established,related accept                    # answers to what a guest may open (DHCP, DNS)
+        ct state established,related accept                    # answers to what a guest may open (DHCP, DNS), and
+                                                               # ICMP errors about a guest's own flows (related)
         udp sport 67 udp dport 68 accept                       # DHCP offers and acks
-        icmp type echo-request accept                          # an operator's ping (no port, nothing to open)
         tcp dport <agent port> accept                          # SSH: readiness's banner, the terminal relay
         ip daddr @exporter_guests tcp dport <exporter> accept  # guest telemetry, opted-in guests only
         drop                                                   # any other port of any guest
@@ -56,7 +56,12 @@ on the agent ports, and the exporter port towards the guests whose allocation op
 to guest telemetry (their IP in ``exporter_guests``, added with the port and removed
 with it; the element's comment names the port). The SYN of any other connection is
 dropped before it leaves the host (the agent never tries one: it pulls opted-in guests
-only, within the pull's time bound). IPv6 needs no output
+only, within the pull's time bound). ICMP echo from the host is dropped too: nothing the
+agent does needs it (readiness is the DHCP lease and the SSH banner, the terminal is SSH,
+guest telemetry is TCP; dnsmasq pings only an address it would hand out dynamically, never
+a ``dhcp-host`` reservation, which is all a slice gets), and every packet the host may send
+a guest is one more thing a guest sees of it. ICMP errors the host sends about a guest's own
+flows (fragmentation needed, unreachable on its NAT'd traffic) are ``related`` and pass. IPv6 needs no output
 rule: the port flows drop every IPv6 frame a guest sends, so no IPv6 exchange with a
 guest can complete. Base chains of
 other tables see the same packets: an ``accept`` elsewhere cannot undo our ``drop``.
@@ -161,7 +166,6 @@ def host_output_rules(spec: GuardSpec) -> list[list[Any]]:
     rules: list[list[Any]] = [
         [_eq({"ct": {"key": "state"}}, ["established", "related"], "in"), {"accept": None}],
         [_eq(_payload("udp", "sport"), DHCP_PORT), _eq(_payload("udp", "dport"), DHCP_CLIENT_PORT), {"accept": None}],
-        [_eq(_payload("icmp", "type"), "echo-request"), {"accept": None}],
     ]
     rules += [[_eq(_payload("tcp", "dport"), port), {"accept": None}] for port in spec.agent_ports]
     if spec.exporter_port is not None:

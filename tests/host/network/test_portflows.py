@@ -328,8 +328,10 @@ def spoof_probes(lab: IsoLab) -> dict:
     sh("ip", "-n", lab.host, "neigh", "flush", "dev", lab.sw.bridge)
     sh("ip", "-n", b.ns, "neigh", "flush", "dev", "eth0")
     assert tcp_reaches(a.ns, GATEWAY, 53)
-    sh("ip", "netns", "exec", lab.host, "busybox", "ping", "-c1", "-W2", b.ip)
-    assert tcp_reaches(b.ns, GATEWAY, 53)  # (not ping: the guard drops a guest's ICMP to the host)
+    # The host resolves B with a SYN to its SSH port (no listener: refused, but B answered ARP); not a ping: the
+    # guard drops the host's ICMP echo to a guest, and a guest's to the host.
+    tcp_reaches(lab.host, b.ip, 22)
+    assert tcp_reaches(b.ns, GATEWAY, 53)
     gw_mac = bridge_mac(lab)
     assert neigh(b.ns, GATEWAY) == gw_mac and neigh(lab.host, b.ip) == b.mac
 
@@ -448,11 +450,21 @@ def _exporter(ns: str, ip: str) -> _Served:
     return _Served(server)
 
 
+def host_pings(lab: IsoLab, ip: str) -> str:
+    """One ICMP echo from the host (busybox ping, 1 s): ``answered``, ``refused`` (the host's own output hook
+    dropped it: the send fails at once with EPERM) or ``silent``."""
+    done = sh("ip", "netns", "exec", lab.host, "busybox", "ping", "-c1", "-W1", ip, check=False)
+    if done.returncode == 0:
+        return "answered"
+    return "refused" if "Operation not permitted" in done.stdout + done.stderr else "silent"
+
+
 def test_the_hosts_only_ways_into_a_guest_are_ssh_and_an_opted_in_exporter_and_no_guest_can_open_anything(
         lab: IsoLab, tmp_path: Path):
     """The narrow path of guest telemetry (docs/security.md "Guest telemetry"): A's allocation opted in, B's not.
     The agent, from the gateway, pulls A's exporter through the real bridge and guard; the host's other ports
-    into A (9101) and B's exporter are dropped, SSH (readiness, terminal) still reaches both; nothing a guest
+    into A (9101) and B's exporter are dropped, and so is an ICMP echo from the host to either guest (nothing the
+    agent does needs one), SSH (readiness, terminal) still reaches both; nothing a guest
     starts reaches the host (its exporter-pull address on any port) or the other guest's exporter. Without
     isolation every one of these probes succeeds: they can fail. Re-isolating A without the opt-in closes its
     exporter; an opening nobody granted is found and closed by reconcile."""
@@ -475,13 +487,15 @@ def test_the_hosts_only_ways_into_a_guest_are_ssh_and_an_opted_in_exporter_and_n
 
     def reach() -> dict:
         out = {k: tcp_reaches(lab.host, ip, port, source=GATEWAY) for k, (ip, port) in host_opens.items()}
+        out.update(a_ping=host_pings(lab, a.ip), b_ping=host_pings(lab, b.ip))
         return {**out, **{k: tcp_reaches(ns, ip, port) for k, (ns, ip, port) in guest_opens.items()}}
 
-    assert reach() == {k: True for k in (*host_opens, *guest_opens)}  # unisolated: every probe succeeds
+    # unisolated: every probe succeeds (the guests answer an echo)
+    assert reach() == {**{k: True for k in (*host_opens, *guest_opens)}, "a_ping": "answered", "b_ping": "answered"}
     assert lab.isolate(a, guest_telemetry=True)["exporter_open"]
     assert not lab.isolate(b)["exporter_open"]
     assert reach() == {"a_exporter": True, "a_other": False, "a_ssh": True, "b_exporter": False, "b_ssh": True,
-                       **{k: False for k in guest_opens}}
+                       "a_ping": "refused", "b_ping": "refused", **{k: False for k in guest_opens}}
 
     bounds = GuestPullBounds(max_bytes=64 * 1024, max_series=100, timeout_s=10.0, min_interval_s=0)
     puller = GuestPuller(bounds, source=IPv4Address(GATEWAY))
