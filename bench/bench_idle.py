@@ -7,7 +7,8 @@ it settle, and measures it over a window while nothing is asked of it:
 
 - CPU seconds per minute from ``/proc/<pid>/stat`` (utime + stime; the reaped children's
   cutime + cstime shown apart: health checks that run ``ip``/``iptables`` count there);
-- memory: ``VmRSS`` and ``Pss`` (``smaps_rollup``) at the end of the window;
+- memory: ``VmRSS`` (with its ``RssAnon``/``RssFile`` split) and ``Pss`` (``smaps_rollup``) at the end of the
+  window, and whether the daemon maps libvirt (``/proc/<pid>/maps``: ``libvirt.so``, ``libvirtmod``);
 - wakeups: context switches of every thread (``/proc/<pid>/task/*/status``) per minute;
 - control-plane traffic: the agent connection's in/out messages per minute (``/connz``);
 - device events the daemon rediscovered on in the window (its own ``gpuaas_agent_uevents_total``):
@@ -17,6 +18,10 @@ it settle, and measures it over a window while nothing is asked of it:
 In the same run and the same window, the baselines: a bare interpreter sleeping
 (``python -c 'import time; time.sleep(N)'``) and the daemon module imported and sleeping
 (``import gpuaas_agent.daemon``: the import-only footprint). Ratios are against those.
+
+libvirt is the test driver over a node with no domain (``--libvirt-uri``; a file in the work directory): an idle
+slice host's libvirtd holds none. ``--libvirt-uri test:///default`` keeps the driver's own ``test`` domain, which
+makes the timer reconcile (every 300 s: ``--settle 310`` includes one) load libvirt-python as any domain would.
 
 ``--fetch-timeout S`` runs the daemon with the worker's empty-pull expiry set to S seconds
 (bench only, through a wrapper that patches the settings the daemon builds; the worker's
@@ -69,13 +74,18 @@ def cpu_ticks(pid: int) -> tuple[int, int]:
 def memory_kib(pid: int) -> dict[str, int]:
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "Threads:")):
+        if line.startswith(("VmRSS:", "RssAnon:", "RssFile:", "Threads:")):
             key, value = line.split(":", 1)
             out[key] = int(value.split()[0])
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         if line.startswith("Pss:"):
             out["Pss"] = int(line.split()[1])
     return out
+
+
+def maps_libvirt(pid: int) -> bool:
+    """Whether the process maps libvirt-python's extension or libvirt's library."""
+    return any("libvirt.so" in line or "libvirtmod" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
 
 
 def switches(pid: int) -> int:
@@ -129,10 +139,12 @@ class Probe:
                 "children_cpu_s_per_min": round((child - self.child0) / CLK_TCK * per_min, 4),
                 "wakeups_per_min": round((switches(self.pid) - self.sw0) * per_min, 1),
                 "rss_mib": round(mem["VmRSS"] / 1024, 1), "pss_mib": round(mem.get("Pss", 0) / 1024, 1),
-                "threads": mem["Threads"]}
+                "rss_anon_mib": round(mem["RssAnon"] / 1024, 1), "rss_file_mib": round(mem["RssFile"] / 1024, 1),
+                "threads": mem["Threads"], "maps_libvirt": maps_libvirt(self.pid)}
 
 
-async def _enrolled_config(server: NatsServer, work: Path, metrics_port: int, uevent_watch: bool) -> tuple[str, Path]:
+async def _enrolled_config(server: NatsServer, work: Path, metrics_port: int, uevent_watch: bool,
+                           libvirt_uri: str) -> tuple[str, Path]:
     plane = await ControlPlane.connect(server.url)
     try:
         await plane.create_streams()
@@ -144,10 +156,21 @@ async def _enrolled_config(server: NatsServer, work: Path, metrics_port: int, ue
         await plane.close()
     config = {"state_dir": str(work / "state"), "host_root": str(fixture_host("h200-slice-after-transition")),
               "nats_url": server.url, "insecure": True, "metrics_listen": f"127.0.0.1:{metrics_port}", "uevent_watch": uevent_watch,
-              "slice": {"libvirt_uri": "test:///default"}}
+              "slice": {"libvirt_uri": libvirt_uri}}
     path = work / "agent.json"
     path.write_text(json.dumps(config))
     return record.node_id, path
+
+
+def timer_reconciles(log: Path) -> dict[str, int]:
+    """The daemon's timer reconciles since its start, by outcome (from its log): the window's libvirt use includes
+    the reconcile's listing only once one has run (every 300 s)."""
+    counts = {"reconcile_done": 0, "reconcile_failed": 0}
+    for line in log.read_text().splitlines():
+        for event in counts:
+            if event in line:
+                counts[event] += 1
+    return counts
 
 
 def _wait_ready(proc: subprocess.Popen, log: Path, deadline_s: float = 120.0) -> None:
@@ -169,6 +192,8 @@ def main() -> int:
                         help="run the daemon with this empty-pull expiry (bench-only patch); default: as shipped")
     parser.add_argument("--no-uevents", action="store_true",
                         help="uevent_watch off: splits out the rediscoveries that other activity on the host triggers")
+    parser.add_argument("--libvirt-uri", default=None,
+                        help="the daemon's libvirt (default: the test driver over a node with no domain)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = parser.parse_args()
     nats_bin = shutil.which("nats-server")
@@ -182,7 +207,11 @@ def main() -> int:
     try:
         server.start()
         metrics_port = free_port()
-        node_id, config = asyncio.run(_enrolled_config(server, work, metrics_port, not args.no_uevents))
+        libvirt_uri = args.libvirt_uri
+        if libvirt_uri is None:
+            (work / "no-domains.xml").write_text("<node>\n</node>\n")
+            libvirt_uri = f"test://{work / 'no-domains.xml'}"
+        node_id, config = asyncio.run(_enrolled_config(server, work, metrics_port, not args.no_uevents, libvirt_uri))
         log = work / "agent.log"
         if args.fetch_timeout is None:
             argv = [sys.executable, "-m", "gpuaas_agent", "run", "--config", str(config)]
@@ -208,6 +237,7 @@ def main() -> int:
         msgs1, uevents1 = agent_messages(server, name), uevents_seen(metrics_port)
         if agent.poll() is not None:
             raise SystemExit(f"the agent exited during the window:\n{log.read_text()[-3000:]}")
+        reconciles = timer_reconciles(log)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -222,7 +252,7 @@ def main() -> int:
     daemon, imported_row, bare_row = rows
     per_min = 60.0 / daemon["window_s"]
     report = {
-        "fetch_timeout_s": args.fetch_timeout, "window_s": daemon["window_s"], "settle_s": args.settle,
+        "fetch_timeout_s": args.fetch_timeout, "libvirt_uri": libvirt_uri, "timer_reconciles": reconciles, "window_s": daemon["window_s"], "settle_s": args.settle,
         "processes": rows,
         "daemon_msgs_in_per_min": round((msgs1[0] - msgs0[0]) * per_min, 1),
         "daemon_msgs_out_per_min": round((msgs1[1] - msgs0[1]) * per_min, 1),
@@ -236,10 +266,14 @@ def main() -> int:
         return 0
     print(f"window {daemon['window_s']} s after {args.settle:g} s settle; fetch expiry "
           f"{'as shipped' if args.fetch_timeout is None else f'{args.fetch_timeout:g} s (patched)'}")
-    print(f"{'process':36} {'CPU-s/min':>9} {'child':>7} {'wakeups/min':>11} {'RSS MiB':>8} {'PSS MiB':>8} {'thr':>4}")
+    print(f"{'process':36} {'CPU-s/min':>9} {'child':>7} {'wakeups/min':>11} {'RSS MiB':>8} {'anon':>6} {'file':>6} "
+          f"{'PSS MiB':>8} {'thr':>4} libvirt")
     for r in rows:
         print(f"{r['label']:36} {r['cpu_s_per_min']:9.4f} {r['children_cpu_s_per_min']:7.4f} "
-              f"{r['wakeups_per_min']:11.1f} {r['rss_mib']:8.1f} {r['pss_mib']:8.1f} {r['threads']:4d}")
+              f"{r['wakeups_per_min']:11.1f} {r['rss_mib']:8.1f} {r['rss_anon_mib']:6.1f} {r['rss_file_mib']:6.1f} "
+              f"{r['pss_mib']:8.1f} {r['threads']:4d} {'mapped' if r['maps_libvirt'] else 'no'}")
+    print(f"libvirt: {libvirt_uri}; timer reconciles since start: {reconciles['reconcile_done']} done, "
+          f"{reconciles['reconcile_failed']} failed")
     print(f"daemon NATS messages/min: {report['daemon_msgs_in_per_min']} in (published by the agent), "
           f"{report['daemon_msgs_out_per_min']} out (delivered to it)")
     print(f"uevents the daemon rediscovered on during the window: {report['uevents_in_window']:g}"

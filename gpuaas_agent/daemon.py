@@ -179,10 +179,11 @@ Reconcile = Callable[[], Awaitable[object]]
 
 
 def port_isolation_probe(slice_host: SliceDrivers, store: StateStore | StoreThread) -> Probe:
-    """The health round's ``port_isolation`` check: a read-only reconcile, its isolation findings only."""
+    """The health round's ``port_isolation`` check: a read-only reconcile, its isolation findings only (read
+    without libvirt where they do not depend on it: an idle host's probe loads no libvirt)."""
 
     async def port_isolation() -> list[HealthCheck]:
-        report = await reconcile_host(slice_host, store, repair=False, trigger=DriftTrigger.timer)
+        report = await reconcile_host(slice_host, store, repair=False, trigger=DriftTrigger.timer, isolation_only=True)
         return [isolation_check(report.findings)]
 
     return port_isolation

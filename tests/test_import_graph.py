@@ -55,6 +55,10 @@ _ASYNCSSH = ("asyncssh (and the cryptography modules it loads) costs ~10 MiB RSS
              "pays it (tests/operator/test_idle_footprint.py)")
 _HTTPX = ("httpx (with click and pygments through its CLI module) is only the range reads of a cache hit under another "
           "URL; downloads go through curl: an idle daemon never pays it (tests/operator/test_idle_footprint.py)")
+_LIBVIRT = ("libvirt-python (~11 MiB RSS with libvirt.so.0 and the ~20 libraries it links, /proc/self/status) is imported "
+            "by the drivers' first libvirt connection: a host with no domain answers the health round's libvirtd check and "
+            "the timer reconcile's listing through a virsh -r child (host/vm/virsh.py) and never loads it "
+            "(tests/operator/test_idle_footprint.py, bench/bench_idle.py)")
 _HANDLER_MODULE = ("a task handler's module (and what only it imports: provision's pipeline, release, the terminal relay) "
                    "is imported when the row's first task arrives (tasks/registry.py OnFirstTask): an idle daemon does "
                    "not carry code it may never run (tests/operator/test_idle_footprint.py)")
@@ -81,6 +85,10 @@ LAZY_IMPORTS: dict[str, str] = {
     "gpuaas_agent/discovery/nvml.py:enrich": _NVML,
     "gpuaas_agent/operator/nvml.py:_binding": _NVML,
     "gpuaas_agent/operator/bmc.py:_redfish": _SUSHY,
+    "gpuaas_agent/operator/health.py:libvirtd_check_in_process": _LIBVIRT,
+    **{f"gpuaas_agent/host/vm/libvirt_lifecycle.py:{fn}": _LIBVIRT
+       for fn in ("_codes", "_close_quietly", "_is_loss", "_invoke", "_lookup", "_metadata", "op", "request",
+                  "_defined_devices")},
     "gpuaas_agent/tasks/terminal.py:_client_key": _ASYNCSSH,
     "gpuaas_agent/tasks/terminal.py:open": _ASYNCSSH,
     "gpuaas_agent/host/images/httpfetch.py:read_ranges": _HTTPX,

@@ -9,7 +9,8 @@ checks are what an operator would look at by hand, each one a
   (MASQUERADE for the subnet), ``slice_ip_forward``, ``dnsmasq`` (running and
   reading the agent's hosts file; the discovery evidence functions, one source of
   truth with preflight);
-- ``libvirtd`` reachable (read-only connection);
+- ``libvirtd`` reachable (read-only connection, through a ``virsh -r`` child: an idle host never loads
+  libvirt-python for it, :mod:`gpuaas_agent.host.vm.virsh`);
 - leased slots: ``slot_disks`` (each leased by-id disk resolves to a block device),
   ``vfio_binding`` (an active slot's GPU and VF are on vfio-pci);
 - hardware where the host exposes it: ``nvme_smart`` (nvme-cli's smart-log),
@@ -39,8 +40,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-import libvirt
-
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.config import AgentConfig, BmcConfig
 from gpuaas_agent.contract.bmc import BmcReading
@@ -51,6 +50,7 @@ from gpuaas_agent.discovery.aer import aer_counts
 from gpuaas_agent.discovery.netevidence import NetTarget, judge_dnsmasq, read_dnsmasq_evidence, read_network_evidence
 from gpuaas_agent.errors import AgentError
 from gpuaas_agent.host.run import run
+from gpuaas_agent.host.vm import virsh
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.operator import bmc, nvml
 
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CHECK_TIMEOUT_S = 20.0
+VIRSH_TIMEOUT_S = 15.0  # under CHECK_TIMEOUT_S: a libvirtd that does not answer is named as such, its child killed
 NVME_TIMEOUT_S = 10.0
 _RANK = {"ok": 0, "unavailable": 0, "degraded": 1, "failed": 2}
 PCI_DEVICES = "/sys/bus/pci/devices"
@@ -160,7 +161,24 @@ def dnsmasq_check(settings: HealthSettings) -> HealthCheck:
 
 
 def libvirtd_check(settings: HealthSettings) -> HealthCheck:
-    """A read-only connection to the configured libvirt URI opens and answers (blocking)."""
+    """A read-only connection to the configured libvirt URI opens and answers (blocking).
+
+    Asked through ``virsh -r ... version --daemon`` (one short child per round, the same version number and
+    error message as the binding's); in-process only on a host without virsh."""
+    answer = virsh.read_version(settings.libvirt_uri, timeout=VIRSH_TIMEOUT_S)
+    if answer is None:
+        return libvirtd_check_in_process(settings)
+    if not answer.connected:
+        return _check("libvirtd", "degraded", f"cannot connect to {settings.libvirt_uri}: {answer.error}")
+    if answer.lib_version is None:
+        return _check("libvirtd", "unavailable", f"check raised libvirtError: {answer.error}")
+    return _check("libvirtd", "ok", f"{settings.libvirt_uri} answers (libvirt {answer.lib_version})")
+
+
+def libvirtd_check_in_process(settings: HealthSettings) -> HealthCheck:
+    """:func:`libvirtd_check` through libvirt-python (a host without virsh; imported here, not at start)."""
+    import libvirt
+
     libvirt.registerErrorHandler(lambda _ctx, _err: None, None)  # errors are returned, not printed
     try:
         conn = libvirt.openReadOnly(settings.libvirt_uri)

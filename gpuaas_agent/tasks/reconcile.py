@@ -129,14 +129,33 @@ class HostSnapshot:
         return frozenset(a for a, d in self.domains_by_allocation.items() if d.state is DomainState.running)
 
 
-async def gather(drivers: SliceDrivers, state: StoreThread) -> HostSnapshot:
-    """Read the store, libvirt, dnsmasq, ovsdb and sysfs once (store reads on the store thread)."""
+def isolation_needs_domains(leases: Iterable[SlotLease], records: Iterable[SlotRecord], ports: Iterable[OvsPort]) -> bool:
+    """Whether the port isolation probe reads libvirt's domains (pure). The isolation judgement asks of them only
+    whether an agent port's allocation is still known (``known``: a lease, a slot record or a domain), so without a
+    lease, and with every agent port's allocation named by a slot record, its findings are the same without them.
+    A host with a lease reads them as the full pass does (that host uses libvirt; the snapshot stays whole)."""
+    leased = {lease.allocation_id for lease in leases}
+    known = leased | {r.allocation_id for r in records}
+    return bool(leased) or any(p.allocation_id not in known for p in ports)
+
+
+async def gather(drivers: SliceDrivers, state: StoreThread, *, isolation_only: bool = False) -> HostSnapshot:
+    """Read the store, libvirt, dnsmasq, ovsdb and sysfs once (store reads on the store thread).
+
+    ``isolation_only``: the read of the health round's ``port_isolation`` probe (its isolation findings only):
+    libvirt is asked only where its answer can change those (:func:`isolation_needs_domains`), so an idle host's
+    probe (every network watch round) neither loads libvirt nor runs a child for it; the snapshot then holds no
+    domain, and only its isolation findings are meant."""
     leases = tuple(await state.leases())
     records = {r.slot_index: r for r in await state.slot_states()}
-    domains = tuple(await drivers.libvirt.list_agent_domains())
+    domains: tuple[DomainInfo, ...] = ()
+    if not isolation_only:
+        domains = tuple(await drivers.libvirt.list_agent_domains())
     reservations = tuple(await asyncio.to_thread(drivers.reservations().reservations))
     async with drivers.ovs() as ovs:
         ports = tuple(await asyncio.to_thread(ovs.list_agent_ports))
+    if isolation_only and isolation_needs_domains(leases, records.values(), ports):
+        domains = tuple(await drivers.libvirt.list_agent_domains())
     dhcp = tuple(await asyncio.to_thread(parse_leases, drivers.slice.dnsmasq_lease_file))
     read_at = time.time()
     host = drivers.discovered_root().fresh()
@@ -371,10 +390,15 @@ async def apply_repairs(drivers: SliceDrivers, judgement: Judgement) -> list[Dri
 
 
 async def reconcile(drivers: SliceDrivers, store: AnyStore, *, repair: bool,
-                    trigger: DriftTrigger = DriftTrigger.task, node_id: str | None = None) -> DriftReport:
+                    trigger: DriftTrigger = DriftTrigger.task, node_id: str | None = None,
+                    isolation_only: bool = False) -> DriftReport:
+    """One pass (see the module docstring). ``isolation_only`` (read-only): the port isolation probe's pass, whose
+    isolation findings alone are meant; libvirt is read only where they depend on it (:func:`gather`)."""
+    if isolation_only and repair:
+        raise ValueError("an isolation-only pass is read-only: its other findings may lack the domains")
     started = time.monotonic()
     state = as_store_thread(store)  # SQLite off the loop (state/aio.py)
-    snap = await gather(drivers, state)
+    snap = await gather(drivers, state, isolation_only=isolation_only)
     judgement = judge(snap, drivers.slice, exporter_port=drivers.guest_exporter_port)
     findings = await apply_repairs(drivers, judgement) if repair else list(judgement.findings)
     if judgement.isolation is not None:

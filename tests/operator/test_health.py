@@ -15,6 +15,8 @@ from gpuaas_agent.operator.health import (
     CheckThreads,
     HealthSettings,
     gpu_nvml_check,
+    libvirtd_check,
+    libvirtd_check_in_process,
     nvme_smart_check,
     pcie_aer_check,
     run_checks,
@@ -143,3 +145,17 @@ def test_a_live_host_without_nvme_cli_or_nvme_controllers_has_smart_unavailable_
     monkeypatch.setenv("PATH", str(tmp_path))  # nvme-cli is nowhere on PATH
     without_cli = asyncio.run(nvme_smart_check(live))
     assert without_cli.status == "unavailable" and without_cli.detail == "nvme-cli is not installed"
+
+
+def test_the_libvirtd_check_through_virsh_reports_what_the_binding_reports(tmp_path, monkeypatch):
+    """The check runs a ``virsh -r`` child (an idle host loads no libvirt-python for it): its verdict and detail are
+    the in-process check's, for a libvirt that answers and for a socket that is not there; without virsh on the
+    PATH it is the in-process check."""
+    for uri in ("test:///default", "qemu+unix:///system?socket=/nonexistent/libvirt-sock"):
+        settings = HealthSettings(host_root=tmp_path, libvirt_uri=uri)
+        child, binding = libvirtd_check(settings), libvirtd_check_in_process(settings)
+        assert (child.name, child.status, child.detail) == (binding.name, binding.status, binding.detail), uri
+    assert binding.status == "degraded" and "/nonexistent/libvirt-sock" in binding.detail
+    monkeypatch.setenv("PATH", str(tmp_path))  # no virsh: the binding answers
+    fallback = libvirtd_check(HealthSettings(host_root=tmp_path, libvirt_uri="test:///default"))
+    assert fallback.status == "ok" and "answers (libvirt " in fallback.detail

@@ -7,7 +7,9 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import REPO, fixture_host
+
+FIXTURE = fixture_host("h200-slice-after-transition")
 
 # Only a provision builds a seed ISO (pycdlib, PyYAML); only a live host with a GPU driver asks NVML; only a
 # host with a [bmc] table reads a BMC (sushy, and the requests it brings); only an open terminal speaks SSH
@@ -70,6 +72,66 @@ def test_building_the_daemons_handlers_imports_no_handler_module_until_its_first
     first_provision = build + "built.handlers[TaskType.vm_provision].resolve()\n"
     imported = _imported_after(first_provision, HANDLER_MODULES)
     assert "gpuaas_agent.tasks.provision" in imported and "gpuaas_agent.tasks.terminal" not in imported, imported
+
+
+# What an idle slice host runs that once loaded libvirt-python (~11 MiB RSS): the health round's libvirtd check, the
+# port isolation probe (each health and network-watch round) and the timer reconcile's domain listing.
+IDLE_LIBVIRT_USES = """
+import asyncio, json, sys
+from pathlib import Path
+from gpuaas_agent.config import AgentConfig
+from gpuaas_agent.contract.drift import DriftTrigger
+from gpuaas_agent.daemon import SliceHost
+from gpuaas_agent.operator.health import HealthSettings, libvirtd_check
+from gpuaas_agent.state.aio import StoreThread
+from gpuaas_agent.tasks.reconcile import reconcile
+
+config = AgentConfig.model_validate(json.loads(sys.argv[1]))
+host = SliceHost.from_config(config)
+
+async def idle_rounds():
+    state = StoreThread.open(config.state_db)
+    try:
+        (probe,) = [p for p in host.health_probes(state)]  # port_isolation (no Fabric Manager configured)
+        isolation = [c.status for c in await probe()]
+        full = await reconcile(host.drivers, state, repair=False, trigger=DriftTrigger.timer)
+        return isolation, [f.kind.value for f in full.findings]
+    finally:
+        await host.aclose()
+        await state.aclose()
+
+check = libvirtd_check(HealthSettings.from_config(config))
+isolation, findings = asyncio.run(idle_rounds())
+print(json.dumps({"libvirtd": [check.status, check.detail], "isolation": isolation, "findings": findings,
+                  "libvirt_loaded": "libvirt" in sys.modules or "libvirtmod" in sys.modules}))
+"""
+
+
+def _idle_rounds(tmp_path, ovs_switch, uri: str) -> dict:
+    config = {"state_dir": str(tmp_path / "state"), "host_root": str(FIXTURE),
+              "slice": {"libvirt_uri": uri, "ovsdb_remote": ovs_switch.remote,
+                        "dnsmasq_hosts_file": str(tmp_path / "hosts"), "dnsmasq_lease_file": str(tmp_path / "leases"),
+                        "console_log_dir": str(tmp_path / "console")}}
+    proc = subprocess.run([sys.executable, "-c", IDLE_LIBVIRT_USES, json.dumps(config)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_an_idle_host_without_a_domain_answers_health_and_reconcile_without_loading_libvirt(tmp_path, ovs_switch):
+    """No slot leased and no domain: the libvirtd check (a virsh child), the port isolation probe (libvirt not
+    asked) and a whole read-only reconcile (virsh lists no domain) give their answers, and libvirt-python is never
+    imported. The same rounds on a libvirt holding a domain (``test:///default`` has one) do load it: the check
+    can fail."""
+    empty = tmp_path / "no-domains.xml"
+    empty.write_text("<node>\n</node>\n")  # the test driver with no domain at all: an idle slice host's libvirtd
+    idle = _idle_rounds(tmp_path, ovs_switch, f"test://{empty}")
+    assert idle["libvirtd"][0] == "ok" and idle["libvirtd"][1].startswith(f"test://{empty} answers (libvirt ")
+    assert idle["isolation"] == ["ok"] and idle["findings"] == []
+    assert idle["libvirt_loaded"] is False
+    with_domain = _idle_rounds(tmp_path, ovs_switch, "test:///default")
+    assert (with_domain["isolation"], with_domain["findings"]) == (["ok"], [])  # "test" is not an agent domain
+    assert with_domain["libvirt_loaded"] is True
 
 
 def test_importing_the_daemon_builds_no_wire_model_validator_until_one_is_used():

@@ -185,3 +185,38 @@ def test_the_active_ports_isolation_is_judged_from_the_same_snapshot():
     (finding,) = judged.isolation.findings
     assert (finding.kind, finding.subject, finding.detail["port"]) == (DriftKind.flows_missing, A, name)
     assert judged.isolation.repairs == [Reisolate(0, judged.active[0])]
+
+
+def test_the_isolation_probe_asks_libvirt_only_when_a_lease_or_an_unnamed_port_needs_it():
+    needs = reconcile.isolation_needs_domains
+    assert not needs((), (), ())  # an idle host: no lease, no record, no port
+    assert not needs((), (_record(B, 1, status=SlotStatus.cleanup_blocked),), (_port(B, 1),))  # named by its record
+    assert needs((), (), (_port(GONE, 2),))  # only a domain could name this port's allocation
+    assert needs((_lease(),), (_record(),), (_port(),))  # a host with a slice reads them as the full pass does
+
+
+def test_without_a_lease_the_domains_change_no_isolation_finding_where_the_probe_skips_them():
+    """The claim the probe's skip rests on, tried to break: an orphan domain (B, no lease), a port B's record names,
+    flows and guard elements of B and of an allocation nobody knows: the isolation findings with the domain and
+    without it are the same whenever ``isolation_needs_domains`` says the probe may skip it; where it may not (a
+    port only the domain names), they differ, which is why it reads them there."""
+    known, unknown = vnic_name(B, 1), vnic_name(GONE, 2)
+    read = IsolationSnapshot(bridges=("ovsbr0",), flows={"ovsbr0": {}},
+                             guard=GuardState(table="gpuaas_slice_guard", present=True, rules_match=True,
+                                              guest_ports=[], elements={"inet": [known, unknown]}))
+
+    def isolation(snap: HostSnapshot) -> list[tuple[str, str]]:
+        judged = judge(snap).isolation
+        assert judged is not None
+        return _kinds(judged.findings)
+
+    by_record = dict(leases=(), reservations=(), dhcp=(), isolation=read,
+                     records={1: _record(B, 1, status=SlotStatus.cleanup_blocked)}, ports=(_port(B, 1),))
+    assert not reconcile.isolation_needs_domains((), by_record["records"].values(), by_record["ports"])
+    with_domain = isolation(_healthy_slice(**by_record, domains=(_domain(B, 1),)))
+    assert with_domain == isolation(_healthy_slice(**by_record, domains=())) == [("nft_guard_orphan", unknown)]
+
+    by_domain_only = dict(by_record, records={})
+    assert reconcile.isolation_needs_domains((), (), by_domain_only["ports"])
+    assert (isolation(_healthy_slice(**by_domain_only, domains=(_domain(B, 1),)))
+            != isolation(_healthy_slice(**by_domain_only, domains=())))

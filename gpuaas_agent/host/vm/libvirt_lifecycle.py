@@ -8,6 +8,11 @@ connection it is safe to reconnect (with backoff, each attempt logged) and run
 it again: a define that had landed comes back as ``existing``, a start as the
 running domain, an undefine as "already absent".
 
+libvirt-python itself (~11 MiB RSS with the libraries it links) is imported by the first connection, not
+with this module: a host with no domain never opens one. Until this object has opened its connection, a
+domain listing asks a ``virsh -r`` child first (``host/vm/virsh.py``) and answers "none" from it without
+the binding; any domain, or a virsh that cannot answer, and the listing is made in-process as always.
+
 Safety, in this driver rather than in callers:
 - only domains carrying our ``<metadata>`` are started, stopped or undefined;
 - a domain with our name but another owner is never overwritten;
@@ -21,13 +26,13 @@ Safety, in this driver rather than in callers:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
-
-import libvirt
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpuaas_agent.contract.domain import (
     METADATA_NS,
@@ -46,28 +51,57 @@ from gpuaas_agent.contract.domain import (
 from gpuaas_agent.errors import GuardError, HostError
 from gpuaas_agent.host.vm.domain_config import Disk, Domain, Hostdev, Interface
 from gpuaas_agent.host.vm.domain_xml import build_domain_xml, read_metadata
+from gpuaas_agent.host.vm.virsh import domain_names
 from gpuaas_agent.logs import log_event
+
+if TYPE_CHECKING:  # the binding is imported by the first connection (see the module docstring)
+    import libvirt
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_STATES = {
-    libvirt.VIR_DOMAIN_NOSTATE: DomainState.nostate,
-    libvirt.VIR_DOMAIN_RUNNING: DomainState.running,
-    libvirt.VIR_DOMAIN_BLOCKED: DomainState.blocked,
-    libvirt.VIR_DOMAIN_PAUSED: DomainState.paused,
-    libvirt.VIR_DOMAIN_SHUTDOWN: DomainState.shutdown,
-    libvirt.VIR_DOMAIN_SHUTOFF: DomainState.shutoff,
-    libvirt.VIR_DOMAIN_CRASHED: DomainState.crashed,
-    libvirt.VIR_DOMAIN_PMSUSPENDED: DomainState.pmsuspended,
-}
-# The bulk stats groups slice telemetry reads (host/vm/domstats.py parses them), one call for every domain.
-STATS_GROUPS = (libvirt.VIR_DOMAIN_STATS_STATE | libvirt.VIR_DOMAIN_STATS_CPU_TOTAL | libvirt.VIR_DOMAIN_STATS_BALLOON
-                | libvirt.VIR_DOMAIN_STATS_VCPU | libvirt.VIR_DOMAIN_STATS_INTERFACE | libvirt.VIR_DOMAIN_STATS_BLOCK)
-# A driver that does not know a flag says so with one of these (the test driver: VIR_ERR_INVALID_ARG).
-_FLAG_REJECTED = {libvirt.VIR_ERR_INVALID_ARG, libvirt.VIR_ERR_NO_SUPPORT, libvirt.VIR_ERR_ARGUMENT_UNSUPPORTED}
-_CONNECTION_LOST = {libvirt.VIR_ERR_INVALID_CONN, libvirt.VIR_ERR_NO_CONNECT, libvirt.VIR_ERR_RPC}
-_TRANSPORT_DOMAINS = {libvirt.VIR_FROM_RPC, libvirt.VIR_FROM_REMOTE}
+
+
+@dataclass(frozen=True)
+class _Codes:
+    """libvirt's numbers this driver compares with, read from the binding once it is loaded."""
+
+    states: dict[int, DomainState]
+    # The bulk stats groups slice telemetry reads (host/vm/domstats.py parses them), one call for every domain.
+    stats_groups: int
+    # A driver that does not know a flag says so with one of these (the test driver: VIR_ERR_INVALID_ARG).
+    flag_rejected: frozenset[int]
+    connection_lost: frozenset[int]
+    transport_domains: frozenset[int]
+
+
+@functools.cache
+def _codes() -> _Codes:
+    import libvirt
+
+    return _Codes(
+        states={
+            libvirt.VIR_DOMAIN_NOSTATE: DomainState.nostate,
+            libvirt.VIR_DOMAIN_RUNNING: DomainState.running,
+            libvirt.VIR_DOMAIN_BLOCKED: DomainState.blocked,
+            libvirt.VIR_DOMAIN_PAUSED: DomainState.paused,
+            libvirt.VIR_DOMAIN_SHUTDOWN: DomainState.shutdown,
+            libvirt.VIR_DOMAIN_SHUTOFF: DomainState.shutoff,
+            libvirt.VIR_DOMAIN_CRASHED: DomainState.crashed,
+            libvirt.VIR_DOMAIN_PMSUSPENDED: DomainState.pmsuspended,
+        },
+        stats_groups=(libvirt.VIR_DOMAIN_STATS_STATE | libvirt.VIR_DOMAIN_STATS_CPU_TOTAL
+                      | libvirt.VIR_DOMAIN_STATS_BALLOON | libvirt.VIR_DOMAIN_STATS_VCPU
+                      | libvirt.VIR_DOMAIN_STATS_INTERFACE | libvirt.VIR_DOMAIN_STATS_BLOCK),
+        flag_rejected=frozenset({libvirt.VIR_ERR_INVALID_ARG, libvirt.VIR_ERR_NO_SUPPORT,
+                                 libvirt.VIR_ERR_ARGUMENT_UNSUPPORTED}),
+        connection_lost=frozenset({libvirt.VIR_ERR_INVALID_CONN, libvirt.VIR_ERR_NO_CONNECT, libvirt.VIR_ERR_RPC}),
+        transport_domains=frozenset({libvirt.VIR_FROM_RPC, libvirt.VIR_FROM_REMOTE}),
+    )
+
+
+def _state_of(code: int) -> DomainState:
+    return _codes().states.get(code, DomainState.nostate)
 
 
 class LibvirtError(HostError):
@@ -133,7 +167,7 @@ class LibvirtLifecycle:
         self._conn: libvirt.virConnect | None = None
         self._conn_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="libvirt")
-        libvirt.registerErrorHandler(_quiet_libvirt_errors, None)
+        self.opened = False  # a connection was opened once: the binding is loaded, every call goes through it
 
     async def __aenter__(self) -> LibvirtLifecycle:
         return self
@@ -152,6 +186,8 @@ class LibvirtLifecycle:
 
     @staticmethod
     def _close_quietly(conn: libvirt.virConnect) -> None:
+        import libvirt
+
         try:
             conn.close()
         except libvirt.libvirtError:
@@ -159,23 +195,31 @@ class LibvirtLifecycle:
 
     @staticmethod
     def _is_loss(exc: libvirt.libvirtError) -> bool:
+        import libvirt
+
         code = exc.get_error_code()
-        return code in _CONNECTION_LOST or (
-            code == libvirt.VIR_ERR_SYSTEM_ERROR and exc.get_error_domain() in _TRANSPORT_DOMAINS
+        codes = _codes()
+        return code in codes.connection_lost or (
+            code == libvirt.VIR_ERR_SYSTEM_ERROR and exc.get_error_domain() in codes.transport_domains
         )
 
-    def _invoke(self, op: Callable[[libvirt.virConnect], T]) -> T:
-        """Runs on a worker thread: (re)open the connection, run ``op``; a transport failure becomes _ConnectionLost."""
+    def _invoke(self, what: str, op: Callable[[libvirt.virConnect], T]) -> T:
+        """Runs on a worker thread: (re)open the connection, run ``op``; a transport failure becomes _ConnectionLost,
+        any other libvirt error a :class:`LibvirtError`. The binding is imported here, by the first call."""
+        import libvirt
+
         conn = None
         try:
             with self._conn_lock:  # two workers must not both open a connection
                 if self._conn is None:
+                    libvirt.registerErrorHandler(_quiet_libvirt_errors, None)
                     self._conn = libvirt.open(self.uri)
+                    self.opened = True
                 conn = self._conn
             return op(conn)
         except libvirt.libvirtError as exc:
-            if not self._is_loss(exc):
-                raise
+            if not self._is_loss(exc):  # anything the operation did not turn into a typed error itself
+                raise _wrap(exc, f"libvirt {what} failed", uri=self.uri, op=what) from None
             with self._conn_lock:
                 if self._conn is conn:
                     self._conn = None
@@ -190,7 +234,7 @@ class LibvirtLifecycle:
         while True:
             try:
                 result = await asyncio.wait_for(
-                    loop.run_in_executor(self._executor, self._invoke, op), timeout=self.call_timeout_s
+                    loop.run_in_executor(self._executor, self._invoke, what, op), timeout=self.call_timeout_s
                 )
             except TimeoutError:
                 # The worker stays blocked in libvirt; the connection it holds is wedged: the next call opens another.
@@ -203,8 +247,6 @@ class LibvirtLifecycle:
                     code="libvirt_timeout",
                     evidence={"uri": self.uri, "op": what, "timeout_s": self.call_timeout_s},
                 ) from None
-            except libvirt.libvirtError as exc:  # anything the operation did not turn into a typed error itself
-                raise _wrap(exc, f"libvirt {what} failed", uri=self.uri, op=what) from None
             except _ConnectionLost as loss:
                 lost.append(_error_evidence(loss.error))
                 if len(lost) > self.reconnect_attempts:
@@ -227,6 +269,8 @@ class LibvirtLifecycle:
 
     @staticmethod
     def _lookup(conn: libvirt.virConnect, name: str) -> libvirt.virDomain | None:
+        import libvirt
+
         try:
             return conn.lookupByName(name)
         except libvirt.libvirtError as exc:
@@ -236,6 +280,8 @@ class LibvirtLifecycle:
 
     @staticmethod
     def _metadata(dom: libvirt.virDomain) -> DomainMetadata | None:
+        import libvirt
+
         try:
             return read_metadata(dom.metadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_NS))
         except libvirt.libvirtError as exc:
@@ -249,7 +295,7 @@ class LibvirtLifecycle:
         return DomainInfo(
             name=dom.name(),
             uuid=dom.UUIDString(),
-            state=_STATES.get(state, DomainState.nostate),
+            state=_state_of(state),
             persistent=bool(dom.isPersistent()),
             metadata=cls._metadata(dom),
         )
@@ -274,6 +320,8 @@ class LibvirtLifecycle:
             raise ValueError("give exactly one of name and uuid")
 
         def op(conn: libvirt.virConnect) -> DomainInfo | None:
+            import libvirt
+
             try:
                 dom = conn.lookupByName(name) if name is not None else conn.lookupByUUIDString(uuid)
             except libvirt.libvirtError as exc:
@@ -289,14 +337,22 @@ class LibvirtLifecycle:
             dom = self._lookup(conn, name)
             if dom is None:
                 raise DomainNotFoundError(f"no domain {name}", evidence={"name": name})
-            return _STATES.get(dom.state()[0], DomainState.nostate)
+            return _state_of(dom.state()[0])
 
         return await self._call("state", op)
 
     async def list_agent_domains(self) -> list[DomainInfo]:
-        """Every domain (running or not) carrying our metadata, sorted by name; others are ignored."""
+        """Every domain (running or not) carrying our metadata, sorted by name; others are ignored.
+
+        Before this object's first connection, a ``virsh -r`` child is asked first: libvirt holding no domain at
+        all is the answer without the binding (an idle host's timer reconcile). Any domain, or a virsh that cannot
+        answer, and the list is read in-process (which then stays the way)."""
+        if not self.opened and await self._holds_no_domain():
+            return []
 
         def op(conn: libvirt.virConnect) -> list[DomainInfo]:
+            import libvirt
+
             found = []
             for dom in conn.listAllDomains(0):
                 try:
@@ -311,13 +367,29 @@ class LibvirtLifecycle:
 
         return await self._call("list_agent_domains", op)
 
+    async def _holds_no_domain(self) -> bool:
+        """True only when virsh says libvirt at ``uri`` holds no domain; a virsh past the call deadline is libvirt's
+        timeout, as an in-process call's would be."""
+        try:
+            names = await domain_names(self.uri, timeout=self.call_timeout_s)
+        except HostError as exc:
+            if exc.code != "command_timeout":
+                raise
+            log_event(log, "libvirt_call_timeout", logging.ERROR, uri=self.uri, op="list_agent_domains",
+                      timeout_s=self.call_timeout_s, via="virsh")
+            raise LibvirtError(f"libvirt list_agent_domains did not answer within {self.call_timeout_s} s",
+                               code="libvirt_timeout", evidence={"uri": self.uri, "op": "list_agent_domains",
+                                                                 "timeout_s": self.call_timeout_s, "via": "virsh"},
+                               ) from None
+        return names == []
+
     async def all_domain_stats(self) -> list[tuple[str, dict[str, Any]]]:
         """libvirt's bulk stats of every domain, ``(name, record)``, in one call (``virConnectGetAllDomainStats``):
         slice telemetry's one read per interval, whatever the number of slices. A group the driver does not
         keep is left out of the records (no ENFORCE flag), not an error."""
 
         def op(conn: libvirt.virConnect) -> list[tuple[str, dict[str, Any]]]:
-            return [(dom.name(), dict(record)) for dom, record in conn.getAllDomainStats(STATS_GROUPS, 0)]
+            return [(dom.name(), dict(record)) for dom, record in conn.getAllDomainStats(_codes().stats_groups, 0)]
 
         return await self._call("all_domain_stats", op)
 
@@ -325,6 +397,8 @@ class LibvirtLifecycle:
         """What an agent domain will use when it starts, read from its persistent XML (the next boot's config)."""
 
         def op(conn: libvirt.virConnect) -> DomainDevices:
+            import libvirt
+
             dom = self._owned(conn, name, "read the devices of")
             return parse_domain_devices(name, dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
 
@@ -384,6 +458,8 @@ class LibvirtLifecycle:
             )
 
         def op(conn: libvirt.virConnect) -> DefineOutcome:
+            import libvirt
+
             dom = self._lookup(conn, name)
             if dom is not None:
                 existing = self._metadata(dom)
@@ -420,6 +496,8 @@ class LibvirtLifecycle:
             )
 
         def op(conn: libvirt.virConnect) -> DomainInfo:
+            import libvirt
+
             dom = self._owned(conn, name, "start")
             if not dom.isActive():
                 try:
@@ -455,6 +533,8 @@ class LibvirtLifecycle:
         started = loop.time()
 
         def request(conn: libvirt.virConnect) -> tuple[bool, str | None]:
+            import libvirt
+
             dom = self._owned(conn, name, "shut down")
             if not dom.isActive():
                 return True, None
@@ -464,7 +544,7 @@ class LibvirtLifecycle:
             try:
                 dom.shutdownFlags(libvirt.VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN)
             except libvirt.libvirtError as exc:
-                if exc.get_error_code() not in _FLAG_REJECTED:
+                if exc.get_error_code() not in _codes().flag_rejected:
                     if self._is_loss(exc):
                         raise
                     if dom.isActive():
@@ -493,6 +573,8 @@ class LibvirtLifecycle:
 
     async def _destroy(self, name: str) -> bool:
         def op(conn: libvirt.virConnect) -> bool:
+            import libvirt
+
             dom = self._owned(conn, name, "destroy")
             if not dom.isActive():
                 return False
@@ -520,12 +602,14 @@ class LibvirtLifecycle:
         """Hard reset of a running agent domain (``virDomainReset``); it stays running. A shut-off one is refused."""
 
         def op(conn: libvirt.virConnect) -> ResetOutcome:
+            import libvirt
+
             dom = self._owned(conn, name, "reset")
             if not dom.isActive():
                 raise DomainRefused(
                     f"domain {name} is not running; a reset needs a running domain (start it instead)",
                     code="domain_not_running",
-                    evidence={"name": name, "uuid": dom.UUIDString(), "state": _STATES[dom.state()[0]].value},
+                    evidence={"name": name, "uuid": dom.UUIDString(), "state": _state_of(dom.state()[0]).value},
                 )
             try:
                 dom.reset(0)
@@ -533,7 +617,7 @@ class LibvirtLifecycle:
                 if self._is_loss(exc):
                     raise
                 raise _wrap(exc, f"resetting {name} failed", name=name) from None
-            return ResetOutcome(name=name, state=_STATES.get(dom.state()[0], DomainState.nostate))
+            return ResetOutcome(name=name, state=_state_of(dom.state()[0]))
 
         outcome = await self._call("reset", op)
         log_event(log, "domain_reset", name=name, state=outcome.state.value)
@@ -545,6 +629,8 @@ class LibvirtLifecycle:
         """Remove a shut-off agent domain and its NVRAM; an absent domain is reported, not an error."""
 
         def op(conn: libvirt.virConnect) -> UndefineOutcome:
+            import libvirt
+
             if self._lookup(conn, name) is None:
                 return UndefineOutcome(name=name, undefined=False, nvram_removed=False, attempts=[],
                                        note="domain was already absent")
@@ -553,7 +639,7 @@ class LibvirtLifecycle:
                 raise DomainRefused(
                     f"domain {name} is running; stop it before undefining",
                     code="domain_running",
-                    evidence={"name": name, "uuid": dom.UUIDString(), "state": _STATES[dom.state()[0]].value},
+                    evidence={"name": name, "uuid": dom.UUIDString(), "state": _state_of(dom.state()[0]).value},
                 )
             attempts: list[str] = []
             note = None
@@ -568,7 +654,7 @@ class LibvirtLifecycle:
                     if self._is_loss(exc):
                         raise
                     attempts.append(f"undefine_nvram:error:{exc.get_error_code()}")
-                    if exc.get_error_code() in _FLAG_REJECTED:
+                    if exc.get_error_code() in _codes().flag_rejected:
                         note = f"driver rejected VIR_DOMAIN_UNDEFINE_NVRAM ({exc}); used plain undefine()"
                         log_event(log, "libvirt_undefine_nvram_unsupported", logging.WARNING, name=name,
                                   uri=self.uri, error=str(exc))
@@ -604,6 +690,8 @@ def _defined_devices(conn: libvirt.virConnect, *,
                      skip: Callable[[libvirt.virDomain], bool] | None = None) -> Iterator[DomainDevices]:
     """The devices of every *defined* domain (its inactive XML), but those ``skip`` says to leave out; a domain
     undefined between the listing and the read is passed over (libvirt's ``VIR_ERR_NO_DOMAIN``)."""
+    import libvirt
+
     for dom in conn.listAllDomains(0):
         try:
             if skip is not None and skip(dom):

@@ -413,3 +413,41 @@ def test_defined_domain_disks_lists_shut_off_domains_and_excludes_only_the_slots
     with pytest.raises(DiskGuardError) as err:
         check_disk_writable(LIVE, alias, lease=disk.lease(), domain_disks=others)
     assert err.value.code == "in_use_by_domain" and err.value.evidence["domain_disk"] == disk.by_id
+
+
+def test_before_its_first_connection_a_libvirt_without_domains_is_listed_by_virsh_alone(tmp_path):
+    """An idle host's listing (host/vm/virsh.py): no domain at all is the answer without opening a connection; any
+    domain (the test driver's own ``test``) and the listing is made in-process, which is then the way."""
+    empty = tmp_path / "no-domains.xml"
+    empty.write_text("<node>\n</node>\n")
+
+    async def listed(lc: LibvirtLifecycle) -> tuple[list[str], bool]:
+        async with lc:
+            return [d.name for d in await lc.list_agent_domains()], lc.opened
+
+    assert run(listed(LibvirtLifecycle(f"test://{empty}"))) == ([], False)
+    mine = spec()
+    ours = LibvirtLifecycle(URI)
+
+    async def define_then_list_fresh() -> tuple[list[str], bool]:
+        try:
+            await ours.define(mine)
+            return await listed(LibvirtLifecycle(URI))  # a fresh object: virsh sees "test", so it opens
+        finally:
+            await _cleanup(ours, mine.domain_name)
+            await ours.close()
+
+    assert run(define_then_list_fresh()) == ([mine.domain_name], True)
+
+
+def test_a_virsh_listing_past_the_call_deadline_is_libvirts_timeout(tmp_path):
+    empty = tmp_path / "no-domains.xml"
+    empty.write_text("<node>\n</node>\n")
+
+    async def list_with_no_time() -> None:
+        async with LibvirtLifecycle(f"test://{empty}", call_timeout_s=0.001) as lc:
+            await lc.list_agent_domains()
+
+    with pytest.raises(LibvirtError) as timed_out:
+        run(list_with_no_time())
+    assert timed_out.value.code == "libvirt_timeout" and timed_out.value.evidence["via"] == "virsh"
