@@ -11,6 +11,10 @@ what they are. One guest boot serves the module (about 25-40 s on the 2-core mac
 ``fixtures/fabric/igb-vfinfo-readback.json`` is that run's record (raw vfinfo as pyroute2 decodes it,
 with provenance); ``GPUAAS_RECORD_IGB_READBACK=PATH`` writes a fresh one. The fabric driver's parser
 is tested on it; the last test here proves the recording is still what the kernel answers.
+
+A third boot (``switch``, the igb behind a ``pcie-root-port``) sends raw frames from one VF to the other through
+the NIC's own switch (``lab/igb_jobs/vf_switch.py``): port-VLAN isolation holds; the model's missing MAC
+anti-spoof is pinned as a gap.
 """
 
 from __future__ import annotations
