@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -316,18 +316,33 @@ def job_archive(script: str, packages: Mapping[str, Path], timeout_s: float) -> 
 
 
 def qemu_argv(image: IgbImage, initrd: Path, console: Path, result: Path, memory_mib: int = 768,
-              smp: int = 1) -> list[str]:
-    """q35 (igb is PCIe; its VFs sit at devfn +0x80 on the same bus), TCG, direct kernel boot, two serial ports."""
+              smp: int = 1, root_port: bool = False, trace: Sequence[str] = (), trace_log: Path | None = None,
+              append: str = "") -> list[str]:
+    """q35, TCG, direct kernel boot, two serial ports; the igb on the root complex or behind a root port.
+
+    ``root_port``: the igb behind a ``pcie-root-port`` (a PCIe endpoint with ARI, its VFs at devfn +0x80 on the
+    port's bus) instead of an integrated endpoint on ``pcie.0``. ``trace``: QEMU trace-event patterns
+    (``igb_*``, ``e1000e_core_*``...), logged to ``trace_log`` (QEMU's log backend, ``-D``).
+    """
+    topology = ["-device", "pcie-root-port,id=rp0,chassis=1,slot=1"] if root_port else []
+    bus = ",bus=rp0" if root_port else ""
+    tracing: list[str] = []
+    for pattern in trace:
+        tracing += ["-trace", pattern]
+    if trace and trace_log is not None:
+        tracing += ["-D", str(trace_log)]
     return [
         *image.qemu.argv_prefix(),
         "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-m", str(memory_mib), "-smp", str(smp),
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-kernel", str(image.kernel.vmlinuz), "-initrd", str(initrd),
-        "-append", "console=ttyS0 panic=-1 loglevel=4",
+        "-append", f"console=ttyS0 panic=-1 loglevel=4 {append}".strip(),
         "-serial", f"file:{console}", "-serial", f"file:{result}",
         # The PF's uplink: user networking with no route out (restrict=on); the VFs switch inside the model.
         "-netdev", "user,id=fab0,restrict=on",
-        "-device", f"igb,netdev=fab0,mac={IGB_MAC},romfile=",
+        *topology,
+        "-device", f"igb,netdev=fab0,mac={IGB_MAC},romfile={bus}",
+        *tracing,
     ]  # fmt: skip
 
 
@@ -339,6 +354,9 @@ def run_in_igb_guest(
     cache: Path = DEFAULT_CACHE,
     timeout_s: float = 600.0,
     smp: int = 1,
+    root_port: bool = False,
+    trace: Sequence[str] = (),
+    append: str = "",
 ) -> IgbRun:
     """Boot the igb guest, run ``script`` (Python, as root, with ``packages`` on its path), return its output.
 
@@ -346,6 +364,8 @@ def run_in_igb_guest(
     the job; the kill is for a job or boot that never ends).
     ``smp``: vCPUs. A job that brings ``igbvf`` up wants 2: the VF driver busy-waits for the PF's mailbox
     answer, which the PF driver's interrupt handler can only give on another vCPU.
+    ``root_port``, ``trace``, ``append``: see :func:`qemu_argv` (``append``: extra kernel command line); the
+    trace lands in ``workdir/qemu-trace.log``.
     """
     image = ensure_igb_image(cache)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -353,7 +373,8 @@ def run_in_igb_guest(
     initrd = workdir / "initrd-job.gz"
     initrd.write_bytes(image.initrd.read_bytes() + job_archive(script, packages or {}, job_timeout))
     console, result = workdir / "console.log", workdir / "result.log"
-    argv = qemu_argv(image, initrd, console, result, smp=smp)
+    argv = qemu_argv(image, initrd, console, result, smp=smp, root_port=root_port, trace=trace,
+                     trace_log=workdir / "qemu-trace.log", append=append)  # fmt: skip
     started = time.monotonic()
     with open(workdir / "qemu.out", "wb") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -394,10 +415,14 @@ if __name__ == "__main__":  # exploration: run a script file (or a one-liner) in
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--keep", type=Path, help="work directory to keep (console, result, qemu output)")
     parser.add_argument("--smp", type=int, default=1, help="vCPUs [%(default)s]")
+    parser.add_argument("--root-port", action="store_true", help="the igb behind a pcie-root-port")
+    parser.add_argument("--trace", action="append", default=[], help="QEMU trace pattern (repeatable)")
+    parser.add_argument("--append", default="", help="extra guest kernel command line")
     args = parser.parse_args()
     code = Path(args.script).read_text() if Path(args.script).is_file() else args.script
     work = args.keep or Path(tempfile.mkdtemp(prefix="igb-guest-"))
-    run = run_in_igb_guest(code, workdir=work, cache=args.cache, smp=args.smp)
+    run = run_in_igb_guest(code, workdir=work, cache=args.cache, smp=args.smp, root_port=args.root_port,
+                           trace=args.trace, append=args.append)  # fmt: skip
     print(f"rc={run.rc} wall={run.wall_s:.1f}s booted_at={run.uptime_booted_s}s job={run.uptime_job_s:.1f}s "
           f"kernel={run.kernel_version} qemu={run.qemu_version}")  # fmt: skip
     print(run.stdout)

@@ -11,6 +11,10 @@ what they are. One guest boot serves the module (about 25-40 s on the 2-core mac
 ``fixtures/fabric/igb-vfinfo-readback.json`` is that run's record (raw vfinfo as pyroute2 decodes it,
 with provenance); ``GPUAAS_RECORD_IGB_READBACK=PATH`` writes a fresh one. The fabric driver's parser
 is tested on it; the last test here proves the recording is still what the kernel answers.
+
+A third boot (``switch``, the igb behind a ``pcie-root-port``) sends raw frames from one VF to the other through
+the NIC's own switch (``lab/igb_jobs/vf_switch.py``): port-VLAN isolation holds; the model's missing MAC
+anti-spoof is pinned as a gap.
 """
 
 from __future__ import annotations
@@ -283,3 +287,64 @@ def test_two_tenants_release_parks_both_vfs_and_records_them_parked(driver: dict
         assert tt["read_both_parked"][str(vf)]["value"]["vlan"] == PARK_VLAN
         record = tt["records"][alloc]["value"]
         assert (record["state"], record["allocation_id"]) == ("parked", alloc)
+
+
+# -- VF-to-VF frames through the NIC's own switch (lab/igb_jobs/vf_switch.py) -----------------------------------
+
+SWITCH_JOB = REPO / "lab" / "igb_jobs" / "vf_switch.py"
+
+
+@pytest.fixture(scope="module")
+def switch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One boot, the igb behind a ``pcie-root-port`` with 2 vCPUs, sending raw frames from VF 1 to VF 0.
+
+    The root port is what makes the VFs work at all: on ``pcie.0`` the kernel puts the VF BARs above 4 GiB
+    (0x100000000), where this q35 guest has no PCI window, so no VF register access reaches QEMU's model and
+    ``igbvf`` never completes its mailbox reset (docs/fabric-igb.md). Behind the port they sit in its bridge
+    window (0xfea00000) and the handshake completes.
+    """
+    try:
+        run = run_in_igb_guest(SWITCH_JOB.read_text(), workdir=tmp_path_factory.mktemp("igb-switch"),
+                               cache=LAB_CACHE, timeout_s=GUEST_TIMEOUT_S, smp=2, root_port=True)  # fmt: skip
+    except LabImageError as exc:
+        pytest.fail(f"{exc.code}: {exc} {json.dumps(exc.evidence, default=str)[:4000]}")
+    assert run.rc == 0, f"the switch job failed in the guest:\n{run.stderr[-4000:]}\nconsole:\n{run.console[-3000:]}"
+    report: dict[str, Any] = run.json()
+    return report
+
+
+def case(report: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any] = report["cases"][name]
+    assert found["control_arrived"], f"{name}: the control frame never arrived, so absence proves nothing: {found}"
+    return found
+
+
+def test_vf_drivers_complete_their_reset_and_the_baseline_frame_crosses_the_nic(switch: dict[str, Any]) -> None:
+    """Without this nothing below proves anything: both igbvf links up with the MACs the PF set, and a frame
+    on the shared port VLAN from VF 1 reaches VF 0 through the NIC's switch (never the guest's stack)."""
+    vf0, vf1 = switch["vf_netdevs"]["vf0"], switch["vf_netdevs"]["vf1"]
+    assert switch["carrier"][vf0] == switch["carrier"][vf1] == "1"
+    assert switch["vf_macs"] == {vf0: "02:00:5e:1b:00:10", vf1: "02:00:5e:1b:00:11"}
+    assert not [ln for ln in switch["kernel_igb_lines"] if "PF still in reset state" in ln]
+    assert case(switch, "baseline_same_vlan")["seen"] == ["baseline_same_vlan-control-1"]
+
+
+def test_a_frame_from_another_port_vlan_does_not_reach_the_other_vf(switch: dict[str, Any]) -> None:
+    """VF 1 on port VLAN 200 sends to VF 0 (VLAN 100): not delivered; the same VF's control frame, sent once it
+    is back on VLAN 100, is (so the transmit path worked and the drop was the VLAN)."""
+    assert case(switch, "other_port_vlan")["forbidden_arrived"] is False
+
+
+def test_a_frame_self_tagged_with_the_other_tenants_vlan_does_not_reach_it(switch: dict[str, Any]) -> None:
+    """VF 1 on port VLAN 200 tags its own frame with VF 0's VLAN 100: the port VLAN wins, not delivered."""
+    assert case(switch, "self_tagged_with_other_vlan")["forbidden_arrived"] is False
+
+
+def test_igb_model_delivers_a_spoofed_source_mac_so_spoof_check_is_not_proven_by_frames_here(
+        switch: dict[str, Any]) -> None:
+    """A known gap of the emulation, pinned so it cannot be mistaken for a proof: QEMU 10.0's igb delivers a
+    VF-to-VF frame with a source MAC that is not the VF's, with spoof check on as with it off. Spoof check is
+    proven here only as a setting the kernel holds (set and read back, tests above), not as a dropped frame.
+    When a QEMU drops it, this test fails: then make the on-case a proof and update docs/fabric-igb.md."""
+    assert case(switch, "spoofed_src_mac_spoofchk_off")["forbidden_arrived"] is True
+    assert case(switch, "spoofed_src_mac_spoofchk_on")["forbidden_arrived"] is True

@@ -7,6 +7,12 @@ RTM_NEWLINK is built byte by byte as the kernel's ``rtnl_fill_vfinfo`` writes it
 vf; __u64 guid; }``, host order, little-endian on x86-64 and arm64), with that recording's values; the agent must
 read the GUIDs iproute2 printed, and its own request for those GUIDs must carry the number iproute2's
 ``get_guid`` sends. A GUID written byte-reversed would bind the wrong port into the tenant's partition.
+
+The Ethernet side (``fixtures/fabric/mlx5-eth-vfs.iproute2.txt``, a ConnectX-5 PF from OpenStack neutron's guide):
+the VF a tenant holds (MAC, VLAN, spoof check on, trust off) and idle ones, with link state ``auto`` and
+``enable``; with the IB recording's ``disable`` every IFLA_VF_LINK_STATE value is read from a recorded answer.
+igb cannot set a VF's link state at all (EOPNOTSUPP, docs/fabric-igb.md), so these are the link-state paths'
+only real answers.
 """
 
 from __future__ import annotations
@@ -17,15 +23,16 @@ from pathlib import Path
 
 from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 
-from gpuaas_agent.contract.fabricvf import VfLinkState, VfSettings
+from gpuaas_agent.contract.fabricvf import VfLinkState, VfSettings, parked_settings
 from gpuaas_agent.host.network.fabricvf import compare_settings, vf_requests, vfs_of_link
 
 RECORDING = Path(__file__).resolve().parents[3] / "fixtures" / "fabric" / "mlx5-ib-vf-guids.iproute2.txt"
+ETH_RECORDING = Path(__file__).resolve().parents[3] / "fixtures" / "fabric" / "mlx5-eth-vfs.iproute2.txt"
 
 # include/uapi/linux/if_link.h
 IFLA_IFNAME, IFLA_VFINFO_LIST, IFLA_NUM_VF = 3, 22, 30
 IFLA_VF_INFO = 1
-IFLA_VF_MAC, IFLA_VF_VLAN, IFLA_VF_SPOOFCHK, IFLA_VF_LINK_STATE, IFLA_VF_TRUST = 1, 2, 4, 5, 9
+IFLA_VF_MAC, IFLA_VF_VLAN, IFLA_VF_SPOOFCHK, IFLA_VF_LINK_STATE, IFLA_VF_RATE, IFLA_VF_TRUST = 1, 2, 4, 5, 6, 9
 IFLA_VF_IB_NODE_GUID, IFLA_VF_IB_PORT_GUID, IFLA_VF_VLAN_LIST, IFLA_VF_VLAN_INFO = 10, 11, 12, 1
 ETH_P_8021Q = 0x8100
 LINK_STATE = {"auto": 0, "enable": 1, "disable": 2}
@@ -121,3 +128,99 @@ def test_the_agents_guid_request_carries_the_number_iproute2_sends():
         assert len(payload) >= 16, "the kernel's nla_policy needs a whole struct ifla_vf_guid"
         vf, number = struct.unpack_from("=I4xQ", payload)
         assert (vf, number) == (0, _guid_number(text)), f"{text} must travel as {_guid_number(text):#018x}"
+
+
+def _recorded_eth_pfs() -> dict[str, list[dict]]:
+    """PF address -> its VF lines as iproute2 printed them (``vf N MAC m[, vlan V], spoof checking x, link-state
+    s[, trust t]``), from the Ethernet recording."""
+    pfs: dict[str, list[dict]] = {}
+    current: list[dict] = []
+    for line in ETH_RECORDING.read_text().splitlines():
+        if line.startswith("link/ether "):
+            current = pfs.setdefault(line.split()[1], [])
+        elif line.startswith("vf "):
+            vlan = re.search(r", vlan (\d+)", line)
+            trust = re.search(r"trust (on|off)", line)
+            current.append({"vf": int(line.split()[1]), "mac": re.search(r"MAC ([0-9a-f:]{17})", line).group(1),
+                            "vlan": int(vlan.group(1)) if vlan else 0,
+                            "spoofchk": re.search(r"spoof checking (on|off)", line).group(1),
+                            "link_state": re.search(r"link-state (\w+)", line).group(1),
+                            "trust": trust.group(1) if trust else None})
+    return pfs
+
+
+def _kernel_eth_newlink(vfs: list[dict]) -> bytes:
+    """The RTM_NEWLINK an Ethernet PF answers with for ``vfs``, each IFLA_VF_INFO in rtnl_fill_vfinfo's order.
+
+    iproute2 prints no rate when it is 0 and no trust when the kernel reports none: both are sent as the kernel
+    does for such a VF (IFLA_VF_RATE always, zeroes; IFLA_VF_TRUST as u32 -1, "not supported").
+    """
+    on = {"on": 1, "off": 0, None: 0xFFFFFFFF}
+    infos = b""
+    for vf in vfs:
+        n = vf["vf"]
+        info = b"".join([
+            _nla(IFLA_VF_MAC, struct.pack("=I32s", n, bytes.fromhex(vf["mac"].replace(":", "")))),
+            _nla(IFLA_VF_VLAN, struct.pack("=III", n, vf["vlan"], 0)),
+            _nla(IFLA_VF_RATE, struct.pack("=III", n, 0, 0)),
+            _nla(IFLA_VF_SPOOFCHK, struct.pack("=II", n, on[vf["spoofchk"]])),
+            _nla(IFLA_VF_LINK_STATE, struct.pack("=II", n, LINK_STATE[vf["link_state"]])),
+            _nla(IFLA_VF_TRUST, struct.pack("=II", n, on[vf["trust"]])),
+            _nla(IFLA_VF_VLAN_LIST, _nla(IFLA_VF_VLAN_INFO, struct.pack("=III", n, vf["vlan"], 0)
+                                         + struct.pack(">H2x", ETH_P_8021Q))),
+        ])
+        infos += _nla(IFLA_VF_INFO, info)
+    attrs = (_nla(IFLA_IFNAME, b"enp3s0f0\0") + _nla(IFLA_NUM_VF, struct.pack("=I", len(vfs)))
+             + _nla(IFLA_VFINFO_LIST, infos))
+    body = struct.pack("=BxHiII", 0, 1, 6, 0, 0) + attrs  # struct ifinfomsg: AF_UNSPEC, ARPHRD_ETHER, ifindex 6
+    return struct.pack("=IHHII", 16 + len(body), RTM_NEWLINK, 0, 1, 0) + body
+
+
+def _observed(vfs: list[dict]) -> dict:
+    msg = ifinfmsg(_kernel_eth_newlink(vfs))
+    msg.decode()
+    return vfs_of_link(msg)
+
+
+HELD_PF, FRESH_PF = "ec:0d:9a:46:9e:84", "a0:36:9f:8f:3f:b8"
+
+
+def test_the_agent_reads_an_mlx5_tenant_vf_as_recorded_mac_vlan_spoofchk_trust_link_state():
+    observed = _observed(_recorded_eth_pfs()[HELD_PF])
+    assert sorted(observed) == [0, 1, 2, 3]
+    held = observed[3]
+    assert (held.mac, held.vlan, held.qos, held.spoofchk, held.trust, held.link_state, held.max_tx_rate_mbps) == (
+        "fa:16:3e:b9:b8:ce", 57, 0, True, False, VfLinkState.enable, 0)
+    for idle in (observed[0], observed[1], observed[2]):
+        assert (idle.mac, idle.vlan, idle.spoofchk, idle.trust, idle.link_state) == (
+            "00:00:00:00:00:00", 0, False, False, VfLinkState.enable)
+
+
+def test_a_recorded_vf_forced_to_link_enable_is_named_drift_from_the_tenants_auto():
+    """What neutron left on the held VF is everything the agent wants but the link state: named, nothing else."""
+    held = _observed(_recorded_eth_pfs()[HELD_PF])[3]
+    wanted = VfSettings(vf=3, mac="fa:16:3e:b9:b8:ce", vlan=57, qos=0, spoofchk=True, trust=False,
+                        link_state=VfLinkState.auto, max_tx_rate_mbps=0)
+    assert [(m.field, m.wanted, m.found) for m in compare_settings(wanted, held)] == [("link_state", "auto", "enable")]
+    assert compare_settings(wanted.model_copy(update={"link_state": VfLinkState.enable}), held) == []
+
+
+def test_recorded_link_states_auto_and_disable_read_back_and_only_disable_counts_as_parked():
+    fresh = _observed(_recorded_eth_pfs()[FRESH_PF])
+    assert {vf.link_state for vf in fresh.values()} == {VfLinkState.auto}
+    assert {vf.trust for vf in fresh.values()} == {None}, "an old iproute2/driver printed no trust: not reported"
+    msg = ifinfmsg(_kernel_newlink(0, _recorded_vf()))
+    msg.decode()
+    ib_parked = vfs_of_link(msg)[0]
+    assert ib_parked.link_state is VfLinkState.disable
+    park = VfSettings(vf=0, link_state=VfLinkState.disable)
+    assert compare_settings(park, ib_parked) == []
+    assert [(m.field, m.found) for m in compare_settings(park, fresh[0])] == [("link_state", "auto")]
+
+
+def test_an_idle_recorded_mlx5_vf_is_not_parked_and_the_agent_names_each_value():
+    """A VF as the driver leaves it after sriov_numvfs (no VLAN, spoof check off, link enable) is not a parked
+    VF: the agent must name the VLAN, spoof check and link state before it hands the slot over."""
+    idle = _observed(_recorded_eth_pfs()[HELD_PF])[0]
+    named = {m.field: m.found for m in compare_settings(parked_settings(0, "ethernet", "00:00:00:00:00:00:00:00"), idle)}
+    assert named == {"vlan": "0", "spoofchk": "false", "link_state": "enable"}
