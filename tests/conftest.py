@@ -106,6 +106,12 @@ FAST_TIER = " and ".join(f"not {marker}" for marker in FAST_TIER_LEAVES_OUT)
 SERIAL_MARKERS = tuple(marker for marker in FAST_TIER_LEAVES_OUT if marker != "slow")
 PARALLEL_PASS = " and ".join(f"not {marker}" for marker in SERIAL_MARKERS)
 SERIAL_PASS = " or ".join(SERIAL_MARKERS)
+# The serial pass runs in two lanes at once (scripts/test.sh): the deploy tests that need nothing else of the
+# serial pass (chroots, dpkg, the .deb, private servers: they wait on dpkg and apt more than they compute) beside
+# everything else of it (the lab, guests, the crash harness, libvirtd, namespaces, agents: still one process).
+SERIAL_LANE_MARKERS = tuple(marker for marker in SERIAL_MARKERS if marker != "deploy")
+SERIAL_LANE = " or ".join(SERIAL_LANE_MARKERS)
+DEPLOY_LANE = "deploy and " + " and ".join(f"not {marker}" for marker in SERIAL_LANE_MARKERS)
 
 NEEDS_BY_DIRECTORY = {
     "e2e": ("lab",),            # the lab-in-a-box over NATS: real TCG guests

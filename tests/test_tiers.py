@@ -16,11 +16,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (
+    DEPLOY_LANE,
     FAST_TIER,
     FAST_TIER_LEAVES_OUT,
     NEED_MARKERS,
     NEEDS_BY_DIRECTORY,
     PARALLEL_PASS,
+    SERIAL_LANE,
+    SERIAL_LANE_MARKERS,
     SERIAL_MARKERS,
     SERIAL_PASS,
     SLOW_TESTS,
@@ -146,7 +149,7 @@ def test_the_whole_suite_runs_every_test_once_in_its_two_passes(markers):
     script = (REPO / "scripts" / "test.sh").read_text()
     parallel = re.search(rf'-m "{re.escape(PARALLEL_PASS)}" -n "\$\{{GPUAAS_TEST_WORKERS:-2\}}" --dist loadfile', script)
     assert parallel, "the parallel pass runs the expression the markers define, on xdist workers by module"
-    assert f'-m "{SERIAL_PASS}" ||' in script, "the serial pass runs the complementary expression in one process"
+    assert SERIAL_PASS == " or ".join(SERIAL_MARKERS)
     serial = set(SERIAL_MARKERS)
     in_parallel = {test for test, names in markers.items() if not names & serial}
     in_serial = {test for test, names in markers.items() if names & serial}
@@ -154,6 +157,18 @@ def test_the_whole_suite_runs_every_test_once_in_its_two_passes(markers):
     assert in_parallel | in_serial == set(markers)
     assert not in_parallel & set(collected_under(markers, "tests/e2e/")), "no guest runs beside another"
     assert set(SERIAL_MARKERS) | {"slow"} == set(FAST_TIER_LEAVES_OUT), "the fast tier is the parallel pass less slow"
+    # The serial pass in two lanes at once: the serial lane in one process, the deploy lane beside it.
+    assert f'-m "{SERIAL_LANE}" ||' in script, "the serial lane runs in one process, in the foreground"
+    assert re.search(rf'-m "{re.escape(DEPLOY_LANE)}" >"\$lane_log" 2>&1 &', script), "the deploy lane runs beside it"
+    lane = set(SERIAL_LANE_MARKERS)
+    in_serial_lane = {test for test, names in markers.items() if names & lane}
+    in_deploy_lane = {test for test, names in markers.items() if "deploy" in names and not names & lane}
+    assert in_serial_lane and in_deploy_lane and not in_serial_lane & in_deploy_lane
+    assert in_serial_lane | in_deploy_lane == in_serial, "the two lanes are the serial pass, each test once"
+    # Beside the lane nothing starts a guest, the lab, libvirtd, a namespace's dnsmasq or an agent.
+    assert not in_deploy_lane & set(collected_under(markers, "tests/e2e/"))
+    assert not in_deploy_lane & set(collected_under(markers, "tests/crash/"))
+    assert in_serial_lane & set(collected_under(markers, "tests/deploy/test_fresh_host.py")), "the lab's deploy tests"
 
 
 # -- declared where the need is made: a server-starting helper carries its tier, and the tier follows it ------

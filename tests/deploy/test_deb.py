@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -42,9 +41,9 @@ import yaml
 
 from gpuaas_agent.deploy.userdata import UserDataInputs, render_userdata
 from gpuaas_agent.host.run import run
-from tests.conftest import REPO, fixture_host
+from tests.conftest import fixture_host
 from tests.deploy.chroot import APT_TIMEOUT_S, CACHE, Chroot, bookworm_tarball, distro_root, run_checked
-from tests.deploy.machine import BUILD, cloud_init_runcmd_script
+from tests.deploy.machine import V2_LOCAL, cloud_init_runcmd_script, tree_version
 from tests.support.controlplane import ControlPlane
 from tests.support.nats_server import free_port
 
@@ -68,17 +67,17 @@ def assert_prepared(box: Chroot) -> None:
 
 
 @pytest.fixture(scope="module")
-def debs(tmp_path_factory) -> dict[str, Path]:
-    """v1 (the source version) and v2 (a newer one) built by the script `make deb` runs."""
+def debs(tmp_path_factory, deb_build) -> dict[str, Path]:
+    """v1 (the source version) and v2 (a newer one) built by the script `make deb` runs (once a session:
+    ``deb_build``, tests/deploy/machine.py), in this module's own directory."""
     if os.geteuid() != 0:
         pytest.fail("the packaging test needs root (debootstrap, chroot, mount)", pytrace=False)
     out = tmp_path_factory.mktemp("dist")
-    version = re.search(r'__version__ = "([^"]+)"', (REPO / "gpuaas_agent" / "__init__.py").read_text()).group(1)
+    version = tree_version()
     built = {}
-    for label, ver in (("v1", version), ("v2", f"{version}+ci2")):
+    for label, ver in (("v1", version), ("v2", f"{version}+{V2_LOCAL}")):
         started = time.monotonic()
-        done = run_checked([*BUILD, "--version", ver, "--out", str(out)], timeout=APT_TIMEOUT_S)
-        built[label] = Path(done.stdout.strip().splitlines()[-1])
+        built[label] = deb_build(ver, out)
         assert built[label].name == f"gpuaas-agent_{ver}_amd64.deb" and built[label].exists()
         print(f"build {label} {ver}: {time.monotonic() - started:.1f}s", file=sys.stderr)
     return built

@@ -34,7 +34,7 @@ import pytest
 import gpuaas_agent
 from tests.conftest import REPO, fixture_host
 from tests.deploy.chroot import APT_TIMEOUT_S, CACHE, CMD_TIMEOUT_S, distro_root, run_checked, ubuntu_tarball
-from tests.deploy.machine import BUILD
+from tests.deploy.machine import BUILD, tree_version
 from tests.support.redfish_server import PCI, started_server
 
 FIXTURE = "h200-slice-after-transition"
@@ -42,15 +42,15 @@ SLICE_ONLY = ("libvirt-daemon-system", "qemu-system-x86", "openvswitch-switch", 
 
 
 @pytest.fixture(scope="module")
-def two_builds(tmp_path_factory) -> tuple[Path, Path]:
+def two_builds(tmp_path_factory, deb_build) -> tuple[Path, Path]:
+    """The session's build of this tree (``deb_build``, tests/deploy/machine.py: what the other modules install)
+    and a second build of the same tree made here, each in its own directory."""
     if os.geteuid() != 0:
         pytest.fail("the packaging test needs root (debootstrap, chroot, mount)", pytrace=False)
-    built = []
-    for label in ("a", "b"):
-        out = tmp_path_factory.mktemp(f"dist-{label}")
-        done = run_checked([*BUILD, "--out", str(out)], timeout=APT_TIMEOUT_S)
-        built.append(Path(done.stdout.strip().splitlines()[-1]))
-    return built[0], built[1]
+    first = deb_build(None, tmp_path_factory.mktemp("dist-a"))
+    out = tmp_path_factory.mktemp("dist-b")
+    done = run_checked([*BUILD, "--version", tree_version(), "--out", str(out)], timeout=APT_TIMEOUT_S)
+    return first, Path(done.stdout.strip().splitlines()[-1])
 
 
 def test_two_builds_of_one_tree_are_byte_identical(two_builds):

@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import re
 import shutil
 import sqlite3
 import subprocess
@@ -56,9 +55,8 @@ import pytest
 
 from gpuaas_agent.compat import tomllib
 from lab.harness import Lab, LabSettings
-from tests.conftest import REPO
 from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
-from tests.deploy.machine import INSTALLED_AGENT, SEED_DIR, STATE_DIR
+from tests.deploy.machine import INSTALLED_AGENT, SEED_DIR, STATE_DIR, V2_LOCAL, tree_version
 from tests.deploy.service_manager import UNIT, ServiceManager, UnitFile
 
 PROVISION = "slice.vm_provision"
@@ -72,15 +70,11 @@ CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME":
 
 
 @pytest.fixture(scope="module")
-def debs(tmp_path_factory) -> dict[str, Path]:
+def debs(tmp_path_factory, deb_build) -> dict[str, Path]:
+    """The tree's own version and a newer one, as test_deb.py installs them (built once a session: ``deb_build``)."""
     out = tmp_path_factory.mktemp("dist")
-    version = re.search(r'__version__ = "([^"]+)"', (REPO / "gpuaas_agent" / "__init__.py").read_text()).group(1)
-    built = {}
-    for label, ver in (("v1", version), ("v2", f"{version}+upgrade2")):
-        done = run_checked(["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py"), "--version", ver, "--out", str(out)],
-                    timeout=APT_TIMEOUT_S)
-        built[label] = Path(done.stdout.strip().splitlines()[-1])
-    return built
+    version = tree_version()
+    return {label: deb_build(ver, out) for label, ver in (("v1", version), ("v2", f"{version}+{V2_LOCAL}"))}
 
 
 def _toml_value(value) -> str:

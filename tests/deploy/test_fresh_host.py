@@ -43,8 +43,7 @@ from gpuaas_agent.compat import tomllib
 from gpuaas_agent.deploy.sliceinputs import IMAGE_CA_PATH
 from gpuaas_agent.deploy.userdata import CONFIG_PATH, UserDataInputs, render_userdata
 from lab.harness import Lab, LabSettings
-from tests.conftest import REPO
-from tests.deploy.chroot import APT_TIMEOUT_S, run_checked
+from tests.deploy.chroot import APT_TIMEOUT_S
 from tests.deploy.machine import INSTALLED_AGENT, RELAY_KEY, SEED_DIR, STATE_DIR, cloud_init_runcmd_script
 from tests.support.image_server import issue_server_cert, make_ca, start_https_server
 
@@ -53,13 +52,11 @@ echo "systemctl $*" >> "$(dirname "$0")/calls.log"
 """
 
 
-def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(clean_machine, tmp_path):
+def test_a_host_made_by_the_package_and_user_data_provisions_on_the_first_try(clean_machine, deb_build, tmp_path):
     timings: dict[str, float] = {}
     started = time.monotonic()
     out = tmp_path / "dist"
-    built = run_checked(["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py"), "--out", str(out)],
-                        timeout=APT_TIMEOUT_S)
-    deb = Path(built.stdout.strip().splitlines()[-1])
+    deb = deb_build(None, out)  # the session's build of this tree (tests/deploy/machine.py), in its own directory
     timings["build"] = time.monotonic() - started
 
     workdir = Path(tempfile.mkdtemp(prefix="gpuaas-fresh-", dir="/var/tmp"))

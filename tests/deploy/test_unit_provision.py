@@ -45,7 +45,6 @@ from gpuaas_agent.deploy import sysfswrites
 from gpuaas_agent.hostfs import HostRoot
 from lab.harness import Lab, LabSettings
 from lab.systemd_manager import SystemdManager
-from tests.conftest import REPO
 from tests.deploy.units import AGENT_UNIT, agent_capabilities
 from tests.e2e.conftest import LoopThread
 from tests.support.daemons import stop_pid
@@ -128,7 +127,7 @@ def _lab_dropin(lab: Lab) -> str:
 
 
 @pytest.fixture(scope="module")
-def unit_lab(request) -> Iterator[UnitLab]:
+def unit_lab(request, deb_build) -> Iterator[UnitLab]:
     if os.geteuid() != 0:
         pytest.fail("the unit lab needs root (namespaces, loop devices, OVS, libvirtd)", pytrace=False)
     timings: dict[str, float] = {}
@@ -136,10 +135,7 @@ def unit_lab(request) -> Iterator[UnitLab]:
     # Not under /tmp or /var/tmp: the unit's PrivateTmp= would hide the lab's files from the agent.
     work = Path(tempfile.mkdtemp(prefix="gpuaas-unitlab-", dir="/var/lib"))
     work.chmod(0o755)
-    built = subprocess.run(["/usr/bin/python3", str(REPO / "packaging" / "build_deb.py"), "--out", str(work / "dist")],
-                           capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-3000:]
-    deb = Path(built.stdout.strip().splitlines()[-1])
+    deb = deb_build(None, work / "dist")  # the session's build of this tree (tests/deploy/machine.py)
     timings["build"] = time.monotonic() - mark
 
     lines: list[str] = []
