@@ -354,6 +354,10 @@ class Lab:
             # A power operation may wait the payload's whole graceful timeout (up to the wire's 3600 s): the
             # hostile-load test's reboot of a guest that ignores ACPI must outlast its neighbour's work by far.
             "max_graceful_timeout_s": 3600,
+            # TCG guests answer an SSH handshake far slower than KVM ones, and slower still while other lab
+            # guests boot: the hostile-load test's nine sessions once timed out at the 15 s default (a 2-core
+            # VM under load). The default stays what a real host gets.
+            "terminal": {"connect_timeout_s": 60},
         }
         if self.settings.use_package_paths:
             for key in ("seed_dir", "terminal_relay_key_file"):
