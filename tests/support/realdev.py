@@ -117,11 +117,6 @@ class RealDevices:
         self._push(f"umount {mountpoint}", lambda: sh("umount", str(mountpoint)))
         return mountpoint
 
-    def umount(self, mountpoint: Path) -> None:
-        """Unmount early (and forget the undo step)."""
-        sh("umount", str(mountpoint))
-        self._undo = [(w, u) for w, u in self._undo if w != f"umount {mountpoint}"]
-
     def swapon(self, part: str) -> None:
         sh("mkswap", "-f", part)
         sh("swapon", part)

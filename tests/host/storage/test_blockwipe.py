@@ -19,10 +19,13 @@ LIVE = HostRoot.open("/")
 def _used_disk(realdev):
     """A disk that held a tenant: GPT, ext4 with a file, bytes at the very end."""
     disk = realdev.disk(64, partitions_mib=[40])
-    realdev.mkfs_ext4(disk.partitions[0])
-    mountpoint = realdev.mount(disk.partitions[0])
-    (mountpoint / "tenant").write_bytes(b"secret" * 100000)
-    realdev.umount(mountpoint)
+    # The tenant's file goes in at mkfs (-d), not through a mount: where / is a private mount, a mount namespace
+    # made meanwhile (any `ip netns exec` of a parallel test) keeps its own copy of the mount after our umount, and
+    # the disk stays busy to the guard's exclusive open (seen once in a parallel suite run).
+    content = realdev.tmp / "tenant-root"
+    content.mkdir()
+    (content / "tenant").write_bytes(b"secret" * 100000)
+    sh("mkfs.ext4", "-q", "-F", "-d", str(content), disk.partitions[0])
     write_bytes(disk.dev, 64 * MiB - 4096, b"\x5a" * 4096)
     return disk
 
