@@ -25,12 +25,8 @@ seconds of the break, not one health period later. When ``port_isolation`` start
 (serialized with its timer): it reinstalls the rules of known active ports and publishes its
 ``flows_missing`` findings; the next round reports the check restored.
 
-The sockets are opened in the agent's own network namespace, and only those whose events can change
-what the checks read (:func:`netlink_protocols`): with ``health_netns`` set (the checks read another
-namespace) none, the watch runs on its timer only; with the slice network read from a recorded root
-(``host_root`` not ``/`` and no ``health_network_live``: a bench, a test) only the nftables one, and only
-for ``port_isolation`` (its nft guard is the live host's). A round woken by an event that cannot change an
-answer is the same round again: on a shared machine other work's links and routes woke half the rounds.
+The sockets are opened in the agent's own network namespace; with ``health_netns`` set
+(the checks read another namespace) the watch runs on its timer only.
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nats.aio.client import Client
@@ -84,29 +79,10 @@ _BAD = ("degraded", "failed")
 Probe = Callable[[], Awaitable[list[HealthCheck]]]
 
 
-ALL_PROTOCOLS = (socket.NETLINK_ROUTE, NETLINK_NETFILTER)
-_GROUPS = {socket.NETLINK_ROUTE: ROUTE_GROUPS, NETLINK_NETFILTER: (NFNLGRP_NFTABLES,)}
-_PROTOCOL_NAMES = {socket.NETLINK_ROUTE: "rtnetlink", NETLINK_NETFILTER: "nftables"}
-
-
-def netlink_protocols(settings: HealthSettings, *, isolation: bool) -> tuple[int, ...]:
-    """The netlink sockets whose events can change a watched check's answer (pure).
-
-    The network checks read the live namespace only when their root is ``/``; ``port_isolation``
-    (``isolation``) reads the live host's OVS and nft guard, whatever the root. Links, addresses, routes and
-    forwarding are read by the network checks alone; an nftables change can move NAT or the guard."""
-    if settings.netns is not None:  # the checks read another namespace: these sockets would not see it
-        return ()
-    if Path(settings.network_root or settings.host_root).resolve() == Path("/"):
-        return ALL_PROTOCOLS
-    return (NETLINK_NETFILTER,) if isolation else ()
-
-
-def open_netlink_sockets(protocols: tuple[int, ...] = ALL_PROTOCOLS) -> list[socket.socket]:
-    """Non-blocking netlink sockets subscribed to the groups above (rtnetlink and nftables), in that order."""
+def open_netlink_sockets() -> list[socket.socket]:
+    """Non-blocking netlink sockets subscribed to the groups above (rtnetlink and nftables)."""
     made: list[socket.socket] = []
-    for proto in (p for p in ALL_PROTOCOLS if p in protocols):
-        groups = _GROUPS[proto]
+    for proto, groups in ((socket.NETLINK_ROUTE, ROUTE_GROUPS), (NETLINK_NETFILTER, (NFNLGRP_NFTABLES,))):
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK, proto)
         try:
             sock.bind((0, 0))
@@ -236,16 +212,14 @@ class NetWatch:
         """Rounds on the timer and on netlink events until cancelled."""
         loop = asyncio.get_running_loop()
         sockets: list[socket.socket] = []
-        protocols = netlink_protocols(self.settings, isolation=self.isolation is not None)
-        if protocols:
+        if self.settings.netns is None:
             try:
-                sockets = open_netlink_sockets(protocols)
+                sockets = open_netlink_sockets()
             except OSError as exc:
                 log_event(log, "netwatch_netlink_unavailable", logging.WARNING, error=str(exc))
         for sock in sockets:
             loop.add_reader(sock.fileno(), self._readable, sock)
         log_event(log, "netwatch_started", interval_s=self.interval_s, netlink=bool(sockets),
-                  netlink_sockets=[_PROTOCOL_NAMES[s.proto] for s in sockets],
                   checks=list(WATCHED if self.isolation else WATCHED[:-1]))
         trigger = DriftTrigger.timer
         try:

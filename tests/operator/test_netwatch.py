@@ -135,31 +135,3 @@ def test_health_network_live_reads_the_slice_network_on_the_live_host_whatever_h
     assert HealthSettings.from_config(AgentConfig.model_validate(base)).network_root is None
     live = HealthSettings.from_config(AgentConfig.model_validate({**base, "health_network_live": True}))
     assert live.network_root == Path("/") and live.host_root == tmp_path / "recorded"
-
-
-def test_the_watch_listens_only_where_an_event_can_change_a_checks_answer(tmp_path):
-    """A recorded slice network cannot be changed by the live namespace's links or routes: no rtnetlink socket
-    (on a shared machine others' taps woke half its rounds); ``port_isolation`` still reads the live nft guard, so
-    the nftables socket stays with a probe. A live network (``/`` or ``health_network_live``) keeps both."""
-    import socket
-    from pathlib import Path
-
-    from gpuaas_agent.operator.health import HealthSettings
-    from gpuaas_agent.operator.netwatch import NETLINK_NETFILTER, netlink_protocols
-
-    recorded = HealthSettings(host_root=tmp_path)
-    both = (socket.NETLINK_ROUTE, NETLINK_NETFILTER)
-    assert netlink_protocols(recorded, isolation=False) == ()
-    assert netlink_protocols(recorded, isolation=True) == (NETLINK_NETFILTER,)
-    for live in (HealthSettings(host_root=Path("/")), HealthSettings(host_root=tmp_path, network_root=Path("/"))):
-        assert netlink_protocols(live, isolation=False) == both
-        assert netlink_protocols(live, isolation=True) == both
-    in_netns = HealthSettings(host_root=Path("/"), netns="gpuaas-elsewhere")
-    assert netlink_protocols(in_netns, isolation=True) == ()
-
-    sockets = open_netlink_sockets((NETLINK_NETFILTER,))
-    try:
-        assert [s.proto for s in sockets] == [NETLINK_NETFILTER]
-    finally:
-        for sock in sockets:
-            sock.close()
