@@ -74,7 +74,7 @@ def test_guest_a_cannot_spoof_or_reach_b_or_the_host_but_keeps_its_lease_ssh_and
     probes = runner.run(run_probes(lab_, Guest(a.private_ip, a.mac), Guest(b.private_ip, b.mac)), timeout=600)
     lines = "\n".join(p.line() for p in probes)
     print(lines)
-    assert len(probes) == 10
+    assert len(probes) == 11
     assert {p.name for p in probes if p.expect == "allowed"} == {"ssh_to_a", "dhcp_lease_a", "egress_nat"}
     assert all(p.ok for p in probes), lines
 
