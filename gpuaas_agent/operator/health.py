@@ -160,14 +160,22 @@ def dnsmasq_check(settings: HealthSettings) -> HealthCheck:
     return _check("dnsmasq", status, f"{finding.code}: {finding.detail}")
 
 
-def libvirtd_check(settings: HealthSettings) -> HealthCheck:
-    """A read-only connection to the configured libvirt URI opens and answers (blocking).
+async def libvirtd_check(settings: HealthSettings, *, threads: CheckThreads) -> HealthCheck:
+    """A read-only connection to the configured libvirt URI opens and answers.
 
     Asked through ``virsh -r ... version --daemon`` (one short child per round, the same version number and
-    error message as the binding's); in-process only on a host without virsh."""
-    answer = virsh.read_version(settings.libvirt_uri, timeout=VIRSH_TIMEOUT_S)
+    error message as the binding's), run on the loop so that a daemon stopping mid-round kills it; in-process
+    (in a check thread) only on a host without virsh."""
+    try:
+        answer = await asyncio.wait_for(virsh.read_version(settings.libvirt_uri, timeout=VIRSH_TIMEOUT_S),
+                                        CHECK_TIMEOUT_S)
+    except TimeoutError:
+        return _check("libvirtd", "unavailable", f"check did not answer within {CHECK_TIMEOUT_S:g}s")
+    except Exception as exc:
+        return _check("libvirtd", "unavailable", f"check raised {type(exc).__name__}: {exc}")
     if answer is None:
-        return libvirtd_check_in_process(settings)
+        (check,) = await guarded_check("libvirtd", lambda: libvirtd_check_in_process(settings), threads=threads)
+        return check
     if not answer.connected:
         return _check("libvirtd", "degraded", f"cannot connect to {settings.libvirt_uri}: {answer.error}")
     if answer.lib_version is None:
@@ -472,10 +480,13 @@ async def run_checks(settings: HealthSettings, leases: list[SlotLease], records:
         except Exception as exc:
             return [_check("nvme_smart", "unavailable", f"check raised {type(exc).__name__}: {exc}")]
 
+    async def libvirtd() -> list[HealthCheck]:
+        return [await libvirtd_check(settings, threads=threads)]
+
     rounds = await asyncio.gather(
         guarded_check("slice_network", lambda: network_checks(settings), threads=threads),
         guarded_check("dnsmasq", lambda: dnsmasq_check(settings), threads=threads),
-        guarded_check("libvirtd", lambda: libvirtd_check(settings), threads=threads),
+        libvirtd(),
         guarded_check("slot_disks", lambda: slot_disk_check(settings, leases), threads=threads),
         guarded_check("vfio_binding", lambda: vfio_check(settings, leases, records), threads=threads),
         guarded_check("pcie_aer", lambda: pcie_aer_check(settings, readings), threads=threads),

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from datetime import datetime
 from pathlib import Path
+
+import pytest
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.slots import HealthState, SlotStatus
@@ -153,9 +156,50 @@ def test_the_libvirtd_check_through_virsh_reports_what_the_binding_reports(tmp_p
     PATH it is the in-process check."""
     for uri in ("test:///default", "qemu+unix:///system?socket=/nonexistent/libvirt-sock"):
         settings = HealthSettings(host_root=tmp_path, libvirt_uri=uri)
-        child, binding = libvirtd_check(settings), libvirtd_check_in_process(settings)
+        child, binding = asyncio.run(libvirtd_check(settings, threads=CheckThreads())), libvirtd_check_in_process(settings)
         assert (child.name, child.status, child.detail) == (binding.name, binding.status, binding.detail), uri
     assert binding.status == "degraded" and "/nonexistent/libvirt-sock" in binding.detail
     monkeypatch.setenv("PATH", str(tmp_path))  # no virsh: the binding answers
-    fallback = libvirtd_check(HealthSettings(host_root=tmp_path, libvirt_uri="test:///default"))
+    fallback = asyncio.run(libvirtd_check(HealthSettings(host_root=tmp_path, libvirt_uri="test:///default"),
+                                          threads=CheckThreads()))
     assert fallback.status == "ok" and "answers (libvirt " in fallback.detail
+
+
+def _processes_naming(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmdline:
+                found.append(proc.name)
+    return found
+
+
+def test_a_round_stopped_while_virsh_waits_leaves_no_virsh_behind(tmp_path):
+    """The daemon stopping mid-round cancels the libvirtd check: its ``virsh`` child (here a real virsh waiting on a
+    libvirt socket that accepts and never answers) is killed, never left running after the agent (a deploy test
+    found one in the stopped unit's cgroup when the check ran in an abandoned thread)."""
+    sock_path = tmp_path / "silent-libvirt-sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(sock_path))
+    listener.listen(8)
+    settings = HealthSettings(host_root=tmp_path, libvirt_uri=f"qemu+unix:///system?socket={sock_path}")
+
+    async def stop_mid_check() -> list[str]:
+        check = asyncio.create_task(libvirtd_check(settings, threads=CheckThreads()))
+        deadline = time.monotonic() + 10
+        while not _processes_naming(str(sock_path)):
+            assert time.monotonic() < deadline and not check.done(), "virsh never started or did not wait"
+            await asyncio.sleep(0.02)
+        check.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await check
+        return _processes_naming(str(sock_path))
+
+    try:
+        assert asyncio.run(stop_mid_check()) == []
+    finally:
+        listener.close()

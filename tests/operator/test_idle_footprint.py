@@ -82,7 +82,7 @@ from pathlib import Path
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.drift import DriftTrigger
 from gpuaas_agent.daemon import SliceHost
-from gpuaas_agent.operator.health import HealthSettings, libvirtd_check
+from gpuaas_agent.operator.health import CheckThreads, HealthSettings, libvirtd_check
 from gpuaas_agent.state.aio import StoreThread
 from gpuaas_agent.tasks.reconcile import reconcile
 
@@ -100,7 +100,7 @@ async def idle_rounds():
         await host.aclose()
         await state.aclose()
 
-check = libvirtd_check(HealthSettings.from_config(config))
+check = asyncio.run(libvirtd_check(HealthSettings.from_config(config), threads=CheckThreads()))
 isolation, findings = asyncio.run(idle_rounds())
 print(json.dumps({"libvirtd": [check.status, check.detail], "isolation": isolation, "findings": findings,
                   "libvirt_loaded": "libvirt" in sys.modules or "libvirtmod" in sys.modules}))

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 
 from gpuaas_agent.errors import HostError
-from gpuaas_agent.host.run import Completed, run, run_sync
+from gpuaas_agent.host.run import Completed, run
 
 VIRSH = "virsh"
 # virsh's banner for a connection it could not open; the line after it is libvirt's own message.
@@ -56,11 +56,13 @@ def version_answer(done: Completed) -> VersionAnswer:
     return VersionAnswer(lib_version=major * 1_000_000 + minor * 1_000 + micro)
 
 
-def read_version(uri: str, *, timeout: float) -> VersionAnswer | None:
-    """libvirtd's version over a read-only connection to ``uri`` (blocking; the health round runs it in a thread).
-    None: no virsh on this host. A run past ``timeout`` raises ``HostError`` (``command_timeout``)."""
+async def read_version(uri: str, *, timeout: float) -> VersionAnswer | None:
+    """libvirtd's version over a read-only connection to ``uri``. On the loop, not in a check thread: a cancel (the
+    daemon stopping mid-round) kills the child, which must not outlive the agent (a check thread is abandoned at
+    exit, and its child with it). None: no virsh on this host. A run past ``timeout`` raises ``HostError``
+    (``command_timeout``)."""
     try:
-        done = run_sync([VIRSH, "-r", "-c", uri, "version", "--daemon"], timeout=timeout, check=False)
+        done = await run([VIRSH, "-r", "-c", uri, "version", "--daemon"], timeout=timeout, check=False)
     except HostError as exc:
         if exc.code == "command_not_found":
             return None

@@ -21,7 +21,7 @@ def _empty_driver(tmp_path) -> str:
 
 
 def test_the_version_is_the_number_the_binding_gives():
-    answer = virsh.read_version("test:///default", timeout=30)
+    answer = asyncio.run(virsh.read_version("test:///default", timeout=30))
     conn = libvirt.openReadOnly("test:///default")
     try:
         assert answer == virsh.VersionAnswer(lib_version=conn.getLibVersion())
@@ -30,7 +30,7 @@ def test_the_version_is_the_number_the_binding_gives():
 
 
 def test_a_libvirtd_that_is_not_there_is_refused_with_libvirts_own_message():
-    answer = virsh.read_version(UNREACHABLE, timeout=30)
+    answer = asyncio.run(virsh.read_version(UNREACHABLE, timeout=30))
     libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
     with pytest.raises(libvirt.libvirtError) as refused:
         libvirt.openReadOnly(UNREACHABLE)
@@ -45,7 +45,7 @@ def test_the_domain_names_are_every_domain_and_none_on_a_libvirt_without_one(tmp
 
 def test_without_virsh_nothing_is_answered(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no virsh to run
-    assert virsh.read_version("test:///default", timeout=30) is None
+    assert asyncio.run(virsh.read_version("test:///default", timeout=30)) is None
     assert asyncio.run(virsh.domain_names("test:///default", timeout=30)) is None
 
 
