@@ -20,7 +20,7 @@ import pytest
 from gpuaas_agent.operator import bmc
 from gpuaas_agent.operator.health_quarantine import failing_by_bmc
 from gpuaas_agent.operator.redfish import MAX_DOCUMENT_BYTES, MAX_DOCUMENTS, MAX_PORT_MEMBERS
-from tests.support.redfish_server import PCI, RedfishServer
+from tests.support.redfish_server import PCI, RedfishServer, editable_documents
 
 CAPTURE = Path(__file__).resolve().parents[2] / "fixtures/redfish/dgx-h100-viking/redfish/v1"
 PROCESSORS = "Systems/HGX_Baseboard_0/Processors"
@@ -39,19 +39,8 @@ def server(tmp_path_factory):
 @pytest.fixture
 def capture(server):
     """The served capture; every document a test changes is restored afterwards."""
-    saved: dict[Path, str] = {}
-
-    def edit(rel: str, change) -> None:
-        path = server.mockup / rel / "index.json"
-        saved.setdefault(path, path.read_text())
-        doc = json.loads(path.read_text())
-        change(doc)
-        path.write_text(json.dumps(doc))
-
-    server.edit = edit
-    yield server
-    for path, text in saved.items():
-        path.write_text(text)
+    with editable_documents(server) as served:
+        yield served
 
 
 def _gpus(reading):

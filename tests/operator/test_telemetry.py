@@ -44,7 +44,7 @@ from tests.conftest import REPO
 from tests.support.agent_process import enrolled_setup
 from tests.support.deadline import run_bounded
 from tests.support.nats_server import NatsServer, free_port, nats_server_binary
-from tests.support.redfish_server import PCI, RedfishServer
+from tests.support.redfish_server import PCI, RedfishServer, editable_documents
 
 NODE = "node-telemetry"
 RECORDED_ALLOC = "01234567-89ab-cdef-0123-456789abcdef"  # the recorded domain's name is this allocation's
@@ -85,19 +85,8 @@ def bmc_capture(tmp_path_factory):
 @pytest.fixture
 def capture(bmc_capture):
     """The served capture; ``capture.edit(rel, change)`` changes one document, restored after the test."""
-    saved: dict = {}
-
-    def edit(rel: str, change) -> None:
-        path = bmc_capture.mockup / rel / "index.json"
-        saved.setdefault(path, path.read_text())
-        doc = json.loads(path.read_text())
-        change(doc)
-        path.write_text(json.dumps(doc))
-
-    bmc_capture.edit = edit
-    yield bmc_capture
-    for path, text in saved.items():
-        path.write_text(text)
+    with editable_documents(bmc_capture) as served:
+        yield served
 
 
 def test_each_slot_carries_its_own_gpus_bmc_sensors_and_never_another_slots(capture):

@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from gpuaas_agent.config import BmcConfig
@@ -96,3 +98,24 @@ def started_server(tmp_path: Path) -> RedfishServer:
     write_mockup(server.mockup)
     server.start()
     return server
+
+
+@contextmanager
+def editable_documents(server: RedfishServer) -> Iterator[RedfishServer]:
+    """``server`` with ``server.edit(rel, change)``: ``change`` gets one served document (``<rel>/index.json``) as
+    JSON and alters it in place; every document changed is put back as it was when the block ends."""
+    saved: dict[Path, str] = {}
+
+    def edit(rel: str, change: Callable[[dict], None]) -> None:
+        path = server.mockup / rel / "index.json"
+        saved.setdefault(path, path.read_text())
+        doc = json.loads(path.read_text())
+        change(doc)
+        path.write_text(json.dumps(doc))
+
+    server.edit = edit  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        for path, text in saved.items():
+            path.write_text(text)
