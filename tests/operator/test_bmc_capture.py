@@ -20,7 +20,7 @@ import pytest
 from gpuaas_agent.operator import bmc
 from gpuaas_agent.operator.health_quarantine import failing_by_bmc
 from gpuaas_agent.operator.redfish import MAX_DOCUMENT_BYTES, MAX_DOCUMENTS, MAX_PORT_MEMBERS
-from tests.support.redfish_server import PCI, RedfishServer, editable_documents
+from tests.support.redfish_server import PCI, editable_documents, serving_capture
 
 CAPTURE = Path(__file__).resolve().parents[2] / "fixtures/redfish/dgx-h100-viking/redfish/v1"
 PROCESSORS = "Systems/HGX_Baseboard_0/Processors"
@@ -28,12 +28,8 @@ PROCESSORS = "Systems/HGX_Baseboard_0/Processors"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("capture")
-    srv = RedfishServer(tmp, expand=True)
-    shutil.copytree(CAPTURE, srv.mockup)
-    srv.start()
-    yield srv
-    srv.stop()
+    with serving_capture(tmp_path_factory.mktemp("capture"), CAPTURE) as srv:
+        yield srv
 
 
 @pytest.fixture

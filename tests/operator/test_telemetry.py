@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import urllib.request
 
@@ -44,7 +43,7 @@ from tests.conftest import REPO
 from tests.support.agent_process import enrolled_setup
 from tests.support.deadline import run_bounded
 from tests.support.nats_server import NatsServer, free_port, nats_server_binary
-from tests.support.redfish_server import PCI, RedfishServer, editable_documents
+from tests.support.redfish_server import PCI, editable_documents, serving_capture
 
 NODE = "node-telemetry"
 RECORDED_ALLOC = "01234567-89ab-cdef-0123-456789abcdef"  # the recorded domain's name is this allocation's
@@ -75,11 +74,8 @@ GPU_PORTS = "Systems/HGX_Baseboard_0/Processors/GPU_SXM_3/Ports"
 def bmc_capture(tmp_path_factory):
     """The real DGX H100 capture served over TLS as the BMC tests serve it (tests/operator/test_bmc_capture.py),
     ``$expand`` answered; one server for the module."""
-    srv = RedfishServer(tmp_path_factory.mktemp("capture"), expand=True)
-    shutil.copytree(CAPTURE, srv.mockup)
-    srv.start()
-    yield srv
-    srv.stop()
+    with serving_capture(tmp_path_factory.mktemp("capture"), CAPTURE) as srv:
+        yield srv
 
 
 @pytest.fixture
@@ -475,6 +471,23 @@ def test_the_slots_fabric_vf_counters_come_from_its_pf_and_an_unreadable_pf_leav
 # -- the daemon: wired, on its interval -------------------------------------------------------------------
 
 
+async def _leased_agent(nats_server, tmp_path, held_lease, **settings):
+    """An enrolled ``run_agent`` (telemetry every 0.2 s, ``settings`` besides) whose store holds ``held_lease``, its
+    node's telemetry subscribed first: (plane, node_id, subscription, stop event, the agent's task)."""
+    plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path, slice_telemetry_interval_s=0.2,
+                                                       **settings)
+    config = load_config(config_path)
+    held = StateStore.open(config.state_db)
+    try:
+        held.take_leases([held_lease])
+    finally:
+        held.close()
+    sub = await plane.nc.subscribe(subjects.telemetry_any(node_id))
+    await plane.nc.flush()
+    stop = asyncio.Event()
+    return plane, node_id, sub, stop, asyncio.create_task(run_agent(config, stop))
+
+
 def test_the_daemon_publishes_each_leased_allocation_on_its_subject_and_serves_slot_series(nats_server, tmp_path,
                                                                                           test_driver):
     """``run_agent`` in-process on the recorded host with the test driver: the slice host's bulk stats call,
@@ -482,18 +495,8 @@ def test_the_daemon_publishes_each_leased_allocation_on_its_subject_and_serves_s
     port = free_port()
 
     async def body():
-        plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path, slice_telemetry_interval_s=0.2,
-                                                           metrics_listen=f"127.0.0.1:{port}")
-        config = load_config(config_path)
-        held = StateStore.open(config.state_db)
-        try:
-            held.take_leases([lease(ALLOC_A, 0)])
-        finally:
-            held.close()
-        sub = await plane.nc.subscribe(subjects.telemetry_any(node_id))
-        await plane.nc.flush()
-        stop = asyncio.Event()
-        agent = asyncio.create_task(run_agent(config, stop))
+        plane, node_id, sub, stop, agent = await _leased_agent(nats_server, tmp_path, lease(ALLOC_A, 0),
+                                                               metrics_listen=f"127.0.0.1:{port}")
         try:
             msg = await sub.next_msg(timeout=30)
             telemetry = SliceTelemetry.model_validate_json(msg.data)
@@ -537,18 +540,9 @@ def test_the_daemon_sends_a_slot_its_own_gpus_bmc_sensors_and_never_a_reading_ol
                  "ca_file": str(capture.cert), "gpu_pci_addresses": PCI, "request_timeout_s": 60.0}
 
     async def body():
-        plane, node_id, config_path = await enrolled_setup(nats_server, tmp_path, slice_telemetry_interval_s=0.2,
-                                                           health_interval_s=health_s, bmc=bmc_table)
-        config = load_config(config_path)
-        held = StateStore.open(config.state_db)
-        try:
-            held.take_leases([lease(ALLOC_A, 0).model_copy(update={"gpu_pci_address": PCI["GPU_SXM_3"]})])
-        finally:
-            held.close()
-        sub = await plane.nc.subscribe(subjects.telemetry_any(node_id))
-        await plane.nc.flush()
-        stop = asyncio.Event()
-        agent = asyncio.create_task(run_agent(config, stop))
+        leased = lease(ALLOC_A, 0).model_copy(update={"gpu_pci_address": PCI["GPU_SXM_3"]})
+        plane, node_id, sub, stop, agent = await _leased_agent(nats_server, tmp_path, leased,
+                                                               health_interval_s=health_s, bmc=bmc_table)
         try:
             fresh = await _until(sub, lambda m: m.slots[0].gpu is not None, 60)
             os.kill(capture.proc.pid, signal.SIGSTOP)

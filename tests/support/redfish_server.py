@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -119,3 +120,16 @@ def editable_documents(server: RedfishServer) -> Iterator[RedfishServer]:
     finally:
         for path, text in saved.items():
             path.write_text(text)
+
+
+@contextmanager
+def serving_capture(tmp_path: Path, capture: Path) -> Iterator[RedfishServer]:
+    """A recorded BMC capture (a Redfish-Mockup-Creator tree) served over TLS with ``$expand`` answered; stopped by
+    PID when the block ends."""
+    server = RedfishServer(tmp_path, expand=True)
+    shutil.copytree(capture, server.mockup)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
