@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +88,7 @@ class SliceDrivers:
                 config.image_cache_dir, state_dir=config.state_dir,
                 policy=SourcePolicy(https_hosts=config.slice.image_https_hosts, file_dir=config.slice.image_file_dir,
                                     allow_loopback_http=config.slice.allow_loopback_http),
-                ssl_context=tls_context(config.slice.image_ca_bundle),
+                ssl_context=functools.partial(tls_context, config.slice.image_ca_bundle),  # on first download
                 max_bytes=config.slice.image_max_bytes, stall_timeout_s=config.slice.image_stall_timeout_s,
                 cache_max_bytes=config.slice.image_cache_max_bytes,
                 min_free_bytes=config.slice.image_cache_min_free_bytes),

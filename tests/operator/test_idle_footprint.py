@@ -219,3 +219,21 @@ def test_the_status_file_is_replaced_atomically_without_an_fsync_per_heartbeat(t
     assert read_status(tmp_path).health_state == "degraded" and synced == []
     assert os.stat(status_path(tmp_path)).st_mode & 0o777 == 0o600
     assert [p.name for p in tmp_path.iterdir()] == [status_path(tmp_path).name]  # no temp file left behind
+
+
+def test_the_image_cache_makes_its_tls_context_on_the_first_download_not_at_start(tmp_path):
+    """Building the daemon's slice drivers loads no CA store (the system's ~140 CAs: ~0.3-0.7 MiB of OpenSSL heap);
+    the first use makes the one context the config asks for (tests/host/images/test_cache_http.py fetches with it)."""
+    config = {"state_dir": str(tmp_path / "state"), "host_root": str(tmp_path), "slice": {"libvirt_uri": "test:///default"}}
+    code = ("import gc, json, ssl\n"
+            "from gpuaas_agent.config import AgentConfig\n"
+            "from gpuaas_agent.daemon import SliceHost\n"
+            f"host = SliceHost.from_config(AgentConfig.model_validate({config!r}))\n"
+            "def contexts():\n"
+            "    return sum(isinstance(o, ssl.SSLContext) for o in gc.get_objects())\n"
+            "before = contexts()\n"
+            "stats = host.drivers.images.ssl_context.cert_store_stats()\n"
+            "print(json.dumps([before, contexts(), stats['x509_ca'] > 0, host.drivers.images.ssl_context is host.drivers.images.ssl_context]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == [0, 1, True, True]
