@@ -68,6 +68,10 @@ _SEALING = ("cryptography's X25519, AEAD, HKDF and serialization modules (with b
 _ED25519_FALLBACK = ("cryptography's Rust binding (~8.8 MiB RSS, its own OpenSSL) signs only where the interpreter's libcrypto "
                      "cannot be reached (control/ed25519.py); a daemon whose _ssl links libcrypto never loads it "
                      "(tests/operator/test_idle_footprint.py)")
+_SLOT_ONLY = ("code only a slot, a domain, a partition or a quarantine re-check runs (the domain XML model with "
+              "xml.etree, an active slot's rebind, guarded start and power plan, the provision guards and GPU reset "
+              "checks, the firmware re-check, preflight's readers, the GPU admin tool): an idle host's "
+              "start, health round, isolation probe and reconcile never run it (tests/operator/test_idle_footprint.py)")
 
 # "path:function" -> why its imports are deferred. Nothing else in the package imports inside a function.
 LAZY_IMPORTS: dict[str, str] = {
@@ -97,6 +101,13 @@ LAZY_IMPORTS: dict[str, str] = {
     "gpuaas_agent/control/enroll.py:_open_reply": _SEALING,
     "gpuaas_agent/control/enroll.py:enroll": _SEALING,
     "gpuaas_agent/control/rotation.py:_rotate": _SEALING,
+    **{f"gpuaas_agent/host/vm/libvirt_lifecycle.py:{fn}": _SLOT_ONLY
+       for fn in ("define", "parse_domain_devices", "domain_devices")},
+    **{f"gpuaas_agent/tasks/boot_recovery.py:{fn}": _SLOT_ONLY for fn in ("rebind", "recover_slot")},
+    "gpuaas_agent/tasks/drivers.py:gpu_admin": _SLOT_ONLY,
+    "gpuaas_agent/tasks/fabric_partitions.py:fabric_for": _SLOT_ONLY,
+    "gpuaas_agent/tasks/recheck.py:recheck_firmware": _SLOT_ONLY,
+    "gpuaas_agent/tasks/registry.py:preflight_sockets": _SLOT_ONLY,
     **{f"gpuaas_agent/tasks/registry.py:{fn}": _HANDLER_MODULE
        for fn in ("load_topology_discover", "load_preflight", "load_plan", "load_provision", "load_provision_recovery",
                   "load_release_set", "load_release_set_recovery", "load_reconcile", "load_power", "load_terminal_operation",

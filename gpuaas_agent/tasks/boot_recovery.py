@@ -41,7 +41,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 from nats.aio.client import Client
@@ -69,16 +69,15 @@ from gpuaas_agent.contract.storage import DiskLease
 from gpuaas_agent.contract.types import UUID_RE
 from gpuaas_agent.contract.vfio import VFIO_DRIVER
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.host.devices.vfio import AfterWrite, bind_to_vfio
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.logs import log_event
 from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.tasks.context import AnyStore
-from gpuaas_agent.tasks.domain_start import guarded_start
 from gpuaas_agent.tasks.drivers import SliceDrivers
-from gpuaas_agent.tasks.fabricvf import restore_applied
-from gpuaas_agent.tasks.power import ON, start_plan
 from gpuaas_agent.tasks.slot_topology import slot_topology_findings
+
+if TYPE_CHECKING:
+    from gpuaas_agent.host.devices.vfio import AfterWrite
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +128,10 @@ def _refused(rec: SlotRecovery, kind: DriftKind, exc: AgentError, **detail: Any)
 
 async def rebind(drivers: SliceDrivers, lease: SlotLease, rec: SlotRecovery, after_write: AfterWrite | None) -> bool:
     """Put the slot's GPU and VF back on vfio-pci (guarded, idempotent); False after a refusal (finding made)."""
+    # The rebind, the guarded start and the power plan: only a host with an active slot recovers one, so an idle
+    # host's start does not import them (docs/performance.md, idle footprint).
+    from gpuaas_agent.host.devices.vfio import bind_to_vfio
+
     approved = [lease.gpu_pci_address, lease.fabric_vf_pci_address]
     for address in approved:
         try:
@@ -148,6 +151,10 @@ async def recover_slot(drivers: SliceDrivers, lease: SlotLease, record: SlotReco
                        store: StoreThread | None = None) -> SlotRecovery:
     """One active slice after a boot: ``lease`` is its boot slot; ``data_slots`` the other slots of a
     multi-GPU allocation (one domain), re-bound and guarded with it, never started on their own."""
+    from gpuaas_agent.tasks.domain_start import guarded_start  # an active slot's: see rebind
+    from gpuaas_agent.tasks.fabricvf import restore_applied
+    from gpuaas_agent.tasks.power import ON, start_plan
+
     rec = SlotRecovery(lease)
     if domain is None or domain.metadata is None:
         rec.outcome = "refused"

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from gpuaas_agent.config import AgentConfig, FabricManagerConfig, SliceConfig, tls_context
 from gpuaas_agent.contract.terminal import CloseReason
-from gpuaas_agent.guards.gpureset import resolve_gpu_tool
 from gpuaas_agent.host.devices.fabricmanager import FabricManager
-from gpuaas_agent.host.devices.gpuadmin import GpuAdminTool
 from gpuaas_agent.host.images.cache import ImageCache, SourcePolicy
 from gpuaas_agent.host.network.dnsmasq import DnsmasqReservations
 from gpuaas_agent.host.network.fabricvf import FabricVfNetlink
@@ -28,6 +27,9 @@ from gpuaas_agent.host.vm.libvirt_lifecycle import LibvirtLifecycle
 from gpuaas_agent.hostfs import HostRoot
 from gpuaas_agent.tasks.isolation import unisolate_port
 from gpuaas_agent.tasks.power_line import PowerLine
+
+if TYPE_CHECKING:
+    from gpuaas_agent.host.devices.gpuadmin import GpuAdminTool
 
 # Files QEMU opens (firmware) live on the machine the agent runs on, whatever host_root says:
 # on a recorded fixture (the lab) the sysfs is recorded but OVMF is this machine's.
@@ -86,7 +88,7 @@ class SliceDrivers:
                 config.image_cache_dir, state_dir=config.state_dir,
                 policy=SourcePolicy(https_hosts=config.slice.image_https_hosts, file_dir=config.slice.image_file_dir,
                                     allow_loopback_http=config.slice.allow_loopback_http),
-                ssl_context=tls_context(config.slice.image_ca_bundle),
+                ssl_context=functools.partial(tls_context, config.slice.image_ca_bundle),  # on first download
                 max_bytes=config.slice.image_max_bytes, stall_timeout_s=config.slice.image_stall_timeout_s,
                 cache_max_bytes=config.slice.image_cache_max_bytes,
                 min_free_bytes=config.slice.image_cache_min_free_bytes),
@@ -106,6 +108,10 @@ class SliceDrivers:
     def gpu_admin(self) -> GpuAdminTool:
         """The GPU admin tool (refuses ``gpu_handover_tool_missing`` when it is not there)."""
         if self.gpu_tool is None:
+            # The GPU handover's tools: a release's, not an idle host's (docs/performance.md, idle footprint).
+            from gpuaas_agent.guards.gpureset import resolve_gpu_tool
+            from gpuaas_agent.host.devices.gpuadmin import GpuAdminTool
+
             return GpuAdminTool(script=resolve_gpu_tool(self.slice.gpu_admin_tool))
         return self.gpu_tool
 

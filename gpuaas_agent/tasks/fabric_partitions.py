@@ -34,7 +34,6 @@ from gpuaas_agent.contract.runtime import RuntimeProfile
 from gpuaas_agent.contract.slots import SlotStatus
 from gpuaas_agent.contract.topology import TopologyReport
 from gpuaas_agent.errors import AgentError
-from gpuaas_agent.guards.preconditions import check_fabric_manager
 from gpuaas_agent.host.devices.fabricmanager import FabricManager, FabricManagerError
 
 log = logging.getLogger(__name__)
@@ -135,6 +134,10 @@ async def fabric_for(profile: RuntimeProfile, report: TopologyReport,
             return await fabric.partitions()
         except FabricManagerError as exc:
             problem = f"{exc.code}: {exc.message}"
+    # The provision guards (and the GPU reset checks they import): a plan's refusal, never the reconcile's path
+    # through this module that every idle round takes (docs/performance.md, idle footprint).
+    from gpuaas_agent.guards.preconditions import check_fabric_manager
+
     check_fabric_manager(profile, [s.pci_address for s in report.nvswitches], problem)
     return None  # unreachable: check_fabric_manager raised
 

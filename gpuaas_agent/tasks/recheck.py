@@ -40,7 +40,6 @@ from gpuaas_agent.state.aio import StoreThread, as_store_thread
 from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.fabricvf import recheck_parked
-from gpuaas_agent.tasks.firmware_check import firmware_restored
 
 
 @dataclass(frozen=True)
@@ -188,6 +187,10 @@ async def recheck_firmware(ctx: RecheckContext, record: QuarantineRecord) -> Rec
     changes = [FirmwareChange.model_validate(c) for c in (record.evidence.get("evidence") or {}).get("changes", [])]
     if not changes:
         return RecheckVerdict(check="firmware", passed=False, detail="the quarantine names no firmware change to re-read")
+    # The firmware re-read: only a quarantined component's re-check runs it, so an idle daemon does not import it
+    # with the table (docs/performance.md, idle footprint).
+    from gpuaas_agent.tasks.firmware_check import firmware_restored
+
     baseline = tuple(ctx.drivers.slice.firmware_baseline) if ctx.drivers is not None else ()
     passed, detail = await asyncio.to_thread(firmware_restored, HostRoot.open(ctx.host_root), changes, baseline)
     return RecheckVerdict(check="firmware", passed=passed, detail=detail,

@@ -27,16 +27,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from gpuaas_agent.config import AgentConfig
 from gpuaas_agent.contract.base import WireModel
 from gpuaas_agent.contract.fleet import QuarantineReason
 from gpuaas_agent.contract.tasks import PAYLOADS, TaskType
-from gpuaas_agent.discovery.prereqs import SocketPaths
 from gpuaas_agent.tasks.context import Handler, TaskContext
 from gpuaas_agent.tasks.drivers import SliceDrivers
 from gpuaas_agent.tasks.recheck import RECHECKS, Recheck
+
+if TYPE_CHECKING:
+    from gpuaas_agent.discovery.prereqs import SocketPaths
 
 
 class RegistryError(Exception):
@@ -97,6 +99,8 @@ class BuiltTasks:
 
 def preflight_sockets(config: AgentConfig) -> SocketPaths:
     """Preflight probes the daemons the slice pipelines use: the configured ovsdb, not the default one."""
+    from gpuaas_agent.discovery.prereqs import SocketPaths  # preflight's readers: a preflight task's, not the daemon's
+
     remote = config.slice.ovsdb_remote
     return SocketPaths(ovsdb=remote.removeprefix("unix:")) if remote.startswith("unix:") else SocketPaths()
 

@@ -24,6 +24,14 @@ NOT_AT_IMPORT = ("pycdlib", "yaml", "pynvml", "sushy", "requests", "asyncssh", "
 # nor by building the worker's handlers from the registry: the pipelines an idle host may never run.
 HANDLER_MODULES = tuple(f"gpuaas_agent.tasks.{m}" for m in (
     "provision", "release", "release_set", "terminal", "console_log", "topology", "preflight", "plan"))
+# Imported where a slot, a domain, a partition or a quarantine re-check needs them, not by the modules an idle host
+# runs (the daemon, its boot recovery, health round, isolation probe and reconcile): the domain XML model (with
+# xml.etree), an active slot's rebind, guarded start and power plan, the provision guards and GPU reset checks, the
+# firmware re-check, preflight's readers and the GPU admin tool.
+SLOT_ONLY = ("gpuaas_agent.host.vm.domain_config", "gpuaas_agent.host.vm.domain_xml", "xml.etree.ElementTree",
+             "gpuaas_agent.host.devices.vfio", "gpuaas_agent.tasks.domain_start", "gpuaas_agent.tasks.power",
+             "gpuaas_agent.guards.preconditions", "gpuaas_agent.guards.gpureset", "gpuaas_agent.tasks.firmware_check",
+             "gpuaas_agent.discovery.prereqs", "gpuaas_agent.host.devices.gpuadmin")
 
 
 def test_importing_the_daemon_does_not_import_what_only_a_task_or_a_gpu_host_needs():
@@ -54,7 +62,30 @@ def _imported_after(code: str, modules: tuple[str, ...]) -> list[str]:
 
 
 def test_importing_the_daemon_does_not_import_the_task_handlers_modules():
-    assert _imported_after("import gpuaas_agent.daemon", HANDLER_MODULES) == []
+    assert _imported_after("import gpuaas_agent.daemon", (*HANDLER_MODULES, *SLOT_ONLY)) == []
+
+
+def test_the_slot_only_modules_are_imported_by_the_code_that_uses_them(tmp_path):
+    """The other side of :data:`SLOT_ONLY`: reading a domain's devices from its XML and asking for the GPU admin tool
+    import what they need (a deferred import that never ran would fail here, not on a host's first slot)."""
+    domain = ("<domain type='kvm'><name>d</name><devices><disk type='block' device='disk'><source dev='/dev/x'/>"
+              "<target dev='vda' bus='virtio'/></disk></devices></domain>")
+    read_xml = ("import gpuaas_agent.daemon\n"
+                "from gpuaas_agent.host.vm.libvirt_lifecycle import parse_domain_devices\n"
+                f"assert parse_domain_devices('d', {domain!r}).block_disks == ['/dev/x']\n")
+    assert _imported_after(read_xml, SLOT_ONLY) == ["gpuaas_agent.host.vm.domain_config", "xml.etree.ElementTree"]
+    config = {"state_dir": str(tmp_path / "state"), "host_root": str(tmp_path),
+              "slice": {"libvirt_uri": "test:///default", "gpu_admin_tool": str(tmp_path / "no-such-tool")}}
+    admin_tool = ("from gpuaas_agent.config import AgentConfig\n"
+                  "from gpuaas_agent.errors import AgentError\n"
+                  "from gpuaas_agent.tasks.drivers import SliceDrivers\n"
+                  f"drivers = SliceDrivers.from_config(AgentConfig.model_validate({config!r}))\n"
+                  "try:\n"
+                  "    drivers.gpu_admin()\n"
+                  "except AgentError as exc:\n"
+                  "    assert exc.code == 'gpu_handover_tool_missing', exc.code\n")
+    imported = _imported_after(admin_tool, SLOT_ONLY)
+    assert {"gpuaas_agent.guards.gpureset", "gpuaas_agent.host.devices.gpuadmin"} <= set(imported), imported
 
 
 def test_building_the_daemons_handlers_imports_no_handler_module_until_its_first_task(tmp_path):
@@ -103,7 +134,8 @@ async def idle_rounds():
 check = asyncio.run(libvirtd_check(HealthSettings.from_config(config), threads=CheckThreads()))
 isolation, findings = asyncio.run(idle_rounds())
 print(json.dumps({"libvirtd": [check.status, check.detail], "isolation": isolation, "findings": findings,
-                  "libvirt_loaded": "libvirt" in sys.modules or "libvirtmod" in sys.modules}))
+                  "libvirt_loaded": "libvirt" in sys.modules or "libvirtmod" in sys.modules,
+                  "slot_only": [m for m in json.loads(sys.argv[2]) if m in sys.modules]}))
 """
 
 
@@ -114,7 +146,8 @@ def _idle_rounds(tmp_path, ovs_switch, uri: str) -> dict:
                         "console_log_dir": str(tmp_path / "console")}}
     # In a network namespace of its own: the reconcile also reads the host's nft guard tables, and a lab or another
     # test's tables in the root namespace are not this test's question (they once made it report guard findings).
-    proc = subprocess.run(["unshare", "--net", sys.executable, "-c", IDLE_LIBVIRT_USES, json.dumps(config)],
+    proc = subprocess.run(["unshare", "--net", sys.executable, "-c", IDLE_LIBVIRT_USES, json.dumps(config),
+                           json.dumps(SLOT_ONLY)],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
@@ -131,6 +164,7 @@ def test_an_idle_host_without_a_domain_answers_health_and_reconcile_without_load
     assert idle["libvirtd"][0] == "ok" and idle["libvirtd"][1].startswith(f"test://{empty} answers (libvirt ")
     assert idle["isolation"] == ["ok"] and idle["findings"] == []
     assert idle["libvirt_loaded"] is False
+    assert idle["slot_only"] == []  # nor the code only a slot runs (the XML model, the guards, the re-checks)
     with_domain = _idle_rounds(tmp_path, ovs_switch, "test:///default")
     assert (with_domain["isolation"], with_domain["findings"]) == (["ok"], [])  # "test" is not an agent domain
     assert with_domain["libvirt_loaded"] is True
@@ -185,3 +219,21 @@ def test_the_status_file_is_replaced_atomically_without_an_fsync_per_heartbeat(t
     assert read_status(tmp_path).health_state == "degraded" and synced == []
     assert os.stat(status_path(tmp_path)).st_mode & 0o777 == 0o600
     assert [p.name for p in tmp_path.iterdir()] == [status_path(tmp_path).name]  # no temp file left behind
+
+
+def test_the_image_cache_makes_its_tls_context_on_the_first_download_not_at_start(tmp_path):
+    """Building the daemon's slice drivers loads no CA store (the system's ~140 CAs: ~0.3-0.7 MiB of OpenSSL heap);
+    the first use makes the one context the config asks for (tests/host/images/test_cache_http.py fetches with it)."""
+    config = {"state_dir": str(tmp_path / "state"), "host_root": str(tmp_path), "slice": {"libvirt_uri": "test:///default"}}
+    code = ("import gc, json, ssl\n"
+            "from gpuaas_agent.config import AgentConfig\n"
+            "from gpuaas_agent.daemon import SliceHost\n"
+            f"host = SliceHost.from_config(AgentConfig.model_validate({config!r}))\n"
+            "def contexts():\n"
+            "    return sum(isinstance(o, ssl.SSLContext) for o in gc.get_objects())\n"
+            "before = contexts()\n"
+            "stats = host.drivers.images.ssl_context.cert_store_stats()\n"
+            "print(json.dumps([before, contexts(), stats['x509_ca'] > 0, host.drivers.images.ssl_context is host.drivers.images.ssl_context]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == [0, 1, True, True]

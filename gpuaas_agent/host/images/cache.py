@@ -244,7 +244,8 @@ class ImageCache:
     """
 
     def __init__(self, root: Path, *, policy: SourcePolicy | None = None, state_dir: Path | None = None,
-                 ssl_context: ssl.SSLContext | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
+                 max_bytes: int = DEFAULT_MAX_BYTES,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, cache_max_bytes: int | None = None,
                  min_free_bytes: int = 0) -> None:
         self.root = Path(root)
@@ -253,7 +254,9 @@ class ImageCache:
         forbidden = (*policy.forbidden, self.root, *((state_dir,) if state_dir is not None else ()))
         self.policy = SourcePolicy(https_hosts=policy.https_hosts, file_dir=policy.file_dir,
                                    allow_loopback_http=policy.allow_loopback_http, forbidden=forbidden)
-        self.ssl_context = ssl_context or ssl.create_default_context()
+        # A context, or how to make one on the first download (the system store's ~140 CAs cost ~0.3-0.7 MiB of
+        # OpenSSL's heap, which a host that never fetches an image need not carry: docs/performance.md).
+        self._ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] = ssl_context or ssl.create_default_context
         if max_bytes <= 0 or stall_timeout_s <= 0:
             raise ValueError("max_bytes and stall_timeout_s must be positive")
         self.max_bytes = max_bytes
@@ -267,6 +270,13 @@ class ImageCache:
         # A dropped connection or a refused one is retried this many times, backing off from this delay.
         self.http_retries = httpfetch.DEFAULT_RETRIES
         self.http_backoff_s = httpfetch.DEFAULT_BACKOFF_S
+
+    @property
+    def ssl_context(self) -> ssl.SSLContext:
+        """The downloads' TLS context, made on first use when the cache was given how to make it."""
+        if not isinstance(self._ssl_context, ssl.SSLContext):
+            self._ssl_context = self._ssl_context()
+        return self._ssl_context
 
     # -- bounds: pins, LRU, eviction ------------------------------------------------------
 

@@ -49,13 +49,13 @@ from gpuaas_agent.contract.domain import (
     VmStartEvidence,
 )
 from gpuaas_agent.errors import GuardError, HostError
-from gpuaas_agent.host.vm.domain_config import Disk, Domain, Hostdev, Interface
-from gpuaas_agent.host.vm.domain_xml import build_domain_xml, read_metadata
 from gpuaas_agent.host.vm.virsh import domain_names
 from gpuaas_agent.logs import log_event
 
 if TYPE_CHECKING:  # the binding is imported by the first connection (see the module docstring)
     import libvirt
+
+    from gpuaas_agent.host.vm.domain_config import Domain
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -282,6 +282,8 @@ class LibvirtLifecycle:
     def _metadata(dom: libvirt.virDomain) -> DomainMetadata | None:
         import libvirt
 
+        from gpuaas_agent.host.vm.domain_xml import read_metadata  # the XML model: only where a domain exists
+
         try:
             return read_metadata(dom.metadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_NS))
         except libvirt.libvirtError as exc:
@@ -441,6 +443,8 @@ class LibvirtLifecycle:
 
     async def define(self, spec: DomainSpec) -> DefineOutcome:
         """Define the slot's domain; the same owner's existing domain is returned, another owner's refused."""
+        from gpuaas_agent.host.vm.domain_xml import build_domain_xml  # the XML model: a define's, not an idle host's
+
         xml = build_domain_xml(spec)  # pure, raises DomainSpecError before libvirt is touched
         wanted = spec.metadata()
         name = spec.domain_name
@@ -709,11 +713,14 @@ def parse_domain_devices(name: str, xml: str) -> DomainDevices:
 
     Read through the same element classes ``domain_xml`` writes with (``domain_config.py``).
     """
+    from gpuaas_agent.host.vm.domain_config import Domain
+
     return domain_devices(name, Domain.parse_str(xml))
 
 
 def domain_devices(name: str, domain: Domain) -> DomainDevices:
     """What a parsed domain will use: its block disks, PCI hostdevs, interfaces and numatune nodeset."""
+    from gpuaas_agent.host.vm.domain_config import Disk, Hostdev, Interface
     disks = [d.source.dev for d in domain.device_list(Disk)
              if d.type_ == "block" and d.source is not None and d.source.dev]
     hostdevs = [a for a in (h.host_address() for h in domain.device_list(Hostdev) if h.type_ == "pci")
