@@ -2,19 +2,25 @@
 
 No machine here has an SR-IOV NIC or netdevsim; QEMU 10 (bookworm-backports,
 ``lab/qemu_backport.py``) emulates the Intel 82576 with SR-IOV, and the guest's Debian kernel drives
-it with ``igb`` (PF) and ``igbvf`` (VFs). The guest (``lab/igb_guest.py``) runs
-``lab/igb_jobs/vf_readback.py`` with pyroute2: two VFs, VF 0 given a tenant's MAC, VLAN + QoS, spoof
-check on, trust off, a rate cap; VF 1 another VLAN, then parked (MAC zeroed, VLAN 4094). Every value is
-read back from the PF's IFLA_VFINFO_LIST; the kernel's refusals (link state on igb) are asserted as
-what they are. One guest boot serves the module (about 25-40 s on the 2-core machine).
+it with ``igb`` (PF) and ``igbvf`` (VFs). One guest boot (``lab/igb_guest.py``, the igb behind a
+``pcie-root-port``, 2 vCPUs) serves the whole module: it runs the jobs below in order, each as its own
+process, the PF put back between them as the boot left it (no VFs, link down; ``sequence_script``):
 
-``fixtures/fabric/igb-vfinfo-readback.json`` is that run's record (raw vfinfo as pyroute2 decodes it,
-with provenance); ``GPUAAS_RECORD_IGB_READBACK=PATH`` writes a fresh one. The fabric driver's parser
-is tested on it; the last test here proves the recording is still what the kernel answers.
+* ``readback`` (``lab/igb_jobs/vf_readback.py``): pyroute2 alone, two VFs, VF 0 given a tenant's MAC, VLAN + QoS,
+  spoof check on, trust off, a rate cap; VF 1 another VLAN, then parked (MAC zeroed, VLAN 4094); every value read
+  back from the PF's IFLA_VFINFO_LIST, the kernel's refusals (link state on igb) asserted as what they are.
+  ``fixtures/fabric/igb-vfinfo-readback.json`` is that job's record (``GPUAAS_RECORD_IGB_READBACK=PATH`` writes a
+  fresh one); a test here proves it is still what the kernel answers.
+* ``driver`` (``lab/igb_jobs/fabricvf_driver.py``): the agent's own fabric driver and the ``fabric_vf`` step body
+  for two tenants.
+* ``crash`` (``lab/igb_jobs/fabricvf_crash.py``): the ``fabric_vf`` step SIGKILLed at the crash matrix's points,
+  then the agent's recovery in a fresh process.
+* ``switch`` (``lab/igb_jobs/vf_switch.py``): raw frames from one VF to the other through the NIC's own switch:
+  port-VLAN isolation holds; the model's missing MAC anti-spoof is pinned as a gap.
 
-A third boot (``switch``, the igb behind a ``pcie-root-port``) sends raw frames from one VF to the other through
-the NIC's own switch (``lab/igb_jobs/vf_switch.py``): port-VLAN isolation holds; the model's missing MAC
-anti-spoof is pinned as a gap.
+The readback and driver jobs need only the PF's netlink (the module used to boot each on ``pcie.0``: three boots in
+all); they answer the same behind the root port, which the frames need (VF BARs inside the port's window), so
+one boot does for all. A job that fails in the guest fails only the tests that read its report.
 """
 
 from __future__ import annotations
