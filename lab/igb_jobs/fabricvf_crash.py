@@ -9,13 +9,13 @@ step has no VF to touch. Here the same points are armed the same way against the
 * ``slice.vm_provision:fabric_vf:after:<task>``: the attachment set and read back, the journal still ``started``;
 * ``slice.vm_provision:define:before:<task>``: ``fabric_vf`` journaled ``succeeded``, the next step started.
 
-The killed process is a child (``provision``) that runs the agent's own step runner
+The killed process is a child (``provision``, forked after the imports: see :func:`child`) that runs the agent's own step runner
 (``tasks/pipeline.run_pipeline``, which calls ``crash_point`` before and after each step's side effect and
 journals in a real SQLite ``StateStore``) over two steps: ``fabric_vf`` with the provision's body
 (``tasks/fabricvf.apply_fabric_vfs``: record, set, read back) and its undo, and ``define`` as a stand-in
 (the guest has no libvirt; only its place in the order matters: its ``before`` is "after the journal write").
 
-The recovery (``recover``, a fresh process, the crash point no longer armed) is what the agent runs for a
+The recovery (``recover``, another child, the crash point no longer armed) is what the agent runs for a
 provision it finds interrupted (``tasks/provision.close_interrupted`` -> ``compensate_interrupted``): the steps
 the journal says were reached, the compensation of each in reverse (``fabric_vf``'s is ``park_fabric_vf`` ->
 ``park_recorded``: every slot VF the store records ``applied`` is parked through ``park_target``, read back,
@@ -36,9 +36,11 @@ Before the points: VF 0 parked by its previous tenant's release, VF 1 holding an
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -245,12 +247,46 @@ def journal_and_record(task_id):
 
 
 def child(mode, task_id, point=None):
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    if point is not None:
-        env[ENV] = ":".join((PROVISION, *point, task_id))  # as the crash matrix arms it
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), mode, task_id], env=env,
-                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    return {"rc": done.returncode, "stdout": done.stdout[-8000:], "stderr": done.stderr[-4000:]}
+    """Run ``provision`` or ``recover`` in a child process forked from this one after the imports (under TCG an
+    exec'd Python pays ~10 s importing pydantic and the agent). This process holds no store, netlink socket or
+    event loop when it forks: the child knows only what is on disk and in the kernel, as a restarted agent does.
+    The crash point is armed in the child's environment only, as the crash matrix arms it."""
+    out_path, err_path = f"/tmp/fabricvf-crash/{mode}-{task_id}.out", f"/tmp/fabricvf-crash/{mode}-{task_id}.err"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.dup2(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+            os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+            os.environ.pop(ENV, None)
+            if point is not None:
+                os.environ[ENV] = ":".join((PROVISION, *point, task_id))
+            (provision_child if mode == "provision" else recover_child)(task_id)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)  # this child only, by its PID
+            done, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)  # poll step of the deadline wait above
+
+    def tail(path, n):
+        with open(path, errors="replace") as fh:
+            return fh.read()[-n:]
+
+    return {"rc": os.waitstatus_to_exitcode(status), "stdout": tail(out_path, 8000), "stderr": tail(err_path, 4000)}
 
 
 async def scene():
@@ -300,9 +336,4 @@ def main():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "provision":
-        provision_child(sys.argv[2])
-    elif len(sys.argv) > 2 and sys.argv[1] == "recover":
-        recover_child(sys.argv[2])
-    else:
-        main()
+    main()
