@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,10 @@ IGB_MODULES = ("igb", "igbvf", "8021q")
 PYTHON = "python3.11"
 PYTHON_DEBS = ("python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib")
 # Pure-Python (or cp311 manylinux) libraries copied from this venv into the guest's dist-packages.
-SITE_PACKAGES = ("pyroute2", "pydantic", "pydantic_core", "typing_extensions", "annotated_types", "typing_inspection")
+SITE_PACKAGES = ("pyroute2", "pydantic", "pydantic_core", "typing_extensions", "annotated_types", "typing_inspection",
+                 # the agent's step runner (tasks/pipeline.py) imports these: its context names the NATS client,
+                 # its log events go through logs.py (systemd-python: a C extension, its libraries copied by ldd)
+                 "nats", "systemd")
 # Parts of the stdlib a netlink script never imports: left out to keep the initramfs small.
 STDLIB_LEFT_OUT = (
     "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data", "venv",
@@ -313,6 +316,57 @@ def job_archive(script: str, packages: Mapping[str, Path], timeout_s: float) -> 
             if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".json", ".typed"):
                 cpio.file(f"{JOB_DIR}/pkg/{name}/{path.relative_to(src)}", path.read_bytes())
     return gzip.compress(cpio.render(), compresslevel=1, mtime=0)
+
+
+# One boot, several jobs: the guest runs each as its own process, in order, and puts the PF back as the boot left
+# it between them (no VFs, link down), so each job starts where it would on a boot of its own.
+SEQUENCE = """import json, os, subprocess, sys, time
+JOBS = json.loads(%r)
+TIMEOUT_S = %r
+def sysfs_pf():
+    for name in sorted(os.listdir("/sys/class/net")):
+        link = f"/sys/class/net/{name}/device/driver"
+        if os.path.exists(link) and os.path.basename(os.path.realpath(link)) == "igb":
+            return name
+def reset(pf):
+    with open(f"/sys/class/net/{pf}/device/sriov_numvfs", "w") as fh:
+        fh.write("0")
+    subprocess.run(["/usr/local/sbin/ip", "link", "set", "dev", pf, "down"], check=True, timeout=30)
+os.makedirs("/tmp/igb-jobs", exist_ok=True)
+results = {}
+for name, source in JOBS.items():
+    path = f"/tmp/igb-jobs/{name}.py"
+    with open(path, "w") as fh:
+        fh.write(source)
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=TIMEOUT_S, cwd="/tmp/igb-jobs")
+        rc, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out, err = -9, str(exc.stdout or ""), f"{exc.stderr or ''}\\njob ran past its timeout"
+    results[name] = {"rc": rc, "stdout": out, "stderr": err, "job_s": round(time.monotonic() - started, 1)}
+    try:
+        reset(sysfs_pf())
+    except Exception as exc:  # the next job then starts where this one left the PF: say so in its result
+        results[name]["stderr"] += f"\\nPF reset after the job failed: {exc!r}"
+print(json.dumps(results))
+"""
+
+
+def sequence_script(jobs: Mapping[str, str], job_timeout_s: float = 300.0) -> str:
+    """A guest script that runs ``jobs`` (name -> Python source) in order in one boot, each as its own process
+    with ``job_timeout_s``, the PF reset between them (``sriov_numvfs`` 0, link down), and prints one JSON
+    document: name -> {rc, stdout, stderr, job_s}. :func:`sequence_results` reads it back."""
+    return SEQUENCE % (json.dumps(dict(jobs)), job_timeout_s)
+
+
+def sequence_results(run: IgbRun) -> dict[str, IgbRun]:
+    """Each job of a :func:`sequence_script` run as an :class:`IgbRun` of its own (``uptime_job_s``: its own
+    time; the boot's fields shared)."""
+    if run.rc != 0:
+        raise IgbGuestError("the igb job sequence failed", rc=run.rc, stderr=run.stderr[-3000:])
+    return {name: replace(run, rc=out["rc"], stdout=out["stdout"], stderr=out["stderr"], uptime_job_s=out["job_s"])
+            for name, out in run.json().items()}
 
 
 def qemu_argv(image: IgbImage, initrd: Path, console: Path, result: Path, memory_mib: int = 768,

@@ -2,19 +2,25 @@
 
 No machine here has an SR-IOV NIC or netdevsim; QEMU 10 (bookworm-backports,
 ``lab/qemu_backport.py``) emulates the Intel 82576 with SR-IOV, and the guest's Debian kernel drives
-it with ``igb`` (PF) and ``igbvf`` (VFs). The guest (``lab/igb_guest.py``) runs
-``lab/igb_jobs/vf_readback.py`` with pyroute2: two VFs, VF 0 given a tenant's MAC, VLAN + QoS, spoof
-check on, trust off, a rate cap; VF 1 another VLAN, then parked (MAC zeroed, VLAN 4094). Every value is
-read back from the PF's IFLA_VFINFO_LIST; the kernel's refusals (link state on igb) are asserted as
-what they are. One guest boot serves the module (about 25-40 s on the 2-core machine).
+it with ``igb`` (PF) and ``igbvf`` (VFs). One guest boot (``lab/igb_guest.py``, the igb behind a
+``pcie-root-port``, 2 vCPUs) serves the whole module: it runs the jobs below in order, each as its own
+process, the PF put back between them as the boot left it (no VFs, link down; ``sequence_script``):
 
-``fixtures/fabric/igb-vfinfo-readback.json`` is that run's record (raw vfinfo as pyroute2 decodes it,
-with provenance); ``GPUAAS_RECORD_IGB_READBACK=PATH`` writes a fresh one. The fabric driver's parser
-is tested on it; the last test here proves the recording is still what the kernel answers.
+* ``readback`` (``lab/igb_jobs/vf_readback.py``): pyroute2 alone, two VFs, VF 0 given a tenant's MAC, VLAN + QoS,
+  spoof check on, trust off, a rate cap; VF 1 another VLAN, then parked (MAC zeroed, VLAN 4094); every value read
+  back from the PF's IFLA_VFINFO_LIST, the kernel's refusals (link state on igb) asserted as what they are.
+  ``fixtures/fabric/igb-vfinfo-readback.json`` is that job's record (``GPUAAS_RECORD_IGB_READBACK=PATH`` writes a
+  fresh one); a test here proves it is still what the kernel answers.
+* ``driver`` (``lab/igb_jobs/fabricvf_driver.py``): the agent's own fabric driver and the ``fabric_vf`` step body
+  for two tenants.
+* ``crash`` (``lab/igb_jobs/fabricvf_crash.py``): the ``fabric_vf`` step SIGKILLed at the crash matrix's points,
+  then the agent's recovery in a fresh process.
+* ``switch`` (``lab/igb_jobs/vf_switch.py``): raw frames from one VF to the other through the NIC's own switch:
+  port-VLAN isolation holds; the model's missing MAC anti-spoof is pinned as a gap.
 
-A third boot (``switch``, the igb behind a ``pcie-root-port``) sends raw frames from one VF to the other through
-the NIC's own switch (``lab/igb_jobs/vf_switch.py``): port-VLAN isolation holds; the model's missing MAC
-anti-spoof is pinned as a gap.
+The readback and driver jobs need only the PF's netlink (the module used to boot each on ``pcie.0``: three boots in
+all); they answer the same behind the root port, which the frames need (VF BARs inside the port's window), so
+one boot does for all. A job that fails in the guest fails only the tests that read its report.
 """
 
 from __future__ import annotations
@@ -29,35 +35,69 @@ from typing import Any
 import pytest
 
 from lab.build_guest_image import LabImageError
-from lab.igb_guest import run_in_igb_guest
+from lab.igb_guest import IgbRun, run_in_igb_guest, sequence_results, sequence_script
 
 REPO = Path(__file__).resolve().parents[3]
 JOB = REPO / "lab" / "igb_jobs" / "vf_readback.py"
 FIXTURE = REPO / "fixtures" / "fabric" / "igb-vfinfo-readback.json"
 LAB_CACHE = Path(os.environ.get("GPUAAS_LAB_CACHE", "/var/cache/gpuaas-agent-lab"))
-GUEST_TIMEOUT_S = 480.0
+GUEST_TIMEOUT_S = 900.0  # one boot, four jobs: a failure bound, never a timer
 
 VF0_MAC, VF0_VLAN, VF0_QOS, VF0_RATE = "02:00:5e:1b:00:10", 100, 3, 100
 VF1_VLAN, PARK_VLAN, ZERO_MAC = 200, 4094, "00:00:00:00:00:00"
 IGB_VF_PCI_ID = "0x8086:0x10ca"  # 82576 Virtual Function
 
 
+# Every job of the module, in the order one boot runs them (lab/igb_guest.py sequence_script: the PF put back
+# between them as the boot left it, no VFs and link down).
+JOBS = {
+    "readback": JOB,
+    "driver": REPO / "lab" / "igb_jobs" / "fabricvf_driver.py",
+    "crash": REPO / "lab" / "igb_jobs" / "fabricvf_crash.py",
+    "switch": REPO / "lab" / "igb_jobs" / "vf_switch.py",
+}
+# The gpuaas_agent package copied into the guest: this checkout's, or another one's (a branch being merged).
+AGENT_PACKAGE = Path(os.environ.get("GPUAAS_IGB_AGENT_PACKAGE", REPO / "gpuaas_agent"))
+
+
 @pytest.fixture(scope="module")
-def igb(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One boot of the igb guest running the readback job; its JSON report (+ the QEMU version)."""
+def guest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One boot for the whole module: the igb behind a ``pcie-root-port`` with 2 vCPUs, every job in order.
+
+    The root port is what makes the VFs work at all: on ``pcie.0`` the kernel puts the VF BARs above 4 GiB
+    (0x100000000), where this q35 guest has no PCI window, so no VF register access reaches QEMU's model and
+    ``igbvf`` never completes its mailbox reset (docs/fabric-igb.md). Behind the port they sit in its bridge
+    window (0xfea00000) and the handshake completes; the PF's netlink (readback, driver, crash jobs) works the
+    same either way. 2 vCPUs: igbvf busy-waits for the PF's mailbox answer, which only another vCPU can give.
+    """
     started = time.monotonic()
+    script = sequence_script({name: path.read_text() for name, path in JOBS.items()})
     try:
-        run = run_in_igb_guest(JOB.read_text(), workdir=tmp_path_factory.mktemp("igb"), cache=LAB_CACHE,
-                               timeout_s=GUEST_TIMEOUT_S)  # fmt: skip
+        run = run_in_igb_guest(script, workdir=tmp_path_factory.mktemp("igb"), packages={"gpuaas_agent": AGENT_PACKAGE},
+                               cache=LAB_CACHE, timeout_s=GUEST_TIMEOUT_S, smp=2, root_port=True)  # fmt: skip
+        runs = sequence_results(run)
     except LabImageError as exc:  # the guest or the backported QEMU could not be had: fail with the evidence
         pytest.fail(f"{exc.code}: {exc} {json.dumps(exc.evidence, default=str)[:4000]}")
-    assert run.rc == 0, f"the job failed in the guest:\n{run.stderr[-4000:]}\nconsole:\n{run.console[-3000:]}"
+    return {"runs": runs, "boot": run, "fixture_wall_s": round(time.monotonic() - started, 1)}
+
+
+def job_report(guest: dict[str, Any], name: str) -> dict[str, Any]:
+    """One job's JSON report; its failure in the guest fails only the tests that read it."""
+    run: IgbRun = guest["runs"][name]
+    assert run.rc == 0, f"the {name} job failed in the guest:\n{run.stderr[-4000:]}\nconsole:\n{run.console[-3000:]}"
     report: dict[str, Any] = run.json()
+    return report
+
+
+@pytest.fixture(scope="module")
+def igb(guest: dict[str, Any]) -> dict[str, Any]:
+    """The readback job's JSON report (+ the QEMU version and the boot's timing)."""
+    report = job_report(guest, "readback")
+    run: IgbRun = guest["runs"]["readback"]
     report["provenance"]["qemu"] = run.qemu_version
-    report["provenance"]["qemu_device"] = "igb (82576 SR-IOV), machine q35, TCG"
+    report["provenance"]["qemu_device"] = "igb (82576 SR-IOV) behind a pcie-root-port, machine q35, TCG"
     report["timing"] = {"guest_uptime_at_boot_s": run.uptime_booted_s, "job_s": round(run.uptime_job_s, 1),
-                        "host_wall_s": round(run.wall_s, 1),
-                        "fixture_wall_s_with_build": round(time.monotonic() - started, 1)}  # fmt: skip
+                        "host_wall_s": round(run.wall_s, 1), "fixture_wall_s_with_build": guest["fixture_wall_s"]}
     record = os.environ.get("GPUAAS_RECORD_IGB_READBACK")
     if record:
         recorded = {key: report[key] for key in ("provenance", "pf", "vfs", "steps", "readback")}
@@ -154,24 +194,13 @@ def test_the_recorded_readback_is_what_the_kernel_answers(igb: dict[str, Any]) -
 
 # -- the agent's own fabric driver on the same real VFs ------------------------------------------------------
 
-DRIVER_JOB = REPO / "lab" / "igb_jobs" / "fabricvf_driver.py"
-# The gpuaas_agent package copied into the guest: this checkout's, or another one's (a branch being merged).
-AGENT_PACKAGE = Path(os.environ.get("GPUAAS_IGB_AGENT_PACKAGE", REPO / "gpuaas_agent"))
 COMPARED = ("mac", "vlan", "qos", "spoofchk", "trust", "link_state", "max_tx_rate_mbps")
 
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One boot running ``gpuaas_agent.host.network.fabricvf`` (unchanged) against two igb VFs; its report."""
-    try:
-        run = run_in_igb_guest(DRIVER_JOB.read_text(), workdir=tmp_path_factory.mktemp("igb-driver"),
-                               packages={"gpuaas_agent": AGENT_PACKAGE}, cache=LAB_CACHE,
-                               timeout_s=GUEST_TIMEOUT_S)  # fmt: skip
-    except LabImageError as exc:
-        pytest.fail(f"{exc.code}: {exc} {json.dumps(exc.evidence, default=str)[:4000]}")
-    assert run.rc == 0, f"the driver job failed in the guest:\n{run.stderr[-4000:]}"
-    report: dict[str, Any] = run.json()
-    return report
+def driver(guest: dict[str, Any]) -> dict[str, Any]:
+    """``gpuaas_agent.host.network.fabricvf`` (unchanged) against two igb VFs (lab/igb_jobs/fabricvf_driver.py)."""
+    return job_report(guest, "driver")
 
 
 def holds(observed: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
@@ -291,26 +320,10 @@ def test_two_tenants_release_parks_both_vfs_and_records_them_parked(driver: dict
 
 # -- VF-to-VF frames through the NIC's own switch (lab/igb_jobs/vf_switch.py) -----------------------------------
 
-SWITCH_JOB = REPO / "lab" / "igb_jobs" / "vf_switch.py"
-
-
 @pytest.fixture(scope="module")
-def switch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One boot, the igb behind a ``pcie-root-port`` with 2 vCPUs, sending raw frames from VF 1 to VF 0.
-
-    The root port is what makes the VFs work at all: on ``pcie.0`` the kernel puts the VF BARs above 4 GiB
-    (0x100000000), where this q35 guest has no PCI window, so no VF register access reaches QEMU's model and
-    ``igbvf`` never completes its mailbox reset (docs/fabric-igb.md). Behind the port they sit in its bridge
-    window (0xfea00000) and the handshake completes.
-    """
-    try:
-        run = run_in_igb_guest(SWITCH_JOB.read_text(), workdir=tmp_path_factory.mktemp("igb-switch"),
-                               cache=LAB_CACHE, timeout_s=GUEST_TIMEOUT_S, smp=2, root_port=True)  # fmt: skip
-    except LabImageError as exc:
-        pytest.fail(f"{exc.code}: {exc} {json.dumps(exc.evidence, default=str)[:4000]}")
-    assert run.rc == 0, f"the switch job failed in the guest:\n{run.stderr[-4000:]}\nconsole:\n{run.console[-3000:]}"
-    report: dict[str, Any] = run.json()
-    return report
+def switch(guest: dict[str, Any]) -> dict[str, Any]:
+    """Raw frames from VF 1 to VF 0 through the NIC's own switch (lab/igb_jobs/vf_switch.py)."""
+    return job_report(guest, "switch")
 
 
 def case(report: dict[str, Any], name: str) -> dict[str, Any]:
@@ -348,3 +361,97 @@ def test_igb_model_delivers_a_spoofed_source_mac_so_spoof_check_is_not_proven_by
     When a QEMU drops it, this test fails: then make the on-case a proof and update docs/fabric-igb.md."""
     assert case(switch, "spoofed_src_mac_spoofchk_off")["forbidden_arrived"] is True
     assert case(switch, "spoofed_src_mac_spoofchk_on")["forbidden_arrived"] is True
+
+
+# -- the fabric_vf step killed at its crash points on a real VF, then the agent's recovery (lab/igb_jobs/fabricvf_crash.py)
+
+KILLED_VLAN, OTHER_VLAN = 301, 202  # the killed allocation's attachment on VF 0; the other tenant's on VF 1
+CRASH_POINTS = ("fabric_vf:before", "fabric_vf:after", "define:before")  # PROVISION_STEPS: fabric_vf, then define
+PARKED_ETH = {"mac": ZERO_MAC, "vlan": PARK_VLAN, "qos": 0, "spoofchk": True, "trust": False}
+
+
+@pytest.fixture(scope="module")
+def crash(guest: dict[str, Any]) -> dict[str, Any]:
+    report = job_report(guest, "crash")
+    assert sorted(report["points"]) == sorted(CRASH_POINTS)
+    return report
+
+
+def eth(settings: dict[str, Any]) -> dict[str, Any]:
+    """The Ethernet part of a VfSettings dump (the agent's readback) as ip_vfs shows it."""
+    return {key: settings[key] for key in ("mac", "vlan", "qos", "spoofchk", "trust")}
+
+
+def entries(journal: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(e["step"], e["status"]) for e in journal]
+
+
+def test_the_crash_points_kill_the_fabric_vf_step_where_the_matrix_says(crash: dict[str, Any]) -> None:
+    """Armed as the crash matrix arms them (GPUAAS_AGENT_CRASH_AT, tasks/crashpoint.py), each point SIGKILLs the
+    agent's own step runner where its name says: ``before`` with the step journaled started and the VF untouched;
+    ``after`` with the attachment on the VF and the journal still ``started``; ``define:before`` with
+    ``fabric_vf`` journaled ``succeeded``. Without this the recovery below would prove nothing."""
+    killed_mac = crash["killed"]["mac"]
+    for name in CRASH_POINTS:
+        point = crash["points"][name]
+        task = point["spec"].rsplit(":", 1)[1]
+        assert point["spec"] == f"slice.vm_provision:{name}:{task}"
+        assert point["provision"]["rc"] == -9, point["provision"]  # SIGKILL, not an exit
+        vf0 = eth(point["killed_view"]["agent"]["0"])
+        if name == "fabric_vf:before":
+            assert entries(point["journal_after_kill"]) == [("fabric_vf", "started")]
+            assert vf0 == PARKED_ETH  # the previous release's park: nothing was set
+            assert point["record_after_kill"]["allocation_id"] == "alloc-previous"
+        else:
+            assert vf0 == {"mac": killed_mac, "vlan": KILLED_VLAN, "qos": 1, "spoofchk": True, "trust": False}
+            assert (point["record_after_kill"]["state"], point["record_after_kill"]["allocation_id"]) == (
+                "applied", "alloc-killed")  # fmt: skip
+            want = [("fabric_vf", "started")] if name == "fabric_vf:after" else [
+                ("fabric_vf", "started"), ("fabric_vf", "succeeded"), ("define", "started")]
+            assert entries(point["journal_after_kill"]) == want
+
+
+def test_after_every_kill_the_recovery_leaves_the_vf_parked_read_back_and_journaled(crash: dict[str, Any]) -> None:
+    """A fresh process runs the interrupted provision's recovery (the reached steps' compensations, then the
+    repairing reconcile): VF 0 reads parked from the kernel — MAC zero, VLAN 4094, spoof check on, trust off — in
+    the agent's readback and in ``ip -d -j``; the journal says ``fabric_vf`` compensated; the VF's record says
+    parked (by the killed task when it had applied); reconcile then finds no drift but igb's missing VF link
+    state (the park's ``disable`` reads ``auto``: docs/fabric-igb.md)."""
+    for name in CRASH_POINTS:
+        point = crash["points"][name]
+        task = point["spec"].rsplit(":", 1)[1]
+        assert point["recovery"]["rc"] == 0, point["recovery"]
+        recovery = json.loads(point["recovery"]["stdout"])
+        assert recovery["reached"] == (["fabric_vf"] if name.startswith("fabric_vf") else ["fabric_vf", "define"])
+        assert eth(point["recovered_view"]["agent"]["0"]) == PARKED_ETH, name
+        assert ip_vfs({"ok": True, "value": point["recovered_view"]["ip"]})[0] == PARKED_ETH, name
+        assert entries(point["journal_after_recovery"])[-1] == ("fabric_vf", "compensated"), name
+        (comp,) = recovery["compensations"]
+        assert comp["step"] == "fabric_vf" and comp["ok"], comp
+        record = point["record_after_recovery"]
+        assert record["state"] == "parked", (name, record)
+        if name == "fabric_vf:before":  # nothing applied: nothing to park, the previous release's record stands
+            assert comp["parked"] == [] and record["allocation_id"] == "alloc-previous"
+        else:
+            assert [p["parked"]["vlan"] for p in comp["parked"]] == [PARK_VLAN]
+            assert (record["allocation_id"], record["task_id"]) == ("alloc-killed", task)
+        # reconcile compares every recorded VF with its record: VF 1 (the other tenant) holds its attachment; VF 0
+        # holds its parking in every value but the link state, which igb cannot disable (its only drift, named)
+        (finding,) = recovery["reconcile"]
+        assert (finding["kind"], finding["subject"], finding["detail"]["state"]) == (
+            "fabric_vf_drift", crash["vf0"], "parked")  # fmt: skip
+        assert finding["detail"]["mismatches"] == [{"field": "link_state", "wanted": "disable", "found": "auto"}]
+
+
+def test_no_vf_holds_the_killed_tenants_vlan_or_mac_and_the_other_tenant_keeps_its_own(crash: dict[str, Any]) -> None:
+    """After each recovery no VF of the PF carries the killed allocation's VLAN or its slot's MAC, and VF 1 (the
+    other tenant, active throughout) holds its own attachment, untouched by the kill and by the recovery."""
+    killed_mac, other = crash["killed"]["mac"], crash["other"]
+    other_eth = {"mac": other["mac"], "vlan": OTHER_VLAN, "qos": 0, "spoofchk": True, "trust": False}
+    assert ip_vfs({"ok": True, "value": crash["at_start"]["ip"]}) == {0: PARKED_ETH, 1: other_eth}
+    for name in CRASH_POINTS:
+        point = crash["points"][name]
+        seen = ip_vfs({"ok": True, "value": point["recovered_view"]["ip"]})
+        assert [vf for vf, s in seen.items() if s["vlan"] == KILLED_VLAN or s["mac"] == killed_mac] == [], (name, seen)
+        assert seen[1] == other_eth, (name, seen)
+        assert eth(point["killed_view"]["agent"]["1"]) == other_eth, name

@@ -17,14 +17,37 @@ only real answers.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 
-from gpuaas_agent.contract.fabricvf import VfLinkState, VfSettings, parked_settings
-from gpuaas_agent.host.network.fabricvf import compare_settings, vf_requests, vfs_of_link
+from gpuaas_agent.contract.fabricvf import (
+    EswitchMode,
+    FabricIsolation,
+    InfinibandAttachment,
+    VfLinkState,
+    VfSettings,
+    parked_settings,
+)
+from gpuaas_agent.contract.parity import ParityStatus
+from gpuaas_agent.contract.runtime import get_profile
+from gpuaas_agent.host.network.fabricvf import (
+    FabricVfNetlink,
+    compare_settings,
+    parse_eswitch_json,
+    read_eswitch_mode,
+    vf_requests,
+    vfs_of_link,
+)
+from gpuaas_agent.hostfs import HostRoot
+from gpuaas_agent.tasks.fabricvf import FabricIsolationRefused, check_fabric_vfs, fabric_isolation_check
+from tests.support.provision_inputs import approved_slot, topology_of
 
 RECORDING = Path(__file__).resolve().parents[3] / "fixtures" / "fabric" / "mlx5-ib-vf-guids.iproute2.txt"
 ETH_RECORDING = Path(__file__).resolve().parents[3] / "fixtures" / "fabric" / "mlx5-eth-vfs.iproute2.txt"
@@ -224,3 +247,101 @@ def test_an_idle_recorded_mlx5_vf_is_not_parked_and_the_agent_names_each_value()
     idle = _observed(_recorded_eth_pfs()[HELD_PF])[0]
     named = {m.field: m.found for m in compare_settings(parked_settings(0, "ethernet", "00:00:00:00:00:00:00:00"), idle)}
     assert named == {"vlan": "0", "spoofchk": "false", "link_state": "enable"}
+
+
+# -- a BlueField-3 in DPU mode: the eswitch the host cannot read (fixtures/fabric/bf3-dpu-eswitch.devlink.txt) -----
+
+BF3_RECORDING = Path(__file__).resolve().parents[3] / "fixtures" / "fabric" / "bf3-dpu-eswitch.devlink.txt"
+GPU_PROFILE = get_profile("h200_1g_24c_64g")  # passes the GPU and its fabric VF through
+IB = InfinibandAttachment(pkey="0x0012")
+
+
+@dataclass(frozen=True)
+class RecordedEswitchPf(FabricVfNetlink):
+    """A PF that reports the slot's VF (this machine's kernel has none) and whose eswitch answers as ``eswitch``."""
+
+    def read(self, pf_netdev: str, vf: int) -> VfSettings:
+        return VfSettings(vf=vf, link_state=VfLinkState.auto)
+
+
+def _bf3_answers() -> dict[str, dict[str, str]]:
+    """side (``host``/``dpu``) -> the recorded devlink argv, the stream it answered on and the text."""
+    out = {}
+    for line in BF3_RECORDING.read_text().splitlines():
+        if line and not line.startswith("#"):
+            side, argv, stream, text = line.split("\t")
+            out[side] = {"argv": argv, "stream": stream, "text": text,
+                         "pf": argv.rsplit(" ", 1)[1].removeprefix("pci/")}
+    return out
+
+
+def _devlink_replaying(bin_dir: Path, answer: dict[str, str], stdout: str = "") -> None:
+    """A ``devlink`` in ``bin_dir`` that gives the recorded answer for the recorded device only (with the agent's
+    ``-j``: a kernel refusal is the same error either way); any other call fails loudly (exit 99)."""
+    argv = answer["argv"].replace("devlink dev", "devlink -j dev").split(" ", 1)[1]
+    err, code = (answer["text"], 1) if answer["stream"] == "stderr" else ("", 0)
+    script = bin_dir / "devlink"
+    script.write_text("#!/bin/sh\n"
+                      f"[ \"$*\" = '{argv}' ] || {{ echo \"unrecorded devlink call: $*\" >&2; exit 99; }}\n"
+                      + (f"printf '%s\\n' '{stdout}'\n" if stdout else "")
+                      + (f"printf '%s\\n' '{err}' >&2\n" if err else "") + f"exit {code}\n")
+    script.chmod(0o755)
+
+
+def _devlink_json(text: str) -> str:
+    """The recorded text line as ``devlink -j`` prints the same answer: iproute2's devlink prints each eswitch
+    attribute with one ``print_string(PRINT_ANY, name, " name %s", value)``, so the text's ``name value`` pairs
+    are the JSON's keys and values under ``{"dev": {"pci/<pf>": ...}}``."""
+    handle, rest = text.split(": ", 1)
+    words = rest.split()
+    return json.dumps({"dev": {handle: dict(zip(words[::2], words[1::2]))}}, separators=(",", ":"))
+
+
+def test_the_bf3_hosts_eswitch_answer_reads_unknown_never_legacy(tmp_path, monkeypatch):
+    """On the x86 host of a BlueField-3 in DPU mode devlink's eswitch show is refused (EOPNOTSUPP: the DPU's Arm owns
+    the eswitch). The agent's own reader, run against that recorded answer, reads ``unknown`` and keeps the
+    kernel's words as its evidence."""
+    host = _bf3_answers()["host"]
+    _devlink_replaying(tmp_path, host)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    mode, how = read_eswitch_mode(host["pf"])
+    assert mode is EswitchMode.unknown
+    assert "Operation not supported" in how and host["pf"] in how
+
+
+def test_the_bf3_hosts_answer_fails_required_isolation_and_dpu_enforced_names_it(tmp_path, monkeypatch):
+    """Item 6 on the recorded answer: under ``required`` the host cannot prove VF policy, so parity FAILs and a
+    passthrough provision is refused before anything is touched; ``dpu_enforced`` is a WARN that names the mode the
+    host read (unknown) and what it cannot prove. The recorded host's PF stands for the slot PF of a recorded
+    H200 host (the report's), which is all these checks read of it."""
+    host = _bf3_answers()["host"]
+    _devlink_replaying(tmp_path, host)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    report = topology_of()
+
+    def answered_as_the_bf3_host(pf: str) -> tuple[EswitchMode, str]:
+        return read_eswitch_mode(host["pf"])
+
+    required = fabric_isolation_check(HostRoot.open(Path("/")), FabricIsolation.required, report,
+                                      answered_as_the_bf3_host)
+    assert (required.status, required.hard) == (ParityStatus.FAIL, True)
+    assert "eswitch unknown" in required.detail and "Operation not supported" in required.evidence
+    dpu = fabric_isolation_check(HostRoot.open(Path("/")), FabricIsolation.dpu_enforced, report,
+                                 answered_as_the_bf3_host)
+    assert dpu.status is ParityStatus.WARN and "cannot prove" in dpu.detail and "=unknown" in dpu.detail
+    pf = RecordedEswitchPf(eswitch=answered_as_the_bf3_host)
+    with pytest.raises(FabricIsolationRefused) as info:
+        check_fabric_vfs(FabricIsolation.required, GPU_PROFILE, IB, report, [approved_slot(report, 0)], pf)
+    assert info.value.code == "fabric_pf_cannot_apply"
+    assert (info.value.evidence["eswitch_mode"], info.value.evidence["missing"]) == ("unknown", "legacy_eswitch")
+
+
+def test_the_dpus_own_answer_reads_switchdev(tmp_path, monkeypatch):
+    """On the DPU's Arm side the same PF's eswitch is ``switchdev``: as ``devlink -j`` prints it, the agent's parser
+    and reader name it switchdev, which ``required`` refuses and ``dpu_enforced`` reports."""
+    dpu = _bf3_answers()["dpu"]
+    as_json = _devlink_json(dpu["text"])
+    assert parse_eswitch_json(as_json, dpu["pf"]) is EswitchMode.switchdev
+    _devlink_replaying(tmp_path, dpu, stdout=as_json)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert read_eswitch_mode(dpu["pf"])[0] is EswitchMode.switchdev
