@@ -15,7 +15,6 @@ from gpuaas_agent.contract.types import UUID_RE
 DOMAIN_PREFIX = "gpuaas-slice-"
 VNIC_PREFIX = "gs"  # never "vnet": libvirt reserves that prefix for its own taps
 _UUID = UUID_RE
-_VNIC_NAME = re.compile(rf"{VNIC_PREFIX}[0-9a-f]{{1,2}}-[0-9a-f]{{10}}")  # what vnic_name() gives
 
 
 def _hex(allocation_id: str) -> str:
@@ -34,11 +33,6 @@ def vnic_name(allocation_id: str, slot_index: int) -> str:
     if not 0 <= slot_index <= 0xFF:
         raise ValueError(f"slot index {slot_index} out of range 0..255")
     return f"{VNIC_PREFIX}{slot_index:x}-{_hex(allocation_id)[:10]}"
-
-
-def is_vnic_name(name: str) -> bool:
-    """Whether ``name`` is one :func:`vnic_name` gives (any allocation, any slot): an agent's tap/OVS port."""
-    return _VNIC_NAME.fullmatch(name) is not None
 
 
 def allocation_from_domain_name(name: str) -> str | None:

@@ -17,9 +17,9 @@ health round (``slice_gateway``, ``slice_nat``, ``slice_ip_forward``, ``dnsmasq`
 
 Which events wake a round (:class:`Interest`, :class:`EventFilter`) is derived each round from what
 the checks read: the OVS bridge and ``tmfifo_net0`` with their addresses, ``ip_forward`` and the
-table of the NAT rule when the network is read live; the bridge, every agent vNIC (a name
-``contract/naming.py`` gives), the PFs of the fabric VFs the store records (a VF setting is announced
-as its PF's ``RTM_NEWLINK``) and the agent's nft guard table with the ``port_isolation`` probe. A link
+table of the NAT rule when the network is read live; the bridge, the vNIC of every slot the store
+leases or records, the PFs of the fabric VFs the store records (a VF setting is announced as its PF's
+``RTM_NEWLINK``) and the agent's nft guard table with the ``port_isolation`` probe. A link
 is matched by name or by the ifindex it had; a message that names nothing (a link without
 ``IFLA_IFNAME``, an nftables object without its table, a type not known here, a lost or truncated
 message) wakes a round, as does everything when the interest could not be derived. On a shared host,
@@ -66,7 +66,7 @@ from gpuaas_agent.contract.drift import (
     DriftTrigger,
 )
 from gpuaas_agent.contract.isolation import GUARD_TABLE
-from gpuaas_agent.contract.naming import is_vnic_name
+from gpuaas_agent.contract.naming import vnic_name
 from gpuaas_agent.contract.tasks import HealthCheck
 from gpuaas_agent.discovery.netevidence import TMFIFO
 from gpuaas_agent.hostfs import HostRoot
@@ -80,6 +80,7 @@ from gpuaas_agent.operator.health import (
     network_checks,
 )
 from gpuaas_agent.state.aio import StoreThread
+from gpuaas_agent.state.store import StateStore
 from gpuaas_agent.tasks.fabricvf import recorded_pf_netdevs
 
 if TYPE_CHECKING:  # the reporter is the daemon's; the watch only merges checks into it
@@ -136,7 +137,6 @@ class Interest:
     ``None`` for ``links`` or ``nft_tables``: every link, every table (what could not be narrowed)."""
 
     links: frozenset[str] | None = frozenset()  # by name, and by the ifindex each had when last seen
-    agent_vnics: bool = False  # every link named as contract/naming.py names an agent's tap/OVS port
     addresses_of: frozenset[str] | None = frozenset()  # links whose IPv4 addresses a check reads
     ip_forward: bool = False  # net.ipv4.ip_forward ("all" forwarding)
     nft_tables: frozenset[str] | None = frozenset()
@@ -214,7 +214,7 @@ class EventFilter:
             name = _name(_attrs(payload, 16).get(IFLA_IFNAME))
             if name is None:
                 return f"link #{index} without a name"
-            if interest.links is None or name in interest.links or (interest.agent_vnics and is_vnic_name(name)):
+            if interest.links is None or name in interest.links:
                 self.indexes.add(index)
                 return f"link {name}"
             if index in self.indexes:
@@ -246,6 +246,13 @@ class EventFilter:
             return f"nftables message {kind & 0xFF} without a table"
         tables = self.interest.nft_tables
         return f"nft table {table}" if tables is None or table in tables else None
+
+
+def agent_slots(store: StateStore) -> set[tuple[str, int]]:
+    """(allocation, slot) of every lease and slot record: the slots whose vNIC (tap and OVS port) the isolation
+    probe judges, as the reconcile knows them."""
+    return {(lease.allocation_id, lease.slot_index) for lease in store.leases()} | {
+        (record.allocation_id, record.slot_index) for record in store.slot_states()}
 
 
 def _ifindex(name: str) -> int | None:
@@ -384,12 +391,12 @@ class NetWatch:
             links.add(bridge)
             if tables is not None:
                 tables.add(GUARD_TABLE)
-            if self.store is None:  # the fabric VFs' PFs cannot be named: every link
-                return Interest(links=None, agent_vnics=True, addresses_of=frozenset(addresses),
-                                ip_forward=self.network_live, nft_tables=None if tables is None else frozenset(tables))
+            if self.store is None:  # the slots' vNICs and the fabric VFs' PFs cannot be named: every link
+                return Interest(links=None, addresses_of=frozenset(addresses), ip_forward=self.network_live,
+                                nft_tables=None if tables is None else frozenset(tables))
+            links |= {vnic_name(allocation, slot) for allocation, slot in await self.store.run(agent_slots)}
             links |= await recorded_pf_netdevs(self.store)
-        return Interest(links=frozenset(links), agent_vnics=self.isolation is not None,
-                        addresses_of=frozenset(addresses), ip_forward=self.network_live,
+        return Interest(links=frozenset(links), addresses_of=frozenset(addresses), ip_forward=self.network_live,
                         nft_tables=None if tables is None else frozenset(tables))
 
     async def _refresh_interest(self) -> None:

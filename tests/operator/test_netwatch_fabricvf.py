@@ -27,6 +27,8 @@ from gpuaas_agent.contract.fabricvf import EswitchMode, FabricIsolation, Infinib
 from gpuaas_agent.contract.isolation import GUARD_TABLE
 from gpuaas_agent.contract.naming import vnic_name
 from gpuaas_agent.contract.runtime import get_profile
+from gpuaas_agent.contract.slots import HealthState, SlotStatus
+from gpuaas_agent.contract.state import SlotRecord
 from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink
 from gpuaas_agent.operator.health import CheckThreads, HealthSettings, isolation_check
 from gpuaas_agent.operator.netwatch import NetWatch
@@ -147,13 +149,16 @@ def _nft(netns: str, *argv: str) -> None:
 
 
 def test_only_events_about_what_the_isolation_probe_reads_wake_a_round(pf_netns, tmp_path):
-    """With the probe, a link wakes the watch when it is a recorded VF's PF, the bridge or an agent vNIC, and an
+    """With the probe, a link wakes the watch when it is a recorded VF's PF, the bridge or a recorded slot's vNIC, and an
     nftables change when it is the guard's table; a link and a table of other work do not. Each "no round" is
     asserted after a control event that does wake one, read later from the same socket: a round the unrelated
     event had woken would have run first, or would name it in ``woken_by``."""
     store, thread, pf, leased = _recorded_vf(pf_netns, tmp_path)
-    _ip(pf_netns, "link", "add", "other0", "type", "bridge")  # another tenant's or service's link
-    vnic = vnic_name(str(uuid.uuid4()), 3)
+    _ip(pf_netns, "link", "add", "other0", "type", "bridge")  # another service's link
+    recorded = str(uuid.uuid4())  # a slot the store records (a provision under way, say): its vNIC is judged
+    store.set_slot_state(SlotRecord(slot_index=3, allocation_id=recorded, status=SlotStatus.provisioning,
+                                    health_state=HealthState.unknown, task_id="t-p3", updated_at=time.time()))
+    vnic, stranger = vnic_name(recorded, 3), vnic_name(str(uuid.uuid4()), 3)  # stranger: another agent's name
 
     async def fabric_vf_isolation():
         return [isolation_check(await reconcile_findings(pf, thread, leased, repair=False))]
@@ -179,12 +184,12 @@ def test_only_events_about_what_the_isolation_probe_reads_wake_a_round(pf_netns,
         try:
             await _until(lambda: watch.rounds >= 1, "the first round")
             interest = watch.filter.interest
-            assert interest.links == frozenset({"ovsbr0", PF_NETDEV}) and interest.agent_vnics
+            assert interest.links == frozenset({"ovsbr0", PF_NETDEV, vnic}), interest
             assert interest.nft_tables == frozenset({GUARD_TABLE}) and watch.route_groups == (1,)  # links only
             ignored = watch.filter.ignored
             await round_after((("link", "set", "other0", "mtu", "1400"), _ip),
                               (("link", "set", PF_NETDEV, "mtu", "1400"), _ip))
-            await round_after((("link", "add", "gsx-other", "type", "bridge"), _ip),  # not a name the agent gives
+            await round_after((("link", "add", stranger, "type", "bridge"), _ip),
                               (("link", "add", vnic, "type", "bridge"), _ip))
             await round_after((("add", "table", "inet", "other_service"), _nft),
                               (("add", "table", "inet", GUARD_TABLE), _nft))
@@ -197,5 +202,5 @@ def test_only_events_about_what_the_isolation_probe_reads_wake_a_round(pf_netns,
     seen, ignored, triggers = run_in_netns(pf_netns, body, DEADLINE_S * 3)
     assert seen == [(1, [f"link {PF_NETDEV}"]), (1, [f"link {vnic}"]), (1, [f"nft table {GUARD_TABLE}"])], seen
     assert triggers[1:] == [DriftTrigger.netlink] * 3, triggers
-    assert ignored >= 3  # other0's mtu, gsx-other's creation, the other service's table (each one message at least)
+    assert ignored >= 3  # other0's mtu, the stranger's creation, the other service's table (one message each at least)
     store.close()
