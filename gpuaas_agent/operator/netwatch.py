@@ -248,11 +248,12 @@ class EventFilter:
         return f"nft table {table}" if tables is None or table in tables else None
 
 
-def agent_slots(store: StateStore) -> set[tuple[str, int]]:
-    """(allocation, slot) of every lease and slot record: the slots whose vNIC (tap and OVS port) the isolation
-    probe judges, as the reconcile knows them."""
-    return {(lease.allocation_id, lease.slot_index) for lease in store.leases()} | {
+def isolation_links(store: StateStore) -> frozenset[str]:
+    """On the store thread: the links the isolation probe reads of the store's slots, i.e. the vNIC (tap and OVS
+    port) of every lease and slot record, as the reconcile knows them, and the PF of every recorded fabric VF."""
+    slots = {(lease.allocation_id, lease.slot_index) for lease in store.leases()} | {
         (record.allocation_id, record.slot_index) for record in store.slot_states()}
+    return frozenset(vnic_name(allocation, slot) for allocation, slot in slots) | recorded_pf_netdevs(store)
 
 
 def _ifindex(name: str) -> int | None:
@@ -394,8 +395,7 @@ class NetWatch:
             if self.store is None:  # the slots' vNICs and the fabric VFs' PFs cannot be named: every link
                 return Interest(links=None, addresses_of=frozenset(addresses), ip_forward=self.network_live,
                                 nft_tables=None if tables is None else frozenset(tables))
-            links |= {vnic_name(allocation, slot) for allocation, slot in await self.store.run(agent_slots)}
-            links |= await recorded_pf_netdevs(self.store)
+            links |= await self.store.run(isolation_links)  # one hop to the store thread a round
         return Interest(links=frozenset(links), addresses_of=frozenset(addresses), ip_forward=self.network_live,
                         nft_tables=None if tables is None else frozenset(tables))
 

@@ -420,12 +420,13 @@ async def reconcile_findings(netlink: FabricVfNetlink, store: StoreThread, lease
     return findings
 
 
-async def recorded_pf_netdevs(store: StoreThread) -> frozenset[str]:
-    """The PF netdev of every VF with a record: the links :func:`reconcile_findings` reads, whose RTM_NEWLINK
-    announces a change of a VF's settings (the network watch wakes on those, operator/netwatch.py)."""
-    index = json.loads(await store.run(lambda s: s.meta(RECORD_INDEX)) or "[]")
-    records = [await recorded(store, address) for address in index]
-    return frozenset(str(rec["pf_netdev"]) for rec in records if rec is not None and "pf_netdev" in rec)
+def recorded_pf_netdevs(store: StateStore) -> frozenset[str]:
+    """On the store thread: the PF netdev of every VF with a record, the links :func:`reconcile_findings` reads
+    (a change of a VF's settings is announced as its PF's RTM_NEWLINK: the network watch wakes on those,
+    operator/netwatch.py)."""
+    raws = [store.meta(record_key(address)) for address in json.loads(store.meta(RECORD_INDEX) or "[]")]
+    records = [json.loads(raw) for raw in raws if raw]
+    return frozenset(str(rec["pf_netdev"]) for rec in records if "pf_netdev" in rec)
 
 
 async def restore_applied(netlink: FabricVfNetlink, store: StoreThread, vf_addresses: list[str],
