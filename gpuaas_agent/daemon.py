@@ -663,7 +663,7 @@ async def _serve(config: AgentConfig, stop: asyncio.Event, record: EnrollmentRec
     worker_task = asyncio.create_task(worker.run(), name="worker")
     if config.netwatch_interval_s > 0:  # the slice network re-proven on a timer and netlink events
         netwatch = start_netwatch(config, reporter, nc, record.node_id, host.isolation_probe(state), repair=reconcile,
-                                  threads=check_threads)
+                                  threads=check_threads, store=state)
         background.own(netwatch)
     if config.uevent_watch:
         background.start("uevent_watch", uevent_watch_loop(config, nc, record.node_id, uevents))

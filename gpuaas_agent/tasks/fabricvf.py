@@ -420,6 +420,15 @@ async def reconcile_findings(netlink: FabricVfNetlink, store: StoreThread, lease
     return findings
 
 
+def recorded_pf_netdevs(store: StateStore) -> frozenset[str]:
+    """On the store thread: the PF netdev of every VF with a record, the links :func:`reconcile_findings` reads
+    (a change of a VF's settings is announced as its PF's RTM_NEWLINK: the network watch wakes on those,
+    operator/netwatch.py)."""
+    raws = [store.meta(record_key(address)) for address in json.loads(store.meta(RECORD_INDEX) or "[]")]
+    records = [json.loads(raw) for raw in raws if raw]
+    return frozenset(str(rec["pf_netdev"]) for rec in records if "pf_netdev" in rec)
+
+
 async def restore_applied(netlink: FabricVfNetlink, store: StoreThread, vf_addresses: list[str],
                           allocation_id: str) -> list[dict[str, Any]]:
     """Set again, and read back, what the store records as applied to these VFs for ``allocation_id``: a host

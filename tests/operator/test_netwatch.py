@@ -4,20 +4,28 @@ drift subject within seconds (not one health period later), and a repair is repo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import select
 import sys
 import time
 import uuid
 from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
 
 from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract.drift import DriftKind, DriftReport
 from gpuaas_agent.contract.tasks import HealthCheck
-from gpuaas_agent.operator.netwatch import drift_findings, open_netlink_sockets
+from gpuaas_agent.discovery.netevidence import TMFIFO
+from gpuaas_agent.operator.health import CheckThreads, HealthSettings
+from gpuaas_agent.operator.netwatch import ROUTE_GROUPS, NetWatch, drift_findings, open_netlink_sockets
 from tests.support.agent_process import AgentProcess, NotifyListener, agent_env, enrolled_setup
 from tests.support.deadline import run_bounded
 from tests.support.dnsmasq_fixture import sh
+from tests.support.netns_thread import run_in_netns, until
+from tests.support.realdev import require_root
+from tests.support.slice_netns import MASQ, ns_exec, run_argv, set_ip_forward, slice_namespace
 
 
 def _readable_within(sockets, seconds: float) -> list:
@@ -47,6 +55,57 @@ def test_a_link_and_an_nftables_change_each_wake_the_watch_sockets():
         sh("nft", "delete", "table", "inet", table, check=False)
         for sock in sockets:
             sock.close()
+
+
+WATCH_DEADLINE_S = 30.0
+
+
+def test_over_a_live_network_only_the_bridge_addresses_ip_forward_and_the_nat_table_wake_a_round():
+    """The network checks read this namespace: an address on the bridge, net.ipv4.ip_forward and the table that
+    proved the MASQUERADE rule wake the watch; an address, a per-link forwarding switch and an nftables table of
+    other work do not. Each "no round" is asserted after a control event that does wake one, read later from the
+    same socket (a round the unrelated event had woken would have run first or name it in ``woken_by``)."""
+    require_root()
+    with slice_namespace() as ns:
+        run_argv("ip", "-n", ns, "link", "add", "other0", "type", "bridge")
+
+        async def body():
+            watch = NetWatch(HealthSettings(host_root=Path("/"), dnsmasq_pid_file=None), SimpleNamespace(checks=None),
+                             interval_s=3600.0, debounce_s=0.05, min_gap_s=0.1, threads=CheckThreads())
+            task = asyncio.create_task(watch.run())
+            seen: list[tuple[int, list[str]]] = []
+
+            async def round_after(*steps) -> None:
+                before = watch.rounds
+                for step in steps:
+                    await asyncio.to_thread(step)
+                await until(lambda: watch.rounds > before, "a round after the watched change", WATCH_DEADLINE_S)
+                seen.append((watch.rounds - before, sorted(set(watch.woken_by))))
+
+            try:
+                await until(lambda: watch.rounds >= 1, "the first round", WATCH_DEADLINE_S)
+                interest = watch.filter.interest
+                assert watch.nat is not None and watch.nat.status == "ok", watch.nat
+                assert interest.links == interest.addresses_of == frozenset({"ovsbr0", TMFIFO}), interest
+                assert interest.nft_tables == frozenset({"nat"}) and interest.ip_forward, interest  # iptables -C's table
+                assert watch.route_groups == ROUTE_GROUPS
+                ignored = watch.filter.ignored
+                await round_after(lambda: run_argv("ip", "-n", ns, "addr", "add", "10.9.9.1/24", "dev", "other0"),
+                                  lambda: run_argv("ip", "-n", ns, "addr", "add", "10.100.0.2/24", "dev", "ovsbr0"))
+                await round_after(lambda: ns_exec(ns, "sysctl", "-qw", "net.ipv4.conf.other0.forwarding=0"),
+                                  lambda: set_ip_forward(ns, 0))
+                await round_after(lambda: ns_exec(ns, "nft", "add", "table", "inet", "other_service"),
+                                  lambda: ns_exec(ns, "iptables", "-t", "nat", "-D", *MASQ))
+                return seen, watch.filter.ignored - ignored, watch.failing
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+        seen, ignored, failing = run_in_netns(ns, body, WATCH_DEADLINE_S * 3)
+    assert seen == [(1, ["address on ovsbr0"]), (1, ["ip_forward"]), (1, ["nft table nat"])], seen
+    assert ignored >= 3  # other0's address, its forwarding switch, the other service's table
+    assert {"slice_ip_forward", "slice_nat"} <= set(failing), failing  # what the rounds then read
 
 
 def _check(name: str, status: str, detail: str) -> HealthCheck:
