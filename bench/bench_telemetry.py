@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -461,6 +462,8 @@ def main_real(args: argparse.Namespace) -> dict[str, object]:
 
     if args.libvirt != "qemu:///system" or os.geteuid() != 0:
         raise SystemExit("--libvirt takes qemu:///system, as root (this bench starts that libvirtd itself)")
+    # A timeout's SIGTERM unwinds like an error: the guests, the links and the libvirtd started here go with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     shutil.rmtree(REAL_WORK, ignore_errors=True)
     REAL_WORK.mkdir(parents=True)
     REAL_WORK.chmod(0o755)  # the QEMU user reads the kernel, the initrd and the disks
