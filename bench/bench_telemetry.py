@@ -455,6 +455,11 @@ async def measure_real(server: NatsServer, work: Path, guests: int, rounds: int,
             "fixture_fields_not_in_record": sorted(record_shape(recorded) - record_shape(mine))}
 
 
+def version(number: int) -> str:
+    """libvirt's version number as it is written (9000000 -> 9.0.0)."""
+    return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
+
+
 def main_real(args: argparse.Namespace) -> dict[str, object]:
     """8 real TCG guests on a libvirtd started here (tests/support/libvirtd_fixture.py), the loop against them."""
     from lab.build_guest_image import DEFAULT_CACHE, build_initramfs, fetch_kernel
@@ -473,7 +478,7 @@ def main_real(args: argparse.Namespace) -> dict[str, object]:
     qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True, timeout=30,
                           check=True).stdout.splitlines()[0]
     provenance = (f"Recorded on {time.strftime('%Y-%m-%d', time.gmtime())} by bench/bench_telemetry.py --libvirt "
-                  f"qemu:///system --guests {args.guests} on the 2-core dev VM: libvirt {libvirt.getVersion()} "
+                  f"qemu:///system --guests {args.guests} on the 2-core dev VM: libvirt {version(libvirt.getVersion())} "
                   f"(libvirtd started by tests/support/libvirtd_fixture.running_libvirtd), {qemu}, TCG. The domain of "
                   f"slot 0 (bench_telemetry.guest_xml): q35, 1 vCPU, {args.guest_memory_mib} MiB, memballoon none "
                   f"as the agent's slices, the lab guest's Debian kernel {kernel.version} and initramfs booted "
@@ -498,7 +503,7 @@ def main_real(args: argparse.Namespace) -> dict[str, object]:
                 report = asyncio.run(measure_real(server, REAL_WORK, args.guests, args.rounds, args.libvirt,
                                                   args.idle_s, {"libvirtd": [daemon.pid], "qemu": qemus},
                                                   args.save_record, provenance))
-                report = {"libvirt": libvirt.getVersion(), "qemu": qemu, "guest_kernel": kernel.version,
+                report = {"libvirt": version(libvirt.getVersion()), "qemu": qemu, "guest_kernel": kernel.version,
                           "guest_memory_mib": args.guest_memory_mib, "leftovers_removed_at_start": left,
                           "start_to_all_idle_s": round(boot_s, 1), "since_start_s": round(time.monotonic() - started),
                           "qemu_rss_mib_all_guests": round(qemu_rss / 1024, 1), **report}
