@@ -142,11 +142,11 @@ async def rounds_cost(loop: SliceTelemetryLoop, metrics: AgentMetrics, slices: i
 
 
 async def measure_guest(server: NatsServer, work: Path, slices: int, rounds: int, port: int,
-                        series: int, uri: str = URI) -> dict[str, float]:
+                        series: int) -> dict[str, float]:
     """The same daemon parts, the same leases, plain then with every guest pulled: one run, both figures."""
     store = StoreThread.open(work / "guest.db")
     nc = await nats.connect(server.url)
-    lifecycle = LibvirtLifecycle(uri)
+    lifecycle = LibvirtLifecycle(URI)
     try:
         for n in range(slices):
             await store.take_leases([lease(n, guest=True)])
