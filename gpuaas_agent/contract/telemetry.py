@@ -67,7 +67,7 @@ class LinkCounters(WireModel):
 
 
 class NicCounters(LinkCounters):
-    """The slot's management vNIC (libvirt ``net.<n>.*``, the host's tap: rx is what the guest sent)."""
+    """The slot's management vNIC (libvirt ``net.<n>.*`` of its tap, the guest's view: rx is what it received)."""
 
     interface: str = Field(min_length=1, max_length=15)
 

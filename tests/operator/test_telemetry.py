@@ -20,9 +20,9 @@ from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 from gpuaas_agent.config import load_config
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.domain import DomainState
-from gpuaas_agent.contract.naming import domain_name
+from gpuaas_agent.contract.naming import domain_name, vnic_name
 from gpuaas_agent.contract.state import SlotLease
-from gpuaas_agent.contract.telemetry import SliceTelemetry
+from gpuaas_agent.contract.telemetry import DiskCounters, SliceTelemetry
 from gpuaas_agent.daemon import run_agent
 from gpuaas_agent.host.network.fabricvf import FabricVfError, FabricVfNetlink, vf_stats_of_link
 from gpuaas_agent.host.vm.domstats import parse_all
@@ -64,6 +64,40 @@ def recorded_stats():
 
 
 # -- pure matching -----------------------------------------------------------------------------------------
+
+
+GUEST_RECORD = REPO / "fixtures/libvirt/domstats-qemu-7.2-guest-idle.json"
+GUEST_ALLOC = "7e1e0000-0000-4000-8000-000000000000"  # bench/bench_telemetry.py allocation(0)
+GUEST_DISK = "/dev/disk/by-id/nvme-eui.7e1e0000000000000000000000000000"  # its by_id(0)
+
+
+def test_a_real_idle_guests_record_gives_disk_vnic_vcpu_and_memory_and_the_vnic_in_the_guests_view():
+    """A record libvirt and QEMU really gave for a booted guest shaped as a slice (``bench/bench_telemetry.py
+    --libvirt``: memballoon none as the agent's domains, the disk by the slot's by-id path, a tap by the agent's vNIC
+    name): every counter the collector maps is found, nothing is unknown but what has no source there (the fabric
+    VF's PF, the BMC). The vNIC's counters are the guest's view: the lab guest sent 20 DHCP discovers (udhcpc -t 20)
+    into a tap with no server behind it, and they are ``tx``."""
+    data = json.loads(GUEST_RECORD.read_text())
+    (name, record), = data["records"]
+    assert name == domain_name(GUEST_ALLOC)
+    message, = slice_telemetry(NODE, [lease(GUEST_ALLOC, 0, GUEST_DISK)], parse_all(data["records"]),
+                               collected_at=100.0, interval_s=15.0, bounds=default_bounds(5.0))
+    assert message.state is DomainState.running
+    assert message.not_reported == ["slot.0.fabric_vf", "slot.0.gpu"]
+    assert (message.vcpus, message.vcpu_time_ns, message.cpu_time_ns) == (1, record["vcpu.0.time"], record["cpu.time"])
+    # memballoon none: libvirt reports the configured size (no guest figure, no balloon.last-update) and QEMU's RSS.
+    assert {key for key in record if key.startswith("balloon.")} == {"balloon.current", "balloon.maximum", "balloon.rss"}
+    assert message.memory_bytes == message.memory_max_bytes == record["balloon.maximum"] * 1024
+    assert message.memory_rss_bytes == record["balloon.rss"] * 1024
+    slot, = message.slots
+    assert slot.disk == DiskCounters(device="vda", read_bytes=record["block.0.rd.bytes"],
+                                     read_ops=record["block.0.rd.reqs"], write_bytes=record["block.0.wr.bytes"],
+                                     write_ops=record["block.0.wr.reqs"])
+    assert slot.disk.read_ops > 0, "the guest kernel read its disk's partition table"
+    nic = slot.management_nic
+    assert nic is not None and nic.interface == vnic_name(GUEST_ALLOC, 0)
+    assert nic.tx_packets >= 20 and nic.tx_bytes >= 20 * 300 > nic.rx_bytes, "the guest's DHCP discovers are tx"
+
 
 
 CAPTURE = REPO / "fixtures/redfish/dgx-h100-viking/redfish/v1"

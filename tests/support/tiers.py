@@ -54,7 +54,7 @@ NEEDS_BY_MODULE: dict[str, tuple[str, ...]] = {
     "bench.rate_server": ("netns",),    # nginx in a network namespace
     "bench.bench_idle": ("agent",),     # a whole agent, measured idle
     "bench.bench_guest_perf": ("lab",),  # guests on a GPU host
-    "bench.bench_telemetry": (),        # its guests' exporters on loopback (a cheap child process); no test runs it
+    "bench.bench_telemetry": ("lab",),  # --libvirt: TCG guests on a libvirtd it starts; no test runs it
 }
 
 
