@@ -1,5 +1,6 @@
-"""Runs INSIDE the igb guest: the ``fabric_vf`` provision step SIGKILLed at its crash points on a real VF, then
-the agent's recovery in a fresh process, and what the kernel holds after each.
+"""Runs INSIDE the igb guest: the ``fabric_vf`` provision step and the release's ``fabric_vf_park`` step SIGKILLed
+at their crash points on a real VF, then what the agent does next in a fresh process (the provision's recovery;
+the next release), and what the kernel holds after each.
 
 The crash matrix (``tests/crash/test_crash_matrix.py``) kills the agent at every step's ``before`` and ``after``
 point through ``GPUAAS_AGENT_CRASH_AT`` (``tasks/crashpoint.py``); on the lab's TCG profiles the ``fabric_vf``
@@ -28,6 +29,22 @@ through discovery, which lists Mellanox functions only, so the job names the igb
 ``fabricvf_driver.two_tenants`` does) and calls the rest of ``park_recorded``'s body, ``park_target``; the
 driver leaves the VF link state out of every set and comparison (igb has no ``ndo_set_vf_link_state``:
 EOPNOTSUPP, docs/fabric-igb.md), as in ``fabricvf_driver.py``.
+
+The release side, after the provision's points, same store, same boot: VF 0 is given the released allocation's
+attachment (``apply_fabric_vfs``: VLAN 401, recorded ``applied``), then a child (``release``) runs the step runner
+over ``fabric_vf_park`` with ``tasks/release.fabric_vf_park``'s body (``park_recorded`` over the slot: a VF
+recorded ``applied`` is parked through ``park_target``; one recorded otherwise is left) and ``gpu_handover`` as a
+stand-in (no GPU in the guest; its ``before`` is "after the park's journal write"), killed at
+
+* ``slice.vm_release:fabric_vf_park:before:<task>``: journaled ``started``, the tenant's VLAN and MAC still on VF 0;
+* ``slice.vm_release:fabric_vf_park:after:<task>``: parked on the kernel and recorded ``parked``, the journal
+  still ``started``;
+* ``slice.vm_release:gpu_handover:before:<task>``: ``fabric_vf_park`` journaled ``succeeded``.
+
+Release steps have no compensation (tasks/release.py: a release interrupted anywhere is finished by running it
+again, as a restarted agent does on redelivery), so what follows the kill is the next release: the same task
+and steps again in a fresh child, nothing armed. As on the provision side the job names the slot's VF itself
+(``park_recorded``'s relocation through discovery is the part replaced).
 
 Before the points: VF 0 parked by its previous tenant's release, VF 1 holding another tenant's attachment
 (VLAN 202), all in the same store. Prints one JSON document; the host-side test asserts.
@@ -73,9 +90,13 @@ HOST_KEY = "igb-lab-guest"
 IP = "/usr/local/sbin/ip"  # iproute2's, copied in by lab/igb_guest.py
 STORE = "/tmp/fabricvf-crash/state.db"
 PROVISION = "slice.vm_provision"
+RELEASE = "slice.vm_release"
 # The kill points, by the names the crash matrix arms (PROVISION_STEPS order: fabric_vf, then define).
 POINTS = (("fabric_vf", "before"), ("fabric_vf", "after"), ("define", "before"))
+# The release's (RELEASE_STEPS order: fabric_vf_park, then gpu_handover).
+RELEASE_POINTS = (("fabric_vf_park", "before"), ("fabric_vf_park", "after"), ("gpu_handover", "before"))
 KILLED = ("alloc-killed", 0, EthernetAttachment(vlan=301, qos=1))  # allocation, slot / VF, attachment
+RELEASED = ("alloc-released", 0, EthernetAttachment(vlan=401, qos=2))  # the allocation whose release is killed
 OTHER = ("alloc-b", 1, EthernetAttachment(vlan=202))
 CHILD_TIMEOUT_S = 120
 
@@ -146,10 +167,9 @@ async def fabric_vf(run):
                                   run.task_id)
 
 
-async def park_recorded_here(store, allocation_id, task_id):
+async def park_recorded_here(store, allocation_id, task_id, slot=KILLED[1]):
     """tasks/fabricvf.park_recorded with the slot's VF named by the job instead of found by discovery: every
     slot VF the store records ``applied`` is parked (``park_target``: park, read back, record ``parked``)."""
-    slot = KILLED[1]
     tgt = target(slot)
     rec = await recorded(store, tgt.vf_pci_address)
     if rec is None or rec.get("state") != "applied":
@@ -183,6 +203,41 @@ def provision_child(task_id):
     run = Run(store=thread, allocation_id=KILLED[0], task_id=task_id)
     outputs = asyncio.run(run_pipeline(Ctx(store=store, envelope=envelope), bind_steps(STEPS, run)))
     print(json.dumps({"completed": sorted(outputs)}))  # reached only when no point fired
+
+
+# -- the release: the agent's step runner over fabric_vf_park (and the step after it) ----------------------------
+
+
+async def fabric_vf_park(run):
+    """tasks/release.fabric_vf_park's body (``park_recorded`` over the release's one slot), the VF named by the
+    job: a VF recorded ``applied`` is parked and read back, recorded ``parked``; one recorded otherwise is left."""
+    return await park_recorded_here(run.store, run.allocation_id, run.task_id, RELEASED[1])
+
+
+async def gpu_handover(run):
+    """Stand-in for the GPU handover (no GPU in the guest): its ``before`` is "after fabric_vf_park's journal
+    write"."""
+    return {"stand_in": True}
+
+
+RELEASE_STEPS_HERE = (
+    StepDef("fabric_vf_park", fabric_vf_park,
+            no_compensation="parking is what a release owes the next tenant: running the release again parks it"),
+    StepDef("gpu_handover", gpu_handover, no_compensation="stand-in for the GPU handover: the guest has no GPU"),
+)
+
+
+def release_child(task_id):
+    """The release (killed when the parent armed a point; run again unarmed, it is the redelivered release a
+    restarted agent runs: the same task, the same steps, tasks/release.py's "running it again finishes it")."""
+    store = StateStore.open(STORE)
+    thread = as_store_thread(store)
+    envelope = TaskEnvelope(task_id=task_id, type=RELEASE, node_id="igb-lab-guest", attempt=1,
+                            deadline=datetime.now(timezone.utc) + timedelta(minutes=10), payload={})
+    run = Run(store=thread, allocation_id=RELEASED[0], task_id=task_id)
+    outputs = asyncio.run(run_pipeline(Ctx(store=store, envelope=envelope), bind_steps(RELEASE_STEPS_HERE, run)))
+    store.close()
+    print(json.dumps({"completed": sorted(outputs), "outputs": outputs}, default=str))
 
 
 # -- the recovery: a fresh process, as the restarted agent ------------------------------------------------------
@@ -236,18 +291,21 @@ def kernel_view():
     return {"agent": agent, "ip": ip}
 
 
-def journal_and_record(task_id):
+def journal_and_record(task_id, slot=KILLED[1]):
     store = StateStore.open(STORE)
     try:
         entries = [{"step": e.step, "status": e.status.value, "detail": e.detail} for e in store.journal_of(task_id)]
-        raw = store.meta(f"fabric_vf:{target(KILLED[1]).vf_pci_address}")
+        raw = store.meta(f"fabric_vf:{target(slot).vf_pci_address}")
         return entries, json.loads(raw) if raw else None
     finally:
         store.close()
 
 
+CHILDREN = {"provision": provision_child, "recover": recover_child, "release": release_child}
+
+
 def child(mode, task_id, point=None):
-    """Run ``provision`` or ``recover`` in a child process forked from this one after the imports (under TCG an
+    """Run ``provision``, ``recover`` or ``release`` in a child process forked from this one after the imports (under TCG an
     exec'd Python pays ~10 s importing pydantic and the agent). This process holds no store, netlink socket or
     event loop when it forks: the child knows only what is on disk and in the kernel, as a restarted agent does.
     The crash point is armed in the child's environment only, as the crash matrix arms it."""
@@ -262,8 +320,8 @@ def child(mode, task_id, point=None):
             os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
             os.environ.pop(ENV, None)
             if point is not None:
-                os.environ[ENV] = ":".join((PROVISION, *point, task_id))
-            (provision_child if mode == "provision" else recover_child)(task_id)
+                os.environ[ENV] = ":".join((*point, task_id))  # (task type, step, when)
+            CHILDREN[mode](task_id)
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -299,6 +357,16 @@ async def scene():
     return {"previous_release_park": prev, "other_tenant": other}
 
 
+async def attach(task_id):
+    """The released allocation's provision: its attachment applied to VF 0 and recorded ``applied``."""
+    store = StateStore.open(STORE)
+    thread = as_store_thread(store)
+    try:
+        return await apply_fabric_vfs(WithoutLinkState(), thread, plan(RELEASED[2], RELEASED[1]), RELEASED[0], task_id)
+    finally:
+        store.close()
+
+
 def main():
     pf, pci = the_pf()
     numvfs = f"/sys/class/net/{pf}/device/sriov_numvfs"
@@ -319,19 +387,34 @@ def main():
     report = {"pf": pf, "pf_pci": pci, "pf_carrier": sysfs(f"/sys/class/net/{pf}/carrier"), "vf0": target(0).vf_pci_address, "vf1": target(1).vf_pci_address,
               "killed": {"allocation_id": KILLED[0], "vf": KILLED[1], "vlan": KILLED[2].vlan,
                          "mac": derive_vf_identity(HOST_KEY, KILLED[1]).mac},
+              "released": {"allocation_id": RELEASED[0], "vf": RELEASED[1], "vlan": RELEASED[2].vlan,
+                           "mac": derive_vf_identity(HOST_KEY, RELEASED[1]).mac},
               "other": {"allocation_id": OTHER[0], "vf": OTHER[1], "vlan": OTHER[2].vlan,
                         "mac": derive_vf_identity(HOST_KEY, OTHER[1]).mac},
               "scene": asyncio.run(scene()), "at_start": kernel_view(), "points": {}}
     for step, when in POINTS:
         task_id = f"crash-{step}-{when}"
         out = {"spec": ":".join((PROVISION, step, when, task_id))}
-        out["provision"] = child("provision", task_id, (step, when))
+        out["provision"] = child("provision", task_id, (PROVISION, step, when))
         out["killed_view"] = kernel_view()
         out["journal_after_kill"], out["record_after_kill"] = journal_and_record(task_id)
         out["recovery"] = child("recover", task_id)
         out["recovered_view"] = kernel_view()
         out["journal_after_recovery"], out["record_after_recovery"] = journal_and_record(task_id)
         report["points"][f"{step}:{when}"] = out
+    report["release_points"] = {}
+    for step, when in RELEASE_POINTS:
+        task_id = f"release-{step}-{when}"
+        out = {"spec": ":".join((RELEASE, step, when, task_id)),
+               "attach": asyncio.run(attach(f"provision-for-{task_id}"))}
+        out["attached_view"] = kernel_view()
+        out["release"] = child("release", task_id, (RELEASE, step, when))
+        out["killed_view"] = kernel_view()
+        out["journal_after_kill"], out["record_after_kill"] = journal_and_record(task_id, RELEASED[1])
+        out["next_release"] = child("release", task_id)  # the same release again, nothing armed
+        out["released_view"] = kernel_view()
+        out["journal_after_next_release"], out["record_after_next_release"] = journal_and_record(task_id, RELEASED[1])
+        report["release_points"][f"{step}:{when}"] = out
     print(json.dumps(report, sort_keys=True, default=str))
 
 

@@ -455,3 +455,91 @@ def test_no_vf_holds_the_killed_tenants_vlan_or_mac_and_the_other_tenant_keeps_i
         assert [vf for vf, s in seen.items() if s["vlan"] == KILLED_VLAN or s["mac"] == killed_mac] == [], (name, seen)
         assert seen[1] == other_eth, (name, seen)
         assert eth(point["killed_view"]["agent"]["1"]) == other_eth, name
+
+
+# -- the release's fabric_vf_park killed at its crash points on a real VF, then the next release (same job, same boot)
+
+RELEASED_VLAN, RELEASED_QOS = 401, 2  # the released allocation's attachment on VF 0 (lab/igb_jobs/fabricvf_crash.py)
+RELEASE_POINTS = ("fabric_vf_park:before", "fabric_vf_park:after", "gpu_handover:before")  # RELEASE_STEPS order
+
+
+@pytest.fixture(scope="module")
+def release_crash(crash: dict[str, Any]) -> dict[str, Any]:
+    points: dict[str, Any] = crash["release_points"]
+    assert sorted(points) == sorted(RELEASE_POINTS)
+    return crash
+
+
+def test_the_release_crash_points_kill_fabric_vf_park_where_their_names_say(release_crash: dict[str, Any]) -> None:
+    """Armed as the crash matrix arms them (``slice.vm_release:<step>:<when>:<task>``), each point SIGKILLs the
+    agent's step runner over the release's ``fabric_vf_park``: ``before`` with the tenant's VLAN and MAC still on
+    VF 0 and its record ``applied``; ``after`` with VF 0 parked on the kernel, recorded ``parked``, the journal
+    still ``started``; ``gpu_handover:before`` with the park journaled ``succeeded``. Without this the next
+    release below would prove nothing."""
+    released = release_crash["released"]
+    attached = {"mac": released["mac"], "vlan": RELEASED_VLAN, "qos": RELEASED_QOS, "spoofchk": True, "trust": False}
+    for name in RELEASE_POINTS:
+        point = release_crash["release_points"][name]
+        task = point["spec"].rsplit(":", 1)[1]
+        assert point["spec"] == f"slice.vm_release:{name}:{task}"
+        assert point["attach"]["applied"], point["attach"]
+        assert eth(point["attached_view"]["agent"]["0"]) == attached, name  # the tenant held VF 0 at the kill
+        assert point["release"]["rc"] == -9, point["release"]  # SIGKILL, not an exit
+        vf0 = eth(point["killed_view"]["agent"]["0"])
+        record = point["record_after_kill"]
+        if name == "fabric_vf_park:before":
+            assert entries(point["journal_after_kill"]) == [("fabric_vf_park", "started")]
+            assert vf0 == attached
+            assert ip_vfs({"ok": True, "value": point["killed_view"]["ip"]})[0] == attached
+            assert (record["state"], record["allocation_id"]) == ("applied", "alloc-released")
+        else:
+            assert vf0 == PARKED_ETH, name
+            assert ip_vfs({"ok": True, "value": point["killed_view"]["ip"]})[0] == PARKED_ETH, name
+            assert (record["state"], record["allocation_id"], record["task_id"]) == ("parked", "alloc-released", task)
+            want = [("fabric_vf_park", "started")] if name == "fabric_vf_park:after" else [
+                ("fabric_vf_park", "started"), ("fabric_vf_park", "succeeded"), ("gpu_handover", "started")]
+            assert entries(point["journal_after_kill"]) == want
+
+
+def test_after_every_release_kill_the_next_release_leaves_the_vf_parked_recorded_and_journaled(
+        release_crash: dict[str, Any]) -> None:
+    """The same release run again in a fresh process (a redelivery: same task, same steps, nothing armed):
+    ``fabric_vf_park`` journals ``succeeded``; VF 0 reads parked (MAC zero, VLAN 4094, spoof check on, trust off)
+    in the agent's readback and in ``ip -d -j``; its record says ``parked`` by the released allocation. Killed
+    ``before``, the next release parks it (the park read back); killed after the park, the store records it
+    ``parked`` already and the step leaves it as it is (``park_recorded`` parks only VFs recorded ``applied``):
+    the kernel read here is what proves it is still parked."""
+    for name in RELEASE_POINTS:
+        point = release_crash["release_points"][name]
+        task = point["spec"].rsplit(":", 1)[1]
+        assert point["next_release"]["rc"] == 0, point["next_release"]
+        done = json.loads(point["next_release"]["stdout"])
+        assert done["completed"] == ["fabric_vf_park", "gpu_handover"]
+        park = done["outputs"]["fabric_vf_park"]
+        if name == "fabric_vf_park:before":
+            (parked,) = park["parked"]
+            assert eth(parked["parked"]) == PARKED_ETH, parked  # the step's own readback
+        else:
+            assert park["parked"] == [] and "applied" in park["skipped"], park
+        kill = entries(point["journal_after_kill"])
+        assert entries(point["journal_after_next_release"]) == [*kill, ("fabric_vf_park", "started"), (
+            "fabric_vf_park", "succeeded"), ("gpu_handover", "started"), ("gpu_handover", "succeeded")]
+        assert eth(point["released_view"]["agent"]["0"]) == PARKED_ETH, name
+        assert ip_vfs({"ok": True, "value": point["released_view"]["ip"]})[0] == PARKED_ETH, name
+        record = point["record_after_next_release"]
+        assert (record["state"], record["allocation_id"], record["task_id"]) == ("parked", "alloc-released", task)
+
+
+def test_the_other_tenant_keeps_its_vf_through_every_release_kill_and_next_release(
+        release_crash: dict[str, Any]) -> None:
+    """VF 1 (the other tenant, active throughout) holds its own attachment at each kill and after each next
+    release, and no VF carries the released allocation's VLAN once the release has run."""
+    other = release_crash["other"]
+    other_eth = {"mac": other["mac"], "vlan": OTHER_VLAN, "qos": 0, "spoofchk": True, "trust": False}
+    for name in RELEASE_POINTS:
+        point = release_crash["release_points"][name]
+        for view in ("attached_view", "killed_view", "released_view"):
+            assert ip_vfs({"ok": True, "value": point[view]["ip"]})[1] == other_eth, (name, view)
+            assert eth(point[view]["agent"]["1"]) == other_eth, (name, view)
+        seen = ip_vfs({"ok": True, "value": point["released_view"]["ip"]})
+        assert [vf for vf, s in seen.items() if s["vlan"] == RELEASED_VLAN] == [], (name, seen)
