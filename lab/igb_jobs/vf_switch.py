@@ -112,24 +112,8 @@ def main():
         vf(0, mac=MAC0, vlan=VLAN_A, spoofchk=1, trust=0)
         vf(1, mac=MAC1, vlan=VLAN_A, spoofchk=1, trust=0)
         igbvf_netdevs(2)  # igbvf has probed both VFs
-        # igb: a VF's new MAC takes effect when its driver reloads ("Reload the VF driver to make this change
-        # effective"): rebind igbvf, then find the netdevs again
-        for pci in vf_pci:
-            write("/sys/bus/pci/drivers/igbvf/unbind", pci)
-            write("/sys/bus/pci/drivers/igbvf/bind", pci)
-        names = igbvf_netdevs(2)
-        vf0, vf1 = names[vf_pci[0]], names[vf_pci[1]]
-        report["vf_netdevs"] = {"vf0": vf0, "vf1": vf1}
-        for name in (vf0, vf1):
-            ipr.link("set", index=ipr.link_lookup(ifname=name)[0], state="up")
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline and not all(
-                sysfs(f"/sys/class/net/{n}/carrier") == "1" for n in (pf, vf0, vf1)):
-            time.sleep(0.1)  # the VFs' link follows the PF's autonegotiation
-        report["carrier"] = {n: sysfs(f"/sys/class/net/{n}/carrier") for n in (pf, vf0, vf1)}
-        report["vf_macs"] = {n: sysfs(f"/sys/class/net/{n}/address") for n in (vf0, vf1)}
-        rx, tx = raw(vf0), raw(vf1)
         n = 0
+        rx = tx = None
 
         def case(name, forbidden, control, before_control=None):
             nonlocal n
@@ -144,8 +128,37 @@ def main():
             report["cases"][name] = {"seen": seen, "control_arrived": control_arrived,
                                      "forbidden_arrived": bad in seen}
 
-        # 0: the switch delivers VF1 -> VF0 at all (same VLAN, own MAC): without this the rest proves nothing
-        case("baseline_same_vlan", None, lambda m: frame(MAC0, MAC1, m))
+        # An igbvf reset that meets the PF resetting for the other VF's MAC set ("PF still in reset state") can
+        # leave the switch not delivering between the two (seen once in ~10 runs). The baseline is then tried
+        # again after rebinding both VFs, at most three bring-ups in all, and their count is reported; the test
+        # still requires the baseline to arrive, and every later case carries its own control frame.
+        for bring_up in range(1, 4):
+            report["bring_ups"] = bring_up
+            # igb: a VF's new MAC takes effect when its driver reloads ("Reload the VF driver to make this change
+            # effective"): rebind igbvf, then find the netdevs again
+            for pci in vf_pci:
+                write("/sys/bus/pci/drivers/igbvf/unbind", pci)
+                write("/sys/bus/pci/drivers/igbvf/bind", pci)
+            names = igbvf_netdevs(2)
+            vf0, vf1 = names[vf_pci[0]], names[vf_pci[1]]
+            report["vf_netdevs"] = {"vf0": vf0, "vf1": vf1}
+            for name in (vf0, vf1):
+                ipr.link("set", index=ipr.link_lookup(ifname=name)[0], state="up")
+            deadline = time.monotonic() + DEADLINE_S
+            while time.monotonic() < deadline and not all(
+                    sysfs(f"/sys/class/net/{n}/carrier") == "1" for n in (pf, vf0, vf1)):
+                time.sleep(0.1)  # the VFs' link follows the PF's autonegotiation
+            report["carrier"] = {n: sysfs(f"/sys/class/net/{n}/carrier") for n in (pf, vf0, vf1)}
+            report["vf_macs"] = {n: sysfs(f"/sys/class/net/{n}/address") for n in (vf0, vf1)}
+            if rx is not None:
+                rx.close()
+                tx.close()
+            rx, tx = raw(vf0), raw(vf1)
+            # 0: the switch delivers VF1 -> VF0 at all (same VLAN, own MAC): without this the rest proves nothing
+            case("baseline_same_vlan", None, lambda m: frame(MAC0, MAC1, m))
+            if report["cases"]["baseline_same_vlan"]["control_arrived"]:
+                break
+
         # 1: a spoofed source MAC with spoof check on
         case("spoofed_src_mac_spoofchk_on", lambda m: frame(MAC0, SPOOFED, m), lambda m: frame(MAC0, MAC1, m))
         # 2: the same with spoof check off (the control of case 1: the check is what drops it)
