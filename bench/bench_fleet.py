@@ -549,8 +549,13 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
             try:
                 async with gate:
                     first_try = first_try or time.time()
+                    if nc is not None and nc.is_closed:  # nats.py gave the connection up: connect again
+                        nc = worker = None
                     if nc is None:
+                        # reconnect: the daemon's connection reconnects by itself after a server drops it; without
+                        # it a bind retried on a connection the server dropped fails until the deadline.
                         nc = await connect_nats(list(urls), timeout_s=args["connect_timeout"], name=node_id,
+                                                reconnect=reconnect, rng=rng,
                                                 inbox_prefix=node_inbox_prefix(node_id), security=security(node_id))
                         worker = TaskWorker(nc, store, node_id, {TASK: handler}, WorkerSettings(
                             fetch_timeout_s=args["pull_expiry"], fetch_heartbeat_s=args["pull_heartbeat"] or None,
@@ -751,7 +756,7 @@ def log_kind(line: str) -> str | None:
             break
     else:
         return None
-    text = re.sub(r"^[\d.:\[\]]+ - (?:cid|rid|lid|gid):\d+(?: - \"[^\"]*\")? - ", "", text)  # the client tag
+    text = re.sub(r"^[\d.:\[\]]+ - (?:cid|rid|lid|gid):\d+(?: - \"[^\"]*\")* - ", "", text)  # the client tag
     text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", text)
     text = re.sub(r"\bnode-f\d+\b|\bGPUAAS_\w+|\bA[A-Z2-7]{55}\b|\$JS\.\S+|gpuaas\.\S+|_INBOX\S*", "…", text)
     text = re.sub(r"\d+(?:\.\d+)?", "N", text)
