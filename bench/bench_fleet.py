@@ -566,7 +566,14 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
                 events.put(("bind_tries", node_id, {"tries": tries, "errors": errors, "bound": True, "at": time.time()}))
                 return nc, worker, first_try
             except (NatsConnectError, ConsumerMissing, nats.errors.Error, TimeoutError) as exc:
-                errors.append(bind_error(exc))
+                kind = bind_error(exc)
+                # What nats.py saw on the connection since the last try (connection.py's callbacks keep it): why
+                # the server dropped it (a stale connection, an -ERR), taken and cleared per try.
+                seen = getattr(getattr(nc, "_error_cb", None), "__self__", None)
+                if nc is not None and getattr(seen, "last_error", None) is not None:
+                    kind += f"<{str(seen.last_error)[:60] or type(seen.last_error).__name__}>"
+                    seen.last_error = None
+                errors.append(kind)
                 if nc is None:
                     delay = reconnect.delay(connect_attempt, rng)
                     connect_attempt += 1
