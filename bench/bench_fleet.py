@@ -546,26 +546,25 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
         connect_attempt, bind_backoff, tries, errors, first_try = 0, 0.2, 0, [], None
         while True:
             tries += 1
+            await gate.acquire()  # a try that binds keeps it through the node's protocol login (the caller releases)
             try:
-                async with gate:
-                    first_try = first_try or time.time()
-                    if nc is not None and nc.is_closed:  # nats.py gave the connection up: connect again
-                        nc = worker = None
-                    if nc is None:
-                        # reconnect: the daemon's connection reconnects by itself after a server drops it; without
-                        # it a bind retried on a connection the server dropped fails until the deadline.
-                        nc = await connect_nats(list(urls), timeout_s=args["connect_timeout"], name=node_id,
-                                                reconnect=reconnect, rng=rng,
-                                                inbox_prefix=node_inbox_prefix(node_id), security=security(node_id))
-                        worker = TaskWorker(nc, store, node_id, {TASK: handler}, WorkerSettings(
-                            fetch_timeout_s=args["pull_expiry"], fetch_heartbeat_s=args["pull_heartbeat"] or None,
-                            ack_wait_s=60, request_timeout_s=args["request_timeout"], js_api_prefix=js_api_prefix,
-                            consumer_replicas=1 if args["consumer_memory"] else None,
-                            consumer_memory=args["consumer_memory"]))
-                    worker.pull.bind(await worker._bind())
-                events.put(("bind_tries", node_id, {"tries": tries, "errors": errors, "bound": True, "at": time.time()}))
-                return nc, worker, first_try
+                first_try = first_try or time.time()
+                if nc is not None and nc.is_closed:  # nats.py gave the connection up: connect again
+                    nc = worker = None
+                if nc is None:
+                    # reconnect: the daemon's connection reconnects by itself after a server drops it; without
+                    # it a bind retried on a connection the server dropped fails until the deadline.
+                    nc = await connect_nats(list(urls), timeout_s=args["connect_timeout"], name=node_id,
+                                            reconnect=reconnect, rng=rng,
+                                            inbox_prefix=node_inbox_prefix(node_id), security=security(node_id))
+                    worker = TaskWorker(nc, store, node_id, {TASK: handler}, WorkerSettings(
+                        fetch_timeout_s=args["pull_expiry"], fetch_heartbeat_s=args["pull_heartbeat"] or None,
+                        ack_wait_s=60, request_timeout_s=args["request_timeout"], js_api_prefix=js_api_prefix,
+                        consumer_replicas=1 if args["consumer_memory"] else None,
+                        consumer_memory=args["consumer_memory"]))
+                worker.pull.bind(await worker._bind())
             except (NatsConnectError, ConsumerMissing, nats.errors.Error, TimeoutError) as exc:
+                gate.release()
                 kind = bind_error(exc)
                 # What nats.py saw on the connection since the last try (connection.py's callbacks keep it): why
                 # the server dropped it (a stale connection, an -ERR), taken and cleared per try.
@@ -580,6 +579,12 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
                 else:
                     delay, bind_backoff = bind_backoff, min(bind_backoff * 2, 5.0)
                 events.put(("bind_retry", f"{node_id}-{tries}", time.time()))
+            except BaseException:
+                gate.release()
+                raise
+            else:
+                events.put(("bind_tries", node_id, {"tries": tries, "errors": errors, "bound": True, "at": time.time()}))
+                return nc, worker, first_try
             if time.time() + delay > deadline:
                 events.put(("bind_tries", node_id, {"tries": tries, "errors": errors, "bound": False, "at": time.time()}))
                 if nc is not None:
@@ -592,7 +597,7 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
     async def protocol_node(node_id: str) -> None:
         """``--node-impl protocol``: the worker binds its consumer on nats.py, then a ProtocolNode pulls."""
         nc, worker, started = await connect_and_bind(node_id, time.time())  # ready: since its first try
-        async with gate:
+        try:  # the gate connect_and_bind holds for this node: its bind and its protocol login are one try
             next_subject, heartbeat = worker.pull.next_subject, worker._pull_heartbeat_s()
             # The node's pulls go to the server its bind went to, as the agent's one connection does: a login
             # of the same account on a second member at once races that member's load of the account from the
@@ -612,6 +617,8 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
             protocol_nodes.append(node)
             await node.connect(max(30.0, started + args["bind_deadline"] - time.time()))
             events.put(("ready", node_id, time.time() - started))
+        finally:
+            gate.release()
 
     if args["node_impl"] == "protocol":
         flusher = asyncio.create_task(flush_claims())
