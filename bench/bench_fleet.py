@@ -138,6 +138,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.routes: list[int] | None = None  # the cluster's route ports (ours included); None: standalone
         self.auth_conf: str | None = None  # operator mode: the operator, system account and full resolver lines
+        self.killed = 0  # stops that SIGTERM did not end in time
 
     @property
     def url(self) -> str:
@@ -193,10 +194,17 @@ class Server:
         self.spawn()
         return self.wait_ready()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 300.0) -> None:
+        """SIGTERM and wait (a member with thousands of file streams may take minutes to shut down); SIGKILL past
+        ``timeout_s``, noted in ``killed``."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=60)
+                self.killed += 1
         self.proc = None
 
     def cpu_s(self) -> float:
@@ -921,14 +929,18 @@ async def retried(call, out: dict, tries: int = 8):
 async def run_one(n: int, args, root: Path, accounts: str = "none") -> dict:
     """One N and one login mode; the servers are stopped by PID whatever happens."""
     servers: list[Servers] = []
+    out: dict = {}  # what was measured before a failure is printed with it
     try:
-        return await _run_one(n, args, root, accounts, servers)
+        return await _run_one(n, args, root, accounts, servers, out)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        return out
     finally:
         for s in servers:
             s.stop()
 
 
-async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -> dict:
+async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list, out: dict) -> dict:
     rundir = root / f"n{n}-{accounts}"
     server = Servers(rundir, args.servers)
     servers_out.append(server)
@@ -939,11 +951,11 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
         options["user_credentials"] = str(auth.install(server, rundir))
     server.start()
     plane = await ControlPlane.connect(server.urls, **options)
-    out: dict = {"nodes": n, "node_impl": args.node_impl, "servers": args.servers, "layout": args.layout,
+    out.update({"nodes": n, "node_impl": args.node_impl, "servers": args.servers, "layout": args.layout,
                  "accounts": accounts, "server_version": server_version(),
                  "stream_replicas": args.replicas,
                  "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs,
-                 "pull_heartbeat_s": args.pull_heartbeat}
+                 "pull_heartbeat_s": args.pull_heartbeat})
     if auth is not None:
         out["sign_s"] = auth.sign_s
     out["rss_empty_mib"] = round(server.rss_mib(), 1)
@@ -1130,8 +1142,11 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
                 up = member.wait_ready()
             else:  # every server: all N reconnect at once (the herd)
                 expected = n
+                stop0 = time.time()
                 server.stop()
                 down = time.time()
+                out["restart_stop_s"] = round(down - stop0, 1)  # SIGTERM to all three exited, one after another
+                out["restart_stop_killed"] = sum(m.killed for m in server.members)
                 restart_cpu0, restart_ccpu0, restart_pcpu0 = 0.0, child_cpu.cpu_s(), time.process_time()
                 restart_m0 = machine_cpu()
                 up = server.start()
