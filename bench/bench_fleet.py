@@ -92,14 +92,14 @@ from gpuaas_agent.compat import UTC
 from gpuaas_agent.contract import subjects
 from gpuaas_agent.contract.tasks import ResultStatus, TaskResult, TaskType
 from gpuaas_agent.control.accounts import NODE_JS_API_PREFIX
-from gpuaas_agent.control.connection import Backoff, connect_nats
+from gpuaas_agent.control.connection import Backoff, NatsConnectError, connect_nats
 from gpuaas_agent.control.enroll import node_inbox_prefix
 from gpuaas_agent.control.permissions import node_permissions
 from gpuaas_agent.control.pull import TaskPull, pull_status
 from gpuaas_agent.control.streams import node_result_stream_config, node_task_stream_config, task_stream_name
 from gpuaas_agent.control.taskpolicy import WorkerSettings
 from gpuaas_agent.control.transport import TransportSecurity
-from gpuaas_agent.control.worker import TaskWorker
+from gpuaas_agent.control.worker import ConsumerMissing, TaskWorker
 from gpuaas_agent.operator.health import CheckThreads, HealthSettings
 from gpuaas_agent.operator.reporter import Reporter, ReporterSettings
 from gpuaas_agent.state.store import StateStore
@@ -138,6 +138,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.routes: list[int] | None = None  # the cluster's route ports (ours included); None: standalone
         self.auth_conf: str | None = None  # operator mode: the operator, system account and full resolver lines
+        self.killed = 0  # stops that SIGTERM did not end in time
 
     @property
     def url(self) -> str:
@@ -193,10 +194,17 @@ class Server:
         self.spawn()
         return self.wait_ready()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 300.0) -> None:
+        """SIGTERM and wait (a member with thousands of file streams may take minutes to shut down); SIGKILL past
+        ``timeout_s``, noted in ``killed``."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=60)
+                self.killed += 1
         self.proc = None
 
     def cpu_s(self) -> float:
@@ -514,35 +522,101 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
                 claimed.clear()
                 events.put(("claims", None, batch))
 
+    def bind_error(exc: BaseException) -> str:
+        """A failed try's kind, for the doc to say why binds fail: timeout, no responders, a JS API error code."""
+        if isinstance(exc, NatsConnectError):  # its code, and the cause's type (a timeout, a refusal, an EOF)
+            return f"connect:{exc.code}:{str(exc.evidence.get('error', '')).split('(', 1)[0]}"
+        if isinstance(exc, ConsumerMissing):
+            return "bind:consumer_missing"
+        if isinstance(exc, nats.errors.NoRespondersError):
+            return "bind:no_responders"
+        if isinstance(exc, (nats.errors.TimeoutError, TimeoutError)):
+            return "bind:timeout"
+        if isinstance(exc, nats.js.errors.APIError):
+            return f"bind:api_{exc.code}_{exc.err_code}"
+        return f"bind:{type(exc).__name__}"
+
+    async def connect_and_bind(node_id: str, started: float) -> tuple:
+        """The agent's first connect and bind, tried until ``--bind-deadline`` (the only give-up).
+
+        As the daemon does (daemon.py ``_connect``, control/worker.py ``TaskWorker.run``): a failed connect
+        (``--connect-timeout``, the agent's ``connect_timeout_s``) is tried again after the reconnect backoff
+        (full jitter, 0.5 s .. ``--backoff-max``); a failed bind on the connection it has is tried again after
+        0.2 s, doubling to 5 s, no jitter (``consumer_bind_failed`` / ``consumer_missing``); each JetStream API
+        call is bounded by ``--request-timeout`` (the agent's ``request_timeout_s``). Each try holds the
+        connect gate (``--connect-concurrency``), never its pause. Per node the tries and each failed try's
+        error kind go to the parent (``bind_tries``).
+        """
+        rng = random.Random()
+        reconnect = Backoff(0.5, args["backoff_max"])
+        deadline = started + args["bind_deadline"]
+        nc = worker = None
+        connect_attempt, bind_backoff, tries, errors, first_try = 0, 0.2, 0, [], None
+        while True:
+            tries += 1
+            await gate.acquire()  # a try that binds keeps it through the node's protocol login (the caller releases)
+            try:
+                first_try = first_try or time.time()
+                if nc is not None and nc.is_closed:  # nats.py gave the connection up: connect again
+                    nc = worker = None
+                if nc is None:
+                    # reconnect: the daemon's connection reconnects by itself after a server drops it; without
+                    # it a bind retried on a connection the server dropped fails until the deadline.
+                    nc = await connect_nats(list(urls), timeout_s=args["connect_timeout"], name=node_id,
+                                            reconnect=reconnect, rng=rng,
+                                            inbox_prefix=node_inbox_prefix(node_id), security=security(node_id))
+                    worker = TaskWorker(nc, store, node_id, {TASK: handler}, WorkerSettings(
+                        fetch_timeout_s=args["pull_expiry"], fetch_heartbeat_s=args["pull_heartbeat"] or None,
+                        ack_wait_s=60, request_timeout_s=args["request_timeout"], js_api_prefix=js_api_prefix,
+                        consumer_replicas=1 if args["consumer_memory"] else None,
+                        consumer_memory=args["consumer_memory"]))
+                worker.pull.bind(await worker._bind())
+            except (NatsConnectError, ConsumerMissing, nats.errors.Error, TimeoutError) as exc:
+                gate.release()
+                kind = bind_error(exc)
+                # What nats.py saw on the connection since the last try (connection.py's callbacks keep it): why
+                # the server dropped it (a stale connection, an -ERR), taken and cleared per try.
+                seen = getattr(getattr(nc, "_error_cb", None), "__self__", None)
+                if nc is not None and getattr(seen, "last_error", None) is not None:
+                    kind += f"<{str(seen.last_error)[:60] or type(seen.last_error).__name__}>"
+                    seen.last_error = None
+                errors.append(kind)
+                if nc is None:
+                    delay = reconnect.delay(connect_attempt, rng)
+                    connect_attempt += 1
+                else:
+                    delay, bind_backoff = bind_backoff, min(bind_backoff * 2, 5.0)
+                events.put(("bind_retry", f"{node_id}-{tries}", time.time()))
+            except BaseException:
+                gate.release()
+                raise
+            else:
+                events.put(("bind_tries", node_id, {"tries": tries, "errors": errors, "bound": True, "at": time.time()}))
+                return nc, worker, first_try
+            if time.time() + delay > deadline:
+                events.put(("bind_tries", node_id, {"tries": tries, "errors": errors, "bound": False, "at": time.time()}))
+                if nc is not None:
+                    await nc.close()
+                raise RuntimeError(f"{node_id}: no bind within --bind-deadline after {tries} tries: {errors[-3:]}")
+            await asyncio.sleep(delay)  # the agent's pause before the next try
+
     protocol_nodes: list[ProtocolNode] = []
 
     async def protocol_node(node_id: str) -> None:
         """``--node-impl protocol``: the worker binds its consumer on nats.py, then a ProtocolNode pulls."""
-        async with gate:
-            started = time.time()
-            nc = await connect_nats(list(urls), timeout_s=60, name=node_id, inbox_prefix=node_inbox_prefix(node_id),
-                                    security=security(node_id))
-            worker = TaskWorker(nc, store, node_id, {TASK: handler},
-                                WorkerSettings(fetch_timeout_s=args["pull_expiry"], fetch_heartbeat_s=args["pull_heartbeat"] or None,
-                                               ack_wait_s=60, request_timeout_s=30, js_api_prefix=js_api_prefix,
-                                               consumer_replicas=1 if args["consumer_memory"] else None,
-                                               consumer_memory=args["consumer_memory"]))
-            for attempt in range(5):  # the agent binds again after a failed bind; so does a node here
-                try:
-                    worker.pull.bind(await worker._bind())
-                    break
-                except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
-                    events.put(("bind_retry", f"{node_id}-{attempt}", time.time()))
-                    await asyncio.sleep(random.uniform(0.5, 2.0))  # the retry's jittered pacing
-            else:
-                raise RuntimeError(f"{node_id}: no bind after 5 tries")
+        nc, worker, started = await connect_and_bind(node_id, time.time())  # ready: since its first try
+        try:  # the gate connect_and_bind holds for this node: its bind and its protocol login are one try
             next_subject, heartbeat = worker.pull.next_subject, worker._pull_heartbeat_s()
             # The node's pulls go to the server its bind went to, as the agent's one connection does: a login
             # of the same account on a second member at once races that member's load of the account from the
             # route's interest (nats-server 2.15.1 then refused some nodes' logins there again and again:
             # "Account JWT has expired" / "not signed by trusted operator", docs/performance.md).
             url = urlsplit(nc.connected_url.geturl()) if nc.connected_url else urlsplit(urls[len(protocol_nodes) % len(urls)])
-            await nc.close()
+            try:  # bounded, as the daemon's closes are: 529-658 of 10,000 bind connections sat open and unread for
+                # minutes after their bind (nats.py's close waiting, we think, for the server to drop them)
+                await asyncio.wait_for(nc.close(), args["request_timeout"])
+            except TimeoutError:
+                events.put(("close_stalled", node_id, time.time()))
             node = ProtocolNode(node_id=node_id, host=url.hostname, port=url.port, inbox_prefix=node_inbox_prefix(node_id),
                                 next_subject=next_subject, task_type=TASK.value, expiry_s=args["pull_expiry"],
                                 bound_s=pull_bound_s(args["pull_expiry"], heartbeat),
@@ -553,8 +627,10 @@ async def _child(urls, nodes, root: Path, events, stop, args) -> None:
                                 jwt=logins[node_id][0] if node_id in logins else None,
                                 seed=logins[node_id][1].encode() if node_id in logins else None)
             protocol_nodes.append(node)
-            await node.connect()
+            await node.connect(max(30.0, started + args["bind_deadline"] - time.time()))
             events.put(("ready", node_id, time.time() - started))
+        finally:
+            gate.release()
 
     if args["node_impl"] == "protocol":
         flusher = asyncio.create_task(flush_claims())
@@ -673,6 +749,78 @@ class ChildCpu:
         return out
 
 
+def machine_cpu() -> dict[str, float]:
+    """The whole machine's CPU seconds so far, all cores (/proc/stat): busy, idle (iowait included), steal."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return {"busy": (user + nice + system + irq + softirq) / CLK_TCK, "idle": (idle + iowait) / CLK_TCK,
+            "steal": steal / CLK_TCK}
+
+
+def time_split(prefix: str, wall_s: float, m0: dict, m1: dict, ours: dict[str, float]) -> dict:
+    """Where a phase's wall time went on this machine: ``ours`` (servers, simulator, plane: CPU seconds), the
+    rest of the machine's busy CPU (other processes: other sessions' work), idle cores (nobody runnable: waits
+    on timeouts, backoff, the network) and steal, against ``wall x cores``."""
+    busy, idle, steal = (m1[k] - m0[k] for k in ("busy", "idle", "steal"))
+    out = {f"{prefix}_wall_s": round(wall_s, 1), f"{prefix}_cores": os.cpu_count(),
+           f"{prefix}_machine_busy_cpu_s": round(busy, 1), f"{prefix}_machine_idle_cpu_s": round(idle, 1),
+           f"{prefix}_steal_cpu_s": round(steal, 1),
+           f"{prefix}_other_procs_cpu_s": round(busy - sum(ours.values()), 1)}
+    return out
+
+
+LOG_LEVELS = ("[WRN]", "[ERR]", "[FTL]")
+
+
+def log_kind(line: str) -> str | None:
+    """A nats-server warning or error line's kind: its message without client address, ids, names and numbers."""
+    import re
+
+    for level in LOG_LEVELS:
+        if level in line:
+            text = line.split(level, 1)[1].strip()
+            break
+    else:
+        return None
+    text = re.sub(r"^[\d.:\[\]]+ - (?:cid|rid|lid|gid):\d+(?: - \"[^\"]*\")* - ", "", text)  # the client tag
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", text)
+    text = re.sub(r"\bnode-f\d+\b|\bGPUAAS_\w+|\bA[A-Z2-7]{55}\b|\$JS\.\S+|gpuaas\.\S+|_INBOX\S*", "…", text)
+    text = re.sub(r"\d+(?:\.\d+)?", "N", text)
+    return f"{level} {text[:100]}"
+
+
+def log_kinds(servers: Servers) -> dict[str, int]:
+    """Warning and error kinds in the members' logs so far, counted, most frequent first."""
+    counts: dict[str, int] = {}
+    for m in servers.members:
+        path = m.root / "nats.log"
+        if not path.exists():
+            continue
+        with path.open(errors="replace") as f:
+            for line in f:
+                kind = log_kind(line)
+                if kind is not None:
+                    counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:25])
+
+
+def bind_summary(tries: dict[str, dict], t0: float) -> dict:
+    """Per node tries and failed tries' errors (``bind_tries`` events): how many needed more than one, the error
+    kinds, and how many nodes were bound N seconds after the simulator started."""
+    errors: dict[str, int] = {}
+    hist: dict[str, int] = {}
+    for row in tries.values():
+        hist[str(row["tries"])] = hist.get(str(row["tries"]), 0) + 1
+        for e in row["errors"]:
+            errors[e] = errors.get(e, 0) + 1
+    bound_at = sorted(row["at"] - t0 for row in tries.values() if row["bound"])
+    marks = [10, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900]
+    return {"bind_tries_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "bind_failed_tries": sum(errors.values()), "bind_error_kinds": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
+            "bind_gave_up": sum(1 for row in tries.values() if not row["bound"]),
+            "bound_by_s": {str(m): sum(1 for x in bound_at if x <= m) for m in marks if not bound_at or m < bound_at[-1] + 60}}
+
+
 class Events:
     """Child events drained by a thread into dicts; async waits poll them with a deadline."""
 
@@ -682,6 +830,8 @@ class Events:
         self.ready: dict[str, float] = {}
         self.reconnected: dict[str, float] = {}
         self.bind_retries: dict[str, float] = {}
+        self.bind_tries: dict[str, dict] = {}  # node id -> its tries, each failed try's error kind, bound or not
+        self.close_stalled: dict[str, float] = {}  # node id -> when its bind connection's close gave up
         self._stop = False
         self.thread = threading.Thread(target=self._drain, daemon=True)
         self.thread.start()
@@ -697,7 +847,8 @@ class Events:
                     self.claims.setdefault(task_id, t)
                 continue
             {"claim": self.claims, "ready": self.ready, "reconnected": self.reconnected,
-             "bind_retry": self.bind_retries}[kind].setdefault(key, value)
+             "bind_retry": self.bind_retries, "bind_tries": self.bind_tries,
+             "close_stalled": self.close_stalled}[kind].setdefault(key, value)
 
     async def until(self, predicate, deadline_s: float) -> bool:
         end = time.monotonic() + deadline_s
@@ -784,14 +935,18 @@ async def retried(call, out: dict, tries: int = 8):
 async def run_one(n: int, args, root: Path, accounts: str = "none") -> dict:
     """One N and one login mode; the servers are stopped by PID whatever happens."""
     servers: list[Servers] = []
+    out: dict = {}  # what was measured before a failure is printed with it
     try:
-        return await _run_one(n, args, root, accounts, servers)
+        return await _run_one(n, args, root, accounts, servers, out)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        return out
     finally:
         for s in servers:
             s.stop()
 
 
-async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -> dict:
+async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list, out: dict) -> dict:
     rundir = root / f"n{n}-{accounts}"
     server = Servers(rundir, args.servers)
     servers_out.append(server)
@@ -802,11 +957,11 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
         options["user_credentials"] = str(auth.install(server, rundir))
     server.start()
     plane = await ControlPlane.connect(server.urls, **options)
-    out: dict = {"nodes": n, "node_impl": args.node_impl, "servers": args.servers, "layout": args.layout,
+    out.update({"nodes": n, "node_impl": args.node_impl, "servers": args.servers, "layout": args.layout,
                  "accounts": accounts, "server_version": server_version(),
                  "stream_replicas": args.replicas,
                  "consumer_memory": args.consumer_memory, "pull_expiry_s": args.pull_expiry, "procs": args.procs,
-                 "pull_heartbeat_s": args.pull_heartbeat}
+                 "pull_heartbeat_s": args.pull_heartbeat})
     if auth is not None:
         out["sign_s"] = auth.sign_s
     out["rss_empty_mib"] = round(server.rss_mib(), 1)
@@ -861,6 +1016,8 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
     child_args = {"node_impl": args.node_impl, "consumer_memory": args.consumer_memory, "pull_expiry": args.pull_expiry, "heartbeat": args.heartbeat, "backoff_max": args.backoff_max,
                   "connect_concurrency": args.connect_concurrency}
     child_args["pull_heartbeat"] = args.pull_heartbeat
+    child_args.update(connect_timeout=args.connect_timeout, request_timeout=args.request_timeout,
+                      bind_deadline=args.bind_deadline)
     child_args["result_stream"] = None if args.layout == "per-node" else RESULT_STREAM
     if auth is not None:
         child_args["js_api_prefix"] = auth.prefix
@@ -876,19 +1033,26 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
         proc.start()
         procs.append(proc)
     child_cpu.pids = [proc.pid for proc in procs]
-    bind_cpu0, bind_pcpu0 = server.cpu_s(), time.process_time()
+    bind_cpu0, bind_pcpu0, bind_m0 = server.cpu_s(), time.process_time(), machine_cpu()
     try:
-        ok = await events.until(lambda: len(events.ready) >= n or any(p.exitcode for p in procs), args.bind_deadline)
+        # The simulated nodes retry (the agent's backoff) until --bind-deadline; a process ends only on that give-up.
+        ok = await events.until(lambda: len(events.ready) >= n or any(p.exitcode for p in procs),
+                                args.bind_deadline + 60)
         ok = ok and len(events.ready) >= n  # a simulated process that died ends the wait (its traceback above)
         out["all_bound_s"] = round(time.time() - t0, 1) if ok else None
         # Where the bind's time went: CPU seconds of the servers, the simulated nodes' processes, the plane + bench.
         out["bind_server_cpu_s"] = round(server.cpu_s() - bind_cpu0, 2)
         out["bind_sim_cpu_s"] = round(child_cpu.cpu_s(), 2)  # the children started with the bind
         out["bind_plane_cpu_s"] = round(time.process_time() - bind_pcpu0, 2)
+        out.update(time_split("bind", time.time() - t0, bind_m0, machine_cpu(), {
+            "servers": out["bind_server_cpu_s"], "sim": out["bind_sim_cpu_s"], "plane": out["bind_plane_cpu_s"]}))
         out["bound"] = len(events.ready)
         out["bind_retries"] = len(events.bind_retries)
         out["bind_p50_s"] = round(pct(list(events.ready.values()), 50) or 0, 3)
         out["bind_p99_s"] = round(pct(list(events.ready.values()), 99) or 0, 3)
+        out.update(bind_summary(dict(events.bind_tries), t0))
+        out["bind_close_stalled"] = len(events.close_stalled)  # bind connections whose close took over --request-timeout
+        out["log_after_bind"] = log_kinds(server)
         if not ok:
             out["error"] = f"{len(events.ready)} of {n} bound"
             return out
@@ -937,7 +1101,7 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
         threads0 = child_cpu.by_thread()
         if args.profile:
             os.kill(procs[0].pid, signal.SIGUSR1)
-        cpu0, ccpu0, pcpu0, b0 = server.cpu_s(), child_cpu.cpu_s(), time.process_time(), time.time()
+        cpu0, ccpu0, pcpu0, b0, burst_m0 = server.cpu_s(), child_cpu.cpu_s(), time.process_time(), time.time(), machine_cpu()
         await publish_all(plane, nodes, sent)
         published = time.time()
         ok = await events.until(lambda: all(t in events.claims for t in sent), 8.0 if os.environ.get("BENCH_DEBUG") else args.burst_deadline)
@@ -955,6 +1119,8 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
         out["burst_server_cpu_s"] = round(server.cpu_s() - cpu0, 2)
         out["burst_sim_nodes_cpu_s"] = round(child_cpu.cpu_s() - ccpu0, 2)  # the simulated agents' processes
         out["burst_plane_cpu_s"] = round(time.process_time() - pcpu0, 2)  # control plane + this bench
+        out.update(time_split("burst", time.time() - b0, burst_m0, machine_cpu(), {
+            "servers": out["burst_server_cpu_s"], "sim": out["burst_sim_nodes_cpu_s"], "plane": out["burst_plane_cpu_s"]}))
         threads1 = child_cpu.by_thread()
         out["burst_sim_cpu_by_thread_s"] = {k: round(v - threads0.get(k, 0.0), 2) for k, v in threads1.items()
                                             if v - threads0.get(k, 0.0) >= 0.01}
@@ -983,9 +1149,13 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
                 up = member.wait_ready()
             else:  # every server: all N reconnect at once (the herd)
                 expected = n
+                stop0 = time.time()
                 server.stop()
                 down = time.time()
+                out["restart_stop_s"] = round(down - stop0, 1)  # SIGTERM to all three exited, one after another
+                out["restart_stop_killed"] = sum(m.killed for m in server.members)
                 restart_cpu0, restart_ccpu0, restart_pcpu0 = 0.0, child_cpu.cpu_s(), time.process_time()
+                restart_m0 = machine_cpu()
                 up = server.start()
             out["restart_members"] = 1 if args.restart_one else args.servers
             out["restart_expected_reconnects"] = expected
@@ -1017,10 +1187,20 @@ async def _run_one(n: int, args, root: Path, accounts: str, servers_out: list) -
                 out["restart_sim_cpu_s"] = round(child_cpu.cpu_s() - restart_ccpu0, 2)
                 out["restart_plane_cpu_s"] = round(time.process_time() - restart_pcpu0, 2)
                 out["restart_rss_mib"] = round(server.rss_mib(), 1)
+                out.update(time_split("restart", time.time() - down, restart_m0, machine_cpu(), {
+                    "servers": out["restart_server_cpu_s"], "sim": out["restart_sim_cpu_s"],
+                    "plane": out["restart_plane_cpu_s"]}))
             if args.servers > 1:
                 out["elections_total"] = elections(server)
                 out["health_after_restart"] = cluster_health(server)
     finally:
+        out["log_total"] = log_kinds(server)
+        if args.log_dir:  # the servers' logs of the run, kept (the run's directory is removed after it)
+            keep = Path(args.log_dir) / f"n{n}-{accounts}"
+            keep.mkdir(parents=True, exist_ok=True)
+            for member in server.members:
+                if (member.root / "nats.log").exists():
+                    shutil.copy(member.root / "nats.log", keep / f"{member.name}.log")
         stop.set()
         for proc in procs:
             proc.join(timeout=120)
@@ -1066,7 +1246,12 @@ def main() -> int:
     ap.add_argument("--idle-s", type=float, default=30.0)
     ap.add_argument("--trickle-rate", type=float, default=20.0)
     ap.add_argument("--trickle-s", type=float, default=15.0)
-    ap.add_argument("--bind-deadline", type=float, default=900.0)
+    ap.add_argument("--bind-deadline", type=float, default=900.0,
+                    help="a simulated node retries its connect and bind (the agent's backoff) until this, then gives up")
+    ap.add_argument("--connect-timeout", type=float, default=5.0, help="one connect try (the agent's connect_timeout_s)")
+    ap.add_argument("--request-timeout", type=float, default=5.0,
+                    help="one JetStream API call of the bind (the agent's request_timeout_s)")
+    ap.add_argument("--log-dir", default=None, help="keep each run's nats-server logs here (n<N>-<accounts>/s1.log...)")
     ap.add_argument("--burst-deadline", type=float, default=300.0)
     ap.add_argument("--consumer-memory", action="store_true", help="R1 memory-storage consumers")
     ap.add_argument("--no-restart", dest="restart", action="store_false")
