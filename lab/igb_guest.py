@@ -78,6 +78,7 @@ IGB_TOOLS = (Path("/usr/sbin/ip"),)
 GUEST_TOOLS = "usr/local/sbin"
 GUEST_DIST = "usr/lib/python3/dist-packages"  # Debian's python puts it on sys.path by itself
 JOB_DIR = "job"
+JOBS_PACKAGE = HERE / "igb_jobs"  # shipped with every run: the jobs import their shared reads from it
 RESULT_MARK = "GPUAAS-IGB-RESULT "
 BOOT_MARK = "GPUAAS-IGB-GUEST-BOOTED"
 IGB_MAC = "52:54:00:1b:00:01"
@@ -307,7 +308,9 @@ def ensure_igb_image(cache: Path = DEFAULT_CACHE) -> IgbImage:
 
 
 def job_archive(script: str, packages: Mapping[str, Path], timeout_s: float) -> bytes:
-    """The per-run cpio: /job/job.py, /job/timeout and /job/pkg/<name> for each package directory."""
+    """The per-run cpio: /job/job.py, /job/timeout and /job/pkg/<name> for each package directory, the jobs'
+    own ``igb_jobs`` (their shared guest-side reads, :mod:`igb_jobs.guestsys`) always among them."""
+    packages = {"igb_jobs": JOBS_PACKAGE, **packages}
     cpio = Cpio()
     cpio.file(f"{JOB_DIR}/job.py", script.encode())
     cpio.file(f"{JOB_DIR}/timeout", f"{timeout_s}".encode())
@@ -323,11 +326,7 @@ def job_archive(script: str, packages: Mapping[str, Path], timeout_s: float) -> 
 SEQUENCE = """import json, os, subprocess, sys, time
 JOBS = json.loads(%r)
 TIMEOUT_S = %r
-def sysfs_pf():
-    for name in sorted(os.listdir("/sys/class/net")):
-        link = f"/sys/class/net/{name}/device/driver"
-        if os.path.exists(link) and os.path.basename(os.path.realpath(link)) == "igb":
-            return name
+from igb_jobs.guestsys import igb_pfs
 def reset(pf):
     with open(f"/sys/class/net/{pf}/device/sriov_numvfs", "w") as fh:
         fh.write("0")
@@ -346,7 +345,7 @@ for name, source in JOBS.items():
         rc, out, err = -9, str(exc.stdout or ""), f"{exc.stderr or ''}\\njob ran past its timeout"
     results[name] = {"rc": rc, "stdout": out, "stderr": err, "job_s": round(time.monotonic() - started, 1)}
     try:
-        reset(sysfs_pf())
+        reset(igb_pfs()[0])
     except Exception as exc:  # the next job then starts where this one left the PF: say so in its result
         results[name]["stderr"] += f"\\nPF reset after the job failed: {exc!r}"
 print(json.dumps(results))

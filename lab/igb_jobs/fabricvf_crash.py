@@ -61,6 +61,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
+from igb_jobs.guestsys import igb_pfs, sysfs
 from pyroute2 import IPRoute
 
 from gpuaas_agent.contract.fabricvf import (
@@ -101,18 +102,8 @@ OTHER = ("alloc-b", 1, EthernetAttachment(vlan=202))
 CHILD_TIMEOUT_S = 120
 
 
-def sysfs(path):
-    with open(path) as fh:
-        return fh.read().strip()
-
-
-def driver_of(netdev):
-    link = f"/sys/class/net/{netdev}/device/driver"
-    return os.path.basename(os.path.realpath(link)) if os.path.exists(link) else None
-
-
 def the_pf():
-    pf = [n for n in sorted(os.listdir("/sys/class/net")) if driver_of(n) == "igb"][0]
+    pf = igb_pfs()[0]
     return pf, os.path.basename(os.path.realpath(f"/sys/class/net/{pf}/device"))
 
 

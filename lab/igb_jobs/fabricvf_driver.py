@@ -12,6 +12,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from igb_jobs.guestsys import igb_pfs, sysfs
 from pyroute2 import IPRoute
 
 from gpuaas_agent.contract.fabricvf import (
@@ -34,16 +35,6 @@ IP = "/usr/local/sbin/ip"  # iproute2's, copied in by lab/igb_guest.py (busybox'
 # Two tenants' allocations on this one "slice host": slot 0 / VF 0 and slot 1 / VF 1, each its own VLAN.
 TENANTS = (("alloc-a", 0, EthernetAttachment(vlan=101, qos=2, max_rate_mbps=200)),
            ("alloc-b", 1, EthernetAttachment(vlan=202)))
-
-
-def sysfs(path):
-    with open(path) as fh:
-        return fh.read().strip()
-
-
-def driver_of(netdev):
-    link = f"/sys/class/net/{netdev}/device/driver"
-    return os.path.basename(os.path.realpath(link)) if os.path.exists(link) else None
 
 
 def outcome(fn):
@@ -113,7 +104,7 @@ def two_tenants(pf, pci, store_path="/tmp/two-tenants/state.db"):
 
 
 def main():
-    pf = [n for n in sorted(os.listdir("/sys/class/net")) if driver_of(n) == "igb"][0]
+    pf = igb_pfs()[0]
     pci = os.path.basename(os.path.realpath(f"/sys/class/net/{pf}/device"))
     with open(f"/sys/class/net/{pf}/device/sriov_numvfs", "w") as fh:
         fh.write("2")

@@ -18,6 +18,8 @@ import os
 import subprocess
 import time
 
+from igb_jobs.guestsys import driver_of, igb_pfs
+
 DEADLINE_S = 20.0
 NUMVFS = int(os.environ.get("IGB_HANDSHAKE_NUMVFS", "1"))
 MARKER_BASE = 0x400  # in the PF's extended PCI config space, past its capabilities: nothing reads it
@@ -39,11 +41,6 @@ def sysfs(path):
             return fh.read().strip()
     except OSError as exc:  # carrier of a link that is down: EINVAL
         return f"error: {exc.strerror}"
-
-
-def driver_of(netdev):
-    link = f"/sys/class/net/{netdev}/device/driver"
-    return os.path.basename(os.path.realpath(link)) if os.path.exists(link) else None
 
 
 def wait_until(check, deadline_s=DEADLINE_S):
@@ -79,7 +76,7 @@ def vf_state():
 
 
 def main():
-    pf = [n for n in sorted(os.listdir("/sys/class/net")) if driver_of(n) == "igb"][0]
+    pf = igb_pfs()[0]
     dev = f"/sys/class/net/{pf}/device"
     pf_pci = os.path.basename(os.path.realpath(dev))
     report = {"pf": pf, "pf_pci": pf_pci, "numvfs": NUMVFS, "marker_base": hex(MARKER_BASE)}

@@ -10,6 +10,7 @@ import json
 import os
 import time
 
+from igb_jobs.guestsys import driver_of, igb_pfs, sysfs
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
@@ -18,16 +19,6 @@ VF0 = {"mac": "02:00:5e:1b:00:10", "vlan": 100, "qos": 3}
 VF1_VLAN = 200
 PARK = {"mac": "00:00:00:00:00:00", "vlan": 4094, "qos": 0}
 RATE_MBPS = 100
-
-
-def sysfs(path):
-    with open(path) as fh:
-        return fh.read().strip()
-
-
-def driver_of(netdev):
-    link = f"/sys/class/net/{netdev}/device/driver"
-    return os.path.basename(os.path.realpath(link)) if os.path.exists(link) else None
 
 
 def plain(value, name=None):
@@ -58,7 +49,7 @@ def vfinfo(ipr, index):
 
 
 def main():
-    pfs = [n for n in sorted(os.listdir("/sys/class/net")) if driver_of(n) == "igb"]
+    pfs = igb_pfs()
     pf = pfs[0]
     pci = f"/sys/class/net/{pf}/device"
     report = {

@@ -17,6 +17,7 @@ import struct
 import subprocess
 import time
 
+from igb_jobs.guestsys import driver_of, igb_pfs, sysfs
 from pyroute2 import IPRoute
 
 ETH_P_ALL = 0x0003
@@ -27,19 +28,9 @@ VLAN_A, VLAN_B = 100, 200
 DEADLINE_S = 10.0
 
 
-def sysfs(path):
-    with open(path) as fh:
-        return fh.read().strip()
-
-
 def write(path, value):
     with open(path, "w") as fh:
         fh.write(value)
-
-
-def driver_of(netdev):
-    link = f"/sys/class/net/{netdev}/device/driver"
-    return os.path.basename(os.path.realpath(link)) if os.path.exists(link) else None
 
 
 def igbvf_netdevs(count):
@@ -93,7 +84,7 @@ def received_until(sock, control):
 
 
 def main():
-    pf = [n for n in sorted(os.listdir("/sys/class/net")) if driver_of(n) == "igb"][0]
+    pf = igb_pfs()[0]
     dev = f"/sys/class/net/{pf}/device"
     with IPRoute() as ipr:  # the PF's link first: the VF drivers reset through it
         ipr.link("set", index=ipr.link_lookup(ifname=pf)[0], state="up")
